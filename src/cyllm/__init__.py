@@ -1,0 +1,40 @@
+"""cyllm: fast single-batch LLM inference on your own machine, from Python.
+
+    import cyllm
+    model = cyllm.load("path/to/model-or.gguf")      # no path: the default model
+    for piece in model.generate("Hello", max_tokens=32):
+        print(piece, end="")
+"""
+
+from __future__ import annotations
+
+from .errors import CyllmError
+
+__version__ = "0.1.0"
+__all__ = ["load", "Model", "CyllmError", "__version__"]
+
+
+def load(path=None, backend: str = "cpu", threads=None, context=None):
+    """Load a Hugging Face model directory or a GGUF file (None: the default model).
+
+    backend: "cpu" (default), "cuda" or "numpy" (the slow float32 reference).
+    threads: kernel threads (default: OMP_NUM_THREADS, saved tuning, or physical cores).
+    context: KV-cache positions (default: the model's context length, at most 4096).
+    """
+    from .backends import get_backend
+    from .loading import load_path
+    from .model import Model
+
+    be = get_backend(backend, threads)       # fail fast on a bad backend or thread count
+    if path is None:
+        from .default_model import default_model_path
+        path = default_model_path()
+    config, weights, tokenizer = load_path(path)
+    return Model(config, weights, tokenizer, backend=be, context=context)
+
+
+def __getattr__(name):
+    if name == "Model":
+        from .model import Model
+        return Model
+    raise AttributeError(name)

@@ -1,0 +1,26 @@
+"""Backend registry: the backend is chosen once, at load time, by name."""
+
+from __future__ import annotations
+
+from ..errors import BackendUnavailableError
+
+BACKENDS = ("cpu", "cuda", "numpy")
+
+
+def get_backend(name: str, threads: int | None = None):
+    """Instantiate backend ``name`` ("cpu" | "cuda" | "numpy")."""
+    if name == "numpy":
+        from .numpy_ref import NumpyBackend
+        return NumpyBackend(threads)
+    if name == "cpu":
+        from .cpu import CpuBackend
+        return CpuBackend(threads)
+    if name == "cuda":
+        try:
+            from .cuda import CudaBackend
+        except ImportError as e:
+            raise BackendUnavailableError(
+                f"the cuda backend is not available ({e}); install it with "
+                "`pip install cyllm[cuda]` on a machine with an NVIDIA GPU") from None
+        return CudaBackend(threads)
+    raise BackendUnavailableError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")

@@ -1,0 +1,95 @@
+"""Plain NumPy float32 reference backend: the ground truth the tests compare against.
+
+Written for clarity, not speed: each op is the textbook formula. Weights are
+widened to float32 at upload so the arithmetic here is float32 throughout,
+while the KV cache stays float16 exactly as in the fast backends.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import check_token
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+class NumpyBackend:
+    name = "numpy"
+    kernel_variant = "numpy"
+
+    def __init__(self, threads: int | None = None):
+        self.threads = 1
+
+    # -- memory ---------------------------------------------------------------
+    def upload(self, a: np.ndarray) -> np.ndarray:
+        # float16 weights are widened once so every matvec is float32 math.
+        if a.dtype == np.float16:
+            return a.astype(np.float32)
+        return np.array(a, copy=True)
+
+    def empty(self, shape, dtype=np.float32) -> np.ndarray:
+        return np.zeros(shape, dtype=dtype)
+
+    def to_host(self, a: np.ndarray) -> np.ndarray:
+        return a
+
+    def synchronize(self) -> None:
+        pass
+
+    # -- ops ------------------------------------------------------------------
+    def embed(self, out, table, token):
+        check_token(token, table.shape[0])
+        out[:] = table[token]
+
+    def rmsnorm(self, out, x, w, eps):
+        ms = np.mean(x.astype(np.float32) ** 2, dtype=np.float32)
+        out[:] = x * np.float32(1.0 / np.sqrt(ms + np.float32(eps))) * w
+
+    def matvec(self, out, w, x):
+        out[:] = w.astype(np.float32, copy=False) @ x
+
+    def matvec_add(self, out, w, x):
+        out += w.astype(np.float32, copy=False) @ x
+
+    def gate_up_silu(self, out, w_gate, w_up, x):
+        g = w_gate.astype(np.float32, copy=False) @ x
+        u = w_up.astype(np.float32, copy=False) @ x
+        out[:] = silu(g) * u
+
+    def rope(self, q, k, cos, sin, pos):
+        c, s = cos[pos], sin[pos]                         # (half,)
+        half = c.shape[0]
+        for vec in (q, k):
+            h = vec.reshape(-1, 2 * half)                 # (heads, head_dim) view
+            x1 = h[:, :half].copy()
+            x2 = h[:, half:].copy()
+            h[:, :half] = x1 * c - x2 * s
+            h[:, half:] = x2 * c + x1 * s
+
+    def cache_store(self, k_cache, v_cache, k, v, pos):
+        n_kv, _, hd = k_cache.shape
+        k_cache[:, pos, :] = k.reshape(n_kv, hd)
+        v_cache[:, pos, :] = v.reshape(n_kv, hd)
+
+    def attention(self, out, q, k_cache, v_cache, pos):
+        n_kv, _, hd = k_cache.shape
+        n_heads = q.shape[0] // hd
+        group = n_heads // n_kv
+        qh = q.reshape(n_heads, hd)
+        oh = out.reshape(n_heads, hd)
+        for h in range(n_heads):
+            kv = h // group
+            keys = k_cache[kv, : pos + 1].astype(np.float32)    # (t, hd)
+            vals = v_cache[kv, : pos + 1].astype(np.float32)    # (t, hd)
+            scores = keys @ qh[h] / np.float32(np.sqrt(hd))     # (t,)
+            scores = np.exp(scores - scores.max())
+            oh[h] = (scores / scores.sum()) @ vals
+
+    def swiglu(self, out, gate, up):
+        out[:] = silu(gate) * up
+
+    def add(self, out, x, y):
+        np.add(x, y, out=out)

@@ -1,0 +1,214 @@
+"""The Llama-family transformer, written once against the backend op interface.
+
+Weights, run state and KV cache are separate plain structures (llama2.c
+style); every buffer is allocated here, once, so a token's forward pass only
+issues ops into preallocated arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .backends import get_backend
+from .config import ModelConfig
+from .errors import ContextFullError, InvalidArgumentError
+
+DEFAULT_CONTEXT = 4096
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: Any      # (dim,) f32
+    wq: Any             # (n_heads*head_dim, dim) f16
+    wk: Any             # (n_kv*head_dim, dim) f16
+    wv: Any             # (n_kv*head_dim, dim) f16
+    bq: Any | None      # (n_heads*head_dim,) f32, Qwen2 only
+    bk: Any | None      # (n_kv*head_dim,) f32
+    bv: Any | None      # (n_kv*head_dim,) f32
+    wo: Any             # (dim, n_heads*head_dim) f16
+    ffn_norm: Any       # (dim,) f32
+    w_gate: Any         # (ffn, dim) f16
+    w_up: Any           # (ffn, dim) f16
+    w_down: Any         # (dim, ffn) f16
+    k_cache: Any        # (n_kv, context, head_dim) f16
+    v_cache: Any        # (n_kv, context, head_dim) f16
+
+
+@dataclass
+class RunState:
+    x: Any        # (dim,) residual stream
+    xb: Any       # (dim,) normed input of a sub-block
+    q: Any        # (n_heads*head_dim,)
+    k: Any        # (n_kv*head_dim,)
+    v: Any        # (n_kv*head_dim,)
+    att: Any      # (n_heads*head_dim,) attention output, before wo
+    hb: Any       # (ffn,) silu(gate) * up
+    logits: Any   # (vocab,)
+
+
+class Model:
+    """A loaded model bound to one backend, with its KV cache and tokenizer."""
+
+    def __init__(self, config: ModelConfig, weights: dict, tokenizer=None, backend="cpu",
+                 threads=None, context: int | None = None):
+        from .loading import validate_weights
+
+        validate_weights(config, weights)
+        self.config = config
+        self.tokenizer = tokenizer
+        self.backend = get_backend(backend, threads) if isinstance(backend, str) else backend
+        self.context = _resolve_context(config, context)
+        self.weight_bytes = sum(int(a.nbytes) for a in weights.values())
+        self._build(weights)
+
+    @classmethod
+    def from_weights(cls, config, weights, tokenizer=None, backend="cpu", threads=None, context=None):
+        return cls(config, weights, tokenizer, backend, threads, context)
+
+    # -- construction ---------------------------------------------------------
+    def _build(self, w: dict) -> None:
+        c, b = self.config, self.backend
+        up = b.upload
+        self.embedding = up(w["model.embed_tokens.weight"])            # (vocab, dim) f16
+        self.final_norm = up(w["model.norm.weight"])                    # (dim,) f32
+        if "lm_head.weight" in w and not c.tie_word_embeddings:
+            self.output = up(w["lm_head.weight"])                       # (vocab, dim) f16
+        else:
+            self.output = self.embedding
+        self.layers: list[LayerWeights] = []
+        for i in range(c.n_layers):
+            p = f"model.layers.{i}."
+
+            def bias(name):
+                key = p + f"self_attn.{name}.bias"
+                return up(w[key]) if c.attention_bias and key in w else None
+
+            self.layers.append(LayerWeights(
+                attn_norm=up(w[p + "input_layernorm.weight"]),
+                wq=up(w[p + "self_attn.q_proj.weight"]),
+                wk=up(w[p + "self_attn.k_proj.weight"]),
+                wv=up(w[p + "self_attn.v_proj.weight"]),
+                bq=bias("q_proj"), bk=bias("k_proj"), bv=bias("v_proj"),
+                wo=up(w[p + "self_attn.o_proj.weight"]),
+                ffn_norm=up(w[p + "post_attention_layernorm.weight"]),
+                w_gate=up(w[p + "mlp.gate_proj.weight"]),
+                w_up=up(w[p + "mlp.up_proj.weight"]),
+                w_down=up(w[p + "mlp.down_proj.weight"]),
+                k_cache=b.empty((c.n_kv_heads, self.context, c.head_dim), np.float16),
+                v_cache=b.empty((c.n_kv_heads, self.context, c.head_dim), np.float16),
+            ))
+        cos, sin = c.rope_tables(self.context)                          # (context, head_dim/2)
+        self.rope_cos, self.rope_sin = up(cos), up(sin)
+        self.state = RunState(
+            x=b.empty((c.dim,)), xb=b.empty((c.dim,)), q=b.empty((c.q_dim,)),
+            k=b.empty((c.kv_dim,)), v=b.empty((c.kv_dim,)), att=b.empty((c.q_dim,)),
+            hb=b.empty((c.ffn_dim,)), logits=b.empty((c.vocab_size,)))
+
+    # -- the forward pass -----------------------------------------------------
+    def _issue_forward_ops(self, token: int, pos: int) -> None:
+        """Queue every op of one token's forward pass; logits land in state.logits."""
+        b, s, c = self.backend, self.state, self.config
+        eps = c.norm_eps
+        b.embed(s.x, self.embedding, token)
+        for L in self.layers:
+            # attention block: x += wo @ attention(rope(wq xb), rope(wk xb), wv xb)
+            b.rmsnorm(s.xb, s.x, L.attn_norm, eps)
+            b.matvec(s.q, L.wq, s.xb)
+            b.matvec(s.k, L.wk, s.xb)
+            b.matvec(s.v, L.wv, s.xb)
+            if L.bq is not None:
+                b.add(s.q, s.q, L.bq)
+                b.add(s.k, s.k, L.bk)
+                b.add(s.v, s.v, L.bv)
+            b.rope(s.q, s.k, self.rope_cos, self.rope_sin, pos)
+            b.cache_store(L.k_cache, L.v_cache, s.k, s.v, pos)
+            b.attention(s.att, s.q, L.k_cache, L.v_cache, pos)
+            b.matvec_add(s.x, L.wo, s.att)
+            # MLP block: x += w_down @ (silu(w_gate xb) * (w_up xb))
+            b.rmsnorm(s.xb, s.x, L.ffn_norm, eps)
+            b.gate_up_silu(s.hb, L.w_gate, L.w_up, s.xb)
+            b.matvec_add(s.x, L.w_down, s.hb)
+        b.rmsnorm(s.xb, s.x, self.final_norm, eps)
+        b.matvec(s.logits, self.output, s.xb)
+
+    def forward(self, token: int, pos: int) -> np.ndarray:
+        """Run one token at position ``pos``; returns logits (vocab,) f32 on the host.
+
+        The returned array is reused by the next call: copy it to keep it.
+        """
+        self._check_token(token)
+        if not 0 <= pos < self.context:
+            raise ContextFullError(f"position {pos} is outside the context window of {self.context} tokens")
+        step = getattr(self.backend, "decode_step", None)
+        if step is not None:
+            step(self._issue_forward_ops, token, pos)
+        else:
+            self._issue_forward_ops(token, pos)
+        return self.backend.to_host(self.state.logits)
+
+    def prefill(self, tokens, pos0: int = 0) -> np.ndarray:
+        """Fill the KV cache with ``tokens`` at positions pos0.. ; logits of the last one."""
+        tokens = self._check_ids(tokens)
+        if pos0 < 0 or pos0 + len(tokens) > self.context:
+            raise ContextFullError(
+                f"{len(tokens)} tokens from position {pos0} do not fit in the context window "
+                f"of {self.context} tokens")
+        logits = None
+        for i, t in enumerate(tokens):
+            logits = self.forward(t, pos0 + i)
+        return logits
+
+    def logits(self, ids) -> np.ndarray:
+        """Logits at every position of a fresh sequence: (len(ids), vocab) f32."""
+        ids = self._check_ids(ids)
+        if len(ids) > self.context:
+            raise ContextFullError(f"{len(ids)} tokens do not fit in the context window of {self.context} tokens")
+        out = np.empty((len(ids), self.config.vocab_size), dtype=np.float32)
+        for pos, t in enumerate(ids):
+            out[pos] = self.forward(t, pos)
+        return out
+
+    # -- generation (the loop lives in generate.py) ---------------------------
+    def generate(self, prompt: str, max_tokens: int = 256, **kwargs):
+        """Stream generated text pieces for ``prompt`` (see generate.generate for options)."""
+        from .generate import generate
+        return generate(self, prompt, max_tokens=max_tokens, **kwargs)
+
+    def set_threads(self, n) -> None:
+        from .threads import parse_threads
+        if hasattr(self.backend, "set_threads"):
+            self.backend.set_threads(parse_threads(n))
+
+    # -- argument checks -------------------------------------------------------
+    def _check_token(self, token) -> None:
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+            raise InvalidArgumentError(f"token ids must be integers, got {token!r}")
+        if not 0 <= token < self.config.vocab_size:
+            raise InvalidArgumentError(f"token id {token} is out of range [0, {self.config.vocab_size})")
+
+    def _check_ids(self, ids) -> list[int]:
+        if isinstance(ids, np.ndarray):
+            ids = ids.tolist()
+        ids = list(ids)
+        if not ids:
+            raise InvalidArgumentError("an empty list of token ids was given")
+        for t in ids:
+            self._check_token(t)
+        return [int(t) for t in ids]
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"<cyllm.Model {c.name or c.arch}: {c.n_params / 1e6:.1f}M params, "
+                f"{self.weight_bytes / 1e6:.0f} MB, backend={self.backend.name}"
+                f"/{self.backend.kernel_variant}, threads={self.backend.threads}, context={self.context}>")
+
+
+def _resolve_context(config: ModelConfig, context) -> int:
+    if context is None:
+        return min(config.max_seq_len, DEFAULT_CONTEXT)
+    if isinstance(context, bool) or not isinstance(context, (int, np.integer)) or context <= 0:
+        raise InvalidArgumentError(f"context must be a positive integer, got {context!r}")
+    return int(context)

@@ -1,0 +1,74 @@
+"""Thread-count policy: explicit flag > OMP_NUM_THREADS > saved tuning > physical cores.
+
+Memory-bound kernels gain nothing from SMT siblings, so the default is the
+number of physical cores, not logical CPUs.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .errors import InvalidArgumentError
+
+
+def logical_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def physical_cores() -> int:
+    """Physical cores available to this process (Linux sysfs; logical count elsewhere)."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+    cores = set()
+    for cpu in cpus:
+        base = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with open(base + "core_id") as f:
+                core = f.read().strip()
+            with open(base + "physical_package_id") as f:
+                pkg = f.read().strip()
+        except OSError:
+            return len(cpus)
+        cores.add((pkg, core))
+    return max(1, len(cores))
+
+
+def parse_threads(value, what: str = "threads") -> int:
+    """A positive thread count from an int or a string; InvalidArgumentError otherwise."""
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{what} must be a positive integer, got {value!r}")
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise InvalidArgumentError(f"{what} must be a positive integer, got {value!r}") from None
+    if not isinstance(value, int):
+        try:
+            import numbers
+            if isinstance(value, numbers.Integral):
+                value = int(value)
+            else:
+                raise TypeError
+        except TypeError:
+            raise InvalidArgumentError(f"{what} must be a positive integer, got {value!r}") from None
+    if value <= 0:
+        raise InvalidArgumentError(f"{what} must be a positive integer, got {value}")
+    return value
+
+
+def resolve_threads(threads=None, tuned: int | None = None) -> int:
+    """The thread count to use: flag, then OMP_NUM_THREADS, then tuning, then physical cores."""
+    if threads is not None:
+        return parse_threads(threads)
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env:
+        # OMP_NUM_THREADS may be a list ("4,2") for nested regions: the first level counts.
+        return parse_threads(env.split(",")[0], "OMP_NUM_THREADS")
+    if tuned is not None:
+        return parse_threads(tuned, "tuned threads")
+    return physical_cores()

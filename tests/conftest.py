@@ -1,0 +1,26 @@
+"""Shared pytest setup: markers, and which backends this machine can run."""
+
+import importlib
+
+import pytest
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs an NVIDIA GPU and cupy (skipped elsewhere)")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+def cpu_backend_available() -> bool:
+    try:
+        importlib.import_module("cyllm.backends.cpu")
+        return True
+    except ImportError:
+        return False
+
+
+HOST_BACKENDS = ["numpy"] + (["cpu"] if cpu_backend_available() else [])
+
+
+@pytest.fixture(params=HOST_BACKENDS)
+def host_backend(request):
+    return request.param

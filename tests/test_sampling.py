@@ -1,0 +1,79 @@
+"""Sampling rules against their definitions, computed independently in the tests."""
+
+import numpy as np
+import pytest
+
+from cyllm.errors import InvalidArgumentError
+from cyllm.sampling import Sampler, SamplingParams
+
+
+def softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def draw(logits, n=4000, **kw):
+    s = Sampler(len(logits), SamplingParams(seed=1, **kw))
+    return np.bincount([s.sample(logits) for _ in range(n)], minlength=len(logits))
+
+
+LOGITS = np.log(np.array([0.40, 0.25, 0.15, 0.10, 0.06, 0.04], dtype=np.float32))
+
+
+def test_greedy_is_argmax():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        x = rng.standard_normal(1000).astype(np.float32)
+        assert Sampler(1000).sample(x) == int(np.argmax(x))
+
+
+def test_same_seed_same_tokens_and_different_seed_differs():
+    x = np.zeros(50, dtype=np.float32)
+    a = [Sampler(50, SamplingParams(temperature=1.0, seed=7)).sample(x) for _ in range(1)]
+    s1, s2, s3 = (Sampler(50, SamplingParams(temperature=1.0, seed=s)) for s in (7, 7, 8))
+    seq1 = [s1.sample(x) for _ in range(30)]
+    seq2 = [s2.sample(x) for _ in range(30)]
+    seq3 = [s3.sample(x) for _ in range(30)]
+    assert seq1 == seq2 and seq1 != seq3 and a[0] == seq1[0]
+
+
+def test_temperature_one_matches_softmax_frequencies():
+    counts = draw(LOGITS, temperature=1.0)
+    freq = counts / counts.sum()
+    np.testing.assert_allclose(freq, softmax(LOGITS), atol=0.03)
+
+
+def test_top_k_keeps_only_k_best():
+    counts = draw(LOGITS, temperature=1.0, top_k=2)
+    assert counts[2:].sum() == 0
+    p = softmax(LOGITS[:2])
+    np.testing.assert_allclose(counts[:2] / counts.sum(), p, atol=0.03)
+
+
+def test_top_p_keeps_smallest_nucleus():
+    # cumulative 0.40, 0.65, 0.80: top_p=0.7 needs the first three tokens
+    counts = draw(LOGITS, temperature=1.0, top_p=0.7)
+    assert counts[3:].sum() == 0 and counts[2] > 0
+
+
+def test_min_p_cuts_relative_to_best():
+    # min_p 0.3 keeps p >= 0.12: tokens 0, 1, 2
+    counts = draw(LOGITS, temperature=1.0, min_p=0.3)
+    assert counts[3:].sum() == 0 and counts[2] > 0
+
+
+def test_repetition_penalty_follows_ctrl_rule():
+    x = np.array([2.0, 1.5, -1.0, 0.5], dtype=np.float32)
+    s = Sampler(4, SamplingParams(repetition_penalty=2.0))
+    # token 0 penalised: 2.0 / 2 = 1.0 < 1.5 -> token 1 wins
+    assert s.sample(x, recent=[0]) == 1
+    assert s.sample(x, recent=[]) == 0
+    # the caller's logits are untouched
+    assert x[0] == 2.0
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0.0),
+                                dict(top_p=1.5), dict(min_p=2.0), dict(repetition_penalty=0.0)])
+def test_bad_parameters_raise(kw):
+    with pytest.raises(InvalidArgumentError):
+        SamplingParams(**kw)
