@@ -53,7 +53,7 @@ class Model:
     """A loaded model bound to one backend, with its KV cache and tokenizer."""
 
     def __init__(self, config: ModelConfig, weights: dict, tokenizer=None, backend="cpu",
-                 threads=None, context: int | None = None):
+                 threads=None, context: int | None = None, threads_batch=None):
         from .loading import validate_weights
 
         validate_weights(config, weights)
@@ -61,12 +61,17 @@ class Model:
         self.tokenizer = tokenizer
         self.backend = get_backend(backend, threads) if isinstance(backend, str) else backend
         self.context = _resolve_context(config, context)
+        self.threads_decode = self.backend.threads
+        self.threads_prefill = self.backend.threads
+        if threads_batch is not None:
+            self.set_threads(self.backend.threads, threads_batch)
         self.weight_bytes = sum(int(a.nbytes) for a in weights.values())
         self._build(weights)
 
     @classmethod
-    def from_weights(cls, config, weights, tokenizer=None, backend="cpu", threads=None, context=None):
-        return cls(config, weights, tokenizer, backend, threads, context)
+    def from_weights(cls, config, weights, tokenizer=None, backend="cpu", threads=None, context=None,
+                     threads_batch=None):
+        return cls(config, weights, tokenizer, backend, threads, context, threads_batch)
 
     # -- construction ---------------------------------------------------------
     def _build(self, w: dict) -> None:
@@ -157,8 +162,15 @@ class Model:
                 f"{len(tokens)} tokens from position {pos0} do not fit in the context window "
                 f"of {self.context} tokens")
         logits = None
-        for i, t in enumerate(tokens):
-            logits = self.forward(t, pos0 + i)
+        switch = self.threads_prefill != self.threads_decode and len(tokens) > 1
+        if switch:
+            self.backend.set_threads(self.threads_prefill)
+        try:
+            for i, t in enumerate(tokens):
+                logits = self.forward(t, pos0 + i)
+        finally:
+            if switch:
+                self.backend.set_threads(self.threads_decode)
         return logits
 
     def logits(self, ids) -> np.ndarray:
@@ -177,10 +189,14 @@ class Model:
         from .generate import generate
         return generate(self, prompt, max_tokens=max_tokens, **kwargs)
 
-    def set_threads(self, n) -> None:
+    def set_threads(self, decode, prefill=None) -> None:
+        """Kernel threads for decoding, and optionally a different count for prefill."""
         from .threads import parse_threads
-        if hasattr(self.backend, "set_threads"):
-            self.backend.set_threads(parse_threads(n))
+        if not hasattr(self.backend, "set_threads"):
+            return
+        self.threads_decode = parse_threads(decode)
+        self.threads_prefill = parse_threads(prefill, "threads-batch") if prefill is not None else self.threads_decode
+        self.backend.set_threads(self.threads_decode)
 
     # -- argument checks -------------------------------------------------------
     def _check_token(self, token) -> None:
