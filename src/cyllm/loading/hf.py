@@ -1,0 +1,142 @@
+"""Load a Hugging Face model directory (config.json + safetensors + tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ModelConfig, config_from_hf
+from ..errors import ModelLoadError, UnsupportedModelError
+from . import expected_shapes, validate_weights
+from .safetensors import SafetensorsFile, bf16_bits_to_f32, open_checkpoint
+
+F16_MAX = 65504.0
+# elements converted per step: bounds the float32 temporary of a BF16/F32 ->
+# F16 conversion (a whole 128k x 4096 embedding would need 2 GB at once)
+_CHUNK_ELEMS = 1 << 22
+
+
+def read_json(path: Path, what: str | None = None):
+    """Parse a JSON file; ModelLoadError with the file name when it is bad."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ModelLoadError(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ModelLoadError(f"{path} is not UTF-8 text") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _ids(value) -> list[int]:
+    """An eos/bos id field (int, list of ints or null) as a list of ints."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _merge_generation_config(config: ModelConfig, d: Path) -> None:
+    gpath = d / "generation_config.json"
+    if not gpath.is_file():
+        return
+    gen = read_json(gpath)
+    merged = list(config.eos_token_ids)
+    for i in _ids(gen.get("eos_token_id")):
+        if i not in merged:
+            merged.append(i)
+    config.eos_token_ids = merged
+    if config.bos_token_id is None:
+        bos = _ids(gen.get("bos_token_id"))
+        if bos:
+            config.bos_token_id = bos[0]
+
+
+def _to_f16(name: str, f: SafetensorsFile, tname: str) -> np.ndarray:
+    """A 2-D tensor as float16: zero-copy when stored F16, else checked conversion."""
+    tag, raw = f.raw(tname)
+    if tag == "F16":
+        return raw
+    if tag not in ("BF16", "F32", "F64"):
+        raise UnsupportedModelError(f"tensor {name} in {f.path} has dtype {tag}; expected F16, BF16 or F32")
+    flat = raw.reshape(-1)
+    out = np.empty(flat.shape, dtype=np.float16)
+    for s in range(0, flat.size, _CHUNK_ELEMS):
+        src = flat[s:s + _CHUNK_ELEMS]
+        src32 = bf16_bits_to_f32(src) if tag == "BF16" else src
+        with np.errstate(over="ignore"):
+            dst = src32.astype(np.float16)
+        bad = np.isinf(dst) & np.isfinite(src32)
+        if bad.any():
+            worst = float(np.max(np.abs(src32[bad])))
+            raise ModelLoadError(
+                f"tensor {name} ({tag}) has values up to {worst:g}, beyond the float16 range "
+                f"(+-{F16_MAX:g}); this model cannot be converted to float16")
+        out[s:s + _CHUNK_ELEMS] = dst
+    return out.reshape(raw.shape)
+
+
+def _to_f32(name: str, f: SafetensorsFile, tname: str) -> np.ndarray:
+    """A 1-D tensor as float32 (zero-copy when stored F32)."""
+    tag, raw = f.raw(tname)
+    if tag == "F32":
+        return raw
+    if tag == "BF16":
+        return bf16_bits_to_f32(raw)
+    if tag in ("F16", "F64"):
+        return raw.astype(np.float32)
+    raise UnsupportedModelError(f"tensor {name} in {f.path} has dtype {tag}; expected F16, BF16 or F32")
+
+
+def load_hf_weights(config: ModelConfig, d: Path) -> dict[str, np.ndarray]:
+    """The model's tensors from the directory's safetensors, normalized and validated."""
+    index = open_checkpoint(d)
+    wanted = expected_shapes(config)
+    if "lm_head.weight" in index:
+        wanted.setdefault("lm_head.weight", (config.vocab_size, config.dim))
+    weights: dict[str, np.ndarray] = {}
+    for name, shape in wanted.items():
+        if name not in index:
+            raise ModelLoadError(f"missing tensor {name} in the checkpoint in {d}")
+        f, tname = index[name]
+        got = f.shape_of(tname)
+        if got != shape:
+            # check before converting: a wrong shape must not cost a conversion
+            raise ModelLoadError(f"tensor {name} has shape {got}, expected {shape}")
+        weights[name] = _to_f16(name, f, tname) if len(shape) == 2 else _to_f32(name, f, tname)
+    # everything else (rotary_emb.inv_freq, ...) is not read by the model: dropped
+    validate_weights(config, weights)
+    return weights
+
+
+def load_hf_dir(path: str | os.PathLike):
+    """(ModelConfig, weights, Tokenizer | None) from a Hugging Face model directory."""
+    d = Path(path)
+    if not d.exists():
+        raise ModelLoadError(f"model path not found: {d}")
+    if not d.is_dir():
+        raise ModelLoadError(f"{d} is not a directory")
+    cpath = d / "config.json"
+    if not cpath.is_file():
+        raise ModelLoadError(f"no config.json in {d} (not a Hugging Face model directory)")
+    cfg = read_json(cpath)
+    config = config_from_hf(cfg, name=d.resolve().name)
+    _merge_generation_config(config, d)
+    weights = load_hf_weights(config, d)
+
+    from ..tokenizer import Tokenizer
+    # a tokenizer with more ids than the embedding has rows is not rejected here:
+    # some checkpoints ship unused added tokens; the model checks the ids it gets
+    tokenizer = Tokenizer.from_hf_dir(d)
+    return config, weights, tokenizer

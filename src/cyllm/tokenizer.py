@@ -1,0 +1,357 @@
+"""Tokenizer: a thin layer over the `tokenizers` library plus chat templates.
+
+Encoding follows what Hugging Face's AutoTokenizer does for a tokenizer.json
+model: the tokenizer's own post-processor decides whether BOS is added. A GGUF
+model states it in its metadata instead (``add_bos``), which then wins.
+
+Chat templates are rendered with the same jinja2 settings transformers uses
+(sandboxed, trim_blocks + lstrip_blocks, ``raise_exception``/``strftime_now``
+helpers, a ``tojson`` that keeps non-ASCII text), so a template produces the
+same prompt string here as there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from pathlib import Path
+
+from .errors import InvalidArgumentError, TokenizerError
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    def __init__(self, tok, bos_id: int | None, eos_ids, chat_template: str | None = None,
+                 bos_token: str | None = None, eos_token: str | None = None,
+                 add_bos: bool | None = None, template_vars: dict | None = None):
+        self._tok = tok
+        self._vocab = tok.get_vocab_size(with_added_tokens=True)
+        self.bos_id = bos_id
+        order: list[int] = []
+        for i in eos_ids or ():
+            if i is not None and i not in order:
+                order.append(int(i))
+        self._eos_order = order
+        self._eos = frozenset(order)
+        self.chat_template = chat_template
+        # special-token strings for the template; fall back to the vocab's spelling
+        if bos_token is None and bos_id is not None:
+            bos_token = tok.id_to_token(bos_id)
+        if eos_token is None and order:
+            eos_token = tok.id_to_token(order[0])
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.add_bos = add_bos
+        self._template_vars = dict(template_vars or {})
+        self._compiled = None
+        self._bytes = None
+
+    # ----------------------------------------------------------------- basics
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self._eos
+
+    @property
+    def eos_id(self) -> int | None:
+        """The first (primary) end-of-sequence id, or None."""
+        return self._eos_order[0] if self._eos_order else None
+
+    def is_eos(self, token_id: int) -> bool:
+        return token_id in self._eos
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    @property
+    def backend(self):
+        """The wrapped ``tokenizers.Tokenizer``."""
+        return self._tok
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidArgumentError(f"encode() needs a str, got {type(text).__name__}")
+        if self.add_bos is None:
+            return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        ids = list(self._tok.encode(text, add_special_tokens=False).ids)
+        if add_special_tokens and self.add_bos and self.bos_id is not None:
+            if not ids or ids[0] != self.bos_id:
+                ids.insert(0, self.bos_id)
+        return ids
+
+    def _check_ids(self, ids) -> list[int]:
+        out = []
+        for i in ids:
+            try:
+                v = int(i)
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(f"token id {i!r} is not an integer") from None
+            if v != i or not 0 <= v < self._vocab:
+                raise InvalidArgumentError(f"token id {i!r} is out of range [0, {self._vocab})")
+            out.append(v)
+        return out
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
+
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
+    def _byte_ids(self) -> frozenset[int]:
+        """Ids of byte-fallback tokens ``<0xNN>`` (SentencePiece-style vocabularies)."""
+        if self._bytes is None:
+            self._bytes = frozenset(
+                i for t, i in self._tok.get_vocab(with_added_tokens=False).items()
+                if len(t) == 6 and t.startswith("<0x") and t.endswith(">"))
+        return self._bytes
+
+    def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special_tokens)
+
+    # ---------------------------------------------------------- chat template
+    def _template(self):
+        if self._compiled is None:
+            if not self.chat_template:
+                raise TokenizerError(
+                    "this model has no chat template (no chat_template in tokenizer_config.json "
+                    "or chat_template.jinja); pass a plain prompt instead")
+            self._compiled = _compile_template(self.chat_template)
+        return self._compiled
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render ``messages`` ([{"role", "content"}, ...]) to the prompt string.
+
+        The result already holds any BOS the template writes: encode it with
+        ``add_special_tokens=False`` (as transformers does) to avoid a double BOS.
+        """
+        if not isinstance(messages, (list, tuple)) or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise InvalidArgumentError(
+                "messages must be a list of {'role': ..., 'content': ...} dicts")
+        template = self._template()
+        import jinja2
+        variables = dict(self._template_vars)
+        variables.update(bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        variables.update(kwargs)
+        try:
+            return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                   **variables)
+        except _TemplateRaised as e:
+            raise TokenizerError(f"chat template error: {e}") from None
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"chat template failed to render: {e}") from None
+
+    # ------------------------------------------------------------ from files
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike) -> "Tokenizer | None":
+        """Tokenizer of a Hugging Face model directory, or None without tokenizer.json."""
+        d = Path(path)
+        tpath = d / "tokenizer.json"
+        if not tpath.is_file():
+            return None
+        import tokenizers
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(tpath))
+        except Exception as e:  # the library raises plain Exception on bad files
+            raise TokenizerError(f"{tpath}: cannot load tokenizer ({e})") from None
+
+        tcfg = _read_json(d / "tokenizer_config.json")
+        mcfg = _read_json(d / "config.json", TokenizerError)
+        gcfg = _read_json(d / "generation_config.json", TokenizerError)
+
+        bos_token = _token_str(tcfg.get("bos_token"))
+        eos_token = _token_str(tcfg.get("eos_token"))
+        bos_id = tok.token_to_id(bos_token) if bos_token else None
+        if bos_id is None:
+            for src in (gcfg, mcfg):
+                ids = _ids(src.get("bos_token_id"))
+                if ids:
+                    bos_id = ids[0]
+                    break
+        eos_ids: list[int] = []
+        if eos_token and tok.token_to_id(eos_token) is not None:
+            eos_ids.append(tok.token_to_id(eos_token))
+        for src in (gcfg, mcfg):
+            eos_ids += _ids(src.get("eos_token_id"))
+        vocab = tok.get_vocab_size(with_added_tokens=True)
+        eos_ids = [i for i in eos_ids if 0 <= i < vocab]
+        if bos_id is not None and not 0 <= bos_id < vocab:
+            bos_id = None
+
+        template = _pick_template(tcfg.get("chat_template"), d)
+        jpath = d / "chat_template.jinja"
+        if jpath.is_file():
+            try:
+                template = jpath.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise TokenizerError(f"cannot read {jpath} ({e})") from None
+
+        extra = {}
+        for key in ("unk_token", "pad_token", "sep_token", "cls_token", "mask_token"):
+            s = _token_str(tcfg.get(key))
+            if s is not None:
+                extra[key] = s
+        add = tcfg.get("additional_special_tokens")
+        if isinstance(add, list):
+            extra["additional_special_tokens"] = [_token_str(t) for t in add if _token_str(t)]
+        return cls(tok, bos_id, eos_ids, chat_template=template, bos_token=bos_token,
+                   eos_token=eos_token, add_bos=None, template_vars=extra)
+
+
+class StreamDecoder:
+    """Incremental detokenization: feed ids one by one, get the new text.
+
+    Decodes a short window ``ids[start:]`` and emits the characters beyond
+    those already emitted from it. The window begins at the previous point
+    where the text was complete, so the decoder sees one earlier token and
+    applies its leading-space rules (SentencePiece strip, Metaspace) as it
+    would on the whole sequence. Trailing U+FFFD are held back: they are the
+    first bytes of a multi-byte UTF-8 character whose byte tokens have not all
+    arrived (or invalid bytes, emitted as soon as real text follows them).
+    The concatenation of every ``add()`` and the final ``flush()`` equals
+    ``decode(all ids)`` for valid UTF-8 output. (One exception, by design:
+    a byte-fallback decoder turns a whole run of ``<0xNN>`` tokens into U+FFFD
+    when the run is invalid, so valid characters already streamed from a run
+    that later turns invalid are not taken back; holding every run to its end
+    would delay CJK/emoji text of SentencePiece models by many tokens.)
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self._t = tokenizer
+        self._skip = skip_special_tokens
+        # tokens a window must not start with: skipped specials vanish and make
+        # the next token "first"; a byte token may continue a run of bytes that
+        # the decoder groups into characters
+        self._no_start = tokenizer._byte_ids() | (
+            tokenizer._special_ids() if skip_special_tokens else frozenset())
+        self._ids: list[int] = []
+        self._start = 0      # window start (token index)
+        self._stable = 0     # token index where the text was last complete
+        self._emitted = 0    # chars of decode(ids[start:]) already emitted
+
+    def _dec(self, ids) -> str:
+        return self._t._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def add(self, token_id: int) -> str:
+        self._ids.extend(self._t._check_ids([token_id]))
+        text = self._dec(self._ids[self._start:])
+        complete = len(text.rstrip(REPLACEMENT_CHAR))
+        delta = text[self._emitted:complete] if complete > self._emitted else ""
+        self._emitted = max(self._emitted, complete)
+        if complete == len(text):
+            # slide the window to the last complete point, stepping back to a
+            # token the decoder treats the same at the start of a text as
+            # inside it
+            start = self._stable
+            while start > 0 and self._ids[start] in self._no_start:
+                start -= 1
+            if start != self._start:
+                self._start = start
+                self._emitted = len(self._dec(self._ids[start:]))
+            self._stable = len(self._ids)
+        return delta
+
+    def flush(self) -> str:
+        """The text still held back (an incomplete character at the end)."""
+        text = self._dec(self._ids[self._start:])
+        delta = text[self._emitted:]
+        self._emitted = len(text)
+        return delta
+
+
+# ---------------------------------------------------------------- helpers
+class _TemplateRaised(Exception):
+    pass
+
+
+def _raise_exception(message):
+    raise _TemplateRaised(message)
+
+
+def _strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers overrides jinja's tojson: no HTML escaping, non-ASCII kept
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _compile_template(source: str):
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        # `{% generation %}...{% endgeneration %}` marks assistant text for
+        # training masks in transformers; for inference it renders its body
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTag, loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise TokenizerError(f"chat template does not compile: {e}") from None
+
+
+def _read_json(path: Path, err=TokenizerError) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise err(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise err(f"{path}: expected a JSON object")
+    return data
+
+
+def _token_str(value) -> str | None:
+    """A special token from tokenizer_config: a string or {"content": ...}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _ids(value) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _pick_template(value, d: Path) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if "default" in named:
+            return named["default"]
+        if len(named) == 1:
+            return next(iter(named.values()))
+        return None
+    raise TokenizerError(f"{d / 'tokenizer_config.json'}: chat_template must be a string or a list")
