@@ -11,10 +11,11 @@ def pytest_configure(config):
 
 
 def cpu_backend_available() -> bool:
+    from cyllm.errors import CyllmError
     try:
         importlib.import_module("cyllm.backends.cpu")
         return True
-    except ImportError:
+    except (ImportError, CyllmError):
         return False
 
 

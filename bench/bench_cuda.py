@@ -1,0 +1,289 @@
+"""Microbenchmarks of the CUDA backend's kernels, as ratios to the copy bandwidth measured in the same run.
+
+    PYTHONPATH=src python3 bench/bench_cuda.py [--out bench/results/cuda_ops_<gpu>.md] [--quick]
+
+What it measures (each timed with CUDA events around a captured graph of many
+launches, median of repeats, so Python launch cost stays out):
+  * device-to-device copy bandwidth (bytes read + written): the roofline;
+  * matvec / matvec_add / gate_up_silu at Llama-2-7B shapes, GB/s of weights read,
+    for several launch shapes (rows per warp x warps per block); weights are
+    rotated over copies totalling > 4x L2 so the numbers are DRAM, not cache;
+  * decode attention over a 4096-position FP16 cache (MHA and GQA);
+  * a whole synthetic decode (random weights of Llama-2-7B and SmolLM2-135M
+    shape) through decode_step's CUDA graph: tokens/s against the roofline
+    bandwidth / (weight bytes + KV bytes read per token);
+  * the prefill GEMM (matmul, T=512).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+import cupy as cp  # noqa: E402
+
+from cyllm.backends.cuda import CudaBackend  # noqa: E402
+
+LLAMA2_7B = dict(name="llama2-7b", dim=4096, layers=32, nh=32, nkv=32, hd=128, ffn=11008, vocab=32000)
+SMOLLM2_135M = dict(name="smollm2-135m", dim=576, layers=30, nh=9, nkv=3, hd=64, ffn=1536, vocab=49152)
+
+
+def gpu_info() -> tuple[str, str]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
+        name, driver = [s.strip() for s in out.split(",")]
+        return name, driver
+    except Exception:  # noqa: BLE001
+        return "unknown GPU", "unknown driver"
+
+
+def rand16(shape, scale=0.02):
+    return (cp.random.standard_normal(shape, dtype=cp.float32) * scale).astype(cp.float16)
+
+
+def time_graph(be, fns, reps=15) -> float:
+    """Median seconds per call of fns (a list of launches), replayed as one CUDA graph."""
+    s = be._stream
+    with s:
+        for f in fns:
+            f()
+        s.begin_capture()
+        for f in fns:
+            f()
+        g = s.end_capture()
+        g.launch(stream=s)
+        s.synchronize()
+        times = []
+        for _ in range(reps):
+            e0 = s.record()
+            g.launch(stream=s)
+            e1 = s.record()
+            e1.synchronize()
+            times.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3)
+    return float(np.median(times)) / len(fns)
+
+
+def bench_matvec(be, bw, l2_bytes, lines, quick):
+    shapes = [(4096, 4096), (11008, 4096), (4096, 11008), (32000, 4096)]
+    variants = [(None, None), (1, 4), (1, 8), (2, 4), (2, 8), (4, 4), (4, 8)]
+    if quick:
+        variants = variants[:3]
+    lines.append("\n## matvec (FP16 weights, GB/s of weight bytes; % of copy bandwidth)\n")
+    head = "| op | d x n | " + " | ".join("auto" if r is None else f"r{r}w{w}" for r, w in variants) + " |"
+    lines.append(head)
+    lines.append("|" + "---|" * (len(variants) + 2))
+    best = {}
+    for op in ("matvec", "matvec_add", "gate_up_silu"):
+        for d, n in shapes:
+            if op != "matvec" and (d, n) == (32000, 4096):
+                continue
+            nmat = 2 if op == "gate_up_silu" else 1
+            size = d * n * 2 * nmat
+            copies = max(2, math.ceil(4 * l2_bytes / size))
+            ws = [[rand16((d, n)) for _ in range(nmat)] for _ in range(copies)]
+            x = cp.random.standard_normal(n, dtype=cp.float32)
+            out = cp.zeros(d, dtype=cp.float32)
+            row = []
+            for r, w in (variants if op == "matvec" else variants[:1]):
+                be.matvec_rows, be.matvec_warps = r, w
+                if op == "matvec":
+                    fns = [lambda m=m: be.matvec(out, m[0], x) for m in ws] * 3
+                elif op == "matvec_add":
+                    fns = [lambda m=m: be.matvec_add(out, m[0], x) for m in ws] * 3
+                else:
+                    fns = [lambda m=m: be.gate_up_silu(out, m[0], m[1], x) for m in ws] * 3
+                t = time_graph(be, fns)
+                gbs = size / t / 1e9
+                row.append(f"{gbs:.0f} ({100 * gbs / bw:.0f}%)")
+                best.setdefault((d, n), []).append((gbs, r, w)) if op == "matvec" else None
+            be.matvec_rows = be.matvec_warps = None
+            lines.append(f"| {op} | {d}x{n} | " + " | ".join(row) + " |")
+            del ws
+            cp.get_default_memory_pool().free_all_blocks()
+    for (d, n), v in best.items():
+        g, r, w = max(v, key=lambda t: t[0])
+        lines.append(f"\nbest matvec {d}x{n}: rows/warp={r} warps={w} {g:.0f} GB/s")
+
+
+def bench_attention(be, bw, lines):
+    lines.append("\n## attention, context 4096 (GB/s of K+V bytes read; % of copy bandwidth)\n")
+    lines.append("| heads / kv heads / head_dim | pos | us | GB/s | % |")
+    lines.append("|---|---|---|---|---|")
+    for nh, nkv, hd in [(32, 32, 128), (32, 8, 128), (9, 3, 64)]:
+        ctx = 4096
+        layers = 4
+        caches = [(rand16((nkv, ctx, hd), 1.0), rand16((nkv, ctx, hd), 1.0)) for _ in range(layers)]
+        q = cp.random.standard_normal(nh * hd, dtype=cp.float32)
+        out = cp.zeros(nh * hd, dtype=cp.float32)
+        for pos in (ctx - 1, 511):
+            fns = [lambda c=c: be.attention(out, q, c[0], c[1], pos) for c in caches] * 4
+            t = time_graph(be, fns)
+            nbytes = 2 * nkv * (pos + 1) * hd * 2
+            gbs = nbytes / t / 1e9
+            lines.append(f"| {nh}/{nkv}/{hd} | {pos} | {t * 1e6:.1f} | {gbs:.0f} | {100 * gbs / bw:.0f}% |")
+        del caches
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+class SynthModel:
+    """Random weights of a real shape, forward written against the op interface like model.py."""
+
+    def __init__(self, be, cfg, ctx, fused=False):
+        self.be, self.c = be, cfg
+        dim, nh, nkv, hd, ffn, vocab = (cfg[k] for k in ("dim", "nh", "nkv", "hd", "ffn", "vocab"))
+        self.emb = rand16((vocab, dim))
+        self.layers = []
+        for _ in range(cfg["layers"]):
+            self.layers.append(dict(
+                ln1=cp.ones(dim, cp.float32), wq=rand16((nh * hd, dim)), wk=rand16((nkv * hd, dim)),
+                wv=rand16((nkv * hd, dim)), wo=rand16((dim, nh * hd)), ln2=cp.ones(dim, cp.float32),
+                wg=rand16((ffn, dim)), wu=rand16((ffn, dim)), wd=rand16((dim, ffn)),
+                kc=cp.zeros((nkv, ctx, hd), cp.float16), vc=cp.zeros((nkv, ctx, hd), cp.float16)))
+        self.lnf = cp.ones(dim, cp.float32)
+        self.head = rand16((vocab, dim))
+        t = np.arange(ctx, dtype=np.float32)[:, None] / (10000.0 ** (np.arange(hd // 2) / (hd // 2)))
+        self.cos = cp.asarray(np.cos(t).astype(np.float32))
+        self.sin = cp.asarray(np.sin(t).astype(np.float32))
+        z = lambda n: cp.zeros(n, cp.float32)  # noqa: E731
+        self.x, self.xb, self.q, self.k, self.v = z(dim), z(dim), z(nh * hd), z(nkv * hd), z(nkv * hd)
+        self.att, self.h, self.logits = z(nh * hd), z(ffn), z(vocab)
+        self.fused = fused
+        if fused:   # one (q;k;v) matvec into one buffer, q/k/v its views, rope + store in one launch
+            for L in self.layers:
+                L["wqkv"] = cp.concatenate([L.pop("wq"), L.pop("wk"), L.pop("wv")])
+            self.qkv = cp.zeros((nh + 2 * nkv) * hd, cp.float32)
+            self.q, self.k, self.v = (self.qkv[:nh * hd], self.qkv[nh * hd:(nh + nkv) * hd],
+                                      self.qkv[(nh + nkv) * hd:])
+        self.weight_bytes = 2 * (2 * vocab * dim + cfg["layers"] * (
+            dim * (nh * hd + 2 * nkv * hd) + nh * hd * dim + 3 * dim * ffn)) + 4 * dim * (2 * cfg["layers"] + 1)
+        self.kv_bytes_per_pos = 2 * cfg["layers"] * nkv * hd * 2
+
+    def issue(self, token, pos):
+        b = self.be
+        b.embed(self.x, self.emb, token)
+        for L in self.layers:
+            b.rmsnorm(self.xb, self.x, L["ln1"], 1e-5)
+            if self.fused:
+                b.matvec(self.qkv, L["wqkv"], self.xb)
+                b.rope_store(self.q, self.k, self.v, self.cos, self.sin, L["kc"], L["vc"], pos)
+            else:
+                b.matvec(self.q, L["wq"], self.xb)
+                b.matvec(self.k, L["wk"], self.xb)
+                b.matvec(self.v, L["wv"], self.xb)
+                b.rope(self.q, self.k, self.cos, self.sin, pos)
+                b.cache_store(L["kc"], L["vc"], self.k, self.v, pos)
+            b.attention(self.att, self.q, L["kc"], L["vc"], pos)
+            b.matvec_add(self.x, L["wo"], self.att)
+            b.rmsnorm(self.xb, self.x, L["ln2"], 1e-5)
+            b.gate_up_silu(self.h, L["wg"], L["wu"], self.xb)
+            b.matvec_add(self.x, L["wd"], self.h)
+        b.rmsnorm(self.xb, self.x, self.lnf, 1e-5)
+        b.matvec(self.logits, self.head, self.xb)
+
+
+def bench_decode(be, bw, cfg, depths, lines, n_tok=128, graphs=True, fused=False):
+    ctx = max(depths) + n_tok + 8
+    m = SynthModel(be, cfg, ctx, fused=fused)
+    be.reset_graph()
+    be.use_graphs = graphs
+    rows = []
+    for d0 in depths:
+        for i in range(3):      # warm-up: compile, capture
+            be.decode_step(m.issue, i + 1, d0 + i)
+            be.to_host(m.logits)
+        t0 = time.perf_counter()
+        for i in range(n_tok):
+            be.decode_step(m.issue, (i * 7919) % cfg["vocab"], d0 + i)
+            be.to_host(m.logits)           # the per-token sync and copy a sampler needs
+        dt = time.perf_counter() - t0
+        tps = n_tok / dt
+        avg_pos = d0 + n_tok / 2
+        per_tok = m.weight_bytes + m.kv_bytes_per_pos * avg_pos
+        roof = bw / per_tok
+        rows.append(f"| {cfg['name']} | tg{n_tok} @d{d0} | {('graph' if graphs else 'eager') + (' + fused qkv/rope_store' if fused else '')} | {tps:.1f} | "
+                    f"{roof:.1f} | {100 * tps / roof:.1f}% | {per_tok / 1e9:.3f} |")
+    lines.extend(rows)
+    be.use_graphs = True
+    be.reset_graph()
+    del m
+    cp.get_default_memory_pool().free_all_blocks()
+
+
+def bench_matmul(be, lines):
+    lines.append("\n## prefill GEMM (matmul, FP16 in, FP32 accumulate/out)\n")
+    lines.append("| T x n -> d | ms | TFLOP/s |")
+    lines.append("|---|---|---|")
+    for t, n, d in [(512, 4096, 4096), (512, 4096, 11008), (512, 11008, 4096)]:
+        w = rand16((d, n))
+        x = cp.random.standard_normal((t, n), dtype=cp.float32)
+        out = cp.zeros((t, d), cp.float32)
+        be.matmul(out, w, x)
+        be.synchronize()
+        s = be._stream
+        with s:
+            e0 = s.record()
+            for _ in range(10):
+                be.matmul(out, w, x)
+            e1 = s.record()
+            e1.synchronize()
+        ms = cp.cuda.get_elapsed_time(e0, e1) / 10
+        lines.append(f"| {t}x{n} -> {d} | {ms:.3f} | {2 * t * n * d / ms / 1e9:.0f} |")
+    lines.append(f"\nGemmEx path: {'no (cupy.matmul fallback)' if getattr(be, '_gemm_broken', False) else 'yes'}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="also write the markdown report here")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--skip-7b", action="store_true")
+    args = ap.parse_args(argv)
+
+    be = CudaBackend()
+    t_compile = time.perf_counter()
+    be.warmup()
+    t_compile = time.perf_counter() - t_compile
+    name, driver = gpu_info()
+    props = cp.cuda.runtime.getDeviceProperties(be.device.id)
+    l2 = int(props.get("l2CacheSize", 50 << 20))
+    bw = be.measure_copy_bandwidth() * 1e9
+    lines = [f"# cyllm CUDA backend microbenchmarks: {name}", "",
+             f"- GPU: {name}, driver {driver}, {be.sm_count} SMs, L2 {l2 / 2**20:.0f} MiB",
+             f"- CuPy {cp.__version__}, CUDA runtime {cp.cuda.runtime.runtimeGetVersion()}, "
+             f"kernel compile {t_compile:.1f} s, plain loads fallback: {be.plain_loads}",
+             f"- command: `PYTHONPATH=src python3 bench/bench_cuda.py {' '.join(argv or sys.argv[1:])}`",
+             f"- device-to-device copy bandwidth (read + write): **{bw / 1e9:.0f} GB/s**"]
+    print("\n".join(lines), flush=True)
+    n0 = len(lines)
+    bench_matvec(be, bw / 1e9, l2, lines, args.quick)
+    bench_attention(be, bw / 1e9, lines)
+    print("\n".join(lines[n0:]), flush=True)
+    n0 = len(lines)
+    lines.append("\n## whole decode, synthetic weights (tokens/s; roofline = copy bandwidth / bytes per token)\n")
+    lines.append("| model | test | mode | t/s | roofline t/s | % roofline | GB/token |")
+    lines.append("|---|---|---|---|---|---|---|")
+    bench_decode(be, bw, SMOLLM2_135M, [0, 2048], lines)
+    bench_decode(be, bw, SMOLLM2_135M, [0, 2048], lines, fused=True)
+    bench_decode(be, bw, SMOLLM2_135M, [0], lines, n_tok=32, graphs=False)
+    if not args.skip_7b:
+        bench_decode(be, bw, LLAMA2_7B, [0, 4096], lines)
+        bench_decode(be, bw, LLAMA2_7B, [0, 4096], lines, fused=True)
+    print("\n".join(lines[n0:]), flush=True)
+    n0 = len(lines)
+    bench_matmul(be, lines)
+    print("\n".join(lines[n0:]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+// Decode attention over the FP16 KV cache, split across blocks (flash-decoding).
+//
+// Cache layout per layer: (n_kv_heads, max_ctx, head_dim) f16, so the keys of
+// one KV head over a range of positions form one contiguous block of memory.
+// Block (kv head, split) handles positions [split*C, split*C + C) for all the
+// query heads of its group (GQA: the K/V tile is read once per tile of GT
+// heads): scores into shared memory, a local softmax (max m, sum l), and the
+// un-normalised output sum_t exp(s_t - m) v_t. The last block of a group to
+// finish combines the splits of each head with the online-softmax rescaling
+// exp(m_s - max m), so attention is one launch.
+// Nothing is accumulated with global atomics: every partial is written once
+// and merged by one block, so tiny terms are never flushed.
+//
+// The position comes from the host (eager) or from the device step buffer
+// (CUDA graph), so the grid is sized for max_ctx and blocks past pos leave.
+#include "common.cuh"
+
+#define ATT_THREADS 256
+#define ATT_WARPS (ATT_THREADS / 32)
+#define ATT_UNROLL 8
+
+
+// The block that finishes a head group's splits last merges them: every block
+// writes its partials, fences, and bumps the group's counter once; the block
+// that sees count == n_used - 1 knows every partial is visible, combines them
+// with the online-softmax weights e^(m_s - M) and resets the counter for the
+// next launch (the next layer reuses the same scratch). The partial sums are
+// still each written once and merged by one block: no atomics on data.
+__device__ __forceinline__ bool attn_last_block(int* counter, int n_used)
+{
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = (atomicAdd(counter, 1) == n_used - 1);
+    __syncthreads();
+    return is_last != 0;
+}
+
+// out[h] for heads h0 .. h0+nh-1: sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M).
+// Heads go in tiles of ATT_WARPS: warp gi turns head gi's split maxima/sums into
+// weights in wsm (ATT_WARPS * n_split floats), then all threads sum the
+// o_part rows with independent (unrolled) loads. __ldcg: the partials were
+// written by other blocks, so read them from L2, never from a stale L1 line.
+__device__ __forceinline__ void attn_merge_heads(
+    float* __restrict__ out, const float* o_part, const float* m_part, const float* l_part,
+    int h0, int nh, int hd, int n_split, int n_used, float* wsm)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int t0 = 0; t0 < nh; t0 += ATT_WARPS) {
+        const int nt = min(ATT_WARPS, nh - t0);
+        if (warp < nt) {
+            const int h = h0 + t0 + warp;
+            const float* mp = m_part + (size_t)h * n_split;
+            const float* lp = l_part + (size_t)h * n_split;
+            float M = NEG_INF;
+            for (int s = lane; s < n_used; s += 32) M = fmaxf(M, __ldcg(mp + s));
+            M = warp_max(M);
+            float L = 0.0f;
+            for (int s = lane; s < n_used; s += 32) {
+                const float w = expf(__ldcg(mp + s) - M);
+                wsm[warp * n_split + s] = w;
+                L = fmaf(__ldcg(lp + s), w, L);
+            }
+            L = warp_sum(L);
+            const float inv = 1.0f / L;
+            __syncwarp();
+            for (int s = lane; s < n_used; s += 32) wsm[warp * n_split + s] *= inv;
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < nt * hd; i += ATT_THREADS) {
+            const int gi = i / hd, e = i - gi * hd;
+            const int h = h0 + t0 + gi;
+            const float* op = o_part + (size_t)h * n_split * hd + e;
+            const float* w = wsm + gi * n_split;
+            float acc = 0.0f;
+#pragma unroll 8
+            for (int s = 0; s < n_used; ++s) acc = fmaf(__ldcg(op + (size_t)s * hd), w[s], acc);
+            out[(size_t)h * hd + e] = acc;
+        }
+        __syncthreads();
+    }
+}
+
+// Fast path: head_dim % 8 == 0 and hd8 = head_dim / 8 a power of two <= 32.
+// Thread layout in a pass over rows: e8 = lane % hd8 picks a 16-byte column
+// word of the row, rows of a warp are lane / hd8; a pass covers
+// ATT_WARPS * (32 / hd8) consecutive positions with fully coalesced loads.
+// Dynamic shared memory: qs[GT*hd] | S[GT*C] | Wp[ATT_WARPS*GT*hd] | ml[2*GT] | wsm[ATT_WARPS*n_split]
+template <int GT>
+__device__ __forceinline__ void attn_split_body(
+    float* __restrict__ out, int* __restrict__ counters, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part,
+    const float* __restrict__ q, const f16_t* __restrict__ k_cache,
+    const f16_t* __restrict__ v_cache, const int* __restrict__ step, int pos_host,
+    int max_ctx, int n_kv, int group, int hd, int chunk, int n_split, float scale)
+{
+    extern __shared__ __align__(16) float smem[];
+    // fewer loads in flight for wide head tiles keeps registers (and so resident blocks) in check
+    constexpr int U = (GT >= 4) ? 4 : ATT_UNROLL;
+    const int kvh = blockIdx.x;
+    const int split = blockIdx.y;
+    int pos = step_value(step, 1, pos_host);
+    if (pos >= max_ctx) pos = max_ctx - 1;
+    const int t0 = split * chunk;
+    if (t0 > pos || kvh >= n_kv) return;          // uniform over the block
+    const int n_valid = min(chunk, pos + 1 - t0);
+
+    const int hd8 = hd >> 3;
+    const int rpw = 32 / hd8;                     // rows per warp per pass
+    const int rp = ATT_WARPS * rpw;               // rows per pass
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int e8 = lane % hd8;
+    const int row_in_pass = warp * rpw + lane / hd8;
+
+    float* qs = smem;                             // GT * hd
+    float* S = qs + GT * hd;                      // GT * chunk
+    float* Wp = S + GT * chunk;                   // ATT_WARPS * GT * hd
+    float* ml = Wp + ATT_WARPS * GT * hd;         // GT maxima, GT sums
+
+    const uint4* K = reinterpret_cast<const uint4*>(k_cache + ((size_t)kvh * max_ctx + t0) * hd);
+    const uint4* V = reinterpret_cast<const uint4*>(v_cache + ((size_t)kvh * max_ctx + t0) * hd);
+
+    for (int g0 = 0; g0 < group; g0 += GT) {
+        const int gt = min(GT, group - g0);
+        __syncthreads();                          // smem reuse across head tiles
+        for (int i = threadIdx.x; i < GT * hd; i += ATT_THREADS) {
+            const int gi = i / hd;
+            qs[i] = gi < gt ? q[(size_t)(kvh * group + g0 + gi) * hd + (i - gi * hd)] * scale : 0.0f;
+        }
+        __syncthreads();
+
+        // ---- scores S[gi][t] = (q_g . k_t) * scale
+        for (int base = 0; base < n_valid; base += rp * U) {
+            uint4 kv[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int t = base + u * rp + row_in_pass;
+                kv[u] = t < n_valid ? K[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int t = base + u * rp + row_in_pass;
+#pragma unroll
+                for (int gi = 0; gi < GT; ++gi) {
+                    const float4* qv = reinterpret_cast<const float4*>(qs + gi * hd + e8 * 8);
+                    float p = dot8(kv[u], qv[0], qv[1], 0.0f);
+                    for (int off = hd8 >> 1; off > 0; off >>= 1) p += __shfl_xor_sync(FULL_MASK, p, off);
+                    if (e8 == 0 && t < n_valid) S[gi * chunk + t] = p;
+                }
+            }
+        }
+        __syncthreads();
+
+        // ---- local softmax per head: one warp per head of the tile
+        for (int gi = warp; gi < GT; gi += ATT_WARPS) {
+            float m = NEG_INF;
+            for (int t = lane; t < n_valid; t += 32) m = fmaxf(m, S[gi * chunk + t]);
+            m = warp_max(m);
+            float l = 0.0f;
+            for (int t = lane; t < n_valid; t += 32) {
+                const float e = expf(S[gi * chunk + t] - m);
+                S[gi * chunk + t] = e;
+                l += e;
+            }
+            l = warp_sum(l);
+            if (lane == 0) { ml[gi] = m; ml[GT + gi] = l; }
+        }
+        __syncthreads();
+
+        // ---- un-normalised output: acc[gi][j] = sum_t p[gi][t] * v_t[e8*8 + j]
+        float acc[GT][8];
+#pragma unroll
+        for (int gi = 0; gi < GT; ++gi)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[gi][j] = 0.0f;
+        for (int base = 0; base < n_valid; base += rp * U) {
+            uint4 vv[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int t = base + u * rp + row_in_pass;
+                // rows past pos may hold garbage (even NaN): never load them
+                vv[u] = t < n_valid ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int t = base + u * rp + row_in_pass;
+                if (t < n_valid) {
+                    float vf[8];
+                    float2 p;
+                    p = h2x2f(vv[u].x); vf[0] = p.x; vf[1] = p.y;
+                    p = h2x2f(vv[u].y); vf[2] = p.x; vf[3] = p.y;
+                    p = h2x2f(vv[u].z); vf[4] = p.x; vf[5] = p.y;
+                    p = h2x2f(vv[u].w); vf[6] = p.x; vf[7] = p.y;
+#pragma unroll
+                    for (int gi = 0; gi < GT; ++gi) {
+                        const float pw = S[gi * chunk + t];
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) acc[gi][j] = fmaf(pw, vf[j], acc[gi][j]);
+                    }
+                }
+            }
+        }
+        // rows of one warp share e8 every hd8 lanes: fold them, then across warps in smem
+#pragma unroll
+        for (int gi = 0; gi < GT; ++gi)
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                for (int off = hd8; off < 32; off <<= 1)
+                    acc[gi][j] += __shfl_xor_sync(FULL_MASK, acc[gi][j], off);
+        if (lane < hd8) {
+#pragma unroll
+            for (int gi = 0; gi < GT; ++gi) {
+                float4* dst = reinterpret_cast<float4*>(Wp + (warp * GT + gi) * hd + e8 * 8);
+                dst[0] = make_float4(acc[gi][0], acc[gi][1], acc[gi][2], acc[gi][3]);
+                dst[1] = make_float4(acc[gi][4], acc[gi][5], acc[gi][6], acc[gi][7]);
+            }
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < gt * hd; i += ATT_THREADS) {
+            float s = 0.0f;
+#pragma unroll
+            for (int w = 0; w < ATT_WARPS; ++w) s += Wp[w * GT * hd + i];
+            const int gi = i / hd;
+            const int h = kvh * group + g0 + gi;
+            o_part[((size_t)h * n_split + split) * hd + (i - gi * hd)] = s;
+        }
+        if (threadIdx.x < gt) {
+            const int h = kvh * group + g0 + threadIdx.x;
+            m_part[(size_t)h * n_split + split] = ml[threadIdx.x];
+            l_part[(size_t)h * n_split + split] = ml[GT + threadIdx.x];
+        }
+    }
+    const int n_used = min(n_split, pos / chunk + 1);
+    if (!attn_last_block(counters + kvh, n_used)) return;
+    attn_merge_heads(out, o_part, m_part, l_part, kvh * group, group, hd, n_split, n_used,
+                     ml + 2 * GT);
+    if (threadIdx.x == 0) counters[kvh] = 0;
+}
+
+#define CYLLM_ATTN_SPLIT(NAME, GT)                                                           \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) NAME(                         \
+        float* out, int* counters, float* o_part, float* m_part, float* l_part,              \
+        const float* q, const f16_t* k_cache,                                                \
+        const f16_t* v_cache, const int* step, int pos_host, int max_ctx, int n_kv,          \
+        int group, int hd, int chunk, int n_split, float scale) {                            \
+        attn_split_body<GT>(out, counters, o_part, m_part, l_part, q, k_cache, v_cache,      \
+                            step, pos_host,                                                  \
+                            max_ctx, n_kv, group, hd, chunk, n_split, scale);                \
+    }
+
+CYLLM_ATTN_SPLIT(attn_split_g1, 1)
+CYLLM_ATTN_SPLIT(attn_split_g2, 2)
+CYLLM_ATTN_SPLIT(attn_split_g4, 4)
+CYLLM_ATTN_SPLIT(attn_split_g8, 8)
+
+// Generic path (any even head_dim, any alignment): block (query head, split).
+// Dynamic shared memory: qs[hd] | S[chunk] | red[ATT_WARPS] | wsm[ATT_WARPS*n_split]
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_split_generic(
+    float* out, int* counters, float* o_part, float* m_part, float* l_part, const float* q, const f16_t* k_cache,
+    const f16_t* v_cache, const int* step, int pos_host, int max_ctx, int n_kv,
+    int group, int hd, int chunk, int n_split, float scale)
+{
+    extern __shared__ __align__(16) float smem_generic[];
+    const int h = blockIdx.x;
+    const int split = blockIdx.y;
+    int pos = step_value(step, 1, pos_host);
+    if (pos >= max_ctx) pos = max_ctx - 1;
+    const int t0 = split * chunk;
+    const int kvh = h / group;
+    if (t0 > pos || kvh >= n_kv) return;
+    const int n_valid = min(chunk, pos + 1 - t0);
+    float* qs = smem_generic;
+    float* S = qs + hd;
+    float* red = S + chunk;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int i = threadIdx.x; i < hd; i += ATT_THREADS) qs[i] = q[(size_t)h * hd + i] * scale;
+    __syncthreads();
+    const f16_t* K = k_cache + ((size_t)kvh * max_ctx + t0) * hd;
+    const f16_t* V = v_cache + ((size_t)kvh * max_ctx + t0) * hd;
+    float m = NEG_INF;
+    for (int t = threadIdx.x; t < n_valid; t += ATT_THREADS) {
+        float s = 0.0f;
+        for (int e = 0; e < hd; ++e) s = fmaf(qs[e], h2f(K[(size_t)t * hd + e]), s);
+        S[t] = s;
+        m = fmaxf(m, s);
+    }
+    m = warp_max(m);
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = red[0];
+    for (int w = 1; w < ATT_WARPS; ++w) m = fmaxf(m, red[w]);
+    __syncthreads();                              // everyone has read red before reuse
+    float l = 0.0f;
+    for (int t = threadIdx.x; t < n_valid; t += ATT_THREADS) {
+        const float e = expf(S[t] - m);
+        S[t] = e;
+        l += e;
+    }
+    l = warp_sum(l);
+    if (lane == 0) red[warp] = l;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float tot = 0.0f;
+        for (int w = 0; w < ATT_WARPS; ++w) tot += red[w];
+        m_part[(size_t)h * n_split + split] = m;
+        l_part[(size_t)h * n_split + split] = tot;
+    }
+    for (int e = threadIdx.x; e < hd; e += ATT_THREADS) {
+        float acc = 0.0f;
+        for (int t = 0; t < n_valid; ++t) acc = fmaf(S[t], h2f(V[(size_t)t * hd + e]), acc);
+        o_part[((size_t)h * n_split + split) * hd + e] = acc;
+    }
+    const int n_used = min(n_split, pos / chunk + 1);
+    if (!attn_last_block(counters + h, n_used)) return;
+    attn_merge_heads(out, o_part, m_part, l_part, h, 1, hd, n_split, n_used, red + ATT_WARPS);
+    if (threadIdx.x == 0) counters[h] = 0;
+}

@@ -1,0 +1,77 @@
+// Shared helpers for cyllm's CUDA kernels (inlined into one NVRTC source by
+// backends/cuda.py, so no header lookup is needed at compile time).
+//
+// FP16 is kept as raw 16-bit words and converted with PTX `cvt`: NVRTC does not
+// always find cuda_fp16.h, and this header needs nothing from the toolkit.
+#pragma once
+
+typedef unsigned short f16_t;   // IEEE binary16 bits
+typedef unsigned int u32;
+
+#define FULL_MASK 0xffffffffu
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float h2f(f16_t h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ f16_t f2h(float f) {
+    f16_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Two packed halves (low half first in memory) -> two floats.
+__device__ __forceinline__ float2 h2x2f(u32 v) {
+    float lo, hi;
+    asm("{.reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}"
+        : "=f"(lo), "=f"(hi) : "r"(v));
+    return make_float2(lo, hi);
+}
+
+// Streamed weight loads: read once per token, so keep them out of L1 and leave
+// L1 to the activation vector that every warp re-reads.
+__device__ __forceinline__ uint4 ld_stream16(const uint4* p) {
+#ifdef CYLLM_PLAIN_LOADS
+    return *p;
+#else
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#endif
+}
+
+// dot of 8 halves (one 16-byte word) with 8 floats (two float4)
+__device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b, float acc) {
+    float2 p;
+    p = h2x2f(w.x); acc = fmaf(p.x, a.x, acc); acc = fmaf(p.y, a.y, acc);
+    p = h2x2f(w.y); acc = fmaf(p.x, a.z, acc); acc = fmaf(p.y, a.w, acc);
+    p = h2x2f(w.z); acc = fmaf(p.x, b.x, acc); acc = fmaf(p.y, b.y, acc);
+    p = h2x2f(w.w); acc = fmaf(p.x, b.z, acc); acc = fmaf(p.y, b.w, acc);
+    return acc;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL_MASK, v, off);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, off));
+    return v;
+}
+
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+
+// Per-step values (token, position) either come from the host as kernel
+// arguments (eager ops) or from a small device buffer `step` = {token, pos}
+// (decode_step's CUDA graph, whose arguments are frozen at capture).
+// A host value < 0 means "read the device buffer".
+__device__ __forceinline__ int step_value(const int* step, int idx, int host) {
+    return host >= 0 ? host : step[idx];
+}

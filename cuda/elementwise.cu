@@ -1,0 +1,121 @@
+// Small per-token kernels: embedding lookup, RMSNorm, RoPE, KV-cache store,
+// SwiGLU, add, and the f32 -> f16 cast used by batched prefill. They move a
+// few KB each; what matters is that they are single launches that read the
+// step values (token, pos) from device memory when a CUDA graph replays them.
+#include "common.cuh"
+
+// out (dim,) f32 = table[token] ; table (vocab, dim) f16
+extern "C" __global__ void embed_f16(float* __restrict__ out, const f16_t* __restrict__ table,
+                                     const int* __restrict__ step, int token_host, int vocab, int dim)
+{
+    const int token = step_value(step, 0, token_host);
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= dim) return;
+    // an out-of-range id was refused on the host; never index with it here
+    out[i] = (token >= 0 && token < vocab) ? h2f(table[(size_t)token * dim + i]) : 0.0f;
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * w, one block of RMS_THREADS threads
+#define RMS_THREADS 512
+extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_f32(
+    float* out, const float* x, const float* __restrict__ w, int n, float eps)
+{
+    __shared__ float red[RMS_THREADS / 32];
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n; i += RMS_THREADS) s = fmaf(x[i], x[i], s);
+    s = warp_sum(s);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
+    __syncthreads();
+    float tot = 0.0f;
+#pragma unroll
+    for (int k = 0; k < RMS_THREADS / 32; ++k) tot += red[k];
+    const float inv = rsqrtf(tot / (float)n + eps);
+    // out may alias x: each element is read and written by the same thread
+    for (int i = threadIdx.x; i < n; i += RMS_THREADS) out[i] = x[i] * inv * w[i];
+}
+
+// Rotate-half RoPE in place on q (nq heads) and k (nk heads); cos/sin (n_pos, half).
+extern "C" __global__ void rope_f32(float* __restrict__ q, float* __restrict__ k,
+                                    const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                    const int* __restrict__ step, int pos_host, int n_pos,
+                                    int nq, int nk, int half)
+{
+    const int pos = step_value(step, 1, pos_host);
+    if (pos < 0 || pos >= n_pos) return;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (nq + nk) * half) return;
+    const int head = i / half, j = i - head * half;
+    float* v = head < nq ? q + (size_t)head * 2 * half : k + (size_t)(head - nq) * 2 * half;
+    const float c = cos_t[(size_t)pos * half + j], s = sin_t[(size_t)pos * half + j];
+    const float x1 = v[j], x2 = v[j + half];
+    v[j] = x1 * c - x2 * s;
+    v[j + half] = x2 * c + x1 * s;
+}
+
+// Fused rope + cache_store: rotate q and k in place, then write the rotated k
+// and v to the cache row pos (one launch instead of two per layer). Thread i
+// owns the pair (j, j + half) of one head.
+extern "C" __global__ void rope_store_f32(float* __restrict__ q, float* __restrict__ k,
+                                          const float* __restrict__ v,
+                                          const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                          f16_t* __restrict__ k_cache, f16_t* __restrict__ v_cache,
+                                          const int* __restrict__ step, int pos_host, int n_pos,
+                                          int max_ctx, int nq, int nk, int half)
+{
+    const int pos = step_value(step, 1, pos_host);
+    if (pos < 0 || pos >= n_pos || pos >= max_ctx) return;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (nq + nk) * half) return;
+    const int head = i / half, j = i - head * half;
+    const bool is_k = head >= nq;
+    float* x = is_k ? k + (size_t)(head - nq) * 2 * half : q + (size_t)head * 2 * half;
+    const float c = cos_t[(size_t)pos * half + j], s = sin_t[(size_t)pos * half + j];
+    const float x1 = x[j], x2 = x[j + half];
+    const float y1 = x1 * c - x2 * s, y2 = x2 * c + x1 * s;
+    x[j] = y1;
+    x[j + half] = y2;
+    if (is_k) {
+        const int kh = head - nq;
+        const size_t row = ((size_t)kh * max_ctx + pos) * 2 * half;
+        const float* vh = v + (size_t)kh * 2 * half;
+        k_cache[row + j] = f2h(y1);
+        k_cache[row + j + half] = f2h(y2);
+        v_cache[row + j] = f2h(vh[j]);
+        v_cache[row + j + half] = f2h(vh[j + half]);
+    }
+}
+
+// k_cache[:, pos, :] = k ; v_cache[:, pos, :] = v  (f32 -> f16, round to nearest)
+extern "C" __global__ void cache_store_f16(f16_t* __restrict__ k_cache, f16_t* __restrict__ v_cache,
+                                           const float* __restrict__ k, const float* __restrict__ v,
+                                           const int* __restrict__ step, int pos_host,
+                                           int max_ctx, int n_kv, int hd)
+{
+    const int pos = step_value(step, 1, pos_host);
+    if (pos < 0 || pos >= max_ctx) return;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_kv * hd) return;
+    const int h = i / hd, e = i - h * hd;
+    const size_t dst = ((size_t)h * max_ctx + pos) * hd + e;
+    k_cache[dst] = f2h(k[i]);
+    v_cache[dst] = f2h(v[i]);
+}
+
+extern "C" __global__ void swiglu_f32(float* out, const float* gate, const float* up, int n)
+{
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = silu_f(gate[i]) * up[i];
+}
+
+// out may alias x or y: element-wise, each thread owns its index
+extern "C" __global__ void add_f32(float* out, const float* x, const float* y, int n)
+{
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = x[i] + y[i];
+}
+
+extern "C" __global__ void cast_f32_f16(f16_t* __restrict__ out, const float* __restrict__ x, long long n)
+{
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = f2h(x[i]);
+}

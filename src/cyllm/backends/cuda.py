@@ -1,0 +1,506 @@
+"""CUDA backend: the op interface of base.py on an NVIDIA GPU, through CuPy.
+
+Kernels live in cuda/*.cu (shipped as the package ``cyllm._cuda``) and are
+compiled once, at first use, by NVRTC through ``cupy.RawModule``. Weights are
+uploaded once as FP16, the KV cache is FP16, activations and accumulation are
+FP32, exactly as in the CPU backend.
+
+Per-step values (token id, position) can come from the host as kernel
+arguments (eager ops) or from a two-int device buffer: ``decode_step`` writes
+that buffer, then replays a CUDA graph of the whole forward pass captured once,
+so a token costs one graph launch instead of hundreds of Python-side launches.
+The same graph serves every position because no kernel's launch shape depends
+on the position (attention's grid is sized for the whole cache and blocks past
+the position leave at once). ``CYLLM_CUDA_GRAPHS=0`` turns graphs off.
+
+Importing this module never fails for want of CuPy or a GPU; constructing
+``CudaBackend`` raises ``BackendUnavailableError`` with one clear line.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BackendUnavailableError, InvalidArgumentError, ModelLoadError
+from .base import check_token
+
+try:  # CuPy is an optional extra; a broken CUDA install can raise more than ImportError
+    import cupy as cp
+    _CUPY_ERROR: Exception | None = None
+except Exception as e:  # noqa: BLE001 - reported when the backend is constructed
+    cp = None
+    _CUPY_ERROR = e
+
+# concatenation order of the kernel sources (common.cuh is inlined once, first)
+KERNEL_FILES = ("common.cuh", "elementwise.cu", "matvec.cu", "attention.cu")
+
+_NEG1 = np.int32(-1)          # "read the step buffer" (see step_value in common.cuh)
+_ATT_THREADS = 256            # ATT_THREADS in attention.cu
+_ATT_WARPS = _ATT_THREADS // 32
+_SMEM_LIMIT = 48 * 1024       # default dynamic shared memory limit per block
+_FIT_MARGIN = 512 << 20       # room left for scratch, cuBLAS workspace, the CUDA context
+
+
+def _kernel_dir():
+    """Where the .cu files are: the installed ``cyllm._cuda`` package, else the repo's cuda/."""
+    try:
+        from importlib.resources import files
+        d = files("cyllm._cuda")
+        if d.joinpath("matvec.cu").is_file():
+            return d
+    except Exception:  # noqa: BLE001 - not installed as a package: running from a checkout
+        pass
+    d = Path(__file__).resolve().parents[3] / "cuda"
+    if (d / "matvec.cu").is_file():
+        return d
+    raise BackendUnavailableError("the cuda backend's kernel sources (cuda/*.cu) are missing from the installation")
+
+
+def kernel_source() -> str:
+    """All kernels as one source string.
+
+    CuPy caches compiled modules by source text only, so the header is inlined
+    here rather than #included: an edit to it then recompiles.
+    """
+    d = _kernel_dir()
+    parts = []
+    for name in KERNEL_FILES:
+        text = d.joinpath(name).read_text()
+        lines = [ln for ln in text.splitlines()
+                 if ln.strip() not in ('#include "common.cuh"', "#pragma once")]
+        parts.append(f"// ---- {name}\n" + "\n".join(lines))
+    return "\n".join(parts) + "\n"
+
+
+# one compiled module per device, shared by every backend instance in the process
+_MODULES: dict = {}
+
+
+def _blocks(n: int, threads: int) -> int:
+    return (n + threads - 1) // threads
+
+
+class CudaBackend:
+    name = "cuda"
+    kernel_variant = "cuda"
+
+    def __init__(self, threads: int | None = None):
+        self.threads = 1
+        if cp is None:
+            raise BackendUnavailableError(
+                f"the cuda backend needs CuPy ({_CUPY_ERROR}); install it with "
+                "`pip install cyllm[cuda]` on a machine with an NVIDIA GPU")
+        try:
+            n_dev = cp.cuda.runtime.getDeviceCount()
+        except Exception as e:  # noqa: BLE001 - no driver, no device, driver too old...
+            raise BackendUnavailableError(f"the cuda backend found no usable NVIDIA GPU ({e})") from None
+        if n_dev < 1:
+            raise BackendUnavailableError("the cuda backend found no NVIDIA GPU")
+        self.device = cp.cuda.Device()
+        props = cp.cuda.runtime.getDeviceProperties(self.device.id)
+        name = props.get("name", b"GPU")
+        self.device_name = name.decode() if isinstance(name, bytes) else str(name)
+        self.sm_count = int(props.get("multiProcessorCount", 1))
+
+        self._module = None
+        self._kernels: dict = {}
+        self.plain_loads = False        # True when the module was built without the PTX load hints
+        # decode_step state: step = {token, pos} on the device, read by the graph's kernels
+        self._step = cp.zeros(2, dtype=cp.int32)
+        self._step_host = np.zeros(2, dtype=np.int32)
+        self._stream = cp.cuda.Stream(non_blocking=False)   # blocking: ordered with the null stream
+        self.use_graphs = os.environ.get("CYLLM_CUDA_GRAPHS", "1") != "0"
+        self._graph = None
+        self._graph_key = None
+        self._device_mode = False       # ops read token/pos from self._step
+        self._vocab: int | None = None
+        self._max_pos: int | None = None
+        self._pinned: dict = {}
+        self._attn_scratch = None       # (key, o_part, m_part, l_part)
+        self._cast_buf = None
+        # matvec launch shape: rows per warp, warps per block (None = heuristic); bench/bench_cuda.py tunes it
+        self.matvec_rows: int | None = None
+        self.matvec_warps: int | None = None
+
+    # -- kernels ----------------------------------------------------------------
+    def _compile(self):
+        src = kernel_source()
+        errors = []
+        # the PTX load hint (ld.global.nc.L1::no_allocate) is a nicety: fall back without it
+        for opts in ((), ("-DCYLLM_PLAIN_LOADS",)):
+            try:
+                mod = cp.RawModule(code=src, options=opts)
+                mod.get_function("add_f32")      # forces the NVRTC compile now
+                self.plain_loads = bool(opts)
+                return mod
+            except Exception as e:  # noqa: BLE001 - CompileException, or a driver refusing the cubin
+                errors.append(e)
+        first = str(errors[0]).strip().splitlines()
+        raise BackendUnavailableError(
+            f"the cuda kernels failed to compile ({first[0] if first else type(errors[0]).__name__})")
+
+    def _k(self, name: str):
+        k = self._kernels.get(name)
+        if k is None:
+            if self._module is None:
+                cached = _MODULES.get(self.device.id)
+                if cached is None:
+                    cached = _MODULES[self.device.id] = (self._compile(), self.plain_loads)
+                self._module, self.plain_loads = cached
+            k = self._kernels[name] = self._module.get_function(name)
+        return k
+
+    def warmup(self) -> None:
+        """Compile the kernels now (otherwise the first op pays for NVRTC)."""
+        self._k("add_f32")
+
+    # -- memory -----------------------------------------------------------------
+    def check_fits(self, nbytes: int) -> None:
+        """Raise a clear ModelLoadError when ``nbytes`` more would not fit on the GPU."""
+        free, total = cp.cuda.runtime.memGetInfo()
+        pool = cp.get_default_memory_pool()
+        free += pool.free_bytes()        # blocks CuPy holds but is not using
+        if nbytes + _FIT_MARGIN > free:
+            gib = 1 << 30
+            raise ModelLoadError(
+                f"the model needs {nbytes / gib:.2f} GiB of GPU memory but {self.device_name} has only "
+                f"{free / gib:.2f} GiB free (of {total / gib:.2f} GiB); use a smaller model or --backend cpu")
+
+    def upload(self, a: np.ndarray):
+        a = np.asarray(a)
+        if a.dtype == np.float64:
+            a = a.astype(np.float32)
+        self.check_fits(a.nbytes)
+        try:
+            return cp.asarray(np.ascontiguousarray(a))
+        except cp.cuda.memory.OutOfMemoryError:
+            raise ModelLoadError(
+                f"out of GPU memory uploading a {a.nbytes / 2**20:.1f} MiB tensor to {self.device_name}") from None
+
+    def empty(self, shape, dtype=np.float32):
+        # zero-filled, not garbage: a cache row that is never written must not hold NaN
+        try:
+            return cp.zeros(shape, dtype=dtype)
+        except cp.cuda.memory.OutOfMemoryError:
+            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            raise ModelLoadError(
+                f"out of GPU memory allocating {nbytes / 2**20:.1f} MiB of run state on "
+                f"{self.device_name}; try a shorter --context") from None
+
+    def to_host(self, a) -> np.ndarray:
+        """Device -> host through a page-locked buffer kept per array.
+
+        The result is a view that stays valid until the next to_host of the
+        same array (as with the numpy backend, where it is the array itself).
+        """
+        if not a.flags.c_contiguous:
+            return cp.ascontiguousarray(a).get()
+        key = (a.data.ptr, a.shape, a.dtype.str)
+        buf = self._pinned.get(key)
+        if buf is None:
+            if len(self._pinned) >= 32:
+                self._pinned.clear()     # callers keep their views alive; only the cache is dropped
+            import cupyx
+            buf = self._pinned[key] = cupyx.empty_pinned(a.shape, a.dtype)
+        a.get(out=buf)                   # on the current stream, blocking
+        return buf
+
+    def synchronize(self) -> None:
+        self.device.synchronize()
+
+    # -- per-step values --------------------------------------------------------
+    def _pos(self, pos, limit: int):
+        """Kernel argument for the position: the host value, or -1 under decode_step."""
+        if self._device_mode:
+            self._max_pos = limit if self._max_pos is None else min(self._max_pos, limit)
+            return _NEG1
+        pos = int(pos)
+        if not 0 <= pos < limit:
+            raise InvalidArgumentError(f"position {pos} is out of range [0, {limit})")
+        return np.int32(pos)
+
+    # -- ops --------------------------------------------------------------------
+    def embed(self, out, table, token):
+        vocab, dim = table.shape
+        check_token(int(token), vocab)
+        if self._device_mode:
+            self._vocab = vocab
+            tok = _NEG1
+        else:
+            tok = np.int32(token)
+        self._k("embed_f16")((_blocks(dim, 256),), (256,),
+                             (out, table, self._step, tok, np.int32(vocab), np.int32(dim)))
+
+    def rmsnorm(self, out, x, w, eps):
+        n = x.shape[0]
+        self._k("rmsnorm_f32")((1,), (512,), (out, x, w, np.int32(n), np.float32(eps)))
+
+    def _matvec_shape(self, d: int, n: int, rmax: int) -> tuple[int, int]:
+        # measured on an H200: tall matrices (d >= 2.5 n) gain from 4 rows per warp, others not
+        r = min(self.matvec_rows or (4 if 2 * d >= 5 * n else 1), rmax)
+        warps = self.matvec_warps
+        if warps is None:
+            # enough blocks to cover every SM twice, else thinner blocks
+            warps = 8
+            while warps > 2 and _blocks(d, warps * r) < 2 * self.sm_count:
+                warps //= 2
+        # 1024 threads of a 4-row kernel would ask for more registers than an SM has
+        warps = max(1, min(warps, 16))
+        return r, warps
+
+    def _mv(self, base: str, out, w0, w1, x, rmax: int):
+        d, n = w0.shape
+        if x.shape[0] != n or out.shape[0] != d:
+            raise InvalidArgumentError(f"{base}: shapes {tuple(w0.shape)} @ {tuple(x.shape)} -> {tuple(out.shape)}")
+        if (n % 8 == 0 and w0.data.ptr % 16 == 0 and w1.data.ptr % 16 == 0 and x.data.ptr % 16 == 0
+                and w0.flags.c_contiguous and w1.flags.c_contiguous):
+            r, warps = self._matvec_shape(d, n, rmax)
+            self._k(f"{base}_r{r}")((_blocks(d, warps * r),), (32 * warps,),
+                                    (out, w0, w1, x, np.int32(d), np.int32(n // 8)))
+        else:
+            if not (w0.flags.c_contiguous and w1.flags.c_contiguous):
+                raise InvalidArgumentError(f"{base}: the weight matrix must be C-contiguous")
+            self._k(f"{base}_scalar")((_blocks(d, 8),), (256,),
+                                      (out, w0, w1, x, np.int32(d), np.int32(n)))
+
+    def matvec(self, out, w, x):
+        self._mv("matvec", out, w, w, x, 4)
+
+    def matvec_add(self, out, w, x):
+        self._mv("matvec_add", out, w, w, x, 4)
+
+    def gate_up_silu(self, out, w_gate, w_up, x):
+        if w_gate.shape != w_up.shape:
+            raise InvalidArgumentError(f"gate_up_silu: gate {tuple(w_gate.shape)} and up {tuple(w_up.shape)} differ")
+        self._mv("gate_up_silu", out, w_gate, w_up, x, 2)
+
+    def rope(self, q, k, cos, sin, pos):
+        n_pos, half = cos.shape
+        p = self._pos(pos, n_pos)
+        nq = q.shape[0] // (2 * half)
+        nk = k.shape[0] // (2 * half)
+        self._k("rope_f32")((_blocks((nq + nk) * half, 256),), (256,),
+                            (q, k, cos, sin, self._step, p, np.int32(n_pos),
+                             np.int32(nq), np.int32(nk), np.int32(half)))
+
+    def rope_store(self, q, k, v, cos, sin, k_cache, v_cache, pos):
+        """*fused* rope(q, k, cos, sin, pos) then cache_store(k_cache, v_cache, k, v, pos).
+
+        Optional op (only this backend has it): one launch instead of two.
+        """
+        n_pos, half = cos.shape
+        n_kv, max_ctx, hd = k_cache.shape
+        p = self._pos(pos, min(n_pos, max_ctx))
+        if hd != 2 * half or k.shape[0] != n_kv * hd or v.shape[0] != n_kv * hd:
+            raise InvalidArgumentError(f"rope_store: k {tuple(k.shape)} does not fit a cache of {n_kv} heads x {hd}")
+        nq = q.shape[0] // hd
+        self._k("rope_store_f32")((_blocks((nq + n_kv) * half, 256),), (256,),
+                                  (q, k, v, cos, sin, k_cache, v_cache, self._step, p, np.int32(n_pos),
+                                   np.int32(max_ctx), np.int32(nq), np.int32(n_kv), np.int32(half)))
+
+    def cache_store(self, k_cache, v_cache, k, v, pos):
+        n_kv, max_ctx, hd = k_cache.shape
+        p = self._pos(pos, max_ctx)
+        self._k("cache_store_f16")((_blocks(n_kv * hd, 256),), (256,),
+                                   (k_cache, v_cache, k, v, self._step, p,
+                                    np.int32(max_ctx), np.int32(n_kv), np.int32(hd)))
+
+    def _attn_chunk(self, n_kv: int, max_ctx: int) -> int:
+        # positions per block: large enough to amortise the block and keep the
+        # merge short, small enough that a full cache still spreads over the SMs
+        chunk = 256
+        while chunk > 64 and 2 * n_kv * _blocks(max_ctx, chunk) < self.sm_count:
+            chunk //= 2
+        return chunk
+
+    def _attn_buffers(self, n_heads: int, n_split: int, hd: int):
+        key = (n_heads, n_split, hd)
+        s = self._attn_scratch
+        if s is None or s[0] != key:
+            # allocated on the first (eager) call, never inside a graph capture; the
+            # counters start at zero and the merging block puts them back to zero
+            s = self._attn_scratch = (key,
+                                      cp.zeros(n_heads, dtype=cp.int32),
+                                      cp.empty(n_heads * n_split * hd, dtype=cp.float32),
+                                      cp.empty(n_heads * n_split, dtype=cp.float32),
+                                      cp.empty(n_heads * n_split, dtype=cp.float32))
+        return s[1:]
+
+    @staticmethod
+    def _attn_smem(gt: int, hd: int, chunk: int, n_split: int) -> int:
+        return 4 * (gt * hd + gt * chunk + _ATT_WARPS * gt * hd + 2 * gt + _ATT_WARPS * n_split)
+
+    def attention(self, out, q, k_cache, v_cache, pos):
+        n_kv, max_ctx, hd = k_cache.shape
+        n_heads = q.shape[0] // hd
+        if n_heads * hd != q.shape[0] or n_heads % n_kv or out.shape[0] != q.shape[0]:
+            raise InvalidArgumentError(
+                f"attention: q {tuple(q.shape)} does not fit a cache of {n_kv} heads x {hd}")
+        group = n_heads // n_kv
+        p = self._pos(pos, max_ctx)
+        chunk = self._attn_chunk(n_kv, max_ctx)
+        n_split = _blocks(max_ctx, chunk)
+        counters, o_part, m_part, l_part = self._attn_buffers(n_heads, n_split, hd)
+        scale = np.float32(1.0 / math.sqrt(hd))
+        args_tail = (q, k_cache, v_cache, self._step, p, np.int32(max_ctx), np.int32(n_kv),
+                     np.int32(group), np.int32(hd), np.int32(chunk), np.int32(n_split), scale)
+        hd8 = hd // 8
+        gt = 0
+        if (hd % 8 == 0 and 0 < hd8 <= 32 and hd8 & (hd8 - 1) == 0
+                and k_cache.data.ptr % 16 == 0 and v_cache.data.ptr % 16 == 0):
+            gt = 1 if group == 1 else 2 if group == 2 else 4 if group <= 4 else 8
+            while gt and self._attn_smem(gt, hd, chunk, n_split) > _SMEM_LIMIT:
+                gt //= 2
+        if gt:
+            self._k(f"attn_split_g{gt}")((n_kv, n_split), (_ATT_THREADS,),
+                                         (out, counters, o_part, m_part, l_part) + args_tail,
+                                         shared_mem=self._attn_smem(gt, hd, chunk, n_split))
+        else:
+            smem = 4 * (hd + chunk + _ATT_WARPS + _ATT_WARPS * n_split)
+            if smem > _SMEM_LIMIT:
+                raise InvalidArgumentError(f"attention: head_dim {hd} is too large for the cuda backend")
+            self._k("attn_split_generic")((n_heads, n_split), (_ATT_THREADS,),
+                                          (out, counters, o_part, m_part, l_part) + args_tail, shared_mem=smem)
+
+    def swiglu(self, out, gate, up):
+        n = out.shape[0]
+        self._k("swiglu_f32")((_blocks(n, 256),), (256,), (out, gate, up, np.int32(n)))
+
+    def add(self, out, x, y):
+        n = out.shape[0]
+        self._k("add_f32")((_blocks(n, 256),), (256,), (out, x, y, np.int32(n)))
+
+    # -- batched prefill ----------------------------------------------------------
+    def matmul(self, out, w, x) -> None:
+        """out (T, d) f32 = x (T, n) f32 @ w (d, n) f16 ^T, an FP16 GEMM with FP32 accumulation.
+
+        x is rounded to FP16 (the GEMM's inputs); the products are summed in
+        FP32 and written as FP32 by cuBLAS.
+        """
+        t, n = x.shape
+        d = w.shape[0]
+        if w.shape[1] != n or out.shape != (t, d):
+            raise InvalidArgumentError(f"matmul: {tuple(x.shape)} @ {tuple(w.shape)}^T -> {tuple(out.shape)}")
+        size = t * n
+        if self._cast_buf is None or self._cast_buf.size < size:
+            self._cast_buf = cp.empty(size, dtype=cp.float16)
+        x16 = self._cast_buf[:size].reshape(t, n)
+        self._k("cast_f32_f16")((_blocks(size, 256),), (256,), (x16, x, np.int64(size)))
+        if not self._gemm_ex(out, w, x16, t, d, n):
+            out[...] = cp.matmul(x16, w.T).astype(cp.float32)
+
+    def _gemm_ex(self, out, w, x16, t, d, n) -> bool:
+        """cublasGemmEx: f16 inputs, f32 output, f32 compute. False if unavailable here."""
+        if getattr(self, "_gemm_broken", False):
+            return False
+        try:
+            from cupy_backends.cuda.libs import cublas
+            handle = self.device.cublas_handle
+            one = np.ones(1, dtype=np.float32)
+            zero = np.zeros(1, dtype=np.float32)
+            mode = cublas.getPointerMode(handle)
+            cublas.setPointerMode(handle, 0)            # CUBLAS_POINTER_MODE_HOST
+            try:
+                # column-major view: out^T (d, T) = w^T' (d, n) . x16^T (n, T)
+                cublas.gemmEx(handle, 1, 0, d, t, n,        # OP_T, OP_N, m, n, k
+                              one.ctypes.data, w.data.ptr, 2, n,      # A = w, CUDA_R_16F, lda
+                              x16.data.ptr, 2, n,                     # B = x16, CUDA_R_16F, ldb
+                              zero.ctypes.data, out.data.ptr, 0, d,   # C = out, CUDA_R_32F, ldc
+                              68, -1)                                 # CUBLAS_COMPUTE_32F, GEMM_DEFAULT
+            finally:
+                cublas.setPointerMode(handle, mode)
+            return True
+        except Exception:  # noqa: BLE001 - older/newer CuPy without this binding: use cupy.matmul
+            self._gemm_broken = True
+            return False
+
+    # -- CUDA-graph decode ----------------------------------------------------------
+    def reset_graph(self) -> None:
+        """Forget the captured graph (call after reallocating any run-state buffer)."""
+        self._graph = None
+        self._graph_key = None
+        self._vocab = None
+        self._max_pos = None
+
+    def decode_step(self, issue_ops, token: int, pos: int) -> None:
+        """Run ``issue_ops(token, pos)`` (one token's whole forward pass) for this token.
+
+        The first call runs it eagerly (compiling kernels, allocating scratch)
+        and captures it as a CUDA graph; later calls only write {token, pos}
+        to the device and replay the graph. Every op issued must take its
+        per-step values from the step buffer, which the ops of this backend do
+        while decode_step runs; ``issue_ops`` must not allocate or synchronise.
+        """
+        token = int(token)
+        pos = int(pos)
+        if self._vocab is not None:
+            check_token(token, self._vocab)
+        if self._max_pos is not None and not 0 <= pos < self._max_pos:
+            raise InvalidArgumentError(f"position {pos} is out of range [0, {self._max_pos})")
+        if pos < 0:
+            raise InvalidArgumentError(f"position {pos} is out of range")
+        self._step_host[0] = token
+        self._step_host[1] = pos
+        stream = self._stream
+        with stream:
+            # pageable source: the call returns once the 8 bytes are staged, so reuse is safe
+            cp.cuda.runtime.memcpyAsync(self._step.data.ptr, self._step_host.ctypes.data, 8,
+                                        cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+            if self._graph is not None and self._graph_key == issue_ops:
+                self._graph.launch(stream=stream)
+                return
+            self._device_mode = True
+            try:
+                self._vocab = None
+                self._max_pos = None
+                issue_ops(token, pos)           # eager: computes this token, compiles, allocates
+                if self.use_graphs:
+                    self._capture(issue_ops, token, pos)
+            finally:
+                self._device_mode = False
+
+    def _capture(self, issue_ops, token: int, pos: int) -> None:
+        stream = self._stream
+        graph = None
+        try:
+            stream.begin_capture()
+            try:
+                issue_ops(token, pos)
+            finally:
+                graph = stream.end_capture()
+        except Exception as e:  # noqa: BLE001 - something in issue_ops cannot be captured
+            import warnings
+            warnings.warn(f"cyllm: CUDA graph capture failed ({e}); decoding without graphs", RuntimeWarning)
+            self.use_graphs = False
+            self.reset_graph()
+            return
+        self._graph = graph
+        self._graph_key = issue_ops
+
+    # -- measurement ------------------------------------------------------------------
+    def measure_copy_bandwidth(self, nbytes: int = 1 << 30, iters: int = 20) -> float:
+        """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+        free, _ = cp.cuda.runtime.memGetInfo()
+        nbytes = int(min(nbytes, max(free // 4, 1 << 20)))
+        src = cp.empty(nbytes, dtype=cp.uint8)
+        dst = cp.empty(nbytes, dtype=cp.uint8)
+        src.fill(1)
+        stream = self._stream
+        kind = cp.cuda.runtime.memcpyDeviceToDevice
+        with stream:
+            for _ in range(3):
+                cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, kind, stream.ptr)
+            times = []
+            for _ in range(iters):
+                start = stream.record()
+                cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, kind, stream.ptr)
+                end = stream.record()
+                end.synchronize()
+                times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+        del src, dst
+        t = float(np.median(times))
+        return 2 * nbytes / t / 1e9

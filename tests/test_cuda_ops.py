@@ -1,0 +1,389 @@
+"""CUDA backend, op by op, against the float32 NumPy reference (needs CuPy and a GPU).
+
+Inputs are fresh random values of awkward sizes (not multiples of 8, 32 or a
+warp), outputs are poisoned with NaN first so an unwritten element fails, and
+cache rows past the position hold NaN so a kernel that reads them fails.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+cp = pytest.importorskip("cupy")
+try:
+    _N_GPU = cp.cuda.runtime.getDeviceCount()
+except Exception:  # noqa: BLE001 - no driver
+    _N_GPU = 0
+if _N_GPU < 1:
+    pytest.skip("no CUDA GPU visible", allow_module_level=True)
+
+from cyllm.backends.cuda import CudaBackend  # noqa: E402
+from cyllm.backends.numpy_ref import NumpyBackend  # noqa: E402
+from cyllm.errors import CyllmError, InvalidArgumentError  # noqa: E402
+
+RNG = np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="module")
+def be():
+    return CudaBackend()
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return NumpyBackend()
+
+
+def rel_err(got, want) -> float:
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    assert np.all(np.isfinite(got)), "non-finite output (unwritten element or bad read)"
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def f32(*shape, scale=1.0):
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+def f16(*shape, scale=1.0):
+    return (RNG.standard_normal(shape) * scale).astype(np.float16)
+
+
+def nan_dev(shape):
+    return cp.full(shape, np.nan, dtype=cp.float32)
+
+
+def host(be, a):
+    return np.array(be.to_host(a), copy=True)
+
+
+# -- matvec family --------------------------------------------------------------------
+MV_SHAPES = [(1, 8), (3, 5), (37, 64), (100, 129), (64, 8), (257, 1000), (576, 576),
+             (1000, 4096), (33, 11008), (130, 4104)]
+
+
+@pytest.mark.parametrize("d,n", MV_SHAPES)
+def test_matvec(be, ref, d, n):
+    w, x = f16(d, n), f32(n)
+    out = nan_dev(d)
+    be.matvec(out, be.upload(w), be.upload(x))
+    want = np.zeros(d, np.float32)
+    ref.matvec(want, ref.upload(w), x)
+    assert rel_err(host(be, out), want) < 1e-5
+
+
+@pytest.mark.parametrize("d,n", MV_SHAPES)
+def test_matvec_add(be, ref, d, n):
+    w, x, r = f16(d, n), f32(n), f32(d)
+    out = be.upload(r)
+    be.matvec_add(out, be.upload(w), be.upload(x))
+    want = r.copy()
+    ref.matvec_add(want, ref.upload(w), x)
+    assert rel_err(host(be, out), want) < 1e-5
+
+
+@pytest.mark.parametrize("d,n", MV_SHAPES)
+def test_gate_up_silu(be, ref, d, n):
+    wg, wu, x = f16(d, n, scale=0.1), f16(d, n, scale=0.1), f32(n)
+    out = nan_dev(d)
+    be.gate_up_silu(out, be.upload(wg), be.upload(wu), be.upload(x))
+    want = np.zeros(d, np.float32)
+    ref.gate_up_silu(want, ref.upload(wg), ref.upload(wu), x)
+    assert rel_err(host(be, out), want) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("warps", [1, 3, 8, 32])
+def test_matvec_launch_shapes(ref, rows, warps):
+    """Every (rows per warp, warps per block) the bench may pick computes the same thing."""
+    b = CudaBackend()
+    b.matvec_rows, b.matvec_warps = rows, warps
+    for d, n in [(1, 8), (45, 256), (301, 2056)]:
+        w, x, r = f16(d, n), f32(n), f32(d)
+        out = nan_dev(d)
+        b.matvec(out, b.upload(w), b.upload(x))
+        assert rel_err(host(b, out), w.astype(np.float32) @ x) < 1e-5
+        out = b.upload(r)
+        b.matvec_add(out, b.upload(w), b.upload(x))
+        assert rel_err(host(b, out), r + w.astype(np.float32) @ x) < 1e-5
+        wu = f16(d, n)
+        out = nan_dev(d)
+        b.gate_up_silu(out, b.upload(w), b.upload(wu), b.upload(x))
+        want = np.zeros(d, np.float32)
+        ref.gate_up_silu(want, ref.upload(w), ref.upload(wu), x)
+        assert rel_err(host(b, out), want) < 1e-5
+
+
+def test_matvec_misaligned_views(be):
+    """x at an odd offset (not 16-byte aligned) takes the scalar path and is still right."""
+    d, n = 70, 128
+    w = f16(d, n)
+    xs = f32(n + 1)
+    x_dev = be.upload(xs)[1:]
+    out = nan_dev(d)
+    be.matvec(out, be.upload(w), x_dev)
+    assert rel_err(host(be, out), w.astype(np.float32) @ xs[1:]) < 1e-5
+
+
+# -- small ops ------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 7, 576, 4096, 5000])
+def test_rmsnorm(be, ref, n):
+    x, w = f32(n), f32(n)
+    out = nan_dev(n)
+    be.rmsnorm(out, be.upload(x), be.upload(w), 1e-5)
+    want = np.zeros(n, np.float32)
+    ref.rmsnorm(want, x, w, 1e-5)
+    assert rel_err(host(be, out), want) < 1e-5
+
+
+def test_rmsnorm_in_place(be, ref):
+    x, w = f32(300), f32(300)
+    xd = be.upload(x)
+    be.rmsnorm(xd, xd, be.upload(w), 1e-6)
+    want = np.zeros(300, np.float32)
+    ref.rmsnorm(want, x, w, 1e-6)
+    assert rel_err(host(be, xd), want) < 1e-5
+
+
+def test_embed(be):
+    table = f16(1001, 77)
+    t = be.upload(table)
+    for tok in (0, 1, 500, 1000):
+        out = nan_dev(77)
+        be.embed(out, t, tok)
+        np.testing.assert_array_equal(host(be, out), table[tok].astype(np.float32))
+    for bad in (-1, 1001):
+        with pytest.raises(InvalidArgumentError):
+            be.embed(nan_dev(77), t, bad)
+
+
+ROPE_CASES = [(4, 2, 64), (3, 1, 6), (32, 8, 128), (9, 3, 64), (5, 5, 10)]
+
+
+@pytest.mark.parametrize("nh,nkv,hd", ROPE_CASES)
+def test_rope(be, ref, nh, nkv, hd):
+    n_pos = 37
+    cos, sin = f32(n_pos, hd // 2), f32(n_pos, hd // 2)
+    cd, sd = be.upload(cos), be.upload(sin)
+    for pos in (0, 1, 17, n_pos - 1):
+        q, k = f32(nh * hd), f32(nkv * hd)
+        qd, kd = be.upload(q), be.upload(k)
+        be.rope(qd, kd, cd, sd, pos)
+        ref.rope(q, k, cos, sin, pos)
+        assert rel_err(host(be, qd), q) < 1e-6
+        assert rel_err(host(be, kd), k) < 1e-6
+    with pytest.raises(InvalidArgumentError):
+        be.rope(qd, kd, cd, sd, n_pos)
+
+
+@pytest.mark.parametrize("nkv,max_ctx,hd", [(1, 5, 6), (3, 100, 64), (8, 33, 128)])
+def test_cache_store(be, ref, nkv, max_ctx, hd):
+    kc = np.zeros((nkv, max_ctx, hd), np.float16)
+    vc = np.zeros((nkv, max_ctx, hd), np.float16)
+    kcd, vcd = be.upload(kc), be.upload(vc)
+    for pos in (0, 1, max_ctx - 1, max_ctx // 2):
+        k, v = f32(nkv * hd), f32(nkv * hd)
+        be.cache_store(kcd, vcd, be.upload(k), be.upload(v), pos)
+        ref.cache_store(kc, vc, k, v, pos)
+    np.testing.assert_array_equal(host(be, kcd), kc)
+    np.testing.assert_array_equal(host(be, vcd), vc)
+    with pytest.raises(InvalidArgumentError):
+        be.cache_store(kcd, vcd, be.upload(k), be.upload(v), max_ctx)
+
+
+@pytest.mark.parametrize("nh,nkv,hd", ROPE_CASES)
+def test_rope_store(be, ref, nh, nkv, hd):
+    """The fused op equals rope followed by cache_store."""
+    max_ctx = 29
+    cos, sin = f32(max_ctx, hd // 2), f32(max_ctx, hd // 2)
+    cd, sd = be.upload(cos), be.upload(sin)
+    kc = np.zeros((nkv, max_ctx, hd), np.float16)
+    vc = np.zeros((nkv, max_ctx, hd), np.float16)
+    kcd, vcd = be.upload(kc), be.upload(vc)
+    for pos in (0, 1, max_ctx - 1, 11):
+        q, k, v = f32(nh * hd), f32(nkv * hd), f32(nkv * hd)
+        qd, kd, vd = be.upload(q), be.upload(k), be.upload(v)
+        be.rope_store(qd, kd, vd, cd, sd, kcd, vcd, pos)
+        ref.rope(q, k, cos, sin, pos)
+        ref.cache_store(kc, vc, k, v, pos)
+        assert rel_err(host(be, qd), q) < 1e-6
+        assert rel_err(host(be, kd), k) < 1e-6
+    np.testing.assert_allclose(host(be, kcd).astype(np.float32), kc.astype(np.float32), rtol=1e-3, atol=1e-3)
+    np.testing.assert_array_equal(host(be, vcd), vc)
+    with pytest.raises(InvalidArgumentError):
+        be.rope_store(qd, kd, vd, cd, sd, kcd, vcd, max_ctx)
+
+
+# (n_heads, n_kv_heads, head_dim, max_ctx): MHA, GQA, MQA, groups of 3 and 6, odd head dims
+ATT_CASES = [(4, 4, 64, 50), (8, 2, 128, 300), (9, 3, 64, 1000), (6, 1, 32, 70),
+             (12, 2, 128, 700), (4, 4, 256, 300), (4, 2, 6, 40), (2, 1, 40, 100),
+             (3, 3, 16, 9), (32, 32, 128, 4096), (16, 16, 8, 65)]
+
+
+@pytest.mark.parametrize("nh,nkv,hd,max_ctx", ATT_CASES)
+def test_attention(be, ref, nh, nkv, hd, max_ctx):
+    kc = f16(nkv, max_ctx, hd)
+    vc = f16(nkv, max_ctx, hd)
+    for pos in sorted({0, 1, max_ctx // 3, max_ctx - 1}):
+        kp, vp = kc.copy(), vc.copy()
+        kp[:, pos + 1:] = np.nan        # rows past pos must never be read
+        vp[:, pos + 1:] = np.nan
+        q = f32(nh * hd)
+        out = nan_dev(nh * hd)
+        be.attention(out, be.upload(q), be.upload(kp), be.upload(vp), pos)
+        want = np.zeros(nh * hd, np.float32)
+        ref.attention(want, q, kc, vc, pos)
+        assert rel_err(host(be, out), want) < 1e-4, f"pos {pos}"
+
+
+def test_attention_peaked_scores(be, ref):
+    """Large score spreads (one dominant key per split) exercise the split merge."""
+    nh, nkv, hd, max_ctx = 4, 2, 64, 2000
+    kc = f16(nkv, max_ctx, hd, scale=3.0)
+    vc = f16(nkv, max_ctx, hd)
+    q = f32(nh * hd, scale=3.0)
+    out = nan_dev(nh * hd)
+    be.attention(out, be.upload(q), be.upload(kc), be.upload(vc), max_ctx - 1)
+    want = np.zeros(nh * hd, np.float32)
+    ref.attention(want, q, kc, vc, max_ctx - 1)
+    assert rel_err(host(be, out), want) < 1e-4
+
+
+def test_swiglu_add(be, ref):
+    n = 1537
+    g, u = f32(n), f32(n)
+    out = nan_dev(n)
+    be.swiglu(out, be.upload(g), be.upload(u))
+    want = np.zeros(n, np.float32)
+    ref.swiglu(want, g, u)
+    assert rel_err(host(be, out), want) < 1e-6
+    x, y = f32(n), f32(n)
+    xd = be.upload(x)
+    be.add(xd, xd, be.upload(y))        # out aliases x
+    np.testing.assert_array_equal(host(be, xd), x + y)
+
+
+@pytest.mark.parametrize("t,d,n", [(1, 8, 8), (5, 77, 64), (33, 256, 520), (128, 1000, 4096)])
+def test_matmul(be, t, d, n):
+    w, x = f16(d, n), f32(t, n)
+    out = cp.full((t, d), np.nan, dtype=cp.float32)
+    be.matmul(out, be.upload(w), be.upload(x))
+    want = x.astype(np.float16).astype(np.float64) @ w.astype(np.float64).T
+    # cuBLAS GemmEx writes f32; the cupy.matmul fallback rounds the result to f16
+    tol = 1e-3 if getattr(be, "_gemm_broken", False) else 1e-4
+    assert rel_err(host(be, out), want) < tol
+
+
+# -- memory helpers ----------------------------------------------------------------------------
+def test_upload_roundtrip_and_fit(be):
+    a = f16(13, 7)
+    np.testing.assert_array_equal(host(be, be.upload(a)), a)
+    e = be.empty((3, 5), np.float16)
+    assert e.shape == (3, 5) and e.dtype == np.float16
+    with pytest.raises(CyllmError):
+        be.check_fits(1 << 50)
+    be.check_fits(1 << 20)
+
+
+def test_copy_bandwidth(be):
+    gbs = be.measure_copy_bandwidth(64 << 20, iters=5)
+    assert 10 < gbs < 100_000
+
+
+# -- CUDA-graph decode --------------------------------------------------------------------------
+class TinyModel:
+    """One token's forward pass written against the op interface (as model.py does)."""
+
+    def __init__(self, b, nh=6, nkv=2, hd=64, dim=200, ffn=333, vocab=301, layers=2, ctx=70, seed=7, fused=False):
+        rng = np.random.default_rng(seed)
+        r16 = lambda *s: (rng.standard_normal(s) * 0.2).astype(np.float16)  # noqa: E731
+        r32 = lambda *s: (1 + 0.1 * rng.standard_normal(s)).astype(np.float32)  # noqa: E731
+        self.b, self.nh, self.nkv, self.hd = b, nh, nkv, hd
+        self.emb = b.upload(r16(vocab, dim))
+        self.layers = []
+        for _ in range(layers):
+            self.layers.append(dict(
+                ln1=b.upload(r32(dim)), wq=b.upload(r16(nh * hd, dim)), wk=b.upload(r16(nkv * hd, dim)),
+                wv=b.upload(r16(nkv * hd, dim)), wo=b.upload(r16(dim, nh * hd)), ln2=b.upload(r32(dim)),
+                wg=b.upload(r16(ffn, dim)), wu=b.upload(r16(ffn, dim)), wd=b.upload(r16(dim, ffn)),
+                kc=b.empty((nkv, ctx, hd), np.float16), vc=b.empty((nkv, ctx, hd), np.float16)))
+        self.lnf = b.upload(r32(dim))
+        self.head = b.upload(r16(vocab, dim))
+        t = np.arange(ctx, dtype=np.float32)[:, None] / (10000.0 ** (np.arange(hd // 2) / (hd // 2)))
+        self.cos, self.sin = b.upload(np.cos(t).astype(np.float32)), b.upload(np.sin(t).astype(np.float32))
+        e = lambda n: b.empty((n,), np.float32)  # noqa: E731
+        self.x, self.xb, self.q, self.k, self.v = e(dim), e(dim), e(nh * hd), e(nkv * hd), e(nkv * hd)
+        self.att, self.h, self.logits = e(nh * hd), e(ffn), e(vocab)
+        self.fused = fused
+        if fused:   # one (q;k;v) matvec into one buffer, q/k/v its views, rope + store in one launch
+            for L in self.layers:
+                L["wqkv"] = cp.concatenate([L.pop("wq"), L.pop("wk"), L.pop("wv")])
+            self.qkv = cp.zeros((nh + 2 * nkv) * hd, cp.float32)
+            self.q, self.k, self.v = (self.qkv[:nh * hd], self.qkv[nh * hd:(nh + nkv) * hd],
+                                      self.qkv[(nh + nkv) * hd:])
+
+    def issue(self, token, pos):
+        b = self.b
+        b.embed(self.x, self.emb, token)
+        for L in self.layers:
+            b.rmsnorm(self.xb, self.x, L["ln1"], 1e-5)
+            if self.fused:
+                b.matvec(self.qkv, L["wqkv"], self.xb)
+                b.rope_store(self.q, self.k, self.v, self.cos, self.sin, L["kc"], L["vc"], pos)
+            else:
+                b.matvec(self.q, L["wq"], self.xb)
+                b.matvec(self.k, L["wk"], self.xb)
+                b.matvec(self.v, L["wv"], self.xb)
+                b.rope(self.q, self.k, self.cos, self.sin, pos)
+                b.cache_store(L["kc"], L["vc"], self.k, self.v, pos)
+            b.attention(self.att, self.q, L["kc"], L["vc"], pos)
+            b.matvec_add(self.x, L["wo"], self.att)
+            b.rmsnorm(self.xb, self.x, L["ln2"], 1e-5)
+            b.gate_up_silu(self.h, L["wg"], L["wu"], self.xb)
+            b.matvec_add(self.x, L["wd"], self.h)
+        b.rmsnorm(self.xb, self.x, self.lnf, 1e-5)
+        b.matvec(self.logits, self.head, self.xb)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_decode_step_matches_eager(ref, graphs):
+    tokens = [5, 300, 0, 17, 17, 250, 42, 1, 99, 3]
+    eager_b, graph_b, ref_m = CudaBackend(), CudaBackend(), TinyModel(ref)
+    graph_b.use_graphs = graphs
+    eager_m, graph_m = TinyModel(eager_b), TinyModel(graph_b)
+    for pos, tok in enumerate(tokens):
+        eager_m.issue(tok, pos)
+        graph_b.decode_step(graph_m.issue, tok, pos)
+        ref_m.issue(tok, pos)
+        le, lg = host(eager_b, eager_m.logits), host(graph_b, graph_m.logits)
+        assert rel_err(lg, le) < 1e-6, f"pos {pos}"
+        assert rel_err(lg, ref_m.logits) < 1e-3, f"pos {pos}"
+    assert (graph_b._graph is not None) == graphs
+    with pytest.raises(InvalidArgumentError):
+        graph_b.decode_step(graph_m.issue, 301, len(tokens))
+    with pytest.raises(InvalidArgumentError):
+        graph_b.decode_step(graph_m.issue, 1, 70)
+
+
+def test_decode_step_jumps_positions():
+    """A graph captured at one position replays right at any other (pos is read on the device)."""
+    b1, b2 = CudaBackend(), CudaBackend()
+    m1, m2 = TinyModel(b1, ctx=600, nh=4, nkv=4), TinyModel(b2, ctx=600, nh=4, nkv=4)
+    for pos, tok in [(0, 1), (1, 2), (2, 3), (300, 4), (599, 5), (3, 6)]:
+        m1.issue(tok, pos)
+        b2.decode_step(m2.issue, tok, pos)
+        assert rel_err(host(b2, m2.logits), host(b1, m1.logits)) < 1e-6, f"pos {pos}"
+
+
+def test_decode_step_fused_views():
+    """Graph replay through views of one qkv buffer and the fused rope_store op."""
+    b1, b2 = CudaBackend(), CudaBackend()
+    m1, m2 = TinyModel(b1), TinyModel(b2, fused=True)
+    for pos, tok in enumerate([3, 1, 4, 1, 5, 9, 2, 6]):
+        m1.issue(tok, pos)
+        b2.decode_step(m2.issue, tok, pos)
+        assert rel_err(host(b2, m2.logits), host(b1, m1.logits)) < 1e-5, f"pos {pos}"
+    assert b2._graph is not None
