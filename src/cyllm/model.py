@@ -17,6 +17,9 @@ from .config import ModelConfig
 from .errors import ContextFullError, InvalidArgumentError
 
 DEFAULT_CONTEXT = 4096
+PREFILL_CHUNK = 256       # prompt tokens per batched pass: weights are read once per chunk
+BATCH_OPS = ("embed_batch", "rmsnorm_batch", "matmul", "matmul_add", "gate_up_silu_batch",
+             "add_rows", "rope_batch", "cache_store_batch", "attention_batch")
 
 
 @dataclass
@@ -49,6 +52,20 @@ class RunState:
     logits: Any   # (vocab,)
 
 
+@dataclass
+class BatchState:
+    """Prefill buffers: row t of each array belongs to prompt token t of the chunk."""
+    tokens: np.ndarray   # (B,) int32, host
+    x: Any               # (B, dim)
+    xb: Any              # (B, dim)
+    q: Any               # (B, n_heads*head_dim)
+    k: Any               # (B, n_kv*head_dim)
+    v: Any               # (B, n_kv*head_dim)
+    att: Any             # (B, n_heads*head_dim)
+    hb: Any              # (B, ffn)
+    logits: Any = None   # (B, vocab), only once logits at every position are asked for
+
+
 class Model:
     """A loaded model bound to one backend, with its KV cache and tokenizer."""
 
@@ -66,6 +83,8 @@ class Model:
         if threads_batch is not None:
             self.set_threads(self.backend.threads, threads_batch)
         self.weight_bytes = sum(int(a.nbytes) for a in weights.values())
+        self.batched_prefill = all(hasattr(self.backend, op) for op in BATCH_OPS)
+        self.batch: BatchState | None = None
         self._build(weights)
 
     @classmethod
@@ -154,34 +173,98 @@ class Model:
             self._issue_forward_ops(token, pos)
         return self.backend.to_host(self.state.logits)
 
-    def prefill(self, tokens, pos0: int = 0) -> np.ndarray:
-        """Fill the KV cache with ``tokens`` at positions pos0.. ; logits of the last one."""
+    def prefill(self, tokens, pos0: int = 0, all_logits: bool = False) -> np.ndarray:
+        """Fill the KV cache with ``tokens`` at positions pos0.. .
+
+        Returns the logits of the last token (vocab,), or with ``all_logits``
+        those of every token (len(tokens), vocab) in a new array.
+        """
         tokens = self._check_ids(tokens)
         if pos0 < 0 or pos0 + len(tokens) > self.context:
             raise ContextFullError(
                 f"{len(tokens)} tokens from position {pos0} do not fit in the context window "
                 f"of {self.context} tokens")
-        logits = None
+        out = np.empty((len(tokens), self.config.vocab_size), np.float32) if all_logits else None
         switch = self.threads_prefill != self.threads_decode and len(tokens) > 1
         if switch:
             self.backend.set_threads(self.threads_prefill)
         try:
-            for i, t in enumerate(tokens):
-                logits = self.forward(t, pos0 + i)
+            if self.batched_prefill and len(tokens) > 1:
+                logits = self._prefill_batched(tokens, pos0, out)
+            else:
+                for i, t in enumerate(tokens):
+                    logits = self.forward(t, pos0 + i)
+                    if out is not None:
+                        out[i] = logits
         finally:
             if switch:
                 self.backend.set_threads(self.threads_decode)
-        return logits
+        return out if all_logits else logits
 
     def logits(self, ids) -> np.ndarray:
         """Logits at every position of a fresh sequence: (len(ids), vocab) f32."""
         ids = self._check_ids(ids)
         if len(ids) > self.context:
             raise ContextFullError(f"{len(ids)} tokens do not fit in the context window of {self.context} tokens")
-        out = np.empty((len(ids), self.config.vocab_size), dtype=np.float32)
-        for pos, t in enumerate(ids):
-            out[pos] = self.forward(t, pos)
-        return out
+        return self.prefill(ids, 0, all_logits=True)
+
+    # -- batched prefill ------------------------------------------------------
+    def _batch_state(self, all_logits: bool) -> BatchState:
+        c, b = self.config, self.backend
+        if self.batch is None:
+            n = min(PREFILL_CHUNK, self.context)
+            self.batch = BatchState(
+                tokens=np.zeros(n, np.int32), x=b.empty((n, c.dim)), xb=b.empty((n, c.dim)),
+                q=b.empty((n, c.q_dim)), k=b.empty((n, c.kv_dim)), v=b.empty((n, c.kv_dim)),
+                att=b.empty((n, c.q_dim)), hb=b.empty((n, c.ffn_dim)))
+        if all_logits and self.batch.logits is None:
+            self.batch.logits = b.empty((self.batch.tokens.shape[0], c.vocab_size))
+        return self.batch
+
+    def _prefill_batched(self, tokens: list[int], pos0: int, out: np.ndarray | None) -> np.ndarray:
+        B = self._batch_state(out is not None)
+        chunk = B.tokens.shape[0]
+        logits = None
+        for start in range(0, len(tokens), chunk):
+            part = tokens[start:start + chunk]
+            last = start + chunk >= len(tokens)
+            B.tokens[:len(part)] = part
+            self._issue_batch_ops(len(part), pos0 + start, all_logits=out is not None)
+            if out is not None:
+                out[start:start + len(part)] = self.backend.to_host(B.logits)[:len(part)]
+            elif last:
+                logits = self.backend.to_host(self.state.logits)
+        return out[-1] if out is not None else logits
+
+    def _issue_batch_ops(self, T: int, pos0: int, all_logits: bool) -> None:
+        """The forward pass of ``_issue_forward_ops`` for T prompt tokens at once."""
+        b, c, s, B = self.backend, self.config, self.state, self.batch
+        eps = c.norm_eps
+        x, xb, q, k, v = B.x[:T], B.xb[:T], B.q[:T], B.k[:T], B.v[:T]
+        att, hb = B.att[:T], B.hb[:T]
+        b.embed_batch(x, self.embedding, B.tokens[:T])
+        for L in self.layers:
+            b.rmsnorm_batch(xb, x, L.attn_norm, eps)
+            b.matmul(q, L.wq, xb)
+            b.matmul(k, L.wk, xb)
+            b.matmul(v, L.wv, xb)
+            if L.bq is not None:
+                b.add_rows(q, q, L.bq)
+                b.add_rows(k, k, L.bk)
+                b.add_rows(v, v, L.bv)
+            b.rope_batch(q, k, self.rope_cos, self.rope_sin, pos0)
+            b.cache_store_batch(L.k_cache, L.v_cache, k, v, pos0)
+            b.attention_batch(att, q, L.k_cache, L.v_cache, pos0)
+            b.matmul_add(x, L.wo, att)
+            b.rmsnorm_batch(xb, x, L.ffn_norm, eps)
+            b.gate_up_silu_batch(hb, L.w_gate, L.w_up, xb)
+            b.matmul_add(x, L.w_down, hb)
+        if all_logits:
+            b.rmsnorm_batch(xb, x, self.final_norm, eps)
+            b.matmul(B.logits[:T], self.output, xb)
+        else:   # only the last position's logits are needed
+            b.rmsnorm(s.xb, B.x[T - 1], self.final_norm, eps)
+            b.matvec(s.logits, self.output, s.xb)
 
     # -- generation (the loop lives in generate.py) ---------------------------
     def generate(self, prompt: str, max_tokens: int = 256, **kwargs):

@@ -80,6 +80,37 @@ class Backend(Protocol):
     def add(self, out: Array, x: Array, y: Array) -> None:
         """out = x + y, all (n,) f32 (out may alias x)."""
 
+    # -- batched ops (prefill: T tokens at once, each row one position) --------
+    def embed_batch(self, out: Array, table: Array, tokens: np.ndarray) -> None:
+        """out (T, dim) f32 = table[tokens] ; tokens (T,) int32 on the host."""
+
+    def rmsnorm_batch(self, out: Array, x: Array, w: Array, eps: float) -> None:
+        """rmsnorm of every row: out, x (T, dim) f32 ; w (dim,) f32."""
+
+    def matmul(self, out: Array, w: Array, x: Array) -> None:
+        """out (T, d) f32 = x @ w.T ; w (d, n) f16, x (T, n) f32."""
+
+    def matmul_add(self, out: Array, w: Array, x: Array) -> None:
+        """*fused* out (T, d) f32 += x @ w.T."""
+
+    def gate_up_silu_batch(self, out: Array, w_gate: Array, w_up: Array, x: Array) -> None:
+        """*fused* out (T, f) f32 = silu(x @ w_gate.T) * (x @ w_up.T) ; x (T, n) f32."""
+
+    def add_rows(self, out: Array, x: Array, b: Array) -> None:
+        """out (T, n) = x (T, n) + b (n,) broadcast over rows (out may alias x)."""
+
+    def rope_batch(self, q: Array, k: Array, cos: Array, sin: Array, pos0: int) -> None:
+        """rope on every row in place: q (T, n_heads*head_dim), k (T, n_kv*head_dim); row t is position pos0+t."""
+
+    def cache_store_batch(self, k_cache: Array, v_cache: Array, k: Array, v: Array, pos0: int) -> None:
+        """k_cache[:, pos0+t, :] = k[t] (same for v) ; k, v (T, n_kv*head_dim) f32."""
+
+    def attention_batch(self, out: Array, q: Array, k_cache: Array, v_cache: Array, pos0: int) -> None:
+        """Causal attention for T queries: row t attends to cache positions 0..pos0+t inclusive.
+
+        out, q (T, n_heads*head_dim) f32 ; the cache must already hold positions up to pos0+T-1.
+        """
+
 
 def check_token(token: int, vocab: int) -> None:
     """Shared guard: kernels index tables with this, so it must be in range."""

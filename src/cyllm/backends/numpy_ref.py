@@ -93,3 +93,36 @@ class NumpyBackend:
 
     def add(self, out, x, y):
         np.add(x, y, out=out)
+
+    # -- batched ops: the single-row op applied row by row, by definition ------
+    def embed_batch(self, out, table, tokens):
+        for t, token in enumerate(tokens):
+            self.embed(out[t], table, int(token))
+
+    def rmsnorm_batch(self, out, x, w, eps):
+        for t in range(x.shape[0]):
+            self.rmsnorm(out[t], x[t], w, eps)
+
+    def matmul(self, out, w, x):
+        out[:] = x @ w.astype(np.float32, copy=False).T
+
+    def matmul_add(self, out, w, x):
+        out += x @ w.astype(np.float32, copy=False).T
+
+    def gate_up_silu_batch(self, out, w_gate, w_up, x):
+        out[:] = silu(x @ w_gate.astype(np.float32, copy=False).T) * (x @ w_up.astype(np.float32, copy=False).T)
+
+    def add_rows(self, out, x, b):
+        np.add(x, b, out=out)
+
+    def rope_batch(self, q, k, cos, sin, pos0):
+        for t in range(q.shape[0]):
+            self.rope(q[t], k[t], cos, sin, pos0 + t)
+
+    def cache_store_batch(self, k_cache, v_cache, k, v, pos0):
+        for t in range(k.shape[0]):
+            self.cache_store(k_cache, v_cache, k[t], v[t], pos0 + t)
+
+    def attention_batch(self, out, q, k_cache, v_cache, pos0):
+        for t in range(q.shape[0]):
+            self.attention(out[t], q[t], k_cache, v_cache, pos0 + t)

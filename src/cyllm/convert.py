@@ -1,0 +1,168 @@
+"""GGUF file -> Hugging Face model directory (config.json, model.safetensors F16, tokenizer files).
+
+Tensors are dequantized and written one at a time (the safetensors header is
+computed up front from the shapes), so converting never holds more than one
+dequantized tensor in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .errors import InvalidArgumentError, ModelLoadError
+from .loading.gguf import build_tokenizer, config_from_gguf, materialize, plan_tensors, read_gguf
+
+OUT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+             "generation_config.json")
+
+
+def hf_config_dict(cfg, torch_dtype: str = "float16") -> dict:
+    """config.json contents for a LlamaForCausalLM with these hyperparameters."""
+    d = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        "hidden_act": "silu",
+        "attention_bias": bool(cfg.attention_bias),
+        "mlp_bias": False,
+        "tie_word_embeddings": bool(cfg.tie_word_embeddings),
+        "torch_dtype": torch_dtype,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": (cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids))
+        if cfg.eos_token_ids else None,
+        "use_cache": True,
+    }
+    return d
+
+
+def _safetensors_header(entries: list[tuple[str, tuple[int, ...]]], meta: dict) -> tuple[bytes, list[int]]:
+    """Header bytes (length prefix included) and each tensor's data offset; all F16."""
+    header: dict = {"__metadata__": meta}
+    offsets = []
+    pos = 0
+    for name, shape in entries:
+        n = int(np.prod(shape)) * 2
+        header[name] = {"dtype": "F16", "shape": list(shape), "data_offsets": [pos, pos + n]}
+        offsets.append(pos)
+        pos += n
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)       # data start 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
+def _prepare_out_dir(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise InvalidArgumentError(f"output path {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise InvalidArgumentError(
+                f"output directory {out} is not empty; choose a new directory or allow overwriting")
+        for name in OUT_FILES:
+            p = out / name
+            if p.is_file() or p.is_symlink():
+                p.unlink()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InvalidArgumentError(f"cannot create output directory {out} ({e.strerror or e})") from None
+
+
+def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False,
+                       progress: bool = False) -> Path:
+    """Write a Hugging Face (transformers-loadable) model directory from a GGUF file.
+
+    Returns the output directory. All tensors are stored as F16 (1-D norm
+    weights included, as in float16 HF checkpoints).
+    """
+    gf = read_gguf(gguf_path)
+    cfg = config_from_gguf(gf)
+    plan = plan_tensors(gf, cfg)
+    tinfo = build_tokenizer(gf, cfg.vocab_size)
+    out = Path(out_dir)
+    _prepare_out_dir(out, overwrite)
+
+    header, _ = _safetensors_header([(p.hf_name, p.shape) for p in plan], {"format": "pt"})
+    tmp = out / "model.safetensors.part"
+    bar = None
+    if progress:
+        import sys
+        from tqdm import tqdm
+        bar = tqdm(total=len(plan), desc="converting", unit="tensor", file=sys.stderr)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header)
+            for p in plan:
+                a = materialize(gf, p)
+                if a.dtype != np.float16:
+                    a = a.astype(np.float16)    # 1-D f32 norms: well inside fp16 range
+                f.write(np.ascontiguousarray(a, dtype="<f2").data)
+                if bar is not None:
+                    bar.update(1)
+        os.replace(tmp, out / "model.safetensors")
+    except OSError as e:
+        raise ModelLoadError(f"cannot write {out / 'model.safetensors'} ({e.strerror or e})") from None
+    finally:
+        if bar is not None:
+            bar.close()
+        if tmp.exists():
+            tmp.unlink()
+
+    _write_json(out / "config.json", hf_config_dict(cfg))
+    gen = {"bos_token_id": cfg.bos_token_id,
+           "eos_token_id": (cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids))
+           if cfg.eos_token_ids else None}
+    if tinfo is not None:
+        pad = tinfo.tokenizer.token_to_id(tinfo.pad_token) if tinfo.pad_token else None
+        if pad is not None:
+            gen["pad_token_id"] = pad
+        _write_tokenizer(out, tinfo)
+    _write_json(out / "generation_config.json", gen)
+    return out
+
+
+def _write_tokenizer(out: Path, t) -> None:
+    from tokenizers import Tokenizer, processors
+    tok = Tokenizer.from_str(t.tokenizer.to_str())
+    if t.add_bos and t.bos_token is not None and t.bos_id is not None:
+        # the directory form states BOS in the post-processor (what HF tokenizers read)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{t.bos_token} $A", pair=f"{t.bos_token} $A {t.bos_token} $B",
+            special_tokens=[(t.bos_token, t.bos_id)])
+    tok.save(str(out / "tokenizer.json"))
+    tc = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": bool(t.add_bos),
+        "add_eos_token": bool(t.add_eos),
+        "bos_token": t.bos_token,
+        "eos_token": t.eos_token,
+        "unk_token": t.unk_token,
+        "pad_token": t.pad_token,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": None,
+    }
+    tc = {k: v for k, v in tc.items() if v is not None}
+    if t.chat_template:
+        tc["chat_template"] = t.chat_template
+    _write_json(out / "tokenizer_config.json", tc)
+
+
+def _write_json(path: Path, obj) -> None:
+    try:
+        path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    except OSError as e:
+        raise ModelLoadError(f"cannot write {path} ({e.strerror or e})") from None

@@ -1,0 +1,755 @@
+"""GGUF (llama.cpp's single-file format) -> ModelConfig, HF-named weights, Tokenizer.
+
+The header is parsed here rather than with ``gguf.GGUFReader``: the reader builds
+numpy views for every element of every metadata array (two per string), which
+costs ~3 s on the 100k vocabulary strings of a small model; this parser reads
+them in ~0.1 s, checks every length against the file size (so a truncated or
+hostile file is a clean ModelLoadError), and memory-maps the tensor data.
+Dequantization of the block formats is delegated to ``gguf.quants``.
+
+Facts about the format this code relies on:
+- little-endian header: b"GGUF", uint32 version (2 or 3), uint64 tensor_count,
+  uint64 kv_count, then kv pairs, then tensor infos, then (aligned to
+  ``general.alignment``, default 32) the tensor data.
+- a tensor's dims are listed fastest-first (ne0 = columns), so a (out, in)
+  row-major matrix is stored with dims [in, out].
+- llama.cpp's HF->GGUF converter reorders the rows of attn_q / attn_k within
+  each head from the "rotate half" layout (pairs i, i + d/2) to the
+  interleaved layout (pairs 2i, 2i + 1). ``_unpermute_rows`` undoes it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import ModelLoadError, TokenizerError, UnsupportedModelError
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+
+# metadata value types (GGUF spec)
+_UINT8, _INT8, _UINT16, _INT16, _UINT32, _INT32, _FLOAT32, _BOOL, _STRING, _ARRAY, \
+    _UINT64, _INT64, _FLOAT64 = range(13)
+_SCALAR_FMT = {_UINT8: "<B", _INT8: "<b", _UINT16: "<H", _INT16: "<h", _UINT32: "<I",
+               _INT32: "<i", _FLOAT32: "<f", _BOOL: "<?", _UINT64: "<Q", _INT64: "<q",
+               _FLOAT64: "<d"}
+_SCALAR_NP = {_UINT8: "<u1", _INT8: "<i1", _UINT16: "<u2", _INT16: "<i2", _UINT32: "<u4",
+              _INT32: "<i4", _FLOAT32: "<f4", _BOOL: "<u1", _UINT64: "<u8", _INT64: "<i8",
+              _FLOAT64: "<f8"}
+
+# ggml tensor types: id -> (name, elements per block, bytes per block).
+# Only the ones we accept need exact sizes; the rest are listed for naming.
+_F32, _F16, _Q4_0, _Q4_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K, _BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 30
+SUPPORTED_TENSOR_TYPES = {
+    _F32: ("F32", 1, 4), _F16: ("F16", 1, 2), _BF16: ("BF16", 1, 2),
+    _Q8_0: ("Q8_0", 32, 34), _Q4_0: ("Q4_0", 32, 18), _Q4_1: ("Q4_1", 32, 20),
+    _Q4_K: ("Q4_K", 256, 144), _Q5_K: ("Q5_K", 256, 176), _Q6_K: ("Q6_K", 256, 210),
+}
+_OTHER_TYPE_NAMES = {6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 15: "Q8_K",
+                     16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL",
+                     21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32",
+                     27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
+
+# tokenizer.ggml.token_type values (llama.cpp)
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+_FP16_MAX = 65504.0
+
+
+def _clip(name, limit: int = 80) -> str:
+    """A name from the file, safe for a one-line message (a corrupt file can hold anything)."""
+    s = str(name)
+    if not s.isprintable():
+        s = repr(s)[1:-1]
+    return s if len(s) <= limit else s[:limit] + "..."
+
+
+def _type_name(t: int) -> str:
+    if t in SUPPORTED_TENSOR_TYPES:
+        return SUPPORTED_TENSOR_TYPES[t][0]
+    return _OTHER_TYPE_NAMES.get(t, f"type {t}")
+
+
+# ----------------------------------------------------------------------------- file parsing
+
+@dataclass
+class GGUFTensorInfo:
+    name: str
+    dims: tuple[int, ...]          # GGUF order: fastest-varying first
+    ggml_type: int
+    offset: int                    # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """numpy (row-major) shape: the GGUF dims reversed."""
+        return tuple(reversed(self.dims))
+
+    @property
+    def type_name(self) -> str:
+        return _type_name(self.ggml_type)
+
+
+@dataclass
+class GGUFFile:
+    path: Path
+    version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensorInfo]
+    buf: Any = field(repr=False)   # the read-only mmap the tensors live in
+
+    def tensor_bytes(self, info: GGUFTensorInfo) -> np.ndarray:
+        """Zero-copy uint8 view of one tensor's raw data."""
+        return np.frombuffer(self.buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+
+
+class _Cursor:
+    """Bounds-checked little-endian reader over a bytes-like object."""
+
+    def __init__(self, buf, path: Path):
+        self.buf = buf
+        self.size = len(buf)
+        self.pos = 0
+        self.path = path
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise ModelLoadError(
+                f"{self.path}: GGUF file is truncated or corrupt (reading {_clip(what)} at byte "
+                f"{self.pos} needs {n} bytes, file has {self.size})")
+
+    def scalar(self, vtype: int, what: str):
+        fmt = _SCALAR_FMT[vtype]
+        n = struct.calcsize(fmt)
+        self.need(n, what)
+        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += n
+        return v
+
+    def u32(self, what: str) -> int:
+        return self.scalar(_UINT32, what)
+
+    def u64(self, what: str) -> int:
+        return self.scalar(_UINT64, what)
+
+    def string(self, what: str) -> str:
+        n = self.u64(what)
+        self.need(n, what)
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            # llama.cpp vocabularies can hold invalid UTF-8 pieces; keep them readable
+            return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int, what: str):
+        if vtype in _SCALAR_FMT:
+            return self.scalar(vtype, what)
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype == _ARRAY:
+            etype = self.u32(what)
+            count = self.u64(what)
+            if etype in _SCALAR_NP:
+                dt = np.dtype(_SCALAR_NP[etype])
+                self.need(count * dt.itemsize, what)
+                arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos).copy()
+                self.pos += count * dt.itemsize
+                if etype == _BOOL:
+                    arr = arr.astype(bool)
+                return arr
+            if etype == _STRING:
+                # every string costs at least its 8-byte length: reject absurd counts early
+                self.need(count * 8, what)
+                out = []
+                buf, pos, size = self.buf, self.pos, self.size
+                unpack = struct.unpack_from
+                for _ in range(count):
+                    if pos + 8 > size:
+                        self.pos = pos
+                        self.need(8, what)
+                    (n,) = unpack("<Q", buf, pos)
+                    pos += 8
+                    if pos + n > size:
+                        self.pos = pos
+                        self.need(n, what)
+                    raw = bytes(buf[pos:pos + n])
+                    pos += n
+                    try:
+                        out.append(raw.decode("utf-8"))
+                    except UnicodeDecodeError:
+                        out.append(raw.decode("utf-8", errors="replace"))
+                self.pos = pos
+                return out
+            if etype == _ARRAY:
+                self.need(count * 12, what)
+                return [self.value(_ARRAY, what) for _ in range(count)]
+            raise ModelLoadError(f"{self.path}: GGUF file is corrupt (metadata {_clip(what)} has an unknown array element type {etype})")
+        raise ModelLoadError(f"{self.path}: GGUF file is corrupt (metadata {_clip(what)} has an unknown value type {vtype})")
+
+
+def read_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Parse a GGUF header and memory-map its tensor data (nothing is dequantized)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size < 24:
+            raise ModelLoadError(f"{path}: not a GGUF file (only {size} bytes)")
+        with open(path, "rb") as f:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read ({e.strerror or e})") from None
+    if buf[:4] != GGUF_MAGIC:
+        raise ModelLoadError(f"{path}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
+    cur = _Cursor(buf, path)
+    cur.pos = 4
+    version = cur.u32("version")
+    if version not in (2, 3):
+        if version & 0xFFFF == 0 and version != 0:
+            raise ModelLoadError(f"{path}: big-endian GGUF files are not supported")
+        raise ModelLoadError(f"{path}: unsupported GGUF version {version} (supported: 2, 3)")
+    n_tensors = cur.u64("tensor count")
+    n_kv = cur.u64("metadata count")
+    # each kv pair needs at least 8 (key len) + 4 (type) + 1 bytes; each tensor info >= 8+4+4+8
+    if n_kv * 13 > size or n_tensors * 24 > size:
+        raise ModelLoadError(f"{path}: GGUF file is truncated or corrupt (implausible counts "
+                             f"{n_kv} metadata / {n_tensors} tensors for {size} bytes)")
+    metadata: dict[str, Any] = {}
+    for i in range(n_kv):
+        key = cur.string(f"metadata key #{i}")
+        vtype = cur.u32(f"type of {key}")
+        metadata[key] = cur.value(vtype, key)
+    infos = []
+    for i in range(n_tensors):
+        name = cur.string(f"tensor name #{i}")
+        n_dims = cur.u32(f"dims of {_clip(name)}")
+        if n_dims > 4:
+            raise ModelLoadError(f"{path}: tensor {_clip(name)} has {n_dims} dimensions (at most 4)")
+        dims = tuple(cur.u64(f"dims of {_clip(name)}") for _ in range(n_dims))
+        ttype = cur.u32(f"type of {name}")
+        offset = cur.u64(f"offset of {name}")
+        infos.append((name, dims, ttype, offset))
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise ModelLoadError(f"{path}: bad general.alignment {_clip(repr(alignment))}")
+    data_start = (cur.pos + alignment - 1) // alignment * alignment
+    tensors: dict[str, GGUFTensorInfo] = {}
+    for name, dims, ttype, offset in infos:
+        n_elems = math.prod(dims) if dims else 1
+        if ttype in SUPPORTED_TENSOR_TYPES:
+            _, block, bsize = SUPPORTED_TENSOR_TYPES[ttype]
+            if not dims or dims[0] % block:
+                raise ModelLoadError(f"{path}: tensor {_clip(name)} ({_type_name(ttype)}) has a row length "
+                                     f"{dims[0] if dims else 0} that is not a multiple of {block}")
+            nbytes = n_elems // block * bsize
+        else:
+            nbytes = 0   # refused by name when (if) the tensor is used
+        start = data_start + offset
+        if start + nbytes > size:
+            raise ModelLoadError(f"{path}: GGUF file is truncated (tensor {_clip(name)} ends at byte "
+                                 f"{start + nbytes}, file has {size})")
+        if name in tensors:
+            raise ModelLoadError(f"{path}: tensor {_clip(name)} appears twice")
+        tensors[name] = GGUFTensorInfo(name, dims, ttype, start, nbytes)
+    return GGUFFile(path, version, metadata, tensors, buf)
+
+
+# ----------------------------------------------------------------------------- config
+
+def _meta(md: dict, key: str, default=None, required=False):
+    if key in md:
+        v = md[key]
+        return v.item() if isinstance(v, np.generic) else v
+    if required:
+        raise ModelLoadError(f"GGUF metadata: missing required key {key!r}")
+    return default
+
+
+# Published llama3 rope-scaling settings; a GGUF stores only the resulting
+# per-frequency divisors (tensor rope_freqs), so we recognise which one it is.
+_LLAMA3_CANDIDATES = [
+    {"factor": f, "low_freq_factor": lo, "high_freq_factor": hi, "original_max_position_embeddings": o}
+    for f in (8.0, 32.0, 16.0, 4.0, 2.0)
+    for lo in (1.0,)
+    for hi in (4.0,)
+    for o in (8192, 4096, 2048, 16384, 32768)
+]
+
+
+def _rope_scaling_from_freqs(freqs: np.ndarray, head_dim: int, theta: float, path) -> dict | None:
+    """Identify the llama3 rope scaling whose divisors equal the rope_freqs tensor."""
+    freqs = np.asarray(freqs, dtype=np.float64).reshape(-1)
+    if freqs.shape != (head_dim // 2,):
+        raise UnsupportedModelError(f"{path}: rope_freqs has {freqs.size} entries, expected {head_dim // 2}")
+    if np.allclose(freqs, 1.0):
+        return None
+    from ..config import _llama3_scale
+    base = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    for cand in _LLAMA3_CANDIDATES:
+        want = base / _llama3_scale(base, cand)
+        if np.allclose(want, freqs, rtol=1e-3, atol=1e-4):
+            return {"rope_type": "llama3", **cand}
+    raise UnsupportedModelError(
+        f"{path}: the rope_freqs tensor holds a rope scaling that is not a known llama3 setting")
+
+
+def config_from_gguf(gf: GGUFFile) -> ModelConfig:
+    try:
+        return _config_from_gguf(gf)
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
+        # metadata of the wrong type (a string where a count belongs...)
+        raise ModelLoadError(f"{gf.path}: bad GGUF hyperparameters ({type(e).__name__}: {_clip(e, 200)})") from None
+
+
+def _config_from_gguf(gf: GGUFFile) -> ModelConfig:
+    md = gf.metadata
+    arch = _meta(md, "general.architecture")
+    if arch is None:
+        raise ModelLoadError(f"{gf.path}: GGUF metadata has no general.architecture")
+    if arch != "llama":
+        raise UnsupportedModelError(f"{gf.path}: GGUF architecture {_clip(repr(arch))} is not supported (supported: 'llama')")
+    p = "llama."
+    dim = _meta(md, p + "embedding_length", required=True)
+    n_layers = _meta(md, p + "block_count", required=True)
+    n_heads = _meta(md, p + "attention.head_count", required=True)
+    n_kv = _meta(md, p + "attention.head_count_kv", n_heads)
+    if isinstance(n_heads, np.ndarray) or isinstance(n_kv, np.ndarray):
+        raise UnsupportedModelError(f"{gf.path}: per-layer head counts are not supported")
+    head_dim = _meta(md, p + "attention.key_length") or (dim // n_heads if n_heads else 0)
+    v_dim = _meta(md, p + "attention.value_length", head_dim)
+    if v_dim != head_dim:
+        raise UnsupportedModelError(f"{gf.path}: key length {head_dim} != value length {v_dim}")
+    rope_dim = _meta(md, p + "rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise UnsupportedModelError(
+            f"{gf.path}: partial rotary embeddings (rope dim {rope_dim} of head dim {head_dim}) are not supported")
+    theta = float(_meta(md, p + "rope.freq_base", 10000.0))
+    scaling_type = _meta(md, p + "rope.scaling.type", "none")
+    if scaling_type not in ("none", None, ""):
+        raise UnsupportedModelError(f"{gf.path}: rope scaling {_clip(repr(scaling_type))} is not supported")
+    rope_scaling = None
+    if "rope_freqs.weight" in gf.tensors:
+        rope_scaling = _rope_scaling_from_freqs(_tensor_float32(gf, gf.tensors["rope_freqs.weight"]),
+                                                head_dim, theta, gf.path)
+    emb = gf.tensors.get("token_embd.weight")
+    if emb is None:
+        raise ModelLoadError(f"{gf.path}: GGUF file has no token_embd.weight tensor")
+    if len(emb.dims) != 2 or emb.dims[0] != dim:
+        raise ModelLoadError(f"{gf.path}: token_embd.weight has dims {emb.dims}, expected [{dim}, vocab]")
+    vocab = emb.dims[1]
+    if "blk.0.ffn_gate_exps.weight" in gf.tensors:
+        raise UnsupportedModelError(f"{gf.path}: mixture-of-experts GGUF files are not supported")
+    ffn = _meta(md, p + "feed_forward_length", required=True)
+    eos_ids = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        v = _meta(md, key)
+        if isinstance(v, int) and 0 <= v < vocab and v not in eos_ids:
+            eos_ids.append(v)
+    bos = _meta(md, "tokenizer.ggml.bos_token_id")
+    bias = "blk.0.attn_q.bias" in gf.tensors
+    try:
+        return ModelConfig(
+            arch="llama", dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
+            head_dim=head_dim, ffn_dim=ffn, vocab_size=vocab,
+            max_seq_len=_meta(md, p + "context_length", 2048),
+            norm_eps=float(_meta(md, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=theta, rope_scaling=rope_scaling,
+            tie_word_embeddings="output.weight" not in gf.tensors,
+            attention_bias=bias,
+            bos_token_id=bos if isinstance(bos, int) and 0 <= bos < vocab else None,
+            eos_token_ids=eos_ids, name=str(_meta(md, "general.name", gf.path.stem)))
+    except TypeError as e:
+        raise ModelLoadError(f"{gf.path}: bad GGUF hyperparameter ({e})") from None
+
+
+# ----------------------------------------------------------------------------- tensors
+
+def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row reordering: interleaved rotary pairs -> rotate-half.
+
+    Within one head of d rows, GGUF row 2*i + j holds HF row j*d/2 + i
+    (j in {0, 1}); so view each head as (d/2, 2) and transpose to (2, d/2).
+    Works on (rows, cols) matrices and (rows,) biases.
+    """
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    v = w.reshape(n_heads, half, 2, *w.shape[1:])
+    return np.ascontiguousarray(v.swapaxes(1, 2)).reshape(w.shape)
+
+
+def _dequantize(gf: GGUFFile, info: GGUFTensorInfo) -> np.ndarray:
+    """A tensor as float32 (or a zero-copy float16 view for F16), numpy shape."""
+    t = info.ggml_type
+    if t not in SUPPORTED_TENSOR_TYPES:
+        raise UnsupportedModelError(
+            f"{gf.path}: tensor {_clip(info.name)} has type {info.type_name}, which is not supported "
+            f"(supported: {', '.join(v[0] for v in SUPPORTED_TENSOR_TYPES.values())})")
+    shape = info.shape
+    raw = gf.tensor_bytes(info)
+    if t == _F16:
+        return raw.view(np.float16).reshape(shape)
+    if t == _F32:
+        return raw.view(np.float32).reshape(shape)
+    if t == _BF16:
+        # bfloat16 is the top half of a float32
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    from gguf import quants
+    from gguf.constants import GGMLQuantizationType
+    rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+    _, block, bsize = SUPPORTED_TENSOR_TYPES[t]
+    try:
+        out = quants.dequantize(raw.reshape(rows, shape[-1] // block * bsize), GGMLQuantizationType(t))
+    except Exception as e:   # the gguf package is third-party: never let its errors escape raw
+        raise ModelLoadError(f"{gf.path}: cannot dequantize tensor {_clip(info.name)} ({type(e).__name__}: {_clip(e, 200)})") from None
+    return out.reshape(shape)
+
+
+def _tensor_float32(gf: GGUFFile, info: GGUFTensorInfo) -> np.ndarray:
+    return np.asarray(_dequantize(gf, info), dtype=np.float32)
+
+
+def _to_f16(a: np.ndarray, name: str, path) -> np.ndarray:
+    if a.dtype == np.float16:
+        return a
+    big = max(float(a.max(initial=0.0)), -float(a.min(initial=0.0)))   # no |a| temporary
+    if big > _FP16_MAX:
+        raise UnsupportedModelError(
+            f"{path}: tensor {_clip(name)} has values up to {big:g}, beyond float16 range")
+    return a.astype(np.float16)
+
+
+_BLOCK_MAP = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_MAP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_IGNORED = {"rope_freqs.weight"}   # folded into config.rope_scaling
+_BLK_RE = re.compile(r"blk\.(\d+)\.(.+)$")
+
+
+@dataclass
+class PlannedTensor:
+    hf_name: str
+    info: GGUFTensorInfo
+    shape: tuple[int, ...]     # HF (numpy) shape
+    dtype: np.dtype            # float16 for matrices, float32 for 1-D
+    unpermute_heads: int = 0   # >0: q/k rows to reorder with this many heads
+
+
+def plan_tensors(gf: GGUFFile, cfg: ModelConfig) -> list[PlannedTensor]:
+    """Map every GGUF tensor to its HF name and target shape/dtype; check shapes."""
+    plan = []
+    d, q, kv, f, v = cfg.dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim, cfg.vocab_size
+    expect = {
+        "model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d),
+        "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
+        "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
+        "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+        "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f),
+    }
+    for name, info in gf.tensors.items():
+        if name in _IGNORED:
+            continue
+        if name in _GLOBAL_MAP:
+            hf = _GLOBAL_MAP[name]
+            short = hf
+        else:
+            m = _BLK_RE.match(name)
+            if not m or m.group(2) not in _BLOCK_MAP:
+                raise UnsupportedModelError(f"{gf.path}: unexpected tensor {_clip(name)} for a llama model")
+            layer = int(m.group(1))
+            if layer >= cfg.n_layers:
+                raise ModelLoadError(f"{gf.path}: tensor {_clip(name)} is past block_count {cfg.n_layers}")
+            short = _BLOCK_MAP[m.group(2)]
+            hf = f"model.layers.{layer}.{short}"
+        if info.ggml_type not in SUPPORTED_TENSOR_TYPES:
+            raise UnsupportedModelError(
+                f"{gf.path}: tensor {_clip(name)} has type {info.type_name}, which is not supported "
+                f"(supported: {', '.join(v[0] for v in SUPPORTED_TENSOR_TYPES.values())})")
+        if info.shape != expect[short]:
+            raise ModelLoadError(f"{gf.path}: tensor {_clip(name)} has shape {info.shape}, expected {expect[short]}")
+        heads = 0
+        if short.startswith("self_attn.q_proj"):
+            heads = cfg.n_heads
+        elif short.startswith("self_attn.k_proj"):
+            heads = cfg.n_kv_heads
+        dtype = np.dtype(np.float16 if len(info.shape) == 2 else np.float32)
+        plan.append(PlannedTensor(hf, info, info.shape, dtype, heads))
+    names = {p.hf_name for p in plan}
+    required = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(cfg.n_layers):
+        required += [f"model.layers.{i}.{s}" for s in (
+            "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
+    missing = [n for n in required if n not in names]
+    if missing:
+        raise ModelLoadError(f"{gf.path}: GGUF file lacks {len(missing)} tensors (first: {missing[0]})")
+    return plan
+
+
+def materialize(gf: GGUFFile, p: PlannedTensor) -> np.ndarray:
+    """One planned tensor in its contract dtype (F16 matrices stay zero-copy views)."""
+    a = _dequantize(gf, p.info)
+    if p.unpermute_heads:
+        a = _unpermute_rows(a, p.unpermute_heads)
+    if p.dtype == np.float16:
+        a = _to_f16(a, p.hf_name, gf.path)
+    else:
+        a = np.asarray(a, dtype=np.float32)
+    return a
+
+
+def iter_weights(gf: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    for p in plan_tensors(gf, cfg):
+        yield p.hf_name, materialize(gf, p)
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (byte-level BPE alphabet)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    mapping = {b: chr(b) for b in keep}
+    n = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + n)
+            n += 1
+    return mapping
+
+
+# Pre-tokenizer split patterns by llama.cpp's tokenizer.ggml.pre name (public regexes of
+# those tokenizers). None = GPT-2's own pattern (the ByteLevel pre-tokenizer's built-in regex).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_SPLITS = {
+    **{k: _LLAMA3_SPLIT for k in ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe", "pixtral")},
+    **{k: _QWEN2_SPLIT for k in ("qwen2", "deepseek-r1-qwen")},
+    "tekken": _TEKKEN_SPLIT,
+}
+# these split every digit apart before the GPT-2 pattern (their HF tokenizers use Digits)
+_PRE_DIGITS = {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"}
+
+
+def _byte_level_pre_tokenizer(pre: str | None):
+    from tokenizers import Regex, pre_tokenizers
+    if pre in _PRE_SPLITS:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _PRE_DIGITS:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    return byte_level
+
+
+def _spm_merges(tokens: list[str], scores) -> list[tuple[str, str]]:
+    """BPE merges equivalent to a SentencePiece-BPE vocabulary.
+
+    SentencePiece merges the adjacent pair whose concatenation is the
+    highest-scoring vocabulary piece; as BPE merges: every split of a piece into
+    two vocabulary pieces, ranked by the piece's score (ties: shorter left part
+    first, then vocabulary order).
+    """
+    vocab = {t: i for i, t in enumerate(tokens)}
+    cands = []
+    for tok, score in zip(tokens, scores):
+        local = []
+        for k in range(1, len(tok)):
+            left, right = tok[:k], tok[k:]
+            if left in vocab and right in vocab:
+                local.append((vocab[left], vocab[right], left, right))
+        local.sort()
+        for _, _, left, right in local:
+            cands.append((float(score), len(left), len(right), left, right))
+    # stable sort, best first, same key and tie order as transformers' generate_merges
+    cands.sort(key=lambda c: (c[0], c[1], c[2]), reverse=True)
+    return [(c[3], c[4]) for c in cands]
+
+
+@dataclass
+class GGUFTokenizerInfo:
+    tokenizer: Any                  # tokenizers.Tokenizer
+    kind: str                       # "gpt2" | "llama"
+    bos_id: int | None
+    eos_ids: list[int]
+    bos_token: str | None
+    eos_token: str | None
+    unk_token: str | None
+    pad_token: str | None
+    add_bos: bool
+    add_eos: bool
+    chat_template: str | None
+
+
+def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenizerInfo | None:
+    """tokenizers.Tokenizer + special-token facts from tokenizer.ggml.* metadata (None if absent)."""
+    md = gf.metadata
+    kind = _meta(md, "tokenizer.ggml.model")
+    if kind is None:
+        return None
+    tokens = md.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise TokenizerError(f"{gf.path}: GGUF tokenizer has no token list")
+    if vocab_size is not None and len(tokens) > vocab_size:
+        raise TokenizerError(f"{gf.path}: GGUF tokenizer has {len(tokens)} tokens, more than the "
+                             f"model's vocabulary of {vocab_size}")
+    types = md.get("tokenizer.ggml.token_type")
+    types = [int(t) for t in types] if types is not None else [TOKEN_NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise TokenizerError(f"{gf.path}: GGUF tokenizer token_type length {len(types)} != {len(tokens)} tokens")
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    def tok_id(key):
+        v = _meta(md, key)
+        return v if isinstance(v, int) and 0 <= v < len(tokens) else None
+
+    bos_id = tok_id("tokenizer.ggml.bos_token_id")
+    unk_id = tok_id("tokenizer.ggml.unknown_token_id")
+    pad_id = tok_id("tokenizer.ggml.padding_token_id")
+    eos_ids = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        v = tok_id(key)
+        if v is not None and v not in eos_ids:
+            eos_ids.append(v)
+
+    try:
+        if kind == "gpt2":
+            alphabet_map = _bytes_to_unicode()
+            alphabet = set(alphabet_map.values())
+            vocab = {}
+            for i, t in enumerate(tokens):
+                # a piece written in raw text (not the byte alphabet) is respelled byte-wise
+                spelled = t if set(t) <= alphabet else "".join(alphabet_map[b] for b in t.encode("utf-8"))
+                vocab.setdefault(spelled, i)
+            merges_raw = md.get("tokenizer.ggml.merges")
+            if not isinstance(merges_raw, list):
+                raise TokenizerError(f"{gf.path}: GGUF gpt2 tokenizer has no merges")
+            merges = []
+            for m in merges_raw:
+                parts = m.split(" ")
+                if len(parts) != 2:
+                    raise TokenizerError(f"{gf.path}: bad GGUF merge {_clip(repr(m))}")
+                merges.append((parts[0], parts[1]))
+            tk = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+            tk.pre_tokenizer = _byte_level_pre_tokenizer(_meta(md, "tokenizer.ggml.pre"))
+            tk.decoder = decoders.ByteLevel()
+            special_ok = lambda t: set(t) <= alphabet   # noqa: E731  (non-alphabet "controls" are mislabels)
+            add_bos_default = False
+        elif kind == "llama":
+            scores = md.get("tokenizer.ggml.scores")
+            if scores is None:
+                scores = np.zeros(len(tokens), dtype=np.float32)
+            if len(scores) != len(tokens):
+                raise TokenizerError(f"{gf.path}: GGUF tokenizer scores length {len(scores)} != {len(tokens)} tokens")
+            vocab = {}
+            for i, t in enumerate(tokens):
+                vocab.setdefault(t, i)
+            merges_raw = md.get("tokenizer.ggml.merges")
+            if isinstance(merges_raw, list) and merges_raw:
+                merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+            else:
+                merges = _spm_merges(tokens, scores)
+            unk = tokens[unk_id] if unk_id is not None else None
+            tk = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+            add_prefix = bool(_meta(md, "tokenizer.ggml.add_space_prefix", True))
+            tk.pre_tokenizer = pre_tokenizers.Metaspace(
+                replacement="\u2581", prepend_scheme="first" if add_prefix else "never", split=False)
+            seq = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+            if add_prefix:
+                seq.append(decoders.Strip(content=" ", left=1))
+            tk.decoder = decoders.Sequence(seq)
+            special_ok = lambda t: True   # noqa: E731
+            add_bos_default = True   # llama.cpp's default for SentencePiece vocabularies
+        else:
+            raise UnsupportedModelError(
+                f"{gf.path}: GGUF tokenizer model {_clip(repr(kind))} is not supported (supported: 'gpt2', 'llama')")
+        control = [AddedToken(t, normalized=False, special=True)
+                   for t, ty in zip(tokens, types) if ty == TOKEN_CONTROL and t and special_ok(t)]
+        if control:
+            tk.add_special_tokens(control)
+        user = [AddedToken(t, normalized=False, special=False)
+                for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED and t and t in vocab]
+        if user:
+            tk.add_tokens(user)
+    except (TokenizerError, UnsupportedModelError):
+        raise
+    except Exception as e:   # tokenizers raises plain Exceptions on bad vocabularies
+        raise TokenizerError(f"{gf.path}: cannot build the GGUF tokenizer ({type(e).__name__}: {_clip(e, 200)})") from None
+
+    def name(i):
+        return tokens[i] if i is not None else None
+
+    template = _meta(md, "tokenizer.chat_template")
+    return GGUFTokenizerInfo(
+        tokenizer=tk, kind=kind, bos_id=bos_id, eos_ids=eos_ids, bos_token=name(bos_id),
+        eos_token=name(eos_ids[0]) if eos_ids else None, unk_token=name(unk_id), pad_token=name(pad_id),
+        add_bos=bool(_meta(md, "tokenizer.ggml.add_bos_token", add_bos_default)),
+        add_eos=bool(_meta(md, "tokenizer.ggml.add_eos_token", False)),
+        chat_template=template if isinstance(template, str) else None)
+
+
+def make_tokenizer(info: GGUFTokenizerInfo):
+    """The project's Tokenizer around a built GGUF tokenizer."""
+    from ..tokenizer import Tokenizer
+    return Tokenizer(info.tokenizer, info.bos_id, list(info.eos_ids), chat_template=info.chat_template,
+                     bos_token=info.bos_token, eos_token=info.eos_token, add_bos=info.add_bos)
+
+
+# ----------------------------------------------------------------------------- entry point
+
+def load_gguf(path: str | os.PathLike):
+    """GGUF file -> (ModelConfig, {HF name: array}, Tokenizer | None).
+
+    Quantized tensors are dequantized once here (float16 matrices, float32
+    vectors); F16 matrices other than q/k are zero-copy views of the mmap.
+    """
+    gf = read_gguf(path)
+    cfg = config_from_gguf(gf)
+    weights = dict(iter_weights(gf, cfg))
+    from . import validate_weights
+    validate_weights(cfg, weights)
+    info = build_tokenizer(gf, cfg.vocab_size)
+    tokenizer = make_tokenizer(info) if info is not None else None
+    return cfg, weights, tokenizer
+
+
+def describe(path: str | os.PathLike) -> str:
+    """Human summary of a GGUF file's metadata (debugging aid)."""
+    gf = read_gguf(path)
+    md = {k: (v if not isinstance(v, (list, np.ndarray)) else f"[{len(v)} items]") for k, v in gf.metadata.items()}
+    return json.dumps(md, indent=1, default=str)
