@@ -38,15 +38,18 @@ class LayerWeights:
     w_down: Any         # (dim, ffn) f16
     k_cache: Any        # (n_kv, context, head_dim) f16
     v_cache: Any        # (n_kv, context, head_dim) f16
+    wqkv: Any = None    # (q_dim + 2*kv_dim, dim) f16 when the backend fuses q/k/v (wq/wk/wv are row views)
+    bqkv: Any = None    # (q_dim + 2*kv_dim,) f32
 
 
 @dataclass
 class RunState:
+    qkv: Any      # (n_heads*head_dim + 2*n_kv*head_dim,) q, k and v side by side
     x: Any        # (dim,) residual stream
     xb: Any       # (dim,) normed input of a sub-block
-    q: Any        # (n_heads*head_dim,)
-    k: Any        # (n_kv*head_dim,)
-    v: Any        # (n_kv*head_dim,)
+    q: Any        # (n_heads*head_dim,)  view of qkv
+    k: Any        # (n_kv*head_dim,)     view of qkv
+    v: Any        # (n_kv*head_dim,)     view of qkv
     att: Any      # (n_heads*head_dim,) attention output, before wo
     hb: Any       # (ffn,) silu(gate) * up
     logits: Any   # (vocab,)
@@ -103,19 +106,30 @@ class Model:
         else:
             self.output = self.embedding
         self.layers: list[LayerWeights] = []
+        fuse = bool(getattr(b, "fuse_qkv", False))
+        qd, kd = c.q_dim, c.kv_dim
         for i in range(c.n_layers):
             p = f"model.layers.{i}."
-
-            def bias(name):
-                key = p + f"self_attn.{name}.bias"
-                return up(w[key]) if c.attention_bias and key in w else None
-
+            names = [p + f"self_attn.{m}_proj.weight" for m in "qkv"]
+            bias_names = [p + f"self_attn.{m}_proj.bias" for m in "qkv"]
+            has_bias = c.attention_bias and all(n in w for n in bias_names)
+            wqkv = bqkv = None
+            if fuse:
+                wqkv = up(np.concatenate([w[n] for n in names]))
+                wq, wk, wv = wqkv[:qd], wqkv[qd:qd + kd], wqkv[qd + kd:]
+                if has_bias:
+                    bqkv = up(np.concatenate([w[n] for n in bias_names]))
+            else:
+                wq, wk, wv = (up(w[n]) for n in names)
+            if bqkv is not None:
+                bq, bk, bv = bqkv[:qd], bqkv[qd:qd + kd], bqkv[qd + kd:]
+            elif has_bias:
+                bq, bk, bv = (up(w[n]) for n in bias_names)
+            else:
+                bq = bk = bv = None
             self.layers.append(LayerWeights(
                 attn_norm=up(w[p + "input_layernorm.weight"]),
-                wq=up(w[p + "self_attn.q_proj.weight"]),
-                wk=up(w[p + "self_attn.k_proj.weight"]),
-                wv=up(w[p + "self_attn.v_proj.weight"]),
-                bq=bias("q_proj"), bk=bias("k_proj"), bv=bias("v_proj"),
+                wq=wq, wk=wk, wv=wv, bq=bq, bk=bk, bv=bv,
                 wo=up(w[p + "self_attn.o_proj.weight"]),
                 ffn_norm=up(w[p + "post_attention_layernorm.weight"]),
                 w_gate=up(w[p + "mlp.gate_proj.weight"]),
@@ -123,13 +137,14 @@ class Model:
                 w_down=up(w[p + "mlp.down_proj.weight"]),
                 k_cache=b.empty((c.n_kv_heads, self.context, c.head_dim), np.float16),
                 v_cache=b.empty((c.n_kv_heads, self.context, c.head_dim), np.float16),
+                wqkv=wqkv, bqkv=bqkv,
             ))
         cos, sin = c.rope_tables(self.context)                          # (context, head_dim/2)
         self.rope_cos, self.rope_sin = up(cos), up(sin)
+        qkv = b.empty((qd + 2 * kd,))
         self.state = RunState(
-            x=b.empty((c.dim,)), xb=b.empty((c.dim,)), q=b.empty((c.q_dim,)),
-            k=b.empty((c.kv_dim,)), v=b.empty((c.kv_dim,)), att=b.empty((c.q_dim,)),
-            hb=b.empty((c.ffn_dim,)), logits=b.empty((c.vocab_size,)))
+            qkv=qkv, x=b.empty((c.dim,)), xb=b.empty((c.dim,)), q=qkv[:qd], k=qkv[qd:qd + kd],
+            v=qkv[qd + kd:], att=b.empty((qd,)), hb=b.empty((c.ffn_dim,)), logits=b.empty((c.vocab_size,)))
 
     # -- the forward pass -----------------------------------------------------
     def _issue_forward_ops(self, token: int, pos: int) -> None:
@@ -140,15 +155,19 @@ class Model:
         for L in self.layers:
             # attention block: x += wo @ attention(rope(wq xb), rope(wk xb), wv xb)
             b.rmsnorm(s.xb, s.x, L.attn_norm, eps)
-            b.matvec(s.q, L.wq, s.xb)
-            b.matvec(s.k, L.wk, s.xb)
-            b.matvec(s.v, L.wv, s.xb)
-            if L.bq is not None:
-                b.add(s.q, s.q, L.bq)
-                b.add(s.k, s.k, L.bk)
-                b.add(s.v, s.v, L.bv)
-            b.rope(s.q, s.k, self.rope_cos, self.rope_sin, pos)
-            b.cache_store(L.k_cache, L.v_cache, s.k, s.v, pos)
+            if L.wqkv is not None:
+                b.matvec(s.qkv, L.wqkv, s.xb)
+                if L.bqkv is not None:
+                    b.add(s.qkv, s.qkv, L.bqkv)
+            else:
+                b.matvec(s.q, L.wq, s.xb)
+                b.matvec(s.k, L.wk, s.xb)
+                b.matvec(s.v, L.wv, s.xb)
+                if L.bq is not None:
+                    b.add(s.q, s.q, L.bq)
+                    b.add(s.k, s.k, L.bk)
+                    b.add(s.v, s.v, L.bv)
+            b.rope_store(s.q, s.k, s.v, self.rope_cos, self.rope_sin, L.k_cache, L.v_cache, pos)
             b.attention(s.att, s.q, L.k_cache, L.v_cache, pos)
             b.matvec_add(s.x, L.wo, s.att)
             # MLP block: x += w_down @ (silu(w_gate xb) * (w_up xb))

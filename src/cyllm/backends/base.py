@@ -25,6 +25,8 @@ class Backend(Protocol):
     name: str              # "numpy" | "cpu" | "cuda"
     kernel_variant: str    # what runs the kernels: "numpy", "avx2", "generic", "cuda"
     threads: int           # worker threads used by the kernels (1 for numpy/cuda)
+    fuse_qkv: bool         # True: the model uploads q/k/v as one (q+2kv, dim) matrix (one matvec
+                           # instead of three); backends that map weights without copying say False
 
     # -- memory ---------------------------------------------------------------
     def upload(self, a: np.ndarray) -> Array:
@@ -66,6 +68,10 @@ class Backend(Protocol):
 
         k_cache, v_cache (n_kv_heads, max_ctx, head_dim) f16 ; k, v (n_kv_heads*head_dim,) f32.
         """
+
+    def rope_store(self, q: Array, k: Array, v: Array, cos: Array, sin: Array,
+                   k_cache: Array, v_cache: Array, pos: int) -> None:
+        """*fused* rope(q, k, cos, sin, pos) then cache_store(k_cache, v_cache, k, v, pos)."""
 
     def attention(self, out: Array, q: Array, k_cache: Array, v_cache: Array, pos: int) -> None:
         """Causal attention of one query over cache positions 0..pos inclusive.

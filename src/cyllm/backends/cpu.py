@@ -30,6 +30,7 @@ except ImportError as e:          # not built (source checkout without `pip inst
 
 class CpuBackend(_k.CpuKernels):
     name = "cpu"
+    fuse_qkv = False      # weights stay memory-mapped: no concatenated copy
 
     def __init__(self, threads=None, variant: str | None = None):
         """threads: None -> OMP_NUM_THREADS or physical cores (cyllm.threads);
@@ -40,6 +41,10 @@ class CpuBackend(_k.CpuKernels):
 
     def set_threads(self, n) -> None:
         self.threads = resolve_threads(n)
+
+    def rope_store(self, q, k, v, cos, sin, k_cache, v_cache, pos) -> None:
+        self.rope(q, k, cos, sin, pos)
+        self.cache_store(k_cache, v_cache, k, v, pos)
 
     # -- memory ---------------------------------------------------------------
     def upload(self, a: np.ndarray) -> np.ndarray:

@@ -86,6 +86,7 @@ def _blocks(n: int, threads: int) -> int:
 
 class CudaBackend:
     name = "cuda"
+    fuse_qkv = True       # upload copies anyway: one (q+2kv, dim) matrix, one matvec
     kernel_variant = "cuda"
 
     def __init__(self, threads: int | None = None):

@@ -19,6 +19,7 @@ def silu(x: np.ndarray) -> np.ndarray:
 class NumpyBackend:
     name = "numpy"
     kernel_variant = "numpy"
+    fuse_qkv = False
 
     def __init__(self, threads: int | None = None):
         self.threads = 1
@@ -68,6 +69,10 @@ class NumpyBackend:
             x2 = h[:, half:].copy()
             h[:, :half] = x1 * c - x2 * s
             h[:, half:] = x2 * c + x1 * s
+
+    def rope_store(self, q, k, v, cos, sin, k_cache, v_cache, pos):
+        self.rope(q, k, cos, sin, pos)
+        self.cache_store(k_cache, v_cache, k, v, pos)
 
     def cache_store(self, k_cache, v_cache, k, v, pos):
         n_kv, _, hd = k_cache.shape
