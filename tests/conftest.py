@@ -25,3 +25,17 @@ HOST_BACKENDS = ["numpy"] + (["cpu"] if cpu_backend_available() else [])
 @pytest.fixture(params=HOST_BACKENDS)
 def host_backend(request):
     return request.param
+
+
+@pytest.fixture(scope="session")
+def default_model_file():
+    """The real default model (SmolLM2-135M-Instruct GGUF), fetched once into the user cache."""
+    from cyllm.default_model import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_file):
+    """The default model loaded once per test session on the fastest host backend."""
+    import cyllm
+    return cyllm.load(default_model_file, backend=HOST_BACKENDS[-1])

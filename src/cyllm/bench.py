@@ -1,0 +1,636 @@
+"""`cyllm bench`: llama-bench-style throughput tables, with a memory roofline.
+
+Tests (llama-bench naming):
+  pp<N>      prompt processing: prefill N random token ids from an empty cache
+  tg<N>      text generation: N single-token forward passes (random ids; the
+             cost is the forward, sampling is left out as llama-bench does)
+  tg<N>@d<D> the same with D positions already in the KV cache
+
+Each test runs once untimed (warm-up: page faults, waking the thread team),
+then ``-r`` times; the table shows the median tokens/s and the sample stdev.
+
+Single-batch decode is memory-bound, so every tg row also reports the bytes a
+token reads (weights actually touched + the KV cache positions attended), the
+achieved GB/s, and that as a percentage of the read bandwidth measured in the
+same run at the same thread count (the roofline).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import BackendUnavailableError, CyllmError, InvalidArgumentError
+
+OUTPUT_FORMATS = ("md", "json", "csv")
+# warm-up runs are shortened: their job is to fault pages in and wake threads
+WARMUP_PP = 32
+WARMUP_TG = 8
+
+
+# -- argument parsing ----------------------------------------------------------
+def parse_int_list(text, what: str, minimum: int = 0) -> list[int]:
+    """"1,2,4" / "1-4" / 512 -> [ints], each >= minimum; InvalidArgumentError otherwise."""
+    if isinstance(text, (list, tuple)):
+        items = [str(t) for t in text]
+    elif isinstance(text, (int, np.integer)) and not isinstance(text, bool):
+        items = [str(int(text))]
+    elif isinstance(text, str):
+        items = [t.strip() for t in text.split(",")]
+    else:
+        raise InvalidArgumentError(f"{what}: expected a comma-separated list of numbers, got {text!r}")
+    out: list[int] = []
+    for item in items:
+        m = re.fullmatch(r"(\d+)-(\d+)", item)          # a range "1-4"
+        try:
+            if m:
+                a, b = int(m.group(1)), int(m.group(2))
+                if b < a:
+                    raise ValueError
+                vals = list(range(a, b + 1))
+            else:
+                vals = [int(item)]
+        except ValueError:
+            raise InvalidArgumentError(
+                f"{what}: {item!r} is not a whole number (expected a list like 1,2,4)") from None
+        for v in vals:
+            if v < minimum:
+                raise InvalidArgumentError(f"{what}: expected numbers >= {minimum}, got {v}")
+            if v not in out:
+                out.append(v)
+    if not out:
+        raise InvalidArgumentError(f"{what}: the list is empty")
+    return out
+
+
+def parse_backends(text) -> list[str]:
+    from .backends import BACKENDS
+    names = [t.strip().lower() for t in str(text).split(",") if t.strip()]
+    if not names:
+        raise InvalidArgumentError("--backend: the list is empty")
+    for n in names:
+        if n not in BACKENDS:
+            raise InvalidArgumentError(f"unknown backend {n!r} (choose from {', '.join(BACKENDS)})")
+    return list(dict.fromkeys(names))
+
+
+def parse_output_format(text) -> str:
+    fmt = str(text).strip().lower()
+    if fmt == "markdown":
+        fmt = "md"
+    if fmt not in OUTPUT_FORMATS:
+        raise InvalidArgumentError(f"unknown output format {text!r} (choose from {', '.join(OUTPUT_FORMATS)})")
+    return fmt
+
+
+def warn(msg: str) -> None:
+    print(f"cyllm: warning: {msg}", file=sys.stderr)
+
+
+def check_thread_counts(threads: list[int]) -> None:
+    """Warn (stderr) about counts above the logical CPUs: they still run, oversubscribed."""
+    from .threads import logical_cpus
+    n = logical_cpus()
+    over = [t for t in threads if t > n]
+    if over:
+        warn(f"{', '.join(map(str, over))} thread(s) exceed the {n} logical CPUs available; "
+             "those runs oversubscribe the cores and are usually slower")
+
+
+# -- the model under test --------------------------------------------------------
+@dataclass
+class ModelSource:
+    """Weights held once and bound to each backend in turn."""
+    label: str                      # what the table shows
+    config: object                  # ModelConfig
+    weights: dict
+    tokenizer: object = None
+    path: str | None = None
+    preset: str | None = None
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.weights.values())
+
+
+def load_source(model=None, synthetic=None, seed: int = 0, backends=("cpu",), context: int = 0) -> ModelSource:
+    """Weights from a path (HF dir / GGUF), a synthetic preset, or the default model."""
+    if model and synthetic:
+        raise InvalidArgumentError("pass either -m/--model or --synthetic, not both")
+    if synthetic:
+        from .synthetic import build_synthetic, preset_config
+        cfg = preset_config(synthetic)
+        # the numpy backend keeps a float32 copy of every matrix (3x the f16 bytes)
+        factor = 3.0 if "numpy" in backends else 1.0
+        kv = cfg.kv_bytes_per_token() * max(context, 1) * len(backends)
+        from .synthetic import check_fits, weight_bytes
+        check_fits(int(weight_bytes(cfg) * factor) + kv, f"synthetic preset {synthetic!r}")
+        cfg, weights = build_synthetic(synthetic, seed=seed, check_memory=False)
+        return ModelSource(label=f"{cfg.name.split(':', 1)[1]} (synthetic)", config=cfg,
+                           weights=weights, preset=synthetic)
+    from .loading import load_path
+    if model is None:
+        try:
+            from .default_model import default_model_path
+        except ImportError:
+            raise InvalidArgumentError("no model given: pass -m PATH or --synthetic PRESET") from None
+        model = default_model_path()
+    config, weights, tok = load_path(model)
+    label = os.path.basename(os.path.normpath(os.fspath(model)))
+    return ModelSource(label=label, config=config, weights=weights, tokenizer=tok, path=os.fspath(model))
+
+
+def make_backend(name: str, threads: int):
+    from .backends import get_backend
+    try:
+        return get_backend(name, threads)
+    except ImportError as e:            # the compiled extension is missing
+        raise BackendUnavailableError(f"the {name} backend is not available ({e})") from None
+
+
+def bind_model(src: ModelSource, backend, context: int):
+    from .model import Model
+    return Model.from_weights(src.config, src.weights, src.tokenizer, backend=backend, context=context)
+
+
+def set_threads(model, n: int) -> int:
+    """Switch the kernel thread count in place; returns the count now in effect."""
+    be = model.backend
+    setter = getattr(model, "set_threads", None)
+    if setter is not None:
+        try:
+            setter(n, n)            # Model.set_threads(decode, prefill): both phases use n
+        except TypeError:
+            setter(n)               # a Model whose set_threads takes one count
+    elif hasattr(be, "set_threads"):
+        be.set_threads(n)
+    return int(getattr(be, "threads", n))
+
+
+def varies_threads(backend) -> bool:
+    """Only backends with a thread team (cpu) are swept over -t."""
+    return hasattr(backend, "set_threads") and backend.name not in ("numpy", "cuda")
+
+
+# -- bandwidth (the roofline) ----------------------------------------------------
+_BW_CACHE: dict[tuple, tuple[float | None, str]] = {}
+
+
+def _as_gbps(v) -> float | None:
+    if v is None:
+        return None
+    v = float(v)
+    if not np.isfinite(v) or v <= 0:
+        return None
+    return v / 1e9 if v > 1e5 else v       # accept bytes/s or GB/s
+
+
+def _numpy_read_probe() -> float:
+    """GB/s of a 1-thread numpy sum over 256 MB (fallback when the extension has no probe)."""
+    buf = np.ones(64 << 20, dtype=np.float32)          # (64M,) 256 MB >> any LLC
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.nbytes / best / 1e9
+
+
+def read_bandwidth(backend, threads: int) -> tuple[float | None, str]:
+    """(GB/s, source) of the memory the backend's kernels read, for ``threads``."""
+    kind = backend.name
+    key = (kind, threads if kind == "cpu" else 1)
+    if key in _BW_CACHE:
+        return _BW_CACHE[key]
+    result: tuple[float | None, str] = (None, "unavailable")
+    if kind == "cuda":
+        f = getattr(backend, "measure_copy_bandwidth", None)
+        if f is not None:
+            result = (_as_gbps(f()), "device copy")
+    else:
+        f = None
+        try:
+            from .backends import cpu as cpu_mod
+            f = getattr(cpu_mod, "measure_read_bandwidth", None)
+        except ImportError:
+            pass
+        if f is None and hasattr(backend, "measure_read_bandwidth"):
+            f = backend.measure_read_bandwidth
+        n = threads if kind == "cpu" else 1
+        if f is not None:
+            result = (_as_gbps(f(n)), "cyllm read kernel")
+        else:
+            result = (_numpy_read_probe(), "numpy sum, 1 thread")
+    _BW_CACHE[key] = result
+    return result
+
+
+# -- bytes per token ---------------------------------------------------------------
+def weight_bytes_read_per_token(model) -> int:
+    """Bytes of weights one forward pass reads, from the arrays the backend holds.
+
+    Every layer matrix and norm is read once; of the embedding table only one
+    row is read, unless it doubles as the output matrix (tied), then all of it.
+    """
+    def nb(a):
+        return int(getattr(a, "nbytes", 0)) if a is not None else 0
+
+    total = nb(model.final_norm) + nb(model.output)
+    if model.output is not model.embedding:
+        total += nb(model.embedding) // max(model.config.vocab_size, 1)
+    for L in model.layers:
+        for a in (L.attn_norm, L.wq, L.wk, L.wv, L.bq, L.bk, L.bv, L.wo, L.ffn_norm,
+                  L.w_gate, L.w_up, L.w_down):
+            total += nb(a)
+    return total
+
+
+def kv_bytes_read(model, depth: int, n_gen: int) -> float:
+    """Average KV-cache bytes a tg token reads: K and V of every position attended.
+
+    The token at position p attends p + 1 positions; over positions depth..depth+n-1
+    that averages depth + (n + 1) / 2.
+    """
+    c = model.config
+    itemsize = int(getattr(getattr(model.layers[0].k_cache, "dtype", None), "itemsize", 2) or 2)
+    avg_pos = depth + (n_gen + 1) / 2
+    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * itemsize * avg_pos
+
+
+# -- op-issue overhead (what the Python model costs outside the kernels) -------------
+class _NullBackend:
+    """Every op a no-op: timing a forward pass on it measures model.py's own overhead."""
+    name = "null"
+    kernel_variant = "none"
+    threads = 1
+
+    def upload(self, a):
+        return a
+
+    def empty(self, shape, dtype=np.float32):
+        return np.zeros(shape, dtype=dtype)
+
+    def to_host(self, a):
+        return a
+
+    def synchronize(self):
+        pass
+
+    def _noop(self, *args, **kwargs):
+        pass
+
+    embed = rmsnorm = matvec = matvec_add = gate_up_silu = rope = cache_store = _noop
+    attention = swiglu = add = _noop
+
+
+def issue_overhead_s(src: ModelSource, n: int = 20) -> float | None:
+    """Seconds per token spent issuing ops in Python (no kernel work), best of n."""
+    try:
+        from .model import Model
+        m = Model.from_weights(src.config, src.weights, None, backend=_NullBackend(), context=2)
+        best = float("inf")
+        for _ in range(n):
+            t0 = time.perf_counter()
+            m.forward(1 % src.config.vocab_size, 0)
+            best = min(best, time.perf_counter() - t0)
+        return best
+    except Exception:   # noqa: BLE001 -- an optional statistic must never break a benchmark
+        return None
+
+
+# -- running the tests ----------------------------------------------------------------
+@dataclass
+class Test:
+    kind: str          # "pp" | "tg"
+    n: int
+    depth: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}{self.n}" + (f"@d{self.depth}" if self.depth else "")
+
+
+def plan_tests(pp: list[int], tg: list[int], depths: list[int]) -> list[Test]:
+    tests = [Test("pp", n) for n in pp if n > 0]
+    tests += [Test("tg", n, d) for d in depths for n in tg if n > 0]
+    if not tests:
+        raise InvalidArgumentError("nothing to run: every -p and -n size is 0")
+    return tests
+
+
+def needed_context(tests: list[Test]) -> int:
+    need = 1
+    for t in tests:
+        need = max(need, t.n + t.depth)
+    return need
+
+
+def fill_cache_to_depth(model, depth: int, seed: int) -> None:
+    """Make positions 0..depth-1 of every layer's KV cache hold plausible values.
+
+    Untimed setup: attention cost does not depend on the values, so random
+    float16 numbers are written straight into the cache (seconds instead of the
+    minutes a token-by-token prefill of a long depth would take).
+    """
+    if depth <= 0:
+        return
+    c = model.config
+    rng = np.random.default_rng(seed)
+    host = (rng.standard_normal((c.n_kv_heads, depth, c.head_dim), dtype=np.float32)
+            .astype(np.float16))                                  # (n_kv, depth, head_dim)
+    try:
+        dev = model.backend.upload(host)
+        for L in model.layers:
+            L.k_cache[:, :depth, :] = dev
+            L.v_cache[:, :depth, :] = dev
+        model.backend.synchronize()
+    except (TypeError, ValueError, AttributeError):
+        # a backend whose cache cannot be assigned to: fill it the honest way
+        ids = rng.integers(0, c.vocab_size, size=depth).tolist()
+        model.prefill(ids, 0)
+
+
+def time_test(model, test: Test, n: int, rng) -> float:
+    """Seconds for one run of ``test`` with size n (the KV prefix is already filled)."""
+    vocab = model.config.vocab_size
+    ids = rng.integers(0, vocab, size=n).tolist()
+    if test.kind == "pp":
+        t0 = time.perf_counter()
+        model.prefill(ids, 0)          # returns host logits: the work has finished
+        return time.perf_counter() - t0
+    fwd = model.forward
+    pos0 = test.depth
+    t0 = time.perf_counter()
+    for i, tok in enumerate(ids):
+        fwd(tok, pos0 + i)             # returns host logits: synchronised
+    return time.perf_counter() - t0
+
+
+@dataclass
+class BenchConfig:
+    backends: list[str]
+    threads: list[int]
+    tests: list[Test]
+    repetitions: int = 3
+    seed: int = 0
+    context: int | None = None
+    overhead: bool = True
+    progress: bool = True
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    # disable=None: tqdm stays silent when stderr is not a terminal
+    return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, disable=None,
+                unit="run", dynamic_ncols=True)
+
+
+def run_bench(src: ModelSource, cfg: BenchConfig) -> list[dict]:
+    """Run every (backend, threads, test) and return one result dict per row."""
+    if cfg.repetitions < 1:
+        raise InvalidArgumentError(f"repetitions must be >= 1, got {cfg.repetitions}")
+    context = cfg.context or needed_context(cfg.tests)
+    if context < needed_context(cfg.tests):
+        raise InvalidArgumentError(
+            f"--context {context} is smaller than the largest test needs ({needed_context(cfg.tests)})")
+    results: list[dict] = []
+    overhead = issue_overhead_s(src) if cfg.overhead else None
+    from .threads import logical_cpus
+    for be_name in cfg.backends:
+        backend = make_backend(be_name, cfg.threads[0])
+        model = bind_model(src, backend, context)
+        wbytes = weight_bytes_read_per_token(model)
+        # untimed: positions below the deepest tg depth hold values once, for every test
+        fill_cache_to_depth(model, max((t.depth for t in cfg.tests), default=0), cfg.seed)
+        thread_list = cfg.threads if varies_threads(backend) else [int(getattr(backend, "threads", 1))]
+        total = len(thread_list) * len(cfg.tests) * (cfg.repetitions + 1)
+        bar = _progress(total, cfg.progress, f"bench {be_name}")
+        try:
+            for t in thread_list:
+                threads_now = set_threads(model, t) if varies_threads(backend) else t
+                for ti, test in enumerate(cfg.tests):
+                    if bar is not None:
+                        bar.set_postfix_str(f"t={t} {test.name}")
+                    rng = np.random.default_rng([cfg.seed, ti, t])
+                    warm = min(test.n, WARMUP_PP if test.kind == "pp" else WARMUP_TG)
+                    time_test(model, test, warm, rng)
+                    if bar is not None:
+                        bar.update(1)
+                    samples = []
+                    for _ in range(cfg.repetitions):
+                        dt = time_test(model, test, test.n, rng)
+                        samples.append(test.n / dt)
+                        if bar is not None:
+                            bar.update(1)
+                    results.append(_result_row(src, model, backend, threads_now, test, samples,
+                                               wbytes, overhead, logical_cpus()))
+        finally:
+            if bar is not None:
+                bar.close()
+        del model, backend
+    return results
+
+
+def _result_row(src, model, backend, threads, test: Test, samples, wbytes, overhead, ncpu) -> dict:
+    med = statistics.median(samples)
+    row = {
+        "model": src.label,
+        "model_path": src.path,
+        "synthetic": src.preset,
+        "model_bytes": src.weight_bytes,
+        "n_params": int(src.config.n_params),
+        "backend": backend.name,
+        "kernel_variant": getattr(backend, "kernel_variant", ""),
+        "threads": int(threads),
+        "logical_cpus": ncpu,
+        "test": test.name,
+        "n_prompt": test.n if test.kind == "pp" else 0,
+        "n_gen": test.n if test.kind == "tg" else 0,
+        "depth": test.depth,
+        "repetitions": len(samples),
+        "tokens_per_s": med,
+        "tokens_per_s_stdev": statistics.stdev(samples) if len(samples) > 1 else 0.0,
+        "tokens_per_s_min": min(samples),
+        "tokens_per_s_max": max(samples),
+        "samples_tokens_per_s": samples,
+        "bytes_per_token": None,
+        "gb_per_s": None,
+        "read_bandwidth_gb_s": None,
+        "bandwidth_source": None,
+        "roofline_pct": None,
+        "issue_overhead_pct": None,
+    }
+    if test.kind == "tg":
+        bpt = wbytes + kv_bytes_read(model, test.depth, test.n)
+        gbps = bpt * med / 1e9
+        bw, bw_src = read_bandwidth(backend, threads)
+        row.update(bytes_per_token=int(round(bpt)), gb_per_s=gbps, read_bandwidth_gb_s=bw,
+                   bandwidth_source=bw_src, roofline_pct=(100.0 * gbps / bw) if bw else None)
+        if overhead is not None and getattr(backend, "decode_step", None) is None:
+            row["issue_overhead_pct"] = 100.0 * overhead * med
+    return row
+
+
+# -- formatting -------------------------------------------------------------------------
+def _fmt_bytes(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"
+
+
+def _fmt_params(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def format_markdown(results: list[dict]) -> str:
+    head = ["model", "size", "params", "backend", "variant", "threads", "test", "t/s", "GB/s", "roofline"]
+    align = ["---", "---:", "---:", "---", "---", "---:", "---:", "---:", "---:", "---:"]
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
+    for r in results:
+        gb = f"{r['gb_per_s']:.2f}" if r["gb_per_s"] is not None else ""
+        rf = f"{r['roofline_pct']:.1f}%" if r["roofline_pct"] is not None else ""
+        lines.append("| " + " | ".join([
+            r["model"], _fmt_bytes(r["model_bytes"]), _fmt_params(r["n_params"]), r["backend"],
+            r["kernel_variant"], str(r["threads"]), r["test"],
+            f"{r['tokens_per_s']:.2f} ± {r['tokens_per_s_stdev']:.2f}", gb, rf]) + " |")
+    notes = []
+    bws = {}
+    for r in results:
+        if r["read_bandwidth_gb_s"] is not None:
+            bws[(r["backend"], r["threads"])] = (r["read_bandwidth_gb_s"], r["bandwidth_source"])
+    if bws:
+        parts = [(f"{be} {t} thread{'s' if t != 1 else ''}" if be == "cpu" else be)
+                 + f": {bw:.1f} GB/s ({srcname})" for (be, t), (bw, srcname) in sorted(bws.items())]
+        notes.append("read bandwidth measured in this run: " + "; ".join(parts))
+    tg = [r for r in results if r["bytes_per_token"] is not None]
+    if tg:
+        r = tg[0]
+        notes.append(f"bytes read per generated token: weights + KV cache attended "
+                     f"(e.g. {r['test']}: {r['bytes_per_token'] / 1e6:.1f} MB)")
+    ov = [r for r in results if r["issue_overhead_pct"] is not None]
+    if ov:
+        parts = [f"{r['backend']} t={r['threads']} {r['test']}: {r['issue_overhead_pct']:.1f}%" for r in ov]
+        notes.append("share of decode time spent issuing ops in Python (outside the kernels): "
+                     + "; ".join(parts))
+    if notes:
+        lines.append("")
+        lines.extend(notes)
+    return "\n".join(lines)
+
+
+CSV_COLUMNS = ["model", "model_path", "synthetic", "model_bytes", "n_params", "backend",
+               "kernel_variant", "threads", "logical_cpus", "test", "n_prompt", "n_gen", "depth",
+               "repetitions", "tokens_per_s", "tokens_per_s_stdev", "tokens_per_s_min",
+               "tokens_per_s_max", "bytes_per_token", "gb_per_s", "read_bandwidth_gb_s",
+               "bandwidth_source", "roofline_pct", "issue_overhead_pct"]
+
+
+def format_csv(results: list[dict]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in results:
+        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_COLUMNS})
+    return buf.getvalue().rstrip("\n")
+
+
+def format_json(results: list[dict]) -> str:
+    return json.dumps(results, indent=2)
+
+
+def format_results(results: list[dict], fmt: str) -> str:
+    return {"md": format_markdown, "json": format_json, "csv": format_csv}[fmt](results)
+
+
+# -- the CLI ----------------------------------------------------------------------------
+def _add_common_bench_args(p, add_model_args) -> None:
+    add_model_args(p)
+    p.add_argument("--synthetic", metavar="PRESET",
+                   help="random-weight model with real shapes instead of -m (presets: "
+                   "smollm2-135m, smollm2-135m-untied, smollm2-360m, tinyllama-1.1b, llama3.2-1b, "
+                   "llama2-7b, mistral-7b, tiny)")
+    p.add_argument("-r", "--repetitions", default="3", help="timed runs per test after one warm-up (default 3)")
+    p.add_argument("--seed", default="0", help="seed of the synthetic weights and token ids (default 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def add_bench_parser(sub, add_model_args) -> None:
+    b = sub.add_parser("bench", help="measure prompt (pp) and generation (tg) speed, llama-bench style",
+                       description="Measure tokens/s for prompt processing (ppN) and generation (tgN, "
+                       "optionally at a KV-cache depth), with the roofline of measured read bandwidth. "
+                       "-t, -p, -n, -d, --backend take comma lists.")
+    _add_common_bench_args(b, add_model_args)
+    b.add_argument("-p", "--n-prompt", default="512", help="prompt sizes, e.g. 128,512 (default 512; 0 = none)")
+    b.add_argument("-n", "--n-gen", default="128", help="generation sizes (default 128; 0 = none)")
+    b.add_argument("-d", "--depth", default="0", help="KV-cache depths for tg tests (default 0)")
+    b.add_argument("-o", "--output", default="md", help="md (default), json or csv")
+    b.set_defaults(func=cmd_bench)
+
+
+def add_tune_parser(sub, add_model_args) -> None:
+    from .tuning import add_tune_args, cmd_tune
+    t = sub.add_parser("tune", help="find and save the best thread counts for prefill and decode",
+                       description="Sweep thread counts (1 to the logical CPUs) for prefill and decode, "
+                       "show the table and a chart, and save the best per model size class.")
+    _add_common_bench_args(t, add_model_args)
+    add_tune_args(t)
+    t.set_defaults(func=cmd_tune)
+
+
+def parse_common(a) -> tuple[list[str], int, int]:
+    backends = parse_backends(a.backend)
+    reps = parse_int_list(a.repetitions, "--repetitions", minimum=1)
+    if len(reps) != 1:
+        raise InvalidArgumentError("--repetitions takes one number")
+    try:
+        seed = int(str(a.seed).strip())
+    except ValueError:
+        raise InvalidArgumentError(f"--seed must be an integer, got {a.seed!r}") from None
+    return backends, reps[0], seed
+
+
+def default_thread_list(a) -> list[int]:
+    from .threads import resolve_threads
+    if a.threads is None:
+        return [resolve_threads(None)]
+    return parse_int_list(a.threads, "--threads", minimum=1)
+
+
+def cmd_bench(a) -> int:
+    fmt = parse_output_format(a.output)
+    backends, reps, seed = parse_common(a)
+    threads = default_thread_list(a)
+    pp = parse_int_list(a.n_prompt, "-p/--n-prompt", minimum=0)
+    tg = parse_int_list(a.n_gen, "-n/--n-gen", minimum=0)
+    depths = parse_int_list(a.depth, "-d/--depth", minimum=0)
+    tests = plan_tests(pp, tg, depths)
+    check_thread_counts(threads)
+    context = a.context or needed_context(tests)
+    src = load_source(a.model, a.synthetic, seed, backends, context)
+    cfg = BenchConfig(backends=backends, threads=threads, tests=tests, repetitions=reps,
+                      seed=seed, context=context, progress=not a.no_progress)
+    results = run_bench(src, cfg)
+    out = format_results(results, fmt)
+    sys.stdout.write(out + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+__all__ = ["add_bench_parser", "add_tune_parser", "run_bench", "BenchConfig", "Test", "ModelSource",
+           "load_source", "plan_tests", "parse_int_list", "format_results", "read_bandwidth",
+           "weight_bytes_read_per_token", "kv_bytes_read", "CyllmError"]

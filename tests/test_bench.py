@@ -1,0 +1,181 @@
+"""`cyllm bench` / `cyllm tune` on the tiny synthetic preset: fast, well-formed, saved tuning used."""
+
+import csv
+import io
+import json
+
+import numpy as np
+import pytest
+
+from conftest import cpu_backend_available
+from cyllm import bench, synthetic, tuning
+from cyllm.cli import main
+from cyllm.errors import InvalidArgumentError, ModelLoadError
+from cyllm.threads import logical_cpus
+
+BACKEND = "cpu" if cpu_backend_available() else "numpy"
+FAST = ["--synthetic", "tiny", "--backend", BACKEND, "-p", "8", "-n", "4", "-r", "2", "--no-progress"]
+
+
+@pytest.fixture
+def fake_bandwidth(monkeypatch):
+    """Skip the 512 MB bandwidth probe where the test is not about it."""
+    monkeypatch.setattr(bench, "read_bandwidth", lambda backend, threads: (10.0, "test"))
+
+
+@pytest.fixture
+def config_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("CYLLM_CONFIG_DIR", str(tmp_path / "cfg"))
+    return tmp_path / "cfg"
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# -- synthetic models ---------------------------------------------------------------
+def test_synthetic_presets_have_real_sizes():
+    assert round(synthetic.preset_config("smollm2-135m").n_params / 1e6, 1) == 134.5
+    assert round(synthetic.preset_config("llama2-7b").n_params / 1e9, 2) == 6.74
+    assert round(synthetic.preset_config("mistral-7b").n_params / 1e9, 2) == 7.24
+    assert round(synthetic.preset_config("tinyllama-1.1b").n_params / 1e9, 2) == 1.10
+    assert round(synthetic.preset_config("llama3.2-1b").n_params / 1e9, 2) == 1.24
+
+
+def test_synthetic_is_deterministic_and_not_constant():
+    c, w1 = synthetic.build_synthetic("tiny", seed=3)
+    _, w2 = synthetic.build_synthetic("tiny", seed=3)
+    _, w3 = synthetic.build_synthetic("tiny", seed=4)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert w1[q].dtype == np.float16 and w1["model.norm.weight"].dtype == np.float32
+    np.testing.assert_array_equal(w1[q], w2[q])
+    assert not np.array_equal(w1[q], w3[q])
+    assert np.unique(w1[q]).size > 100 and not np.array_equal(w1[q][0], w1[q][1])
+    assert not np.array_equal(w1[q], w1["model.layers.1.self_attn.q_proj.weight"])
+    assert abs(float(w1["model.norm.weight"].mean()) - 1.0) < 0.2
+
+
+def test_synthetic_model_runs():
+    from cyllm.model import Model
+    c, w = synthetic.build_synthetic("tiny")
+    m = Model.from_weights(c, w, backend=BACKEND, context=16)
+    logits = m.prefill([1, 2, 3], 0)
+    assert logits.shape == (c.vocab_size,) and np.isfinite(logits).all()
+
+
+def test_synthetic_refuses_what_does_not_fit(monkeypatch, capsys):
+    monkeypatch.setattr(synthetic, "mem_available", lambda: 1 << 20)
+    with pytest.raises(ModelLoadError, match="GB"):
+        synthetic.build_synthetic("smollm2-135m")
+    rc, out, err = run(capsys, "bench", "--synthetic", "llama2-7b", "--backend", BACKEND)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and "memory" in err
+
+
+# -- bench output -----------------------------------------------------------------------
+def test_bench_json_only_json_on_stdout(capsys):
+    # the real bandwidth probe runs here (once per thread count)
+    rc, out, err = run(capsys, "bench", *FAST, "-t", "1", "-d", "0,8", "-o", "json")
+    assert rc == 0
+    rows = json.loads(out)                       # nothing but the JSON on stdout
+    assert [r["test"] for r in rows] == ["pp8", "tg4", "tg4@d8"]
+    for r in rows:
+        for key in ("backend", "threads", "test", "tokens_per_s", "gb_per_s", "roofline_pct"):
+            assert key in r
+        assert r["backend"] == BACKEND and r["threads"] >= 1 and r["tokens_per_s"] > 0
+        assert r["model_bytes"] > 0 and r["n_params"] > 0
+    for r in rows[1:]:
+        assert r["gb_per_s"] > 0 and r["roofline_pct"] > 0 and r["bytes_per_token"] > 0
+    # deeper cache: more KV bytes read per token
+    assert rows[2]["bytes_per_token"] > rows[1]["bytes_per_token"]
+
+
+def test_bench_markdown_and_csv(capsys, fake_bandwidth):
+    rc, out, _ = run(capsys, "bench", *FAST, "-t", "1")
+    assert rc == 0
+    table = [ln for ln in out.splitlines() if ln.startswith("|")]
+    assert "| model |" in table[0] and len(table) == 4          # header, rule, pp8, tg4
+    assert "pp8" in table[2] and "tg4" in table[3] and "%" in table[3]
+
+    rc, out, _ = run(capsys, "bench", *FAST, "-t", "1", "-o", "csv")
+    assert rc == 0
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert [r["test"] for r in rows] == ["pp8", "tg4"]
+    assert float(rows[1]["tokens_per_s"]) > 0 and float(rows[1]["roofline_pct"]) > 0
+    assert rows[0]["roofline_pct"] == ""
+
+
+@pytest.mark.skipif(not cpu_backend_available(), reason="threads only vary on the cpu backend")
+def test_bench_thread_list_and_oversubscription_warning(capsys, fake_bandwidth):
+    many = logical_cpus() + 1
+    rc, out, err = run(capsys, "bench", *FAST, "-t", f"1,{many}", "-o", "json")
+    assert rc == 0
+    assert sorted({r["threads"] for r in json.loads(out)}) == [1, many]
+    assert "warning" in err and "logical CPUs" in err
+
+
+@pytest.mark.parametrize("bad", [
+    ["-t", "0"], ["-t", "1,x"], ["-t", ""], ["--synthetic", "no-such-model"], ["-o", "xml"],
+    ["-p", "-4"], ["-n", "abc"], ["-r", "0"], ["-d", "-1"], ["--backend", "tpu"],
+    ["-p", "0", "-n", "0"],
+])
+def test_bench_bad_input_exits_2_with_one_line(capsys, bad):
+    rc, out, err = run(capsys, "bench", *FAST, *bad)
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("cyllm: error:")
+
+
+def test_parse_int_list():
+    assert bench.parse_int_list("1,2,4", "t", 1) == [1, 2, 4]
+    assert bench.parse_int_list("1-3", "t", 1) == [1, 2, 3]
+    assert bench.parse_int_list(512, "p") == [512]
+    for bad in ("0", "1,,2", "a", "3-1", "-1"):
+        with pytest.raises(InvalidArgumentError):
+            bench.parse_int_list(bad, "t", 1)
+
+
+# -- tune and the saved tuning -------------------------------------------------------------
+def test_tune_saves_and_is_read_back(capsys, config_dir, fake_bandwidth, monkeypatch):
+    argv = ["tune", "--synthetic", "tiny", "--pp", "8", "--tg", "4", "-r", "1", "--no-progress"]
+    if BACKEND != "cpu":
+        pytest.skip("tune sweeps the cpu backend")
+    rc, out, err = run(capsys, *argv)
+    assert rc == 0, err
+    assert "best: decode" in out and "saved to" in out
+    assert "#" in out                                           # the text chart
+    saved = json.loads((config_dir / "tuning.json").read_text())
+    entry = saved["machines"][tuning.cpu_model_name()]["<500MB"]
+    nbytes = synthetic.weight_bytes(synthetic.preset_config("tiny"))
+    assert tuning.tuned_threads(nbytes) == (entry["decode_threads"], entry["prefill_threads"])
+    assert all(1 <= t <= logical_cpus() for t in tuning.tuned_threads(nbytes))
+    assert tuning.tuned_threads(10**10) == (None, None)         # another size class
+    assert any("decode" in ln for ln in tuning.describe_saved_tuning())
+    # `cyllm info` shows it
+    rc, out, _ = run(capsys, "info")
+    assert rc == 0 and "tuning" in out and "<500MB" in out
+    # a different CPU model: the entry is ignored
+    monkeypatch.setattr(tuning, "cpu_model_name", lambda: "Some Other CPU 9000")
+    assert tuning.tuned_threads(nbytes) == (None, None)
+
+
+def test_tuned_threads_robust(config_dir):
+    assert tuning.tuned_threads(1000) == (None, None)
+    assert tuning.describe_saved_tuning()                       # says "none saved"
+    config_dir.mkdir(parents=True)
+    (config_dir / "tuning.json").write_text("{not json")
+    assert tuning.tuned_threads(1000) == (None, None)
+    path = tuning.save_tuning(1000, 1, 1)
+    assert path == config_dir / "tuning.json"
+    assert tuning.tuned_threads(1000) == (1, 1)
+    # a count above this machine's CPUs (tuned on a bigger allocation) is not used
+    tuning.save_tuning(1000, 10_000, 1)
+    assert tuning.tuned_threads(1000) == (None, 1)
+
+
+def test_best_threads_prefers_fewer_within_tolerance():
+    assert tuning.best_threads({1: 100.0, 2: 101.0, 4: 60.0}) == 1
+    assert tuning.best_threads({1: 50.0, 2: 100.0, 4: 99.0}) == 2
+    assert tuning.size_class(269_000_000) == "<500MB"
+    assert tuning.size_class(2_200_000_000) == "2GB-8GB"
+    assert tuning.size_class(14_000_000_000) == ">=8GB"
