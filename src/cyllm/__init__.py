@@ -14,11 +14,12 @@ __version__ = "0.1.0"
 __all__ = ["load", "Model", "CyllmError", "__version__"]
 
 
-def load(path=None, backend: str = "cpu", threads=None, context=None):
+def load(path=None, backend: str = "cpu", threads=None, context=None, threads_batch=None):
     """Load a Hugging Face model directory or a GGUF file (None: the default model).
 
     backend: "cpu" (default), "cuda" or "numpy" (the slow float32 reference).
     threads: kernel threads (default: OMP_NUM_THREADS, saved tuning, or physical cores).
+    threads_batch: threads for prompt processing, when it should differ from ``threads``.
     context: KV-cache positions (default: the model's context length, at most 4096).
     """
     from .backends import get_backend
@@ -30,7 +31,23 @@ def load(path=None, backend: str = "cpu", threads=None, context=None):
         from .default_model import default_model_path
         path = default_model_path()
     config, weights, tokenizer = load_path(path)
-    return Model(config, weights, tokenizer, backend=be, context=context)
+    model = Model(config, weights, tokenizer, backend=be, context=context)
+    _apply_thread_policy(model, threads, threads_batch)
+    return model
+
+
+def _apply_thread_policy(model, threads, threads_batch) -> None:
+    """Flags win, then OMP_NUM_THREADS, then a saved `cyllm tune` result for this size class."""
+    import os
+
+    decode = model.threads_decode
+    prefill = threads_batch
+    if threads is None and not os.environ.get("OMP_NUM_THREADS", "").strip():
+        from .tuning import tuned_threads
+        tuned_decode, tuned_prefill = tuned_threads(model.weight_bytes)
+        decode = tuned_decode or decode
+        prefill = prefill if prefill is not None else tuned_prefill
+    model.set_threads(decode, prefill)
 
 
 def __getattr__(name):

@@ -41,6 +41,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="cpu", help="cpu (default), cuda or numpy (slow reference)")
     p.add_argument("-t", "--threads", help="kernel threads (default: OMP_NUM_THREADS, tuned value, "
                    "or the number of physical cores)")
+    p.add_argument("--threads-batch", help="threads for prompt processing (default: as --threads, "
+                   "or the tuned value)")
     p.add_argument("-c", "--context", type=_pos_int, help="context window in tokens (default: the "
                    "model's, at most 4096)")
 
@@ -116,7 +118,8 @@ def _version() -> str:
 
 def _load(a):
     import cyllm
-    return cyllm.load(a.model, backend=a.backend, threads=a.threads, context=a.context)
+    return cyllm.load(a.model, backend=a.backend, threads=a.threads, context=a.context,
+                      threads_batch=getattr(a, "threads_batch", None))
 
 
 def _print_stats(stats, quiet: bool) -> None:
@@ -209,18 +212,16 @@ def cmd_info(a) -> int:
     except ImportError as e:
         print(f"cpu backend: unavailable ({e})")
     src = "OMP_NUM_THREADS" if os.environ.get("OMP_NUM_THREADS") else "physical cores"
-    print(f"threads: {resolve_threads(None)} (from {src})")
+    print(f"threads: {resolve_threads(None)} (from {src}; a saved tuning below applies per model size)")
     try:
         from .tuning import describe_saved_tuning
         for line in describe_saved_tuning():
             print(line)
     except ImportError:
         pass
-    try:
-        from .default_model import describe_default_model
-        print(describe_default_model())
-    except ImportError:
-        pass
+    from .default_model import default_model_path
+    path = default_model_path(download=False)
+    print(f"default model: {path}" + ("" if path.exists() else " (fetched on first use)"))
     print(f"cuda: {_cuda_status()}")
     return 0
 
