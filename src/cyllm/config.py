@@ -123,6 +123,17 @@ def _llama3_scale(inv_freq: np.ndarray, s: dict) -> np.ndarray:
     return np.where(medium, smoothed, out)
 
 
+def token_id_list(value) -> list[int]:
+    """A bos/eos id field of a JSON config (int, list of ints or null) as a list of ints."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
 def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
     """rope_theta and rope_scaling from either the classic keys or `rope_parameters`."""
     params = cfg.get("rope_parameters")
@@ -164,8 +175,7 @@ def config_from_hf(cfg: dict, name: str = "") -> ModelConfig:
     n_kv = cfg.get("num_key_value_heads") or n_heads
     head_dim = cfg.get("head_dim") or (dim // n_heads if isinstance(dim, int) and isinstance(n_heads, int) and n_heads else 0)
     theta, scaling = _rope_settings(cfg)
-    eos = cfg.get("eos_token_id")
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    eos_ids = token_id_list(cfg.get("eos_token_id"))
     if arch == "qwen2":
         bias = True
     else:

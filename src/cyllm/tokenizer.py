@@ -17,6 +17,7 @@ import os
 from datetime import datetime
 from pathlib import Path
 
+from .config import token_id_list as _ids
 from .errors import InvalidArgumentError, TokenizerError
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -332,16 +333,6 @@ def _token_str(value) -> str | None:
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
     return None
-
-
-def _ids(value) -> list[int]:
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
-    return []
 
 
 def _pick_template(value, d: Path) -> str | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ModelConfig, config_from_hf
+from ..config import ModelConfig, config_from_hf, token_id_list as _ids
 from ..errors import ModelLoadError, UnsupportedModelError
 from . import expected_shapes, validate_weights
 from .safetensors import SafetensorsFile, bf16_bits_to_f32, open_checkpoint
@@ -34,17 +34,6 @@ def read_json(path: Path, what: str | None = None):
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
-
-
-def _ids(value) -> list[int]:
-    """An eos/bos id field (int, list of ints or null) as a list of ints."""
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
-    return []
 
 
 def _merge_generation_config(config: ModelConfig, d: Path) -> None:
