@@ -73,63 +73,90 @@ def time_graph(be, fns, reps=15) -> float:
 
 
 def bench_matvec(be, bw, l2_bytes, lines, quick):
-    shapes = [(4096, 4096), (11008, 4096), (4096, 11008), (32000, 4096)]
-    variants = [(None, None), (1, 4), (1, 8), (2, 4), (2, 8), (4, 4), (4, 8)]
+    shapes = [(4096, 4096), (12288, 4096), (11008, 4096), (4096, 11008), (32000, 4096), (576, 576), (1536, 576)]
+    # (rows per warp, warps per block, loads in flight per lane); None = the backend's heuristic
+    variants = [(None, None, None), (1, 8, 4), (1, 16, 4), (1, 4, 4), (1, 2, 4), (1, 8, 8), (2, 4, 4), (4, 4, 4)]
     if quick:
         variants = variants[:3]
     lines.append("\n## matvec (FP16 weights, GB/s of weight bytes; % of copy bandwidth)\n")
-    head = "| op | d x n | " + " | ".join("auto" if r is None else f"r{r}w{w}" for r, w in variants) + " |"
+    head = "| op | d x n | " + " | ".join("auto" if r is None else f"r{r}w{w}u{u}" for r, w, u in variants) + " |"
     lines.append(head)
     lines.append("|" + "---|" * (len(variants) + 2))
     best = {}
-    for op in ("matvec", "matvec_add", "gate_up_silu"):
+    for op in ("matvec", "matvec_add", "gate_up_silu", "norm+matvec", "norm+gate_up_silu"):
         for d, n in shapes:
-            if op != "matvec" and (d, n) == (32000, 4096):
+            if op != "matvec" and (d, n) in ((32000, 4096), (12288, 4096)):
                 continue
-            nmat = 2 if op == "gate_up_silu" else 1
+            if op.startswith("norm") and n == 11008:
+                continue
+            gate = op.endswith("gate_up_silu")
+            nmat = 2 if gate else 1
             size = d * n * 2 * nmat
             copies = max(2, math.ceil(4 * l2_bytes / size))
             ws = [[rand16((d, n)) for _ in range(nmat)] for _ in range(copies)]
             x = cp.random.standard_normal(n, dtype=cp.float32)
+            xb = cp.zeros(n, dtype=cp.float32)
+            nw = cp.ones(n, dtype=cp.float32)
             out = cp.zeros(d, dtype=cp.float32)
             row = []
-            for r, w in (variants if op == "matvec" else variants[:1]):
-                be.matvec_rows, be.matvec_warps = r, w
+            for r, w, u in (variants if op == "matvec" else variants[:1]):
+                be.matvec_rows, be.matvec_warps, be.matvec_unroll = r, w, u
                 if op == "matvec":
                     fns = [lambda m=m: be.matvec(out, m[0], x) for m in ws] * 3
                 elif op == "matvec_add":
                     fns = [lambda m=m: be.matvec_add(out, m[0], x) for m in ws] * 3
-                else:
+                elif op == "gate_up_silu":
                     fns = [lambda m=m: be.gate_up_silu(out, m[0], m[1], x) for m in ws] * 3
+                elif op == "norm+matvec":
+                    fns = [lambda m=m: (be.rmsnorm(xb, x, nw, 1e-5), be.matvec(out, m[0], xb)) for m in ws] * 3
+                else:
+                    fns = [lambda m=m: (be.rmsnorm(xb, x, nw, 1e-5), be.gate_up_silu(out, m[0], m[1], xb))
+                           for m in ws] * 3
+                if op.startswith("norm"):
+                    cells = []
+                    for fuse in (True, False):
+                        be.fuse_norm = fuse
+                        t = time_graph(be, fns)
+                        gbs = size / t / 1e9
+                        cells.append(f"{'fused' if fuse else 'separate'} {t * 1e6:.1f} us {gbs:.0f} ({100 * gbs / bw:.0f}%)")
+                    be.fuse_norm = True
+                    row.append(" / ".join(cells))
+                    continue
                 t = time_graph(be, fns)
                 gbs = size / t / 1e9
                 row.append(f"{gbs:.0f} ({100 * gbs / bw:.0f}%)")
-                best.setdefault((d, n), []).append((gbs, r, w)) if op == "matvec" else None
-            be.matvec_rows = be.matvec_warps = None
+                if op == "matvec":
+                    best.setdefault((d, n), []).append((gbs, r, w, u))
+            be.matvec_rows = be.matvec_warps = be.matvec_unroll = None
             lines.append(f"| {op} | {d}x{n} | " + " | ".join(row) + " |")
             del ws
             cp.get_default_memory_pool().free_all_blocks()
     for (d, n), v in best.items():
-        g, r, w = max(v, key=lambda t: t[0])
-        lines.append(f"\nbest matvec {d}x{n}: rows/warp={r} warps={w} {g:.0f} GB/s")
+        g, r, w, u = max(v, key=lambda t: t[0])
+        lines.append(f"\nbest matvec {d}x{n}: rows/warp={r} warps={w} unroll={u} {g:.0f} GB/s")
 
 
 def bench_attention(be, bw, lines):
     lines.append("\n## attention, context 4096 (GB/s of K+V bytes read; % of copy bandwidth)\n")
-    lines.append("| heads / kv heads / head_dim | pos | us | GB/s | % |")
-    lines.append("|---|---|---|---|---|")
+    lines.append("| heads / kv heads / head_dim | pos | V with K: us, GB/s, % | V after softmax: us, GB/s, % |")
+    lines.append("|---|---|---|---|")
     for nh, nkv, hd in [(32, 32, 128), (32, 8, 128), (9, 3, 64)]:
         ctx = 4096
         layers = 4
         caches = [(rand16((nkv, ctx, hd), 1.0), rand16((nkv, ctx, hd), 1.0)) for _ in range(layers)]
         q = cp.random.standard_normal(nh * hd, dtype=cp.float32)
         out = cp.zeros(nh * hd, dtype=cp.float32)
-        for pos in (ctx - 1, 511):
-            fns = [lambda c=c: be.attention(out, q, c[0], c[1], pos) for c in caches] * 4
-            t = time_graph(be, fns)
-            nbytes = 2 * nkv * (pos + 1) * hd * 2
-            gbs = nbytes / t / 1e9
-            lines.append(f"| {nh}/{nkv}/{hd} | {pos} | {t * 1e6:.1f} | {gbs:.0f} | {100 * gbs / bw:.0f}% |")
+        for pos in (ctx - 1, 511, 63):
+            cells = []
+            for ve in (True, False):
+                be.attn_v_early = ve
+                fns = [lambda c=c: be.attention(out, q, c[0], c[1], pos) for c in caches] * 4
+                t = time_graph(be, fns)
+                nbytes = 2 * nkv * (pos + 1) * hd * 2
+                gbs = nbytes / t / 1e9
+                cells.append(f"{t * 1e6:.1f}, {gbs:.0f}, {100 * gbs / bw:.0f}%")
+            be.attn_v_early = None
+            lines.append(f"| {nh}/{nkv}/{hd} | {pos} | " + " | ".join(cells) + " |")
         del caches
         cp.get_default_memory_pool().free_all_blocks()
 
@@ -240,6 +267,27 @@ def bench_matmul(be, lines):
     lines.append(f"\nGemmEx path: {'no (cupy.matmul fallback)' if getattr(be, '_gemm_broken', False) else 'yes'}")
 
 
+def bench_attention_batch(be, lines):
+    lines.append("\n## attention_batch (prefill, causal; FLOPs = 4 * hd * attended pairs)\n")
+    lines.append("| heads / kv heads / head_dim | T | pos0 | float4: us, TFLOP/s | scalar: us, TFLOP/s |")
+    lines.append("|---|---|---|---|---|")
+    for nh, nkv, hd in [(32, 32, 128), (32, 8, 128), (9, 3, 64)]:
+        ctx = 1024
+        kc, vc = rand16((nkv, ctx, hd), 1.0), rand16((nkv, ctx, hd), 1.0)
+        for t, pos0 in [(256, 0), (256, 256), (512, 0)]:
+            q = cp.random.standard_normal((t, nh * hd), dtype=cp.float32)
+            out = cp.zeros((t, nh * hd), dtype=cp.float32)
+            pairs = sum(pos0 + i + 1 for i in range(t))
+            flops = 4 * hd * pairs * nh
+            cells = []
+            for vec in (True, False):
+                be.attn_batch_vec = vec
+                dt = time_graph(be, [lambda: be.attention_batch(out, q, kc, vc, pos0)] * 5)
+                cells.append(f"{dt * 1e6:.1f}, {flops / dt / 1e12:.1f}")
+            be.attn_batch_vec = True
+            lines.append(f"| {nh}/{nkv}/{hd} | {t} | {pos0} | " + " | ".join(cells) + " |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="also write the markdown report here")
@@ -270,15 +318,20 @@ def main(argv=None):
     lines.append("\n## whole decode, synthetic weights (tokens/s; roofline = copy bandwidth / bytes per token)\n")
     lines.append("| model | test | mode | t/s | roofline t/s | % roofline | GB/token |")
     lines.append("|---|---|---|---|---|---|---|")
-    bench_decode(be, bw, SMOLLM2_135M, [0, 2048], lines)
-    bench_decode(be, bw, SMOLLM2_135M, [0, 2048], lines, fused=True)
-    bench_decode(be, bw, SMOLLM2_135M, [0], lines, n_tok=32, graphs=False)
-    if not args.skip_7b:
-        bench_decode(be, bw, LLAMA2_7B, [0, 4096], lines)
-        bench_decode(be, bw, LLAMA2_7B, [0, 4096], lines, fused=True)
+    for fuse in (True, False):
+        be.fuse_norm = fuse
+        tag = " + norm folded" if fuse else ""
+        n_before = len(lines)
+        bench_decode(be, bw, SMOLLM2_135M, [0, 2048], lines, fused=True)
+        if not args.skip_7b:
+            bench_decode(be, bw, LLAMA2_7B, [0, 4096], lines, fused=True)
+        lines[n_before:] = [ln.replace("fused qkv/rope_store", "fused qkv/rope_store" + tag) for ln in lines[n_before:]]
+    be.fuse_norm = True
+    bench_decode(be, bw, SMOLLM2_135M, [0], lines, n_tok=32, graphs=False, fused=True)
     print("\n".join(lines[n0:]), flush=True)
     n0 = len(lines)
     bench_matmul(be, lines)
+    bench_attention_batch(be, lines)
     print("\n".join(lines[n0:]), flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -86,7 +86,7 @@ __device__ __forceinline__ void attn_merge_heads(
 // word of the row, rows of a warp are lane / hd8; a pass covers
 // ATT_WARPS * (32 / hd8) consecutive positions with fully coalesced loads.
 // Dynamic shared memory: qs[GT*hd] | S[GT*C] | Wp[ATT_WARPS*GT*hd] | ml[2*GT] | wsm[ATT_WARPS*n_split]
-template <int GT>
+template <int GT, bool VE>
 __device__ __forceinline__ void attn_split_body(
     float* __restrict__ out, int* __restrict__ counters, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part,
     const float* __restrict__ q, const f16_t* __restrict__ k_cache,
@@ -119,6 +119,20 @@ __device__ __forceinline__ void attn_split_body(
 
     const uint4* K = reinterpret_cast<const uint4*>(k_cache + ((size_t)kvh * max_ctx + t0) * hd);
     const uint4* V = reinterpret_cast<const uint4*>(v_cache + ((size_t)kvh * max_ctx + t0) * hd);
+
+    // short chunks (the whole of it in one pass of U loads): fetch V together with K
+    // instead of after the softmax, one memory round trip less on the critical path
+    const bool v_early = VE && n_valid <= rp * U;
+    uint4 vpre[U];
+    if (v_early) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = u * rp + row_in_pass;
+            vpre[u] = t < n_valid ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+        }
+    }
+    // one split in use (pos < chunk): this block writes the final output, no merge
+    const int n_used = min(n_split, pos / chunk + 1);
 
     for (int g0 = 0; g0 < group; g0 += GT) {
         const int gt = min(GT, group - g0);
@@ -179,7 +193,7 @@ __device__ __forceinline__ void attn_split_body(
             for (int u = 0; u < U; ++u) {
                 const int t = base + u * rp + row_in_pass;
                 // rows past pos may hold garbage (even NaN): never load them
-                vv[u] = t < n_valid ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+                vv[u] = v_early ? vpre[u] : t < n_valid ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -222,31 +236,33 @@ __device__ __forceinline__ void attn_split_body(
             for (int w = 0; w < ATT_WARPS; ++w) s += Wp[w * GT * hd + i];
             const int gi = i / hd;
             const int h = kvh * group + g0 + gi;
-            o_part[((size_t)h * n_split + split) * hd + (i - gi * hd)] = s;
+            if (n_used == 1) out[(size_t)h * hd + (i - gi * hd)] = s / ml[GT + gi];
+            else o_part[((size_t)h * n_split + split) * hd + (i - gi * hd)] = s;
         }
-        if (threadIdx.x < gt) {
+        if (n_used > 1 && threadIdx.x < gt) {
             const int h = kvh * group + g0 + threadIdx.x;
             m_part[(size_t)h * n_split + split] = ml[threadIdx.x];
             l_part[(size_t)h * n_split + split] = ml[GT + threadIdx.x];
         }
     }
-    const int n_used = min(n_split, pos / chunk + 1);
-    if (!attn_last_block(counters + kvh, n_used)) return;
+    if (n_used == 1 || !attn_last_block(counters + kvh, n_used)) return;
     attn_merge_heads(out, o_part, m_part, l_part, kvh * group, group, hd, n_split, n_used,
                      ml + 2 * GT);
     if (threadIdx.x == 0) counters[kvh] = 0;
 }
 
-#define CYLLM_ATTN_SPLIT(NAME, GT)                                                           \
+#define CYLLM_ATTN_SPLIT1(NAME, GT, VE)                                                      \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) NAME(                         \
         float* out, int* counters, float* o_part, float* m_part, float* l_part,              \
         const float* q, const f16_t* k_cache,                                                \
         const f16_t* v_cache, const int* step, int pos_host, int max_ctx, int n_kv,          \
         int group, int hd, int chunk, int n_split, float scale) {                            \
-        attn_split_body<GT>(out, counters, o_part, m_part, l_part, q, k_cache, v_cache,      \
-                            step, pos_host,                                                  \
-                            max_ctx, n_kv, group, hd, chunk, n_split, scale);                \
+        attn_split_body<GT, VE>(out, counters, o_part, m_part, l_part, q, k_cache, v_cache,  \
+                                step, pos_host,                                              \
+                                max_ctx, n_kv, group, hd, chunk, n_split, scale);            \
     }
+// NAME_ve: V of a short chunk loaded together with K (fewer round trips, more registers)
+#define CYLLM_ATTN_SPLIT(NAME, GT) CYLLM_ATTN_SPLIT1(NAME, GT, false) CYLLM_ATTN_SPLIT1(NAME##_ve, GT, true)
 
 CYLLM_ATTN_SPLIT(attn_split_g1, 1)
 CYLLM_ATTN_SPLIT(attn_split_g2, 2)
@@ -315,3 +331,214 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_split_generic(
     attn_merge_heads(out, o_part, m_part, l_part, h, 1, hd, n_split, n_used, red + ATT_WARPS);
     if (threadIdx.x == 0) counters[h] = 0;
 }
+
+// ---- Batched causal attention (prefill), FlashAttention style.
+// Block (query head h, tile of BQ consecutive queries) with AB_THREADS threads.
+// Query row r of the tile is position pos0 + q0 + r and attends cache positions
+// 0 .. pos0 + q0 + r. The block walks the cache in tiles of BK positions:
+//   K tile (f16 -> f32) into shared memory, scores S = Q K^T (BQ x BK), causal
+//   mask, then per row the online softmax (running max m and sum l; the output
+//   accumulated so far is rescaled by e^(m_old - m_new)), then O += P V with the
+//   V tile loaded into the same shared buffer. O stays in registers: warp w owns
+//   rows w, w + 4, ... and lane owns columns lane, lane + 32, ... , so the
+//   softmax statistics of a row live in the one warp that scales its output.
+// VEC (head_dim % 4 == 0): rows padded to hd + 4 floats and read as float4 (a
+// quarter warp then touches 8 distinct 16-byte bank groups); the probabilities
+// are read four at a time too, so shared-memory loads stay well under the FMAs.
+// Otherwise rows are padded to hd + 1 floats (odd stride) and read one by one.
+// Cache rows past the last position of the tile are never read (they may hold
+// anything); the KV head is h / group (GQA re-reads a tile from L2, not DRAM).
+#define AB_THREADS 128
+#define AB_WARPS (AB_THREADS / 32)
+
+// K or V tile rows kt .. kt+BK-1 (f16) -> KVs (f32, row stride hdp); rows past kmax are zero
+template <bool VEC>
+__device__ __forceinline__ void attn_batch_load_tile(float* KVs, const f16_t* __restrict__ src, int kt,
+                                                     int kmax, int bk, int hd, int hdp)
+{
+    if (VEC) {
+        const int h4 = hd >> 2;
+        for (int i = threadIdx.x; i < bk * h4; i += AB_THREADS) {
+            const int j = i / h4, e = (i - j * h4) * 4;
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (kt + j <= kmax) {
+                const uint2 raw = *reinterpret_cast<const uint2*>(src + (size_t)(kt + j) * hd + e);
+                const float2 a = h2x2f(raw.x), b = h2x2f(raw.y);
+                v = make_float4(a.x, a.y, b.x, b.y);
+            }
+            *reinterpret_cast<float4*>(KVs + j * hdp + e) = v;
+        }
+    } else {
+        for (int i = threadIdx.x; i < bk * hd; i += AB_THREADS) {
+            const int j = i / hd, e = i - j * hd;
+            // zero (not garbage) past kmax: p = 0 there, and 0 * NaN would still be NaN
+            KVs[j * hdp + e] = kt + j <= kmax ? h2f(src[(size_t)(kt + j) * hd + e]) : 0.0f;
+        }
+    }
+}
+
+template <int NC, int BQ, int BK, bool VEC>
+__device__ __forceinline__ void attn_batch_body(
+    float* __restrict__ out, const float* __restrict__ q, const f16_t* __restrict__ k_cache,
+    const f16_t* __restrict__ v_cache, int T, int pos0, int max_ctx, int group, int hd,
+    int q_stride, int out_stride, float scale)
+{
+    constexpr int RPW = BQ / AB_WARPS;        // output rows per warp
+    constexpr int SR = BQ / 16;               // score rows per thread
+    constexpr int SC = BK / 8;                // score columns per thread
+    constexpr int PS = VEC ? BK + 4 : BK + 1; // row stride of Ps
+    extern __shared__ __align__(16) float smem_ab[];
+    const int hdp = VEC ? hd + 4 : hd + 1;
+    float* Qs = smem_ab;                      // BQ * hdp, pre-scaled queries
+    float* KVs = Qs + BQ * hdp;               // BK * hdp, the K tile, then the V tile
+    float* Ps = KVs + BK * hdp;               // BQ * PS, scores then probabilities
+
+    const int h = blockIdx.x;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * BQ;   // heaviest (latest) tiles first
+    const int kvh = h / group;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nq = min(BQ, T - q0);
+    if (nq <= 0) return;
+    const int kmax = pos0 + q0 + nq - 1;      // last cache position any row of the tile reads
+
+    for (int i = tid; i < BQ * hd; i += AB_THREADS) {
+        const int r = i / hd, e = i - r * hd;
+        Qs[r * hdp + e] = r < nq ? q[(size_t)(q0 + r) * q_stride + (size_t)h * hd + e] * scale : 0.0f;
+    }
+    const f16_t* K = k_cache + (size_t)kvh * max_ctx * hd;
+    const f16_t* V = v_cache + (size_t)kvh * max_ctx * hd;
+
+    float o[RPW][NC], m[RPW], l[RPW];
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+        m[i] = NEG_INF;
+        l[i] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) o[i][c] = 0.0f;
+    }
+    const int tx = tid & 7, ty = tid >> 3;    // score layout: rows ty + 16 r, columns tx + 8 c
+
+    for (int kt = 0; kt <= kmax; kt += BK) {
+        __syncthreads();                      // the previous tile's P V is done with KVs and Ps
+        attn_batch_load_tile<VEC>(KVs, K, kt, kmax, BK, hd, hdp);
+        __syncthreads();
+        float s[SR][SC];
+#pragma unroll
+        for (int r = 0; r < SR; ++r)
+#pragma unroll
+            for (int c = 0; c < SC; ++c) s[r][c] = 0.0f;
+        if (VEC) {
+#pragma unroll 2
+            for (int e = 0; e < hd; e += 4) {
+                float4 qv[SR], kv[SC];
+#pragma unroll
+                for (int r = 0; r < SR; ++r) qv[r] = *reinterpret_cast<const float4*>(Qs + (ty + 16 * r) * hdp + e);
+#pragma unroll
+                for (int c = 0; c < SC; ++c) kv[c] = *reinterpret_cast<const float4*>(KVs + (tx + 8 * c) * hdp + e);
+#pragma unroll
+                for (int r = 0; r < SR; ++r)
+#pragma unroll
+                    for (int c = 0; c < SC; ++c) {
+                        float a = s[r][c];
+                        a = fmaf(qv[r].x, kv[c].x, a);
+                        a = fmaf(qv[r].y, kv[c].y, a);
+                        a = fmaf(qv[r].z, kv[c].z, a);
+                        s[r][c] = fmaf(qv[r].w, kv[c].w, a);
+                    }
+            }
+        } else {
+#pragma unroll 4
+            for (int e = 0; e < hd; ++e) {
+                float qv[SR], kv[SC];
+#pragma unroll
+                for (int r = 0; r < SR; ++r) qv[r] = Qs[(ty + 16 * r) * hdp + e];
+#pragma unroll
+                for (int c = 0; c < SC; ++c) kv[c] = KVs[(tx + 8 * c) * hdp + e];
+#pragma unroll
+                for (int r = 0; r < SR; ++r)
+#pragma unroll
+                    for (int c = 0; c < SC; ++c) s[r][c] = fmaf(qv[r], kv[c], s[r][c]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < SR; ++r)
+#pragma unroll
+            for (int c = 0; c < SC; ++c) {
+                const int row = ty + 16 * r, col = tx + 8 * c;
+                const bool ok = row < nq && kt + col <= pos0 + q0 + row;
+                Ps[row * PS + col] = ok ? s[r][c] : NEG_INF;
+            }
+        __syncthreads();                      // every score written, K tile no longer read
+        attn_batch_load_tile<VEC>(KVs, V, kt, kmax, BK, hd, hdp);
+#pragma unroll
+        for (int i = 0; i < RPW; ++i) {
+            const int row = warp + AB_WARPS * i;
+            const float sv = lane < BK ? Ps[row * PS + lane] : NEG_INF;
+            const float mn = fmaxf(m[i], warp_max(sv));
+            // a row with nothing unmasked yet (mn = -inf) keeps p = 0 and its zero state
+            const float p = sv == NEG_INF ? 0.0f : expf(sv - mn);
+            const float alpha = m[i] == NEG_INF ? 0.0f : expf(m[i] - mn);
+            l[i] = fmaf(l[i], alpha, warp_sum(p));
+            m[i] = mn;
+            if (lane < BK) Ps[row * PS + lane] = p;
+#pragma unroll
+            for (int c = 0; c < NC; ++c) o[i][c] *= alpha;
+        }
+        __syncthreads();                      // V tile and probabilities in place
+#pragma unroll 2
+        for (int j = 0; j < BK; j += 4) {
+            float4 pv[RPW];
+#pragma unroll
+            for (int i = 0; i < RPW; ++i) {
+                const float* pr = Ps + (warp + AB_WARPS * i) * PS + j;
+                pv[i] = VEC ? *reinterpret_cast<const float4*>(pr) : make_float4(pr[0], pr[1], pr[2], pr[3]);
+            }
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+                float vv[NC];
+#pragma unroll
+                for (int c = 0; c < NC; ++c)
+                    vv[c] = (lane + 32 * c < hd) ? KVs[(j + jj) * hdp + lane + 32 * c] : 0.0f;
+#pragma unroll
+                for (int i = 0; i < RPW; ++i) {
+                    const float p = jj == 0 ? pv[i].x : jj == 1 ? pv[i].y : jj == 2 ? pv[i].z : pv[i].w;
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) o[i][c] = fmaf(p, vv[c], o[i][c]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+        const int row = warp + AB_WARPS * i;
+        if (row < nq) {
+            const float inv = 1.0f / l[i];
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                const int col = lane + 32 * c;
+                if (col < hd) out[(size_t)(q0 + row) * out_stride + (size_t)h * hd + col] = o[i][c] * inv;
+            }
+        }
+    }
+}
+
+#define CYLLM_ATTN_BATCH(NAME, NC, BQ, BK)                                                      \
+    extern "C" __global__ void __launch_bounds__(AB_THREADS) NAME(                             \
+        float* out, const float* q, const f16_t* k_cache, const f16_t* v_cache, int T,         \
+        int pos0, int max_ctx, int group, int hd, int q_stride, int out_stride, float scale) { \
+        attn_batch_body<NC, BQ, BK, false>(out, q, k_cache, v_cache, T, pos0, max_ctx, group,  \
+                                           hd, q_stride, out_stride, scale);                   \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(AB_THREADS) NAME##_v4(                        \
+        float* out, const float* q, const f16_t* k_cache, const f16_t* v_cache, int T,         \
+        int pos0, int max_ctx, int group, int hd, int q_stride, int out_stride, float scale) { \
+        attn_batch_body<NC, BQ, BK, true>(out, q, k_cache, v_cache, T, pos0, max_ctx, group,   \
+                                          hd, q_stride, out_stride, scale);                    \
+    }
+
+// NC = head_dim / 32 rounded up (columns per lane); tiles sized to stay under 48 KB of
+// shared memory; _v4: the float4 variant for head_dim % 4 == 0
+CYLLM_ATTN_BATCH(attn_batch_c1, 1, 32, 32)
+CYLLM_ATTN_BATCH(attn_batch_c2, 2, 32, 32)
+CYLLM_ATTN_BATCH(attn_batch_c4, 4, 32, 32)
+CYLLM_ATTN_BATCH(attn_batch_c8, 8, 16, 16)

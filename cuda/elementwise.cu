@@ -119,3 +119,97 @@ extern "C" __global__ void cast_f32_f16(f16_t* __restrict__ out, const float* __
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = f2h(x[i]);
 }
+
+// ---- batched prefill: row t of every (T, n) array belongs to prompt position pos0 + t.
+// Row strides are passed in elements so row views of larger buffers work.
+
+// out (T, dim) f32 = table[tokens[t]] ; tokens (T,) int32 on the device (checked on the host)
+extern "C" __global__ void embed_batch_f16(float* __restrict__ out, const f16_t* __restrict__ table,
+                                           const int* __restrict__ tokens, int T, int vocab, int dim,
+                                           int out_stride)
+{
+    const int t = blockIdx.y;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= T || i >= dim) return;
+    const int token = tokens[t];
+    out[(size_t)t * out_stride + i] = (token >= 0 && token < vocab) ? h2f(table[(size_t)token * dim + i]) : 0.0f;
+}
+
+// rmsnorm of every row: one block per row (blockIdx.x = row)
+extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_rows_f32(
+    float* out, const float* x, const float* __restrict__ w, int n, float eps,
+    int out_stride, int x_stride)
+{
+    __shared__ float red[RMS_THREADS / 32];
+    const float* xr = x + (size_t)blockIdx.x * x_stride;
+    float* orow = out + (size_t)blockIdx.x * out_stride;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n; i += RMS_THREADS) s = fmaf(xr[i], xr[i], s);
+    s = warp_sum(s);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
+    __syncthreads();
+    float tot = 0.0f;
+#pragma unroll
+    for (int k = 0; k < RMS_THREADS / 32; ++k) tot += red[k];
+    const float inv = rsqrtf(tot / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += RMS_THREADS) orow[i] = xr[i] * inv * w[i];
+}
+
+// out (T, n) = x (T, n) + b (n,) ; contiguous rows; out may alias x
+extern "C" __global__ void add_rows_f32(float* out, const float* x, const float* __restrict__ b,
+                                        long long total, int n)
+{
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < total) out[i] = x[i] + b[i % n];
+}
+
+// rope on every row: row t of q (nq heads) and k (nk heads) is position pos0 + t
+extern "C" __global__ void rope_batch_f32(float* __restrict__ q, float* __restrict__ k,
+                                          const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                          int pos0, int n_pos, int T, int nq, int nk, int half,
+                                          int q_stride, int k_stride)
+{
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int per_row = (nq + nk) * half;
+    if (i >= (long long)T * per_row) return;
+    const int t = (int)(i / per_row);
+    const int r = (int)(i - (long long)t * per_row);
+    const int pos = pos0 + t;
+    if (pos < 0 || pos >= n_pos) return;
+    const int head = r / half, j = r - head * half;
+    float* v = head < nq ? q + (size_t)t * q_stride + (size_t)head * 2 * half
+                         : k + (size_t)t * k_stride + (size_t)(head - nq) * 2 * half;
+    const float c = cos_t[(size_t)pos * half + j], s = sin_t[(size_t)pos * half + j];
+    const float x1 = v[j], x2 = v[j + half];
+    v[j] = x1 * c - x2 * s;
+    v[j + half] = x2 * c + x1 * s;
+}
+
+// k_cache[:, pos0 + t, :] = k[t] ; same for v (f32 -> f16)
+extern "C" __global__ void cache_store_batch_f16(f16_t* __restrict__ k_cache, f16_t* __restrict__ v_cache,
+                                                 const float* __restrict__ k, const float* __restrict__ v,
+                                                 int pos0, int T, int max_ctx, int n_kv, int hd,
+                                                 int k_stride, int v_stride)
+{
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int per_row = n_kv * hd;
+    if (i >= (long long)T * per_row) return;
+    const int t = (int)(i / per_row);
+    const int r = (int)(i - (long long)t * per_row);
+    const int pos = pos0 + t;
+    if (pos < 0 || pos >= max_ctx) return;
+    const int h = r / hd, e = r - h * hd;
+    const size_t dst = ((size_t)h * max_ctx + pos) * hd + e;
+    k_cache[dst] = f2h(k[(size_t)t * k_stride + r]);
+    v_cache[dst] = f2h(v[(size_t)t * v_stride + r]);
+}
+
+// rows of x (T, n) f32 with row stride x_stride -> contiguous (T, n) f16 (the GEMM's input)
+extern "C" __global__ void cast_rows_f32_f16(f16_t* __restrict__ out, const float* __restrict__ x,
+                                             long long total, int n, int x_stride)
+{
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    const long long t = i / n;
+    out[i] = f2h(x[t * x_stride + (i - t * n)]);
+}

@@ -11,6 +11,10 @@
 //   MODE 0  out  = W x
 //   MODE 1  out += W x                      (matvec fused with the residual add)
 //   MODE 2  out  = silu(Wg x) * (Wu x)      (gate and up matvecs fused with SiLU)
+// Each variant also comes with U = 8 loads in flight (_u8) and with the preceding
+// rmsnorm folded in (_norm: every warp walks all of x anyway, so it sums x^2 and
+// scales x by the norm weight on the fly; the result is multiplied by
+// rsqrt(mean(x^2) + eps) after the warp sum, and block 0 writes the normed vector).
 // The vector path needs n % 8 == 0 and 16-byte aligned W rows and x; the
 // scalar path (any n, any alignment) is there so odd shapes still work.
 #include "common.cuh"
@@ -20,10 +24,20 @@
 #endif
 #define MV_MAX_ROWS 128   // warps per block (<= 32) * R (<= 4)
 
-template <int R, int MODE>
+// NORM prologue on 8 activations: accumulate x^2 into ss, then x *= norm weight
+__device__ __forceinline__ void norm_prep(float4& a, float4& b, const float4* __restrict__ nw, float& ss) {
+    ss = fmaf(a.x, a.x, ss); ss = fmaf(a.y, a.y, ss); ss = fmaf(a.z, a.z, ss); ss = fmaf(a.w, a.w, ss);
+    ss = fmaf(b.x, b.x, ss); ss = fmaf(b.y, b.y, ss); ss = fmaf(b.z, b.z, ss); ss = fmaf(b.w, b.w, ss);
+    const float4 wa = __ldg(nw), wb = __ldg(nw + 1);
+    a.x *= wa.x; a.y *= wa.y; a.z *= wa.z; a.w *= wa.w;
+    b.x *= wb.x; b.y *= wb.y; b.z *= wb.z; b.w *= wb.w;
+}
+
+template <int R, int MODE, int U, bool NORM>
 __device__ __forceinline__ void matvec_vec_body(
     float* __restrict__ out, const uint4* __restrict__ w0, const uint4* __restrict__ w1,
-    const float4* __restrict__ x, int d, int n8)
+    const float4* __restrict__ x, int d, int n8,
+    const float4* __restrict__ nw, float eps, float* __restrict__ xn)
 {
     constexpr int NM = (MODE == 2) ? 2 : 1;
     __shared__ float res[MV_MAX_ROWS];
@@ -47,20 +61,22 @@ __device__ __forceinline__ void matvec_vec_body(
     for (int m = 0; m < NM; ++m)
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
+    float ss = 0.0f;     // NORM: this lane's share of sum(x^2); every warp walks the whole x
 
     int i = lane;
-    for (; i + 32 * (MV_UNROLL - 1) < n8; i += 32 * MV_UNROLL) {
-        uint4 wv[MV_UNROLL][NM][R];
+    for (; i + 32 * (U - 1) < n8; i += 32 * U) {
+        uint4 wv[U][NM][R];
 #pragma unroll
-        for (int u = 0; u < MV_UNROLL; ++u)
+        for (int u = 0; u < U; ++u)
 #pragma unroll
             for (int m = 0; m < NM; ++m)
 #pragma unroll
                 for (int r = 0; r < R; ++r) wv[u][m][r] = ld_stream16(wr[m][r] + i + 32 * u);
 #pragma unroll
-        for (int u = 0; u < MV_UNROLL; ++u) {
-            const float4 xa = __ldg(x + 2 * (i + 32 * u));
-            const float4 xb = __ldg(x + 2 * (i + 32 * u) + 1);
+        for (int u = 0; u < U; ++u) {
+            float4 xa = __ldg(x + 2 * (i + 32 * u));
+            float4 xb = __ldg(x + 2 * (i + 32 * u) + 1);
+            if (NORM) norm_prep(xa, xb, nw + 2 * (i + 32 * u), ss);
 #pragma unroll
             for (int m = 0; m < NM; ++m)
 #pragma unroll
@@ -68,18 +84,30 @@ __device__ __forceinline__ void matvec_vec_body(
         }
     }
     for (; i < n8; i += 32) {
-        const float4 xa = __ldg(x + 2 * i);
-        const float4 xb = __ldg(x + 2 * i + 1);
+        float4 xa = __ldg(x + 2 * i);
+        float4 xb = __ldg(x + 2 * i + 1);
+        if (NORM) norm_prep(xa, xb, nw + 2 * i, ss);
 #pragma unroll
         for (int m = 0; m < NM; ++m)
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[m][r] = dot8(ld_stream16(wr[m][r] + i), xa, xb, acc[m][r]);
     }
 
+    float inv = 1.0f;
+    if (NORM) {
+        // rmsnorm folded in: W (x * w * inv) = inv * (W (x * w)); inv is the same in every warp
+        inv = rsqrtf(warp_sum(ss) / (float)(8 * n8) + eps);
+        if (blockIdx.x == 0 && xn != nullptr) {
+            // block 0 also writes the normed vector, so the rmsnorm op's output exists as asked
+            const float* xf = reinterpret_cast<const float*>(x);
+            const float* wf = reinterpret_cast<const float*>(nw);
+            for (int j = threadIdx.x; j < 8 * n8; j += blockDim.x) xn[j] = xf[j] * inv * wf[j];
+        }
+    }
 #pragma unroll
     for (int m = 0; m < NM; ++m)
 #pragma unroll
-        for (int r = 0; r < R; ++r) acc[m][r] = warp_sum(acc[m][r]);
+        for (int r = 0; r < R; ++r) acc[m][r] = warp_sum(acc[m][r]) * inv;
 
     if (lane == 0) {
 #pragma unroll
@@ -122,11 +150,31 @@ __device__ __forceinline__ void matvec_scalar_body(
     }
 }
 
-#define CYLLM_MATVEC_VEC(NAME, R, MODE)                                                    \
-    extern "C" __global__ void NAME(float* __restrict__ out, const uint4* __restrict__ w0, \
-                                    const uint4* __restrict__ w1,                          \
-                                    const float4* __restrict__ x, int d, int n8) {         \
-        matvec_vec_body<R, MODE>(out, w0, w1, x, d, n8);                                   \
+// NAME: plain kernel (U = MV_UNROLL loads in flight per lane); NAME_u8: 8 in flight;
+// NAME_norm / NAME_u8_norm: the same with the preceding rmsnorm folded in (x is the
+// un-normed vector, nw the norm weight; xn, if not null, receives the normed vector).
+#define CYLLM_MATVEC_VEC(NAME, R, MODE)                                                          \
+    extern "C" __global__ void NAME(float* __restrict__ out, const uint4* __restrict__ w0,       \
+                                    const uint4* __restrict__ w1,                                \
+                                    const float4* __restrict__ x, int d, int n8) {               \
+        matvec_vec_body<R, MODE, MV_UNROLL, false>(out, w0, w1, x, d, n8, nullptr, 0.0f, nullptr); \
+    }                                                                                            \
+    extern "C" __global__ void NAME##_u8(float* __restrict__ out, const uint4* __restrict__ w0,  \
+                                         const uint4* __restrict__ w1,                           \
+                                         const float4* __restrict__ x, int d, int n8) {          \
+        matvec_vec_body<R, MODE, 8, false>(out, w0, w1, x, d, n8, nullptr, 0.0f, nullptr);       \
+    }                                                                                            \
+    extern "C" __global__ void NAME##_norm(float* __restrict__ out, const uint4* __restrict__ w0, \
+                                           const uint4* __restrict__ w1,                          \
+                                           const float4* __restrict__ x, int d, int n8,           \
+                                           const float4* __restrict__ nw, float eps, float* xn) { \
+        matvec_vec_body<R, MODE, MV_UNROLL, true>(out, w0, w1, x, d, n8, nw, eps, xn);           \
+    }                                                                                            \
+    extern "C" __global__ void NAME##_u8_norm(float* __restrict__ out, const uint4* __restrict__ w0, \
+                                              const uint4* __restrict__ w1,                        \
+                                              const float4* __restrict__ x, int d, int n8,         \
+                                              const float4* __restrict__ nw, float eps, float* xn) { \
+        matvec_vec_body<R, MODE, 8, true>(out, w0, w1, x, d, n8, nw, eps, xn);                   \
     }
 
 CYLLM_MATVEC_VEC(matvec_r1, 1, 0)

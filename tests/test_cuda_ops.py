@@ -95,26 +95,28 @@ def test_gate_up_silu(be, ref, d, n):
     assert rel_err(host(be, out), want) < 1e-5
 
 
+@pytest.mark.parametrize("unroll", [4, 8])
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("warps", [1, 3, 8, 32])
-def test_matvec_launch_shapes(ref, rows, warps):
-    """Every (rows per warp, warps per block) the bench may pick computes the same thing."""
+def test_matvec_launch_shapes(ref, rows, warps, unroll):
+    """Every (rows per warp, warps per block, loads in flight) the bench may pick computes the same thing."""
     b = CudaBackend()
-    b.matvec_rows, b.matvec_warps = rows, warps
-    for d, n in [(1, 8), (45, 256), (301, 2056)]:
+    b.matvec_rows, b.matvec_warps, b.matvec_unroll = rows, warps, unroll
+    for d, n in [(1, 8), (45, 256), (301, 2056), (67, 4096)]:
         w, x, r = f16(d, n), f32(n), f32(d)
         out = nan_dev(d)
         b.matvec(out, b.upload(w), b.upload(x))
-        assert rel_err(host(b, out), w.astype(np.float32) @ x) < 1e-5
+        # d = 1 is a single sum with cancellation: the summation order shows at 1e-5
+        assert rel_err(host(b, out), w.astype(np.float64) @ x) < 1e-4
         out = b.upload(r)
         b.matvec_add(out, b.upload(w), b.upload(x))
-        assert rel_err(host(b, out), r + w.astype(np.float32) @ x) < 1e-5
+        assert rel_err(host(b, out), r + w.astype(np.float64) @ x) < 1e-4
         wu = f16(d, n)
         out = nan_dev(d)
         b.gate_up_silu(out, b.upload(w), b.upload(wu), b.upload(x))
         want = np.zeros(d, np.float32)
         ref.gate_up_silu(want, ref.upload(w), ref.upload(wu), x)
-        assert rel_err(host(b, out), want) < 1e-5
+        assert rel_err(host(b, out), want) < 1e-4
 
 
 def test_matvec_misaligned_views(be):
@@ -126,6 +128,74 @@ def test_matvec_misaligned_views(be):
     out = nan_dev(d)
     be.matvec(out, be.upload(w), x_dev)
     assert rel_err(host(be, out), w.astype(np.float32) @ xs[1:]) < 1e-5
+
+
+# -- rmsnorm folded into the next matvec ---------------------------------------------------
+@pytest.mark.parametrize("op", ["matvec", "matvec_add", "gate_up_silu"])
+@pytest.mark.parametrize("d,n", [(37, 64), (300, 576), (1000, 4096), (64, 8)])
+def test_norm_folded_into_matvec(ref, op, d, n):
+    """rmsnorm(xb, x, w) then op(out, W, xb): same result as the two ops apart, and xb is written."""
+    b = CudaBackend()
+    assert b.fuse_norm
+    x, nw, r = f32(n), f32(n), f32(d)
+    w1, w2 = f16(d, n, scale=0.1), f16(d, n, scale=0.1)
+    xd, nwd, xbd = b.upload(x), b.upload(nw), nan_dev(n)
+    out = b.upload(r) if op == "matvec_add" else nan_dev(d)
+    b.rmsnorm(xbd, xd, nwd, 1e-5)
+    assert b._pending_norm is not None            # held back for the matvec
+    if op == "gate_up_silu":
+        b.gate_up_silu(out, b.upload(w1), b.upload(w2), xbd)
+    else:
+        getattr(b, op)(out, b.upload(w1), xbd)
+    assert b._pending_norm is None
+    xb = np.zeros(n, np.float32)
+    ref.rmsnorm(xb, x, nw, 1e-5)
+    want = r.copy() if op == "matvec_add" else np.zeros(d, np.float32)
+    if op == "gate_up_silu":
+        ref.gate_up_silu(want, ref.upload(w1), ref.upload(w2), xb)
+    else:
+        getattr(ref, op)(want, ref.upload(w1), xb)
+    assert rel_err(host(b, out), want) < 1e-5
+    assert rel_err(host(b, xbd), xb) < 1e-6
+
+
+def test_norm_pending_is_flushed(ref):
+    """A held-back rmsnorm is launched before anything else can observe its output."""
+    b = CudaBackend()
+    n = 256
+    x, nw = f32(n), f32(n)
+    want = np.zeros(n, np.float32)
+    ref.rmsnorm(want, x, nw, 1e-6)
+    xd, nwd = b.upload(x), b.upload(nw)
+    xb = nan_dev(n)
+    b.rmsnorm(xb, xd, nwd, 1e-6)
+    assert rel_err(host(b, xb), want) < 1e-6          # to_host flushes
+    xb2, y = nan_dev(n), nan_dev(n)
+    b.rmsnorm(xb2, xd, nwd, 1e-6)
+    b.add(y, xb2, xb2)                                # any other op flushes first
+    assert rel_err(host(b, y), 2 * want) < 1e-6
+    # the matvec writes the norm's input: it must not be folded (blocks would race)
+    d = n
+    wm = f16(d, n, scale=0.1)
+    xd2 = b.upload(x)
+    xb3 = nan_dev(n)
+    b.rmsnorm(xb3, xd2, nwd, 1e-6)
+    b.matvec_add(xd2, b.upload(wm), xb3)
+    assert rel_err(host(b, xd2), x + wm.astype(np.float32) @ want) < 1e-5
+    # in place (out is x): never held back
+    xd3 = b.upload(x)
+    b.rmsnorm(xd3, xd3, nwd, 1e-6)
+    assert b._pending_norm is None
+    assert rel_err(host(b, xd3), want) < 1e-6
+
+
+def test_norm_fold_off(ref):
+    b = CudaBackend()
+    b.fuse_norm = False
+    x, nw = f32(64), f32(64)
+    xb = nan_dev(64)
+    b.rmsnorm(xb, b.upload(x), b.upload(nw), 1e-5)
+    assert b._pending_norm is None
 
 
 # -- small ops ------------------------------------------------------------------------------
@@ -223,8 +293,11 @@ ATT_CASES = [(4, 4, 64, 50), (8, 2, 128, 300), (9, 3, 64, 1000), (6, 1, 32, 70),
              (3, 3, 16, 9), (32, 32, 128, 4096), (16, 16, 8, 65)]
 
 
+@pytest.mark.parametrize("v_early", [True, False])
 @pytest.mark.parametrize("nh,nkv,hd,max_ctx", ATT_CASES)
-def test_attention(be, ref, nh, nkv, hd, max_ctx):
+def test_attention(ref, nh, nkv, hd, max_ctx, v_early):
+    be = CudaBackend()
+    be.attn_v_early = v_early
     kc = f16(nkv, max_ctx, hd)
     vc = f16(nkv, max_ctx, hd)
     for pos in sorted({0, 1, max_ctx // 3, max_ctx - 1}):
@@ -275,6 +348,152 @@ def test_matmul(be, t, d, n):
     # cuBLAS GemmEx writes f32; the cupy.matmul fallback rounds the result to f16
     tol = 1e-3 if getattr(be, "_gemm_broken", False) else 1e-4
     assert rel_err(host(be, out), want) < tol
+
+
+def test_matmul_vs_reference(be, ref):
+    """Against numpy_ref on f32 activations: the f16 rounding of x stays under 1e-3."""
+    for t, d, n in [(7, 96, 64), (256, 512, 576), (300, 1000, 4096)]:
+        w, x = f16(d, n), f32(t, n)
+        out = cp.full((t, d), np.nan, dtype=cp.float32)
+        be.matmul(out, be.upload(w), be.upload(x))
+        want = np.zeros((t, d), np.float32)
+        ref.matmul(want, ref.upload(w), x)
+        assert rel_err(host(be, out), want) < 1e-3
+
+
+@pytest.mark.parametrize("t,d,n", [(1, 8, 8), (5, 77, 64), (130, 300, 576)])
+def test_matmul_add(be, ref, t, d, n):
+    w, x, r = f16(d, n), f32(t, n), f32(t, d)
+    out = be.upload(r)
+    be.matmul_add(out, be.upload(w), be.upload(x))
+    want = r.copy()
+    ref.matmul_add(want, ref.upload(w), x)
+    assert rel_err(host(be, out), want) < 1e-3
+
+
+@pytest.mark.parametrize("t,f,n", [(1, 8, 8), (9, 100, 72), (200, 1536, 576)])
+def test_gate_up_silu_batch(be, ref, t, f, n):
+    wg, wu, x = f16(f, n, scale=0.1), f16(f, n, scale=0.1), f32(t, n)
+    out = cp.full((t, f), np.nan, dtype=cp.float32)
+    be.gate_up_silu_batch(out, be.upload(wg), be.upload(wu), be.upload(x))
+    want = np.zeros((t, f), np.float32)
+    ref.gate_up_silu_batch(want, ref.upload(wg), ref.upload(wu), x)
+    assert rel_err(host(be, out), want) < 1e-3
+
+
+def test_batch_row_views(be, ref):
+    """The model passes row slices B.x[:T] of larger buffers: only the first T rows change."""
+    t, d, n = 5, 40, 64
+    w, x = f16(d, n), f32(8, n)
+    xd = be.upload(x)
+    outd = cp.full((8, d), 7.0, dtype=cp.float32)
+    be.matmul(outd[:t], be.upload(w), xd[:t])
+    got = host(be, outd)
+    want = np.zeros((t, d), np.float32)
+    ref.matmul(want, ref.upload(w), x[:t])
+    assert rel_err(got[:t], want) < 1e-3
+    np.testing.assert_array_equal(got[t:], 7.0)
+
+
+def test_embed_batch(be):
+    table = f16(1001, 77)
+    t = be.upload(table)
+    toks = np.array([0, 1000, 5, 5, 999, 3], np.int32)
+    out = cp.full((6, 77), np.nan, dtype=cp.float32)
+    be.embed_batch(out, t, toks)
+    np.testing.assert_array_equal(host(be, out), table[toks].astype(np.float32))
+    for bad in ([1, -1], [1001, 0]):
+        with pytest.raises(InvalidArgumentError):
+            be.embed_batch(cp.zeros((2, 77), cp.float32), t, np.array(bad, np.int32))
+
+
+@pytest.mark.parametrize("t,n", [(1, 7), (3, 576), (17, 4096)])
+def test_rmsnorm_batch(be, ref, t, n):
+    x, w = f32(t, n), f32(n)
+    out = cp.full((t, n), np.nan, dtype=cp.float32)
+    be.rmsnorm_batch(out, be.upload(x), be.upload(w), 1e-5)
+    want = np.zeros((t, n), np.float32)
+    ref.rmsnorm_batch(want, x, w, 1e-5)
+    assert rel_err(host(be, out), want) < 1e-5
+
+
+def test_add_rows(be, ref):
+    x, b = f32(13, 99), f32(99)
+    xd = be.upload(x)
+    be.add_rows(xd, xd, be.upload(b))
+    np.testing.assert_allclose(host(be, xd), x + b, rtol=1e-6)
+
+
+@pytest.mark.parametrize("nh,nkv,hd", ROPE_CASES)
+def test_rope_batch(be, ref, nh, nkv, hd):
+    n_pos, t = 40, 9
+    cos, sin = f32(n_pos, hd // 2), f32(n_pos, hd // 2)
+    for pos0 in (0, 3, n_pos - t):
+        q, k = f32(t, nh * hd), f32(t, nkv * hd)
+        qd, kd = be.upload(q), be.upload(k)
+        be.rope_batch(qd, kd, be.upload(cos), be.upload(sin), pos0)
+        ref.rope_batch(q, k, cos, sin, pos0)
+        assert rel_err(host(be, qd), q) < 1e-6
+        assert rel_err(host(be, kd), k) < 1e-6
+    with pytest.raises(InvalidArgumentError):
+        be.rope_batch(qd, kd, be.upload(cos), be.upload(sin), n_pos - t + 1)
+
+
+@pytest.mark.parametrize("nkv,max_ctx,hd", [(1, 12, 6), (3, 100, 64), (8, 40, 128)])
+def test_cache_store_batch(be, ref, nkv, max_ctx, hd):
+    kc = np.zeros((nkv, max_ctx, hd), np.float16)
+    vc = np.zeros((nkv, max_ctx, hd), np.float16)
+    kcd, vcd = be.upload(kc), be.upload(vc)
+    t = 5
+    for pos0 in (0, max_ctx - t, 2):
+        k, v = f32(t, nkv * hd), f32(t, nkv * hd)
+        be.cache_store_batch(kcd, vcd, be.upload(k), be.upload(v), pos0)
+        ref.cache_store_batch(kc, vc, k, v, pos0)
+    np.testing.assert_array_equal(host(be, kcd), kc)
+    np.testing.assert_array_equal(host(be, vcd), vc)
+    with pytest.raises(InvalidArgumentError):
+        be.cache_store_batch(kcd, vcd, be.upload(k), be.upload(v), max_ctx - t + 1)
+
+
+# (n_heads, n_kv_heads, head_dim, T, pos0, max_ctx)
+ATTB_CASES = [(4, 4, 64, 50, 0, 60), (8, 2, 128, 256, 0, 300), (8, 2, 128, 100, 256, 400),
+              (9, 3, 64, 33, 7, 100), (3, 1, 24, 17, 0, 40), (6, 1, 32, 70, 5, 90),
+              (4, 4, 256, 40, 30, 80), (4, 2, 6, 9, 2, 20), (2, 1, 40, 65, 1, 70),
+              (32, 32, 128, 64, 300, 400), (2, 2, 16, 1, 10, 12)]
+
+
+@pytest.mark.parametrize("vec", [True, False])
+@pytest.mark.parametrize("nh,nkv,hd,t,pos0,max_ctx", ATTB_CASES)
+def test_attention_batch(ref, nh, nkv, hd, t, pos0, max_ctx, vec):
+    be = CudaBackend()
+    be.attn_batch_vec = vec
+    kc = f16(nkv, max_ctx, hd)
+    vc = f16(nkv, max_ctx, hd)
+    last = pos0 + t - 1
+    kp, vp = kc.copy(), vc.copy()
+    kp[:, last + 1:] = np.nan           # rows past the last query's position must never be read
+    vp[:, last + 1:] = np.nan
+    q = f32(t, nh * hd)
+    out = cp.full((t, nh * hd), np.nan, dtype=cp.float32)
+    be.attention_batch(out, be.upload(q), be.upload(kp), be.upload(vp), pos0)
+    want = np.zeros((t, nh * hd), np.float32)
+    ref.attention_batch(want, q, kc, vc, pos0)
+    assert rel_err(host(be, out), want) < 1e-4
+
+
+def test_attention_batch_peaked(be, ref):
+    """Large score spreads: the online-softmax rescaling across key tiles must be exact."""
+    nh, nkv, hd, t, max_ctx = 4, 2, 64, 96, 200
+    kc = f16(nkv, max_ctx, hd, scale=3.0)
+    vc = f16(nkv, max_ctx, hd)
+    q = f32(t, nh * hd, scale=3.0)
+    out = cp.full((t, nh * hd), np.nan, dtype=cp.float32)
+    be.attention_batch(out, be.upload(q), be.upload(kc), be.upload(vc), 50)
+    want = np.zeros((t, nh * hd), np.float32)
+    ref.attention_batch(want, q, kc, vc, 50)
+    assert rel_err(host(be, out), want) < 1e-4
+    with pytest.raises(InvalidArgumentError):
+        be.attention_batch(out, be.upload(q), be.upload(kc), be.upload(vc), max_ctx - t + 1)
 
 
 # -- memory helpers ----------------------------------------------------------------------------
@@ -385,5 +604,7 @@ def test_decode_step_fused_views():
     for pos, tok in enumerate([3, 1, 4, 1, 5, 9, 2, 6]):
         m1.issue(tok, pos)
         b2.decode_step(m2.issue, tok, pos)
-        assert rel_err(host(b2, m2.logits), host(b1, m1.logits)) < 1e-5, f"pos {pos}"
+        # separate k/v matvecs read the normed vector, the fused one folds the norm: rounding differs
+        # (and the f16 KV cache turns last-bit differences into f16 rounding flips)
+        assert rel_err(host(b2, m2.logits), host(b1, m1.logits)) < 1e-3, f"pos {pos}"
     assert b2._graph is not None

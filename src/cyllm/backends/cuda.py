@@ -123,9 +123,19 @@ class CudaBackend:
         self._pinned: dict = {}
         self._attn_scratch = None       # (key, o_part, m_part, l_part)
         self._cast_buf = None
-        # matvec launch shape: rows per warp, warps per block (None = heuristic); bench/bench_cuda.py tunes it
+        # matvec launch shape: rows per warp, warps per block, loads in flight per lane (4 or 8)
+        # (None = heuristic); bench/bench_cuda.py tunes them
         self.matvec_rows: int | None = None
         self.matvec_warps: int | None = None
+        self.matvec_unroll: int | None = None
+        # rmsnorm folded into the next matvec that reads its output (see rmsnorm); CYLLM_CUDA_FUSE_NORM=0 turns it off
+        self.fuse_norm = os.environ.get("CYLLM_CUDA_FUSE_NORM", "1") != "0"
+        self._pending_norm = None       # (out, x, w, eps) of an rmsnorm not launched yet
+        self._scratch: dict = {}        # name -> device buffer reused by the batched ops
+        # decode attention: load V with K for short chunks (None = off: measured no faster on an H200,
+        # and slower at long contexts, its registers cost resident blocks)
+        self.attn_v_early: bool | None = None
+        self.attn_batch_vec = True      # float4 variant of attention_batch where head_dim % 4 == 0
 
     # -- kernels ----------------------------------------------------------------
     def _compile(self):
@@ -198,6 +208,7 @@ class CudaBackend:
         The result is a view that stays valid until the next to_host of the
         same array (as with the numpy backend, where it is the array itself).
         """
+        self._flush()
         if not a.flags.c_contiguous:
             return cp.ascontiguousarray(a).get()
         key = (a.data.ptr, a.shape, a.dtype.str)
@@ -211,6 +222,7 @@ class CudaBackend:
         return buf
 
     def synchronize(self) -> None:
+        self._flush()
         self.device.synchronize()
 
     # -- per-step values --------------------------------------------------------
@@ -226,6 +238,7 @@ class CudaBackend:
 
     # -- ops --------------------------------------------------------------------
     def embed(self, out, table, token):
+        self._flush()
         vocab, dim = table.shape
         check_token(int(token), vocab)
         if self._device_mode:
@@ -236,11 +249,54 @@ class CudaBackend:
         self._k("embed_f16")((_blocks(dim, 256),), (256,),
                              (out, table, self._step, tok, np.int32(vocab), np.int32(dim)))
 
-    def rmsnorm(self, out, x, w, eps):
+    # -- rmsnorm, folded into the matvec that consumes it ------------------------------
+    # rmsnorm(xb, x, w) followed by matvec(out, W, xb) is the pattern of every
+    # sub-block. Instead of a one-block kernel (a few microseconds of latency and
+    # a launch) the norm is held back and the matvec computes it on the fly:
+    # each warp already walks all of x, so it also sums x^2 and scales by w;
+    # block 0 writes xb too, so the op's output still exists. Any other op, and
+    # to_host/synchronize, launches a held-back norm first, so the order of
+    # effects is the one the caller wrote.
+    def _flush(self) -> None:
+        p = self._pending_norm
+        if p is not None:
+            self._pending_norm = None
+            self._rmsnorm_now(*p)
+
+    def _rmsnorm_now(self, out, x, w, eps):
         n = x.shape[0]
         self._k("rmsnorm_f32")((1,), (512,), (out, x, w, np.int32(n), np.float32(eps)))
 
-    def _matvec_shape(self, d: int, n: int, rmax: int) -> tuple[int, int]:
+    @staticmethod
+    def _overlap(a, b) -> bool:
+        a0, b0 = a.data.ptr, b.data.ptr
+        return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+    def rmsnorm(self, out, x, w, eps):
+        self._flush()
+        n = x.shape[0]
+        if out.shape != x.shape or w.shape[0] != n:
+            raise InvalidArgumentError(f"rmsnorm: x {tuple(x.shape)}, w {tuple(w.shape)} -> out {tuple(out.shape)}")
+        if (self.fuse_norm and n % 8 == 0 and x.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
+                and x.flags.c_contiguous and out.flags.c_contiguous and w.flags.c_contiguous
+                and not self._overlap(out, x)):
+            self._pending_norm = (out, x, w, float(eps))
+            return
+        self._rmsnorm_now(out, x, w, eps)
+
+    def _take_norm(self, out, x):
+        """The held-back rmsnorm whose output is ``x``, if the matvec into ``out`` can fold it in."""
+        p = self._pending_norm
+        if p is None:
+            return None
+        if (p[0].data.ptr == x.data.ptr and p[0].shape == x.shape
+                and not self._overlap(out, p[1]) and not self._overlap(out, p[0])):
+            self._pending_norm = None
+            return p
+        self._flush()
+        return None
+
+    def _matvec_shape(self, d: int, n: int, rmax: int) -> tuple[int, int, int]:
         # measured on an H200: tall matrices (d >= 2.5 n) gain from 4 rows per warp, others not
         r = min(self.matvec_rows or (4 if 2 * d >= 5 * n else 1), rmax)
         warps = self.matvec_warps
@@ -251,18 +307,32 @@ class CudaBackend:
                 warps //= 2
         # 1024 threads of a 4-row kernel would ask for more registers than an SM has
         warps = max(1, min(warps, 16))
-        return r, warps
+        u = self.matvec_unroll
+        if u is None:
+            u = 4       # 8 in flight measured no better on an H200 (bench/results/cuda_ops_h200.md)
+        u = 8 if (u >= 8 and r <= 2) else 4
+        return r, warps, u
 
     def _mv(self, base: str, out, w0, w1, x, rmax: int):
         d, n = w0.shape
         if x.shape[0] != n or out.shape[0] != d:
+            self._flush()
             raise InvalidArgumentError(f"{base}: shapes {tuple(w0.shape)} @ {tuple(x.shape)} -> {tuple(out.shape)}")
+        norm = self._take_norm(out, x)
         if (n % 8 == 0 and w0.data.ptr % 16 == 0 and w1.data.ptr % 16 == 0 and x.data.ptr % 16 == 0
                 and w0.flags.c_contiguous and w1.flags.c_contiguous):
-            r, warps = self._matvec_shape(d, n, rmax)
-            self._k(f"{base}_r{r}")((_blocks(d, warps * r),), (32 * warps,),
-                                    (out, w0, w1, x, np.int32(d), np.int32(n // 8)))
+            r, warps, u = self._matvec_shape(d, n, rmax)
+            name = f"{base}_r{r}" + ("_u8" if u == 8 else "")
+            grid, block = (_blocks(d, warps * r),), (32 * warps,)
+            if norm is not None:
+                xn, xin, nw, eps = norm
+                self._k(name + "_norm")(grid, block, (out, w0, w1, xin, np.int32(d), np.int32(n // 8),
+                                                      nw, np.float32(eps), xn))
+            else:
+                self._k(name)(grid, block, (out, w0, w1, x, np.int32(d), np.int32(n // 8)))
         else:
+            if norm is not None:
+                self._rmsnorm_now(*norm)
             if not (w0.flags.c_contiguous and w1.flags.c_contiguous):
                 raise InvalidArgumentError(f"{base}: the weight matrix must be C-contiguous")
             self._k(f"{base}_scalar")((_blocks(d, 8),), (256,),
@@ -276,10 +346,12 @@ class CudaBackend:
 
     def gate_up_silu(self, out, w_gate, w_up, x):
         if w_gate.shape != w_up.shape:
+            self._flush()
             raise InvalidArgumentError(f"gate_up_silu: gate {tuple(w_gate.shape)} and up {tuple(w_up.shape)} differ")
         self._mv("gate_up_silu", out, w_gate, w_up, x, 2)
 
     def rope(self, q, k, cos, sin, pos):
+        self._flush()
         n_pos, half = cos.shape
         p = self._pos(pos, n_pos)
         nq = q.shape[0] // (2 * half)
@@ -293,6 +365,7 @@ class CudaBackend:
 
         Optional op (only this backend has it): one launch instead of two.
         """
+        self._flush()
         n_pos, half = cos.shape
         n_kv, max_ctx, hd = k_cache.shape
         p = self._pos(pos, min(n_pos, max_ctx))
@@ -304,6 +377,7 @@ class CudaBackend:
                                    np.int32(max_ctx), np.int32(nq), np.int32(n_kv), np.int32(half)))
 
     def cache_store(self, k_cache, v_cache, k, v, pos):
+        self._flush()
         n_kv, max_ctx, hd = k_cache.shape
         p = self._pos(pos, max_ctx)
         self._k("cache_store_f16")((_blocks(n_kv * hd, 256),), (256,),
@@ -336,6 +410,7 @@ class CudaBackend:
         return 4 * (gt * hd + gt * chunk + _ATT_WARPS * gt * hd + 2 * gt + _ATT_WARPS * n_split)
 
     def attention(self, out, q, k_cache, v_cache, pos):
+        self._flush()
         n_kv, max_ctx, hd = k_cache.shape
         n_heads = q.shape[0] // hd
         if n_heads * hd != q.shape[0] or n_heads % n_kv or out.shape[0] != q.shape[0]:
@@ -357,7 +432,8 @@ class CudaBackend:
             while gt and self._attn_smem(gt, hd, chunk, n_split) > _SMEM_LIMIT:
                 gt //= 2
         if gt:
-            self._k(f"attn_split_g{gt}")((n_kv, n_split), (_ATT_THREADS,),
+            ve = bool(self.attn_v_early)
+            self._k(f"attn_split_g{gt}" + ("_ve" if ve else ""))((n_kv, n_split), (_ATT_THREADS,),
                                          (out, counters, o_part, m_part, l_part) + args_tail,
                                          shared_mem=self._attn_smem(gt, hd, chunk, n_split))
         else:
@@ -368,33 +444,136 @@ class CudaBackend:
                                           (out, counters, o_part, m_part, l_part) + args_tail, shared_mem=smem)
 
     def swiglu(self, out, gate, up):
+        self._flush()
         n = out.shape[0]
         self._k("swiglu_f32")((_blocks(n, 256),), (256,), (out, gate, up, np.int32(n)))
 
     def add(self, out, x, y):
+        self._flush()
         n = out.shape[0]
         self._k("add_f32")((_blocks(n, 256),), (256,), (out, x, y, np.int32(n)))
 
     # -- batched prefill ----------------------------------------------------------
+    # Row t of every (T, n) array is prompt position pos0 + t. The GEMMs go
+    # through cuBLAS (FP16 inputs, FP32 accumulation and output, tensor cores);
+    # the rest are one launch each over all rows.
+    def _buf(self, name: str, n: int, dtype):
+        """A device scratch buffer of at least n elements, kept and grown (prefill only, never in a graph)."""
+        b = self._scratch.get(name)
+        if b is None or b.size < n:
+            b = self._scratch[name] = cp.empty(max(n, 1), dtype=dtype)
+        return b[:n]
+
+    @staticmethod
+    def _rows(a, what: str) -> int:
+        """Row stride in elements of a 2-D array whose rows are contiguous."""
+        if a.ndim != 2 or a.strides[1] != a.itemsize or a.strides[0] % a.itemsize:
+            raise InvalidArgumentError(f"{what}: expected a 2-D array with contiguous rows, got shape "
+                                       f"{tuple(a.shape)} strides {tuple(a.strides)}")
+        return a.strides[0] // a.itemsize
+
+    def embed_batch(self, out, table, tokens):
+        self._flush()
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        vocab, dim = table.shape
+        t = int(tokens.shape[0])
+        if out.shape != (t, dim):
+            raise InvalidArgumentError(f"embed_batch: {t} tokens of width {dim} -> out {tuple(out.shape)}")
+        if t == 0:
+            return
+        lo, hi = int(tokens.min()), int(tokens.max())
+        check_token(lo, vocab)
+        check_token(hi, vocab)
+        dev = self._buf("tokens", t, cp.int32)
+        # pageable source: memcpyAsync returns once the bytes are staged, so the caller may reuse tokens
+        cp.cuda.runtime.memcpyAsync(dev.data.ptr, tokens.ctypes.data, tokens.nbytes,
+                                    cp.cuda.runtime.memcpyHostToDevice,
+                                    cp.cuda.get_current_stream().ptr)
+        self._k("embed_batch_f16")((_blocks(dim, 256), t), (256,),
+                                   (out, table, dev, np.int32(t), np.int32(vocab), np.int32(dim),
+                                    np.int32(self._rows(out, "embed_batch"))))
+
+    def rmsnorm_batch(self, out, x, w, eps):
+        self._flush()
+        t, n = x.shape
+        if out.shape != x.shape or w.shape[0] != n:
+            raise InvalidArgumentError(f"rmsnorm_batch: x {tuple(x.shape)}, w {tuple(w.shape)} -> out {tuple(out.shape)}")
+        if t == 0:
+            return
+        self._k("rmsnorm_rows_f32")((t,), (512,), (out, x, w, np.int32(n), np.float32(eps),
+                                                   np.int32(self._rows(out, "rmsnorm_batch")),
+                                                   np.int32(self._rows(x, "rmsnorm_batch"))))
+
+    def _cast16(self, x, name: str = "x16"):
+        """x (T, n) f32 -> a contiguous (T, n) f16 scratch copy, the GEMM's B operand."""
+        t, n = x.shape
+        x16 = self._buf(name, t * n, cp.float16).reshape(t, n)
+        total = t * n
+        self._k("cast_rows_f32_f16")((_blocks(total, 256),), (256,),
+                                     (x16, x, np.int64(total), np.int32(n), np.int32(self._rows(x, "matmul"))))
+        return x16
+
+    def _check_mm(self, what, out, w, x):
+        t, n = x.shape
+        d = w.shape[0]
+        if w.ndim != 2 or w.shape[1] != n or out.shape != (t, d):
+            raise InvalidArgumentError(f"{what}: {tuple(x.shape)} @ {tuple(w.shape)}^T -> {tuple(out.shape)}")
+        if not w.flags.c_contiguous:
+            raise InvalidArgumentError(f"{what}: the weight matrix must be C-contiguous")
+        return t, d, n
+
     def matmul(self, out, w, x) -> None:
         """out (T, d) f32 = x (T, n) f32 @ w (d, n) f16 ^T, an FP16 GEMM with FP32 accumulation.
 
         x is rounded to FP16 (the GEMM's inputs); the products are summed in
         FP32 and written as FP32 by cuBLAS.
         """
-        t, n = x.shape
-        d = w.shape[0]
-        if w.shape[1] != n or out.shape != (t, d):
-            raise InvalidArgumentError(f"matmul: {tuple(x.shape)} @ {tuple(w.shape)}^T -> {tuple(out.shape)}")
-        size = t * n
-        if self._cast_buf is None or self._cast_buf.size < size:
-            self._cast_buf = cp.empty(size, dtype=cp.float16)
-        x16 = self._cast_buf[:size].reshape(t, n)
-        self._k("cast_f32_f16")((_blocks(size, 256),), (256,), (x16, x, np.int64(size)))
-        if not self._gemm_ex(out, w, x16, t, d, n):
-            out[...] = cp.matmul(x16, w.T).astype(cp.float32)
+        self._flush()
+        t, d, n = self._check_mm("matmul", out, w, x)
+        if t == 0:
+            return
+        self._gemm(out, w, self._cast16(x), 0.0)
 
-    def _gemm_ex(self, out, w, x16, t, d, n) -> bool:
+    def matmul_add(self, out, w, x) -> None:
+        """*fused* out (T, d) += x @ w^T: the GEMM's beta = 1 does the residual add."""
+        self._flush()
+        t, d, n = self._check_mm("matmul_add", out, w, x)
+        if t == 0:
+            return
+        self._gemm(out, w, self._cast16(x), 1.0)
+
+    def gate_up_silu_batch(self, out, w_gate, w_up, x) -> None:
+        """*fused* out (T, f) = silu(x @ w_gate^T) * (x @ w_up^T): x cast once, two GEMMs, one silu-product pass."""
+        self._flush()
+        if w_gate.shape != w_up.shape:
+            raise InvalidArgumentError(f"gate_up_silu_batch: gate {tuple(w_gate.shape)} and up {tuple(w_up.shape)} differ")
+        t, f, n = self._check_mm("gate_up_silu_batch", out, w_gate, x)
+        self._check_mm("gate_up_silu_batch", out, w_up, x)
+        if t == 0:
+            return
+        x16 = self._cast16(x)
+        up = self._buf("up", t * f, cp.float32).reshape(t, f)
+        self._gemm(out, w_gate, x16, 0.0)
+        self._gemm(up, w_up, x16, 0.0)
+        if self._rows(out, "gate_up_silu_batch") == f:
+            self._k("swiglu_f32")((_blocks(t * f, 256),), (256,), (out, out, up, np.int32(t * f)))
+        else:
+            for r in range(t):
+                self._k("swiglu_f32")((_blocks(f, 256),), (256,), (out[r], out[r], up[r], np.int32(f)))
+
+    def _gemm(self, out, w, x16, beta: float) -> None:
+        """out (T, d) f32 = x16 (T, n) f16 @ w (d, n) f16 ^T + beta * out."""
+        t, n = x16.shape
+        d = w.shape[0]
+        ldc = self._rows(out, "matmul")
+        if not self._gemm_ex(out, w, x16, t, d, n, ldc, beta):
+            prod = cp.matmul(x16.astype(cp.float32), w.T.astype(cp.float32))
+            if beta:
+                out += prod
+            else:
+                out[...] = prod
+
+    def _gemm_ex(self, out, w, x16, t, d, n, ldc, beta) -> bool:
         """cublasGemmEx: f16 inputs, f32 output, f32 compute. False if unavailable here."""
         if getattr(self, "_gemm_broken", False):
             return False
@@ -402,7 +581,9 @@ class CudaBackend:
             from cupy_backends.cuda.libs import cublas
             handle = self.device.cublas_handle
             one = np.ones(1, dtype=np.float32)
-            zero = np.zeros(1, dtype=np.float32)
+            b = np.full(1, beta, dtype=np.float32)
+            # the handle may still be bound to another stream: queue the GEMM after our kernels
+            cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
             mode = cublas.getPointerMode(handle)
             cublas.setPointerMode(handle, 0)            # CUBLAS_POINTER_MODE_HOST
             try:
@@ -410,7 +591,7 @@ class CudaBackend:
                 cublas.gemmEx(handle, 1, 0, d, t, n,        # OP_T, OP_N, m, n, k
                               one.ctypes.data, w.data.ptr, 2, n,      # A = w, CUDA_R_16F, lda
                               x16.data.ptr, 2, n,                     # B = x16, CUDA_R_16F, ldb
-                              zero.ctypes.data, out.data.ptr, 0, d,   # C = out, CUDA_R_32F, ldc
+                              b.ctypes.data, out.data.ptr, 0, ldc,    # C = out, CUDA_R_32F, ldc
                               68, -1)                                 # CUBLAS_COMPUTE_32F, GEMM_DEFAULT
             finally:
                 cublas.setPointerMode(handle, mode)
@@ -418,6 +599,82 @@ class CudaBackend:
         except Exception:  # noqa: BLE001 - older/newer CuPy without this binding: use cupy.matmul
             self._gemm_broken = True
             return False
+
+    def add_rows(self, out, x, b) -> None:
+        self._flush()
+        if out.shape != x.shape or x.ndim != 2 or b.shape != (x.shape[1],):
+            raise InvalidArgumentError(f"add_rows: x {tuple(x.shape)} + b {tuple(b.shape)} -> out {tuple(out.shape)}")
+        t, n = x.shape
+        if out.flags.c_contiguous and x.flags.c_contiguous and b.flags.c_contiguous:
+            if t:
+                self._k("add_rows_f32")((_blocks(t * n, 256),), (256,), (out, x, b, np.int64(t * n), np.int32(n)))
+        else:
+            cp.add(x, b, out=out)
+
+    def rope_batch(self, q, k, cos, sin, pos0) -> None:
+        self._flush()
+        n_pos, half = cos.shape
+        t = q.shape[0]
+        pos0 = int(pos0)
+        if k.shape[0] != t or q.shape[1] % (2 * half) or k.shape[1] % (2 * half):
+            raise InvalidArgumentError(f"rope_batch: q {tuple(q.shape)}, k {tuple(k.shape)} with head_dim {2 * half}")
+        if t == 0:
+            return
+        if pos0 < 0 or pos0 + t > n_pos:
+            raise InvalidArgumentError(f"positions {pos0}..{pos0 + t - 1} are out of range [0, {n_pos})")
+        nq, nk = q.shape[1] // (2 * half), k.shape[1] // (2 * half)
+        total = t * (nq + nk) * half
+        self._k("rope_batch_f32")((_blocks(total, 256),), (256,),
+                                  (q, k, cos, sin, np.int32(pos0), np.int32(n_pos), np.int32(t),
+                                   np.int32(nq), np.int32(nk), np.int32(half),
+                                   np.int32(self._rows(q, "rope_batch")), np.int32(self._rows(k, "rope_batch"))))
+
+    def cache_store_batch(self, k_cache, v_cache, k, v, pos0) -> None:
+        self._flush()
+        n_kv, max_ctx, hd = k_cache.shape
+        t = k.shape[0]
+        pos0 = int(pos0)
+        if v.shape != k.shape or k.shape[1] != n_kv * hd or v_cache.shape != k_cache.shape:
+            raise InvalidArgumentError(f"cache_store_batch: k {tuple(k.shape)} does not fit a cache of {n_kv} heads x {hd}")
+        if t == 0:
+            return
+        if pos0 < 0 or pos0 + t > max_ctx:
+            raise InvalidArgumentError(f"positions {pos0}..{pos0 + t - 1} are out of range [0, {max_ctx})")
+        total = t * n_kv * hd
+        self._k("cache_store_batch_f16")((_blocks(total, 256),), (256,),
+                                         (k_cache, v_cache, k, v, np.int32(pos0), np.int32(t), np.int32(max_ctx),
+                                          np.int32(n_kv), np.int32(hd), np.int32(self._rows(k, "cache_store_batch")),
+                                          np.int32(self._rows(v, "cache_store_batch"))))
+
+    def attention_batch(self, out, q, k_cache, v_cache, pos0) -> None:
+        """Causal attention of T queries (row t at position pos0 + t), flash-attention tiles."""
+        self._flush()
+        n_kv, max_ctx, hd = k_cache.shape
+        t = q.shape[0]
+        pos0 = int(pos0)
+        n_heads = q.shape[1] // hd if q.ndim == 2 else 0
+        if (q.ndim != 2 or n_heads * hd != q.shape[1] or n_heads % n_kv or out.shape != q.shape
+                or not k_cache.flags.c_contiguous or not v_cache.flags.c_contiguous):
+            raise InvalidArgumentError(f"attention_batch: q {tuple(q.shape)} does not fit a cache of {n_kv} heads x {hd}")
+        if t == 0:
+            return
+        if pos0 < 0 or pos0 + t > max_ctx:
+            raise InvalidArgumentError(f"positions {pos0}..{pos0 + t - 1} are out of range [0, {max_ctx})")
+        nc = 1 if hd <= 32 else 2 if hd <= 64 else 4 if hd <= 128 else 8 if hd <= 256 else 0
+        if nc == 0:     # very wide heads: the decode kernel, one query at a time
+            for r in range(t):
+                self.attention(out[r], q[r], k_cache, v_cache, pos0 + r)
+            return
+        bq = bk = 16 if nc == 8 else 32
+        vec = self.attn_batch_vec and hd % 4 == 0
+        pad = 4 if vec else 1
+        smem = 4 * ((bq + bk) * (hd + pad) + bq * (bk + pad))
+        self._k(f"attn_batch_c{nc}" + ("_v4" if vec else ""))((n_heads, _blocks(t, bq)), (128,),
+                                     (out, q, k_cache, v_cache, np.int32(t), np.int32(pos0), np.int32(max_ctx),
+                                      np.int32(n_heads // n_kv), np.int32(hd),
+                                      np.int32(self._rows(q, "attention_batch")),
+                                      np.int32(self._rows(out, "attention_batch")),
+                                      np.float32(1.0 / math.sqrt(hd))), shared_mem=smem)
 
     # -- CUDA-graph decode ----------------------------------------------------------
     def reset_graph(self) -> None:
@@ -459,6 +716,7 @@ class CudaBackend:
                 self._vocab = None
                 self._max_pos = None
                 issue_ops(token, pos)           # eager: computes this token, compiles, allocates
+                self._flush()
                 if self.use_graphs:
                     self._capture(issue_ops, token, pos)
             finally:
@@ -471,6 +729,7 @@ class CudaBackend:
             stream.begin_capture()
             try:
                 issue_ops(token, pos)
+                self._flush()                   # a held-back rmsnorm belongs to this graph
             finally:
                 graph = stream.end_capture()
         except Exception as e:  # noqa: BLE001 - something in issue_ops cannot be captured
