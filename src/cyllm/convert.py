@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import InvalidArgumentError, ModelLoadError
-from .loading.gguf import build_tokenizer, config_from_gguf, materialize, plan_tensors, read_gguf
+from .loading.gguf import config_from_gguf, materialize, plan_tensors, read_gguf
+from .loading.gguf_tokenizer import build_tokenizer
 
 OUT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
              "generation_config.json")
