@@ -9,14 +9,11 @@ import pytest
 
 from cyllm.convert import convert_gguf_to_hf
 from cyllm.errors import InvalidArgumentError, ModelLoadError
+from conftest import HOST_BACKENDS
 
 
 def pick_backend() -> str:
-    try:
-        import cyllm.backends.cpu  # noqa: F401
-        return "cpu"
-    except Exception:
-        return "numpy"
+    return HOST_BACKENDS[-1]      # the compiled cpu backend when built, else the numpy reference
 
 
 @pytest.fixture(scope="module")

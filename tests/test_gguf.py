@@ -15,14 +15,11 @@ from gguf import quants  # noqa: E402
 
 from cyllm.errors import ModelLoadError, UnsupportedModelError  # noqa: E402
 from cyllm.loading.gguf import load_gguf, read_gguf  # noqa: E402
+from conftest import HOST_BACKENDS
 
 
 def pick_backend() -> str:
-    try:
-        import cyllm.backends.cpu  # noqa: F401
-        return "cpu"
-    except Exception:
-        return "numpy"
+    return HOST_BACKENDS[-1]      # the compiled cpu backend when built, else the numpy reference
 
 
 # ============================================================================ synthetic files
