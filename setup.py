@@ -10,6 +10,9 @@ Compiler flags, and why:
   object and linked in; the rest stays at the baseline ISA so the extension imports
   on CPUs without AVX2, where dispatch.c (cpuid + xgetbv) never selects that code.
   Non-x86 targets (ARM) build only the generic C. CYLLM_NO_AVX2=1 skips it too.
+- -mavx512f (+ the AVX2 flags) ONLY on cython_ext/csrc/kernels_avx512.c (the prefill
+  GEMM of the "avx512" variant), selected at run time like the AVX2 code.
+  CYLLM_NO_AVX512=1 skips it.
 - CYLLM_NO_OPENMP=1 forces the serial build (to test that path).
 """
 
@@ -25,7 +28,9 @@ from setuptools.command.build_ext import build_ext
 CSRC = os.path.join("cython_ext", "csrc")
 AVX2_SOURCE = os.path.join(CSRC, "kernels_avx2.c")
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
-HEADERS = [os.path.join(CSRC, h) for h in ("kernels.h", "fp16.h", "omp_shim.h")]
+AVX512_SOURCE = os.path.join(CSRC, "kernels_avx512.c")
+AVX512_FLAGS = AVX2_FLAGS + ["-mavx512f"]
+HEADERS = [os.path.join(CSRC, h) for h in ("kernels.h", "fp16.h", "omp_shim.h", "gemm_pack.h")]
 
 OPENMP_PROBE = r"""
 #include <omp.h>
@@ -45,6 +50,17 @@ int main(void) {
     a = _mm256_fmadd_ps(a, a, a);
     __m256i b = _mm256_add_epi32(_mm256_castps_si256(a), _mm256_set1_epi32(1));
     return _mm256_extract_epi32(b, 0) == 12345;
+}
+"""
+
+
+AVX512_PROBE = r"""
+#include <immintrin.h>
+int main(void) {
+    float f[16] = {0};
+    __m512 a = _mm512_fmadd_ps(_mm512_loadu_ps(f), _mm512_set1_ps(2.0f), _mm512_set1_ps(1.0f));
+    _mm512_storeu_ps(f, a);
+    return f[3] == 12345.0f;
 }
 """
 
@@ -113,8 +129,20 @@ class BuildExt(build_ext):
                     extra_postargs=opt + AVX2_FLAGS, depends=HEADERS)
                 ext.extra_objects = list(ext.extra_objects or []) + objs
                 ext.define_macros = list(ext.define_macros or []) + [("CYLLM_HAVE_AVX2", "1")]
+        # the avx512 variant = the avx2 kernels + an AVX-512F GEMM (prefill); CYLLM_NO_AVX512=1 skips it
+        avx512 = (avx2 and os.environ.get("CYLLM_NO_AVX512", "") != "1"
+                  and self._probe(AVX512_PROBE, AVX512_FLAGS, []))
+        if avx512:
+            for ext in self.extensions:
+                objs = self.compiler.compile(
+                    [AVX512_SOURCE], output_dir=self.build_temp,
+                    include_dirs=[CSRC], macros=[("CYLLM_HAVE_AVX2", "1"), ("CYLLM_HAVE_AVX512", "1")],
+                    extra_postargs=opt + AVX512_FLAGS, depends=HEADERS)
+                ext.extra_objects = list(ext.extra_objects or []) + objs
+                ext.define_macros = list(ext.define_macros or []) + [("CYLLM_HAVE_AVX512", "1")]
         print(f"cyllm: building kernels with OpenMP={'yes' if openmp else 'NO'}, "
-              f"AVX2 variant={'yes' if avx2 else 'no'}", file=sys.stderr)
+              f"AVX2 variant={'yes' if avx2 else 'no'}, AVX-512 variant={'yes' if avx512 else 'no'}",
+              file=sys.stderr)
         super().build_extensions()
 
 
@@ -126,11 +154,12 @@ def extensions():
         "cyllm._ext.kernels",
         sources=[os.path.join("cython_ext", "kernels.pyx"),
                  os.path.join(CSRC, "kernels_generic.c"),
-                 os.path.join(CSRC, "dispatch.c")],
+                 os.path.join(CSRC, "dispatch.c"),
+                 os.path.join(CSRC, "program.c")],
         include_dirs=[numpy.get_include(), CSRC],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         # the AVX2 object is linked in by BuildExt: list it so edits relink
-        depends=HEADERS + [AVX2_SOURCE],
+        depends=HEADERS + [AVX2_SOURCE, AVX512_SOURCE],
     )
     return cythonize([ext], language_level=3, quiet=True)
 

@@ -6,19 +6,22 @@ Layout of the work: every op validates its arrays here (dtype, dims, contiguity,
 writability, ranges) with the NumPy C API -- a few hundred ns, cheap next to a
 Python method call -- then releases the GIL and calls the C kernels of the chosen
 variant (csrc/kernels_generic.c, csrc/kernels_avx2.c) through function pointers.
-Big ops (matvec family, attention) split their rows/heads over `threads` OpenMP
-threads; small vector ops run serially because waking the team (~1-14 us) costs
-more than the op. Every row/head is computed by one thread in a fixed order, so
-results are bitwise identical for any thread count.
+Big ops (matvec family, attention, the batched prefill GEMMs) split their
+rows/heads over `threads` OpenMP threads; small vector ops run serially because
+waking the team (~1-14 us) costs more than the op. Every row/head is computed by
+one thread in a fixed order (long-context decode attention merges fixed cache
+blocks in order), so results are bitwise identical for any thread count.
+DecodeProgram (end of file) runs a whole captured decode step in one region.
 """
 
 import os
 import time
 
 cimport numpy as cnp
-from cython.parallel cimport prange
-from libc.stdint cimport uint16_t, int64_t
-from libc.stdlib cimport malloc, free
+from cython.parallel cimport prange, threadid
+from libc.stdint cimport uint16_t, int32_t, int64_t
+from libc.stdlib cimport malloc, realloc, free
+from libc.string cimport memset
 from libc.math cimport sqrt, expf
 
 from cyllm.errors import BackendUnavailableError, InvalidArgumentError
@@ -30,21 +33,71 @@ cdef extern from "csrc/kernels.h" nogil:
     ctypedef struct cyllm_kernels:
         const char *name
         void (*matvec_rows)(float *out, const uint16_t *w, const float *x,
-                            int64_t n, int64_t r0, int64_t r1, int add) noexcept nogil
+                            int64_t n, int64_t r0, int64_t r1, int add,
+                            const void *nx, int64_t nx_bytes) noexcept nogil
         void (*gate_up_rows)(float *out, const uint16_t *wg, const uint16_t *wu,
-                             const float *x, int64_t n, int64_t r0, int64_t r1) noexcept nogil
+                             const float *x, int64_t n, int64_t r0, int64_t r1,
+                             const void *nx, int64_t nx_bytes) noexcept nogil
         void (*attention_group)(float *out, const float *q, const uint16_t *k,
                                 const uint16_t *v, int64_t t_len, int64_t hd,
-                                float scale, int64_t n_q) noexcept nogil
+                                float scale, int64_t n_q, float *ml) noexcept nogil
         void (*f16_to_f32)(float *out, const uint16_t *inp, int64_t n) noexcept nogil
         void (*f32_to_f16)(uint16_t *out, const float *inp, int64_t n) noexcept nogil
         double (*sum_f32)(const float *p, int64_t n) noexcept nogil
+        void (*gemm_rows)(float *out, const uint16_t *w, const uint16_t *wu, const float *x,
+                          int64_t T, int64_t n, int64_t d, int64_t r0, int64_t r1,
+                          int mode) noexcept nogil
+        int gemm_nr
+        void (*attention_rows)(float *out, const float *q, int64_t ldq, const uint16_t *k,
+                               const uint16_t *v, int64_t hd, float scale, int64_t rows,
+                               int64_t len0, float *work) noexcept nogil
+        int64_t (*attention_rows_work)(int64_t t_max) noexcept nogil
+        int attention_rows_max
+
+    ctypedef struct cyllm_op:
+        int kind, barrier, mode, dyn
+        float *out
+        float *out2
+        const void *a
+        const void *b
+        const void *c
+        const void *e
+        uint16_t *kc
+        uint16_t *vc
+        int64_t d, n, n_heads, n_kv, hd, max_ctx, half, fixed
+        int next_w
+        float eps, scale
+
+    enum:
+        CYLLM_OP_EMBED, CYLLM_OP_RMSNORM, CYLLM_OP_MATVEC, CYLLM_OP_GATE_UP, CYLLM_OP_ROPE,
+        CYLLM_OP_CACHE_STORE, CYLLM_OP_ATTENTION, CYLLM_OP_ADD, CYLLM_OP_SWIGLU
 
     int CYLLM_CPU_AVX, CYLLM_CPU_AVX2, CYLLM_CPU_FMA, CYLLM_CPU_F16C, CYLLM_CPU_AVX512F
     int cyllm_cpu_features() noexcept
     int cyllm_avx2_compiled() noexcept
+    int cyllm_avx512_compiled() noexcept
+    int cyllm_pf_groups
+    int cyllm_pf_next
+    void cyllm_rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps) noexcept
+    void cyllm_rope_rows(float *v, int64_t heads, int64_t half, const float *c,
+                         const float *s) noexcept
+    void cyllm_program_run(const cyllm_kernels *kt, const cyllm_op *ops, int n_ops, int nt,
+                           int64_t token, int64_t pos, float *scratch) noexcept
+    int64_t cyllm_attention_scratch(int64_t n_heads, int64_t hd, int64_t t_len) noexcept
+    void cyllm_attention_run(const cyllm_kernels *kt, float *out, const float *q,
+                             const uint16_t *kc, const uint16_t *vc, int64_t n_heads,
+                             int64_t n_kv, int64_t hd, int64_t max_ctx, int64_t pos,
+                             float *scratch, int nt) noexcept
     const cyllm_kernels *cyllm_kernels_by_name(const char *name) noexcept
     float cyllm_silu(float x) noexcept
+
+
+def _set_prefetch(int groups, int across_ops=1):
+    """Tuning knobs of the decode matvec's software prefetch (benchmarks only): groups
+    of 4 rows ahead (0 = off), and whether the decode program prefetches across ops."""
+    global cyllm_pf_groups, cyllm_pf_next
+    cyllm_pf_groups = groups
+    cyllm_pf_next = across_ops
 
 cdef extern from "csrc/omp_shim.h" nogil:
     int CYLLM_OPENMP
@@ -58,7 +111,7 @@ cdef enum:
     VECTOR_PARALLEL_MIN = 65536      # elements of add / swiglu
     ROWS_PER_THREAD_MIN = 8
 
-VARIANTS = ("generic", "avx2")
+VARIANTS = ("generic", "avx2", "avx512")
 
 
 # -- CPU / build facts -------------------------------------------------------------
@@ -88,15 +141,20 @@ def avx2_compiled():
     return bool(cyllm_avx2_compiled())
 
 
+def avx512_compiled():
+    """True when the avx512 variant (AVX-512F prefill GEMM) was built into this extension."""
+    return bool(cyllm_avx512_compiled())
+
+
 def available_variants():
     """Variants that can run here, best first."""
-    return [v for v in ("avx2", "generic") if cyllm_kernels_by_name(v.encode()) != NULL]
+    return [v for v in ("avx512", "avx2", "generic") if cyllm_kernels_by_name(v.encode()) != NULL]
 
 
 def resolve_variant(variant=None):
     """The kernel variant to use: `variant`, else $CYLLM_KERNELS, else the best available.
 
-    Accepts "auto" | "generic" | "avx2"; raises BackendUnavailableError for an
+    Accepts "auto" | "generic" | "avx2" | "avx512"; raises BackendUnavailableError for an
     unknown name or a variant this CPU (or this build) cannot run.
     """
     source = "variant"
@@ -114,6 +172,14 @@ def resolve_variant(variant=None):
         raise BackendUnavailableError(
             f"unknown kernel variant {variant!r} in {source} (choose from auto, {', '.join(VARIANTS)})")
     if cyllm_kernels_by_name(v.encode()) == NULL:
+        if v == "avx512" and not cyllm_avx512_compiled():
+            raise BackendUnavailableError(
+                "kernel variant 'avx512' was not built into this extension (non-x86 target or "
+                "the compiler lacks -mavx512f); use CYLLM_KERNELS=avx2 or generic")
+        if v == "avx512":
+            raise BackendUnavailableError(
+                f"kernel variant 'avx512' needs a CPU with AVX-512F, AVX2, FMA and F16C; this CPU "
+                f"has [{', '.join(cpu_features())}]; use CYLLM_KERNELS=avx2 or generic")
         if not cyllm_avx2_compiled():
             raise BackendUnavailableError(
                 f"kernel variant {v!r} was not built into this extension (non-x86 target "
@@ -177,6 +243,24 @@ cdef inline int _check_pos(Py_ssize_t pos, Py_ssize_t max_ctx) except -1:
     return 0
 
 
+cdef inline int _check_span(Py_ssize_t pos0, Py_ssize_t T, Py_ssize_t max_ctx) except -1:
+    if pos0 < 0 or pos0 + T > max_ctx:
+        raise InvalidArgumentError(
+            f"positions {pos0}..{pos0 + T - 1} are out of range [0, {max_ctx})")
+    return 0
+
+
+cdef inline float _eps(object eps) except? -1:
+    cdef double e
+    try:
+        e = float(eps)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"eps must be a number, got {eps!r}") from None
+    if not e >= 0.0:
+        raise InvalidArgumentError(f"eps must be >= 0, got {eps!r}")
+    return <float>e
+
+
 cdef inline int _check_len(Py_ssize_t got, Py_ssize_t want, str name, str what) except -1:
     if got != want:
         raise InvalidArgumentError(f"{name} has length {got}, expected {want} ({what})")
@@ -194,6 +278,26 @@ cdef class CpuKernels:
     cdef const cyllm_kernels *kt
     cdef int nthreads
     cdef str _variant
+    cdef float *scratch          # attention partials (grown on demand, kept)
+    cdef Py_ssize_t scratch_n
+
+    def __cinit__(self):
+        self.scratch = NULL
+        self.scratch_n = 0
+
+    def __dealloc__(self):
+        free(self.scratch)
+
+    cdef float *_scratch_for(self, Py_ssize_t n) except? NULL:
+        """At least n floats of attention scratch (allocates only when the need grows)."""
+        cdef float *grown
+        if n > self.scratch_n:
+            grown = <float *>realloc(self.scratch, n * sizeof(float))
+            if grown == NULL:
+                raise MemoryError(f"cannot allocate {n * 4} bytes of attention scratch")
+            self.scratch = grown
+            self.scratch_n = n
+        return self.scratch
 
     def __init__(self, threads=1, variant=None):
         if variant is None:
@@ -251,9 +355,9 @@ cdef class CpuKernels:
         with nogil:
             if nt == 1:
                 if mode == 2:
-                    kt.gate_up_rows(po, pw, pu, px, n, 0, d)
+                    kt.gate_up_rows(po, pw, pu, px, n, 0, d, NULL, 0)
                 else:
-                    kt.matvec_rows(po, pw, px, n, 0, d, mode)
+                    kt.matvec_rows(po, pw, px, n, 0, d, mode, NULL, 0)
             else:
                 for t in prange(nt, num_threads=nt, schedule="static", chunksize=1):
                     r0 = (groups * t // nt) * 4
@@ -261,9 +365,9 @@ cdef class CpuKernels:
                     if r1 > d:
                         r1 = d
                     if mode == 2:
-                        kt.gate_up_rows(po, pw, pu, px, n, r0, r1)
+                        kt.gate_up_rows(po, pw, pu, px, n, r0, r1, NULL, 0)
                     else:
-                        kt.matvec_rows(po, pw, px, n, r0, r1, mode)
+                        kt.matvec_rows(po, pw, px, n, r0, r1, mode, NULL, 0)
 
     def matvec(self, out, w, x):
         """out (d,) f32 = w (d, n) f16 @ x (n,) f32."""
@@ -327,39 +431,15 @@ cdef class CpuKernels:
         cdef const float *pq = <const float *>cnp.PyArray_DATA(aq)
         cdef const uint16_t *pk = <const uint16_t *>cnp.PyArray_DATA(ak)
         cdef const uint16_t *pv = <const uint16_t *>cnp.PyArray_DATA(av)
-        # Work item = a run of query heads of one GQA group (they share K/V, which the
-        # avx2 kernel widens once per run). Groups are split only when there are fewer
-        # kv heads than threads; a head's bits never depend on the split.
-        cdef Py_ssize_t group = n_heads // n_kv, it, kvh, h0, nq
+        # The split (runs of GQA heads; beyond CYLLM_ATT_BLOCK positions fixed cache
+        # blocks merged in order) lives in C (program.c) and is shared with the captured
+        # decode step, so both give the same bits, for any thread count.
         cdef int nt = self.nthreads
-        # fewest splits that give every thread the same number of items (3 kv heads on
-        # 2 threads: 6 items of 2+1 heads), else one head per item
-        cdef Py_ssize_t splits = 1
-        while splits < group and (n_kv * splits) % nt != 0:
-            splits += 1
-        cdef Py_ssize_t chunk = (group + splits - 1) // splits
-        splits = (group + chunk - 1) // chunk
-        cdef Py_ssize_t items = n_kv * splits
-        cdef float scale = <float>(1.0 / sqrt(<double>hd))
-        if nt > items:
-            nt = <int>items
         if (p + 1) * hd * n_heads < 16384:   # tiny: a wake-up costs more than the work
             nt = 1
+        cdef float *scratch = self._scratch_for(cyllm_attention_scratch(n_heads, hd, p + 1))
         with nogil:
-            if nt == 1:
-                for it in range(items):
-                    kvh = it // splits
-                    h0 = kvh * group + (it % splits) * chunk
-                    nq = min(chunk, (kvh + 1) * group - h0)
-                    kt.attention_group(po + h0 * hd, pq + h0 * hd, pk + kvh * max_ctx * hd,
-                                       pv + kvh * max_ctx * hd, p + 1, hd, scale, nq)
-            else:
-                for it in prange(items, num_threads=nt, schedule="static", chunksize=1):
-                    kvh = it // splits
-                    h0 = kvh * group + (it % splits) * chunk
-                    nq = min(chunk, (kvh + 1) * group - h0)
-                    kt.attention_group(po + h0 * hd, pq + h0 * hd, pk + kvh * max_ctx * hd,
-                                       pv + kvh * max_ctx * hd, p + 1, hd, scale, nq)
+            cyllm_attention_run(kt, po, pq, pk, pv, n_heads, n_kv, hd, max_ctx, p, scratch, nt)
 
     def cache_store(self, k_cache, v_cache, k, v, pos):
         """k_cache[:, pos, :] = k ; v_cache[:, pos, :] = v (f32 -> f16, round to nearest even)."""
@@ -449,15 +529,8 @@ cdef class CpuKernels:
         cdef float *po = <float *>cnp.PyArray_DATA(ao)
         cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
         cdef const float *pw = <const float *>cnp.PyArray_DATA(aw)
-        cdef double ss = 0.0
-        cdef float scale
         with nogil:
-            for i in range(n):
-                ss += <double>px[i] * px[i]
-            # mean in double, then one f32 scale, applied as (x * scale) * w like the reference
-            scale = <float>(1.0 / sqrt(<double>(<float>(ss / n) + <float>e)))
-            for i in range(n):
-                po[i] = (px[i] * scale) * pw[i]
+            cyllm_rmsnorm(po, px, pw, n, <float>e)
 
     def swiglu(self, out, gate, up):
         """out (f,) f32 = silu(gate) * up."""
@@ -499,20 +572,276 @@ cdef class CpuKernels:
                 for i in prange(n, num_threads=nt, schedule="static"):
                     po[i] = px[i] + py[i]
 
+    # -- batched ops (prefill: row t of every (T, ...) array is one position) -------
+    cdef int _gemm(self, object out, object w, object wu, object x, int mode) except -1:
+        cdef str wname = "w_gate" if mode == 2 else "w"
+        cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 2, True)
+        cdef cnp.ndarray aw = _arr(w, wname, cnp.NPY_FLOAT16, 2, False)
+        cdef cnp.ndarray ax = _arr(x, "x", cnp.NPY_FLOAT32, 2, False)
+        cdef cnp.ndarray au = None
+        cdef Py_ssize_t d = cnp.PyArray_DIM(aw, 0), n = cnp.PyArray_DIM(aw, 1)
+        cdef Py_ssize_t T = cnp.PyArray_DIM(ax, 0)
+        if mode == 2:
+            au = _arr(wu, "w_up", cnp.NPY_FLOAT16, 2, False)
+            if cnp.PyArray_DIM(au, 0) != d or cnp.PyArray_DIM(au, 1) != n:
+                raise InvalidArgumentError(
+                    f"w_up has shape {wu.shape}, expected {w.shape} (the shape of w_gate)")
+            _no_overlap(ao, au, "out", "w_up")
+        if cnp.PyArray_DIM(ax, 1) != n:
+            raise InvalidArgumentError(f"x has shape {x.shape}: expected {n} columns (columns of {wname})")
+        if cnp.PyArray_DIM(ao, 0) != T or cnp.PyArray_DIM(ao, 1) != d:
+            raise InvalidArgumentError(f"out has shape {out.shape}, expected ({T}, {d}) (rows of x, rows of {wname})")
+        _no_overlap(ao, ax, "out", "x")
+        _no_overlap(ao, aw, "out", wname)
+        if T == 0 or d == 0:
+            return 0
+        cdef const cyllm_kernels *kt = self.kt
+        cdef float *po = <float *>cnp.PyArray_DATA(ao)
+        cdef const uint16_t *pw = <const uint16_t *>cnp.PyArray_DATA(aw)
+        cdef const uint16_t *pu = <const uint16_t *>cnp.PyArray_DATA(au) if mode == 2 else NULL
+        cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
+        # threads own runs of whole weight panels (gemm_nr rows): a row's bits do not
+        # depend on the split
+        cdef Py_ssize_t nr = kt.gemm_nr, panels = (d + kt.gemm_nr - 1) // kt.gemm_nr, t, r0, r1
+        cdef int nt = self.nthreads
+        if nt > panels:
+            nt = <int>panels
+        if T * d * n * (2 if mode == 2 else 1) < MATVEC_PARALLEL_MIN:
+            nt = 1
+        with nogil:
+            if nt == 1:
+                kt.gemm_rows(po, pw, pu, px, T, n, d, 0, d, mode)
+            else:
+                for t in prange(nt, num_threads=nt, schedule="static", chunksize=1):
+                    r0 = (panels * t // nt) * nr
+                    r1 = (panels * (t + 1) // nt) * nr
+                    if r1 > d:
+                        r1 = d
+                    kt.gemm_rows(po, pw, pu, px, T, n, d, r0, r1, mode)
+        return 0
 
-cdef void _rope_rows(float *v, Py_ssize_t heads, Py_ssize_t half,
-                     const float *c, const float *s) noexcept nogil:
-    # rotate-half: element i pairs with i + half inside each head
-    cdef Py_ssize_t h, i
-    cdef float x1, x2
-    cdef float *row
-    for h in range(heads):
-        row = v + h * 2 * half
-        for i in range(half):
-            x1 = row[i]
-            x2 = row[i + half]
-            row[i] = x1 * c[i] - x2 * s[i]
-            row[i + half] = x2 * c[i] + x1 * s[i]
+    def matmul(self, out, w, x):
+        """out (T, d) f32 = x (T, n) f32 @ w.T ; w (d, n) f16."""
+        self._gemm(out, w, None, x, 0)
+
+    def matmul_add(self, out, w, x):
+        """out (T, d) f32 += x (T, n) f32 @ w.T ; w (d, n) f16."""
+        self._gemm(out, w, None, x, 1)
+
+    def gate_up_silu_batch(self, out, w_gate, w_up, x):
+        """out (T, f) f32 = silu(x @ w_gate.T) * (x @ w_up.T) ; w_gate, w_up (f, n) f16."""
+        self._gemm(out, w_gate, w_up, x, 2)
+
+    def embed_batch(self, out, table, tokens):
+        """out (T, dim) f32 = table[tokens] ; tokens (T,) int32 (every id checked)."""
+        cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 2, True)
+        cdef cnp.ndarray at = _arr(table, "table", cnp.NPY_FLOAT16, 2, False)
+        if (not cnp.PyArray_Check(tokens) or cnp.PyArray_TYPE(<cnp.ndarray>tokens) != cnp.NPY_INT32
+                or not cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>tokens)
+                or cnp.PyArray_NDIM(<cnp.ndarray>tokens) != 1
+                or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>tokens)
+                or not cnp.PyArray_ISALIGNED(<cnp.ndarray>tokens)):
+            raise InvalidArgumentError("tokens must be a contiguous 1-D native int32 numpy array")
+        cdef const int32_t *tok = <const int32_t *>cnp.PyArray_DATA(<cnp.ndarray>tokens)
+        cdef Py_ssize_t vocab = cnp.PyArray_DIM(at, 0), dim = cnp.PyArray_DIM(at, 1)
+        cdef Py_ssize_t T = cnp.PyArray_DIM(<cnp.ndarray>tokens, 0), t
+        if cnp.PyArray_DIM(ao, 0) != T or cnp.PyArray_DIM(ao, 1) != dim:
+            raise InvalidArgumentError(f"out has shape {out.shape}, expected ({T}, {dim}) (tokens, columns of the table)")
+        for t in range(T):
+            if tok[t] < 0 or tok[t] >= vocab:
+                raise InvalidArgumentError(f"token id {tok[t]} is out of range [0, {vocab})")
+        cdef const cyllm_kernels *kt = self.kt
+        cdef float *po = <float *>cnp.PyArray_DATA(ao)
+        cdef const uint16_t *pt = <const uint16_t *>cnp.PyArray_DATA(at)
+        with nogil:
+            for t in range(T):
+                kt.f16_to_f32(po + t * dim, pt + <Py_ssize_t>tok[t] * dim, dim)
+
+    def rmsnorm_batch(self, out, x, w, eps):
+        """rmsnorm of every row: out, x (T, dim) f32 (out may alias x) ; w (dim,) f32."""
+        cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 2, True)
+        cdef cnp.ndarray ax = _arr(x, "x", cnp.NPY_FLOAT32, 2, False)
+        cdef cnp.ndarray aw = _arr(w, "w", cnp.NPY_FLOAT32, 1, False)
+        cdef Py_ssize_t T = cnp.PyArray_DIM(ax, 0), n = cnp.PyArray_DIM(ax, 1), t
+        if n < 1:
+            raise InvalidArgumentError("rmsnorm of an empty vector")
+        _check_len(cnp.PyArray_DIM(aw, 0), n, "w", "the row length of x")
+        if cnp.PyArray_DIM(ao, 0) != T or cnp.PyArray_DIM(ao, 1) != n:
+            raise InvalidArgumentError(f"out has shape {out.shape}, expected {x.shape} (the shape of x)")
+        cdef float e = _eps(eps)
+        cdef float *po = <float *>cnp.PyArray_DATA(ao)
+        cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
+        cdef const float *pw = <const float *>cnp.PyArray_DATA(aw)
+        cdef int nt = self.nthreads if T * n >= VECTOR_PARALLEL_MIN else 1
+        with nogil:
+            if nt == 1:
+                for t in range(T):
+                    cyllm_rmsnorm(po + t * n, px + t * n, pw, n, e)
+            else:
+                for t in prange(T, num_threads=nt, schedule="static"):
+                    cyllm_rmsnorm(po + t * n, px + t * n, pw, n, e)
+
+    def add_rows(self, out, x, b):
+        """out (T, n) = x (T, n) + b (n,) on every row (out may alias x)."""
+        cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 2, True)
+        cdef cnp.ndarray ax = _arr(x, "x", cnp.NPY_FLOAT32, 2, False)
+        cdef cnp.ndarray ab = _arr(b, "b", cnp.NPY_FLOAT32, 1, False)
+        cdef Py_ssize_t T = cnp.PyArray_DIM(ax, 0), n = cnp.PyArray_DIM(ax, 1), t, i
+        _check_len(cnp.PyArray_DIM(ab, 0), n, "b", "the row length of x")
+        if cnp.PyArray_DIM(ao, 0) != T or cnp.PyArray_DIM(ao, 1) != n:
+            raise InvalidArgumentError(f"out has shape {out.shape}, expected {x.shape} (the shape of x)")
+        cdef float *po = <float *>cnp.PyArray_DATA(ao)
+        cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
+        cdef const float *pb = <const float *>cnp.PyArray_DATA(ab)
+        with nogil:
+            for t in range(T):
+                for i in range(n):
+                    po[t * n + i] = px[t * n + i] + pb[i]
+
+    def rope_batch(self, q, k, cos, sin, pos0):
+        """rope of every row in place: q (T, n_heads*hd), k (T, n_kv*hd); row t at pos0 + t."""
+        cdef cnp.ndarray aq = _arr(q, "q", cnp.NPY_FLOAT32, 2, True)
+        cdef cnp.ndarray ak = _arr(k, "k", cnp.NPY_FLOAT32, 2, True)
+        cdef cnp.ndarray ac = _arr(cos, "cos", cnp.NPY_FLOAT32, 2, False)
+        cdef cnp.ndarray as_ = _arr(sin, "sin", cnp.NPY_FLOAT32, 2, False)
+        cdef Py_ssize_t max_ctx = cnp.PyArray_DIM(ac, 0), half = cnp.PyArray_DIM(ac, 1)
+        if cnp.PyArray_DIM(as_, 0) != max_ctx or cnp.PyArray_DIM(as_, 1) != half:
+            raise InvalidArgumentError(f"sin has shape {sin.shape}, expected {cos.shape} (the shape of cos)")
+        if half < 1:
+            raise InvalidArgumentError(f"cos has shape {cos.shape}: head_dim/2 must be positive")
+        cdef Py_ssize_t hd = 2 * half, T = cnp.PyArray_DIM(aq, 0), t
+        if cnp.PyArray_DIM(ak, 0) != T:
+            raise InvalidArgumentError(f"k has {cnp.PyArray_DIM(ak, 0)} rows, q has {T}")
+        cdef Py_ssize_t nq = cnp.PyArray_DIM(aq, 1), nk = cnp.PyArray_DIM(ak, 1)
+        if nq % hd or nk % hd:
+            raise InvalidArgumentError(
+                f"q rows (length {nq}) and k rows (length {nk}) must be multiples of head_dim {hd} (2 * cos.shape[1])")
+        cdef Py_ssize_t p0 = _index(pos0, "pos0")
+        _check_span(p0, T, max_ctx)
+        cdef float *pq = <float *>cnp.PyArray_DATA(aq)
+        cdef float *pk = <float *>cnp.PyArray_DATA(ak)
+        cdef const float *c = <const float *>cnp.PyArray_DATA(ac)
+        cdef const float *s = <const float *>cnp.PyArray_DATA(as_)
+        with nogil:
+            for t in range(T):
+                cyllm_rope_rows(pq + t * nq, nq // hd, half, c + (p0 + t) * half, s + (p0 + t) * half)
+                cyllm_rope_rows(pk + t * nk, nk // hd, half, c + (p0 + t) * half, s + (p0 + t) * half)
+
+    def cache_store_batch(self, k_cache, v_cache, k, v, pos0):
+        """k_cache[:, pos0 + t, :] = k[t] ; same for v ; k, v (T, n_kv*hd) f32 -> f16."""
+        cdef cnp.ndarray ak = _arr(k_cache, "k_cache", cnp.NPY_FLOAT16, 3, True)
+        cdef cnp.ndarray av = _arr(v_cache, "v_cache", cnp.NPY_FLOAT16, 3, True)
+        cdef cnp.ndarray xk = _arr(k, "k", cnp.NPY_FLOAT32, 2, False)
+        cdef cnp.ndarray xv = _arr(v, "v", cnp.NPY_FLOAT32, 2, False)
+        cdef Py_ssize_t n_kv = cnp.PyArray_DIM(ak, 0), max_ctx = cnp.PyArray_DIM(ak, 1)
+        cdef Py_ssize_t hd = cnp.PyArray_DIM(ak, 2), T = cnp.PyArray_DIM(xk, 0), t, h
+        if (cnp.PyArray_DIM(av, 0) != n_kv or cnp.PyArray_DIM(av, 1) != max_ctx
+                or cnp.PyArray_DIM(av, 2) != hd):
+            raise InvalidArgumentError(
+                f"v_cache has shape {v_cache.shape}, expected {k_cache.shape} (the shape of k_cache)")
+        if cnp.PyArray_DIM(xv, 0) != T:
+            raise InvalidArgumentError(f"v has {cnp.PyArray_DIM(xv, 0)} rows, k has {T}")
+        _check_len(cnp.PyArray_DIM(xk, 1), n_kv * hd, "k rows", "n_kv_heads * head_dim of the cache")
+        _check_len(cnp.PyArray_DIM(xv, 1), n_kv * hd, "v rows", "n_kv_heads * head_dim of the cache")
+        cdef Py_ssize_t p0 = _index(pos0, "pos0")
+        _check_span(p0, T, max_ctx)
+        cdef const cyllm_kernels *kt = self.kt
+        cdef uint16_t *pk = <uint16_t *>cnp.PyArray_DATA(ak)
+        cdef uint16_t *pv = <uint16_t *>cnp.PyArray_DATA(av)
+        cdef const float *sk = <const float *>cnp.PyArray_DATA(xk)
+        cdef const float *sv = <const float *>cnp.PyArray_DATA(xv)
+        cdef Py_ssize_t w = n_kv * hd
+        with nogil:
+            for h in range(n_kv):            # per head the T rows are contiguous in the cache
+                for t in range(T):
+                    kt.f32_to_f16(pk + (h * max_ctx + p0 + t) * hd, sk + t * w + h * hd, hd)
+                    kt.f32_to_f16(pv + (h * max_ctx + p0 + t) * hd, sv + t * w + h * hd, hd)
+
+    def attention_batch(self, out, q, k_cache, v_cache, pos0):
+        """Causal attention of T queries: row t attends to cache positions 0..pos0+t.
+        out, q (T, n_heads*hd) f32. The avx512 variant computes blocks of rows as small
+        GEMMs with an exact softmax; the others call the decode kernel row by row."""
+        cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 2, True)
+        cdef cnp.ndarray aq = _arr(q, "q", cnp.NPY_FLOAT32, 2, False)
+        cdef cnp.ndarray ak = _arr(k_cache, "k_cache", cnp.NPY_FLOAT16, 3, False)
+        cdef cnp.ndarray av = _arr(v_cache, "v_cache", cnp.NPY_FLOAT16, 3, False)
+        cdef Py_ssize_t n_kv = cnp.PyArray_DIM(ak, 0), max_ctx = cnp.PyArray_DIM(ak, 1)
+        cdef Py_ssize_t hd = cnp.PyArray_DIM(ak, 2), T = cnp.PyArray_DIM(aq, 0)
+        if (cnp.PyArray_DIM(av, 0) != n_kv or cnp.PyArray_DIM(av, 1) != max_ctx
+                or cnp.PyArray_DIM(av, 2) != hd):
+            raise InvalidArgumentError(
+                f"v_cache has shape {v_cache.shape}, expected {k_cache.shape} (the shape of k_cache)")
+        if n_kv < 1 or hd < 1:
+            raise InvalidArgumentError(f"k_cache has an empty dimension: shape {k_cache.shape}")
+        cdef Py_ssize_t qlen = cnp.PyArray_DIM(aq, 1)
+        if qlen == 0 or qlen % hd:
+            raise InvalidArgumentError(f"q rows have length {qlen}, not a positive multiple of head_dim {hd}")
+        cdef Py_ssize_t n_heads = qlen // hd
+        if n_heads % n_kv:
+            raise InvalidArgumentError(
+                f"q holds {n_heads} heads, not a multiple of the cache's {n_kv} kv heads")
+        if cnp.PyArray_DIM(ao, 0) != T or cnp.PyArray_DIM(ao, 1) != qlen:
+            raise InvalidArgumentError(f"out has shape {out.shape}, expected {q.shape} (the shape of q)")
+        cdef Py_ssize_t p0 = _index(pos0, "pos0")
+        _check_span(p0, T, max_ctx)
+        _no_overlap(ao, aq, "out", "q")
+        _no_overlap(ao, ak, "out", "k_cache")
+        _no_overlap(ao, av, "out", "v_cache")
+        cdef const cyllm_kernels *kt = self.kt
+        cdef float *po = <float *>cnp.PyArray_DATA(ao)
+        cdef const float *pq = <const float *>cnp.PyArray_DATA(aq)
+        cdef const uint16_t *pk = <const uint16_t *>cnp.PyArray_DATA(ak)
+        cdef const uint16_t *pv = <const uint16_t *>cnp.PyArray_DATA(av)
+        cdef Py_ssize_t group = n_heads // n_kv, items = T * n_kv, it, t, kvh
+        cdef float scale = <float>(1.0 / sqrt(<double>hd))
+        cdef int nt = self.nthreads
+        if T * (p0 + T) * hd * n_heads < 65536:
+            nt = 1
+        cdef Py_ssize_t R = kt.attention_rows_max, blocks, per, h, t0
+        cdef float *work
+        if kt.attention_rows != NULL and T > 1:
+            # GEMM-shaped kernel: work item = (block of R query rows, one head); blocks
+            # of later rows attend to more positions, so they are handed out first
+            blocks = (T + R - 1) // R
+            items = blocks * n_heads
+            if nt > items:
+                nt = <int>items
+            per = kt.attention_rows_work(p0 + T) + 16
+            work = self._scratch_for(per * nt)
+            with nogil:
+                for it in prange(items, num_threads=nt, schedule="dynamic", chunksize=1):
+                    t0 = (blocks - 1 - it // n_heads) * R
+                    h = it % n_heads
+                    kt.attention_rows(po + t0 * qlen + h * hd, pq + t0 * qlen + h * hd, qlen,
+                                      pk + (h // group) * max_ctx * hd, pv + (h // group) * max_ctx * hd,
+                                      hd, scale, min(R, T - t0), p0 + t0 + 1,
+                                      work + threadid() * per)
+            return
+        if nt > items:
+            nt = <int>items
+        # work item = (query row, kv head): its GQA group of heads in one kernel call, the
+        # same call attention() makes for that position -- hence the same bits. Rows
+        # cost ~ their position, so hand items out dynamically.
+        with nogil:
+            if nt == 1:
+                for it in range(items):
+                    t = it // n_kv
+                    kvh = it % n_kv
+                    kt.attention_group(po + t * qlen + kvh * group * hd, pq + t * qlen + kvh * group * hd,
+                                       pk + kvh * max_ctx * hd, pv + kvh * max_ctx * hd,
+                                       p0 + t + 1, hd, scale, group, NULL)
+            else:
+                for it in prange(items, num_threads=nt, schedule="dynamic", chunksize=1):
+                    t = items // n_kv - 1 - it // n_kv       # longest rows first
+                    kvh = it % n_kv
+                    kt.attention_group(po + t * qlen + kvh * group * hd, pq + t * qlen + kvh * group * hd,
+                                       pk + kvh * max_ctx * hd, pv + kvh * max_ctx * hd,
+                                       p0 + t + 1, hd, scale, group, NULL)
+
+
+cdef inline void _rope_rows(float *v, Py_ssize_t heads, Py_ssize_t half,
+                            const float *c, const float *s) noexcept nogil:
+    cyllm_rope_rows(v, heads, half, c, s)
 
 
 # -- memory read bandwidth (the roofline of `cyllm bench`) --------------------------
@@ -562,3 +891,286 @@ def read_bandwidth_gbs(threads=1, nbytes=512 << 20, reps=5, variant=None):
         free(buf)
         free(sums)
     return (n * 4) / best / 1e9
+
+
+# -- captured decode step -------------------------------------------------------------
+
+class NotCapturable(Exception):
+    """The recorded ops cannot be compiled into a DecodeProgram (the caller runs them op by op)."""
+
+
+# ops that run on thread 0 alone inside the program (all others split over the team)
+cdef inline bint _serial(int kind) noexcept:
+    return kind != CYLLM_OP_MATVEC and kind != CYLLM_OP_GATE_UP and kind != CYLLM_OP_ATTENTION
+
+
+cdef inline tuple _span(cnp.ndarray a):
+    cdef size_t p = <size_t>cnp.PyArray_DATA(a)
+    return (p, p + <size_t>cnp.PyArray_NBYTES(a))
+
+
+cdef inline bint _hits(list xs, list ys):
+    cdef tuple x, y
+    for x in xs:
+        for y in ys:
+            if x[0] < y[1] and y[0] < x[1]:
+                return True
+    return False
+
+
+cdef class DecodeProgram:
+    """The ops of one token's forward pass, compiled to a C op array that
+    cyllm_program_run (csrc/program.c) executes inside one OpenMP parallel region.
+
+    DecodeProgram(backend, records, token, pos): records = [(op name, args), ...] as
+    the model issued them for (token, pos); every record was already executed (and so
+    validated) by the backend's own op. The arguments equal to the step's token (embed)
+    or pos (rope, cache_store, rope_store, attention) become the per-call values; any
+    other op or value raises NotCapturable. Holds a reference to every array.
+    """
+    cdef cyllm_op *ops
+    cdef int n_ops
+    cdef const cyllm_kernels *kt
+    cdef list refs
+    cdef float *scratch          # attention partials for the longest context of any op
+    cdef readonly Py_ssize_t max_pos      # run(pos) needs pos < max_pos
+    cdef readonly Py_ssize_t vocab        # run(token) needs token < vocab
+    cdef readonly int n_barriers
+
+    def __cinit__(self):
+        self.ops = NULL
+        self.n_ops = 0
+        self.scratch = NULL
+
+    def __dealloc__(self):
+        free(self.ops)
+        free(self.scratch)
+
+    def __init__(self, CpuKernels backend, list records, token, pos):
+        self.kt = backend.kt
+        self.refs = []
+        self.max_pos = 1 << 62
+        self.vocab = 1 << 62
+        cdef Py_ssize_t step_tok = _index(token, "token"), step_pos = _index(pos, "pos")
+        cdef int i
+        cdef list meta = []          # per op: (kind, reads, writes) byte spans
+        for name, args in records:
+            self._compile(name, args, step_tok, step_pos, meta)
+        if not meta:
+            raise NotCapturable("no ops were recorded")
+        cdef int nxt = -1
+        for i in range(self.n_ops - 1, -1, -1):     # prefetch chain: each weight op -> the next
+            self.ops[i].next_w = nxt
+            if self.ops[i].kind == CYLLM_OP_MATVEC or self.ops[i].kind == CYLLM_OP_GATE_UP:
+                nxt = i
+        cdef Py_ssize_t need = 1
+        for i in range(self.n_ops):
+            if self.ops[i].kind == CYLLM_OP_ATTENTION:
+                need = max(need, cyllm_attention_scratch(self.ops[i].n_heads, self.ops[i].hd,
+                                                         self.ops[i].max_ctx))
+        self.scratch = <float *>malloc(need * sizeof(float))
+        if self.scratch == NULL:
+            raise MemoryError()
+        # Barriers: an op joins the run since the last barrier unless it conflicts
+        # (read-after-write, write-after-read/write) with an op of that run, and the
+        # conflict is not between two thread-0 ops (program order covers those).
+        cdef list run_ops = []
+        self.n_barriers = 0
+        for i in range(self.n_ops):
+            kind, reads, writes = meta[i]
+            conflict = False
+            for rk, rr, rw in run_ops:
+                if (_hits(reads, rw) or _hits(writes, rr) or _hits(writes, rw)) and \
+                        not (_serial(kind) and _serial(rk)):
+                    conflict = True
+                    break
+            if conflict:
+                self.ops[i - 1].barrier = 1
+                self.n_barriers += 1
+                run_ops = []
+            run_ops.append((kind, reads, writes))
+
+    cdef int _push(self, cyllm_op *o, list meta, list reads, list writes) except -1:
+        cdef cyllm_op *grown = <cyllm_op *>realloc(self.ops, (self.n_ops + 1) * sizeof(cyllm_op))
+        if grown == NULL:
+            raise MemoryError()
+        self.ops = grown
+        self.ops[self.n_ops] = o[0]
+        self.n_ops += 1
+        meta.append((o.kind, reads, writes))
+        return 0
+
+    cdef int _compile(self, str name, tuple args, Py_ssize_t step_tok, Py_ssize_t step_pos,
+                      list ops) except -1:
+        cdef cyllm_op o
+        memset(&o, 0, sizeof(cyllm_op))
+        cdef cnp.ndarray a0, a1, a2, a3, a4, a5, a6
+        cdef Py_ssize_t v, hd, p
+        self.refs.append(args)
+        if name == "embed":
+            a0 = _arr(args[0], "out", cnp.NPY_FLOAT32, 1, True)
+            a1 = _arr(args[1], "table", cnp.NPY_FLOAT16, 2, False)
+            if _index(args[2], "token") != step_tok:
+                raise NotCapturable("embed of a token other than the step's")
+            o.kind = CYLLM_OP_EMBED
+            o.dyn = 1
+            o.out = <float *>cnp.PyArray_DATA(a0)
+            o.a = cnp.PyArray_DATA(a1)
+            o.n = cnp.PyArray_DIM(a1, 1)
+            _check_len(cnp.PyArray_DIM(a0, 0), o.n, "out", "columns of the table")
+            self.vocab = min(self.vocab, cnp.PyArray_DIM(a1, 0))
+            self._push(&o, ops, [_span(a1)], [_span(a0)])
+        elif name == "rmsnorm":
+            a0 = _arr(args[0], "out", cnp.NPY_FLOAT32, 1, True)
+            a1 = _arr(args[1], "x", cnp.NPY_FLOAT32, 1, False)
+            a2 = _arr(args[2], "w", cnp.NPY_FLOAT32, 1, False)
+            o.kind = CYLLM_OP_RMSNORM
+            o.n = cnp.PyArray_DIM(a1, 0)
+            _check_len(cnp.PyArray_DIM(a0, 0), o.n, "out", "the length of x")
+            _check_len(cnp.PyArray_DIM(a2, 0), o.n, "w", "the length of x")
+            if o.n < 1:
+                raise InvalidArgumentError("rmsnorm of an empty vector")
+            o.eps = _eps(args[3])
+            o.out = <float *>cnp.PyArray_DATA(a0)
+            o.a = cnp.PyArray_DATA(a1)
+            o.b = cnp.PyArray_DATA(a2)
+            self._push(&o, ops, [_span(a1), _span(a2)], [_span(a0)])
+        elif name in ("matvec", "matvec_add", "gate_up_silu"):
+            a0 = _arr(args[0], "out", cnp.NPY_FLOAT32, 1, True)
+            a1 = _arr(args[1], "w", cnp.NPY_FLOAT16, 2, False)
+            o.d = cnp.PyArray_DIM(a1, 0)
+            o.n = cnp.PyArray_DIM(a1, 1)
+            reads = [_span(a1)]
+            if name == "gate_up_silu":
+                a2 = _arr(args[2], "w_up", cnp.NPY_FLOAT16, 2, False)
+                if cnp.PyArray_DIM(a2, 0) != o.d or cnp.PyArray_DIM(a2, 1) != o.n:
+                    raise InvalidArgumentError("w_up must have the shape of w_gate")
+                a3 = _arr(args[3], "x", cnp.NPY_FLOAT32, 1, False)
+                o.kind = CYLLM_OP_GATE_UP
+                o.b = cnp.PyArray_DATA(a2)
+                reads.append(_span(a2))
+            else:
+                a3 = _arr(args[2], "x", cnp.NPY_FLOAT32, 1, False)
+                o.kind = CYLLM_OP_MATVEC
+                o.mode = 1 if name == "matvec_add" else 0
+                if o.mode:
+                    reads.append(_span(a0))
+            _check_len(cnp.PyArray_DIM(a3, 0), o.n, "x", "columns of w")
+            _check_len(cnp.PyArray_DIM(a0, 0), o.d, "out", "rows of w")
+            reads.append(_span(a3))
+            inputs = [_span(a1), _span(a3)] + ([_span(a2)] if o.kind == CYLLM_OP_GATE_UP else [])
+            if _hits([_span(a0)], inputs):
+                raise InvalidArgumentError("a matvec output must not share memory with its inputs")
+            o.out = <float *>cnp.PyArray_DATA(a0)
+            o.a = cnp.PyArray_DATA(a1)
+            o.c = cnp.PyArray_DATA(a3)
+            self._push(&o, ops, reads, [_span(a0)])
+        elif name in ("rope", "rope_store"):
+            a0 = _arr(args[0], "q", cnp.NPY_FLOAT32, 1, True)
+            a1 = _arr(args[1], "k", cnp.NPY_FLOAT32, 1, True)
+            i0 = 3 if name == "rope_store" else 2
+            a2 = _arr(args[i0], "cos", cnp.NPY_FLOAT32, 2, False)
+            a3 = _arr(args[i0 + 1], "sin", cnp.NPY_FLOAT32, 2, False)
+            p = _index(args[len(args) - 1], "pos")
+            if p != step_pos:
+                raise NotCapturable(f"{name} at a position other than the step's")
+            o.kind = CYLLM_OP_ROPE
+            o.dyn = 1
+            o.half = cnp.PyArray_DIM(a2, 1)
+            if (cnp.PyArray_DIM(a3, 0) != cnp.PyArray_DIM(a2, 0) or cnp.PyArray_DIM(a3, 1) != o.half
+                    or o.half < 1):
+                raise InvalidArgumentError("cos and sin must have one shape (max_ctx, head_dim/2)")
+            hd = 2 * o.half
+            if cnp.PyArray_DIM(a0, 0) % hd or cnp.PyArray_DIM(a1, 0) % hd:
+                raise InvalidArgumentError("q and k lengths must be multiples of head_dim")
+            o.n_heads = cnp.PyArray_DIM(a0, 0) // hd
+            o.n_kv = cnp.PyArray_DIM(a1, 0) // hd
+            self.max_pos = min(self.max_pos, cnp.PyArray_DIM(a2, 0))
+            o.out = <float *>cnp.PyArray_DATA(a0)
+            o.out2 = <float *>cnp.PyArray_DATA(a1)
+            o.b = cnp.PyArray_DATA(a2)
+            o.c = cnp.PyArray_DATA(a3)
+            rw = [_span(a0), _span(a1)]
+            self._push(&o, ops, rw + [_span(a2), _span(a3)], rw)
+            if name == "rope_store":
+                self._compile("cache_store", (args[5], args[6], args[1], args[2], args[7]),
+                              step_tok, step_pos, ops)
+        elif name == "cache_store":
+            a0 = _arr(args[0], "k_cache", cnp.NPY_FLOAT16, 3, True)
+            a1 = _arr(args[1], "v_cache", cnp.NPY_FLOAT16, 3, True)
+            a2 = _arr(args[2], "k", cnp.NPY_FLOAT32, 1, False)
+            a3 = _arr(args[3], "v", cnp.NPY_FLOAT32, 1, False)
+            if _index(args[4], "pos") != step_pos:
+                raise NotCapturable("cache_store at a position other than the step's")
+            self._cache_fields(&o, a0, a1)
+            _check_len(cnp.PyArray_DIM(a2, 0), o.n_kv * o.hd, "k", "n_kv_heads * head_dim of the cache")
+            _check_len(cnp.PyArray_DIM(a3, 0), o.n_kv * o.hd, "v", "n_kv_heads * head_dim of the cache")
+            o.kind = CYLLM_OP_CACHE_STORE
+            o.dyn = 1
+            o.c = cnp.PyArray_DATA(a2)
+            o.e = cnp.PyArray_DATA(a3)
+            self._push(&o, ops, [_span(a2), _span(a3)], [_span(a0), _span(a1)])
+        elif name == "attention":
+            a0 = _arr(args[0], "out", cnp.NPY_FLOAT32, 1, True)
+            a1 = _arr(args[1], "q", cnp.NPY_FLOAT32, 1, False)
+            a2 = _arr(args[2], "k_cache", cnp.NPY_FLOAT16, 3, False)
+            a3 = _arr(args[3], "v_cache", cnp.NPY_FLOAT16, 3, False)
+            if _index(args[4], "pos") != step_pos:
+                raise NotCapturable("attention at a position other than the step's")
+            self._cache_fields(&o, a2, a3)
+            v = cnp.PyArray_DIM(a1, 0)
+            if v == 0 or v % o.hd or (v // o.hd) % o.n_kv:
+                raise InvalidArgumentError("q must hold a multiple of the cache's kv heads")
+            _check_len(cnp.PyArray_DIM(a0, 0), v, "out", "the length of q")
+            if _hits([_span(a0)], [_span(a1), _span(a2), _span(a3)]):
+                raise InvalidArgumentError("attention out must not share memory with q or the cache")
+            o.kind = CYLLM_OP_ATTENTION
+            o.dyn = 1
+            o.n_heads = v // o.hd
+            o.out = <float *>cnp.PyArray_DATA(a0)
+            o.a = cnp.PyArray_DATA(a1)
+            self._push(&o, ops, [_span(a1), _span(a2), _span(a3)], [_span(a0)])
+        elif name in ("add", "swiglu"):
+            a0 = _arr(args[0], "out", cnp.NPY_FLOAT32, 1, True)
+            a1 = _arr(args[1], "x", cnp.NPY_FLOAT32, 1, False)
+            a2 = _arr(args[2], "y", cnp.NPY_FLOAT32, 1, False)
+            o.kind = CYLLM_OP_ADD if name == "add" else CYLLM_OP_SWIGLU
+            o.n = cnp.PyArray_DIM(a1, 0)
+            _check_len(cnp.PyArray_DIM(a2, 0), o.n, "y", "the length of x")
+            _check_len(cnp.PyArray_DIM(a0, 0), o.n, "out", "the length of x")
+            o.out = <float *>cnp.PyArray_DATA(a0)
+            o.a = cnp.PyArray_DATA(a1)
+            o.b = cnp.PyArray_DATA(a2)
+            self._push(&o, ops, [_span(a1), _span(a2)], [_span(a0)])
+        else:
+            raise NotCapturable(f"op {name!r} has no compiled form")
+        return 0
+
+    cdef int _cache_fields(self, cyllm_op *o, cnp.ndarray ak, cnp.ndarray av) except -1:
+        o.n_kv = cnp.PyArray_DIM(ak, 0)
+        o.max_ctx = cnp.PyArray_DIM(ak, 1)
+        o.hd = cnp.PyArray_DIM(ak, 2)
+        if (cnp.PyArray_DIM(av, 0) != o.n_kv or cnp.PyArray_DIM(av, 1) != o.max_ctx
+                or cnp.PyArray_DIM(av, 2) != o.hd or o.n_kv < 1 or o.hd < 1):
+            raise InvalidArgumentError("k_cache and v_cache must have one non-empty shape")
+        o.kc = <uint16_t *>cnp.PyArray_DATA(ak)
+        o.vc = <uint16_t *>cnp.PyArray_DATA(av)
+        self.max_pos = min(self.max_pos, o.max_ctx)
+        return 0
+
+    @property
+    def n_ops(self):
+        return self.n_ops
+
+    def run(self, token, pos, threads):
+        """One decode step: token and pos checked, then every op in one parallel region."""
+        cdef Py_ssize_t tok = _index(token, "token"), p = _index(pos, "pos")
+        cdef Py_ssize_t nt = _index(threads, "threads")
+        if tok < 0 or tok >= self.vocab:
+            raise InvalidArgumentError(f"token id {tok} is out of range [0, {self.vocab})")
+        if p < 0 or p >= self.max_pos:
+            raise InvalidArgumentError(f"position {p} is out of range [0, {self.max_pos})")
+        if nt < 1 or nt > 4096:
+            raise InvalidArgumentError(f"threads must be in [1, 4096], got {nt}")
+        with nogil:
+            cyllm_program_run(self.kt, self.ops, self.n_ops, <int>nt, tok, p, self.scratch)

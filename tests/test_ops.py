@@ -26,6 +26,8 @@ VARIANTS = [
     "generic",
     pytest.param("avx2", marks=pytest.mark.skipif(
         "avx2" not in _k.available_variants(), reason="CPU (or build) without AVX2/FMA/F16C")),
+    pytest.param("avx512", marks=pytest.mark.skipif(
+        "avx512" not in _k.available_variants(), reason="CPU (or build) without AVX-512F")),
 ]
 THREADS = [1, 2]
 REF = NumpyBackend()
@@ -340,7 +342,7 @@ def test_backend_basics():
     from cyllm.backends import get_backend
     b = get_backend("cpu", 2)
     assert b.name == "cpu" and b.threads == 2
-    assert b.kernel_variant in ("avx2", "generic")
+    assert b.kernel_variant in ("avx512", "avx2", "generic")
     b.set_threads(1)
     assert b.threads == 1
     with pytest.raises(InvalidArgumentError):
@@ -390,6 +392,11 @@ def test_env_forces_generic():
 @pytest.mark.skipif("avx2" not in _k.available_variants(), reason="CPU without AVX2")
 def test_env_forces_avx2():
     assert _run_with_env("avx2") == ["avx2", "avx2"]
+
+
+@pytest.mark.skipif("avx512" not in _k.available_variants(), reason="CPU without AVX-512F")
+def test_env_forces_avx512():
+    assert _run_with_env("avx512") == ["avx512", "avx512"]
 
 
 def _bad_calls():
@@ -458,3 +465,191 @@ def _readonly(a):
 def test_bad_arguments(variant, name, call):
     with pytest.raises(InvalidArgumentError):
         call(backend(variant, 2))
+
+
+# -- batched (prefill) ops -------------------------------------------------------------
+# Sizes: T in {1, 2, 5, 17, 64, 300} (tails of every micro-kernel: 6/12 tokens, 16/32
+# rows, 256-column blocks), odd d/n. The GEMM sums each output as one chain over the
+# columns in order: bitwise the same for any thread count, and for avx2 and avx512.
+
+BATCH_T = [1, 2, 5, 17, 64, 300]
+
+
+def assert_rows_close(got, want, x, w, rel=2e-5):
+    bound = np.abs(x) @ np.abs(w.astype(np.float32)).T           # (T, d)
+    err = np.abs(got - want)
+    assert np.all(err <= rel * bound + 1e-30), f"max rel err {np.max(err / (bound + 1e-30)):.3g}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("T", BATCH_T)
+@pytest.mark.parametrize("d,n", [(1, 7), (33, 17), (100, 257), (577, 300)])
+def test_matmul_family(variant, T, d, n):
+    rng = rng_for("matmul", T, d, n)
+    w, wu = f16_matrix(rng, d, n), f16_matrix(rng, d, n)
+    x = rng.standard_normal((T, n)).astype(np.float32)
+    base = rng.standard_normal((T, d)).astype(np.float32)
+    got = {}
+    for threads in (1, 2, 3):
+        b = backend(variant, threads)
+        o1 = np.full((T, d), np.nan, np.float32)
+        b.matmul(o1, w, x)
+        o2 = base.copy()
+        b.matmul_add(o2, w, x)
+        o3 = np.full((T, d), np.nan, np.float32)
+        b.gate_up_silu_batch(o3, w, wu, x)
+        got[threads] = (o1, o2, o3)
+    w1, w2, w3 = np.zeros((T, d), np.float32), base.copy(), np.zeros((T, d), np.float32)
+    REF.matmul(w1, w, x)
+    REF.matmul_add(w2, w, x)
+    with np.errstate(over="ignore"):                     # the reference's exp(-g) may overflow: fine
+        REF.gate_up_silu_batch(w3, w, wu, x)
+    o1, o2, o3 = got[1]
+    assert_rows_close(o1, w1, x, w)
+    assert_rows_close(o2, w2, x, w)
+    g = x @ w.astype(np.float32).T
+    u = x @ wu.astype(np.float32).T
+    bg = np.abs(x) @ np.abs(w.astype(np.float32)).T
+    bu = np.abs(x) @ np.abs(wu.astype(np.float32)).T
+    tol = 2e-5 * (bg * np.abs(u) + bu * np.abs(g) + np.abs(g * u)) + 1e-30
+    assert np.all(np.abs(o3 - w3) <= tol)
+    for threads in (2, 3):
+        for a, c in zip(got[1], got[threads]):
+            assert np.array_equal(a.view(np.uint32), c.view(np.uint32))
+
+
+@pytest.mark.skipif(not {"avx2", "avx512"} <= set(_k.available_variants()), reason="needs avx2 and avx512")
+def test_matmul_avx2_avx512_same_bits():
+    rng = rng_for("matmul-isa")
+    w, x = f16_matrix(rng, 200, 600), rng.standard_normal((37, 600)).astype(np.float32)
+    outs = []
+    for v in ("avx2", "avx512"):
+        o = np.zeros((37, 200), np.float32)
+        backend(v, 2).matmul(o, w, x)
+        outs.append(o)
+    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("T", [1, 5, 64])
+def test_small_batch_ops(variant, T):
+    rng = rng_for("small-batch", T)
+    b = backend(variant, 2)
+    vocab, dim = 50, 36
+    table = f16_matrix(rng, vocab, dim)
+    tokens = rng.integers(0, vocab, T).astype(np.int32)
+    out = np.full((T, dim), np.nan, np.float32)
+    b.embed_batch(out, table, tokens)
+    assert np.array_equal(out, table[tokens].astype(np.float32))
+    x = rng.standard_normal((T, dim)).astype(np.float32)
+    wn = f32_vec(rng, dim)
+    got, want = np.zeros_like(x), np.zeros_like(x)
+    b.rmsnorm_batch(got, x, wn, 1e-5)
+    REF.rmsnorm_batch(want, x, wn, 1e-5)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+    for t in range(T):                      # each row exactly the single-row op
+        row = np.zeros(dim, np.float32)
+        b.rmsnorm(row, x[t], wn, 1e-5)
+        assert np.array_equal(row, got[t])
+    inplace = x.copy()
+    b.rmsnorm_batch(inplace, inplace, wn, 1e-5)
+    assert np.array_equal(inplace, got)
+    bias = f32_vec(rng, dim)
+    o = x.copy()
+    b.add_rows(o, o, bias)
+    assert np.array_equal(o, x + bias)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n_heads,n_kv,hd", [(4, 2, 16), (3, 1, 24), (6, 6, 10)])
+@pytest.mark.parametrize("T,pos0", [(1, 0), (5, 0), (12, 0), (13, 1), (17, 3), (64, 200), (300, 0)])
+def test_rope_store_attention_batch(variant, n_heads, n_kv, hd, T, pos0):
+    """rope_batch / cache_store_batch / attention_batch against the reference, with
+    pos0 > 0 over an existing cache; each row equals the single-position ops (bitwise
+    where both use the decode kernel: generic, and T == 1; avx2/avx512 prefill attention is
+    GEMM-shaped)."""
+    rng = rng_for("att-batch", n_heads, n_kv, hd, T, pos0)
+    max_ctx = pos0 + T + 3
+    b = backend(variant, 2)
+    cos = rng.standard_normal((max_ctx, hd // 2)).astype(np.float32)
+    sin = rng.standard_normal((max_ctx, hd // 2)).astype(np.float32)
+    q = rng.standard_normal((T, n_heads * hd)).astype(np.float32)
+    k = rng.standard_normal((T, n_kv * hd)).astype(np.float32)
+    v = rng.standard_normal((T, n_kv * hd)).astype(np.float32)
+    kc, vc = make_cache(rng, n_kv, max_ctx, hd)          # positions < pos0: an existing cache
+    kc2, vc2, q2, k2 = kc.copy(), vc.copy(), q.copy(), k.copy()
+    b.rope_batch(q, k, cos, sin, pos0)
+    REF.rope_batch(q2, k2, cos, sin, pos0)
+    np.testing.assert_allclose(q, q2, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(k, k2, rtol=1e-6, atol=1e-6)
+    b.cache_store_batch(kc, vc, k, v, pos0)
+    REF.cache_store_batch(kc2, vc2, k, v, pos0)
+    assert np.array_equal(kc.view(np.uint16), kc2.view(np.uint16))
+    assert np.array_equal(vc.view(np.uint16), vc2.view(np.uint16))
+    out = np.full((T, n_heads * hd), np.nan, np.float32)
+    b.attention_batch(out, q, kc, vc, pos0)
+    want = np.zeros_like(out)
+    REF.attention_batch(want, q, kc, vc, pos0)
+    np.testing.assert_allclose(out, want, rtol=2e-4, atol=2e-5)
+    for t in (0, T // 2, T - 1):
+        row = np.zeros(n_heads * hd, np.float32)
+        b.attention(row, q[t], kc, vc, pos0 + t)
+        if pos0 + t < 256 and variant == "generic" or T == 1:   # the decode kernel: same call
+            assert np.array_equal(row, out[t])
+        else:
+            np.testing.assert_allclose(row, out[t], rtol=2e-4, atol=2e-5)
+    out1 = np.zeros_like(out)
+    backend(variant, 1).attention_batch(out1, q, kc, vc, pos0)
+    assert np.array_equal(out1, out)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("pos", [255, 256, 257, 700, 1023])
+def test_attention_blocked_long(variant, pos):
+    """Past 256 positions decode attention merges fixed cache blocks: close to the
+    reference, and the same bits for 1, 2 and 3 threads."""
+    rng = rng_for("att-long", pos)
+    n_heads, n_kv, hd = 9, 3, 64
+    kc, vc = make_cache(rng, n_kv, 1024, hd)
+    q = f32_vec(rng, n_heads * hd)
+    want = np.zeros(n_heads * hd, np.float32)
+    REF.attention(want, q, kc, vc, pos)
+    outs = []
+    for threads in (1, 2, 3):
+        o = np.full(n_heads * hd, np.nan, np.float32)
+        backend(variant, threads).attention(o, q, kc, vc, pos)
+        outs.append(o)
+    np.testing.assert_allclose(outs[0], want, rtol=2e-4, atol=2e-5)
+    for o in outs[1:]:
+        assert np.array_equal(o, outs[0])
+
+
+def test_batch_bad_arguments():
+    b = backend("generic", 1)
+    f32, f16 = np.float32, np.float16
+    w = np.zeros((4, 8), f16)
+    x = np.zeros((3, 8), f32)
+    with pytest.raises(InvalidArgumentError):
+        b.matmul(np.zeros((3, 5), f32), w, x)                 # wrong out shape
+    with pytest.raises(InvalidArgumentError):
+        b.matmul(np.zeros((3, 4), f32), w, np.zeros((3, 7), f32))
+    with pytest.raises(InvalidArgumentError):
+        b.matmul(np.zeros((3, 4), f32), w.astype(f32), x)
+    with pytest.raises(InvalidArgumentError):
+        b.gate_up_silu_batch(np.zeros((3, 4), f32), w, np.zeros((5, 8), f16), x)
+    buf = np.zeros((3, 8), f32)
+    with pytest.raises(InvalidArgumentError):
+        b.matmul(buf[:, :4], w, buf)                           # not contiguous
+    table = np.zeros((10, 8), f16)
+    with pytest.raises(InvalidArgumentError):
+        b.embed_batch(np.zeros((2, 8), f32), table, np.array([1, 10], np.int32))
+    with pytest.raises(InvalidArgumentError):
+        b.embed_batch(np.zeros((2, 8), f32), table, np.array([1, 2], np.int64))
+    kc = np.zeros((2, 16, 8), f16)
+    with pytest.raises(InvalidArgumentError):
+        b.cache_store_batch(kc, kc.copy(), np.zeros((3, 16), f32), np.zeros((3, 16), f32), 14)
+    with pytest.raises(InvalidArgumentError):
+        b.attention_batch(np.zeros((3, 32), f32), np.zeros((3, 32), f32), kc, kc, -1)
+    with pytest.raises(InvalidArgumentError):
+        b.rope_batch(np.zeros((3, 32), f32), np.zeros((3, 16), f32),
+                     np.zeros((16, 4), f32), np.zeros((16, 4), f32), 14)

@@ -3,7 +3,8 @@
  *
  * AVX2 variant needs: cpuid leaf 1 ECX FMA (bit 12), OSXSAVE (27), AVX (28), F16C (29);
  * XCR0 & 6 == 6 (the OS saves XMM+YMM state); leaf 7 EBX AVX2 (bit 5).
- * AVX-512F is reported (leaf 7 EBX bit 16, XCR0 & 0xe6 == 0xe6) but has no variant.
+ * avx512 variant (the avx2 kernels + an AVX-512F GEMM) also needs leaf 7 EBX AVX512F
+ * (bit 16) and XCR0 & 0xe6 == 0xe6 (the OS saves opmask + zmm state).
  */
 #include <string.h>
 #include "kernels.h"
@@ -50,6 +51,35 @@ int cyllm_cpu_features(void) {
     return features;
 }
 
+int cyllm_avx512_compiled(void) {
+#ifdef CYLLM_HAVE_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef CYLLM_HAVE_AVX512
+/* The avx512 table: the avx2 kernels with the AVX-512 GEMM. Built on first use;
+ * a racing second builder writes the same bytes. */
+static cyllm_kernels avx512_table;
+static int avx512_ready = 0;
+static const cyllm_kernels *avx512_kernels(void) {
+    if (!avx512_ready) {
+        avx512_table = cyllm_avx2_kernels;
+        avx512_table.name = "avx512";
+        avx512_table.gemm_rows = cyllm_gemm_rows_avx512;
+        avx512_table.gemm_nr = 32;
+        avx512_table.attention_rows = cyllm_attention_rows_avx512;
+        avx512_table.attention_rows_work = cyllm_attention_rows_work_avx512;
+        avx512_table.attention_rows_max = 12;
+
+        avx512_ready = 1;
+    }
+    return &avx512_table;
+}
+#endif
+
 int cyllm_avx2_compiled(void) {
 #ifdef CYLLM_HAVE_AVX2
     return 1;
@@ -64,6 +94,13 @@ const cyllm_kernels *cyllm_kernels_by_name(const char *name) {
     if (strcmp(name, "avx2") == 0) {
         const int need = CYLLM_CPU_AVX | CYLLM_CPU_AVX2 | CYLLM_CPU_FMA | CYLLM_CPU_F16C;
         if ((cyllm_cpu_features() & need) == need) return &cyllm_avx2_kernels;
+    }
+#endif
+#if defined(CYLLM_HAVE_AVX2) && defined(CYLLM_HAVE_AVX512)
+    if (strcmp(name, "avx512") == 0) {
+        const int need = CYLLM_CPU_AVX | CYLLM_CPU_AVX2 | CYLLM_CPU_FMA | CYLLM_CPU_F16C
+                         | CYLLM_CPU_AVX512F;
+        if ((cyllm_cpu_features() & need) == need) return avx512_kernels();
     }
 #endif
     return NULL;

@@ -21,29 +21,63 @@ extern "C" {
 typedef struct cyllm_kernels {
     const char *name;
     /* rows [r0, r1) of out = W @ x (add == 0) or out += W @ x (add != 0).
-     * W (d, n) f16 row-major, x (n,) f32, out (d,) f32. Rows are grouped in fours
-     * from row 0, so a row's result does not depend on how rows are split. */
+     * W (d, n) f16 row-major, x (n,) f32, out (d,) f32. Each row is summed on its
+     * own in a fixed order, so a row's result does not depend on how rows are split.
+     * nx, nx_bytes: the weights this thread reads next (NULL, 0: none known); the
+     * software prefetch runs into them near the end of the rows (a hint only). */
     void (*matvec_rows)(float *out, const uint16_t *w, const float *x,
-                        int64_t n, int64_t r0, int64_t r1, int add);
+                        int64_t n, int64_t r0, int64_t r1, int add,
+                        const void *nx, int64_t nx_bytes);
     /* rows [r0, r1) of out = silu(Wg @ x) * (Wu @ x); Wg, Wu (f, n) f16. */
     void (*gate_up_rows)(float *out, const uint16_t *wg, const uint16_t *wu,
-                         const float *x, int64_t n, int64_t r0, int64_t r1);
+                         const float *x, int64_t n, int64_t r0, int64_t r1,
+                         const void *nx, int64_t nx_bytes);
     /* n_q consecutive query heads that share one kv head, over t_len cached
      * positions; online softmax in one pass over K and V. out, q (n_q * hd,) f32
      * (must not overlap); k, v (t_len, hd) f16. A head's result does not depend on
-     * n_q (any split of a GQA group gives the same bits). */
+     * n_q (any split of a GQA group gives the same bits).
+     * ml == NULL: out is the attention output. Otherwise a partial result over these
+     * t_len positions: out holds the unnormalised sum of p_t * v_t and ml[2h], ml[2h+1]
+     * the running max m and denominator l of head h (merged by cyllm_attention_step). */
     void (*attention_group)(float *out, const float *q, const uint16_t *k,
                             const uint16_t *v, int64_t t_len, int64_t hd, float scale,
-                            int64_t n_q);
+                            int64_t n_q, float *ml);
     void (*f16_to_f32)(float *out, const uint16_t *in, int64_t n);
     void (*f32_to_f16)(uint16_t *out, const float *in, int64_t n);   /* round to nearest even */
     /* Sum of n floats: the read-bandwidth probe (the result keeps the reads alive). */
     double (*sum_f32)(const float *p, int64_t n);
+    /* Batched prefill GEMM, output rows [r0, r1) of every token:
+     *   mode 0: out = x @ W.T ; mode 1: out += x @ W.T ;
+     *   mode 2: out = silu(x @ W.T) * (x @ Wu.T)  (wu used only here).
+     * x (T, n) f32, W/Wu (d, n) f16, out (T, d) f32 (must not overlap x or W).
+     * A row's result does not depend on r0/r1 (any split over threads gives the
+     * same bits); splits on multiples of gemm_nr keep the panels full. */
+    void (*gemm_rows)(float *out, const uint16_t *w, const uint16_t *wu, const float *x,
+                      int64_t T, int64_t n, int64_t d, int64_t r0, int64_t r1, int mode);
+    int gemm_nr;
+    /* Prefill attention, GEMM-shaped (NULL in variants without it: the caller falls
+     * back to attention_group per row). Up to attention_rows_max query rows of ONE
+     * head (q + i * ldq, out + i * ldq); row i attends to positions 0..len0+i-1 of k, v
+     * (positions x hd, f16). work: attention_rows_work(len0 + rows - 1) floats. */
+    void (*attention_rows)(float *out, const float *q, int64_t ldq, const uint16_t *k,
+                           const uint16_t *v, int64_t hd, float scale, int64_t rows,
+                           int64_t len0, float *work);
+    int64_t (*attention_rows_work)(int64_t t_max);
+    int attention_rows_max;
 } cyllm_kernels;
 
 extern const cyllm_kernels cyllm_generic_kernels;
 #ifdef CYLLM_HAVE_AVX2
 extern const cyllm_kernels cyllm_avx2_kernels;
+#endif
+#ifdef CYLLM_HAVE_AVX512
+/* kernels_avx512.c: the avx512 table is the avx2 one with this GEMM (dispatch.c) */
+void cyllm_gemm_rows_avx512(float *out, const uint16_t *w, const uint16_t *wu, const float *x,
+                            int64_t T, int64_t n, int64_t d, int64_t r0, int64_t r1, int mode);
+void cyllm_attention_rows_avx512(float *out, const float *q, int64_t ldq, const uint16_t *k,
+                                 const uint16_t *v, int64_t hd, float scale, int64_t rows,
+                                 int64_t len0, float *work);
+int64_t cyllm_attention_rows_work_avx512(int64_t t_max);
 #endif
 
 /* dispatch.c */
@@ -53,11 +87,64 @@ enum {
 };
 int cyllm_cpu_features(void);          /* bitmask of CYLLM_CPU_* usable on this CPU + OS */
 int cyllm_avx2_compiled(void);         /* 1 when the AVX2 variant was built into this extension */
-/* The table named `name` ("generic" | "avx2"), or NULL when unknown or unusable here. */
+int cyllm_avx512_compiled(void);       /* 1 when the AVX-512 GEMM was built in */
+/* The table named `name` ("generic" | "avx2" | "avx512"), or NULL when unknown or unusable here. */
 const cyllm_kernels *cyllm_kernels_by_name(const char *name);
 
 /* Serial helpers shared by every variant (baseline ISA; small vectors). */
 float cyllm_silu(float x);
+/* matvec software prefetch distance in units of 4 rows (0 = off); see kernels_avx2.c */
+extern int cyllm_pf_groups;
+extern int cyllm_pf_next;       /* program.c: 1 = decode program prefetches across ops */
+/* out (n,) = x / sqrt(mean(x^2) + eps) * w: sum of squares in double, one f32 scale.
+ * Shared by the rmsnorm op and the decode program so both give the same bits. */
+void cyllm_rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps);
+/* rotate-half RoPE of `heads` heads of 2*half floats in place, with c, s (half,) */
+void cyllm_rope_rows(float *v, int64_t heads, int64_t half, const float *c, const float *s);
+
+/* program.c: a captured decode step (see cyllm_program_run). */
+enum {
+    CYLLM_OP_EMBED = 1, CYLLM_OP_RMSNORM, CYLLM_OP_MATVEC, CYLLM_OP_GATE_UP, CYLLM_OP_ROPE,
+    CYLLM_OP_CACHE_STORE, CYLLM_OP_ATTENTION, CYLLM_OP_ADD, CYLLM_OP_SWIGLU
+};
+typedef struct cyllm_op {
+    int kind;
+    int barrier;            /* 1: all threads wait after this op (0 only between independent matvecs) */
+    int mode;               /* matvec: 0 set, 1 add */
+    int dyn;                /* rope/cache_store/attention: 1 = use the step's pos; embed: use token */
+    float *out;             /* matvec/gate_up/rmsnorm/embed/attention/add/swiglu output; rope: q */
+    float *out2;            /* rope: k */
+    const void *a;          /* matvec: W; gate_up: Wg; rmsnorm: x; embed: table; attention: q; add/swiglu: x */
+    const void *b;          /* gate_up: Wu; rmsnorm: w; add/swiglu: y; rope: cos table */
+    const void *c;          /* matvec/gate_up: x; rope: sin table; cache_store: k src */
+    const void *e;          /* cache_store: v src */
+    uint16_t *kc, *vc;      /* cache_store/attention caches (n_kv, max_ctx, hd) */
+    int64_t d, n;           /* matvec: rows, cols; rmsnorm/add/swiglu: length; embed: dim */
+    int64_t n_heads, n_kv, hd, max_ctx, half;
+    int64_t fixed;          /* pos/token when dyn == 0 */
+    int next_w;             /* matvec/gate_up: index of the next matvec/gate_up op (prefetch), -1: none */
+    float eps, scale;
+} cyllm_op;
+/* Decode attention of one query (all heads) over cache positions 0..pos, called by
+ * every thread `tid` of a team of `nth` (it contains barriers). Up to
+ * CYLLM_ATT_BLOCK positions: runs of GQA heads split over threads. Longer: the cache
+ * is cut in fixed blocks of CYLLM_ATT_BLOCK positions (flash-decoding), threads take
+ * (kv head, block) items, then the partials are merged per head in block order --
+ * the blocks do not depend on the thread count, so neither do the bits.
+ * scratch: cyllm_attention_scratch(n_heads, hd, pos + 1) floats. */
+#define CYLLM_ATT_BLOCK 256
+int64_t cyllm_attention_scratch(int64_t n_heads, int64_t hd, int64_t t_len);
+void cyllm_attention_step(const cyllm_kernels *kt, float *out, const float *q,
+                          const uint16_t *kc, const uint16_t *vc, int64_t n_heads, int64_t n_kv,
+                          int64_t hd, int64_t max_ctx, int64_t pos, float *scratch,
+                          int tid, int nth);
+/* the same from outside a parallel region: opens one with nt threads */
+void cyllm_attention_run(const cyllm_kernels *kt, float *out, const float *q,
+                         const uint16_t *kc, const uint16_t *vc, int64_t n_heads, int64_t n_kv,
+                         int64_t hd, int64_t max_ctx, int64_t pos, float *scratch, int nt);
+/* Runs ops[0..n_ops) for one token inside one OpenMP parallel region of nt threads. */
+void cyllm_program_run(const cyllm_kernels *kt, const cyllm_op *ops, int n_ops, int nt,
+                       int64_t token, int64_t pos, float *scratch);
 
 #ifdef __cplusplus
 }

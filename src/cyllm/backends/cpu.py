@@ -1,18 +1,24 @@
 """CPU backend: the Cython/OpenMP kernels of cyllm._ext.kernels (cython_ext/).
 
 The ops themselves (embed, rmsnorm, matvec, matvec_add, gate_up_silu, rope,
-cache_store, attention, swiglu, add) are methods of the compiled base class
+cache_store, attention, swiglu, add, and the batched prefill ops embed_batch,
+rmsnorm_batch, matmul, matmul_add, gate_up_silu_batch, add_rows, rope_batch,
+cache_store_batch, attention_batch) are methods of the compiled base class
 CpuKernels: each call validates its arrays in C (a wrong dtype, shape or index
-raises InvalidArgumentError) and runs without the GIL, so a Python call costs
-well under a microsecond of overhead. This class adds the memory side of the
-Backend protocol and the thread/variant policy.
+raises InvalidArgumentError) and runs without the GIL. This class adds the memory
+side of the Backend protocol, the thread/variant policy, and decode_step: the
+captured single-token forward pass (one OpenMP region per token).
 
-Kernel variant: "avx2" (AVX2 + FMA + F16C) when the CPU has it, else "generic"
-(portable C). CYLLM_KERNELS=generic|avx2 or CpuBackend(variant=...) overrides;
-the choice is made once per backend and shown by kernel_info().
+Kernel variant: "avx512" (the AVX2 kernels + AVX-512F prefill GEMM/attention) when
+the CPU has it, else "avx2" (AVX2 + FMA + F16C), else "generic" (portable C).
+CYLLM_KERNELS=generic|avx2|avx512 or CpuBackend(variant=...) overrides; the choice
+is made once per backend and shown by kernel_info(). CYLLM_FUSED=0 turns the
+captured decode step off (the model then calls the ops one by one).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -28,14 +34,90 @@ except ImportError as e:          # not built (source checkout without `pip inst
     ) from None
 
 
+# The ops a captured decode step may contain (see CpuBackend.decode_step).
+_STEP_OPS = ("embed", "rmsnorm", "matvec", "matvec_add", "gate_up_silu", "rope", "cache_store",
+             "rope_store", "attention", "swiglu", "add")
+
+
+def _fused_default() -> bool:
+    return os.environ.get("CYLLM_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 class CpuBackend(_k.CpuKernels):
     name = "cpu"
     fuse_qkv = False      # weights stay memory-mapped: no concatenated copy
 
-    def __init__(self, threads=None, variant: str | None = None):
+    def __init__(self, threads=None, variant: str | None = None, fused: bool | None = None):
         """threads: None -> OMP_NUM_THREADS or physical cores (cyllm.threads);
-        variant: None -> $CYLLM_KERNELS or the best this CPU runs; "generic" | "avx2"."""
+        variant: None -> $CYLLM_KERNELS or the best this CPU runs; "generic" | "avx2" | "avx512";
+        fused: None -> $CYLLM_FUSED (default on): decode steps run as one captured program."""
         super().__init__(resolve_threads(threads), variant)
+        self.fused = _fused_default() if fused is None else bool(fused)
+        self._step_owner = None       # the issue_ops the program was captured from
+        self._step_program = None     # its _k.DecodeProgram, or None when it cannot be captured
+
+    # -- captured decode step ----------------------------------------------------------
+    def decode_step(self, issue_ops, token, pos) -> None:
+        """Run ``issue_ops(token, pos)`` (a model's forward pass for one token).
+
+        The first call records the ops it issues (running each one normally, which
+        validates every argument), then compiles them into a C program
+        (_k.DecodeProgram) that later calls run inside ONE OpenMP parallel region
+        with only the token and position changed: no Python per op, one wake-up of
+        the thread team per token, barriers only where an op needs another's
+        output. The logits are bitwise those of the op-by-op path. A different
+        ``issue_ops`` recaptures; the program keeps every array it uses alive, so
+        the model must keep issuing ops on the same arrays (model.py does: all its
+        buffers are allocated once). CYLLM_FUSED=0 (or fused=False) turns this off.
+        """
+        if not self.fused:
+            issue_ops(token, pos)
+            return
+        if self._step_owner is not None and self._step_owner == issue_ops:
+            if self._step_program is None:      # not capturable: op by op
+                issue_ops(token, pos)
+            else:
+                self._step_program.run(token, pos, self.threads)
+            return
+        self._capture(issue_ops, token, pos)
+
+    def _capture(self, issue_ops, token, pos) -> None:
+        records = []
+        shadow = self.__dict__
+        cls = type(self)
+
+        depth = [0]
+
+        def recorder(name):
+            op = getattr(cls, name)
+
+            def record(*args):
+                depth[0] += 1
+                try:
+                    op(self, *args)         # runs (and validates) the op as usual
+                finally:
+                    depth[0] -= 1
+                if depth[0] == 0:           # only the model's calls, not an op's inner ones
+                    records.append((name, args))
+            return record
+
+        for name in _STEP_OPS:
+            shadow[name] = recorder(name)
+        try:
+            issue_ops(token, pos)
+        finally:
+            for name in _STEP_OPS:
+                shadow.pop(name, None)
+        try:
+            program = _k.DecodeProgram(self, records, token, pos)
+        except _k.NotCapturable:
+            program = None
+        self._step_owner, self._step_program = issue_ops, program
+
+    def step_info(self) -> dict | None:
+        """The captured program: ops and barriers per token (None before the first step)."""
+        p = self._step_program
+        return None if p is None else {"ops": p.n_ops, "barriers": p.n_barriers}
 
     # kernel_variant and threads are properties of CpuKernels
 

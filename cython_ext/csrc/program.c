@@ -1,0 +1,206 @@
+/* A captured decode step: every op of one token's forward pass, run inside ONE
+ * OpenMP parallel region (compiled at the baseline ISA; the kernels themselves
+ * come through the variant's table).
+ *
+ * Why: op by op, every matvec opens its own parallel region, and each opening
+ * costs ~1 us with a hot team (~14 us after the threads fell asleep), plus a
+ * Python call and argument checks per op (~250 ops per token for a 30-layer
+ * model). Here the team is woken once per token; ops are separated by barriers
+ * only where a dependency needs one (see cyllm_op.barrier), small vector ops run
+ * on thread 0 alone, matvecs split their rows and attention its heads exactly as
+ * the op-by-op code does, so the logits are bitwise the same.
+ *
+ * Every pointer and size in the program was validated when it was captured
+ * (kernels.pyx, DecodeProgram); the step's pos and token are range-checked by
+ * the caller before this runs.
+ */
+#include <math.h>
+#include <stddef.h>
+#include "kernels.h"
+#include "omp_shim.h"
+
+int64_t cyllm_attention_scratch(int64_t n_heads, int64_t hd, int64_t t_len) {
+    int64_t nblk = (t_len + CYLLM_ATT_BLOCK - 1) / CYLLM_ATT_BLOCK;
+    return nblk <= 1 ? 0 : nblk * n_heads * (hd + 2);
+}
+
+void cyllm_attention_step(const cyllm_kernels *kt, float *out, const float *q,
+                          const uint16_t *kc, const uint16_t *vc, int64_t n_heads, int64_t n_kv,
+                          int64_t hd, int64_t max_ctx, int64_t pos, float *scratch,
+                          int tid, int nth) {
+    int64_t group = n_heads / n_kv, t_len = pos + 1;
+    float scale = (float)(1.0 / sqrt((double)hd));
+    int64_t nblk = (t_len + CYLLM_ATT_BLOCK - 1) / CYLLM_ATT_BLOCK;
+    if (nblk <= 1) {
+        /* runs of a GQA group's heads, the fewest splits that give every thread the
+         * same number of items (as the op used to split them) */
+        int64_t splits = 1;
+        while (splits < group && (n_kv * splits) % nth != 0) splits++;
+        int64_t chunk = (group + splits - 1) / splits;
+        splits = (group + chunk - 1) / chunk;
+        int64_t items = n_kv * splits;
+        for (int64_t it = tid; it < items; it += nth) {
+            int64_t kvh = it / splits;
+            int64_t h0 = kvh * group + (it % splits) * chunk;
+            int64_t nq = (kvh + 1) * group - h0;
+            if (nq > chunk) nq = chunk;
+            kt->attention_group(out + h0 * hd, q + h0 * hd, kc + kvh * max_ctx * hd,
+                                vc + kvh * max_ctx * hd, t_len, hd, scale, nq, NULL);
+        }
+        return;
+    }
+    /* scratch: partial sums [nblk][n_heads][hd], then (m, l) [nblk][n_heads][2] */
+    float *po = scratch, *pml = scratch + nblk * n_heads * hd;
+    int64_t items = n_kv * nblk;
+    for (int64_t it = tid; it < items; it += nth) {
+        int64_t blk = it / n_kv, kvh = it % n_kv, t0 = blk * CYLLM_ATT_BLOCK;
+        int64_t len = t_len - t0 < CYLLM_ATT_BLOCK ? t_len - t0 : CYLLM_ATT_BLOCK;
+        int64_t h0 = kvh * group;
+        kt->attention_group(po + (blk * n_heads + h0) * hd, q + h0 * hd,
+                            kc + (kvh * max_ctx + t0) * hd, vc + (kvh * max_ctx + t0) * hd,
+                            len, hd, scale, group, pml + (blk * n_heads + h0) * 2);
+    }
+#ifdef _OPENMP
+    #pragma omp barrier
+#endif
+    for (int64_t h = tid; h < n_heads; h += nth) {
+        float m = -INFINITY;
+        for (int64_t b = 0; b < nblk; b++) {
+            float mb = pml[(b * n_heads + h) * 2];
+            if (mb > m) m = mb;
+        }
+        float *oh = out + h * hd, l = 0.0f;
+        for (int64_t d = 0; d < hd; d++) oh[d] = 0.0f;
+        for (int64_t b = 0; b < nblk; b++) {
+            float w = expf(pml[(b * n_heads + h) * 2] - m);
+            l += pml[(b * n_heads + h) * 2 + 1] * w;
+            const float *ob = po + (b * n_heads + h) * hd;
+            for (int64_t d = 0; d < hd; d++) oh[d] += ob[d] * w;
+        }
+        float inv = 1.0f / l;
+        for (int64_t d = 0; d < hd; d++) oh[d] *= inv;
+    }
+}
+
+void cyllm_attention_run(const cyllm_kernels *kt, float *out, const float *q,
+                         const uint16_t *kc, const uint16_t *vc, int64_t n_heads, int64_t n_kv,
+                         int64_t hd, int64_t max_ctx, int64_t pos, float *scratch, int nt) {
+    if (nt <= 1) {
+        cyllm_attention_step(kt, out, q, kc, vc, n_heads, n_kv, hd, max_ctx, pos, scratch, 0, 1);
+        return;
+    }
+#ifdef _OPENMP
+    #pragma omp parallel num_threads(nt)
+    cyllm_attention_step(kt, out, q, kc, vc, n_heads, n_kv, hd, max_ctx, pos, scratch,
+                         omp_get_thread_num(), omp_get_num_threads());
+#else
+    cyllm_attention_step(kt, out, q, kc, vc, n_heads, n_kv, hd, max_ctx, pos, scratch, 0, 1);
+#endif
+}
+
+/* rows [r0, r1) of a matvec-like op for thread tid: contiguous runs of whole 4-row
+ * groups, as CpuKernels._rows splits them */
+int cyllm_pf_next = 1;     /* 0: no prefetch across ops (for A/B measurements) */
+
+static inline void row_split(int64_t d, int tid, int nth, int64_t *r0, int64_t *r1) {
+    int64_t groups = (d + 3) / 4;
+    *r0 = (groups * tid / nth) * 4;
+    *r1 = (groups * (tid + 1) / nth) * 4;
+    if (*r1 > d) *r1 = d;
+}
+
+static void run_op(const cyllm_kernels *kt, const cyllm_op *ops, int i, int tid, int nth,
+                   int64_t token, int64_t pos, float *scratch) {
+    const cyllm_op *o = &ops[i];
+    int64_t p = o->dyn ? pos : o->fixed;
+    switch (o->kind) {
+    case CYLLM_OP_MATVEC:
+    case CYLLM_OP_GATE_UP: {
+        int64_t r0, r1;
+        row_split(o->d, tid, nth, &r0, &r1);
+        if (r0 >= r1) return;
+        /* the weights this thread reads next: its rows of the next matvec-like op */
+        const void *nx = NULL;
+        int64_t nx_bytes = 0;
+        if (o->next_w >= 0 && cyllm_pf_next) {
+            const cyllm_op *nw = &ops[o->next_w];
+            int64_t q0, q1;
+            row_split(nw->d, tid, nth, &q0, &q1);
+            if (q0 < q1) {
+                nx = (const uint16_t *)nw->a + q0 * nw->n;
+                nx_bytes = (q1 - q0) * nw->n * 2;
+            }
+        }
+        if (o->kind == CYLLM_OP_MATVEC)
+            kt->matvec_rows(o->out, (const uint16_t *)o->a, (const float *)o->c, o->n, r0, r1,
+                            o->mode, nx, nx_bytes);
+        else
+            kt->gate_up_rows(o->out, (const uint16_t *)o->a, (const uint16_t *)o->b,
+                             (const float *)o->c, o->n, r0, r1, nx, nx_bytes);
+        return;
+    }
+    case CYLLM_OP_ATTENTION:
+        cyllm_attention_step(kt, o->out, (const float *)o->a, o->kc, o->vc, o->n_heads, o->n_kv,
+                             o->hd, o->max_ctx, p, scratch, tid, nth);
+        return;
+    default:
+        break;
+    }
+    if (tid != 0) return;               /* the small vector ops: thread 0 alone */
+    switch (o->kind) {
+    case CYLLM_OP_EMBED:
+        kt->f16_to_f32(o->out, (const uint16_t *)o->a + (o->dyn ? token : o->fixed) * o->n, o->n);
+        break;
+    case CYLLM_OP_RMSNORM:
+        cyllm_rmsnorm(o->out, (const float *)o->a, (const float *)o->b, o->n, o->eps);
+        break;
+    case CYLLM_OP_ROPE: {
+        const float *c = (const float *)o->b + p * o->half, *s = (const float *)o->c + p * o->half;
+        cyllm_rope_rows(o->out, o->n_heads, o->half, c, s);
+        cyllm_rope_rows(o->out2, o->n_kv, o->half, c, s);
+        break;
+    }
+    case CYLLM_OP_CACHE_STORE: {
+        const float *k = (const float *)o->c, *v = (const float *)o->e;
+        for (int64_t h = 0; h < o->n_kv; h++) {
+            kt->f32_to_f16(o->kc + (h * o->max_ctx + p) * o->hd, k + h * o->hd, o->hd);
+            kt->f32_to_f16(o->vc + (h * o->max_ctx + p) * o->hd, v + h * o->hd, o->hd);
+        }
+        break;
+    }
+    case CYLLM_OP_ADD: {
+        const float *x = (const float *)o->a, *y = (const float *)o->b;
+        for (int64_t i = 0; i < o->n; i++) o->out[i] = x[i] + y[i];
+        break;
+    }
+    case CYLLM_OP_SWIGLU: {
+        const float *g = (const float *)o->a, *u = (const float *)o->b;
+        for (int64_t i = 0; i < o->n; i++) o->out[i] = cyllm_silu(g[i]) * u[i];
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+void cyllm_program_run(const cyllm_kernels *kt, const cyllm_op *ops, int n_ops, int nt,
+                       int64_t token, int64_t pos, float *scratch) {
+    if (nt <= 1) {
+        for (int i = 0; i < n_ops; i++) run_op(kt, ops, i, 0, 1, token, pos, scratch);
+        return;
+    }
+#ifdef _OPENMP
+    #pragma omp parallel num_threads(nt)
+    {
+        int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        for (int i = 0; i < n_ops; i++) {
+            run_op(kt, ops, i, tid, nth, token, pos, scratch);
+            if (ops[i].barrier) {
+                #pragma omp barrier
+            }
+        }
+    }
+#else
+    for (int i = 0; i < n_ops; i++) run_op(kt, ops, i, 0, 1, token, pos, scratch);
+#endif
+}

@@ -1,0 +1,144 @@
+"""The CPU backend's captured decode step (CpuBackend.decode_step, kernels.DecodeProgram).
+
+The model calls backend.decode_step(issue_ops, token, pos) for every token; the
+first call records the ops, later calls run them as one C program inside one
+OpenMP parallel region. Its logits must be bitwise those of the op-by-op path
+(CYLLM_FUSED=0), and the same for 1 and 2 threads, on every tiny model kind
+(MQA with odd sizes, explicit head_dim, Llama 3 rope, GQA, Qwen2 biases, tied
+embeddings), including positions past the 256-position attention block.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import cyllm  # noqa: E402
+from cyllm.errors import InvalidArgumentError  # noqa: E402
+
+try:
+    from cyllm.backends.cpu import CpuBackend
+    from cyllm._ext import kernels as _k
+except Exception as e:                     # extension not built
+    pytest.skip(f"cpu kernels not built: {e}", allow_module_level=True)
+
+from cyllm.loading import load_path  # noqa: E402
+from cyllm.model import Model  # noqa: E402
+from tinymodels import make_tiny_model  # noqa: E402
+
+_LOADED = {}
+
+
+def load(path, backend, context):
+    """Model.from_weights on a cached (config, weights, tokenizer) of path, bound to `backend`."""
+    if path not in _LOADED:
+        _LOADED[path] = load_path(path)
+    config, weights, tok = _LOADED[path]
+    return Model.from_weights(config, weights, tok, backend=backend, context=context)
+
+KINDS = ["llama_mqa_odd", "llama_explicit_head_dim", "llama3_rope", "mistral_gqa", "qwen2_bias",
+         "llama_tied"]
+VARIANTS = [v for v in ("generic", "avx2", "avx512") if v in _k.available_variants()]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model_dir(request, tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=5)
+
+
+def decode_logits(path, threads, fused, variant, steps, prompt_len=20, context=400):
+    m = load(path, CpuBackend(threads, variant=variant, fused=fused), context)
+    rng = np.random.default_rng(11)
+    ids = rng.integers(0, m.config.vocab_size, prompt_len + len(steps)).tolist()
+    m.prefill(ids[:prompt_len], 0)
+    out = []
+    for i in steps:
+        out.append(m.forward(ids[prompt_len + i], prompt_len + i).copy())
+    return m, np.array(out)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fused_bitwise_equal_op_by_op(model_dir, variant):
+    steps = list(range(6))
+    runs = {}
+    for threads in (1, 2):
+        for fused in (False, True):
+            m, runs[(threads, fused)] = decode_logits(model_dir, threads, fused, variant, steps)
+            if fused:
+                info = m.backend.step_info()
+                assert info is not None and info["ops"] > 0
+    base = runs[(1, False)]
+    assert np.all(np.isfinite(base))
+    for key, val in runs.items():
+        assert np.array_equal(val.view(np.uint32), base.view(np.uint32)), key
+
+
+def test_fused_long_context_bitwise(model_dir):
+    """Past the 256-position attention block (blocked, merged attention), 1 vs 2 threads."""
+    steps = list(range(0, 300, 1))
+    variant = VARIANTS[-1]
+    runs = [decode_logits(model_dir, t, f, variant, steps, prompt_len=10, context=320)[1]
+            for t, f in ((1, False), (2, True), (1, True))]
+    for r in runs[1:]:
+        assert np.array_equal(r.view(np.uint32), runs[0].view(np.uint32))
+
+
+def test_recapture_for_another_model(model_dir):
+    """One backend shared by two models: each model's issue_ops gets its own program."""
+    b = CpuBackend(2)
+    m1 = load(model_dir, b, 64)
+    m2 = load(model_dir, b, 64)
+    ref = load(model_dir, CpuBackend(2, fused=False), 64)
+    for pos, tok in enumerate([3, 9, 4, 1]):
+        a = m1.forward(tok, pos).copy()
+        c = m2.forward(tok, pos).copy()
+        r = ref.forward(tok, pos).copy()
+        assert np.array_equal(a, r) and np.array_equal(c, r)
+
+
+def test_bad_step_arguments(model_dir):
+    m = load(model_dir, CpuBackend(2), 32)
+    m.forward(1, 0)
+    with pytest.raises(cyllm.errors.CyllmError):
+        m.forward(m.config.vocab_size, 1)
+    with pytest.raises(cyllm.errors.CyllmError):
+        m.forward(1, 32)
+    prog = m.backend._step_program
+    with pytest.raises(InvalidArgumentError):
+        prog.run(-1, 0, 2)
+    with pytest.raises(InvalidArgumentError):
+        prog.run(0, 32, 2)
+    with pytest.raises(InvalidArgumentError):
+        prog.run(0, 0, 0)
+
+
+def test_env_switch_off():
+    code = ("from cyllm.backends.cpu import CpuBackend\n"
+            "print(CpuBackend(1).fused)\n")
+    for value, want in (("0", "False"), ("1", "True")):
+        env = dict(os.environ, CYLLM_FUSED=value)
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == want
+
+
+def test_not_capturable_falls_back():
+    """An issue_ops with an op the program cannot express still runs (op by op)."""
+    b = CpuBackend(1)
+    out = np.zeros(4, np.float32)
+    table = np.arange(40, dtype=np.float16).reshape(10, 4)
+
+    def issue(token, pos):
+        b.embed(out, table, token)
+        b.embed(out, table, 2)             # a token other than the step's: not capturable
+
+    b.decode_step(issue, 5, 0)
+    assert b.step_info() is None and np.array_equal(out, table[2].astype(np.float32))
+    b.decode_step(issue, 7, 1)
+    assert np.array_equal(out, table[2].astype(np.float32))
