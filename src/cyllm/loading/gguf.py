@@ -110,6 +110,23 @@ class GGUFFile:
         """Zero-copy uint8 view of one tensor's raw data."""
         return np.frombuffer(self.buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
 
+    def release(self, info: GGUFTensorInfo) -> None:
+        """Drop a tensor's file pages from this process once it has been converted.
+
+        Quantized data is read once; without this, the mapped file pages count
+        in the resident set next to the FP16 copy. Pages are only unmapped from
+        this process (the file is read-only), so a later read faults them back in:
+        safe even where the range touches a neighbour that is still used as a view.
+        """
+        advise = getattr(self.buf, "madvise", None)
+        if advise is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = info.offset - info.offset % mmap.PAGESIZE
+        try:
+            advise(mmap.MADV_DONTNEED, start, info.offset + info.nbytes - start)
+        except (OSError, ValueError):
+            pass   # advice only
+
 
 class _Cursor:
     """Bounds-checked little-endian reader over a bytes-like object."""
@@ -386,15 +403,23 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return np.ascontiguousarray(v.swapaxes(1, 2)).reshape(w.shape)
 
 
-def _dequantize(gf: GGUFFile, info: GGUFTensorInfo) -> np.ndarray:
-    """A tensor as float32 (or a zero-copy float16 view for F16), numpy shape."""
+def _dequantize(gf: GGUFFile, info: GGUFTensorInfo, rows: slice | None = None) -> np.ndarray:
+    """A tensor (or the rows ``rows`` of its leading dim) as float32, numpy shape.
+
+    F16 comes back as a zero-copy float16 view.
+    """
     t = info.ggml_type
     if t not in SUPPORTED_TENSOR_TYPES:
         raise UnsupportedModelError(
             f"{gf.path}: tensor {_clip(info.name)} has type {info.type_name}, which is not supported "
             f"(supported: {', '.join(v[0] for v in SUPPORTED_TENSOR_TYPES.values())})")
     shape = info.shape
-    raw = gf.tensor_bytes(info)
+    n_rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+    _, block, bsize = SUPPORTED_TENSOR_TYPES[t]
+    raw = gf.tensor_bytes(info).reshape(n_rows, shape[-1] // block * bsize)   # (rows, bytes per row)
+    if rows is not None:
+        raw = raw[rows]
+        shape = (raw.shape[0],) + tuple(shape[1:])
     if t == _F16:
         return raw.view(np.float16).reshape(shape)
     if t == _F32:
@@ -404,13 +429,28 @@ def _dequantize(gf: GGUFFile, info: GGUFTensorInfo) -> np.ndarray:
         return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
     from gguf import quants
     from gguf.constants import GGMLQuantizationType
-    rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
-    _, block, bsize = SUPPORTED_TENSOR_TYPES[t]
     try:
-        out = quants.dequantize(raw.reshape(rows, shape[-1] // block * bsize), GGMLQuantizationType(t))
+        out = quants.dequantize(raw, GGMLQuantizationType(t))
     except Exception as e:   # the gguf package is third-party: never let its errors escape raw
         raise ModelLoadError(f"{gf.path}: cannot dequantize tensor {_clip(info.name)} ({type(e).__name__}: {_clip(e, 200)})") from None
     return out.reshape(shape)
+
+
+# rows dequantized at a time: bounds the float32 temporary (~16 MB) whatever the tensor size
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def _matrix_f16(gf: GGUFFile, info: GGUFTensorInfo, name: str) -> np.ndarray:
+    """A matrix as float16: a zero-copy view for F16, else dequantized chunk by chunk."""
+    if info.ggml_type == _F16 or len(info.shape) < 2:
+        return _to_f16(_dequantize(gf, info), name, gf.path)
+    out = np.empty(info.shape, dtype=np.float16)
+    step = max(1, _CHUNK_ELEMENTS // info.shape[-1])
+    for r0 in range(0, info.shape[0], step):
+        part = slice(r0, min(r0 + step, info.shape[0]))
+        out[part] = _to_f16(_dequantize(gf, info, part), name, gf.path)
+    gf.release(info)
+    return out
 
 
 def _tensor_float32(gf: GGUFFile, info: GGUFTensorInfo) -> np.ndarray:
@@ -514,13 +554,12 @@ def plan_tensors(gf: GGUFFile, cfg: ModelConfig) -> list[PlannedTensor]:
 
 def materialize(gf: GGUFFile, p: PlannedTensor) -> np.ndarray:
     """One planned tensor in its contract dtype (F16 matrices stay zero-copy views)."""
-    a = _dequantize(gf, p.info)
+    if p.dtype == np.float16:
+        a = _matrix_f16(gf, p.info, p.hf_name)
+    else:
+        a = np.asarray(_dequantize(gf, p.info), dtype=np.float32)
     if p.unpermute_heads:
         a = _unpermute_rows(a, p.unpermute_heads)
-    if p.dtype == np.float16:
-        a = _to_f16(a, p.hf_name, gf.path)
-    else:
-        a = np.asarray(a, dtype=np.float32)
     return a
 
 
