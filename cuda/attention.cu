@@ -98,11 +98,13 @@ __device__ __forceinline__ void attn_split_body(
     constexpr int U = (GT >= 4) ? 4 : ATT_UNROLL;
     const int kvh = blockIdx.x;
     const int split = blockIdx.y;
-    int pos = step_value(step, 1, pos_host);
+    pdl_trigger();                                // wo's matvec may start loading its weights
+    int pos = step_value(step, 1, pos_host);      // the step buffer is written before the graph
     if (pos >= max_ctx) pos = max_ctx - 1;
     const int t0 = split * chunk;
     if (t0 > pos || kvh >= n_kv) return;          // uniform over the block
     const int n_valid = min(chunk, pos + 1 - t0);
+    pdl_wait();                                   // q and cache row pos come from rope_store
 
     const int hd8 = hd >> 3;
     const int rpw = 32 / hd8;                     // rows per warp per pass

@@ -44,6 +44,27 @@ __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {
 #endif
 }
 
+// Programmatic dependent launch (sm_90+). Under decode_step the backend launches
+// the decode kernels with the programmatic-stream-serialization attribute, so a
+// kernel's blocks may start while the previous kernel still runs: each such kernel
+// lets its successor launch as soon as it starts (pdl_trigger), does only work
+// that depends on nothing the previous kernels write (weight loads)
+// and then waits (pdl_wait) for the previous grid to complete and flush before it
+// touches activations, the KV cache or any output. Every kernel launched with the
+// attribute calls pdl_wait before its first dependent access, so completion still
+// chains kernel to kernel. Launched without the attribute both are no-ops.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // dot of 8 halves (one 16-byte word) with 8 floats (two float4)
 __device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b, float acc) {
     float2 p;

@@ -8,6 +8,7 @@
 extern "C" __global__ void embed_f16(float* __restrict__ out, const f16_t* __restrict__ table,
                                      const int* __restrict__ step, int token_host, int vocab, int dim)
 {
+    pdl_trigger();      // layer 0's qkv matvec may start loading its weights
     const int token = step_value(step, 0, token_host);
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= dim) return;
@@ -62,10 +63,12 @@ extern "C" __global__ void rope_store_f32(float* __restrict__ q, float* __restri
                                           const int* __restrict__ step, int pos_host, int n_pos,
                                           int max_ctx, int nq, int nk, int half)
 {
+    pdl_trigger();      // attention's blocks may be scheduled now
     const int pos = step_value(step, 1, pos_host);
     if (pos < 0 || pos >= n_pos || pos >= max_ctx) return;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (nq + nk) * half) return;
+    pdl_wait();         // q, k, v come from the qkv matvec
     const int head = i / half, j = i - head * half;
     const bool is_k = head >= nq;
     float* x = is_k ? k + (size_t)(head - nq) * 2 * half : q + (size_t)head * 2 * half;

@@ -41,6 +41,7 @@ __device__ __forceinline__ void matvec_vec_body(
 {
     constexpr int NM = (MODE == 2) ? 2 : 1;
     __shared__ float res[MV_MAX_ROWS];
+    pdl_trigger();      // the next kernel may start loading its weights now
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int rows_blk = (blockDim.x >> 5) * R;
@@ -63,15 +64,25 @@ __device__ __forceinline__ void matvec_vec_body(
         for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
     float ss = 0.0f;     // NORM: this lane's share of sum(x^2); every warp walks the whole x
 
+    // The first U loads of every row go out before pdl_wait: under programmatic
+    // dependent launch they overlap the previous kernel's tail (weights never
+    // depend on it); x, the output and the norm vector are touched only after.
+    // Each iteration then issues the next batch's loads after its FMAs, so all
+    // U*NM*R loads of a batch stay in flight together (more registers than a
+    // load-then-use loop, which the compiler interleaves: see _mv's block cap).
+    uint4 wv[U][NM][R];
     int i = lane;
-    for (; i + 32 * (U - 1) < n8; i += 32 * U) {
-        uint4 wv[U][NM][R];
+    bool full = i + 32 * (U - 1) < n8;
+    if (full) {
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
             for (int m = 0; m < NM; ++m)
 #pragma unroll
                 for (int r = 0; r < R; ++r) wv[u][m][r] = ld_stream16(wr[m][r] + i + 32 * u);
+    }
+    pdl_wait();
+    while (full) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             float4 xa = __ldg(x + 2 * (i + 32 * u));
@@ -81,6 +92,16 @@ __device__ __forceinline__ void matvec_vec_body(
             for (int m = 0; m < NM; ++m)
 #pragma unroll
                 for (int r = 0; r < R; ++r) acc[m][r] = dot8(wv[u][m][r], xa, xb, acc[m][r]);
+        }
+        i += 32 * U;
+        full = i + 32 * (U - 1) < n8;
+        if (full) {
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int m = 0; m < NM; ++m)
+#pragma unroll
+                    for (int r = 0; r < R; ++r) wv[u][m][r] = ld_stream16(wr[m][r] + i + 32 * u);
         }
     }
     for (; i < n8; i += 32) {

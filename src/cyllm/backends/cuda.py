@@ -84,6 +84,64 @@ def _blocks(n: int, threads: int) -> int:
     return (n + threads - 1) // threads
 
 
+class _PdlLauncher:
+    """Launches a kernel with programmatic dependent launch (cuLaunchKernelEx, through ctypes).
+
+    CuPy's RawKernel cannot set launch attributes, so the driver entry point is
+    called directly with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION:
+    the kernel may begin while the previous kernel on the stream still runs, and
+    its own ``griddepcontrol.wait`` (pdl_wait in common.cuh) orders it after that
+    kernel's completion. Works inside stream capture: the graph keeps the edge.
+    """
+
+    _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6      # CUlaunchAttributeID
+
+    def __init__(self):
+        import ctypes
+        self.ct = ctypes
+        lib = ctypes.CDLL("libcuda.so.1")
+        self.fn = lib.cuLaunchKernelEx
+        self.fn.restype = ctypes.c_int
+
+        class Attr(ctypes.Structure):          # CUlaunchAttribute: id, pad to 8, 64-byte value union
+            _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+        class Config(ctypes.Structure):        # CUlaunchConfig
+            _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                        ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                        ("attrs", ctypes.POINTER(Attr)), ("n_attrs", ctypes.c_uint)]
+
+        self.attr = Attr()
+        self.attr.id = self._ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+        self.attr.value[0] = 1
+        self.Config = Config
+
+    def _arg(self, a):
+        ct = self.ct
+        if isinstance(a, np.int32):
+            return ct.c_int32(int(a))
+        if isinstance(a, np.float32):
+            return ct.c_float(float(a))
+        if isinstance(a, np.int64):
+            return ct.c_int64(int(a))
+        return ct.c_void_p(int(a.data.ptr))     # a CuPy array
+
+    def launch(self, func_ptr: int, grid, block, args, smem: int, stream_ptr: int) -> int:
+        ct = self.ct
+        cfg = self.Config()
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        b = tuple(block) + (1,) * (3 - len(block))
+        cfg.grid[:] = g
+        cfg.block[:] = b
+        cfg.smem = smem
+        cfg.stream = stream_ptr
+        cfg.attrs = ct.pointer(self.attr)
+        cfg.n_attrs = 1
+        vals = [self._arg(a) for a in args]
+        params = (ct.c_void_p * len(vals))(*[ct.addressof(v) for v in vals])
+        return self.fn(ct.byref(cfg), ct.c_void_p(func_ptr), params, None)
+
+
 class CudaBackend:
     name = "cuda"
     fuse_qkv = True       # upload copies anyway: one (q+2kv, dim) matrix, one matvec
@@ -136,15 +194,21 @@ class CudaBackend:
         # and slower at long contexts, its registers cost resident blocks)
         self.attn_v_early: bool | None = None
         self.attn_batch_vec = True      # float4 variant of attention_batch where head_dim % 4 == 0
+        # programmatic dependent launch of the decode kernels inside decode_step (sm_90+);
+        # CYLLM_CUDA_PDL=0 turns it off
+        self.use_pdl = (os.environ.get("CYLLM_CUDA_PDL", "1") != "0"
+                        and int(props.get("major", 0)) >= 9)
+        self._pdl = None
 
     # -- kernels ----------------------------------------------------------------
     def _compile(self):
         src = kernel_source()
         errors = []
         # the PTX load hint (ld.global.nc.L1::no_allocate) is a nicety: fall back without it
+        extra = tuple(os.environ.get("CYLLM_CUDA_DEFINES", "").split())   # e.g. -DMV_UNROLL=8 (experiments)
         for opts in ((), ("-DCYLLM_PLAIN_LOADS",)):
             try:
-                mod = cp.RawModule(code=src, options=opts)
+                mod = cp.RawModule(code=src, options=opts + extra)
                 mod.get_function("add_f32")      # forces the NVRTC compile now
                 self.plain_loads = bool(opts)
                 return mod
@@ -164,6 +228,27 @@ class CudaBackend:
                 self._module, self.plain_loads = cached
             k = self._kernels[name] = self._module.get_function(name)
         return k
+
+    def _launch(self, name: str, grid, block, args, shared_mem: int = 0) -> None:
+        """Launch a decode kernel whose dependent accesses follow pdl_wait.
+
+        Under decode_step (and use_pdl) it goes out with programmatic dependent
+        launch, so it overlaps the previous kernel's tail; otherwise as usual.
+        """
+        k = self._k(name)
+        if self._device_mode and self.use_pdl:
+            try:
+                if self._pdl is None:
+                    self._pdl = _PdlLauncher()
+                func = getattr(k, "kernel", k)      # RawKernel -> its cupy.cuda.Function (CUfunction)
+                rc = self._pdl.launch(func.ptr, grid, block, args, shared_mem,
+                                      cp.cuda.get_current_stream().ptr)
+            except Exception:  # noqa: BLE001 - no libcuda symbol, no .ptr: plain launches from now on
+                rc = -1
+            if rc == 0:
+                return
+            self.use_pdl = False
+        k(grid, block, args, shared_mem=shared_mem)
 
     def warmup(self) -> None:
         """Compile the kernels now (otherwise the first op pays for NVRTC)."""
@@ -323,13 +408,18 @@ class CudaBackend:
                 and w0.flags.c_contiguous and w1.flags.c_contiguous):
             r, warps, u = self._matvec_shape(d, n, rmax)
             name = f"{base}_r{r}" + ("_u8" if u == 8 else "")
+            if norm is not None:
+                name += "_norm"
+            # the wide variants keep a whole batch of loads in registers: never ask for a
+            # block larger than the compiled kernel can launch
+            warps = max(1, min(warps, getattr(self._k(name), "max_threads_per_block", 1024) // 32))
             grid, block = (_blocks(d, warps * r),), (32 * warps,)
             if norm is not None:
                 xn, xin, nw, eps = norm
-                self._k(name + "_norm")(grid, block, (out, w0, w1, xin, np.int32(d), np.int32(n // 8),
-                                                      nw, np.float32(eps), xn))
+                self._launch(name, grid, block, (out, w0, w1, xin, np.int32(d), np.int32(n // 8),
+                                                           nw, np.float32(eps), xn))
             else:
-                self._k(name)(grid, block, (out, w0, w1, x, np.int32(d), np.int32(n // 8)))
+                self._launch(name, grid, block, (out, w0, w1, x, np.int32(d), np.int32(n // 8)))
         else:
             if norm is not None:
                 self._rmsnorm_now(*norm)
@@ -372,9 +462,9 @@ class CudaBackend:
         if hd != 2 * half or k.shape[0] != n_kv * hd or v.shape[0] != n_kv * hd:
             raise InvalidArgumentError(f"rope_store: k {tuple(k.shape)} does not fit a cache of {n_kv} heads x {hd}")
         nq = q.shape[0] // hd
-        self._k("rope_store_f32")((_blocks((nq + n_kv) * half, 256),), (256,),
-                                  (q, k, v, cos, sin, k_cache, v_cache, self._step, p, np.int32(n_pos),
-                                   np.int32(max_ctx), np.int32(nq), np.int32(n_kv), np.int32(half)))
+        self._launch("rope_store_f32", (_blocks((nq + n_kv) * half, 256),), (256,),
+                     (q, k, v, cos, sin, k_cache, v_cache, self._step, p, np.int32(n_pos),
+                      np.int32(max_ctx), np.int32(nq), np.int32(n_kv), np.int32(half)))
 
     def cache_store(self, k_cache, v_cache, k, v, pos):
         self._flush()
@@ -433,9 +523,9 @@ class CudaBackend:
                 gt //= 2
         if gt:
             ve = bool(self.attn_v_early)
-            self._k(f"attn_split_g{gt}" + ("_ve" if ve else ""))((n_kv, n_split), (_ATT_THREADS,),
-                                         (out, counters, o_part, m_part, l_part) + args_tail,
-                                         shared_mem=self._attn_smem(gt, hd, chunk, n_split))
+            self._launch(f"attn_split_g{gt}" + ("_ve" if ve else ""), (n_kv, n_split), (_ATT_THREADS,),
+                         (out, counters, o_part, m_part, l_part) + args_tail,
+                         shared_mem=self._attn_smem(gt, hd, chunk, n_split))
         else:
             smem = 4 * (hd + chunk + _ATT_WARPS + _ATT_WARPS * n_split)
             if smem > _SMEM_LIMIT:
