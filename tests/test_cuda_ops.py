@@ -119,6 +119,31 @@ def test_matvec_launch_shapes(ref, rows, warps, unroll):
         assert rel_err(host(b, out), want) < 1e-4
 
 
+@pytest.mark.parametrize("rule", ["large", "old"])
+def test_matvec_large_shapes(ref, rule):
+    """The launch shapes picked for large matrices (rows per warp, block size, loads in flight)
+    compute the same thing: tall (4 rows, small blocks), square and wide (2 rows, 16 warps, 8 loads),
+    with rows that do not fill the last block."""
+    b = CudaBackend()
+    b.matvec_shape_rule = rule
+    for d, n in [(2051, 4096), (1030, 8200), (5123, 2048)]:
+        assert d * n >= b._MV_LARGE
+        w, x, r = f16(d, n), f32(n), f32(d)
+        wd, xd = b.upload(w), b.upload(x)
+        out = nan_dev(d)
+        b.matvec(out, wd, xd)
+        assert rel_err(host(b, out), w.astype(np.float64) @ x) < 1e-5
+        out = b.upload(r)
+        b.matvec_add(out, wd, xd)
+        assert rel_err(host(b, out), r + w.astype(np.float64) @ x) < 1e-5
+        wu = f16(d, n, scale=0.1)
+        out = nan_dev(d)
+        b.gate_up_silu(out, b.upload((w * 0.1).astype(np.float16)), b.upload(wu), xd)
+        want = np.zeros(d, np.float32)
+        ref.gate_up_silu(want, ref.upload((w * 0.1).astype(np.float16)), ref.upload(wu), x)
+        assert rel_err(host(b, out), want) < 1e-5
+
+
 def test_matvec_misaligned_views(be):
     """x at an odd offset (not 16-byte aligned) takes the scalar path and is still right."""
     d, n = 70, 128

@@ -199,6 +199,11 @@ class CudaBackend:
         self.use_pdl = (os.environ.get("CYLLM_CUDA_PDL", "1") != "0"
                         and int(props.get("major", 0)) >= 9)
         self._pdl = None
+        # loads in flight per lane for large matrices no taller than wide (wo, down) where
+        # matvec_unroll is unset: under PDL the first batch streams before the wait, so the
+        # short matvecs that follow attention start with more bytes in flight
+        self.matvec_unroll_wide = int(os.environ.get("CYLLM_CUDA_MV_WIDE_UNROLL", "8"))
+        self.matvec_shape_rule = os.environ.get("CYLLM_CUDA_MV_SHAPES", "large")    # or "old"
 
     # -- kernels ----------------------------------------------------------------
     def _compile(self):
@@ -381,20 +386,41 @@ class CudaBackend:
         self._flush()
         return None
 
+    # a matrix of at least this many weights is "large": decode time is its streaming time,
+    # so its launch shape is picked for the tail of the kernel (see _matvec_shape)
+    _MV_LARGE = 1 << 23
+
     def _matvec_shape(self, d: int, n: int, rmax: int) -> tuple[int, int, int]:
-        # measured on an H200: tall matrices (d >= 2.5 n) gain from 4 rows per warp, others not
-        r = min(self.matvec_rows or (4 if 2 * d >= 5 * n else 1), rmax)
+        """(rows per warp, warps per block, loads in flight per lane) of a d x n matvec.
+
+        Measured on an H200 under PDL (bench/results/bench_cuda_h200.md, 7B decode):
+        large matrices want several rows per warp (more bytes in flight per warp);
+        tall ones (qkv, gate/up: many blocks, several waves) want small blocks, so
+        the last wave ends evenly; square/wide ones (wo, down: one wave) want 2 rows,
+        8 loads in flight and 16-warp blocks: one block per SM, every SM the same work
+        (4096 rows: 128 blocks on 132 SMs).
+        ``matvec_shape_rule = "old"`` (CYLLM_CUDA_MV_SHAPES=old) keeps the earlier rule.
+        """
+        tall = 2 * d >= 5 * n
+        large = self.matvec_shape_rule != "old" and d * n >= self._MV_LARGE
+        # measured on an H200: tall matrices (d >= 2.5 n) gain from 4 rows per warp
+        r = min(self.matvec_rows or (4 if tall else 2 if large else 1), rmax)
         warps = self.matvec_warps
         if warps is None:
-            # enough blocks to cover every SM twice, else thinner blocks
-            warps = 8
-            while warps > 2 and _blocks(d, warps * r) < 2 * self.sm_count:
-                warps //= 2
+            if large:
+                warps = 2 if tall else 16
+            else:
+                # enough blocks to cover every SM twice, else thinner blocks
+                warps = 8
+                while warps > 2 and _blocks(d, warps * r) < 2 * self.sm_count:
+                    warps //= 2
         # 1024 threads of a 4-row kernel would ask for more registers than an SM has
         warps = max(1, min(warps, 16))
         u = self.matvec_unroll
         if u is None:
-            u = 4       # 8 in flight measured no better on an H200 (bench/results/cuda_ops_h200.md)
+            # 8 in flight measured no better on an H200 without PDL (bench/results/cuda_ops_h200.md);
+            # with it, the square/wide matrices (wo, down) gain
+            u = self.matvec_unroll_wide if (d <= n and large) else 4
         u = 8 if (u >= 8 and r <= 2) else 4
         return r, warps, u
 
