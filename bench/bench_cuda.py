@@ -9,8 +9,8 @@ launches, median of repeats, so Python launch cost stays out):
     for several launch shapes (rows per warp x warps per block); weights are
     rotated over copies totalling > 4x L2 so the numbers are DRAM, not cache;
   * decode attention over a 4096-position FP16 cache (MHA and GQA);
-  * a whole synthetic decode (random weights of Llama-2-7B and SmolLM2-135M
-    shape) through decode_step's CUDA graph: tokens/s against the roofline
+  * a whole synthetic decode (cyllm's Model on random weights of Llama-2-7B and
+    SmolLM2-135M shape) through decode_step's CUDA graph: tokens/s against the roofline
     bandwidth / (weight bytes + KV bytes read per token);
   * the prefill GEMM (matmul, T=512).
 """
@@ -32,8 +32,6 @@ import cupy as cp  # noqa: E402
 
 from cyllm.backends.cuda import CudaBackend  # noqa: E402
 
-LLAMA2_7B = dict(name="llama2-7b", dim=4096, layers=32, nh=32, nkv=32, hd=128, ffn=11008, vocab=32000)
-SMOLLM2_135M = dict(name="smollm2-135m", dim=576, layers=30, nh=9, nkv=3, hd=64, ffn=1536, vocab=49152)
 
 
 def gpu_info() -> tuple[str, str]:
@@ -161,82 +159,29 @@ def bench_attention(be, bw, lines):
         cp.get_default_memory_pool().free_all_blocks()
 
 
-class SynthModel:
-    """Random weights of a real shape, forward written against the op interface like model.py."""
+def bench_decode(be, bw, preset, depths, lines, n_tok=128, graphs=True):
+    """Decode tokens/s of cyllm's own Model (model.py) on synthetic weights of a real shape."""
+    from cyllm.model import Model
+    from cyllm.synthetic import build_synthetic
 
-    def __init__(self, be, cfg, ctx, fused=False):
-        self.be, self.c = be, cfg
-        dim, nh, nkv, hd, ffn, vocab = (cfg[k] for k in ("dim", "nh", "nkv", "hd", "ffn", "vocab"))
-        self.emb = rand16((vocab, dim))
-        self.layers = []
-        for _ in range(cfg["layers"]):
-            self.layers.append(dict(
-                ln1=cp.ones(dim, cp.float32), wq=rand16((nh * hd, dim)), wk=rand16((nkv * hd, dim)),
-                wv=rand16((nkv * hd, dim)), wo=rand16((dim, nh * hd)), ln2=cp.ones(dim, cp.float32),
-                wg=rand16((ffn, dim)), wu=rand16((ffn, dim)), wd=rand16((dim, ffn)),
-                kc=cp.zeros((nkv, ctx, hd), cp.float16), vc=cp.zeros((nkv, ctx, hd), cp.float16)))
-        self.lnf = cp.ones(dim, cp.float32)
-        self.head = rand16((vocab, dim))
-        t = np.arange(ctx, dtype=np.float32)[:, None] / (10000.0 ** (np.arange(hd // 2) / (hd // 2)))
-        self.cos = cp.asarray(np.cos(t).astype(np.float32))
-        self.sin = cp.asarray(np.sin(t).astype(np.float32))
-        z = lambda n: cp.zeros(n, cp.float32)  # noqa: E731
-        self.x, self.xb, self.q, self.k, self.v = z(dim), z(dim), z(nh * hd), z(nkv * hd), z(nkv * hd)
-        self.att, self.h, self.logits = z(nh * hd), z(ffn), z(vocab)
-        self.fused = fused
-        if fused:   # one (q;k;v) matvec into one buffer, q/k/v its views, rope + store in one launch
-            for L in self.layers:
-                L["wqkv"] = cp.concatenate([L.pop("wq"), L.pop("wk"), L.pop("wv")])
-            self.qkv = cp.zeros((nh + 2 * nkv) * hd, cp.float32)
-            self.q, self.k, self.v = (self.qkv[:nh * hd], self.qkv[nh * hd:(nh + nkv) * hd],
-                                      self.qkv[(nh + nkv) * hd:])
-        self.weight_bytes = 2 * (2 * vocab * dim + cfg["layers"] * (
-            dim * (nh * hd + 2 * nkv * hd) + nh * hd * dim + 3 * dim * ffn)) + 4 * dim * (2 * cfg["layers"] + 1)
-        self.kv_bytes_per_pos = 2 * cfg["layers"] * nkv * hd * 2
-
-    def issue(self, token, pos):
-        b = self.be
-        b.embed(self.x, self.emb, token)
-        for L in self.layers:
-            b.rmsnorm(self.xb, self.x, L["ln1"], 1e-5)
-            if self.fused:
-                b.matvec(self.qkv, L["wqkv"], self.xb)
-                b.rope_store(self.q, self.k, self.v, self.cos, self.sin, L["kc"], L["vc"], pos)
-            else:
-                b.matvec(self.q, L["wq"], self.xb)
-                b.matvec(self.k, L["wk"], self.xb)
-                b.matvec(self.v, L["wv"], self.xb)
-                b.rope(self.q, self.k, self.cos, self.sin, pos)
-                b.cache_store(L["kc"], L["vc"], self.k, self.v, pos)
-            b.attention(self.att, self.q, L["kc"], L["vc"], pos)
-            b.matvec_add(self.x, L["wo"], self.att)
-            b.rmsnorm(self.xb, self.x, L["ln2"], 1e-5)
-            b.gate_up_silu(self.h, L["wg"], L["wu"], self.xb)
-            b.matvec_add(self.x, L["wd"], self.h)
-        b.rmsnorm(self.xb, self.x, self.lnf, 1e-5)
-        b.matvec(self.logits, self.head, self.xb)
-
-
-def bench_decode(be, bw, cfg, depths, lines, n_tok=128, graphs=True, fused=False):
+    config, weights = build_synthetic(preset)
     ctx = max(depths) + n_tok + 8
-    m = SynthModel(be, cfg, ctx, fused=fused)
     be.reset_graph()
     be.use_graphs = graphs
+    m = Model.from_weights(config, weights, backend=be, context=ctx)
+    del weights
     rows = []
     for d0 in depths:
         for i in range(3):      # warm-up: compile, capture
-            be.decode_step(m.issue, i + 1, d0 + i)
-            be.to_host(m.logits)
+            m.forward(i + 1, d0 + i)
         t0 = time.perf_counter()
         for i in range(n_tok):
-            be.decode_step(m.issue, (i * 7919) % cfg["vocab"], d0 + i)
-            be.to_host(m.logits)           # the per-token sync and copy a sampler needs
+            m.forward((i * 7919) % config.vocab_size, d0 + i)   # includes the per-token logits copy
         dt = time.perf_counter() - t0
         tps = n_tok / dt
-        avg_pos = d0 + n_tok / 2
-        per_tok = m.weight_bytes + m.kv_bytes_per_pos * avg_pos
+        per_tok = m.weight_bytes + config.kv_bytes_per_token() * (d0 + n_tok / 2)
         roof = bw / per_tok
-        rows.append(f"| {cfg['name']} | tg{n_tok} @d{d0} | {('graph' if graphs else 'eager') + (' + fused qkv/rope_store' if fused else '')} | {tps:.1f} | "
+        rows.append(f"| {preset} | tg{n_tok} @d{d0} | {'graph' if graphs else 'eager'} | {tps:.1f} | "
                     f"{roof:.1f} | {100 * tps / roof:.1f}% | {per_tok / 1e9:.3f} |")
     lines.extend(rows)
     be.use_graphs = True
@@ -322,12 +267,12 @@ def main(argv=None):
         be.fuse_norm = fuse
         tag = " + norm folded" if fuse else ""
         n_before = len(lines)
-        bench_decode(be, bw, SMOLLM2_135M, [0, 2048], lines, fused=True)
+        bench_decode(be, bw, "smollm2-135m", [0, 2048], lines)
         if not args.skip_7b:
-            bench_decode(be, bw, LLAMA2_7B, [0, 4096], lines, fused=True)
-        lines[n_before:] = [ln.replace("fused qkv/rope_store", "fused qkv/rope_store" + tag) for ln in lines[n_before:]]
+            bench_decode(be, bw, "llama2-7b", [0, 4096], lines)
+        lines[n_before:] = [ln.replace("| graph |", f"| graph{tag} |") for ln in lines[n_before:]]
     be.fuse_norm = True
-    bench_decode(be, bw, SMOLLM2_135M, [0], lines, n_tok=32, graphs=False, fused=True)
+    bench_decode(be, bw, "smollm2-135m", [0], lines, n_tok=32, graphs=False)
     print("\n".join(lines[n0:]), flush=True)
     n0 = len(lines)
     bench_matmul(be, lines)

@@ -39,3 +39,15 @@ def default_model(default_model_file):
     """The default model loaded once per test session on the fastest host backend."""
     import cyllm
     return cyllm.load(default_model_file, backend=HOST_BACKENDS[-1])
+
+
+def require_cuda():
+    """cupy, or a skip of the calling test module when cupy or a GPU is missing."""
+    cp = pytest.importorskip("cupy")
+    try:
+        n_gpu = cp.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no driver, or a driver too old
+        n_gpu = 0
+    if n_gpu < 1:
+        pytest.skip("no CUDA GPU visible", allow_module_level=True)
+    return cp

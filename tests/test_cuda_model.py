@@ -17,13 +17,9 @@ import pytest
 
 pytestmark = pytest.mark.cuda
 
-cp = pytest.importorskip("cupy")
-try:
-    _N_GPU = cp.cuda.runtime.getDeviceCount()
-except Exception:  # noqa: BLE001 - no driver
-    _N_GPU = 0
-if _N_GPU < 1:
-    pytest.skip("no CUDA GPU visible", allow_module_level=True)
+from conftest import require_cuda  # noqa: E402
+
+cp = require_cuda()
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 

@@ -12,13 +12,9 @@ import pytest
 
 pytestmark = pytest.mark.cuda
 
-cp = pytest.importorskip("cupy")
-try:
-    _N_GPU = cp.cuda.runtime.getDeviceCount()
-except Exception:  # noqa: BLE001 - no driver
-    _N_GPU = 0
-if _N_GPU < 1:
-    pytest.skip("no CUDA GPU visible", allow_module_level=True)
+from conftest import require_cuda  # noqa: E402
+
+cp = require_cuda()
 
 from cyllm.backends.cuda import CudaBackend  # noqa: E402
 from cyllm.backends.numpy_ref import NumpyBackend  # noqa: E402
@@ -538,98 +534,58 @@ def test_copy_bandwidth(be):
 
 
 # -- CUDA-graph decode --------------------------------------------------------------------------
-class TinyModel:
-    """One token's forward pass written against the op interface (as model.py does)."""
+# -- CUDA-graph decode, through cyllm's own Model (model.py) ---------------------------------
+def tiny_model(backend, context=70, fuse_qkv=True):
+    """cyllm's Model on the synthetic 'tiny' preset (4 heads / 2 KV heads of 16, vocab 256)."""
+    from cyllm.model import Model
+    from cyllm.synthetic import build_synthetic
+    config, weights = build_synthetic("tiny", seed=7)
+    if backend.name == "cuda":
+        backend.fuse_qkv = fuse_qkv
+    return Model.from_weights(config, weights, backend=backend, context=context)
 
-    def __init__(self, b, nh=6, nkv=2, hd=64, dim=200, ffn=333, vocab=301, layers=2, ctx=70, seed=7, fused=False):
-        rng = np.random.default_rng(seed)
-        r16 = lambda *s: (rng.standard_normal(s) * 0.2).astype(np.float16)  # noqa: E731
-        r32 = lambda *s: (1 + 0.1 * rng.standard_normal(s)).astype(np.float32)  # noqa: E731
-        self.b, self.nh, self.nkv, self.hd = b, nh, nkv, hd
-        self.emb = b.upload(r16(vocab, dim))
-        self.layers = []
-        for _ in range(layers):
-            self.layers.append(dict(
-                ln1=b.upload(r32(dim)), wq=b.upload(r16(nh * hd, dim)), wk=b.upload(r16(nkv * hd, dim)),
-                wv=b.upload(r16(nkv * hd, dim)), wo=b.upload(r16(dim, nh * hd)), ln2=b.upload(r32(dim)),
-                wg=b.upload(r16(ffn, dim)), wu=b.upload(r16(ffn, dim)), wd=b.upload(r16(dim, ffn)),
-                kc=b.empty((nkv, ctx, hd), np.float16), vc=b.empty((nkv, ctx, hd), np.float16)))
-        self.lnf = b.upload(r32(dim))
-        self.head = b.upload(r16(vocab, dim))
-        t = np.arange(ctx, dtype=np.float32)[:, None] / (10000.0 ** (np.arange(hd // 2) / (hd // 2)))
-        self.cos, self.sin = b.upload(np.cos(t).astype(np.float32)), b.upload(np.sin(t).astype(np.float32))
-        e = lambda n: b.empty((n,), np.float32)  # noqa: E731
-        self.x, self.xb, self.q, self.k, self.v = e(dim), e(dim), e(nh * hd), e(nkv * hd), e(nkv * hd)
-        self.att, self.h, self.logits = e(nh * hd), e(ffn), e(vocab)
-        self.fused = fused
-        if fused:   # one (q;k;v) matvec into one buffer, q/k/v its views, rope + store in one launch
-            for L in self.layers:
-                L["wqkv"] = cp.concatenate([L.pop("wq"), L.pop("wk"), L.pop("wv")])
-            self.qkv = cp.zeros((nh + 2 * nkv) * hd, cp.float32)
-            self.q, self.k, self.v = (self.qkv[:nh * hd], self.qkv[nh * hd:(nh + nkv) * hd],
-                                      self.qkv[(nh + nkv) * hd:])
 
-    def issue(self, token, pos):
-        b = self.b
-        b.embed(self.x, self.emb, token)
-        for L in self.layers:
-            b.rmsnorm(self.xb, self.x, L["ln1"], 1e-5)
-            if self.fused:
-                b.matvec(self.qkv, L["wqkv"], self.xb)
-                b.rope_store(self.q, self.k, self.v, self.cos, self.sin, L["kc"], L["vc"], pos)
-            else:
-                b.matvec(self.q, L["wq"], self.xb)
-                b.matvec(self.k, L["wk"], self.xb)
-                b.matvec(self.v, L["wv"], self.xb)
-                b.rope(self.q, self.k, self.cos, self.sin, pos)
-                b.cache_store(L["kc"], L["vc"], self.k, self.v, pos)
-            b.attention(self.att, self.q, L["kc"], L["vc"], pos)
-            b.matvec_add(self.x, L["wo"], self.att)
-            b.rmsnorm(self.xb, self.x, L["ln2"], 1e-5)
-            b.gate_up_silu(self.h, L["wg"], L["wu"], self.xb)
-            b.matvec_add(self.x, L["wd"], self.h)
-        b.rmsnorm(self.xb, self.x, self.lnf, 1e-5)
-        b.matvec(self.logits, self.head, self.xb)
+def eager_logits(m, token, pos):
+    """Issue the model's ops directly, bypassing decode_step's graph."""
+    m._issue_forward_ops(token, pos)
+    return m.backend.to_host(m.state.logits).copy()
 
 
 @pytest.mark.parametrize("graphs", [True, False])
 def test_decode_step_matches_eager(ref, graphs):
-    tokens = [5, 300, 0, 17, 17, 250, 42, 1, 99, 3]
-    eager_b, graph_b, ref_m = CudaBackend(), CudaBackend(), TinyModel(ref)
+    tokens = [5, 255, 0, 17, 17, 250, 42, 1, 99, 3]
+    graph_b = CudaBackend()
     graph_b.use_graphs = graphs
-    eager_m, graph_m = TinyModel(eager_b), TinyModel(graph_b)
+    eager_m, graph_m, ref_m = tiny_model(CudaBackend()), tiny_model(graph_b), tiny_model(ref)
     for pos, tok in enumerate(tokens):
-        eager_m.issue(tok, pos)
-        graph_b.decode_step(graph_m.issue, tok, pos)
-        ref_m.issue(tok, pos)
-        le, lg = host(eager_b, eager_m.logits), host(graph_b, graph_m.logits)
+        le = eager_logits(eager_m, tok, pos)
+        lg = graph_m.forward(tok, pos).copy()
+        lr = ref_m.forward(tok, pos)
         assert rel_err(lg, le) < 1e-6, f"pos {pos}"
-        assert rel_err(lg, ref_m.logits) < 1e-3, f"pos {pos}"
+        assert rel_err(lg, lr) < 1e-3, f"pos {pos}"
     assert (graph_b._graph is not None) == graphs
+    # the backend checks what it reads on the device, whatever the caller checked before
     with pytest.raises(InvalidArgumentError):
-        graph_b.decode_step(graph_m.issue, 301, len(tokens))
+        graph_b.decode_step(graph_m._issue_forward_ops, 256, len(tokens))
     with pytest.raises(InvalidArgumentError):
-        graph_b.decode_step(graph_m.issue, 1, 70)
+        graph_b.decode_step(graph_m._issue_forward_ops, 1, 70)
 
 
 def test_decode_step_jumps_positions():
     """A graph captured at one position replays right at any other (pos is read on the device)."""
-    b1, b2 = CudaBackend(), CudaBackend()
-    m1, m2 = TinyModel(b1, ctx=600, nh=4, nkv=4), TinyModel(b2, ctx=600, nh=4, nkv=4)
+    m1, m2 = tiny_model(CudaBackend(), context=600), tiny_model(CudaBackend(), context=600)
     for pos, tok in [(0, 1), (1, 2), (2, 3), (300, 4), (599, 5), (3, 6)]:
-        m1.issue(tok, pos)
-        b2.decode_step(m2.issue, tok, pos)
-        assert rel_err(host(b2, m2.logits), host(b1, m1.logits)) < 1e-6, f"pos {pos}"
+        le = eager_logits(m1, tok, pos)
+        assert rel_err(m2.forward(tok, pos), le) < 1e-6, f"pos {pos}"
 
 
 def test_decode_step_fused_views():
-    """Graph replay through views of one qkv buffer and the fused rope_store op."""
-    b1, b2 = CudaBackend(), CudaBackend()
-    m1, m2 = TinyModel(b1), TinyModel(b2, fused=True)
+    """Graph replay through views of one qkv buffer (fused q/k/v) matches separate q/k/v matvecs."""
+    m1, m2 = tiny_model(CudaBackend(), fuse_qkv=False), tiny_model(CudaBackend(), fuse_qkv=True)
+    assert m1.layers[0].wqkv is None and m2.layers[0].wqkv is not None
     for pos, tok in enumerate([3, 1, 4, 1, 5, 9, 2, 6]):
-        m1.issue(tok, pos)
-        b2.decode_step(m2.issue, tok, pos)
+        l1 = m1.forward(tok, pos).copy()
         # separate k/v matvecs read the normed vector, the fused one folds the norm: rounding differs
         # (and the f16 KV cache turns last-bit differences into f16 rounding flips)
-        assert rel_err(host(b2, m2.logits), host(b1, m1.logits)) < 1e-3, f"pos {pos}"
-    assert b2._graph is not None
+        assert rel_err(m2.forward(tok, pos), l1) < 1e-3, f"pos {pos}"
+    assert m2.backend._graph is not None

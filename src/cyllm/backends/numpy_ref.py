@@ -13,7 +13,9 @@ from .base import check_token
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    # exp(-x) overflows to inf for x < -88, and x / inf = -0 is the right limit
+    with np.errstate(over="ignore"):
+        return x / (1.0 + np.exp(-x))
 
 
 class NumpyBackend:
