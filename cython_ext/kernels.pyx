@@ -532,45 +532,35 @@ cdef class CpuKernels:
         with nogil:
             cyllm_rmsnorm(po, px, pw, n, <float>e)
 
-    def swiglu(self, out, gate, up):
-        """out (f,) f32 = silu(gate) * up."""
+    cdef int _elementwise(self, object out, object x, object y, str xname, str yname,
+                          str xlen, bint silu_x) except -1:
+        """out = silu(x) * y (silu_x) or x + y, all (n,) f32; out may alias x or y."""
         cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 1, True)
-        cdef cnp.ndarray ag = _arr(gate, "gate", cnp.NPY_FLOAT32, 1, False)
-        cdef cnp.ndarray au = _arr(up, "up", cnp.NPY_FLOAT32, 1, False)
-        cdef Py_ssize_t n = cnp.PyArray_DIM(ag, 0), i
-        _check_len(cnp.PyArray_DIM(au, 0), n, "up", "the length of gate")
-        _check_len(cnp.PyArray_DIM(ao, 0), n, "out", "the length of gate")
-        cdef float *po = <float *>cnp.PyArray_DATA(ao)
-        cdef const float *pg = <const float *>cnp.PyArray_DATA(ag)
-        cdef const float *pu = <const float *>cnp.PyArray_DATA(au)
-        cdef int nt = self.nthreads if n >= VECTOR_PARALLEL_MIN else 1
-        with nogil:
-            if nt == 1:
-                for i in range(n):
-                    po[i] = cyllm_silu(pg[i]) * pu[i]
-            else:
-                for i in prange(n, num_threads=nt, schedule="static"):
-                    po[i] = cyllm_silu(pg[i]) * pu[i]
-
-    def add(self, out, x, y):
-        """out = x + y, all (n,) f32 (out may alias x or y)."""
-        cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 1, True)
-        cdef cnp.ndarray ax = _arr(x, "x", cnp.NPY_FLOAT32, 1, False)
-        cdef cnp.ndarray ay = _arr(y, "y", cnp.NPY_FLOAT32, 1, False)
+        cdef cnp.ndarray ax = _arr(x, xname, cnp.NPY_FLOAT32, 1, False)
+        cdef cnp.ndarray ay = _arr(y, yname, cnp.NPY_FLOAT32, 1, False)
         cdef Py_ssize_t n = cnp.PyArray_DIM(ax, 0), i
-        _check_len(cnp.PyArray_DIM(ay, 0), n, "y", "the length of x")
-        _check_len(cnp.PyArray_DIM(ao, 0), n, "out", "the length of x")
+        _check_len(cnp.PyArray_DIM(ay, 0), n, yname, xlen)
+        _check_len(cnp.PyArray_DIM(ao, 0), n, "out", xlen)
         cdef float *po = <float *>cnp.PyArray_DATA(ao)
         cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
         cdef const float *py = <const float *>cnp.PyArray_DATA(ay)
         cdef int nt = self.nthreads if n >= VECTOR_PARALLEL_MIN else 1
         with nogil:
-            if nt == 1:
+            if nt == 1:     # no parallel region at all: its wake-up costs more than the work
                 for i in range(n):
-                    po[i] = px[i] + py[i]
+                    po[i] = cyllm_silu(px[i]) * py[i] if silu_x else px[i] + py[i]
             else:
                 for i in prange(n, num_threads=nt, schedule="static"):
-                    po[i] = px[i] + py[i]
+                    po[i] = cyllm_silu(px[i]) * py[i] if silu_x else px[i] + py[i]
+        return 0
+
+    def swiglu(self, out, gate, up):
+        """out (f,) f32 = silu(gate) * up."""
+        self._elementwise(out, gate, up, "gate", "up", "the length of gate", True)
+
+    def add(self, out, x, y):
+        """out = x + y, all (n,) f32 (out may alias x or y)."""
+        self._elementwise(out, x, y, "x", "y", "the length of x", False)
 
     # -- batched ops (prefill: row t of every (T, ...) array is one position) -------
     cdef int _gemm(self, object out, object w, object wu, object x, int mode) except -1:
