@@ -118,6 +118,19 @@ class Backend(Protocol):
         """
 
 
+class HostArrays:
+    """Memory ops of the backends whose arrays are plain host numpy arrays."""
+
+    def empty(self, shape, dtype=np.float32) -> np.ndarray:
+        return np.zeros(shape, dtype=dtype)   # calloc'd: pages cost nothing until touched
+
+    def to_host(self, a: np.ndarray) -> np.ndarray:
+        return a
+
+    def synchronize(self) -> None:
+        pass
+
+
 def check_token(token: int, vocab: int) -> None:
     """Shared guard: kernels index tables with this, so it must be in range."""
     if not 0 <= token < vocab:

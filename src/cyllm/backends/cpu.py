@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import BackendUnavailableError
 from ..threads import resolve_threads
+from .base import HostArrays
 
 try:
     from .._ext import kernels as _k
@@ -43,7 +44,7 @@ def _fused_default() -> bool:
     return os.environ.get("CYLLM_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-class CpuBackend(_k.CpuKernels):
+class CpuBackend(HostArrays, _k.CpuKernels):
     name = "cpu"
     fuse_qkv = False      # weights stay memory-mapped: no concatenated copy
 
@@ -141,15 +142,6 @@ class CpuBackend(_k.CpuKernels):
         if a.flags.c_contiguous and a.flags.aligned:
             return a
         return np.ascontiguousarray(a)
-
-    def empty(self, shape, dtype=np.float32) -> np.ndarray:
-        return np.zeros(shape, dtype=dtype)
-
-    def to_host(self, a: np.ndarray) -> np.ndarray:
-        return a
-
-    def synchronize(self) -> None:
-        pass
 
     def measure_read_bandwidth(self, threads: int | None = None, nbytes: int = 512 << 20,
                                reps: int = 5) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import check_token
+from .base import HostArrays, check_token
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -18,7 +18,7 @@ def silu(x: np.ndarray) -> np.ndarray:
         return x / (1.0 + np.exp(-x))
 
 
-class NumpyBackend:
+class NumpyBackend(HostArrays):
     name = "numpy"
     kernel_variant = "numpy"
     fuse_qkv = False
@@ -32,15 +32,6 @@ class NumpyBackend:
         if a.dtype == np.float16:
             return a.astype(np.float32)
         return np.array(a, copy=True)
-
-    def empty(self, shape, dtype=np.float32) -> np.ndarray:
-        return np.zeros(shape, dtype=dtype)
-
-    def to_host(self, a: np.ndarray) -> np.ndarray:
-        return a
-
-    def synchronize(self) -> None:
-        pass
 
     # -- ops ------------------------------------------------------------------
     def embed(self, out, table, token):
