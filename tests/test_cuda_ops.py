@@ -82,12 +82,12 @@ def test_matvec_add(be, ref, d, n):
 
 
 @pytest.mark.parametrize("d,n", MV_SHAPES)
-def test_gate_up_silu(be, ref, d, n):
+def test_gate_up(be, ref, d, n):
     wg, wu, x = f16(d, n, scale=0.1), f16(d, n, scale=0.1), f32(n)
     out = nan_dev(d)
-    be.gate_up_silu(out, be.upload(wg), be.upload(wu), be.upload(x))
+    be.gate_up(out, be.upload(wg), be.upload(wu), be.upload(x))
     want = np.zeros(d, np.float32)
-    ref.gate_up_silu(want, ref.upload(wg), ref.upload(wu), x)
+    ref.gate_up(want, ref.upload(wg), ref.upload(wu), x)
     assert rel_err(host(be, out), want) < 1e-5
 
 
@@ -109,9 +109,9 @@ def test_matvec_launch_shapes(ref, rows, warps, unroll):
         assert rel_err(host(b, out), r + w.astype(np.float64) @ x) < 1e-4
         wu = f16(d, n)
         out = nan_dev(d)
-        b.gate_up_silu(out, b.upload(w), b.upload(wu), b.upload(x))
+        b.gate_up(out, b.upload(w), b.upload(wu), b.upload(x))
         want = np.zeros(d, np.float32)
-        ref.gate_up_silu(want, ref.upload(w), ref.upload(wu), x)
+        ref.gate_up(want, ref.upload(w), ref.upload(wu), x)
         assert rel_err(host(b, out), want) < 1e-4
 
 
@@ -134,9 +134,9 @@ def test_matvec_large_shapes(ref, rule):
         assert rel_err(host(b, out), r + w.astype(np.float64) @ x) < 1e-5
         wu = f16(d, n, scale=0.1)
         out = nan_dev(d)
-        b.gate_up_silu(out, b.upload((w * 0.1).astype(np.float16)), b.upload(wu), xd)
+        b.gate_up(out, b.upload((w * 0.1).astype(np.float16)), b.upload(wu), xd)
         want = np.zeros(d, np.float32)
-        ref.gate_up_silu(want, ref.upload((w * 0.1).astype(np.float16)), ref.upload(wu), x)
+        ref.gate_up(want, ref.upload((w * 0.1).astype(np.float16)), ref.upload(wu), x)
         assert rel_err(host(b, out), want) < 1e-5
 
 
@@ -152,7 +152,7 @@ def test_matvec_misaligned_views(be):
 
 
 # -- rmsnorm folded into the next matvec ---------------------------------------------------
-@pytest.mark.parametrize("op", ["matvec", "matvec_add", "gate_up_silu"])
+@pytest.mark.parametrize("op", ["matvec", "matvec_add", "gate_up"])
 @pytest.mark.parametrize("d,n", [(37, 64), (300, 576), (1000, 4096), (64, 8)])
 def test_norm_folded_into_matvec(ref, op, d, n):
     """rmsnorm(xb, x, w) then op(out, W, xb): same result as the two ops apart, and xb is written."""
@@ -164,16 +164,16 @@ def test_norm_folded_into_matvec(ref, op, d, n):
     out = b.upload(r) if op == "matvec_add" else nan_dev(d)
     b.rmsnorm(xbd, xd, nwd, 1e-5)
     assert b._pending_norm is not None            # held back for the matvec
-    if op == "gate_up_silu":
-        b.gate_up_silu(out, b.upload(w1), b.upload(w2), xbd)
+    if op == "gate_up":
+        b.gate_up(out, b.upload(w1), b.upload(w2), xbd)
     else:
         getattr(b, op)(out, b.upload(w1), xbd)
     assert b._pending_norm is None
     xb = np.zeros(n, np.float32)
     ref.rmsnorm(xb, x, nw, 1e-5)
     want = r.copy() if op == "matvec_add" else np.zeros(d, np.float32)
-    if op == "gate_up_silu":
-        ref.gate_up_silu(want, ref.upload(w1), ref.upload(w2), xb)
+    if op == "gate_up":
+        ref.gate_up(want, ref.upload(w1), ref.upload(w2), xb)
     else:
         getattr(ref, op)(want, ref.upload(w1), xb)
     assert rel_err(host(b, out), want) < 1e-5
@@ -393,12 +393,12 @@ def test_matmul_add(be, ref, t, d, n):
 
 
 @pytest.mark.parametrize("t,f,n", [(1, 8, 8), (9, 100, 72), (200, 1536, 576)])
-def test_gate_up_silu_batch(be, ref, t, f, n):
+def test_gate_up_batch(be, ref, t, f, n):
     wg, wu, x = f16(f, n, scale=0.1), f16(f, n, scale=0.1), f32(t, n)
     out = cp.full((t, f), np.nan, dtype=cp.float32)
-    be.gate_up_silu_batch(out, be.upload(wg), be.upload(wu), be.upload(x))
+    be.gate_up_batch(out, be.upload(wg), be.upload(wu), be.upload(x))
     want = np.zeros((t, f), np.float32)
-    ref.gate_up_silu_batch(want, ref.upload(wg), ref.upload(wu), x)
+    ref.gate_up_batch(want, ref.upload(wg), ref.upload(wu), x)
     assert rel_err(host(be, out), want) < 1e-3
 
 

@@ -93,13 +93,13 @@ def test_matvec(variant, threads, d, n):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("threads", THREADS)
 @pytest.mark.parametrize("f,n", [(1, 1), (3, 7), (17, 33), (64, 1000), (129, 257)])
-def test_gate_up_silu(variant, threads, f, n):
+def test_gate_up(variant, threads, f, n):
     rng = rng_for("gate_up", f, n)
     wg, wu, x = f16_matrix(rng, f, n), f16_matrix(rng, f, n), f32_vec(rng, n)
     out = np.full(f, np.nan, np.float32)
-    backend(variant, threads).gate_up_silu(out, wg, wu, x)
+    backend(variant, threads).gate_up(out, wg, wu, x)
     want = np.zeros(f, np.float32)
-    REF.gate_up_silu(want, wg, wu, x)
+    REF.gate_up(want, wg, wu, x)
     # silu(g) * u: the errors of g and u scale with |Wg||x| and |Wu||x|
     g = wg.astype(np.float32) @ x
     u = wu.astype(np.float32) @ x
@@ -124,7 +124,7 @@ def test_matvec_bitwise_across_threads(variant, d, n):
         o2 = base.copy()
         b.matvec_add(o2, w, x)
         o3 = np.zeros(d, np.float32)
-        b.gate_up_silu(o3, w, wu, x)
+        b.gate_up(o3, w, wu, x)
         results.append((o1, o2, o3))
     want = np.zeros(d, np.float32)
     REF.matvec(want, w, x)
@@ -423,7 +423,7 @@ def _bad_calls():
     yield "matvec misaligned", lambda b: b.matvec(
         out, w, np.frombuffer(np.zeros(40, np.uint8).tobytes(), f32, 8, 1))
     yield "matvec_add shape", lambda b: b.matvec_add(out, w, np.zeros(9, f32))
-    yield "gate_up shapes", lambda b: b.gate_up_silu(out, w, np.zeros((4, 9), f16), x)
+    yield "gate_up shapes", lambda b: b.gate_up(out, w, np.zeros((4, 9), f16), x)
     yield "embed token high", lambda b: b.embed(np.zeros(8, f32), w, 4)
     yield "embed token negative", lambda b: b.embed(np.zeros(8, f32), w, -1)
     yield "embed token float", lambda b: b.embed(np.zeros(8, f32), w, 1.5)
@@ -497,13 +497,13 @@ def test_matmul_family(variant, T, d, n):
         o2 = base.copy()
         b.matmul_add(o2, w, x)
         o3 = np.full((T, d), np.nan, np.float32)
-        b.gate_up_silu_batch(o3, w, wu, x)
+        b.gate_up_batch(o3, w, wu, x)
         got[threads] = (o1, o2, o3)
     w1, w2, w3 = np.zeros((T, d), np.float32), base.copy(), np.zeros((T, d), np.float32)
     REF.matmul(w1, w, x)
     REF.matmul_add(w2, w, x)
     with np.errstate(over="ignore"):                     # the reference's exp(-g) may overflow: fine
-        REF.gate_up_silu_batch(w3, w, wu, x)
+        REF.gate_up_batch(w3, w, wu, x)
     o1, o2, o3 = got[1]
     assert_rows_close(o1, w1, x, w)
     assert_rows_close(o2, w2, x, w)
@@ -636,7 +636,7 @@ def test_batch_bad_arguments():
     with pytest.raises(InvalidArgumentError):
         b.matmul(np.zeros((3, 4), f32), w.astype(f32), x)
     with pytest.raises(InvalidArgumentError):
-        b.gate_up_silu_batch(np.zeros((3, 4), f32), w, np.zeros((5, 8), f16), x)
+        b.gate_up_batch(np.zeros((3, 4), f32), w, np.zeros((5, 8), f16), x)
     buf = np.zeros((3, 8), f32)
     with pytest.raises(InvalidArgumentError):
         b.matmul(buf[:, :4], w, buf)                           # not contiguous
