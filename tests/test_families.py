@@ -139,3 +139,24 @@ def test_every_family_has_material():
     covered = {FAMILY_KINDS[k][0] for k in FAMILY_KINDS}
     assert {f.name for f in FAMILIES} <= covered | {"llama"}, covered
     assert set(FAMILY_FEATURES) == set(FAMILY_KINDS)
+
+
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "  leading spaces and 12345 digits\n\nnew lines",
+         "Caf\u00e9 na\u00efve \u4f60\u597d \U0001f600", "def f(x):\n    return x ** 2  # it's"]
+
+
+@pytest.mark.parametrize("kind", sorted(GGUF_FAITHFUL))
+def test_gguf_tokenizer_and_template_match_the_hf_directory(family_material, kind):
+    """The tokenizer rebuilt from the GGUF metadata (its tokenizer.ggml.pre, SentencePiece
+    flags, special tokens) encodes like transformers' tokenizer of the HF directory, and the
+    chat template renders the same conversation."""
+    from transformers import AutoTokenizer
+    hf_tok = AutoTokenizer.from_pretrained(family_material.hf_dir(kind))
+    ours = cyllm.load(family_material.gguf(kind, "f32"), backend="numpy").tokenizer
+    for text in TEXTS:
+        assert ours.encode(text, add_special_tokens=False) == hf_tok.encode(text, add_special_tokens=False), text
+    messages = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi!"},
+                {"role": "user", "content": "Bye"}]
+    if hf_tok.chat_template:
+        want = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ours.apply_chat_template(messages, add_generation_prompt=True) == want
