@@ -160,3 +160,14 @@ def test_gguf_tokenizer_and_template_match_the_hf_directory(family_material, kin
     if hf_tok.chat_template:
         want = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert ours.apply_chat_template(messages, add_generation_prompt=True) == want
+
+
+@pytest.mark.parametrize("kind", ["llama32", "gemma3", "phi3_longrope", "smollm3"])
+def test_convert_gguf_back_to_a_directory_transformers_loads(family_material, reference, kind, tmp_path):
+    """`cyllm convert` writes the family's config.json and tensor names (Gemma's norms back to w,
+    Phi-3's fused tensors, llama3 rope parameters recovered from rope_freqs)."""
+    from cyllm.convert import convert_gguf_to_hf
+    out = convert_gguf_to_hf(family_material.gguf(kind, "f32"), tmp_path / "hf")
+    converted = load_reference(out)
+    ids = np.random.default_rng(1).integers(3, converted.config.vocab_size - 8, SEQ).tolist()
+    _assert_parity(_hf_logits(converted, ids), _hf_logits(reference(kind), ids))
