@@ -50,7 +50,7 @@ class NumpyBackend(HostArrays, Backend):
     # -- ops ------------------------------------------------------------------
     def embed(self, out, table, token, scale=1.0):
         check_token(token, table.shape[0])
-        out[:] = table[token] * np.float32(scale)
+        out[:] = table[token].astype(np.float32) * np.float32(scale)
 
     def rmsnorm(self, out, x, w, eps):
         ms = np.mean(x.astype(np.float32) ** 2, dtype=np.float32)
