@@ -253,6 +253,8 @@ def _make_qkx2(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: flo
         diff = scale[:, None] * L.astype(F32) + mn[:, None] - x
         best = _seqsum(w * (diff * diff))
         for step in range(nstep + 1):
+            # llama.cpp searches from the best min found so far (min moves inside the loop)
+            rng = np.where(flat, F32(1), mx - mn).astype(F32)
             isc = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / rng
             La = np.clip(_nearest(isc[:, None] * (x - mn[:, None])), 0, nmax)
             lf = La.astype(F32)
