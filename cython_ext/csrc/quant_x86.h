@@ -90,29 +90,26 @@ ALWAYS __m256 h2x4(const uint8_t *p0, const uint8_t *p1) {
     return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(h)), IDX01);
 }
 
-/* The prefetch address `dist` bytes past p in the stream that ends at `end` and
- * continues at nx (nx_bytes long); NULL when past both. */
-ALWAYS const char *pf_addr(const uint8_t *p, int64_t dist, const uint8_t *end,
-                           const void *nx, int64_t nx_bytes) {
-    const uint8_t *q = p + dist;
-    if (q < end) return (const char *)q;
-    int64_t off = q - end;
-    return (nx && off < nx_bytes) ? (const char *)nx + off : (const char *)0;
-}
-
+/* Software prefetch: one pointer per group of rows, `dist` bytes ahead of the group's
+ * first row in the stream that ends at `end` and continues at nx (the next op's
+ * weights); inside the rows the kernels prefetch at the same offsets from it, with no
+ * per-iteration checks. Past both streams it points at the rows themselves (a no-op). */
 typedef struct {
     const uint8_t *end;     /* end of this call's row stream */
-    const void *nx;         /* next op's weights */
+    const void *nx;         /* next op's weights, NULL: none */
     int64_t nx_bytes;
     int64_t dist;           /* bytes ahead (0: off) */
 } qx_pf;
 
-#define PREFETCH(p, pf) do {                                                        \
-        if ((pf)->dist) {                                                           \
-            const char *a_ = pf_addr((p), (pf)->dist, (pf)->end, (pf)->nx, (pf)->nx_bytes); \
-            if (a_) _mm_prefetch(a_, _MM_HINT_T0);                                  \
-        }                                                                           \
-    } while (0)
+ALWAYS const uint8_t *pf_base(const uint8_t *w0, const qx_pf *pf) {
+    if (pf->dist == 0) return w0;
+    const uint8_t *q = w0 + pf->dist;
+    if (q < pf->end) return q;
+    int64_t off = q - pf->end;
+    return (pf->nx && off < pf->nx_bytes) ? (const uint8_t *)pf->nx + off : w0;
+}
+
+#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 
 /* ---- activation quantization (same bytes as quantize_act_generic) ------------------- */
 
@@ -184,7 +181,7 @@ ALWAYS void q5_bits(uint32_t h0, uint32_t h1, __m256i *lo, __m256i *hi) {
 }
 
 ALWAYS void rows32(const int R, const int kind, float *o, const uint8_t *w0, int64_t rb,
-                   const cyllm_qact_view *a, int64_t nb, int add, const qx_pf *pf) {
+                   const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
     const int bb = kind == 0 ? QB_Q4_0 : kind == 1 ? QB_Q4_1 : kind == 2 ? QB_Q5_0 : QB_Q5_1;
     const int qs_off = kind == 0 ? 2 : kind == 1 ? 4 : kind == 2 ? 6 : 8;
     const int has_min = kind == 1 || kind == 3;
@@ -221,7 +218,7 @@ ALWAYS void rows32(const int R, const int kind, float *o, const uint8_t *w0, int
         for (int i = 0; i < R; i++) {
             const uint8_t *p0 = w0 + i * rb + b * bb;
             const uint8_t *p1 = two ? p0 + bb : p0;
-            PREFETCH(p0, pf);
+            PREFETCH(pfp + i * rb + b * bb);
             __m256i v = load2x128(p0 + qs_off, p1 + qs_off);
             __m256i lo = _mm256_and_si256(v, m15);
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
@@ -247,7 +244,7 @@ ALWAYS void rows32(const int R, const int kind, float *o, const uint8_t *w0, int
 }
 
 ALWAYS void k_q8_0(const int R, float *o, const uint8_t *w0, int64_t rb,
-                      const cyllm_qact_view *a, int64_t nb, int add, const qx_pf *pf) {
+                      const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
     __m256 acc[QX_R];
     _Pragma("GCC unroll 4")
     for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
@@ -257,7 +254,7 @@ ALWAYS void k_q8_0(const int R, float *o, const uint8_t *w0, int64_t rb,
         _Pragma("GCC unroll 4")
         for (int i = 0; i < R; i++) {
             const uint8_t *p = w0 + i * rb + b * QB_Q8_0;
-            PREFETCH(p, pf);
+            if ((b & 1) == 0) PREFETCH(pfp + i * rb + b * QB_Q8_0);
             const __m256i w = _mm256_loadu_si256((const __m256i *)(p + 2));
             /* |w| (unsigned, <= 128) x sign(x, w) (|.| <= 127): pairs <= 32512 */
             __m256i isum = DPBUSD(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
@@ -289,7 +286,7 @@ ALWAYS void k_scales16(const uint8_t *s, __m256i *sc16, __m128i *m16) {
 
 /* q4_k (five = 0) / q5_k (five = 1) */
 ALWAYS void rows_k45(const int R, const int five, float *o, const uint8_t *w0, int64_t rb,
-                     const cyllm_qact_view *a, int64_t nb, int add, const qx_pf *pf) {
+                     const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
     const int bb = five ? QB_Q5_K : QB_Q4_K;
     const int qs_off = five ? 48 : 16;
     const __m256i m15 = _mm256_set1_epi8(15), x10 = _mm256_set1_epi8(0x10);
@@ -308,9 +305,10 @@ ALWAYS void rows_k45(const int R, const int five, float *o, const uint8_t *w0, i
         _Pragma("GCC unroll 4")
         for (int i = 0; i < R; i++) {
             const uint8_t *p = w0 + i * rb + b * bb;
-            PREFETCH(p, pf);
-            PREFETCH(p + 64, pf);
-            PREFETCH(p + 128, pf);
+            const uint8_t *f = pfp + i * rb + b * bb;
+            PREFETCH(f);
+            PREFETCH(f + 64);
+            PREFETCH(f + 128);
             k_scales16(p + 4, &sc16[i], &m16[i]);
             isum[i] = _mm256_setzero_si256();
             if (five) qh[i] = _mm256_loadu_si256((const __m256i *)(p + 16));
@@ -352,7 +350,7 @@ ALWAYS void rows_k45(const int R, const int five, float *o, const uint8_t *w0, i
 }
 
 ALWAYS void k_q6_k(const int R, float *o, const uint8_t *w0, int64_t rb,
-                      const cyllm_qact_view *a, int64_t nb, int add, const qx_pf *pf) {
+                      const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
     const __m256i m15 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
     __m256 acc[QX_R];
     _Pragma("GCC unroll 4")
@@ -365,10 +363,11 @@ ALWAYS void k_q6_k(const int R, float *o, const uint8_t *w0, int64_t rb,
         _Pragma("GCC unroll 4")
         for (int i = 0; i < R; i++) {
             const uint8_t *p = w0 + i * rb + b * QB_Q6_K;
-            PREFETCH(p, pf);
-            PREFETCH(p + 64, pf);
-            PREFETCH(p + 128, pf);
-            PREFETCH(p + 192, pf);
+            const uint8_t *f = pfp + i * rb + b * QB_Q6_K;
+            PREFETCH(f);
+            PREFETCH(f + 64);
+            PREFETCH(f + 128);
+            PREFETCH(f + 192);
             sc16[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
             /* the -32 of every weight: 32 * sum_j sc_j * xsum_j */
             isum[i] = _mm256_sub_epi32(_mm256_setzero_si256(),
@@ -428,14 +427,16 @@ ALWAYS void k_q6_k(const int R, float *o, const uint8_t *w0, int64_t rb,
 
 #define QX_FORMAT(F, FMT, ACT, BLK, CALL)                                                    \
 ALWAYS void rows_##F(const int R, float *o, const uint8_t *w0, int64_t rb,                  \
-                     const cyllm_qact_view *a, int64_t nb, int add, const qx_pf *pf) {       \
+                     const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {       \
     CALL;                                                                                     \
 }                                                                                             \
 static void range_##F(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a,     \
                       int64_t n, int64_t r0, int64_t r1, int add, const qx_pf *pf) {         \
     int64_t r = r0;                                                                           \
-    for (; r + QX_R <= r1; r += QX_R) rows_##F(QX_R, o + (r - r0), w + r * rb, rb, a, n / BLK, add, pf); \
-    for (; r < r1; r++) rows_##F(1, o + (r - r0), w + r * rb, rb, a, n / BLK, add, pf);     \
+    for (; r + QX_R <= r1; r += QX_R)                                                        \
+        rows_##F(QX_R, o + (r - r0), w + r * rb, rb, a, n / BLK, add, pf_base(w + r * rb, pf)); \
+    for (; r < r1; r++)                                                                       \
+        rows_##F(1, o + (r - r0), w + r * rb, rb, a, n / BLK, add, pf_base(w + r * rb, pf)); \
 }                                                                                             \
 static void QF(matvec_##F)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n, \
                            int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {   \
@@ -476,14 +477,14 @@ static void QF(deq32_##F)(float *out, const uint8_t *row, int64_t n) {          
     cyllm_qdequant_row_f32_generic(FMT, out, row, n);                                         \
 }
 
-QX_FORMAT(q8_0, CYLLM_QF_Q8_0, CYLLM_QA_Q8_0, 32, k_q8_0(R, o, w0, rb, a, nb, add, pf))
-QX_FORMAT(q4_0, CYLLM_QF_Q4_0, CYLLM_QA_Q8_0, 32, rows32(R, 0, o, w0, rb, a, nb, add, pf))
-QX_FORMAT(q4_1, CYLLM_QF_Q4_1, CYLLM_QA_Q8_0, 32, rows32(R, 1, o, w0, rb, a, nb, add, pf))
-QX_FORMAT(q5_0, CYLLM_QF_Q5_0, CYLLM_QA_Q8_0, 32, rows32(R, 2, o, w0, rb, a, nb, add, pf))
-QX_FORMAT(q5_1, CYLLM_QF_Q5_1, CYLLM_QA_Q8_0, 32, rows32(R, 3, o, w0, rb, a, nb, add, pf))
-QX_FORMAT(q4_k, CYLLM_QF_Q4_K, CYLLM_QA_Q8_K, QK_K, rows_k45(R, 0, o, w0, rb, a, nb, add, pf))
-QX_FORMAT(q5_k, CYLLM_QF_Q5_K, CYLLM_QA_Q8_K, QK_K, rows_k45(R, 1, o, w0, rb, a, nb, add, pf))
-QX_FORMAT(q6_k, CYLLM_QF_Q6_K, CYLLM_QA_Q8_K, QK_K, k_q6_k(R, o, w0, rb, a, nb, add, pf))
+QX_FORMAT(q8_0, CYLLM_QF_Q8_0, CYLLM_QA_Q8_0, 32, k_q8_0(R, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q4_0, CYLLM_QF_Q4_0, CYLLM_QA_Q8_0, 32, rows32(R, 0, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q4_1, CYLLM_QF_Q4_1, CYLLM_QA_Q8_0, 32, rows32(R, 1, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q5_0, CYLLM_QF_Q5_0, CYLLM_QA_Q8_0, 32, rows32(R, 2, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q5_1, CYLLM_QF_Q5_1, CYLLM_QA_Q8_0, 32, rows32(R, 3, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q4_k, CYLLM_QF_Q4_K, CYLLM_QA_Q8_K, QK_K, rows_k45(R, 0, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q5_k, CYLLM_QF_Q5_K, CYLLM_QA_Q8_K, QK_K, rows_k45(R, 1, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q6_k, CYLLM_QF_Q6_K, CYLLM_QA_Q8_K, QK_K, k_q6_k(R, o, w0, rb, a, nb, add, pfp))
 
 #define QX_ENTRY(F) {QF(matvec_##F), QF(gate_up_##F), QF(gemm_##F), QF(deq16_##F), QF(deq32_##F)}
 
