@@ -37,8 +37,11 @@ int64_t cyllm_qact_bytes(int act, int64_t n) {
     return act == CYLLM_QA_Q8_0 ? n + 8 * nb : n + 4 * nb + 32 * nb;
 }
 
+/* 0.5 x (1 + tanh(u)) written as x * sigmoid(2u): the same function without the
+ * cancellation of 1 + tanh(u) for negative u (relative error stays ~1 ulp) */
 float cyllm_gelu_tanh(float x) {
-    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+    const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return x / (1.0f + expf(-2.0f * u));
 }
 
 /* ---- activation quantization ---------------------------------------------------- */
