@@ -23,9 +23,14 @@
 #include <immintrin.h>
 #include "quant_impl.h"
 
-#ifndef QX_R
-#define QX_R 2
-#endif
+/* rows per group, per family: measured on a Xeon (family 6 model 207) at 1 thread,
+ * L3-resident 5632x2048 and 2048x5632 (bench/bench_quant.py): the nibble 32-block
+ * formats gain most from sharing x (R 4 vs 1: q4_0 +30%), q6_k was fastest alone */
+#define QX_R 4              /* array bound: the largest R below */
+#define QX_R_Q8 2
+#define QX_R_32 4
+#define QX_R_K45 2
+#define QX_R_Q6 1
 
 #if QX_VNNI == 1
 #define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
@@ -425,7 +430,7 @@ ALWAYS void k_q6_k(const int R, float *o, const uint8_t *w0, int64_t rb,
 /* ---- per-format entry points ---------------------------------------------------------
  * ROWS_F(R, o, w0, rb, a, nb, add, pf) runs R rows; RANGE_F runs rows [r0, r1) in groups. */
 
-#define QX_FORMAT(F, FMT, ACT, BLK, CALL)                                                    \
+#define QX_FORMAT(F, FMT, ACT, BLK, RG, CALL)                                                    \
 ALWAYS void rows_##F(const int R, float *o, const uint8_t *w0, int64_t rb,                  \
                      const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {       \
     CALL;                                                                                     \
@@ -433,8 +438,8 @@ ALWAYS void rows_##F(const int R, float *o, const uint8_t *w0, int64_t rb,      
 static void range_##F(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a,     \
                       int64_t n, int64_t r0, int64_t r1, int add, const qx_pf *pf) {         \
     int64_t r = r0;                                                                           \
-    for (; r + QX_R <= r1; r += QX_R)                                                        \
-        rows_##F(QX_R, o + (r - r0), w + r * rb, rb, a, n / BLK, add, pf_base(w + r * rb, pf)); \
+    for (; r + RG <= r1; r += RG)                                                            \
+        rows_##F(RG, o + (r - r0), w + r * rb, rb, a, n / BLK, add, pf_base(w + r * rb, pf)); \
     for (; r < r1; r++)                                                                       \
         rows_##F(1, o + (r - r0), w + r * rb, rb, a, n / BLK, add, pf_base(w + r * rb, pf)); \
 }                                                                                             \
@@ -477,14 +482,14 @@ static void QF(deq32_##F)(float *out, const uint8_t *row, int64_t n) {          
     cyllm_qdequant_row_f32_generic(FMT, out, row, n);                                         \
 }
 
-QX_FORMAT(q8_0, CYLLM_QF_Q8_0, CYLLM_QA_Q8_0, 32, k_q8_0(R, o, w0, rb, a, nb, add, pfp))
-QX_FORMAT(q4_0, CYLLM_QF_Q4_0, CYLLM_QA_Q8_0, 32, rows32(R, 0, o, w0, rb, a, nb, add, pfp))
-QX_FORMAT(q4_1, CYLLM_QF_Q4_1, CYLLM_QA_Q8_0, 32, rows32(R, 1, o, w0, rb, a, nb, add, pfp))
-QX_FORMAT(q5_0, CYLLM_QF_Q5_0, CYLLM_QA_Q8_0, 32, rows32(R, 2, o, w0, rb, a, nb, add, pfp))
-QX_FORMAT(q5_1, CYLLM_QF_Q5_1, CYLLM_QA_Q8_0, 32, rows32(R, 3, o, w0, rb, a, nb, add, pfp))
-QX_FORMAT(q4_k, CYLLM_QF_Q4_K, CYLLM_QA_Q8_K, QK_K, rows_k45(R, 0, o, w0, rb, a, nb, add, pfp))
-QX_FORMAT(q5_k, CYLLM_QF_Q5_K, CYLLM_QA_Q8_K, QK_K, rows_k45(R, 1, o, w0, rb, a, nb, add, pfp))
-QX_FORMAT(q6_k, CYLLM_QF_Q6_K, CYLLM_QA_Q8_K, QK_K, k_q6_k(R, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q8_0, CYLLM_QF_Q8_0, CYLLM_QA_Q8_0, 32, QX_R_Q8, k_q8_0(R, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q4_0, CYLLM_QF_Q4_0, CYLLM_QA_Q8_0, 32, QX_R_32, rows32(R, 0, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q4_1, CYLLM_QF_Q4_1, CYLLM_QA_Q8_0, 32, QX_R_32, rows32(R, 1, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q5_0, CYLLM_QF_Q5_0, CYLLM_QA_Q8_0, 32, QX_R_32, rows32(R, 2, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q5_1, CYLLM_QF_Q5_1, CYLLM_QA_Q8_0, 32, QX_R_32, rows32(R, 3, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q4_k, CYLLM_QF_Q4_K, CYLLM_QA_Q8_K, QK_K, QX_R_K45, rows_k45(R, 0, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q5_k, CYLLM_QF_Q5_K, CYLLM_QA_Q8_K, QK_K, QX_R_K45, rows_k45(R, 1, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q6_k, CYLLM_QF_Q6_K, CYLLM_QA_Q8_K, QK_K, QX_R_Q6, k_q6_k(R, o, w0, rb, a, nb, add, pfp))
 
 #define QX_ENTRY(F) {QF(matvec_##F), QF(gate_up_##F), QF(gemm_##F), QF(deq16_##F), QF(deq32_##F)}
 
