@@ -1249,3 +1249,4 @@ cdef class DecodeProgram:
             raise InvalidArgumentError(f"threads must be in [1, 4096], got {nt}")
         with nogil:
             cyllm_program_run(self.kt, self.ops, self.n_ops, <int>nt, tok, p, self.scratch)
+include "quant.pxi"
