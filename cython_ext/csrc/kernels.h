@@ -13,6 +13,7 @@
 #define CYLLM_KERNELS_H
 
 #include <stdint.h>
+#include "act.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -92,7 +93,6 @@ int cyllm_avx512_compiled(void);       /* 1 when the AVX-512 GEMM was built in *
 const cyllm_kernels *cyllm_kernels_by_name(const char *name);
 
 /* Serial helpers shared by every variant (baseline ISA; small vectors). */
-enum { CYLLM_ACT_SILU = 0, CYLLM_ACT_GELU_TANH = 1 };
 float cyllm_silu(float x);
 /* the gate activation of a GLU: silu(x) or gelu with the tanh approximation */
 float cyllm_act(float x, int act);

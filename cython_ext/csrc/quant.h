@@ -27,6 +27,7 @@
 #define CYLLM_QUANT_H
 
 #include <stdint.h>
+#include "act.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -39,8 +40,6 @@ enum {
 };
 /* activation formats */
 enum { CYLLM_QA_Q8_0 = 0, CYLLM_QA_Q8_K = 1 };
-/* gate/up activation: out = act(Wg x) * (Wu x) */
-enum { CYLLM_ACT_SILU = 0, CYLLM_ACT_GELU_TANH = 1 };
 
 typedef struct cyllm_qformat_info {
     const char *name;       /* "q4_k" */
