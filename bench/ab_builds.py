@@ -64,7 +64,9 @@ def python_of(tree: str, python: str | None = None) -> tuple[str, dict]:
 def run(tree, python, args) -> dict:
     py, env = python_of(tree, python)
     out = subprocess.run([py, "-c", CHILD, args.model, str(args.p), str(args.n), str(args.threads)],
-                         capture_output=True, text=True, env=env, cwd=tree, check=True)
+                         capture_output=True, text=True, env=env, cwd=tree)
+    if out.returncode != 0:
+        sys.exit(f"build {tree} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
