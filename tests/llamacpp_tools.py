@@ -1,0 +1,275 @@
+"""llama.cpp's own HF -> GGUF converter as a test tool (not a test module).
+
+GGUF test files must follow llama.cpp's conventions (q/k row permutation, Gemma's
++1 on norm weights, fused Phi-3 tensors, rope_freqs / rope_factors tensors, the
+metadata keys), so they are written by llama.cpp's ``convert_hf_to_gguf.py``,
+never by cyllm: a file we wrote ourselves would only test our own reading.
+
+Where the converter comes from: the llama-cpp-python source distribution
+(``pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36``) vendors
+llama.cpp; from it we extract ``vendor/llama.cpp/convert_hf_to_gguf.py``, its
+``conversion/`` package and ``gguf-py/`` into a cache directory
+(``$CYLLM_TEST_CACHE``, default ``~/.cache/cyllm-tests``), once; later runs reuse
+it. Nothing of it enters the repository. The converter runs in a subprocess
+with ``PYTHONPATH`` pointing at that ``gguf-py``, so the ``gguf`` package it
+writes with is llama.cpp's of the same commit, not the installed one.
+
+The one intervention, and why: for byte-level BPE vocabularies the converter
+names the pre-tokenizer (``tokenizer.ggml.pre``) by hashing the token ids of a
+fixed test string and refuses any hash it does not know. Our tiny tokenizers
+are trained on a few sentences, so no hash can match, although each one uses
+its family's real split regex (tests/tinymodels.py: llama3, qwen2, gpt-4o).
+``_DRIVER`` below imports the converter, wraps only
+``TextModel.get_vocab_base_pre``: a recognised tokenizer still gets the
+converter's own answer; an unrecognised one gets the name passed as ``pre``
+(the family's llama.cpp pre-tokenizer name) instead of the exception. Tensor
+handling, metadata and every other vocabulary path (SentencePiece
+``tokenizer.model`` for Gemma and Phi-3, the Llama-2 style ``tokenizer.json``)
+are the converter's, untouched.
+
+Requirements of the converter itself: torch, numpy, transformers, pyyaml (all
+test dependencies already) and ``sentencepiece`` for SentencePiece vocabularies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+_SDIST = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+_VENDOR = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+# what the converter needs from the vendored llama.cpp tree
+_MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "LICENSE")
+
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+
+
+class LlamaCppUnavailable(RuntimeError):
+    """llama.cpp's source could not be obtained (no network, no pip)."""
+
+
+class ConversionError(RuntimeError):
+    """convert_hf_to_gguf.py failed; the message carries the tail of its output."""
+
+
+_FAILED: list[str] = []   # a failed download is not retried within one process
+
+
+def cache_dir() -> Path:
+    """Where downloaded test tools live: $CYLLM_TEST_CACHE or ~/.cache/cyllm-tests."""
+    return Path(os.environ.get("CYLLM_TEST_CACHE") or Path.home() / ".cache" / "cyllm-tests")
+
+
+def llamacpp_dir() -> Path:
+    """The extracted llama.cpp converter (convert_hf_to_gguf.py, conversion/, gguf-py/).
+
+    Downloads the llama-cpp-python sdist with pip the first time; reuses the
+    extraction afterwards. Raises LlamaCppUnavailable when pip cannot get it.
+    """
+    root = cache_dir()
+    dest = root / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}"
+    if (dest / "convert_hf_to_gguf.py").is_file():
+        return dest
+    root.mkdir(parents=True, exist_ok=True)
+    sdist = root / _SDIST
+    if not sdist.is_file():
+        if _FAILED:
+            raise LlamaCppUnavailable(_FAILED[0])
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--timeout", "60", "--retries", "2",
+               f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(root)]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            _FAILED.append(f"pip download of llama-cpp-python failed: {e}")
+            raise LlamaCppUnavailable(_FAILED[0]) from None
+        if r.returncode != 0 or not sdist.is_file():
+            tail = (r.stdout + r.stderr).strip().splitlines()[-3:]
+            _FAILED.append(f"pip download of llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} "
+                           f"failed: {' | '.join(tail)}")
+            raise LlamaCppUnavailable(_FAILED[0])
+    # extract into a temporary sibling, then rename: a concurrent or interrupted run
+    # never sees a half-written tree
+    tmp = Path(tempfile.mkdtemp(prefix=".llama.cpp-", dir=root))
+    try:
+        with tarfile.open(sdist, "r:gz") as tar:
+            for m in tar:
+                rel = m.name[len(_VENDOR):] if m.name.startswith(_VENDOR) else None
+                if not rel or not (m.isfile() and rel.startswith(_MEMBERS)) or ".." in rel.split("/"):
+                    continue
+                target = tmp / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with tar.extractfile(m) as src, open(target, "wb") as out:
+                    shutil.copyfileobj(src, out)
+        if not (tmp / "convert_hf_to_gguf.py").is_file():
+            raise LlamaCppUnavailable(f"{sdist} holds no {_VENDOR}convert_hf_to_gguf.py")
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not (dest / "convert_hf_to_gguf.py").is_file():   # lost a race: keep the winner's
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+# Runs in the subprocess: argv = [llama.cpp dir, JSON list of jobs]; a job is
+# [hf_dir, outfile, outtype, pre]. One process converts them all: importing torch,
+# transformers and the converter's ~90 modules costs more than converting a tiny model.
+_DRIVER = r"""
+import json, logging, runpy, sys
+src, jobs = sys.argv[1], json.loads(sys.argv[2])
+sys.path[:0] = [src, src + "/gguf-py"]
+import conversion.base as base
+
+_detect = base.TextModel.get_vocab_base_pre
+_pre = [None]
+
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return _detect(self, tokenizer)
+    except NotImplementedError:
+        if not _pre[0]:
+            raise
+        base.logger.info("tiny test tokenizer: tokenizer.ggml.pre = %r", _pre[0])
+        return _pre[0]
+
+base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+script = src + "/convert_hf_to_gguf.py"
+main = runpy.run_path(script, run_name="convert_hf_to_gguf")["main"]
+for hf_dir, outfile, outtype, pre in jobs:
+    _pre[0] = pre
+    sys.argv = [script, hf_dir, "--outfile", outfile, "--outtype", outtype]
+    print("cyllm-job:", hf_dir, outtype, flush=True)
+    main()
+"""
+
+
+def convert_many(jobs, timeout: float = 900) -> list[Path]:
+    """Run several conversions in one converter process; jobs: (hf_dir, out_path, outtype, pre).
+
+    See convert_hf_to_gguf for the arguments. Outputs appear only when complete
+    (written to ``<name>.part``, then renamed). Returns the output paths.
+    """
+    jobs = [(str(h), Path(o), t, p or "") for h, o, t, p in jobs]
+    for _, _, outtype, _ in jobs:
+        if outtype not in OUTTYPES:
+            raise ValueError(f"outtype must be one of {OUTTYPES}, not {outtype!r}")
+    if not jobs:
+        return []
+    src = llamacpp_dir()
+    parts = []
+    for hf_dir, out, outtype, pre in jobs:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        parts.append([hf_dir, str(out.with_name(out.name + ".part")), outtype, pre])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(src / "gguf-py")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    cmd = [sys.executable, "-c", _DRIVER, str(src), json.dumps(parts)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        ok = r.returncode == 0
+        log = r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        ok, log = False, f"timed out after {timeout} s\n{e.stdout or ''}{e.stderr or ''}"
+    done = []
+    for (hf_dir, out, outtype, _), (_, part, _, _) in zip(jobs, parts):
+        part = Path(part)
+        if ok and part.is_file():
+            os.replace(part, out)
+            done.append(out)
+        else:
+            part.unlink(missing_ok=True)
+    if not ok:
+        tail = "\n".join(log.strip().splitlines()[-20:])
+        raise ConversionError(f"convert_hf_to_gguf.py failed on one of "
+                              f"{[(j[0], j[2]) for j in jobs]}:\n{tail}")
+    return done
+
+
+def convert_hf_to_gguf(hf_dir, out_path, outtype: str = "f32", pre: str | None = None,
+                       timeout: float = 600) -> Path:
+    """Write the GGUF of HF directory ``hf_dir`` to ``out_path`` with llama.cpp's converter.
+
+    outtype: "f32" | "f16" | "bf16" | "q8_0" (the converter's --outtype; q8_0 keeps
+    1-D tensors in f32 and falls back to f16 for rows not a multiple of 32).
+    pre: the tokenizer.ggml.pre to write when the converter does not recognise a
+    byte-level BPE tokenizer (see the module docstring); ignored otherwise.
+    Raises ConversionError with the converter's last lines when it fails.
+    """
+    return convert_many([(hf_dir, out_path, outtype, pre)], timeout=timeout)[0]
+
+
+# --- session material: the family kinds as HF directories and GGUF files -----------------
+
+# kinds that get GGUF files (gemma3_qscale's GGUF would only lose its two features)
+GGUF_KINDS = ("llama32", "mistral_swa", "qwen2", "qwen3", "gemma3", "phi3", "phi3_longrope",
+              "smollm3")
+
+
+class FamilyMaterial:
+    """The family kinds of tests/tinymodels.py as HF directories and llama.cpp GGUFs, under root.
+
+    ``hf_dir(kind)`` builds the HF directory once (seed 0, float32).
+    ``gguf(kind, outtype)`` converts once; the first request for an outtype converts
+    every kind of ``GGUF_KINDS`` in one converter process (starting it costs ~7 s,
+    converting a tiny model well under one). Raises LlamaCppUnavailable when the
+    converter cannot be obtained.
+    """
+
+    def __init__(self, root):
+        self.root = Path(root)
+        self._hf: dict[str, Path] = {}
+        self._gguf: dict[tuple[str, str], Path] = {}
+
+    def hf_dir(self, kind: str) -> Path:
+        from tinymodels import make_tiny_model
+        if kind not in self._hf:
+            self._hf[kind] = make_tiny_model(self.root / "hf", kind, dtype="float32", seed=0)
+        return self._hf[kind]
+
+    def gguf(self, kind: str, outtype: str = "f32") -> Path:
+        from tinymodels import GGUF_PRE, KIND_TOKENIZER
+        if (kind, outtype) not in self._gguf:
+            kinds = [k for k in dict.fromkeys((kind,) + GGUF_KINDS) if (k, outtype) not in self._gguf]
+            jobs = [(self.hf_dir(k), self.root / "gguf" / f"{k}-{outtype}.gguf", outtype,
+                     GGUF_PRE[KIND_TOKENIZER[k]]) for k in kinds]
+            for k, path in zip(kinds, convert_many(jobs)):
+                self._gguf[(k, outtype)] = path
+        return self._gguf[(kind, outtype)]
+
+
+_MATERIAL: dict[str, FamilyMaterial] = {}
+
+
+try:
+    import pytest
+except ImportError:   # imported outside pytest: no fixtures
+    pytest = None
+
+if pytest is not None:
+    @pytest.fixture(scope="session")
+    def family_material(tmp_path_factory) -> FamilyMaterial:
+        """One FamilyMaterial per test session (shared by every module that imports this)."""
+        if "m" not in _MATERIAL:
+            _MATERIAL["m"] = FamilyMaterial(tmp_path_factory.mktemp("families"))
+        return _MATERIAL["m"]
+
+    @pytest.fixture(scope="session")
+    def family_gguf(family_material):
+        """``family_gguf(kind, outtype="f32") -> Path``; skips when llama.cpp's source cannot be had."""
+        def get(kind: str, outtype: str = "f32") -> Path:
+            try:
+                return family_material.gguf(kind, outtype)
+            except LlamaCppUnavailable as e:
+                pytest.skip(f"llama.cpp's converter is unavailable (no network to PyPI?): {e}")
+        return get
