@@ -220,14 +220,15 @@ class FamilyMaterial:
     """The family kinds of tests/tinymodels.py as HF directories and llama.cpp GGUFs, under root.
 
     ``hf_dir(kind)`` builds the HF directory once (seed 0, float32).
-    ``gguf(kind, outtype)`` converts once; the first request for an outtype converts
-    every kind of ``GGUF_KINDS`` in one converter process (starting it costs ~7 s,
-    converting a tiny model well under one). Raises LlamaCppUnavailable when the
-    converter cannot be obtained.
+    ``gguf(kind, outtype)`` converts once. The first request converts every kind of
+    ``GGUF_KINDS`` to every type of ``outtypes`` in one converter process: starting it
+    (torch, transformers, ~90 converter modules) costs ~7 s, one tiny conversion well
+    under a second. Raises LlamaCppUnavailable when the converter cannot be obtained.
     """
 
-    def __init__(self, root):
+    def __init__(self, root, outtypes=("f32", "f16", "q8_0")):
         self.root = Path(root)
+        self.outtypes = tuple(outtypes)
         self._hf: dict[str, Path] = {}
         self._gguf: dict[tuple[str, str], Path] = {}
 
@@ -240,11 +241,12 @@ class FamilyMaterial:
     def gguf(self, kind: str, outtype: str = "f32") -> Path:
         from tinymodels import GGUF_PRE, KIND_TOKENIZER
         if (kind, outtype) not in self._gguf:
-            kinds = [k for k in dict.fromkeys((kind,) + GGUF_KINDS) if (k, outtype) not in self._gguf]
-            jobs = [(self.hf_dir(k), self.root / "gguf" / f"{k}-{outtype}.gguf", outtype,
-                     GGUF_PRE[KIND_TOKENIZER[k]]) for k in kinds]
-            for k, path in zip(kinds, convert_many(jobs)):
-                self._gguf[(k, outtype)] = path
+            wanted = [(kind, outtype)] + [(k, o) for o in self.outtypes for k in GGUF_KINDS]
+            todo = [j for j in dict.fromkeys(wanted) if j not in self._gguf]
+            jobs = [(self.hf_dir(k), self.root / "gguf" / f"{k}-{o}.gguf", o,
+                     GGUF_PRE[KIND_TOKENIZER[k]]) for k, o in todo]
+            for key, path in zip(todo, convert_many(jobs)):
+                self._gguf[key] = path
         return self._gguf[(kind, outtype)]
 
 
