@@ -16,9 +16,12 @@ with transformers' own config and model classes, each with a tokenizer in its
 family's style (``KIND_TOKENIZER``): byte-level BPE with the family's split
 regex and special tokens appended at the end of the vocabulary (llama3, qwen2,
 gpt-4o), or a real SentencePiece ``tokenizer.model`` (trained with the
-``sentencepiece`` package) plus the equivalent ``tokenizer.json`` (gemma,
-llama-2 style for Phi-3). ``FAMILY_FEATURES`` says what each one exercises and
-``GGUF_FAITHFUL`` which ones survive llama.cpp's GGUF conventions unchanged.
+``sentencepiece`` package) plus the equivalent ``tokenizer.json`` (gemma;
+llama2 for Mistral and Phi-3). ``FAMILY_FEATURES`` says what each one exercises
+and ``GGUF_FAITHFUL`` which ones survive llama.cpp's GGUF conventions unchanged;
+tests/llamacpp_tools.py makes their GGUFs. The family kinds need transformers 5
+(``rope_parameters``, its tokenizer classes built from vocab + merges) and
+``sentencepiece``.
 """
 
 from __future__ import annotations
