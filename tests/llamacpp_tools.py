@@ -45,8 +45,13 @@ from pathlib import Path
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 _SDIST = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
 _VENDOR = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
-# what the converter needs from the vendored llama.cpp tree
-_MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "LICENSE")
+# what we take from the vendored llama.cpp tree: the converter, llama.cpp's tokenizer test
+# vectors of the families' vocabularies (a vocab-only GGUF + .inp texts + .out token ids) and
+# the real chat templates it tests with
+VOCABS = ("llama-bpe", "qwen2", "phi-3", "llama-spm", "gpt-2")
+_MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "LICENSE",
+            "models/templates/") + tuple(f"models/ggml-vocab-{v}.gguf" for v in VOCABS)
+_LAYOUT = "\n".join(_MEMBERS)   # a cache extracted with other members is extracted again
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 
@@ -68,14 +73,16 @@ def cache_dir() -> Path:
 
 
 def llamacpp_dir() -> Path:
-    """The extracted llama.cpp converter (convert_hf_to_gguf.py, conversion/, gguf-py/).
+    """The extracted part of llama.cpp (convert_hf_to_gguf.py, conversion/, gguf-py/,
+    models/templates/, models/ggml-vocab-*).
 
     Downloads the llama-cpp-python sdist with pip the first time; reuses the
     extraction afterwards. Raises LlamaCppUnavailable when pip cannot get it.
     """
     root = cache_dir()
     dest = root / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}"
-    if (dest / "convert_hf_to_gguf.py").is_file():
+    marker = dest / ".cyllm-extracted"
+    if marker.is_file() and marker.read_text() == _LAYOUT:
         return dest
     root.mkdir(parents=True, exist_ok=True)
     sdist = root / _SDIST
@@ -110,14 +117,45 @@ def llamacpp_dir() -> Path:
                     shutil.copyfileobj(src, out)
         if not (tmp / "convert_hf_to_gguf.py").is_file():
             raise LlamaCppUnavailable(f"{sdist} holds no {_VENDOR}convert_hf_to_gguf.py")
+        (tmp / ".cyllm-extracted").write_text(_LAYOUT)
+        if dest.exists() and not (marker.is_file() and marker.read_text() == _LAYOUT):
+            shutil.rmtree(dest, ignore_errors=True)   # an older layout
         try:
             os.replace(tmp, dest)
         except OSError:
-            if not (dest / "convert_hf_to_gguf.py").is_file():   # lost a race: keep the winner's
+            if not (marker.is_file() and marker.read_text() == _LAYOUT):   # lost a race: keep the winner's
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def llamacpp_vocab(name: str) -> tuple[Path, list[tuple[str, list[int]]]]:
+    """llama.cpp's tokenizer test vectors for vocabulary ``name`` (see VOCABS).
+
+    Returns the vocab-only GGUF (the real tokenizer of that family, written by
+    llama.cpp's converter) and the (text, token ids) pairs llama.cpp's own
+    tokenizer test expects (``models/ggml-vocab-NAME.gguf.inp`` / ``.out``; the ids
+    are without BOS).
+    """
+    if name not in VOCABS:
+        raise ValueError(f"vocab must be one of {VOCABS}, not {name!r}")
+    path = llamacpp_dir() / "models" / f"ggml-vocab-{name}.gguf"
+    # .inp: each text followed by "\n__ggml_vocab_test__\n"; .out: one line of ids per text
+    texts = path.with_name(path.name + ".inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    outs = path.with_name(path.name + ".out").read_text(encoding="utf-8").split("\n")
+    texts.pop()   # what follows the last marker: nothing
+    outs.pop()    # what follows the last newline: nothing
+    if len(texts) != len(outs):
+        raise RuntimeError(f"{path}: {len(texts)} test texts but {len(outs)} id lines")
+    return path, [(t, [int(x) for x in o.split()]) for t, o in zip(texts, outs)]
+
+
+def llamacpp_template(name: str) -> str:
+    """A real chat template from llama.cpp's tests (models/templates/NAME.jinja), e.g.
+    "meta-llama-Llama-3.2-3B-Instruct", "Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B",
+    "HuggingFaceTB-SmolLM3-3B", "microsoft-Phi-3.5-mini-instruct", "google-gemma-2-2b-it"."""
+    return (llamacpp_dir() / "models" / "templates" / f"{name}.jinja").read_text(encoding="utf-8")
 
 
 # Runs in the subprocess: argv = [llama.cpp dir, JSON list of jobs]; a job is

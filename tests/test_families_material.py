@@ -30,7 +30,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from llamacpp_tools import GGUF_KINDS, family_gguf, family_material  # noqa: E402,F401
+from llamacpp_tools import (GGUF_KINDS, VOCABS, LlamaCppUnavailable, family_gguf,  # noqa: E402,F401
+                            family_material, llamacpp_template, llamacpp_vocab)
 from tinymodels import (CORPUS, FAMILY_FEATURES, FAMILY_KINDS, GGUF_PRE, KIND_TOKENIZER,  # noqa: E402
                         KINDS)
 
@@ -506,3 +507,47 @@ def test_q8_0_gguf_stays_close(family_material, family_gguf, hf_logits):
     got = _logits(_load(path.parent, config=cfg, gguf_file=path.name), ids)
     assert 1e-3 < _rel(ref, got) < 0.1
     assert (got.argmax(1) == ref.argmax(1)).mean() > 0.8
+
+
+# ------------------------------------------------------------------ llama.cpp's tokenizer vectors
+
+# vocab -> (general.architecture, tokenizer.ggml.model, tokenizer.ggml.pre, tokens)
+_VOCABS = {"llama-bpe": ("llama", "gpt2", "llama-bpe", 128256), "qwen2": ("qwen2", "gpt2", "qwen2", 151936),
+           "phi-3": ("phi3", "llama", "default", 32064), "llama-spm": ("llama", "llama", "default", 32000),
+           "gpt-2": ("gpt2", "gpt2", "gpt-2", 50257)}
+
+
+def _llamacpp(fn, *args):
+    try:
+        return fn(*args)
+    except LlamaCppUnavailable as e:
+        pytest.skip(f"llama.cpp's source is unavailable (no network to PyPI?): {e}")
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_llamacpp_vocab_vectors(vocab):
+    """The real vocabularies and llama.cpp's expected token ids are there: material for the
+    GGUF tokenizer tests (texts with emoji, CJK, digits, apostrophes, runs of spaces and
+    newlines). The gguf package parses the two 32k SentencePiece ones here; the 50k-150k
+    BPE ones take it 10-50 s on this machine, so only their magic is checked."""
+    path, cases = _llamacpp(llamacpp_vocab, vocab)
+    arch, model, pre, n = _VOCABS[vocab]
+    assert path.read_bytes()[:4] == b"GGUF"
+    if n <= 32064:
+        r = _reader(path)
+        assert (_field(r, "general.architecture"), _field(r, "tokenizer.ggml.model"),
+                _field(r, "tokenizer.ggml.pre")) == (arch, model, pre)
+        assert len(r.fields["tokenizer.ggml.tokens"].data) == n
+    assert len(cases) >= 40
+    assert all(0 <= i < n for _, ids in cases for i in ids)
+    texts = [t for t, _ in cases]
+    assert "" in texts and any("\n" in t for t in texts) and any(ord(c) > 0x4E00 for t in texts for c in t)
+
+
+@pytest.mark.parametrize("name", ["meta-llama-Llama-3.2-3B-Instruct", "Qwen-Qwen2.5-7B-Instruct",
+                                  "Qwen-Qwen3-0.6B", "HuggingFaceTB-SmolLM3-3B",
+                                  "microsoft-Phi-3.5-mini-instruct", "google-gemma-2-2b-it",
+                                  "mistralai-Mistral-Nemo-Instruct-2407"])
+def test_llamacpp_real_chat_templates(name):
+    text = _llamacpp(llamacpp_template, name)
+    assert "{%" in text and "messages" in text
