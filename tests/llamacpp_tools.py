@@ -24,8 +24,14 @@ its family's real split regex (tests/tinymodels.py: llama3, qwen2, gpt-4o).
 converter's own answer; an unrecognised one gets the name passed as ``pre``
 (the family's llama.cpp pre-tokenizer name) instead of the exception. Tensor
 handling, metadata and every other vocabulary path (SentencePiece
-``tokenizer.model`` for Gemma and Phi-3, the Llama-2 style ``tokenizer.json``)
-are the converter's, untouched.
+``tokenizer.model`` for Gemma, Mistral and Phi-3) are the converter's, untouched.
+
+API: ``convert_hf_to_gguf(hf_dir, out_path, outtype, pre)`` and ``convert_many(jobs)``;
+``FamilyMaterial`` and the session fixtures ``family_material`` / ``family_gguf``
+(the family kinds of tests/tinymodels.py as HF dirs and GGUFs, built once per
+session); ``llamacpp_vocab(name)``: llama.cpp's tokenizer test vectors (a real
+vocab-only GGUF + texts + expected ids) and ``llamacpp_template(name)``: real chat
+templates, both from the same sdist.
 
 Requirements of the converter itself: torch, numpy, transformers, pyyaml (all
 test dependencies already) and ``sentencepiece`` for SentencePiece vocabularies.
