@@ -63,16 +63,16 @@ def parse_int_list(text, what: str, minimum: int = 0) -> list[int]:
                 a, b = int(m.group(1)), int(m.group(2))
                 if b < a:
                     raise ValueError
-                if b - a + 1 > MAX_LIST_VALUES:
-                    raise InvalidArgumentError(
-                        f"{what}: the range {a}-{b} has {b - a + 1} values; at most {MAX_LIST_VALUES}")
-                vals = range(a, b + 1)
             else:
-                vals = (int(item),)
+                a = b = int(item)
         except ValueError:
             shown = item if len(item) <= 40 else item[:40] + "..."
             raise InvalidArgumentError(
                 f"{what}: {shown!r} is not a whole number (expected a list like 1,2,4)") from None
+        if b - a + 1 > MAX_LIST_VALUES:
+            raise InvalidArgumentError(
+                f"{what}: the range {a}-{b} has {b - a + 1} values; at most {MAX_LIST_VALUES}")
+        vals = range(a, b + 1)
         for v in vals:
             if v < minimum:
                 raise InvalidArgumentError(f"{what}: expected numbers >= {minimum}, got {v}")

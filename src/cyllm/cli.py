@@ -96,7 +96,8 @@ class _Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         ns, extras = self.parse_known_args(args, namespace)
         if extras:
-            self.error(self._unrecognized(extras, self.commands.get(getattr(ns, "command", None))))
+            sub = self.commands.get(getattr(ns, "command", None))
+            (sub or self).error(self._unrecognized(extras, sub))
         return ns
 
     def _unrecognized(self, extras: list[str], sub) -> str:
@@ -354,9 +355,19 @@ def use_chat_template(model, spec: str | None) -> str | None:
     return None
 
 
-def _write(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
+class OutputError(CyllmError):
+    """Standard output cannot take the results (a full disk, a device error)."""
+
+
+def write_out(text: str) -> None:
+    """Results to stdout, at once (streaming); a failing stdout is one clear line, not a traceback."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise OutputError(f"cannot write to standard output: {e.strerror or e}") from None
 
 
 # -- commands ----------------------------------------------------------------------------
@@ -397,8 +408,8 @@ def cmd_generate(a) -> int:
         pieces = model.generate(prompt, max_tokens=a.max_tokens, stop=stop,
                                 add_special_tokens=add_special, **_sampling_kwargs(a))
     for piece in pieces:
-        _write(piece)
-    _write("\n")
+        write_out(piece)
+    write_out("\n")
     _print_stats(getattr(model, "last_stats", None), a.no_stats, shift_hint=not a.context_shift)
     return 0
 
@@ -580,6 +591,8 @@ def main(argv=None) -> int:
     try:
         return _run(argv)
     except CyllmError as e:
+        if isinstance(e, OutputError):
+            _silence_stdout()                     # the interpreter's last flush would fail again
         print(f"cyllm: error: {one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

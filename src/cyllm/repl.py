@@ -28,6 +28,11 @@ from pathlib import Path
 
 from .errors import CyllmError, InvalidArgumentError
 
+
+def write_out(text: str) -> None:
+    from .cli import write_out as w
+    w(text)
+
 HELP = """commands:
   /help             this list
   /clear, /reset    forget the conversation (the system prompt stays)
@@ -280,8 +285,7 @@ class ChatRepl:
         try:
             for piece in gen:
                 pieces.append(piece)
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+                write_out(piece)
         except KeyboardInterrupt:
             interrupted = True
             gen.close()
@@ -294,8 +298,7 @@ class ChatRepl:
                     self.chat.messages.append({"role": "assistant", "content": "".join(pieces)})
                 else:
                     self.chat.messages.pop()       # nothing said yet: as if never asked
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        write_out("\n")
         stats = self.chat.last_stats
         self.totals.add(stats)
         if interrupted:
