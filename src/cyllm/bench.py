@@ -52,7 +52,9 @@ def parse_int_list(text, what: str, minimum: int = 0) -> list[int]:
     elif isinstance(text, (int, np.integer)) and not isinstance(text, bool):
         items = [str(int(text))]
     elif isinstance(text, str):
-        items = [t.strip() for t in text.split(",", MAX_LIST_VALUES)]
+        if text.count(",") >= MAX_LIST_VALUES:
+            raise InvalidArgumentError(f"{what}: more than {MAX_LIST_VALUES} values")
+        items = [t.strip() for t in text.split(",")]
     else:
         raise InvalidArgumentError(f"{what}: expected a comma-separated list of numbers, got {text!r}")
     out: dict[int, None] = {}                      # ordered, O(1) duplicate check

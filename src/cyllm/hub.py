@@ -138,15 +138,21 @@ def _complete_checkpoint(snap: Path, files: list[str]) -> bool:
     return any(f.endswith(".safetensors") for f in files)
 
 
-def _from_cache(repo: str, quant: str | None) -> Path | None:
-    """The model's local path when the cache already holds it, else None (no network used)."""
+def _from_cache(repo: str, quant: str | None, strict: bool) -> Path | None:
+    """The model's local path when the cache already holds it, else None (no network used).
+
+    strict (offline): a cached repo that lacks what ``quant`` names is an error here,
+    since there is nowhere else to look.
+    """
     snap = _cached_snapshot(repo)
     if snap is None:
         return None
     files = _snapshot_files(snap)
     try:
         gguf = pick_gguf(repo, files, quant)
-    except ModelLoadError:
+    except ModelLoadError as e:
+        if strict:
+            raise ModelLoadError(f"{e} (in the cached copy; downloads are off: HF_HUB_OFFLINE=1)") from None
         return None
     if gguf is not None:
         return snap / gguf
@@ -206,7 +212,7 @@ def resolve_model(spec: str) -> Path:
     if parsed is None:
         raise ModelLoadError(f"model path not found: {spec}")
     repo, quant = parsed
-    cached = _from_cache(repo, quant)
+    cached = _from_cache(repo, quant, strict=offline())
     if cached is not None:
         return cached
     if offline():
