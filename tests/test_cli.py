@@ -306,3 +306,72 @@ def test_generate_context_shift_flag(capsys, tiny):
     assert code == 0 and "context window is full" in err and "--context-shift" in err
     code, _, err = run(capsys, *common, "--context-shift")
     assert code == 0 and "context full: dropped" in err
+
+
+# -- bench output, tune noise, perplexity progress -------------------------------------------------
+def test_bench_names_the_weight_format_and_file_size(capsys, default_model_file, monkeypatch):
+    import os
+    from cyllm import bench
+    monkeypatch.setattr(bench, "read_bandwidth", lambda backend, threads, nbytes=None: (1e-3, "test"))
+    code, out, _ = run(capsys, "bench", "-m", default_model_file, "-p", "8", "-n", "2", "-r", "1",
+                       "-t", "1", "--no-progress", "-o", "jsonl")
+    assert code == 0
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["test"] for r in rows] == ["pp8", "tg2"]
+    assert rows[0]["model_type"] == "llama 135M Q4_1"                 # as llama-bench names it
+    assert rows[0]["file_bytes"] == os.path.getsize(default_model_file)
+    # a probe that underestimates the bandwidth never yields a roofline above 100%
+    assert rows[1]["roofline_pct"] == 100.0 and rows[1]["roofline_pct_measured"] > 100.0
+    code, out, _ = run(capsys, "bench", "-m", default_model_file, "-p", "0", "-n", "2", "-r", "1",
+                       "-t", "1", "--no-progress")
+    row = [ln for ln in out.splitlines() if "tg2" in ln][0]
+    assert row.startswith("| llama 135M Q4_1 | 93.81 MiB |") and row.endswith("| 100.0%* |")
+    assert "* measured above the probed bandwidth" in out
+
+
+def test_bench_probe_is_sized_like_the_working_set(monkeypatch):
+    from cyllm import bench
+    seen = []
+
+    class FakeCpu:
+        name = "cpu"
+    monkeypatch.setattr(bench, "_BW_CACHE", {})
+    import cyllm.backends.cpu as cpu_mod
+    monkeypatch.setattr(cpu_mod, "measure_read_bandwidth", lambda n, nbytes: seen.append(nbytes) or 10.0)
+    bench.read_bandwidth(FakeCpu(), 1, 3 << 20)
+    bench.read_bandwidth(FakeCpu(), 1, 10 << 30)
+    bench.read_bandwidth(FakeCpu(), 1, 100)
+    assert seen == [3 << 20, bench.PROBE_MAX_BYTES, bench.PROBE_MIN_BYTES]
+
+
+def test_tune_does_not_save_noise(capsys, monkeypatch, tmp_path):
+    import itertools
+    from cyllm import bench, tuning
+    monkeypatch.setenv("CYLLM_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(bench, "read_bandwidth", lambda backend, threads, nbytes=None: (10.0, "test"))
+    durations = itertools.cycle([0.01, 0.02])                     # every run alternates: a 67% spread
+    monkeypatch.setattr(bench, "time_test", lambda model, test, n, rng: next(durations))
+    argv = ["tune", "--synthetic", "tiny", "--pp", "8", "--tg", "4", "-r", "3", "-t", "1", "--no-progress"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0
+    assert "repetitions disagree by up to" in err and "not saved" in err
+    assert not tuning.tuning_path().exists()
+    code, out, err = run(capsys, *argv, "--save-anyway")
+    assert code == 0 and "repetitions disagree" in err and tuning.tuning_path().exists()
+
+
+def test_perplexity_progress_only_on_a_terminal(tiny, tmp_path):
+    from ptyrun import PtyProcess, cyllm_argv
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 30)
+    args = ["perplexity", "-m", tiny, "--backend", BACKEND, "-f", text, "-c", "32"]
+    for extra, bar in (([], True), (["--no-progress"], False)):
+        p = PtyProcess(cyllm_argv(*args, *extra))
+        try:
+            assert p.wait(120) == 0, p.text()
+        finally:
+            p.close()
+        assert ("chunk/s" in p.text() or "chunk]" in p.text()) == bar, p.text()
+        assert "PPL = " in p.text()
+    r = __import__("subprocess").run(cyllm_argv(*args), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == "" and r.stdout.startswith("PPL = ")
