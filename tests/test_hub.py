@@ -151,3 +151,14 @@ def test_pick_gguf():
         pick_gguf("o/r", ["config.json"], "Q4_K_M")
     with pytest.raises(ModelLoadError, match="several GGUF files match"):
         pick_gguf("o/r", ["a-Q4_0.gguf", "b-Q4_0.gguf"], "Q4_0")
+
+
+def test_no_network_is_one_line_and_fast(hub):
+    env = {**hub["env"], "HF_ENDPOINT": "https://hub.example.invalid"}    # .invalid never resolves
+    env.pop("HF_HUB_OFFLINE")
+    t0 = __import__("time").monotonic()
+    r = subprocess.run([sys.executable, "-m", "cyllm", "generate", "-m", "org/elsewhere", "-p", "hi"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert __import__("time").monotonic() - t0 < 30
+    line = one_error_line(r)
+    assert "cannot reach hub.example.invalid" in line and "no network?" in line

@@ -721,7 +721,8 @@ def cmd_bench(a) -> int:
     tests = plan_tests(pp, tg, depths)
     check_thread_counts(threads)
     context = a.context or needed_context(tests)
-    src = load_source(a.model, a.synthetic, seed, backends, context)
+    from .cli import model_path          # a Hugging Face name works here too
+    src = load_source(model_path(a.model), a.synthetic, seed, backends, context)
     cfg = BenchConfig(backends=backends, threads=threads, tests=tests, repetitions=reps,
                       seed=seed, context=context, progress=not a.no_progress)
     results = run_bench(src, cfg)

@@ -159,6 +159,21 @@ def _from_cache(repo: str, quant: str | None, strict: bool) -> Path | None:
     return snap if _complete_checkpoint(snap, files) else None
 
 
+def _check_reachable() -> None:
+    """Fail at once when the hub's host name does not even resolve (no network): huggingface_hub
+    would retry for about 20 s before giving up."""
+    import socket
+    from urllib.parse import urlparse
+    host = urlparse(getattr(_hub().constants, "ENDPOINT", "https://huggingface.co")).hostname
+    if not host:
+        return
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as e:
+        raise ModelLoadError(f"cannot reach {host} ({e.strerror or e}): no network? "
+                             "(HF_HUB_OFFLINE=1 uses the cache only)") from None
+
+
 def _online_files(repo: str) -> list[str]:
     """The repo's file list from huggingface.co, its retry chatter kept off the terminal."""
     import logging
@@ -219,6 +234,7 @@ def resolve_model(spec: str) -> Path:
         raise ModelLoadError(f"{repo} is not in the Hugging Face cache ({cache_dir()}) and downloads "
                              "are off (HF_HUB_OFFLINE=1); run once online or pass a local path")
     hub = _hub()
+    _check_reachable()
     print(f"cyllm: looking up {repo} on Hugging Face ...", file=sys.stderr, flush=True)
     files = _online_files(repo)
     gguf = pick_gguf(repo, files, quant)
