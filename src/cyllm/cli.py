@@ -310,7 +310,6 @@ def model_path(spec: str | None):
     through its cache (downloading when needed); None for the default model."""
     if spec is None:
         return None
-    check_text_arg(spec, "the model path")
     local = os.path.expanduser(spec)
     try:
         os.stat(local)

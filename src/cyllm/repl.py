@@ -458,6 +458,10 @@ def run_chat(a) -> int:
                 text = text.replace("/", "", 1)
             try:
                 repl.say(text)
+            except KeyboardInterrupt:          # before the answer began (templating the turn)
+                if not interactive:
+                    raise
+                notice("stopped")
             except CyllmError as e:
                 if not interactive:
                     raise
