@@ -17,6 +17,7 @@ import re
 import sys
 
 from .errors import CyllmError, InvalidArgumentError, ModelLoadError
+from .oneline import one_line
 
 MAX_PROMPT_BYTES = 16 << 20      # far beyond any context window; bounds `-f /dev/zero`
 MAX_TEXT_BYTES = 64 << 20        # perplexity texts (wikitext-103's test set is 1.3 MB)
@@ -25,26 +26,6 @@ EXIT_INTERNAL = 3
 
 
 # -- one-line messages ---------------------------------------------------------------
-def one_line(text, limit: int = 2000) -> str:
-    """``text`` as one printable line: newlines, tabs and other control or format
-    characters (bidi overrides, line separators) are shown escaped."""
-    out = []
-    for ch in str(text):
-        if ch == "\n":
-            out.append("\\n")
-        elif ch == "\r":
-            out.append("\\r")
-        elif ch == "\t":
-            out.append(" ")
-        elif not ch.isprintable():
-            o = ord(ch)
-            out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}")
-        else:
-            out.append(ch)
-    s = "".join(out)
-    return s if len(s) <= limit else s[:limit] + "..."
-
-
 def warn(msg: str) -> None:
     print(f"cyllm: warning: {one_line(msg)}", file=sys.stderr)
 

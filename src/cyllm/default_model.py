@@ -104,7 +104,8 @@ def describe_default_model() -> str:
 
 
 def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    from .oneline import one_line
+    print(one_line(msg), file=sys.stderr, flush=True)
 
 
 def fetch_default_model(target: Path, damaged: bool = False) -> None:

@@ -51,7 +51,7 @@ ROLES = ("system", "user", "assistant")
 
 
 def notice(msg: str) -> None:
-    from .cli import one_line
+    from .oneline import one_line
     print(f"cyllm: {one_line(msg)}", file=sys.stderr, flush=True)
 
 

@@ -105,8 +105,9 @@ def _warn_damaged_once(reason: str) -> None:
     global _warned_damaged
     if not _warned_damaged:
         _warned_damaged = True
-        print(f"cyllm: warning: ignoring the tuning file {tuning_path()} ({reason}); "
-              "`cyllm tune` writes a new one", file=sys.stderr)
+        from .oneline import one_line
+        print(one_line(f"cyllm: warning: ignoring the tuning file {tuning_path()} ({reason}); "
+                       "`cyllm tune` writes a new one"), file=sys.stderr)
 
 
 def _entries_for_this_cpu() -> dict:
