@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cyllm import cli
+from cyllm.argparsing import llama_cpp_flag
 from cyllm.cli import build_parser, main
 from tinymodels import make_tiny_model, write_tokenizer, make_tokenizer
 
@@ -91,8 +92,8 @@ def test_hf_flag_points_to_model_names(capsys):
 
 
 def test_a_prompt_that_looks_like_a_flag_is_a_prompt():
-    assert cli._llama_cpp_flag(["generate", "-p", "-ngl"]) is None
-    assert cli._llama_cpp_flag(["generate", "--", "-ngl"]) is None
+    assert llama_cpp_flag(["generate", "-p", "-ngl"]) is None
+    assert llama_cpp_flag(["generate", "--", "-ngl"]) is None
 
 
 def test_a_bare_word_after_generate_says_to_use_p(capsys):

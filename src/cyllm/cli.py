@@ -11,112 +11,22 @@ forge extra lines.
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
-import re
 import sys
 
+from .argparsing import EXIT_USAGE, Parser, llama_cpp_flag, nonneg_int, pos_int
 from .errors import CyllmError, InvalidArgumentError, ModelLoadError
 from .oneline import one_line
+from .textinput import (check_text_arg, read_stdin_text, read_text_file, strip_one_newline,
+                        stdin_is_tty as _stdin_is_tty)
 
-MAX_PROMPT_BYTES = 16 << 20      # far beyond any context window; bounds `-f /dev/zero`
 MAX_TEXT_BYTES = 64 << 20        # perplexity texts (wikitext-103's test set is 1.3 MB)
-EXIT_USAGE = 2
 EXIT_INTERNAL = 3
 
 
 # -- one-line messages ---------------------------------------------------------------
 def warn(msg: str) -> None:
     print(f"cyllm: warning: {one_line(msg)}", file=sys.stderr)
-
-
-# -- the parser ----------------------------------------------------------------------
-# llama.cpp flags whose cyllm equivalent is not a plain alias: a one-line pointer instead
-_LLAMA_CPP_HINTS = {
-    "-ngl": "cyllm does not split a model between CPU and GPU layers: `--backend cuda` runs all "
-            "of it on the GPU (like llama.cpp's -ngl 99)",
-    "-hf": "name a Hugging Face model with -m: `-m org/repo` or `-m org/repo-GGUF:Q4_K_M`",
-    "-cnv": "for a conversation use `cyllm chat`",
-}
-for _alias, _key in (("--n-gpu-layers", "-ngl"), ("--gpu-layers", "-ngl"), ("--hf-repo", "-hf"),
-                     ("-hfr", "-hf"), ("--conversation", "-cnv")):
-    _LLAMA_CPP_HINTS[_alias] = _LLAMA_CPP_HINTS[_key]
-# options whose next word is a value, not a flag (so `-p -ngl` is a prompt)
-_TAKES_TEXT = {"-p", "--prompt", "-s", "--system", "-sys", "--system-prompt", "--stop", "-r",
-               "--reverse-prompt", "-f", "--file", "-m", "--model"}
-
-
-def _llama_cpp_flag(argv: list[str]) -> str | None:
-    prev = None
-    for tok in argv:
-        if tok == "--":
-            return None
-        if prev not in _TAKES_TEXT:
-            name = tok.split("=", 1)[0]
-            if name in _LLAMA_CPP_HINTS:
-                return f"{name} is a llama.cpp option; {_LLAMA_CPP_HINTS[name]}"
-            if re.fullmatch(r"-ngl\d+", tok):
-                return f"-ngl is a llama.cpp option; {_LLAMA_CPP_HINTS['-ngl']}"
-        prev = tok
-    return None
-
-
-def _suggest(word: str, candidates) -> str:
-    match = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f" (did you mean {match[0]}?)" if match else ""
-
-
-class _Parser(argparse.ArgumentParser):
-    """One-line errors with a suggestion for typos; no silent abbreviations."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-        self.commands: dict[str, argparse.ArgumentParser] = {}
-
-    def parse_args(self, args=None, namespace=None):
-        ns, extras = self.parse_known_args(args, namespace)
-        if extras:
-            sub = self.commands.get(getattr(ns, "command", None))
-            (sub or self).error(self._unrecognized(extras, sub))
-        return ns
-
-    def _unrecognized(self, extras: list[str], sub) -> str:
-        msg = f"unrecognized arguments: {' '.join(extras)}"
-        parser = sub or self
-        flag = next((x for x in extras if x.startswith("-") and len(x) > 1), None)
-        if flag is not None:
-            name = flag.split("=", 1)[0]
-            options = [o for act in parser._actions for o in act.option_strings if o.startswith("--")]
-            return msg + _suggest(name, options)
-        if sub is not None and sub.prog.endswith(" generate"):
-            return msg + " (pass the prompt with -p TEXT)"
-        return msg
-
-    def error(self, message):
-        m = re.match(r"argument (\S+): invalid choice: '(.*?)' \(choose from (.*)\)$", message)
-        if m:
-            choices = re.findall(r"'([^']*)'", m.group(3))
-            what = "command" if m.group(1) == "COMMAND" else f"choice for {m.group(1)}"
-            message = f"unknown {what} {m.group(2)!r}{_suggest(m.group(2), choices)}"
-        self.exit(EXIT_USAGE, f"cyllm: error: {one_line(message)} (see `{self.prog} --help`)\n")
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {one_line(text, 40)!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
-
-
-def _pos_int(text: str) -> int:
-    value = _nonneg_int(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("expected a number > 0, got 0")
-    return value
 
 
 def _add_model_args(p: argparse.ArgumentParser, threads_batch: bool = True, context_help: str | None = None) -> None:
@@ -129,7 +39,7 @@ def _add_model_args(p: argparse.ArgumentParser, threads_batch: bool = True, cont
     if threads_batch:
         p.add_argument("-tb", "--threads-batch", help="threads for prompt processing (default: as "
                        "--threads, or the tuned value)")
-    p.add_argument("-c", "--context", "--ctx-size", dest="context", type=_pos_int,
+    p.add_argument("-c", "--context", "--ctx-size", dest="context", type=pos_int,
                    help=context_help or "context window in tokens (default: the model's, at most 4096)")
 
 
@@ -140,11 +50,11 @@ def _add_bench_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_sampling_args(p: argparse.ArgumentParser, default_temp: float, default_n: int) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=_nonneg_int,
+    g.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=nonneg_int,
                    default=default_n, help=f"tokens to generate (default {default_n})")
     g.add_argument("--temp", "--temperature", dest="temperature", type=float, default=default_temp,
                    help=f"0 = greedy (default {default_temp})")
-    g.add_argument("--top-k", type=_nonneg_int, default=40, help="0 = off (default 40)")
+    g.add_argument("--top-k", type=nonneg_int, default=40, help="0 = off (default 40)")
     g.add_argument("--top-p", type=float, default=0.95, help="1 = off (default 0.95)")
     g.add_argument("--min-p", type=float, default=0.05, help="0 = off (default 0.05)")
     g.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off (default 1.0)")
@@ -160,9 +70,9 @@ def _sampling_kwargs(a) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="cyllm", description="Fast local LLM inference (Cython + OpenMP, optional CUDA).")
+    parser = Parser(prog="cyllm", description="Fast local LLM inference (Cython + OpenMP, optional CUDA).")
     parser.add_argument("--version", action="version", version=f"cyllm {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
 
     g = sub.add_parser("generate", help="continue a prompt")
     _add_model_args(g)
@@ -227,62 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _version() -> str:
     from . import __version__
     return __version__
-
-
-# -- text input ----------------------------------------------------------------------
-def decode_utf8(raw: bytes, what: str) -> str:
-    """Strict UTF-8 (a leading BOM dropped); one clear error naming the first bad byte."""
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise InvalidArgumentError(f"{what} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
-
-
-def check_text_arg(text: str | None, what: str) -> str | None:
-    """An argv string (bytes that were not UTF-8 arrive as lone surrogates): refuse them clearly."""
-    if text is None:
-        return None
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        decode_utf8(os.fsencode(text), what)        # raises, naming the byte
-    return text
-
-
-def read_text_file(path: str, what: str, limit: int = MAX_PROMPT_BYTES) -> str:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(limit + 1)
-    except OSError as e:
-        raise InvalidArgumentError(f"cannot read {what} {path}: {e.strerror or e}") from None
-    if len(raw) > limit:
-        raise InvalidArgumentError(f"{what} {path} is larger than {limit >> 20} MiB")
-    return decode_utf8(raw, f"{what} {path}")
-
-
-def read_stdin_text(limit: int = MAX_PROMPT_BYTES) -> str:
-    stdin = sys.stdin
-    if stdin is None:                 # started with stdin closed
-        return ""
-    buf = getattr(stdin, "buffer", None)
-    raw = buf.read(limit + 1) if buf is not None else stdin.read(limit + 1).encode("utf-8", "surrogateescape")
-    if len(raw) > limit:
-        raise InvalidArgumentError(f"the prompt on stdin is larger than {limit >> 20} MiB")
-    return decode_utf8(raw, "the prompt on stdin")
-
-
-def strip_one_newline(text: str) -> str:
-    """`echo` ends what it prints with one newline; it is not part of the prompt."""
-    if text.endswith("\r\n"):
-        return text[:-2]
-    return text[:-1] if text.endswith("\n") else text
-
-
-def _stdin_is_tty() -> bool:
-    try:
-        return sys.stdin is not None and sys.stdin.isatty()
-    except (ValueError, OSError):
-        return False
 
 
 # -- models ----------------------------------------------------------------------------
@@ -551,7 +405,7 @@ def _silence_stdout() -> None:
 def _run(argv) -> int:
     if argv is None:
         argv = sys.argv[1:]
-    hint = _llama_cpp_flag(list(argv))
+    hint = llama_cpp_flag(list(argv))
     if hint:
         print(f"cyllm: error: {one_line(hint)}", file=sys.stderr)
         return EXIT_USAGE

@@ -329,9 +329,9 @@ class ChatRepl:
         elif name == "load":
             self._load(arg)
         else:
-            from .cli import _suggest
+            from .argparsing import suggest
             known = ["/help", "/clear", "/reset", "/system", "/save", "/load", "/exit", "/quit"]
-            notice(f"unknown command /{name}{_suggest('/' + name, known)}; /help lists them "
+            notice(f"unknown command /{name}{suggest('/' + name, known)}; /help lists them "
                    "(//text sends a message that starts with /)")
         return True
 
