@@ -14,6 +14,13 @@ Compiler flags, and why:
   GEMM of the "avx512" variant), selected at run time like the AVX2 code.
   CYLLM_NO_AVX512=1 skips it.
 - CYLLM_NO_OPENMP=1 forces the serial build (to test that path).
+- The quantized kernels (csrc/quant_*.c, see csrc/quant.h) are separate objects, all
+  with -ffp-contract=off (no silent a*b+c -> fma: the dequantizers must give the NumPy
+  reference's bits on every target, aarch64 included; the kernels write their FMAs
+  explicitly): quant_generic.c at the baseline ISA; quant_avx2.c with the AVX2 flags;
+  quant_avxvnni.c with -mavxvnni and quant_avx512.c with -mavx512f/bw/vl/vnni, each
+  only when the compiler accepts the flags (probed), selected at run time by cpuid
+  (quant_dispatch.c). CYLLM_NO_AVX512=1 skips the avx512vnni object too.
 """
 
 import os
@@ -30,7 +37,14 @@ AVX2_SOURCE = os.path.join(CSRC, "kernels_avx2.c")
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 AVX512_SOURCE = os.path.join(CSRC, "kernels_avx512.c")
 AVX512_FLAGS = AVX2_FLAGS + ["-mavx512f"]
-HEADERS = [os.path.join(CSRC, h) for h in ("kernels.h", "fp16.h", "omp_shim.h", "gemm_pack.h")]
+HEADERS = [os.path.join(CSRC, h) for h in ("kernels.h", "act.h", "fp16.h", "omp_shim.h", "gemm_pack.h")]
+QUANT_HEADERS = [os.path.join(CSRC, h) for h in ("quant.h", "act.h", "quant_impl.h", "quant_x86.h", "fp16.h")]
+QUANT_GENERIC_SOURCE = os.path.join(CSRC, "quant_generic.c")
+QUANT_AVX2_SOURCE = os.path.join(CSRC, "quant_avx2.c")
+QUANT_AVXVNNI_SOURCE = os.path.join(CSRC, "quant_avxvnni.c")
+QUANT_AVX512_SOURCE = os.path.join(CSRC, "quant_avx512.c")
+AVXVNNI_FLAGS = AVX2_FLAGS + ["-mavxvnni"]
+AVX512VNNI_FLAGS = AVX2_FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 
 OPENMP_PROBE = r"""
 #include <omp.h>
@@ -61,6 +75,26 @@ int main(void) {
     __m512 a = _mm512_fmadd_ps(_mm512_loadu_ps(f), _mm512_set1_ps(2.0f), _mm512_set1_ps(1.0f));
     _mm512_storeu_ps(f, a);
     return f[3] == 12345.0f;
+}
+"""
+
+
+AVXVNNI_PROBE = r"""
+#include <immintrin.h>
+int main(void) {
+    __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2);
+    __m256i c = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
+    return _mm256_extract_epi32(c, 0) == 12345;
+}
+"""
+
+AVX512VNNI_PROBE = r"""
+#include <immintrin.h>
+int main(void) {
+    __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2);
+    __m256i c = _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+    __m512i z = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), _mm512_set1_epi8(1));
+    return _mm256_extract_epi32(c, 0) + _mm512_reduce_add_epi32(z) == 12345;
 }
 """
 
@@ -140,6 +174,28 @@ class BuildExt(build_ext):
                     extra_postargs=opt + AVX512_FLAGS, depends=HEADERS)
                 ext.extra_objects = list(ext.extra_objects or []) + objs
                 ext.define_macros = list(ext.define_macros or []) + [("CYLLM_HAVE_AVX512", "1")]
+        # quantized kernels: generic always; x86 variants when the compiler takes their flags
+        nocontract = [] if msvc else ["-ffp-contract=off"]
+        quant = [(QUANT_GENERIC_SOURCE, [], [])]
+        avxvnni = avx512vnni = False
+        if avx2:
+            quant.append((QUANT_AVX2_SOURCE, AVX2_FLAGS, [("CYLLM_HAVE_AVX2", "1")]))
+            avxvnni = self._probe(AVXVNNI_PROBE, AVXVNNI_FLAGS, [])
+            if avxvnni:
+                quant.append((QUANT_AVXVNNI_SOURCE, AVXVNNI_FLAGS, [("CYLLM_HAVE_AVXVNNI", "1")]))
+            avx512vnni = (os.environ.get("CYLLM_NO_AVX512", "") != "1"
+                          and self._probe(AVX512VNNI_PROBE, AVX512VNNI_FLAGS, []))
+            if avx512vnni:
+                quant.append((QUANT_AVX512_SOURCE, AVX512VNNI_FLAGS, [("CYLLM_HAVE_AVX512VNNI", "1")]))
+        for ext in self.extensions:
+            for src, flags, macros in quant:
+                objs = self.compiler.compile(
+                    [src], output_dir=self.build_temp, include_dirs=[CSRC], macros=macros,
+                    extra_postargs=opt + flags + nocontract, depends=QUANT_HEADERS)
+                ext.extra_objects = list(ext.extra_objects or []) + objs
+                ext.define_macros = list(ext.define_macros or []) + macros
+        print(f"cyllm: quantized kernels: generic{', avx2' if avx2 else ''}"
+              f"{', avxvnni' if avxvnni else ''}{', avx512vnni' if avx512vnni else ''}", file=sys.stderr)
         print(f"cyllm: building kernels with OpenMP={'yes' if openmp else 'NO'}, "
               f"AVX2 variant={'yes' if avx2 else 'no'}, AVX-512 variant={'yes' if avx512 else 'no'}",
               file=sys.stderr)
@@ -155,11 +211,14 @@ def extensions():
         sources=[os.path.join("cython_ext", "kernels.pyx"),
                  os.path.join(CSRC, "kernels_generic.c"),
                  os.path.join(CSRC, "dispatch.c"),
-                 os.path.join(CSRC, "program.c")],
+                 os.path.join(CSRC, "program.c"),
+                 os.path.join(CSRC, "quant_dispatch.c")],
         include_dirs=[numpy.get_include(), CSRC],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         # the AVX2 object is linked in by BuildExt: list it so edits relink
-        depends=HEADERS + [AVX2_SOURCE, AVX512_SOURCE],
+        depends=HEADERS + QUANT_HEADERS + [AVX2_SOURCE, AVX512_SOURCE, QUANT_GENERIC_SOURCE,
+                                           QUANT_AVX2_SOURCE, QUANT_AVXVNNI_SOURCE,
+                                           QUANT_AVX512_SOURCE, os.path.join("cython_ext", "quant.pxi")],
     )
     return cythonize([ext], language_level=3, quiet=True)
 

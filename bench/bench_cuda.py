@@ -5,7 +5,7 @@
 What it measures (each timed with CUDA events around a captured graph of many
 launches, median of repeats, so Python launch cost stays out):
   * device-to-device copy bandwidth (bytes read + written): the roofline;
-  * matvec / matvec_add / gate_up_silu at Llama-2-7B shapes, GB/s of weights read,
+  * matvec / matvec_add / gate_up at Llama-2-7B shapes, GB/s of weights read,
     for several launch shapes (rows per warp x warps per block); weights are
     rotated over copies totalling > 4x L2 so the numbers are DRAM, not cache;
   * decode attention over a 4096-position FP16 cache (MHA and GQA);
@@ -81,13 +81,13 @@ def bench_matvec(be, bw, l2_bytes, lines, quick):
     lines.append(head)
     lines.append("|" + "---|" * (len(variants) + 2))
     best = {}
-    for op in ("matvec", "matvec_add", "gate_up_silu", "norm+matvec", "norm+gate_up_silu"):
+    for op in ("matvec", "matvec_add", "gate_up", "norm+matvec", "norm+gate_up"):
         for d, n in shapes:
             if op != "matvec" and (d, n) in ((32000, 4096), (12288, 4096)):
                 continue
             if op.startswith("norm") and n == 11008:
                 continue
-            gate = op.endswith("gate_up_silu")
+            gate = op.endswith("gate_up")
             nmat = 2 if gate else 1
             size = d * n * 2 * nmat
             copies = max(2, math.ceil(4 * l2_bytes / size))
@@ -103,12 +103,12 @@ def bench_matvec(be, bw, l2_bytes, lines, quick):
                     fns = [lambda m=m: be.matvec(out, m[0], x) for m in ws] * 3
                 elif op == "matvec_add":
                     fns = [lambda m=m: be.matvec_add(out, m[0], x) for m in ws] * 3
-                elif op == "gate_up_silu":
-                    fns = [lambda m=m: be.gate_up_silu(out, m[0], m[1], x) for m in ws] * 3
+                elif op == "gate_up":
+                    fns = [lambda m=m: be.gate_up(out, m[0], m[1], x) for m in ws] * 3
                 elif op == "norm+matvec":
                     fns = [lambda m=m: (be.rmsnorm(xb, x, nw, 1e-5), be.matvec(out, m[0], xb)) for m in ws] * 3
                 else:
-                    fns = [lambda m=m: (be.rmsnorm(xb, x, nw, 1e-5), be.gate_up_silu(out, m[0], m[1], xb))
+                    fns = [lambda m=m: (be.rmsnorm(xb, x, nw, 1e-5), be.gate_up(out, m[0], m[1], xb))
                            for m in ws] * 3
                 if op.startswith("norm"):
                     cells = []

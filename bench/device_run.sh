@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: GPU facts, the cuda tests (ops + whole model), the kernel
+# One device call: GPU facts, the cuda tests (op table, ops, whole model), the kernel
 # microbenchmarks, then `cyllm bench --backend cuda` on synthetic models.
 # Usage on the device machine (from the repo root):
 #   bash bench/device_run.sh [tests] [micro] [bench]      (default: all three)
@@ -18,8 +18,8 @@ has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 } 2>&1 | tee "$OUT/env.log"
 
 if has tests; then
-  timeout ${TEST_TIMEOUT:-300} python3 -P -m pytest -q -p no:cacheprovider -rfE --tb=short --timeout 120 \
-      tests/test_cuda_ops.py tests/test_cuda_model.py 2>&1 | tee "$OUT/test.log" | tail -n 60
+  timeout ${TEST_TIMEOUT:-420} python3 -P -m pytest -q -p no:cacheprovider -rfE --tb=short --timeout 120 \
+      tests/test_backend_ops.py tests/test_cuda_ops.py tests/test_cuda_model.py 2>&1 | tee "$OUT/test.log" | tail -n 60
 fi
 if has micro; then
   timeout ${MICRO_TIMEOUT:-240} python3 -P bench/bench_cuda.py --out "$OUT/cuda_ops.md" ${MICRO_ARGS:-} 2>&1 \

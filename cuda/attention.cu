@@ -43,7 +43,7 @@ __device__ __forceinline__ bool attn_last_block(int* counter, int n_used)
 // written by other blocks, so read them from L2, never from a stale L1 line.
 __device__ __forceinline__ void attn_merge_heads(
     float* __restrict__ out, const float* o_part, const float* m_part, const float* l_part,
-    int h0, int nh, int hd, int n_split, int n_used, float* wsm)
+    int h0, int nh, int hd, int n_split, int s0, int n_used, float* wsm)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int t0 = 0; t0 < nh; t0 += ATT_WARPS) {
@@ -53,10 +53,10 @@ __device__ __forceinline__ void attn_merge_heads(
             const float* mp = m_part + (size_t)h * n_split;
             const float* lp = l_part + (size_t)h * n_split;
             float M = NEG_INF;
-            for (int s = lane; s < n_used; s += 32) M = fmaxf(M, __ldcg(mp + s));
+            for (int s = s0 + lane; s < n_used; s += 32) M = fmaxf(M, __ldcg(mp + s));
             M = warp_max(M);
             float L = 0.0f;
-            for (int s = lane; s < n_used; s += 32) {
+            for (int s = s0 + lane; s < n_used; s += 32) {
                 const float w = expf(__ldcg(mp + s) - M);
                 wsm[warp * n_split + s] = w;
                 L = fmaf(__ldcg(lp + s), w, L);
@@ -64,7 +64,7 @@ __device__ __forceinline__ void attn_merge_heads(
             L = warp_sum(L);
             const float inv = 1.0f / L;
             __syncwarp();
-            for (int s = lane; s < n_used; s += 32) wsm[warp * n_split + s] *= inv;
+            for (int s = s0 + lane; s < n_used; s += 32) wsm[warp * n_split + s] *= inv;
         }
         __syncthreads();
         for (int i = threadIdx.x; i < nt * hd; i += ATT_THREADS) {
@@ -74,7 +74,7 @@ __device__ __forceinline__ void attn_merge_heads(
             const float* w = wsm + gi * n_split;
             float acc = 0.0f;
 #pragma unroll 8
-            for (int s = 0; s < n_used; ++s) acc = fmaf(__ldcg(op + (size_t)s * hd), w[s], acc);
+            for (int s = s0; s < n_used; ++s) acc = fmaf(__ldcg(op + (size_t)s * hd), w[s], acc);
             out[(size_t)h * hd + e] = acc;
         }
         __syncthreads();
@@ -91,7 +91,7 @@ __device__ __forceinline__ void attn_split_body(
     float* __restrict__ out, int* __restrict__ counters, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part,
     const float* __restrict__ q, const f16_t* __restrict__ k_cache,
     const f16_t* __restrict__ v_cache, const int* __restrict__ step, int pos_host,
-    int max_ctx, int n_kv, int group, int hd, int chunk, int n_split, float scale)
+    int max_ctx, int n_kv, int group, int hd, int chunk, int n_split, float scale, int window)
 {
     extern __shared__ __align__(16) float smem[];
     // fewer loads in flight for wide head tiles keeps registers (and so resident blocks) in check
@@ -102,8 +102,11 @@ __device__ __forceinline__ void attn_split_body(
     int pos = step_value(step, 1, pos_host);      // the step buffer is written before the graph
     if (pos >= max_ctx) pos = max_ctx - 1;
     const int t0 = split * chunk;
-    if (t0 > pos || kvh >= n_kv) return;          // uniform over the block
+    // sliding window: positions start..pos; splits wholly before start take no part
+    const int start = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0;
+    if (t0 > pos || t0 + chunk <= start || kvh >= n_kv) return;          // uniform over the block
     const int n_valid = min(chunk, pos + 1 - t0);
+    const int t_first = max(0, start - t0);       // rows before it are masked out
     pdl_wait();                                   // q and cache row pos come from rope_store
 
     const int hd8 = hd >> 3;
@@ -133,8 +136,10 @@ __device__ __forceinline__ void attn_split_body(
             vpre[u] = t < n_valid ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
         }
     }
-    // one split in use (pos < chunk): this block writes the final output, no merge
+    // splits s0 .. n_used-1 take part; one alone writes the final output, no merge
     const int n_used = min(n_split, pos / chunk + 1);
+    const int s0 = start / chunk;
+    const bool single = n_used - s0 == 1;
 
     for (int g0 = 0; g0 < group; g0 += GT) {
         const int gt = min(GT, group - g0);
@@ -161,7 +166,7 @@ __device__ __forceinline__ void attn_split_body(
                     const float4* qv = reinterpret_cast<const float4*>(qs + gi * hd + e8 * 8);
                     float p = dot8(kv[u], qv[0], qv[1], 0.0f);
                     for (int off = hd8 >> 1; off > 0; off >>= 1) p += __shfl_xor_sync(FULL_MASK, p, off);
-                    if (e8 == 0 && t < n_valid) S[gi * chunk + t] = p;
+                    if (e8 == 0 && t < n_valid) S[gi * chunk + t] = t < t_first ? NEG_INF : p;
                 }
             }
         }
@@ -238,17 +243,17 @@ __device__ __forceinline__ void attn_split_body(
             for (int w = 0; w < ATT_WARPS; ++w) s += Wp[w * GT * hd + i];
             const int gi = i / hd;
             const int h = kvh * group + g0 + gi;
-            if (n_used == 1) out[(size_t)h * hd + (i - gi * hd)] = s / ml[GT + gi];
+            if (single) out[(size_t)h * hd + (i - gi * hd)] = s / ml[GT + gi];
             else o_part[((size_t)h * n_split + split) * hd + (i - gi * hd)] = s;
         }
-        if (n_used > 1 && threadIdx.x < gt) {
+        if (!single && threadIdx.x < gt) {
             const int h = kvh * group + g0 + threadIdx.x;
             m_part[(size_t)h * n_split + split] = ml[threadIdx.x];
             l_part[(size_t)h * n_split + split] = ml[GT + threadIdx.x];
         }
     }
-    if (n_used == 1 || !attn_last_block(counters + kvh, n_used)) return;
-    attn_merge_heads(out, o_part, m_part, l_part, kvh * group, group, hd, n_split, n_used,
+    if (single || !attn_last_block(counters + kvh, n_used - s0)) return;
+    attn_merge_heads(out, o_part, m_part, l_part, kvh * group, group, hd, n_split, s0, n_used,
                      ml + 2 * GT);
     if (threadIdx.x == 0) counters[kvh] = 0;
 }
@@ -258,10 +263,10 @@ __device__ __forceinline__ void attn_split_body(
         float* out, int* counters, float* o_part, float* m_part, float* l_part,              \
         const float* q, const f16_t* k_cache,                                                \
         const f16_t* v_cache, const int* step, int pos_host, int max_ctx, int n_kv,          \
-        int group, int hd, int chunk, int n_split, float scale) {                            \
+        int group, int hd, int chunk, int n_split, float scale, int window) {                \
         attn_split_body<GT, VE>(out, counters, o_part, m_part, l_part, q, k_cache, v_cache,  \
                                 step, pos_host,                                              \
-                                max_ctx, n_kv, group, hd, chunk, n_split, scale);            \
+                                max_ctx, n_kv, group, hd, chunk, n_split, scale, window);    \
     }
 // NAME_ve: V of a short chunk loaded together with K (fewer round trips, more registers)
 #define CYLLM_ATTN_SPLIT(NAME, GT) CYLLM_ATTN_SPLIT1(NAME, GT, false) CYLLM_ATTN_SPLIT1(NAME##_ve, GT, true)
@@ -276,7 +281,7 @@ CYLLM_ATTN_SPLIT(attn_split_g8, 8)
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_split_generic(
     float* out, int* counters, float* o_part, float* m_part, float* l_part, const float* q, const f16_t* k_cache,
     const f16_t* v_cache, const int* step, int pos_host, int max_ctx, int n_kv,
-    int group, int hd, int chunk, int n_split, float scale)
+    int group, int hd, int chunk, int n_split, float scale, int window)
 {
     extern __shared__ __align__(16) float smem_generic[];
     const int h = blockIdx.x;
@@ -285,8 +290,10 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_split_generic(
     if (pos >= max_ctx) pos = max_ctx - 1;
     const int t0 = split * chunk;
     const int kvh = h / group;
-    if (t0 > pos || kvh >= n_kv) return;
+    const int start = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0;
+    if (t0 > pos || t0 + chunk <= start || kvh >= n_kv) return;
     const int n_valid = min(chunk, pos + 1 - t0);
+    const int t_first = max(0, start - t0);       // rows before the window are masked out
     float* qs = smem_generic;
     float* S = qs + hd;
     float* red = S + chunk;
@@ -299,6 +306,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_split_generic(
     for (int t = threadIdx.x; t < n_valid; t += ATT_THREADS) {
         float s = 0.0f;
         for (int e = 0; e < hd; ++e) s = fmaf(qs[e], h2f(K[(size_t)t * hd + e]), s);
+        if (t < t_first) s = NEG_INF;
         S[t] = s;
         m = fmaxf(m, s);
     }
@@ -329,8 +337,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_split_generic(
         o_part[((size_t)h * n_split + split) * hd + e] = acc;
     }
     const int n_used = min(n_split, pos / chunk + 1);
-    if (!attn_last_block(counters + h, n_used)) return;
-    attn_merge_heads(out, o_part, m_part, l_part, h, 1, hd, n_split, n_used, red + ATT_WARPS);
+    const int s0 = start / chunk;
+    if (!attn_last_block(counters + h, n_used - s0)) return;
+    attn_merge_heads(out, o_part, m_part, l_part, h, 1, hd, n_split, s0, n_used, red + ATT_WARPS);
     if (threadIdx.x == 0) counters[h] = 0;
 }
 
@@ -383,7 +392,7 @@ template <int NC, int BQ, int BK, bool VEC>
 __device__ __forceinline__ void attn_batch_body(
     float* __restrict__ out, const float* __restrict__ q, const f16_t* __restrict__ k_cache,
     const f16_t* __restrict__ v_cache, int T, int pos0, int max_ctx, int group, int hd,
-    int q_stride, int out_stride, float scale)
+    int q_stride, int out_stride, float scale, int window)
 {
     constexpr int RPW = BQ / AB_WARPS;        // output rows per warp
     constexpr int SR = BQ / 16;               // score rows per thread
@@ -420,7 +429,9 @@ __device__ __forceinline__ void attn_batch_body(
     }
     const int tx = tid & 7, ty = tid >> 3;    // score layout: rows ty + 16 r, columns tx + 8 c
 
-    for (int kt = 0; kt <= kmax; kt += BK) {
+    // sliding window: no row of the tile reads below its first row's window
+    const int kfirst = window > 0 ? max(0, pos0 + q0 + 1 - window) : 0;
+    for (int kt = kfirst / BK * BK; kt <= kmax; kt += BK) {
         __syncthreads();                      // the previous tile's P V is done with KVs and Ps
         attn_batch_load_tile<VEC>(KVs, K, kt, kmax, BK, hd, hdp);
         __syncthreads();
@@ -467,7 +478,8 @@ __device__ __forceinline__ void attn_batch_body(
 #pragma unroll
             for (int c = 0; c < SC; ++c) {
                 const int row = ty + 16 * r, col = tx + 8 * c;
-                const bool ok = row < nq && kt + col <= pos0 + q0 + row;
+                const bool ok = row < nq && kt + col <= pos0 + q0 + row
+                                && (window <= 0 || kt + col > pos0 + q0 + row - window);
                 Ps[row * PS + col] = ok ? s[r][c] : NEG_INF;
             }
         __syncthreads();                      // every score written, K tile no longer read
@@ -527,15 +539,17 @@ __device__ __forceinline__ void attn_batch_body(
 #define CYLLM_ATTN_BATCH(NAME, NC, BQ, BK)                                                      \
     extern "C" __global__ void __launch_bounds__(AB_THREADS) NAME(                             \
         float* out, const float* q, const f16_t* k_cache, const f16_t* v_cache, int T,         \
-        int pos0, int max_ctx, int group, int hd, int q_stride, int out_stride, float scale) { \
+        int pos0, int max_ctx, int group, int hd, int q_stride, int out_stride, float scale,   \
+        int window) {                                                                          \
         attn_batch_body<NC, BQ, BK, false>(out, q, k_cache, v_cache, T, pos0, max_ctx, group,  \
-                                           hd, q_stride, out_stride, scale);                   \
+                                           hd, q_stride, out_stride, scale, window);           \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(AB_THREADS) NAME##_v4(                        \
         float* out, const float* q, const f16_t* k_cache, const f16_t* v_cache, int T,         \
-        int pos0, int max_ctx, int group, int hd, int q_stride, int out_stride, float scale) { \
+        int pos0, int max_ctx, int group, int hd, int q_stride, int out_stride, float scale,   \
+        int window) {                                                                          \
         attn_batch_body<NC, BQ, BK, true>(out, q, k_cache, v_cache, T, pos0, max_ctx, group,   \
-                                          hd, q_stride, out_stride, scale);                    \
+                                          hd, q_stride, out_stride, scale, window);            \
     }
 
 // NC = head_dim / 32 rounded up (columns per lane); tiles sized to stay under 48 KB of

@@ -88,6 +88,10 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+// GELU, tanh approximation (Gemma's gelu_pytorch_tanh)
+__device__ __forceinline__ float gelu_tanh_f(float x) {
+    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
 
 // Per-step values (token, position) either come from the host as kernel
 // arguments (eager ops) or from a small device buffer `step` = {token, pos}

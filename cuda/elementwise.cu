@@ -4,16 +4,17 @@
 // step values (token, pos) from device memory when a CUDA graph replays them.
 #include "common.cuh"
 
-// out (dim,) f32 = table[token] ; table (vocab, dim) f16
+// out (dim,) f32 = table[token] * scale ; table (vocab, dim) f16
 extern "C" __global__ void embed_f16(float* __restrict__ out, const f16_t* __restrict__ table,
-                                     const int* __restrict__ step, int token_host, int vocab, int dim)
+                                     const int* __restrict__ step, int token_host, int vocab, int dim,
+                                     float scale)
 {
     pdl_trigger();      // layer 0's qkv matvec may start loading its weights
     const int token = step_value(step, 0, token_host);
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= dim) return;
     // an out-of-range id was refused on the host; never index with it here
-    out[i] = (token >= 0 && token < vocab) ? h2f(table[(size_t)token * dim + i]) : 0.0f;
+    out[i] = (token >= 0 && token < vocab) ? h2f(table[(size_t)token * dim + i]) * scale : 0.0f;
 }
 
 // out = x * rsqrt(mean(x^2) + eps) * w, one block of RMS_THREADS threads
@@ -35,18 +36,19 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_f32(
     for (int i = threadIdx.x; i < n; i += RMS_THREADS) out[i] = x[i] * inv * w[i];
 }
 
-// Rotate-half RoPE in place on q (nq heads) and k (nk heads); cos/sin (n_pos, half).
+// Rotate-half RoPE in place on q (nq heads) and k (nk heads) of hd floats; cos/sin
+// (n_pos, half): the first 2*half floats of each head rotate (partial rotary when < hd).
 extern "C" __global__ void rope_f32(float* __restrict__ q, float* __restrict__ k,
                                     const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                     const int* __restrict__ step, int pos_host, int n_pos,
-                                    int nq, int nk, int half)
+                                    int nq, int nk, int half, int hd)
 {
     const int pos = step_value(step, 1, pos_host);
     if (pos < 0 || pos >= n_pos) return;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (nq + nk) * half) return;
     const int head = i / half, j = i - head * half;
-    float* v = head < nq ? q + (size_t)head * 2 * half : k + (size_t)(head - nq) * 2 * half;
+    float* v = head < nq ? q + (size_t)head * hd : k + (size_t)(head - nq) * hd;
     const float c = cos_t[(size_t)pos * half + j], s = sin_t[(size_t)pos * half + j];
     const float x1 = v[j], x2 = v[j + half];
     v[j] = x1 * c - x2 * s;
@@ -110,6 +112,13 @@ extern "C" __global__ void swiglu_f32(float* out, const float* gate, const float
     if (i < n) out[i] = silu_f(gate[i]) * up[i];
 }
 
+// out = gelu_tanh(gate) * up (Gemma's GLU; prefill's product pass)
+extern "C" __global__ void geglu_f32(float* out, const float* gate, const float* up, int n)
+{
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = gelu_tanh_f(gate[i]) * up[i];
+}
+
 // out may alias x or y: element-wise, each thread owns its index
 extern "C" __global__ void add_f32(float* out, const float* x, const float* y, int n)
 {
@@ -129,13 +138,13 @@ extern "C" __global__ void cast_f32_f16(f16_t* __restrict__ out, const float* __
 // out (T, dim) f32 = table[tokens[t]] ; tokens (T,) int32 on the device (checked on the host)
 extern "C" __global__ void embed_batch_f16(float* __restrict__ out, const f16_t* __restrict__ table,
                                            const int* __restrict__ tokens, int T, int vocab, int dim,
-                                           int out_stride)
+                                           int out_stride, float scale)
 {
     const int t = blockIdx.y;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= T || i >= dim) return;
     const int token = tokens[t];
-    out[(size_t)t * out_stride + i] = (token >= 0 && token < vocab) ? h2f(table[(size_t)token * dim + i]) : 0.0f;
+    out[(size_t)t * out_stride + i] = (token >= 0 && token < vocab) ? h2f(table[(size_t)token * dim + i]) * scale : 0.0f;
 }
 
 // rmsnorm of every row: one block per row (blockIdx.x = row)
@@ -170,7 +179,7 @@ extern "C" __global__ void add_rows_f32(float* out, const float* x, const float*
 extern "C" __global__ void rope_batch_f32(float* __restrict__ q, float* __restrict__ k,
                                           const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                           int pos0, int n_pos, int T, int nq, int nk, int half,
-                                          int q_stride, int k_stride)
+                                          int q_stride, int k_stride, int hd)
 {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const int per_row = (nq + nk) * half;
@@ -180,8 +189,8 @@ extern "C" __global__ void rope_batch_f32(float* __restrict__ q, float* __restri
     const int pos = pos0 + t;
     if (pos < 0 || pos >= n_pos) return;
     const int head = r / half, j = r - head * half;
-    float* v = head < nq ? q + (size_t)t * q_stride + (size_t)head * 2 * half
-                         : k + (size_t)t * k_stride + (size_t)(head - nq) * 2 * half;
+    float* v = head < nq ? q + (size_t)t * q_stride + (size_t)head * hd
+                         : k + (size_t)t * k_stride + (size_t)(head - nq) * hd;
     const float c = cos_t[(size_t)pos * half + j], s = sin_t[(size_t)pos * half + j];
     const float x1 = v[j], x2 = v[j + half];
     v[j] = x1 * c - x2 * s;

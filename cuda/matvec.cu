@@ -11,6 +11,7 @@
 //   MODE 0  out  = W x
 //   MODE 1  out += W x                      (matvec fused with the residual add)
 //   MODE 2  out  = silu(Wg x) * (Wu x)      (gate and up matvecs fused with SiLU)
+//   MODE 3  out  = gelu_tanh(Wg x) * (Wu x) (the same with Gemma's GELU)
 // Each variant also comes with U = 8 loads in flight (_u8) and with the preceding
 // rmsnorm folded in (_norm: every warp walks all of x anyway, so it sums x^2 and
 // scales x by the norm weight on the fly; the result is multiplied by
@@ -39,7 +40,7 @@ __device__ __forceinline__ void matvec_vec_body(
     const float4* __restrict__ x, int d, int n8,
     const float4* __restrict__ nw, float eps, float* __restrict__ xn)
 {
-    constexpr int NM = (MODE == 2) ? 2 : 1;
+    constexpr int NM = (MODE >= 2) ? 2 : 1;
     __shared__ float res[MV_MAX_ROWS];
     pdl_trigger();      // the next kernel may start loading its weights now
     const int lane = threadIdx.x & 31;
@@ -133,7 +134,8 @@ __device__ __forceinline__ void matvec_vec_body(
     if (lane == 0) {
 #pragma unroll
         for (int r = 0; r < R; ++r)
-            res[warp * R + r] = (MODE == 2) ? silu_f(acc[0][r]) * acc[NM - 1][r] : acc[0][r];
+            res[warp * R + r] = (MODE == 2) ? silu_f(acc[0][r]) * acc[NM - 1][r]
+                              : (MODE == 3) ? gelu_tanh_f(acc[0][r]) * acc[NM - 1][r] : acc[0][r];
     }
     __syncthreads();
     for (int t = threadIdx.x; t < rows_blk; t += blockDim.x) {
@@ -160,14 +162,15 @@ __device__ __forceinline__ void matvec_scalar_body(
     for (int i = lane; i < n; i += 32) {
         const float xv = x[i];
         s0 = fmaf(h2f(a[i]), xv, s0);
-        if (MODE == 2) s1 = fmaf(h2f(b[i]), xv, s1);
+        if (MODE >= 2) s1 = fmaf(h2f(b[i]), xv, s1);
     }
     s0 = warp_sum(s0);
-    if (MODE == 2) s1 = warp_sum(s1);
+    if (MODE >= 2) s1 = warp_sum(s1);
     if (lane == 0) {
         if (MODE == 0) out[row] = s0;
         else if (MODE == 1) out[row] += s0;
-        else out[row] = silu_f(s0) * s1;
+        else if (MODE == 2) out[row] = silu_f(s0) * s1;
+        else out[row] = gelu_tanh_f(s0) * s1;
     }
 }
 
@@ -206,6 +209,8 @@ CYLLM_MATVEC_VEC(matvec_add_r2, 2, 1)
 CYLLM_MATVEC_VEC(matvec_add_r4, 4, 1)
 CYLLM_MATVEC_VEC(gate_up_silu_r1, 1, 2)
 CYLLM_MATVEC_VEC(gate_up_silu_r2, 2, 2)
+CYLLM_MATVEC_VEC(gate_up_gelu_r1, 1, 3)
+CYLLM_MATVEC_VEC(gate_up_gelu_r2, 2, 3)
 
 #define CYLLM_MATVEC_SCALAR(NAME, MODE)                                                     \
     extern "C" __global__ void NAME(float* __restrict__ out, const f16_t* __restrict__ w0,  \
@@ -217,3 +222,4 @@ CYLLM_MATVEC_VEC(gate_up_silu_r2, 2, 2)
 CYLLM_MATVEC_SCALAR(matvec_scalar, 0)
 CYLLM_MATVEC_SCALAR(matvec_add_scalar, 1)
 CYLLM_MATVEC_SCALAR(gate_up_silu_scalar, 2)
+CYLLM_MATVEC_SCALAR(gate_up_gelu_scalar, 3)

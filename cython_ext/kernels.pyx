@@ -36,7 +36,7 @@ cdef extern from "csrc/kernels.h" nogil:
                             int64_t n, int64_t r0, int64_t r1, int add,
                             const void *nx, int64_t nx_bytes) noexcept nogil
         void (*gate_up_rows)(float *out, const uint16_t *wg, const uint16_t *wu,
-                             const float *x, int64_t n, int64_t r0, int64_t r1,
+                             const float *x, int64_t n, int64_t r0, int64_t r1, int act,
                              const void *nx, int64_t nx_bytes) noexcept nogil
         void (*attention_group)(float *out, const float *q, const uint16_t *k,
                                 const uint16_t *v, int64_t t_len, int64_t hd,
@@ -64,7 +64,7 @@ cdef extern from "csrc/kernels.h" nogil:
         const void *e
         uint16_t *kc
         uint16_t *vc
-        int64_t d, n, n_heads, n_kv, hd, max_ctx, half, fixed
+        int64_t d, n, n_heads, n_kv, hd, max_ctx, half, fixed, window
         int next_w
         float eps, scale
 
@@ -79,17 +79,71 @@ cdef extern from "csrc/kernels.h" nogil:
     int cyllm_pf_groups
     int cyllm_pf_next
     void cyllm_rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps) noexcept
-    void cyllm_rope_rows(float *v, int64_t heads, int64_t half, const float *c,
+    void cyllm_rope_rows(float *v, int64_t heads, int64_t hd, int64_t half, const float *c,
                          const float *s) noexcept
     void cyllm_program_run(const cyllm_kernels *kt, const cyllm_op *ops, int n_ops, int nt,
                            int64_t token, int64_t pos, float *scratch) noexcept
     int64_t cyllm_attention_scratch(int64_t n_heads, int64_t hd, int64_t t_len) noexcept
     void cyllm_attention_run(const cyllm_kernels *kt, float *out, const float *q,
                              const uint16_t *kc, const uint16_t *vc, int64_t n_heads,
-                             int64_t n_kv, int64_t hd, int64_t max_ctx, int64_t pos,
-                             float *scratch, int nt) noexcept
+                             int64_t n_kv, int64_t hd, int64_t max_ctx, int64_t start,
+                             int64_t pos, float scale, float *scratch, int nt) noexcept
     const cyllm_kernels *cyllm_kernels_by_name(const char *name) noexcept
     float cyllm_silu(float x) noexcept
+    int CYLLM_ACT_SILU, CYLLM_ACT_GELU_TANH
+
+
+# the GLU gate activations by name (the op interface's `act` argument)
+ACTIVATIONS = {"silu": CYLLM_ACT_SILU, "gelu_tanh": CYLLM_ACT_GELU_TANH}
+
+
+cdef inline int _act(object act) except -1:
+    try:
+        return ACTIVATIONS[act]
+    except (KeyError, TypeError):
+        raise InvalidArgumentError(f"act must be one of {', '.join(ACTIVATIONS)}, got {act!r}") from None
+
+
+cdef inline float _scale(object scale, Py_ssize_t hd) except? -1:
+    """An attention score scale: None -> 1/sqrt(head_dim); else a finite number > 0."""
+    cdef double s
+    if scale is None:
+        return <float>(1.0 / sqrt(<double>hd))
+    try:
+        s = float(scale)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"scale must be a number, got {scale!r}") from None
+    if not (s > 0 and s < 1e30):
+        raise InvalidArgumentError(f"scale must be a finite number > 0, got {scale!r}")
+    return <float>s
+
+
+cdef inline float _factor(object scale) except? -1:
+    cdef double s
+    try:
+        s = float(scale)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"scale must be a number, got {scale!r}") from None
+    if not (s > 0 and s < 1e30):
+        raise InvalidArgumentError(f"scale must be a finite number > 0, got {scale!r}")
+    return <float>s
+
+
+cdef inline Py_ssize_t _rope_hd(object head_dim, Py_ssize_t half) except -1:
+    """The head stride of a rope op: head_dim, or 2*half when None; rotated dims fit in it."""
+    if head_dim is None:
+        return 2 * half
+    cdef Py_ssize_t hd = _index(head_dim, "head_dim")
+    if hd < 2 * half:
+        raise InvalidArgumentError(f"head_dim {hd} is smaller than the {2 * half} rotated dims of the tables")
+    return hd
+
+
+cdef inline Py_ssize_t _window(object window) except -1:
+    cdef Py_ssize_t w = _index(window, "window")
+    if w < 0:
+        raise InvalidArgumentError(f"window must be >= 0 (0: no window), got {w}")
+    return w
 
 
 def _set_prefetch(int groups, int across_ops=1):
@@ -342,11 +396,11 @@ cdef class CpuKernels:
     cdef void _rows(self, float *po, const uint16_t *pw, const uint16_t *pu, const float *px,
                     Py_ssize_t d, Py_ssize_t n, int mode) noexcept:
         """Split rows over threads in contiguous chunks of whole 4-row groups.
-        mode 0/1: matvec / matvec_add on pw; mode 2: gate_up on (pw, pu)."""
+        mode 0/1: matvec / matvec_add on pw; mode 2 + act: gate_up on (pw, pu)."""
         cdef const cyllm_kernels *kt = self.kt
         cdef Py_ssize_t groups = (d + 3) // 4, t, r0, r1
         cdef int nt = self.nthreads
-        if d * n * (2 if mode == 2 else 1) < MATVEC_PARALLEL_MIN:
+        if d * n * (2 if mode >= 2 else 1) < MATVEC_PARALLEL_MIN:
             nt = 1
         if nt > d // ROWS_PER_THREAD_MIN:
             nt = <int>(d // ROWS_PER_THREAD_MIN)
@@ -354,8 +408,8 @@ cdef class CpuKernels:
             nt = 1
         with nogil:
             if nt == 1:
-                if mode == 2:
-                    kt.gate_up_rows(po, pw, pu, px, n, 0, d, NULL, 0)
+                if mode >= 2:
+                    kt.gate_up_rows(po, pw, pu, px, n, 0, d, mode - 2, NULL, 0)
                 else:
                     kt.matvec_rows(po, pw, px, n, 0, d, mode, NULL, 0)
             else:
@@ -364,8 +418,8 @@ cdef class CpuKernels:
                     r1 = (groups * (t + 1) // nt) * 4
                     if r1 > d:
                         r1 = d
-                    if mode == 2:
-                        kt.gate_up_rows(po, pw, pu, px, n, r0, r1, NULL, 0)
+                    if mode >= 2:
+                        kt.gate_up_rows(po, pw, pu, px, n, r0, r1, mode - 2, NULL, 0)
                     else:
                         kt.matvec_rows(po, pw, px, n, r0, r1, mode, NULL, 0)
 
@@ -377,8 +431,9 @@ cdef class CpuKernels:
         """out (d,) f32 += w (d, n) f16 @ x (n,) f32."""
         self._matvec(out, w, x, 1)
 
-    def gate_up_silu(self, out, w_gate, w_up, x):
-        """out (f,) f32 = silu(w_gate @ x) * (w_up @ x); w_gate, w_up (f, n) f16."""
+    def gate_up(self, out, w_gate, w_up, x, act="silu"):
+        """out (f,) f32 = act(w_gate @ x) * (w_up @ x); w_gate, w_up (f, n) f16; act "silu" | "gelu_tanh"."""
+        cdef int a = _act(act)
         cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 1, True)
         cdef cnp.ndarray ag = _arr(w_gate, "w_gate", cnp.NPY_FLOAT16, 2, False)
         cdef cnp.ndarray au = _arr(w_up, "w_up", cnp.NPY_FLOAT16, 2, False)
@@ -394,12 +449,13 @@ cdef class CpuKernels:
         _no_overlap(ao, au, "out", "w_up")
         self._rows(<float *>cnp.PyArray_DATA(ao), <const uint16_t *>cnp.PyArray_DATA(ag),
                    <const uint16_t *>cnp.PyArray_DATA(au), <const float *>cnp.PyArray_DATA(ax),
-                   f, n, 2)
+                   f, n, 2 + a)
 
     # -- attention and its helpers ------------------------------------------------
-    def attention(self, out, q, k_cache, v_cache, pos):
+    def attention(self, out, q, k_cache, v_cache, pos, window=0, scale=None):
         """out, q (n_heads*head_dim,) f32; k_cache, v_cache (n_kv, max_ctx, head_dim) f16;
-        causal over cache positions 0..pos; query head h reads kv head h // (n_heads // n_kv)."""
+        causal over cache positions max(0, pos+1-window)..pos (window 0: from 0); query head h
+        reads kv head h // (n_heads // n_kv); scores scaled by scale (None: 1/sqrt(head_dim))."""
         cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 1, True)
         cdef cnp.ndarray aq = _arr(q, "q", cnp.NPY_FLOAT32, 1, False)
         cdef cnp.ndarray ak = _arr(k_cache, "k_cache", cnp.NPY_FLOAT16, 3, False)
@@ -422,6 +478,9 @@ cdef class CpuKernels:
         _check_len(cnp.PyArray_DIM(ao, 0), qlen, "out", "the length of q")
         cdef Py_ssize_t p = _index(pos, "pos")
         _check_pos(p, max_ctx)
+        cdef Py_ssize_t w = _window(window)
+        cdef Py_ssize_t start = p + 1 - w if 0 < w < p + 1 else 0
+        cdef float sc = _scale(scale, hd)
         _no_overlap(ao, aq, "out", "q")
         _no_overlap(ao, ak, "out", "k_cache")
         _no_overlap(ao, av, "out", "v_cache")
@@ -435,11 +494,12 @@ cdef class CpuKernels:
         # blocks merged in order) lives in C (program.c) and is shared with the captured
         # decode step, so both give the same bits, for any thread count.
         cdef int nt = self.nthreads
-        if (p + 1) * hd * n_heads < 16384:   # tiny: a wake-up costs more than the work
+        if (p + 1 - start) * hd * n_heads < 16384:   # tiny: a wake-up costs more than the work
             nt = 1
-        cdef float *scratch = self._scratch_for(cyllm_attention_scratch(n_heads, hd, p + 1))
+        cdef float *scratch = self._scratch_for(cyllm_attention_scratch(n_heads, hd, p + 1 - start))
         with nogil:
-            cyllm_attention_run(kt, po, pq, pk, pv, n_heads, n_kv, hd, max_ctx, p, scratch, nt)
+            cyllm_attention_run(kt, po, pq, pk, pv, n_heads, n_kv, hd, max_ctx, start, p, sc,
+                                scratch, nt)
 
     def cache_store(self, k_cache, v_cache, k, v, pos):
         """k_cache[:, pos, :] = k ; v_cache[:, pos, :] = v (f32 -> f16, round to nearest even)."""
@@ -468,9 +528,10 @@ cdef class CpuKernels:
                 kt.f32_to_f16(pk + (h * max_ctx + p) * hd, sk + h * hd, hd)
                 kt.f32_to_f16(pv + (h * max_ctx + p) * hd, sv + h * hd, hd)
 
-    def rope(self, q, k, cos, sin, pos):
+    def rope(self, q, k, cos, sin, pos, head_dim=None):
         """Rotate q (n_heads*head_dim,) and k (n_kv*head_dim,) f32 in place (HF rotate-half);
-        cos, sin (max_ctx, head_dim/2) f32, row pos."""
+        cos, sin (max_ctx, rot/2) f32, row pos: the first rot dims of each head rotate
+        (head_dim None: rot = head_dim)."""
         cdef cnp.ndarray aq = _arr(q, "q", cnp.NPY_FLOAT32, 1, True)
         cdef cnp.ndarray ak = _arr(k, "k", cnp.NPY_FLOAT32, 1, True)
         cdef cnp.ndarray ac = _arr(cos, "cos", cnp.NPY_FLOAT32, 2, False)
@@ -480,22 +541,23 @@ cdef class CpuKernels:
             raise InvalidArgumentError(f"sin has shape {sin.shape}, expected {cos.shape} (the shape of cos)")
         if half < 1:
             raise InvalidArgumentError(f"cos has shape {cos.shape}: head_dim/2 must be positive")
-        cdef Py_ssize_t hd = 2 * half
+        cdef Py_ssize_t hd = _rope_hd(head_dim, half)
         cdef Py_ssize_t nq = cnp.PyArray_DIM(aq, 0), nk = cnp.PyArray_DIM(ak, 0)
         if nq % hd or nk % hd:
             raise InvalidArgumentError(
-                f"q (length {nq}) and k (length {nk}) must be multiples of head_dim {hd} (2 * cos.shape[1])")
+                f"q (length {nq}) and k (length {nk}) must be multiples of head_dim {hd}")
         cdef Py_ssize_t p = _index(pos, "pos")
         _check_pos(p, max_ctx)
         cdef const float *c = <const float *>cnp.PyArray_DATA(ac) + p * half
         cdef const float *s = <const float *>cnp.PyArray_DATA(as_) + p * half
         with nogil:
-            _rope_rows(<float *>cnp.PyArray_DATA(aq), nq // hd, half, c, s)
-            _rope_rows(<float *>cnp.PyArray_DATA(ak), nk // hd, half, c, s)
+            cyllm_rope_rows(<float *>cnp.PyArray_DATA(aq), nq // hd, hd, half, c, s)
+            cyllm_rope_rows(<float *>cnp.PyArray_DATA(ak), nk // hd, hd, half, c, s)
 
     # -- small vector ops (serial below VECTOR_PARALLEL_MIN) ------------------------
-    def embed(self, out, table, token):
-        """out (dim,) f32 = table[token]; table (vocab, dim) f16."""
+    def embed(self, out, table, token, scale=1.0):
+        """out (dim,) f32 = table[token] * scale; table (vocab, dim) f16."""
+        cdef float sc = _factor(scale)
         cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 1, True)
         cdef cnp.ndarray at = _arr(table, "table", cnp.NPY_FLOAT16, 2, False)
         cdef Py_ssize_t vocab = cnp.PyArray_DIM(at, 0), dim = cnp.PyArray_DIM(at, 1)
@@ -506,8 +568,12 @@ cdef class CpuKernels:
         cdef const cyllm_kernels *kt = self.kt
         cdef float *po = <float *>cnp.PyArray_DATA(ao)
         cdef const uint16_t *pt = <const uint16_t *>cnp.PyArray_DATA(at) + tok * dim
+        cdef Py_ssize_t i
         with nogil:
             kt.f16_to_f32(po, pt, dim)
+            if sc != 1.0:
+                for i in range(dim):
+                    po[i] *= sc
 
     def rmsnorm(self, out, x, w, eps):
         """out (dim,) f32 = x / sqrt(mean(x^2) + eps) * w (out may alias x)."""
@@ -571,7 +637,7 @@ cdef class CpuKernels:
         cdef cnp.ndarray au = None
         cdef Py_ssize_t d = cnp.PyArray_DIM(aw, 0), n = cnp.PyArray_DIM(aw, 1)
         cdef Py_ssize_t T = cnp.PyArray_DIM(ax, 0)
-        if mode == 2:
+        if mode >= 2:
             au = _arr(wu, "w_up", cnp.NPY_FLOAT16, 2, False)
             if cnp.PyArray_DIM(au, 0) != d or cnp.PyArray_DIM(au, 1) != n:
                 raise InvalidArgumentError(
@@ -588,7 +654,7 @@ cdef class CpuKernels:
         cdef const cyllm_kernels *kt = self.kt
         cdef float *po = <float *>cnp.PyArray_DATA(ao)
         cdef const uint16_t *pw = <const uint16_t *>cnp.PyArray_DATA(aw)
-        cdef const uint16_t *pu = <const uint16_t *>cnp.PyArray_DATA(au) if mode == 2 else NULL
+        cdef const uint16_t *pu = <const uint16_t *>cnp.PyArray_DATA(au) if mode >= 2 else NULL
         cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
         # threads own runs of whole weight panels (gemm_nr rows): a row's bits do not
         # depend on the split
@@ -596,7 +662,7 @@ cdef class CpuKernels:
         cdef int nt = self.nthreads
         if nt > panels:
             nt = <int>panels
-        if T * d * n * (2 if mode == 2 else 1) < MATVEC_PARALLEL_MIN:
+        if T * d * n * (2 if mode >= 2 else 1) < MATVEC_PARALLEL_MIN:
             nt = 1
         with nogil:
             if nt == 1:
@@ -618,12 +684,14 @@ cdef class CpuKernels:
         """out (T, d) f32 += x (T, n) f32 @ w.T ; w (d, n) f16."""
         self._gemm(out, w, None, x, 1)
 
-    def gate_up_silu_batch(self, out, w_gate, w_up, x):
-        """out (T, f) f32 = silu(x @ w_gate.T) * (x @ w_up.T) ; w_gate, w_up (f, n) f16."""
-        self._gemm(out, w_gate, w_up, x, 2)
+    def gate_up_batch(self, out, w_gate, w_up, x, act="silu"):
+        """out (T, f) f32 = act(x @ w_gate.T) * (x @ w_up.T) ; w_gate, w_up (f, n) f16."""
+        self._gemm(out, w_gate, w_up, x, 2 + _act(act))
 
-    def embed_batch(self, out, table, tokens):
-        """out (T, dim) f32 = table[tokens] ; tokens (T,) int32 (every id checked)."""
+    def embed_batch(self, out, table, tokens, scale=1.0):
+        """out (T, dim) f32 = table[tokens] * scale ; tokens (T,) int32 (every id checked)."""
+        cdef float sc = _factor(scale)
+        cdef Py_ssize_t i
         cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 2, True)
         cdef cnp.ndarray at = _arr(table, "table", cnp.NPY_FLOAT16, 2, False)
         if (not cnp.PyArray_Check(tokens) or cnp.PyArray_TYPE(<cnp.ndarray>tokens) != cnp.NPY_INT32
@@ -646,6 +714,9 @@ cdef class CpuKernels:
         with nogil:
             for t in range(T):
                 kt.f16_to_f32(po + t * dim, pt + <Py_ssize_t>tok[t] * dim, dim)
+            if sc != 1.0:
+                for i in range(T * dim):
+                    po[i] *= sc
 
     def rmsnorm_batch(self, out, x, w, eps):
         """rmsnorm of every row: out, x (T, dim) f32 (out may alias x) ; w (dim,) f32."""
@@ -688,8 +759,9 @@ cdef class CpuKernels:
                 for i in range(n):
                     po[t * n + i] = px[t * n + i] + pb[i]
 
-    def rope_batch(self, q, k, cos, sin, pos0):
-        """rope of every row in place: q (T, n_heads*hd), k (T, n_kv*hd); row t at pos0 + t."""
+    def rope_batch(self, q, k, cos, sin, pos0, head_dim=None):
+        """rope of every row in place: q (T, n_heads*hd), k (T, n_kv*hd); row t at pos0 + t;
+        the first 2 * cos.shape[1] dims of each head rotate (see rope)."""
         cdef cnp.ndarray aq = _arr(q, "q", cnp.NPY_FLOAT32, 2, True)
         cdef cnp.ndarray ak = _arr(k, "k", cnp.NPY_FLOAT32, 2, True)
         cdef cnp.ndarray ac = _arr(cos, "cos", cnp.NPY_FLOAT32, 2, False)
@@ -699,13 +771,13 @@ cdef class CpuKernels:
             raise InvalidArgumentError(f"sin has shape {sin.shape}, expected {cos.shape} (the shape of cos)")
         if half < 1:
             raise InvalidArgumentError(f"cos has shape {cos.shape}: head_dim/2 must be positive")
-        cdef Py_ssize_t hd = 2 * half, T = cnp.PyArray_DIM(aq, 0), t
+        cdef Py_ssize_t hd = _rope_hd(head_dim, half), T = cnp.PyArray_DIM(aq, 0), t
         if cnp.PyArray_DIM(ak, 0) != T:
             raise InvalidArgumentError(f"k has {cnp.PyArray_DIM(ak, 0)} rows, q has {T}")
         cdef Py_ssize_t nq = cnp.PyArray_DIM(aq, 1), nk = cnp.PyArray_DIM(ak, 1)
         if nq % hd or nk % hd:
             raise InvalidArgumentError(
-                f"q rows (length {nq}) and k rows (length {nk}) must be multiples of head_dim {hd} (2 * cos.shape[1])")
+                f"q rows (length {nq}) and k rows (length {nk}) must be multiples of head_dim {hd}")
         cdef Py_ssize_t p0 = _index(pos0, "pos0")
         _check_span(p0, T, max_ctx)
         cdef float *pq = <float *>cnp.PyArray_DATA(aq)
@@ -714,8 +786,8 @@ cdef class CpuKernels:
         cdef const float *s = <const float *>cnp.PyArray_DATA(as_)
         with nogil:
             for t in range(T):
-                cyllm_rope_rows(pq + t * nq, nq // hd, half, c + (p0 + t) * half, s + (p0 + t) * half)
-                cyllm_rope_rows(pk + t * nk, nk // hd, half, c + (p0 + t) * half, s + (p0 + t) * half)
+                cyllm_rope_rows(pq + t * nq, nq // hd, hd, half, c + (p0 + t) * half, s + (p0 + t) * half)
+                cyllm_rope_rows(pk + t * nk, nk // hd, hd, half, c + (p0 + t) * half, s + (p0 + t) * half)
 
     def cache_store_batch(self, k_cache, v_cache, k, v, pos0):
         """k_cache[:, pos0 + t, :] = k[t] ; same for v ; k, v (T, n_kv*hd) f32 -> f16."""
@@ -747,8 +819,9 @@ cdef class CpuKernels:
                     kt.f32_to_f16(pk + (h * max_ctx + p0 + t) * hd, sk + t * w + h * hd, hd)
                     kt.f32_to_f16(pv + (h * max_ctx + p0 + t) * hd, sv + t * w + h * hd, hd)
 
-    def attention_batch(self, out, q, k_cache, v_cache, pos0):
-        """Causal attention of T queries: row t attends to cache positions 0..pos0+t.
+    def attention_batch(self, out, q, k_cache, v_cache, pos0, window=0, scale=None):
+        """Causal attention of T queries: row t attends to cache positions
+        max(0, pos0+t+1-window)..pos0+t (window 0: from 0); scores scaled by scale.
         out, q (T, n_heads*hd) f32. The avx512 variant computes blocks of rows as small
         GEMMs with an exact softmax; the others call the decode kernel row by row."""
         cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 2, True)
@@ -782,14 +855,15 @@ cdef class CpuKernels:
         cdef const float *pq = <const float *>cnp.PyArray_DATA(aq)
         cdef const uint16_t *pk = <const uint16_t *>cnp.PyArray_DATA(ak)
         cdef const uint16_t *pv = <const uint16_t *>cnp.PyArray_DATA(av)
-        cdef Py_ssize_t group = n_heads // n_kv, items = T * n_kv, it, t, kvh
-        cdef float scale = <float>(1.0 / sqrt(<double>hd))
+        cdef Py_ssize_t group = n_heads // n_kv, items = T * n_kv, it, t, kvh, st
+        cdef float sc = _scale(scale, hd)
+        cdef Py_ssize_t w = _window(window)
         cdef int nt = self.nthreads
         if T * (p0 + T) * hd * n_heads < 65536:
             nt = 1
         cdef Py_ssize_t R = kt.attention_rows_max, blocks, per, h, t0
         cdef float *work
-        if kt.attention_rows != NULL and T > 1:
+        if kt.attention_rows != NULL and T > 1 and (w == 0 or w >= p0 + T):
             # GEMM-shaped kernel: work item = (block of R query rows, one head); blocks
             # of later rows attend to more positions, so they are handed out first
             blocks = (T + R - 1) // R
@@ -804,7 +878,7 @@ cdef class CpuKernels:
                     h = it % n_heads
                     kt.attention_rows(po + t0 * qlen + h * hd, pq + t0 * qlen + h * hd, qlen,
                                       pk + (h // group) * max_ctx * hd, pv + (h // group) * max_ctx * hd,
-                                      hd, scale, min(R, T - t0), p0 + t0 + 1,
+                                      hd, sc, min(R, T - t0), p0 + t0 + 1,
                                       work + threadid() * per)
             return
         if nt > items:
@@ -817,21 +891,18 @@ cdef class CpuKernels:
                 for it in range(items):
                     t = it // n_kv
                     kvh = it % n_kv
+                    st = p0 + t + 1 - w if 0 < w < p0 + t + 1 else 0     # first attended position
                     kt.attention_group(po + t * qlen + kvh * group * hd, pq + t * qlen + kvh * group * hd,
-                                       pk + kvh * max_ctx * hd, pv + kvh * max_ctx * hd,
-                                       p0 + t + 1, hd, scale, group, NULL)
+                                       pk + (kvh * max_ctx + st) * hd, pv + (kvh * max_ctx + st) * hd,
+                                       p0 + t + 1 - st, hd, sc, group, NULL)
             else:
                 for it in prange(items, num_threads=nt, schedule="dynamic", chunksize=1):
                     t = items // n_kv - 1 - it // n_kv       # longest rows first
                     kvh = it % n_kv
+                    st = p0 + t + 1 - w if 0 < w < p0 + t + 1 else 0
                     kt.attention_group(po + t * qlen + kvh * group * hd, pq + t * qlen + kvh * group * hd,
-                                       pk + kvh * max_ctx * hd, pv + kvh * max_ctx * hd,
-                                       p0 + t + 1, hd, scale, group, NULL)
-
-
-cdef inline void _rope_rows(float *v, Py_ssize_t heads, Py_ssize_t half,
-                            const float *c, const float *s) noexcept nogil:
-    cyllm_rope_rows(v, heads, half, c, s)
+                                       pk + (kvh * max_ctx + st) * hd, pv + (kvh * max_ctx + st) * hd,
+                                       p0 + t + 1 - st, hd, sc, group, NULL)
 
 
 # -- memory read bandwidth (the roofline of `cyllm bench`) --------------------------
@@ -996,6 +1067,7 @@ cdef class DecodeProgram:
         memset(&o, 0, sizeof(cyllm_op))
         cdef cnp.ndarray a0, a1, a2, a3, a4, a5, a6
         cdef Py_ssize_t v, hd, p
+        cdef int nd
         self.refs.append(args)
         if name == "embed":
             a0 = _arr(args[0], "out", cnp.NPY_FLOAT32, 1, True)
@@ -1004,19 +1076,25 @@ cdef class DecodeProgram:
                 raise NotCapturable("embed of a token other than the step's")
             o.kind = CYLLM_OP_EMBED
             o.dyn = 1
+            o.scale = _factor(args[3] if len(args) > 3 else 1.0)
             o.out = <float *>cnp.PyArray_DATA(a0)
             o.a = cnp.PyArray_DATA(a1)
             o.n = cnp.PyArray_DIM(a1, 1)
             _check_len(cnp.PyArray_DIM(a0, 0), o.n, "out", "columns of the table")
             self.vocab = min(self.vocab, cnp.PyArray_DIM(a1, 0))
             self._push(&o, ops, [_span(a1)], [_span(a0)])
-        elif name == "rmsnorm":
-            a0 = _arr(args[0], "out", cnp.NPY_FLOAT32, 1, True)
-            a1 = _arr(args[1], "x", cnp.NPY_FLOAT32, 1, False)
+        elif name in ("rmsnorm", "rmsnorm_batch"):
+            nd = 1 if name == "rmsnorm" else 2
+            a0 = _arr(args[0], "out", cnp.NPY_FLOAT32, nd, True)
+            a1 = _arr(args[1], "x", cnp.NPY_FLOAT32, nd, False)
             a2 = _arr(args[2], "w", cnp.NPY_FLOAT32, 1, False)
             o.kind = CYLLM_OP_RMSNORM
-            o.n = cnp.PyArray_DIM(a1, 0)
-            _check_len(cnp.PyArray_DIM(a0, 0), o.n, "out", "the length of x")
+            o.d = 1 if nd == 1 else cnp.PyArray_DIM(a1, 0)
+            o.n = cnp.PyArray_DIM(a1, nd - 1)
+            if nd == 2 and (cnp.PyArray_DIM(a0, 0) != o.d or not cnp.PyArray_IS_C_CONTIGUOUS(a0)
+                            or not cnp.PyArray_IS_C_CONTIGUOUS(a1)):
+                raise InvalidArgumentError("rmsnorm_batch: out and x must be contiguous and of one shape")
+            _check_len(cnp.PyArray_DIM(a0, nd - 1), o.n, "out", "the length of x")
             _check_len(cnp.PyArray_DIM(a2, 0), o.n, "w", "the length of x")
             if o.n < 1:
                 raise InvalidArgumentError("rmsnorm of an empty vector")
@@ -1025,18 +1103,19 @@ cdef class DecodeProgram:
             o.a = cnp.PyArray_DATA(a1)
             o.b = cnp.PyArray_DATA(a2)
             self._push(&o, ops, [_span(a1), _span(a2)], [_span(a0)])
-        elif name in ("matvec", "matvec_add", "gate_up_silu"):
+        elif name in ("matvec", "matvec_add", "gate_up"):
             a0 = _arr(args[0], "out", cnp.NPY_FLOAT32, 1, True)
             a1 = _arr(args[1], "w", cnp.NPY_FLOAT16, 2, False)
             o.d = cnp.PyArray_DIM(a1, 0)
             o.n = cnp.PyArray_DIM(a1, 1)
             reads = [_span(a1)]
-            if name == "gate_up_silu":
+            if name == "gate_up":
                 a2 = _arr(args[2], "w_up", cnp.NPY_FLOAT16, 2, False)
                 if cnp.PyArray_DIM(a2, 0) != o.d or cnp.PyArray_DIM(a2, 1) != o.n:
                     raise InvalidArgumentError("w_up must have the shape of w_gate")
                 a3 = _arr(args[3], "x", cnp.NPY_FLOAT32, 1, False)
                 o.kind = CYLLM_OP_GATE_UP
+                o.mode = _act(args[4] if len(args) > 4 else "silu")
                 o.b = cnp.PyArray_DATA(a2)
                 reads.append(_span(a2))
             else:
@@ -1061,7 +1140,7 @@ cdef class DecodeProgram:
             i0 = 3 if name == "rope_store" else 2
             a2 = _arr(args[i0], "cos", cnp.NPY_FLOAT32, 2, False)
             a3 = _arr(args[i0 + 1], "sin", cnp.NPY_FLOAT32, 2, False)
-            p = _index(args[len(args) - 1], "pos")
+            p = _index(args[7] if name == "rope_store" else args[4], "pos")
             if p != step_pos:
                 raise NotCapturable(f"{name} at a position other than the step's")
             o.kind = CYLLM_OP_ROPE
@@ -1070,7 +1149,11 @@ cdef class DecodeProgram:
             if (cnp.PyArray_DIM(a3, 0) != cnp.PyArray_DIM(a2, 0) or cnp.PyArray_DIM(a3, 1) != o.half
                     or o.half < 1):
                 raise InvalidArgumentError("cos and sin must have one shape (max_ctx, head_dim/2)")
-            hd = 2 * o.half
+            if name == "rope_store":
+                hd = _rope_hd(_arr(args[5], "k_cache", cnp.NPY_FLOAT16, 3, True).shape[2], o.half)
+            else:
+                hd = _rope_hd(args[5] if len(args) > 5 else None, o.half)
+            o.hd = hd
             if cnp.PyArray_DIM(a0, 0) % hd or cnp.PyArray_DIM(a1, 0) % hd:
                 raise InvalidArgumentError("q and k lengths must be multiples of head_dim")
             o.n_heads = cnp.PyArray_DIM(a0, 0) // hd
@@ -1117,6 +1200,8 @@ cdef class DecodeProgram:
             o.kind = CYLLM_OP_ATTENTION
             o.dyn = 1
             o.n_heads = v // o.hd
+            o.window = _window(args[5] if len(args) > 5 else 0)
+            o.scale = _scale(args[6] if len(args) > 6 else None, o.hd)
             o.out = <float *>cnp.PyArray_DATA(a0)
             o.a = cnp.PyArray_DATA(a1)
             self._push(&o, ops, [_span(a1), _span(a2), _span(a3)], [_span(a0)])
@@ -1164,3 +1249,4 @@ cdef class DecodeProgram:
             raise InvalidArgumentError(f"threads must be in [1, 4096], got {nt}")
         with nogil:
             cyllm_program_run(self.kt, self.ops, self.n_ops, <int>nt, tok, p, self.scratch)
+include "quant.pxi"

@@ -51,3 +51,12 @@ def require_cuda():
     if n_gpu < 1:
         pytest.skip("no CUDA GPU visible", allow_module_level=True)
     return cp
+
+
+def cuda_available() -> bool:
+    """cupy imports and sees a GPU (tests marked cuda run only then)."""
+    try:
+        import cupy as cp
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no cupy, no driver, no device
+        return False

@@ -101,6 +101,10 @@ def write_tiny_gguf(path: Path, qtype=QT.F16, arch="llama", tokenizer="spm", see
         elif t in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
             raw = kquant_bytes(rng, t, shape)
             w.add_tensor(name, raw, raw_dtype=t)
+        elif t == QT.IQ2_XXS:      # no quantizer in gguf-py: random blocks of the right size
+            block, size = gguf.GGML_QUANT_SIZES[t]
+            raw = rng.integers(0, 256, (shape[0], shape[1] // block * size), dtype=np.uint8)
+            w.add_tensor(name, raw, raw_dtype=t)
         else:
             w.add_tensor(name, quants.quantize(a, t), raw_dtype=t)
     for name, a in (extra or {}).items():
@@ -218,23 +222,30 @@ def test_tied_embeddings(tmp_path):
 
 
 def test_llama3_rope_freqs(tmp_path):
-    from cyllm.config import _llama3_scale
+    """rope_freqs holds divisors of the base frequencies: used as they are, whatever their values."""
+    from cyllm.rope import llama3_inv_freq
     hd = TINY["head_dim"]
     base = 1.0 / (10000.0 ** (np.arange(0, hd, 2) / hd))
     params = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 8192}
-    freqs = (base / _llama3_scale(base, params)).astype(np.float32)
+    freqs = (base / llama3_inv_freq(base, params)).astype(np.float32)
     p = tmp_path / "l3.gguf"
     write_tiny_gguf(p, tokenizer=None, extra={"rope_freqs.weight": freqs})
     cfg, weights, _ = load_gguf(p)
-    assert cfg.rope_scaling == {"rope_type": "llama3", **params}
+    assert cfg.rope_scaling["rope_type"] == "llama3"
     assert "rope_freqs.weight" not in weights
     np.testing.assert_allclose(cfg.inv_freq(), base / freqs, rtol=1e-5)
+    # values that match no published setting are still the file's truth (the old reader refused them)
+    odd = np.linspace(1, 3, hd // 2, dtype=np.float32)
     p2 = tmp_path / "odd.gguf"
-    write_tiny_gguf(p2, tokenizer=None, extra={"rope_freqs.weight": np.linspace(1, 3, hd // 2, dtype=np.float32)})
-    with pytest.raises(UnsupportedModelError) as e:
-        load_gguf(p2)
-    assert "rope" in one_line(e)
+    write_tiny_gguf(p2, tokenizer=None, extra={"rope_freqs.weight": odd})
+    cfg2, _, _ = load_gguf(p2)
+    np.testing.assert_allclose(cfg2.inv_freq(), base / odd, rtol=1e-5)
+    p3 = tmp_path / "bad.gguf"
+    write_tiny_gguf(p3, tokenizer=None, extra={"rope_freqs.weight": np.zeros(hd // 2, np.float32) - 1})
+    with pytest.raises(ModelLoadError) as e:
+        load_gguf(p3)
+    assert "rope_freqs" in one_line(e)
 
 
 # ============================================================================ tokenizers
@@ -300,12 +311,12 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-    p = tmp_path / "q5_0.gguf"
-    write_tiny_gguf(p, qtype=QT.F16, tokenizer=None, raw_override={"blk.0.ffn_up.weight": QT.Q5_0})
+    p = tmp_path / "iq2.gguf"
+    write_tiny_gguf(p, qtype=QT.F16, tokenizer=None, raw_override={"blk.0.ffn_up.weight": QT.IQ2_XXS})
     with pytest.raises(UnsupportedModelError) as e:
         load_gguf(p)
     msg = one_line(e)
-    assert "Q5_0" in msg and "blk.0.ffn_up.weight" in msg
+    assert "IQ2_XXS" in msg and "blk.0.ffn_up.weight" in msg
 
 
 def test_missing_file(tmp_path):

@@ -1,14 +1,15 @@
-"""CPU kernels (cyllm.backends.cpu) against the float32 NumPy reference.
+"""CPU backend properties that the op table (test_backend_ops.py) cannot express.
 
-Every op, both kernel variants (generic is forced per backend instance; avx2 is
-skipped on CPUs without it), 1 and 2 threads, awkward sizes (tail rows/columns,
-odd head dims, MQA/GQA, positions 0/1/near the end), bitwise equality across
-thread counts for the threaded ops, read-only and unaligned inputs, bad inputs.
+The table compares every op, every variant, 1 and 2 threads against numpy_ref. Here:
+bitwise equality across thread counts (and of a batched row with the decode op),
+read-only, memory-mapped and unaligned inputs, kernel variant forcing through
+CYLLM_KERNELS, the bandwidth probe, and bad arguments.
 """
 
 import os
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import pytest
@@ -22,14 +23,7 @@ try:
 except (ImportError, BackendUnavailableError) as e:      # extension not built
     pytest.skip(f"cpu kernels not built: {e}", allow_module_level=True)
 
-VARIANTS = [
-    "generic",
-    pytest.param("avx2", marks=pytest.mark.skipif(
-        "avx2" not in _k.available_variants(), reason="CPU (or build) without AVX2/FMA/F16C")),
-    pytest.param("avx512", marks=pytest.mark.skipif(
-        "avx512" not in _k.available_variants(), reason="CPU (or build) without AVX-512F")),
-]
-THREADS = [1, 2]
+VARIANTS = list(_k.available_variants())   # generic, and avx2/avx512 where this CPU runs them
 REF = NumpyBackend()
 
 
@@ -38,7 +32,7 @@ def backend(variant, threads=1):
 
 
 def rng_for(*key):
-    return np.random.default_rng(abs(hash(key)) % (2**32))
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))   # the same data every run
 
 
 def f16_matrix(rng, d, n, scale=1.0):
@@ -47,13 +41,6 @@ def f16_matrix(rng, d, n, scale=1.0):
 
 def f32_vec(rng, n, scale=1.0):
     return (rng.standard_normal(n) * scale).astype(np.float32)
-
-
-def assert_dot_close(got, want, w, x, rel=1e-5):
-    """Error bounded relative to sum |w||x| (the scale of float32 rounding in a dot)."""
-    bound = np.abs(w.astype(np.float32)) @ np.abs(x)
-    err = np.abs(got - want)
-    assert np.all(err <= rel * bound + 1e-30), f"max rel err {np.max(err / (bound + 1e-30)):.3g}"
 
 
 def unaligned_copy(a, offset=8):
@@ -67,47 +54,7 @@ def unaligned_copy(a, offset=8):
     return view
 
 
-# -- matvec family --------------------------------------------------------------------
-
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("threads", THREADS)
-@pytest.mark.parametrize("d", [1, 3, 17, 64, 129])
-@pytest.mark.parametrize("n", [1, 7, 15, 16, 33, 257, 1000])
-def test_matvec(variant, threads, d, n):
-    rng = rng_for("matvec", d, n)
-    w, x = f16_matrix(rng, d, n), f32_vec(rng, n)
-    b = backend(variant, threads)
-    out = np.full(d, np.nan, np.float32)
-    b.matvec(out, w, x)
-    want = np.zeros(d, np.float32)
-    REF.matvec(want, w, x)
-    assert_dot_close(out, want, w, x)
-
-    base = f32_vec(rng, d)
-    out2, want2 = base.copy(), base.copy()
-    b.matvec_add(out2, w, x)
-    REF.matvec_add(want2, w, x)
-    assert_dot_close(out2, want2, w, x)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("threads", THREADS)
-@pytest.mark.parametrize("f,n", [(1, 1), (3, 7), (17, 33), (64, 1000), (129, 257)])
-def test_gate_up_silu(variant, threads, f, n):
-    rng = rng_for("gate_up", f, n)
-    wg, wu, x = f16_matrix(rng, f, n), f16_matrix(rng, f, n), f32_vec(rng, n)
-    out = np.full(f, np.nan, np.float32)
-    backend(variant, threads).gate_up_silu(out, wg, wu, x)
-    want = np.zeros(f, np.float32)
-    REF.gate_up_silu(want, wg, wu, x)
-    # silu(g) * u: the errors of g and u scale with |Wg||x| and |Wu||x|
-    g = wg.astype(np.float32) @ x
-    u = wu.astype(np.float32) @ x
-    bg = np.abs(wg.astype(np.float32)) @ np.abs(x)
-    bu = np.abs(wu.astype(np.float32)) @ np.abs(x)
-    tol = 1e-5 * (bg * np.abs(u) + bu * np.abs(g) + np.abs(g * u)) + 1e-30
-    assert np.all(np.abs(out - want) <= tol)
-
+# -- bitwise the same for any thread count ------------------------------------------------
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("d,n", [(1031, 257), (4099, 61), (576, 576), (1536, 576)])
@@ -124,11 +71,10 @@ def test_matvec_bitwise_across_threads(variant, d, n):
         o2 = base.copy()
         b.matvec_add(o2, w, x)
         o3 = np.zeros(d, np.float32)
-        b.gate_up_silu(o3, w, wu, x)
-        results.append((o1, o2, o3))
-    want = np.zeros(d, np.float32)
-    REF.matvec(want, w, x)
-    assert_dot_close(results[0][0], want, w, x)
+        b.gate_up(o3, w, wu, x)
+        o4 = np.zeros(d, np.float32)
+        b.gate_up(o4, w, wu, x, "gelu_tanh")
+        results.append((o1, o2, o3, o4))
     for other in results[1:]:
         for a, c in zip(results[0], other):
             assert np.array_equal(a.view(np.uint32), c.view(np.uint32))
@@ -171,12 +117,7 @@ def test_matvec_readonly_and_unaligned(variant, tmp_path):
     assert b.upload(ro) is ro
 
 
-# -- attention, rope, cache -------------------------------------------------------------
-
-ATTN_SHAPES = [  # (n_heads, n_kv_heads, head_dim)
-    (1, 1, 64), (4, 1, 64), (9, 3, 64), (8, 2, 48), (4, 4, 80), (6, 2, 96), (2, 1, 40), (3, 1, 6),
-]
-
+# -- attention -----------------------------------------------------------
 
 def make_cache(rng, n_kv, max_ctx, hd):
     k = (rng.standard_normal((n_kv, max_ctx, hd)) * 1.5).astype(np.float16)
@@ -185,24 +126,10 @@ def make_cache(rng, n_kv, max_ctx, hd):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("threads", THREADS)
-@pytest.mark.parametrize("n_heads,n_kv,hd", ATTN_SHAPES)
-@pytest.mark.parametrize("pos", [0, 1, 7, 8, 9, 46, 66])
-def test_attention(variant, threads, n_heads, n_kv, hd, pos):
-    max_ctx = 67
-    rng = rng_for("attn", n_heads, n_kv, hd, pos)
-    kc, vc = make_cache(rng, n_kv, max_ctx, hd)
-    q = f32_vec(rng, n_heads * hd, 2.0)       # peaky softmax: exercises the max rescaling
-    out = np.full(n_heads * hd, np.nan, np.float32)
-    backend(variant, threads).attention(out, q, kc, vc, pos)
-    want = np.zeros_like(out)
-    REF.attention(want, q, kc, vc, pos)
-    np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("n_heads,n_kv,hd", [(9, 3, 64), (4, 1, 80), (8, 8, 48)])
-def test_attention_long_bitwise_across_threads(variant, n_heads, n_kv, hd):
+@pytest.mark.parametrize("n_heads,n_kv,hd,window", [(9, 3, 64, 0), (4, 1, 80, 0), (8, 8, 48, 0), (9, 3, 64, 700)])
+def test_attention_long_bitwise_across_threads(variant, n_heads, n_kv, hd, window):
+    """Past the 256-position block, over a running max that moves many times (a sharper
+    input than the table's): close to the reference and the same bits for 1, 2, 3 threads."""
     max_ctx = 1100
     rng = rng_for("attn-long", n_heads, n_kv, hd)
     kc, vc = make_cache(rng, n_kv, max_ctx, hd)
@@ -214,10 +141,10 @@ def test_attention_long_bitwise_across_threads(variant, n_heads, n_kv, hd):
     outs = []
     for threads in (1, 2, 3):
         out = np.zeros(n_heads * hd, np.float32)
-        backend(variant, threads).attention(out, q, kc, vc, pos)
+        backend(variant, threads).attention(out, q, kc, vc, pos, window)
         outs.append(out)
     want = np.zeros_like(outs[0])
-    REF.attention(want, q, kc, vc, pos)
+    REF.attention(want, q, kc, vc, pos, window)
     np.testing.assert_allclose(outs[0], want, rtol=1e-4, atol=2e-5)
     for o in outs[1:]:
         assert np.array_equal(o.view(np.uint32), outs[0].view(np.uint32))
@@ -234,106 +161,6 @@ def test_attention_unaligned_readonly_cache(variant):
     got = np.zeros_like(q)
     b.attention(got, unaligned_copy(q), unaligned_copy(kc), unaligned_copy(vc), 39)
     assert np.array_equal(got, want)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("n_heads,n_kv,hd", [(9, 3, 64), (4, 1, 80), (2, 2, 6)])
-@pytest.mark.parametrize("pos", [0, 1, 31])
-def test_rope(variant, n_heads, n_kv, hd, pos):
-    max_ctx, half = 32, hd // 2
-    inv = 1.0 / (10000.0 ** (np.arange(half, dtype=np.float64) * 2 / hd))
-    ang = np.outer(np.arange(max_ctx), inv)
-    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-    rng = rng_for("rope", n_heads, hd, pos)
-    q, k = f32_vec(rng, n_heads * hd), f32_vec(rng, n_kv * hd)
-    q2, k2 = q.copy(), k.copy()
-    backend(variant).rope(q, k, cos, sin, pos)
-    REF.rope(q2, k2, cos, sin, pos)
-    np.testing.assert_allclose(q, q2, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(k, k2, rtol=1e-6, atol=1e-6)
-
-
-def special_f32(rng, n):
-    """Random values plus float16 edge cases: ties, subnormals, overflow, signed zero."""
-    edge = np.array([0.0, -0.0, 1.0, -1.0, 65504.0, 65519.0, 65520.0, -65520.0, 1e6, -1e6,
-                     6.1035156e-05, 6.0e-05, 5.96e-08, 2.98e-08, 2.99e-08, 1e-9, -3e-6,
-                     1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 2049.0, 2051.0, np.inf, -np.inf],
-                    dtype=np.float32)
-    vals = np.concatenate([
-        edge,
-        (rng.standard_normal(n) * 10.0 ** rng.uniform(-9, 5, n)).astype(np.float32),
-    ])
-    return vals
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_cache_store_bitwise(variant):
-    """f32 -> f16 must round exactly like numpy (nearest even), specials included."""
-    rng = rng_for("cache")
-    n_kv, max_ctx = 3, 5
-    vals = special_f32(rng, 4000)
-    hd = 2 * ((len(vals) // n_kv + 1) // 2)
-    vals = np.resize(vals, n_kv * hd).astype(np.float32)
-    k, v = vals, vals[::-1].copy()
-    b = backend(variant)
-    for pos in (0, 4):
-        kc = np.zeros((n_kv, max_ctx, hd), np.float16)
-        vc = np.zeros_like(kc)
-        b.cache_store(kc, vc, k, v, pos)
-        kr, vr = np.zeros_like(kc), np.zeros_like(vc)
-        with np.errstate(over="ignore"):
-            REF.cache_store(kr, vr, k, v, pos)
-        assert np.array_equal(kc.view(np.uint16), kr.view(np.uint16))
-        assert np.array_equal(vc.view(np.uint16), vr.view(np.uint16))
-    kn = np.full(n_kv * hd, np.nan, np.float32)
-    b.cache_store(kc, vc, kn, v, 1)
-    assert np.isnan(kc[:, 1].astype(np.float32)).all()
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_embed_exact(variant):
-    rng = rng_for("embed")
-    with np.errstate(over="ignore"):
-        table = special_f32(rng, 0)[:21].astype(np.float16)
-    table = np.concatenate([table, np.array([np.nan, 1e-7, -2e-7], np.float16),
-                            rng.standard_normal(7 * 37 - 24).astype(np.float16)]).reshape(7, 37)
-    table.setflags(write=False)
-    b = backend(variant)
-    for tok in (0, 3, 6, np.int64(5)):
-        out = np.zeros(37, np.float32)
-        b.embed(out, table, tok)
-        want = table[int(tok)].astype(np.float32)
-        assert np.array_equal(out, want, equal_nan=True)
-
-
-# -- small vector ops ------------------------------------------------------------------
-
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("threads", THREADS)
-@pytest.mark.parametrize("n", [1, 3, 17, 576, 100_003])
-def test_vector_ops(variant, threads, n):
-    rng = rng_for("vec", n)
-    b = backend(variant, threads)
-    x, y, w = f32_vec(rng, n, 3.0), f32_vec(rng, n), f32_vec(rng, n)
-
-    out, want = np.zeros(n, np.float32), np.zeros(n, np.float32)
-    b.rmsnorm(out, x, w, 1e-5)
-    REF.rmsnorm(want, x, w, 1e-5)
-    np.testing.assert_allclose(out, want, rtol=2e-6, atol=1e-7)
-
-    b.swiglu(out, x, y)
-    REF.swiglu(want, x, y)
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-7)
-
-    b.add(out, x, y)
-    assert np.array_equal(out, x + y)
-    xa = x.copy()
-    b.add(xa, xa, y)                      # out may alias x
-    assert np.array_equal(xa, x + y)
-    xr = x.copy()
-    b.rmsnorm(xr, xr, w, 1e-6)            # and for rmsnorm
-    REF.rmsnorm(want, x, w, 1e-6)
-    np.testing.assert_allclose(xr, want, rtol=2e-6, atol=1e-7)
 
 
 # -- backend object, variants, bad input --------------------------------------------------
@@ -423,7 +250,7 @@ def _bad_calls():
     yield "matvec misaligned", lambda b: b.matvec(
         out, w, np.frombuffer(np.zeros(40, np.uint8).tobytes(), f32, 8, 1))
     yield "matvec_add shape", lambda b: b.matvec_add(out, w, np.zeros(9, f32))
-    yield "gate_up shapes", lambda b: b.gate_up_silu(out, w, np.zeros((4, 9), f16), x)
+    yield "gate_up shapes", lambda b: b.gate_up(out, w, np.zeros((4, 9), f16), x)
     yield "embed token high", lambda b: b.embed(np.zeros(8, f32), w, 4)
     yield "embed token negative", lambda b: b.embed(np.zeros(8, f32), w, -1)
     yield "embed token float", lambda b: b.embed(np.zeros(8, f32), w, 1.5)
@@ -452,6 +279,18 @@ def _bad_calls():
     yield "rmsnorm eps", lambda b: b.rmsnorm(out, out.copy(), out.copy(), "x")
     yield "swiglu length", lambda b: b.swiglu(out, out.copy(), np.zeros(3, f32))
     yield "add dtype", lambda b: b.add(out, out.copy(), np.zeros(4, np.float16))
+    # the parameters of model families
+    yield "gate_up act unknown", lambda b: b.gate_up(out, w, w.copy(), x, "relu")
+    yield "gate_up act None", lambda b: b.gate_up(out, w, w.copy(), x, None)
+    yield "attention window negative", lambda b: b.attention(np.zeros(32, f32), q, kc, kc.copy(), 0, -1)
+    yield "attention window float", lambda b: b.attention(np.zeros(32, f32), q, kc, kc.copy(), 0, 2.5)
+    yield "attention scale zero", lambda b: b.attention(np.zeros(32, f32), q, kc, kc.copy(), 0, 0, 0.0)
+    yield "attention scale inf", lambda b: b.attention(np.zeros(32, f32), q, kc, kc.copy(), 0, 0, np.inf)
+    yield "attention scale string", lambda b: b.attention(np.zeros(32, f32), q, kc, kc.copy(), 0, 0, "x")
+    yield "rope head_dim under rotated dims", lambda b: b.rope(q.copy(), np.zeros(16, f32), cos, cos.copy(), 0, 6)
+    yield "rope head_dim not dividing", lambda b: b.rope(q.copy(), np.zeros(16, f32), cos, cos.copy(), 0, 12)
+    yield "embed scale nan", lambda b: b.embed(np.zeros(8, f32), w, 0, float("nan"))
+    yield "embed scale negative", lambda b: b.embed(np.zeros(8, f32), w, 0, -2.0)
 
 
 def _readonly(a):
@@ -468,23 +307,13 @@ def test_bad_arguments(variant, name, call):
 
 
 # -- batched (prefill) ops -------------------------------------------------------------
-# Sizes: T in {1, 2, 5, 17, 64, 300} (tails of every micro-kernel: 6/12 tokens, 16/32
-# rows, 256-column blocks), odd d/n. The GEMM sums each output as one chain over the
-# columns in order: bitwise the same for any thread count, and for avx2 and avx512.
-
-BATCH_T = [1, 2, 5, 17, 64, 300]
-
-
-def assert_rows_close(got, want, x, w, rel=2e-5):
-    bound = np.abs(x) @ np.abs(w.astype(np.float32)).T           # (T, d)
-    err = np.abs(got - want)
-    assert np.all(err <= rel * bound + 1e-30), f"max rel err {np.max(err / (bound + 1e-30)):.3g}"
-
+# The GEMM sums each output as one chain over the columns in order: bitwise the same for
+# any thread count, and for avx2 and avx512. Shapes: tails of the micro-kernels (6/12
+# tokens, 16/32 rows, 256-column blocks), all large enough to take the threaded path.
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("T", BATCH_T)
-@pytest.mark.parametrize("d,n", [(1, 7), (33, 17), (100, 257), (577, 300)])
-def test_matmul_family(variant, T, d, n):
+@pytest.mark.parametrize("T,d,n", [(1, 600, 257), (5, 100, 257), (17, 577, 300), (64, 100, 257), (300, 33, 300)])
+def test_matmul_family_bitwise_across_threads(variant, T, d, n):
     rng = rng_for("matmul", T, d, n)
     w, wu = f16_matrix(rng, d, n), f16_matrix(rng, d, n)
     x = rng.standard_normal((T, n)).astype(np.float32)
@@ -492,27 +321,13 @@ def test_matmul_family(variant, T, d, n):
     got = {}
     for threads in (1, 2, 3):
         b = backend(variant, threads)
-        o1 = np.full((T, d), np.nan, np.float32)
-        b.matmul(o1, w, x)
-        o2 = base.copy()
-        b.matmul_add(o2, w, x)
-        o3 = np.full((T, d), np.nan, np.float32)
-        b.gate_up_silu_batch(o3, w, wu, x)
-        got[threads] = (o1, o2, o3)
-    w1, w2, w3 = np.zeros((T, d), np.float32), base.copy(), np.zeros((T, d), np.float32)
-    REF.matmul(w1, w, x)
-    REF.matmul_add(w2, w, x)
-    with np.errstate(over="ignore"):                     # the reference's exp(-g) may overflow: fine
-        REF.gate_up_silu_batch(w3, w, wu, x)
-    o1, o2, o3 = got[1]
-    assert_rows_close(o1, w1, x, w)
-    assert_rows_close(o2, w2, x, w)
-    g = x @ w.astype(np.float32).T
-    u = x @ wu.astype(np.float32).T
-    bg = np.abs(x) @ np.abs(w.astype(np.float32)).T
-    bu = np.abs(x) @ np.abs(wu.astype(np.float32)).T
-    tol = 2e-5 * (bg * np.abs(u) + bu * np.abs(g) + np.abs(g * u)) + 1e-30
-    assert np.all(np.abs(o3 - w3) <= tol)
+        outs = [np.full((T, d), np.nan, np.float32), base.copy(),
+                np.full((T, d), np.nan, np.float32), np.full((T, d), np.nan, np.float32)]
+        b.matmul(outs[0], w, x)
+        b.matmul_add(outs[1], w, x)
+        b.gate_up_batch(outs[2], w, wu, x)
+        b.gate_up_batch(outs[3], w, wu, x, "gelu_tanh")
+        got[threads] = outs
     for threads in (2, 3):
         for a, c in zip(got[1], got[threads]):
             assert np.array_equal(a.view(np.uint32), c.view(np.uint32))
@@ -531,95 +346,84 @@ def test_matmul_avx2_avx512_same_bits():
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("T", [1, 5, 64])
-def test_small_batch_ops(variant, T):
-    rng = rng_for("small-batch", T)
+@pytest.mark.parametrize("T,dim", [(1, 36), (5, 36), (64, 36), (20, 4096)])
+def test_rmsnorm_batch_rows_bitwise(variant, T, dim):
+    """Each row is exactly the single-row op, in place or not, threaded or not."""
+    rng = rng_for("rmsnorm-batch", T, dim)
     b = backend(variant, 2)
-    vocab, dim = 50, 36
-    table = f16_matrix(rng, vocab, dim)
-    tokens = rng.integers(0, vocab, T).astype(np.int32)
-    out = np.full((T, dim), np.nan, np.float32)
-    b.embed_batch(out, table, tokens)
-    assert np.array_equal(out, table[tokens].astype(np.float32))
     x = rng.standard_normal((T, dim)).astype(np.float32)
     wn = f32_vec(rng, dim)
-    got, want = np.zeros_like(x), np.zeros_like(x)
+    got = np.full_like(x, np.nan)
     b.rmsnorm_batch(got, x, wn, 1e-5)
-    REF.rmsnorm_batch(want, x, wn, 1e-5)
-    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
-    for t in range(T):                      # each row exactly the single-row op
+    for t in range(T):
         row = np.zeros(dim, np.float32)
         b.rmsnorm(row, x[t], wn, 1e-5)
         assert np.array_equal(row, got[t])
     inplace = x.copy()
     b.rmsnorm_batch(inplace, inplace, wn, 1e-5)
     assert np.array_equal(inplace, got)
-    bias = f32_vec(rng, dim)
-    o = x.copy()
-    b.add_rows(o, o, bias)
-    assert np.array_equal(o, x + bias)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("n_heads,n_kv,hd", [(4, 2, 16), (3, 1, 24), (6, 6, 10)])
-@pytest.mark.parametrize("T,pos0", [(1, 0), (5, 0), (12, 0), (13, 1), (17, 3), (64, 200), (300, 0)])
-def test_rope_store_attention_batch(variant, n_heads, n_kv, hd, T, pos0):
-    """rope_batch / cache_store_batch / attention_batch against the reference, with
-    pos0 > 0 over an existing cache; each row equals the single-position ops (bitwise
-    where both use the decode kernel: generic, and T == 1; avx2/avx512 prefill attention is
-    GEMM-shaped)."""
-    rng = rng_for("att-batch", n_heads, n_kv, hd, T, pos0)
+@pytest.mark.parametrize("n_heads,n_kv,hd,rot", [(4, 2, 16, 8), (3, 1, 24, 24), (6, 6, 10, 4)])
+@pytest.mark.parametrize("T,pos0,window", [(1, 0, 0), (5, 0, 0), (12, 0, 0), (13, 1, 0), (17, 3, 0),
+                                           (64, 200, 0), (300, 0, 0), (20, 0, 8), (10, 50, 16),
+                                           (64, 200, 100)])
+def test_batch_rows_match_decode_ops(variant, n_heads, n_kv, hd, rot, T, pos0, window):
+    """Row t of rope_batch / cache_store_batch / attention_batch is the decode op at
+    position pos0 + t: bitwise where both make the same kernel call (rope, cache stores;
+    attention on generic under 256 attended positions, and T == 1; avx2/avx512 prefill
+    attention is GEMM-shaped); attention_batch is the same bits for 1 and 2 threads."""
+    rng = rng_for("att-batch", n_heads, n_kv, hd, T, pos0, window)
     max_ctx = pos0 + T + 3
     b = backend(variant, 2)
-    cos = rng.standard_normal((max_ctx, hd // 2)).astype(np.float32)
-    sin = rng.standard_normal((max_ctx, hd // 2)).astype(np.float32)
+    cos = rng.standard_normal((max_ctx, rot // 2)).astype(np.float32)
+    sin = rng.standard_normal((max_ctx, rot // 2)).astype(np.float32)
     q = rng.standard_normal((T, n_heads * hd)).astype(np.float32)
     k = rng.standard_normal((T, n_kv * hd)).astype(np.float32)
     v = rng.standard_normal((T, n_kv * hd)).astype(np.float32)
     kc, vc = make_cache(rng, n_kv, max_ctx, hd)          # positions < pos0: an existing cache
-    kc2, vc2, q2, k2 = kc.copy(), vc.copy(), q.copy(), k.copy()
-    b.rope_batch(q, k, cos, sin, pos0)
-    REF.rope_batch(q2, k2, cos, sin, pos0)
-    np.testing.assert_allclose(q, q2, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(k, k2, rtol=1e-6, atol=1e-6)
+    kc1, vc1, q1, k1 = kc.copy(), vc.copy(), q.copy(), k.copy()
+    b.rope_batch(q, k, cos, sin, pos0, hd)
     b.cache_store_batch(kc, vc, k, v, pos0)
-    REF.cache_store_batch(kc2, vc2, k, v, pos0)
-    assert np.array_equal(kc.view(np.uint16), kc2.view(np.uint16))
-    assert np.array_equal(vc.view(np.uint16), vc2.view(np.uint16))
+    for t in range(T):
+        b.rope(q1[t], k1[t], cos, sin, pos0 + t, hd)
+        b.cache_store(kc1, vc1, k1[t], v[t], pos0 + t)
+    assert np.array_equal(q.view(np.uint32), q1.view(np.uint32))
+    assert np.array_equal(k.view(np.uint32), k1.view(np.uint32))
+    assert np.array_equal(kc.view(np.uint16), kc1.view(np.uint16))
+    assert np.array_equal(vc.view(np.uint16), vc1.view(np.uint16))
     out = np.full((T, n_heads * hd), np.nan, np.float32)
-    b.attention_batch(out, q, kc, vc, pos0)
-    want = np.zeros_like(out)
-    REF.attention_batch(want, q, kc, vc, pos0)
-    np.testing.assert_allclose(out, want, rtol=2e-4, atol=2e-5)
+    b.attention_batch(out, q, kc, vc, pos0, window)
     for t in (0, T // 2, T - 1):
         row = np.zeros(n_heads * hd, np.float32)
-        b.attention(row, q[t], kc, vc, pos0 + t)
-        if pos0 + t < 256 and variant == "generic" or T == 1:   # the decode kernel: same call
+        b.attention(row, q[t], kc, vc, pos0 + t, window)
+        span = min(pos0 + t + 1, window or pos0 + t + 1)
+        if span <= 256 and variant == "generic" or T == 1:   # the decode kernel: same call
             assert np.array_equal(row, out[t])
         else:
             np.testing.assert_allclose(row, out[t], rtol=2e-4, atol=2e-5)
     out1 = np.zeros_like(out)
-    backend(variant, 1).attention_batch(out1, q, kc, vc, pos0)
+    backend(variant, 1).attention_batch(out1, q, kc, vc, pos0, window)
     assert np.array_equal(out1, out)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("pos", [255, 256, 257, 700, 1023])
-def test_attention_blocked_long(variant, pos):
-    """Past 256 positions decode attention merges fixed cache blocks: close to the
-    reference, and the same bits for 1, 2 and 3 threads."""
-    rng = rng_for("att-long", pos)
+@pytest.mark.parametrize("pos,window", [(255, 0), (256, 0), (257, 0), (700, 0), (1023, 0), (700, 300),
+                                        (1023, 1000)])
+def test_attention_blocked_long_bitwise(variant, pos, window):
+    """Past 256 positions decode attention merges fixed cache blocks: the same bits for
+    1, 2 and 3 threads (the table checks the values)."""
+    rng = rng_for("att-long", pos, window)
     n_heads, n_kv, hd = 9, 3, 64
     kc, vc = make_cache(rng, n_kv, 1024, hd)
     q = f32_vec(rng, n_heads * hd)
-    want = np.zeros(n_heads * hd, np.float32)
-    REF.attention(want, q, kc, vc, pos)
     outs = []
     for threads in (1, 2, 3):
         o = np.full(n_heads * hd, np.nan, np.float32)
-        backend(variant, threads).attention(o, q, kc, vc, pos)
+        backend(variant, threads).attention(o, q, kc, vc, pos, window)
         outs.append(o)
-    np.testing.assert_allclose(outs[0], want, rtol=2e-4, atol=2e-5)
+    assert np.all(np.isfinite(outs[0]))
     for o in outs[1:]:
         assert np.array_equal(o, outs[0])
 
@@ -636,7 +440,7 @@ def test_batch_bad_arguments():
     with pytest.raises(InvalidArgumentError):
         b.matmul(np.zeros((3, 4), f32), w.astype(f32), x)
     with pytest.raises(InvalidArgumentError):
-        b.gate_up_silu_batch(np.zeros((3, 4), f32), w, np.zeros((5, 8), f16), x)
+        b.gate_up_batch(np.zeros((3, 4), f32), w, np.zeros((5, 8), f16), x)
     buf = np.zeros((3, 8), f32)
     with pytest.raises(InvalidArgumentError):
         b.matmul(buf[:, :4], w, buf)                           # not contiguous
@@ -653,3 +457,14 @@ def test_batch_bad_arguments():
     with pytest.raises(InvalidArgumentError):
         b.rope_batch(np.zeros((3, 32), f32), np.zeros((3, 16), f32),
                      np.zeros((16, 4), f32), np.zeros((16, 4), f32), 14)
+    with pytest.raises(InvalidArgumentError):      # head_dim smaller than the rotated dims
+        b.rope_batch(np.zeros((3, 32), f32), np.zeros((3, 16), f32),
+                     np.zeros((16, 4), f32), np.zeros((16, 4), f32), 0, 4)
+    with pytest.raises(InvalidArgumentError):
+        b.gate_up_batch(np.zeros((3, 4), f32), w, w.copy(), x, "gelu")
+    with pytest.raises(InvalidArgumentError):
+        b.attention_batch(np.zeros((3, 32), f32), np.zeros((3, 32), f32), kc, kc.copy(), 0, -3)
+    with pytest.raises(InvalidArgumentError):
+        b.attention_batch(np.zeros((3, 32), f32), np.zeros((3, 32), f32), kc, kc.copy(), 0, 0, -1.0)
+    with pytest.raises(InvalidArgumentError):
+        b.embed_batch(np.zeros((2, 8), f32), table, np.array([1, 2], np.int32), np.inf)

@@ -13,6 +13,7 @@
 #define CYLLM_KERNELS_H
 
 #include <stdint.h>
+#include "act.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -28,9 +29,9 @@ typedef struct cyllm_kernels {
     void (*matvec_rows)(float *out, const uint16_t *w, const float *x,
                         int64_t n, int64_t r0, int64_t r1, int add,
                         const void *nx, int64_t nx_bytes);
-    /* rows [r0, r1) of out = silu(Wg @ x) * (Wu @ x); Wg, Wu (f, n) f16. */
+    /* rows [r0, r1) of out = act(Wg @ x) * (Wu @ x); Wg, Wu (f, n) f16; act: CYLLM_ACT_*. */
     void (*gate_up_rows)(float *out, const uint16_t *wg, const uint16_t *wu,
-                         const float *x, int64_t n, int64_t r0, int64_t r1,
+                         const float *x, int64_t n, int64_t r0, int64_t r1, int act,
                          const void *nx, int64_t nx_bytes);
     /* n_q consecutive query heads that share one kv head, over t_len cached
      * positions; online softmax in one pass over K and V. out, q (n_q * hd,) f32
@@ -48,7 +49,7 @@ typedef struct cyllm_kernels {
     double (*sum_f32)(const float *p, int64_t n);
     /* Batched prefill GEMM, output rows [r0, r1) of every token:
      *   mode 0: out = x @ W.T ; mode 1: out += x @ W.T ;
-     *   mode 2: out = silu(x @ W.T) * (x @ Wu.T)  (wu used only here).
+     *   mode 2 + act: out = act(x @ W.T) * (x @ Wu.T)  (wu used only here; act CYLLM_ACT_*).
      * x (T, n) f32, W/Wu (d, n) f16, out (T, d) f32 (must not overlap x or W).
      * A row's result does not depend on r0/r1 (any split over threads gives the
      * same bits); splits on multiples of gemm_nr keep the panels full. */
@@ -93,14 +94,17 @@ const cyllm_kernels *cyllm_kernels_by_name(const char *name);
 
 /* Serial helpers shared by every variant (baseline ISA; small vectors). */
 float cyllm_silu(float x);
+/* the gate activation of a GLU: silu(x) or gelu with the tanh approximation */
+float cyllm_act(float x, int act);
 /* matvec software prefetch distance in units of 4 rows (0 = off); see kernels_avx2.c */
 extern int cyllm_pf_groups;
 extern int cyllm_pf_next;       /* program.c: 1 = decode program prefetches across ops */
 /* out (n,) = x / sqrt(mean(x^2) + eps) * w: sum of squares in double, one f32 scale.
  * Shared by the rmsnorm op and the decode program so both give the same bits. */
 void cyllm_rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps);
-/* rotate-half RoPE of `heads` heads of 2*half floats in place, with c, s (half,) */
-void cyllm_rope_rows(float *v, int64_t heads, int64_t half, const float *c, const float *s);
+/* rotate-half RoPE in place of `heads` heads of hd floats: the first 2*half floats of
+ * each head rotate (partial rotary when 2*half < hd), with c, s (half,) */
+void cyllm_rope_rows(float *v, int64_t heads, int64_t hd, int64_t half, const float *c, const float *s);
 
 /* program.c: a captured decode step (see cyllm_program_run). */
 enum {
@@ -110,7 +114,7 @@ enum {
 typedef struct cyllm_op {
     int kind;
     int barrier;            /* 1: all threads wait after this op (0 only between independent matvecs) */
-    int mode;               /* matvec: 0 set, 1 add */
+    int mode;               /* matvec: 0 set, 1 add; gate_up: the activation CYLLM_ACT_* */
     int dyn;                /* rope/cache_store/attention: 1 = use the step's pos; embed: use token */
     float *out;             /* matvec/gate_up/rmsnorm/embed/attention/add/swiglu output; rope: q */
     float *out2;            /* rope: k */
@@ -119,13 +123,14 @@ typedef struct cyllm_op {
     const void *c;          /* matvec/gate_up: x; rope: sin table; cache_store: k src */
     const void *e;          /* cache_store: v src */
     uint16_t *kc, *vc;      /* cache_store/attention caches (n_kv, max_ctx, hd) */
-    int64_t d, n;           /* matvec: rows, cols; rmsnorm/add/swiglu: length; embed: dim */
+    int64_t d, n;           /* matvec: rows, cols; rmsnorm: rows (>= 1), row length; add/swiglu: length; embed: dim */
     int64_t n_heads, n_kv, hd, max_ctx, half;
     int64_t fixed;          /* pos/token when dyn == 0 */
+    int64_t window;         /* attention: positions attended, itself included (0: all) */
     int next_w;             /* matvec/gate_up: index of the next matvec/gate_up op (prefetch), -1: none */
-    float eps, scale;
+    float eps, scale;       /* scale: attention score scale; embed: factor on the row */
 } cyllm_op;
-/* Decode attention of one query (all heads) over cache positions 0..pos, called by
+/* Decode attention of one query (all heads) over cache positions start..pos, called by
  * every thread `tid` of a team of `nth` (it contains barriers). Up to
  * CYLLM_ATT_BLOCK positions: runs of GQA heads split over threads. Longer: the cache
  * is cut in fixed blocks of CYLLM_ATT_BLOCK positions (flash-decoding), threads take
@@ -136,12 +141,13 @@ typedef struct cyllm_op {
 int64_t cyllm_attention_scratch(int64_t n_heads, int64_t hd, int64_t t_len);
 void cyllm_attention_step(const cyllm_kernels *kt, float *out, const float *q,
                           const uint16_t *kc, const uint16_t *vc, int64_t n_heads, int64_t n_kv,
-                          int64_t hd, int64_t max_ctx, int64_t pos, float *scratch,
-                          int tid, int nth);
+                          int64_t hd, int64_t max_ctx, int64_t start, int64_t pos, float scale,
+                          float *scratch, int tid, int nth);
 /* the same from outside a parallel region: opens one with nt threads */
 void cyllm_attention_run(const cyllm_kernels *kt, float *out, const float *q,
                          const uint16_t *kc, const uint16_t *vc, int64_t n_heads, int64_t n_kv,
-                         int64_t hd, int64_t max_ctx, int64_t pos, float *scratch, int nt);
+                         int64_t hd, int64_t max_ctx, int64_t start, int64_t pos, float scale,
+                         float *scratch, int nt);
 /* Runs ops[0..n_ops) for one token inside one OpenMP parallel region of nt threads. */
 void cyllm_program_run(const cyllm_kernels *kt, const cyllm_op *ops, int n_ops, int nt,
                        int64_t token, int64_t pos, float *scratch);

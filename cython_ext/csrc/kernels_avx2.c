@@ -87,14 +87,14 @@ static void matvec_rows_avx2(float *out, const uint16_t *w, const float *x, int6
 }
 
 static void gate_up_rows_avx2(float *out, const uint16_t *wg, const uint16_t *wu, const float *x,
-                             int64_t n, int64_t r0, int64_t r1, const void *nx, int64_t nx_bytes) {
+                             int64_t n, int64_t r0, int64_t r1, int act, const void *nx, int64_t nx_bytes) {
     const int64_t dist = (int64_t)cyllm_pf_groups * 4 * n * 2;
     const char *eg = (const char *)(wg + r1 * n), *eu = (const char *)(wu + r1 * n);
     for (int64_t r = r0; r < r1; r++) {
         const uint16_t *g = wg + r * n, *u = wu + r * n;
         float a = dot1_lin(g, x, n, pf_at((const char *)g, dist, eg, nx, nx_bytes, n * 2));
         float b = dot1_lin(u, x, n, pf_at((const char *)u, dist, eu, NULL, 0, n * 2));
-        out[r] = cyllm_silu(a) * b;
+        out[r] = cyllm_act(a, act) * b;
     }
 }
 
@@ -467,11 +467,11 @@ static void gemm_rows_avx2(float *out, const uint16_t *w, const uint16_t *wu, co
             for (int64_t k0 = 0; k0 < n; k0 += GEMM_KC) {
                 int64_t kc = n - k0 < GEMM_KC ? n - k0 : GEMM_KC;
                 pack_panel_avx2(wp, GEMM_NR, w, n, r, rmax, k0, kc);
-                if (mode == 2) pack_panel_avx2(up, GEMM_NR, wu, n, r, rmax, k0, kc);
+                if (mode >= 2) pack_panel_avx2(up, GEMM_NR, wu, n, r, rmax, k0, kc);
                 for (int64_t t = 0; t < tb; t += GEMM_MR) {
                     int mr = (int)(tb - t < GEMM_MR ? tb - t : GEMM_MR);
                     ukr_any_avx2(mr, xt + t * n + k0, n, wp, kc, cg + t * GEMM_NR, k0 == 0);
-                    if (mode == 2)
+                    if (mode >= 2)
                         ukr_any_avx2(mr, xt + t * n + k0, n, up, kc, cu + t * GEMM_NR, k0 == 0);
                 }
             }
@@ -481,7 +481,7 @@ static void gemm_rows_avx2(float *out, const uint16_t *w, const uint16_t *wu, co
                 const float *s = cg + t * GEMM_NR;
                 if (mode == 0)      for (int i = 0; i < nr; i++) o[i] = s[i];
                 else if (mode == 1) for (int i = 0; i < nr; i++) o[i] += s[i];
-                else if (nr == GEMM_NR) {     /* vector SiLU: scalar expf would cost ~1/3 of the GEMM */
+                else if (mode == 2 && nr == GEMM_NR) {     /* vector SiLU: scalar expf would cost ~1/3 of the GEMM */
                     const float *u = cu + t * GEMM_NR;
                     for (int i = 0; i < GEMM_NR; i += 8) {
                         __m256 g = _mm256_load_ps(s + i);
@@ -490,7 +490,7 @@ static void gemm_rows_avx2(float *out, const uint16_t *w, const uint16_t *wu, co
                     }
                 } else {
                     const float *u = cu + t * GEMM_NR;
-                    for (int i = 0; i < nr; i++) o[i] = cyllm_silu(s[i]) * u[i];
+                    for (int i = 0; i < nr; i++) o[i] = cyllm_act(s[i], mode - 2) * u[i];
                 }
             }
         }

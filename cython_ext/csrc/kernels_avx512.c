@@ -104,11 +104,11 @@ void cyllm_gemm_rows_avx512(float *out, const uint16_t *w, const uint16_t *wu, c
             for (int64_t k0 = 0; k0 < n; k0 += KC) {
                 int64_t kc = n - k0 < KC ? n - k0 : KC;
                 pack_panel_avx2(wp, NR, w, n, r, rmax, k0, kc);
-                if (mode == 2) pack_panel_avx2(up, NR, wu, n, r, rmax, k0, kc);
+                if (mode >= 2) pack_panel_avx2(up, NR, wu, n, r, rmax, k0, kc);
                 for (int64_t t = 0; t < tb; t += MR) {
                     int m = (int)(tb - t < MR ? tb - t : MR);
                     ukr512_any(m, xt + t * n + k0, n, wp, kc, cg + t * NR, k0 == 0);
-                    if (mode == 2) ukr512_any(m, xt + t * n + k0, n, up, kc, cu + t * NR, k0 == 0);
+                    if (mode >= 2) ukr512_any(m, xt + t * n + k0, n, up, kc, cu + t * NR, k0 == 0);
                 }
             }
             int nr = (int)(rmax - r);
@@ -117,13 +117,13 @@ void cyllm_gemm_rows_avx512(float *out, const uint16_t *w, const uint16_t *wu, c
                 const float *s = cg + t * NR;
                 if (mode == 0)      for (int i = 0; i < nr; i++) o[i] = s[i];
                 else if (mode == 1) for (int i = 0; i < nr; i++) o[i] += s[i];
-                else if (nr == NR) {          /* vector SiLU: scalar expf would cost ~1/3 of the GEMM */
+                else if (mode == 2 && nr == NR) {          /* vector SiLU: scalar expf would cost ~1/3 of the GEMM */
                     const float *u = cu + t * NR;
                     _mm512_storeu_ps(o, silu_mul16(_mm512_load_ps(s), _mm512_load_ps(u)));
                     _mm512_storeu_ps(o + 16, silu_mul16(_mm512_load_ps(s + 16), _mm512_load_ps(u + 16)));
                 } else {
                     const float *u = cu + t * NR;
-                    for (int i = 0; i < nr; i++) o[i] = cyllm_silu(s[i]) * u[i];
+                    for (int i = 0; i < nr; i++) o[i] = cyllm_act(s[i], mode - 2) * u[i];
                 }
             }
         }

@@ -16,6 +16,15 @@ int cyllm_pf_groups = 2;
 
 float cyllm_silu(float x) { return x / (1.0f + expf(-x)); }
 
+float cyllm_act(float x, int act) {
+    if (act == CYLLM_ACT_GELU_TANH) {
+        /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
+        const float k = 0.7978845608028654f;
+        return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+    }
+    return cyllm_silu(x);
+}
+
 void cyllm_rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps) {
     /* 8 independent partial sums (vectorizable, no 4-cycle add chain per element),
      * combined in a fixed order */
@@ -30,10 +39,10 @@ void cyllm_rmsnorm(float *out, const float *x, const float *w, int64_t n, float 
     for (i = 0; i < n; i++) out[i] = (x[i] * scale) * w[i];
 }
 
-void cyllm_rope_rows(float *v, int64_t heads, int64_t half, const float *c, const float *s) {
-    /* rotate-half: element i pairs with i + half inside each head */
+void cyllm_rope_rows(float *v, int64_t heads, int64_t hd, int64_t half, const float *c, const float *s) {
+    /* rotate-half: element i pairs with i + half inside each head; dims past 2*half stay */
     for (int64_t h = 0; h < heads; h++) {
-        float *row = v + h * 2 * half;
+        float *row = v + h * hd;
         for (int64_t i = 0; i < half; i++) {
             float x1 = row[i], x2 = row[i + half];
             row[i] = x1 * c[i] - x2 * s[i];
@@ -66,13 +75,13 @@ static void matvec_rows_generic(float *out, const uint16_t *w, const float *x,
 }
 
 static void gate_up_rows_generic(float *out, const uint16_t *wg, const uint16_t *wu,
-                                 const float *x, int64_t n, int64_t r0, int64_t r1,
+                                 const float *x, int64_t n, int64_t r0, int64_t r1, int act,
                                  const void *nx, int64_t nx_bytes) {
     (void)nx; (void)nx_bytes;
     for (int64_t r = r0; r < r1; r++) {
         float g = dot_row(wg + r * n, x, n);
         float u = dot_row(wu + r * n, x, n);
-        out[r] = cyllm_silu(g) * u;
+        out[r] = cyllm_act(g, act) * u;
     }
 }
 
@@ -141,7 +150,7 @@ static void gemm_rows_generic(float *out, const uint16_t *w, const uint16_t *wu,
             for (int64_t k0 = 0; k0 < n; k0 += GK) {
                 int64_t kc = n - k0 < GK ? n - k0 : GK;
                 for (int64_t j = 0; j < kc; j++) wb[j] = cyllm_h2f(w[r * n + k0 + j]);
-                if (mode == 2)
+                if (mode >= 2)
                     for (int64_t j = 0; j < kc; j++) ub[j] = cyllm_h2f(wu[r * n + k0 + j]);
                 for (int64_t t = 0; t < tb; t++) {
                     const float *xt = x + (t0 + t) * n + k0;
@@ -149,14 +158,14 @@ static void gemm_rows_generic(float *out, const uint16_t *w, const uint16_t *wu,
                     int64_t j = 0;
                     for (; j + LANES <= kc; j += LANES)
                         for (int l = 0; l < LANES; l++) acc[l] += wb[j + l] * xt[j + l];
-                    if (mode == 2)
+                    if (mode >= 2)
                         for (int64_t jj = 0; jj + LANES <= kc; jj += LANES)
                             for (int l = 0; l < LANES; l++) acu[l] += ub[jj + l] * xt[jj + l];
                     float a = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
                     float b = ((acu[0] + acu[4]) + (acu[1] + acu[5])) + ((acu[2] + acu[6]) + (acu[3] + acu[7]));
                     for (int64_t jj = j; jj < kc; jj++) {
                         a += wb[jj] * xt[jj];
-                        if (mode == 2) b += ub[jj] * xt[jj];
+                        if (mode >= 2) b += ub[jj] * xt[jj];
                     }
                     sg[t] += a;
                     su[t] += b;
@@ -166,7 +175,7 @@ static void gemm_rows_generic(float *out, const uint16_t *w, const uint16_t *wu,
                 float *o = out + (t0 + t) * d + r;
                 if (mode == 0) *o = sg[t];
                 else if (mode == 1) *o += sg[t];
-                else *o = cyllm_silu(sg[t]) * su[t];
+                else *o = cyllm_act(sg[t], mode - 2) * su[t];
             }
         }
     }

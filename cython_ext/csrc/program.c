@@ -26,10 +26,12 @@ int64_t cyllm_attention_scratch(int64_t n_heads, int64_t hd, int64_t t_len) {
 
 void cyllm_attention_step(const cyllm_kernels *kt, float *out, const float *q,
                           const uint16_t *kc, const uint16_t *vc, int64_t n_heads, int64_t n_kv,
-                          int64_t hd, int64_t max_ctx, int64_t pos, float *scratch,
-                          int tid, int nth) {
-    int64_t group = n_heads / n_kv, t_len = pos + 1;
-    float scale = (float)(1.0 / sqrt((double)hd));
+                          int64_t hd, int64_t max_ctx, int64_t start, int64_t pos, float scale,
+                          float *scratch, int tid, int nth) {
+    /* a sliding window only moves the first position: the cache rows start..pos */
+    int64_t group = n_heads / n_kv, t_len = pos + 1 - start;
+    kc += start * hd;
+    vc += start * hd;
     int64_t nblk = (t_len + CYLLM_ATT_BLOCK - 1) / CYLLM_ATT_BLOCK;
     if (nblk <= 1) {
         /* runs of a GQA group's heads, the fewest splits that give every thread the
@@ -84,17 +86,20 @@ void cyllm_attention_step(const cyllm_kernels *kt, float *out, const float *q,
 
 void cyllm_attention_run(const cyllm_kernels *kt, float *out, const float *q,
                          const uint16_t *kc, const uint16_t *vc, int64_t n_heads, int64_t n_kv,
-                         int64_t hd, int64_t max_ctx, int64_t pos, float *scratch, int nt) {
+                         int64_t hd, int64_t max_ctx, int64_t start, int64_t pos, float scale,
+                         float *scratch, int nt) {
     if (nt <= 1) {
-        cyllm_attention_step(kt, out, q, kc, vc, n_heads, n_kv, hd, max_ctx, pos, scratch, 0, 1);
+        cyllm_attention_step(kt, out, q, kc, vc, n_heads, n_kv, hd, max_ctx, start, pos, scale,
+                             scratch, 0, 1);
         return;
     }
 #ifdef _OPENMP
     #pragma omp parallel num_threads(nt)
-    cyllm_attention_step(kt, out, q, kc, vc, n_heads, n_kv, hd, max_ctx, pos, scratch,
+    cyllm_attention_step(kt, out, q, kc, vc, n_heads, n_kv, hd, max_ctx, start, pos, scale, scratch,
                          omp_get_thread_num(), omp_get_num_threads());
 #else
-    cyllm_attention_step(kt, out, q, kc, vc, n_heads, n_kv, hd, max_ctx, pos, scratch, 0, 1);
+    cyllm_attention_step(kt, out, q, kc, vc, n_heads, n_kv, hd, max_ctx, start, pos, scale,
+                         scratch, 0, 1);
 #endif
 }
 
@@ -136,13 +141,15 @@ static void run_op(const cyllm_kernels *kt, const cyllm_op *ops, int i, int tid,
                             o->mode, nx, nx_bytes);
         else
             kt->gate_up_rows(o->out, (const uint16_t *)o->a, (const uint16_t *)o->b,
-                             (const float *)o->c, o->n, r0, r1, nx, nx_bytes);
+                             (const float *)o->c, o->n, r0, r1, o->mode, nx, nx_bytes);
         return;
     }
-    case CYLLM_OP_ATTENTION:
+    case CYLLM_OP_ATTENTION: {
+        int64_t start = o->window > 0 && p + 1 > o->window ? p + 1 - o->window : 0;
         cyllm_attention_step(kt, o->out, (const float *)o->a, o->kc, o->vc, o->n_heads, o->n_kv,
-                             o->hd, o->max_ctx, p, scratch, tid, nth);
+                             o->hd, o->max_ctx, start, p, o->scale, scratch, tid, nth);
         return;
+    }
     default:
         break;
     }
@@ -150,14 +157,19 @@ static void run_op(const cyllm_kernels *kt, const cyllm_op *ops, int i, int tid,
     switch (o->kind) {
     case CYLLM_OP_EMBED:
         kt->f16_to_f32(o->out, (const uint16_t *)o->a + (o->dyn ? token : o->fixed) * o->n, o->n);
+        if (o->scale != 1.0f)
+            for (int64_t i = 0; i < o->n; i++) o->out[i] *= o->scale;
         break;
     case CYLLM_OP_RMSNORM:
-        cyllm_rmsnorm(o->out, (const float *)o->a, (const float *)o->b, o->n, o->eps);
+        /* d rows of n (d > 1: per-head q/k norms) */
+        for (int64_t r = 0; r < o->d; r++)
+            cyllm_rmsnorm(o->out + r * o->n, (const float *)o->a + r * o->n, (const float *)o->b,
+                          o->n, o->eps);
         break;
     case CYLLM_OP_ROPE: {
         const float *c = (const float *)o->b + p * o->half, *s = (const float *)o->c + p * o->half;
-        cyllm_rope_rows(o->out, o->n_heads, o->half, c, s);
-        cyllm_rope_rows(o->out2, o->n_kv, o->half, c, s);
+        cyllm_rope_rows(o->out, o->n_heads, o->hd, o->half, c, s);
+        cyllm_rope_rows(o->out2, o->n_kv, o->hd, o->half, c, s);
         break;
     }
     case CYLLM_OP_CACHE_STORE: {

@@ -31,6 +31,7 @@ import numpy as np
 
 from .errors import BackendUnavailableError, CyllmError, InvalidArgumentError
 from .model import PREFILL_CHUNK
+from .backends.base import OP_NAMES, Backend, HostArrays
 
 OUTPUT_FORMATS = ("md", "json", "jsonl", "csv")
 # warm-up runs are shortened: their job is to fault pages in and wake threads
@@ -334,32 +335,22 @@ def kv_bytes_read(model, depth: int, n_gen: int) -> float:
 
 
 # -- op-issue overhead (what the Python model costs outside the kernels) -------------
-class _NullBackend:
+class _NullBackend(HostArrays, Backend):
     """Every op a no-op: timing a forward pass on it measures model.py's own overhead."""
     name = "null"
     kernel_variant = "none"
-    threads = 1
 
     def upload(self, a):
         return a
 
-    def empty(self, shape, dtype=np.float32):
-        return np.zeros(shape, dtype=dtype)
 
-    def to_host(self, a):
-        return a
+def _noop(self, *args, **kwargs):
+    pass
 
-    def synchronize(self):
-        pass
 
-    def _noop(self, *args, **kwargs):
-        pass
-
-    # every op of the interface, so the model takes the same code paths as on a real backend
-    embed = rmsnorm = matvec = matvec_add = gate_up_silu = rope = cache_store = rope_store = _noop
-    attention = swiglu = add = _noop
-    embed_batch = rmsnorm_batch = matmul = matmul_add = gate_up_silu_batch = add_rows = _noop
-    rope_batch = cache_store_batch = attention_batch = _noop
+# every op of the registry, so the model takes the same code paths as on a real backend
+for _op in OP_NAMES:
+    setattr(_NullBackend, _op, _noop)
 
 
 def issue_overhead_s(src: ModelSource, n: int = 20) -> float | None:

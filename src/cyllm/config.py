@@ -1,7 +1,9 @@
-"""ModelConfig: the hyperparameters of a Llama-family decoder, from any source.
+"""ModelConfig: the hyperparameters and feature flags of a decoder, from any source.
 
-Both loaders (Hugging Face config.json and GGUF metadata) produce this one
-dataclass; model.py reads nothing else.
+A model family (families.py) turns a Hugging Face config.json or GGUF metadata
+into this one dataclass; model.py reads nothing else. Features are fields, never
+family-name branches: a new family that combines known features needs no change
+in model.py.
 """
 
 from __future__ import annotations
@@ -11,55 +13,96 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import ModelLoadError, UnsupportedModelError
+from .errors import ModelLoadError
+from .rope import RopeSpec
 
-# architectures accepted from config.json "architectures"; the value is the
-# family name used internally (it decides only whether q/k/v carry a bias).
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full", "sliding")
+# counts beyond these cannot be real models: refuse before anything is sized from them
+MAX_DIM = 1 << 17
+MAX_LAYERS = 4096
+MAX_VOCAB = 1 << 22
+MAX_CONTEXT = 1 << 24
 
 
 @dataclass
 class ModelConfig:
-    arch: str                      # "llama" | "mistral" | "qwen2"
+    arch: str                      # family name (families.py), for display and convert
     dim: int                       # hidden size
     n_layers: int
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    ffn_dim: int                   # intermediate size of the SwiGLU MLP
+    ffn_dim: int                   # intermediate size of the gated MLP
     vocab_size: int
     max_seq_len: int               # trained context length
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None   # {"rope_type": "llama3", "factor": ..., ...} or None
+    rope_scaling: dict | None = None   # {"rope_type": "linear"|"llama3"|"longrope", ...} or None
     tie_word_embeddings: bool = False
     attention_bias: bool = False   # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False          # RMSNorm over each q and k head before rope (Qwen3, Gemma 3)
+    post_norms: bool = False       # RMSNorm on attention and MLP outputs before the residual add (Gemma 3)
+    activation: str = "silu"       # gate activation of the MLP: "silu" | "gelu_tanh"
+    embed_scale: float = 1.0       # token embeddings are multiplied by this (Gemma: sqrt(dim))
+    attn_scale: float | None = None    # attention score scale; None = 1/sqrt(head_dim)
+    rotary_dim: int | None = None  # leading dims of each head that rotate; None = all (partial rotary)
+    sliding_window: int = 0        # positions a sliding layer attends to, itself included (0 = none)
+    layer_types: tuple | None = None   # per layer "full" | "sliding"; None: all sliding iff a window is set
+    rope_local_theta: float | None = None   # rope base of sliding layers, unscaled (Gemma 3)
+    nope_layers: tuple = ()        # layers without rotary embeddings (SmolLM3)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""                 # for display only
 
     def __post_init__(self) -> None:
-        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                    "ffn_dim", "vocab_size", "max_seq_len"):
+        limits = {"dim": MAX_DIM, "n_layers": MAX_LAYERS, "n_heads": MAX_DIM, "n_kv_heads": MAX_DIM,
+                  "head_dim": MAX_DIM, "ffn_dim": 1 << 20, "vocab_size": MAX_VOCAB,
+                  "max_seq_len": 1 << 40}
+        for key, limit in limits.items():
             value = getattr(self, key)
-            if not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ModelLoadError(f"config: {key} must be a positive integer, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ModelLoadError(f"config: {key} must be a positive integer, got {_short(value)}")
+            if value > limit:
+                raise ModelLoadError(f"config: {key} = {value} is beyond any real model (at most {limit})")
+            setattr(self, key, int(value))
         if self.n_heads % self.n_kv_heads:
             raise ModelLoadError(
                 f"config: num_attention_heads ({self.n_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.n_kv_heads})")
-        if self.head_dim % 2:
-            raise ModelLoadError(f"config: head_dim must be even for rotary embeddings, got {self.head_dim}")
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise UnsupportedModelError(
-                f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        self.norm_eps = _finite_positive(self.norm_eps, "rms_norm_eps")
+        self.embed_scale = _finite_positive(self.embed_scale, "embedding scale")
+        if self.attn_scale is not None:
+            self.attn_scale = _finite_positive(self.attn_scale, "attention scale")
+        if self.activation not in ACTIVATIONS:
+            raise ModelLoadError(f"config: activation {self.activation!r} is not supported "
+                                 f"(supported: {', '.join(ACTIVATIONS)})")
+        rot = self.head_dim if self.rotary_dim is None else self.rotary_dim
+        if isinstance(rot, bool) or not isinstance(rot, (int, np.integer)) or not 0 < rot <= self.head_dim or rot % 2:
+            raise ModelLoadError(f"config: the rotary dimension must be even and within head_dim "
+                                 f"{self.head_dim}, got {_short(rot)}")
+        window = self.sliding_window
+        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+            raise ModelLoadError(f"config: sliding_window must be a whole number >= 0, got {_short(window)}")
+        self.sliding_window = int(window)
+        if self.layer_types is not None:
+            types = tuple(self.layer_types)
+            if len(types) != self.n_layers or any(t not in LAYER_TYPES for t in types):
+                raise ModelLoadError(f"config: layer_types must list 'full' or 'sliding' for each of the "
+                                     f"{self.n_layers} layers")
+            if "sliding" in types and not self.sliding_window:
+                raise ModelLoadError("config: sliding layers are listed but sliding_window is not set")
+            self.layer_types = types
+        nope = tuple(int(i) for i in self.nope_layers)
+        if any(not 0 <= i < self.n_layers for i in nope):
+            raise ModelLoadError(f"config: a NoPE layer index is outside 0..{self.n_layers - 1}")
+        self.nope_layers = nope
+        # RopeSpec validates theta and the scaling parameters now, not at the first token
+        self.rope()
+        if self.rope_local_theta is not None:
+            self.rope(local=True)
 
+    # -- derived sizes ---------------------------------------------------------
     @property
     def q_dim(self) -> int:
         return self.n_heads * self.head_dim
@@ -81,46 +124,46 @@ class ModelConfig:
         """FP16 K and V for one position across all layers."""
         return 2 * self.n_layers * self.kv_dim * 2
 
-    def inv_freq(self) -> np.ndarray:
-        """Rotary inverse frequencies (head_dim // 2,) float32, rope scaling applied.
+    # -- per-layer features ----------------------------------------------------
+    def layer_window(self, i: int) -> int:
+        """Positions layer i attends to (itself included); 0 = the whole cache."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[i] == "sliding" else 0
 
-        Computed the way Hugging Face transformers does it so that positions
-        rotate identically (float32 at the end).
-        """
-        half = self.head_dim // 2
-        inv = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.int64)
-                                         .astype(np.float32) / self.head_dim))
-        scaling = self.rope_scaling or {}
-        if scaling.get("rope_type", "default") == "llama3":
-            inv = _llama3_scale(inv.astype(np.float64), scaling)
-        assert inv.shape == (half,)
-        return np.asarray(inv, dtype=np.float32)
+    def rope(self, local: bool = False) -> RopeSpec:
+        """The rotary embedding of full layers, or (local) of sliding layers when they differ."""
+        dim = self.head_dim if self.rotary_dim is None else self.rotary_dim
+        if local and self.rope_local_theta is not None:
+            return RopeSpec(float(self.rope_local_theta), dim, None)
+        return RopeSpec(float(self.rope_theta), dim, self.rope_scaling)
 
-    def rope_tables(self, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
-        """cos and sin tables, each (n_pos, head_dim // 2) float32."""
-        inv = self.inv_freq()
-        t = np.arange(n_pos, dtype=np.float32)
-        freqs = np.outer(t, inv).astype(np.float32)          # (n_pos, half)
-        return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+    def layer_rope(self, i: int) -> RopeSpec | None:
+        """Layer i's rotary embedding; None for NoPE layers."""
+        if i in self.nope_layers:
+            return None
+        return self.rope(local=self.layer_window(i) > 0)
+
+    def inv_freq(self, context: int | None = None) -> np.ndarray:
+        """Rotary inverse frequencies of full layers (rotary_dim // 2,) float32."""
+        return self.rope().inv_freq(self.max_seq_len if context is None else context)
 
 
-def _llama3_scale(inv_freq: np.ndarray, s: dict) -> np.ndarray:
-    """Llama 3.1 frequency-dependent rope scaling (published formula)."""
+def _short(value) -> str:
+    s = repr(value)
+    return s if len(s) <= 40 else s[:40] + "..."
+
+
+def _finite_positive(value, what: str) -> float:
+    if isinstance(value, bool):
+        raise ModelLoadError(f"config: {what} must be a number, got {value!r}")
     try:
-        factor = float(s["factor"])
-        low = float(s.get("low_freq_factor", 1.0))
-        high = float(s.get("high_freq_factor", 4.0))
-        orig = float(s["original_max_position_embeddings"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(f"config: llama3 rope_scaling is missing or has a bad {e}") from None
-    low_wavelen = orig / low
-    high_wavelen = orig / high
-    wavelen = 2 * math.pi / inv_freq
-    out = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (orig / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * out / factor + smooth * out
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return np.where(medium, smoothed, out)
+        v = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ModelLoadError(f"config: {what} must be a number, got {_short(value)}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise ModelLoadError(f"config: {what} must be a finite number > 0, got {_short(value)}")
+    return v
 
 
 def token_id_list(value) -> list[int]:
@@ -132,63 +175,3 @@ def token_id_list(value) -> list[int]:
     if isinstance(value, (list, tuple)):
         return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
     return []
-
-
-def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
-    """rope_theta and rope_scaling from either the classic keys or `rope_parameters`."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        scaling = None if rope_type == "default" else {**params, "rope_type": rope_type}
-        return float(theta), scaling
-    scaling = cfg.get("rope_scaling")
-    if isinstance(scaling, dict):
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
-    else:
-        scaling = None
-    return float(cfg.get("rope_theta", 10000.0)), scaling
-
-
-def config_from_hf(cfg: dict, name: str = "") -> ModelConfig:
-    """Build a ModelConfig from a parsed Hugging Face config.json."""
-    archs = cfg.get("architectures") or []
-    if not archs:
-        mt = cfg.get("model_type")
-        archs = {"llama": ["LlamaForCausalLM"], "mistral": ["MistralForCausalLM"],
-                 "qwen2": ["Qwen2ForCausalLM"]}.get(mt, [f"model_type={mt!r}"])
-    arch_name = archs[0]
-    if arch_name not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"architecture {arch_name!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    arch = SUPPORTED_ARCHITECTURES[arch_name]
-
-    def need(key):
-        if key not in cfg or cfg[key] is None:
-            raise ModelLoadError(f"config.json: missing required key {key!r}")
-        return cfg[key]
-
-    dim = need("hidden_size")
-    n_heads = need("num_attention_heads")
-    n_kv = cfg.get("num_key_value_heads") or n_heads
-    head_dim = cfg.get("head_dim") or (dim // n_heads if isinstance(dim, int) and isinstance(n_heads, int) and n_heads else 0)
-    theta, scaling = _rope_settings(cfg)
-    eos_ids = token_id_list(cfg.get("eos_token_id"))
-    if arch == "qwen2":
-        bias = True
-    else:
-        bias = bool(cfg.get("attention_bias", False))
-    try:
-        return ModelConfig(
-            arch=arch, dim=dim, n_layers=need("num_hidden_layers"), n_heads=n_heads,
-            n_kv_heads=n_kv, head_dim=head_dim, ffn_dim=need("intermediate_size"),
-            vocab_size=need("vocab_size"),
-            max_seq_len=cfg.get("max_position_embeddings") or 2048,
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), rope_theta=theta,
-            rope_scaling=scaling, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bias, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
-            name=name)
-    except TypeError as e:
-        raise ModelLoadError(f"config.json: bad value ({e})") from None

@@ -7,6 +7,7 @@ dequantized tensor in memory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import InvalidArgumentError, ModelLoadError
+from .families import family, hf_config_dict
 from .loading.gguf import config_from_gguf, materialize, plan_tensors, read_gguf
 from .loading.gguf_tokenizer import build_tokenizer
 
@@ -22,33 +24,17 @@ OUT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_co
              "generation_config.json")
 
 
-def hf_config_dict(cfg, torch_dtype: str = "float16") -> dict:
-    """config.json contents for a LlamaForCausalLM with these hyperparameters."""
-    d = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
-        "hidden_act": "silu",
-        "attention_bias": bool(cfg.attention_bias),
-        "mlp_bias": False,
-        "tie_word_embeddings": bool(cfg.tie_word_embeddings),
-        "torch_dtype": torch_dtype,
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": (cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids))
-        if cfg.eos_token_ids else None,
-        "use_cache": True,
-    }
-    return d
+def _hf_config(cfg) -> dict:
+    """config.json of the family; llama3 rope divisors from GGUF go back to their published parameters."""
+    from .rope import llama3_params_from_divisors
+    scaling = cfg.rope_scaling
+    if scaling and "divisors" in scaling:
+        params = llama3_params_from_divisors(scaling["divisors"], cfg.rope_theta, cfg.rotary_dim or cfg.head_dim)
+        if params is None:
+            raise InvalidArgumentError("the GGUF's rope_freqs match no published llama3 rope scaling, which "
+                                       "config.json could express; this file cannot be converted")
+        cfg = dataclasses.replace(cfg, rope_scaling={"rope_type": "llama3", **params})
+    return hf_config_dict(cfg)
 
 
 def _safetensors_header(entries: list[tuple[str, tuple[int, ...]]], meta: dict) -> tuple[bytes, list[int]]:
@@ -98,6 +84,8 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     _prepare_out_dir(out, overwrite)
 
     header, _ = _safetensors_header([(p.hf_name, p.shape) for p in plan], {"format": "pt"})
+    fam = family(cfg.arch)
+    minus_one = {t.hf_name(i) for t, i in fam.expected(cfg) if t.hf_plus_one}
     tmp = out / "model.safetensors.part"
     bar = None
     if progress:
@@ -109,6 +97,8 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
             f.write(header)
             for p in plan:
                 a = materialize(gf, p)
+                if p.hf_name in minus_one:
+                    a = a - np.float32(1.0)     # GGUF holds Gemma's 1 + w, HF checkpoints w
                 if a.dtype != np.float16:
                     a = a.astype(np.float16)    # 1-D f32 norms: well inside fp16 range
                 f.write(np.ascontiguousarray(a, dtype="<f2").data)
@@ -123,7 +113,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
         if tmp.exists():
             tmp.unlink()
 
-    _write_json(out / "config.json", hf_config_dict(cfg))
+    _write_json(out / "config.json", _hf_config(cfg))
     gen = {"bos_token_id": cfg.bos_token_id,
            "eos_token_id": (cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids))
            if cfg.eos_token_ids else None}

@@ -14,44 +14,54 @@ import numpy as np
 
 from .backends import get_backend
 from .config import ModelConfig
+from .families import family
 from .errors import ContextFullError, InvalidArgumentError
 
 DEFAULT_CONTEXT = 4096
 PREFILL_CHUNK = 256       # prompt tokens per batched pass: weights are read once per chunk
-BATCH_OPS = ("embed_batch", "rmsnorm_batch", "matmul", "matmul_add", "gate_up_silu_batch",
-             "add_rows", "rope_batch", "cache_store_batch", "attention_batch")
 
 
 @dataclass
-class LayerWeights:
-    attn_norm: Any      # (dim,) f32
-    wq: Any             # (n_heads*head_dim, dim) f16
-    wk: Any             # (n_kv*head_dim, dim) f16
-    wv: Any             # (n_kv*head_dim, dim) f16
-    bq: Any | None      # (n_heads*head_dim,) f32, Qwen2 only
-    bk: Any | None      # (n_kv*head_dim,) f32
-    bv: Any | None      # (n_kv*head_dim,) f32
-    wo: Any             # (dim, n_heads*head_dim) f16
-    ffn_norm: Any       # (dim,) f32
-    w_gate: Any         # (ffn, dim) f16
-    w_up: Any           # (ffn, dim) f16
-    w_down: Any         # (dim, ffn) f16
-    k_cache: Any        # (n_kv, context, head_dim) f16
-    v_cache: Any        # (n_kv, context, head_dim) f16
-    wqkv: Any = None    # (q_dim + 2*kv_dim, dim) f16 when the backend fuses q/k/v (wq/wk/wv are row views)
-    bqkv: Any = None    # (q_dim + 2*kv_dim,) f32
+class Layer:
+    """One block's weights (backend arrays), its KV cache and its attention settings."""
+    attn_norm: Any                # (dim,) f32
+    wq: Any                       # (n_heads*head_dim, dim) f16 (a row view of wqkv when fused)
+    wk: Any                       # (n_kv*head_dim, dim) f16
+    wv: Any                       # (n_kv*head_dim, dim) f16
+    wo: Any                       # (dim, n_heads*head_dim) f16
+    ffn_norm: Any                 # (dim,) f32
+    w_gate: Any                   # (ffn, dim) f16
+    w_up: Any                     # (ffn, dim) f16
+    w_down: Any                   # (dim, ffn) f16
+    k_cache: Any                  # (n_kv, context, head_dim) f16
+    v_cache: Any                  # (n_kv, context, head_dim) f16
+    window: int = 0               # attention sees the last `window` positions (0: all)
+    rope: tuple | None = None     # (cos, sin) tables (context, rot/2) f32; None: no rope (NoPE)
+    wqkv: Any = None              # (q_dim + 2*kv_dim, dim) f16: q, k, v in one matvec
+    bq: Any = None                # (n_heads*head_dim,) f32 biases (Qwen2)
+    bk: Any = None
+    bv: Any = None
+    bqkv: Any = None              # (q_dim + 2*kv_dim,) f32 when wqkv is used
+    q_norm: Any = None            # (head_dim,) f32 per-head norms (Qwen3, Gemma 3)
+    k_norm: Any = None
+    post_attn_norm: Any = None    # (dim,) f32 norms of the block outputs (Gemma 3)
+    post_ffn_norm: Any = None
 
 
 @dataclass
 class RunState:
-    qkv: Any      # (n_heads*head_dim + 2*n_kv*head_dim,) q, k and v side by side
+    """Decode buffers (one token)."""
+    qkv: Any      # (q_dim + 2*kv_dim,) q, k and v side by side
     x: Any        # (dim,) residual stream
     xb: Any       # (dim,) normed input of a sub-block
+    tmp: Any      # (dim,) a block's output before its post-norm
     q: Any        # (n_heads*head_dim,)  view of qkv
     k: Any        # (n_kv*head_dim,)     view of qkv
     v: Any        # (n_kv*head_dim,)     view of qkv
+    q_heads: Any  # (n_heads, head_dim)  view of q, for per-head norms
+    k_heads: Any  # (n_kv, head_dim)     view of k
     att: Any      # (n_heads*head_dim,) attention output, before wo
-    hb: Any       # (ffn,) silu(gate) * up
+    hb: Any       # (ffn,) act(gate) * up
     logits: Any   # (vocab,)
 
 
@@ -61,12 +71,118 @@ class BatchState:
     tokens: np.ndarray   # (B,) int32, host
     x: Any               # (B, dim)
     xb: Any              # (B, dim)
+    tmp: Any             # (B, dim)
     q: Any               # (B, n_heads*head_dim)
     k: Any               # (B, n_kv*head_dim)
     v: Any               # (B, n_kv*head_dim)
     att: Any             # (B, n_heads*head_dim)
     hb: Any              # (B, ffn)
     logits: Any = None   # (B, vocab), only once logits at every position are asked for
+
+
+class _DecodePass:
+    """The block's ops for one token at ``pos``: single-row ops on RunState."""
+
+    def __init__(self, model: "Model", s: RunState, pos: int):
+        self.b, self.eps, self.pos = model.backend, model.config.norm_eps, pos
+        self.scale = model.attn_scale
+        self.x, self.xb, self.tmp, self.att, self.hb = s.x, s.xb, s.tmp, s.att, s.hb
+        self.s = s
+
+    def rmsnorm(self, out, x, w):
+        self.b.rmsnorm(out, x, w, self.eps)
+
+    def linear(self, out, w, x):
+        self.b.matvec(out, w, x)
+
+    def linear_add(self, out, w, x):
+        self.b.matvec_add(out, w, x)
+
+    def add(self, out, y):
+        self.b.add(out, out, y)
+
+    def qkv(self, L: Layer):
+        b, s = self.b, self.s
+        if L.wqkv is not None:
+            b.matvec(s.qkv, L.wqkv, self.xb)
+            if L.bqkv is not None:
+                b.add(s.qkv, s.qkv, L.bqkv)
+            return
+        b.matvec(s.q, L.wq, self.xb)
+        b.matvec(s.k, L.wk, self.xb)
+        b.matvec(s.v, L.wv, self.xb)
+        if L.bq is not None:
+            b.add(s.q, s.q, L.bq)
+            b.add(s.k, s.k, L.bk)
+            b.add(s.v, s.v, L.bv)
+
+    def head_norms(self, L: Layer):
+        self.b.rmsnorm_batch(self.s.q_heads, self.s.q_heads, L.q_norm, self.eps)
+        self.b.rmsnorm_batch(self.s.k_heads, self.s.k_heads, L.k_norm, self.eps)
+
+    def rope_store(self, L: Layer):
+        s = self.s
+        if L.rope is None:
+            self.b.cache_store(L.k_cache, L.v_cache, s.k, s.v, self.pos)
+        else:
+            self.b.rope_store(s.q, s.k, s.v, L.rope[0], L.rope[1], L.k_cache, L.v_cache, self.pos)
+
+    def attention(self, L: Layer):
+        self.b.attention(self.att, self.s.q, L.k_cache, L.v_cache, self.pos, L.window, self.scale)
+
+    def gate_up(self, L: Layer, act: str):
+        self.b.gate_up(self.hb, L.w_gate, L.w_up, self.xb, act)
+
+
+class _PrefillPass:
+    """The same ops for T prompt tokens at positions pos0.. : batched ops on BatchState rows."""
+
+    def __init__(self, model: "Model", B: BatchState, T: int, pos0: int):
+        c = model.config
+        self.b, self.eps, self.pos0, self.T = model.backend, c.norm_eps, pos0, T
+        self.scale, self.head_dim = model.attn_scale, c.head_dim
+        self.x, self.xb, self.tmp, self.att, self.hb = B.x[:T], B.xb[:T], B.tmp[:T], B.att[:T], B.hb[:T]
+        self.q, self.k, self.v = B.q[:T], B.k[:T], B.v[:T]
+        self.n_heads, self.n_kv = c.n_heads, c.n_kv_heads
+
+    def rmsnorm(self, out, x, w):
+        self.b.rmsnorm_batch(out, x, w, self.eps)
+
+    def linear(self, out, w, x):
+        self.b.matmul(out, w, x)
+
+    def linear_add(self, out, w, x):
+        self.b.matmul_add(out, w, x)
+
+    def add(self, out, y):
+        flat_out, flat_y = out.reshape(-1), y.reshape(-1)
+        self.b.add(flat_out, flat_out, flat_y)
+
+    def qkv(self, L: Layer):
+        # three GEMMs even when fused: wq/wk/wv are row views of wqkv, and q, k, v stay
+        # contiguous for the ops that follow
+        b = self.b
+        for out, w, bias in ((self.q, L.wq, L.bq), (self.k, L.wk, L.bk), (self.v, L.wv, L.bv)):
+            b.matmul(out, w, self.xb)
+            if bias is not None:
+                b.add_rows(out, out, bias)
+
+    def head_norms(self, L: Layer):
+        T, hd = self.T, self.head_dim
+        for rows, w, n in ((self.q, L.q_norm, self.n_heads), (self.k, L.k_norm, self.n_kv)):
+            heads = rows.reshape(T * n, hd)          # every head of every row
+            self.b.rmsnorm_batch(heads, heads, w, self.eps)
+
+    def rope_store(self, L: Layer):
+        if L.rope is not None:
+            self.b.rope_batch(self.q, self.k, L.rope[0], L.rope[1], self.pos0, self.head_dim)
+        self.b.cache_store_batch(L.k_cache, L.v_cache, self.k, self.v, self.pos0)
+
+    def attention(self, L: Layer):
+        self.b.attention_batch(self.att, self.q, L.k_cache, L.v_cache, self.pos0, L.window, self.scale)
+
+    def gate_up(self, L: Layer, act: str):
+        self.b.gate_up_batch(self.hb, L.w_gate, L.w_up, self.xb, act)
 
 
 class Model:
@@ -78,6 +194,7 @@ class Model:
 
         validate_weights(config, weights)
         self.config = config
+        self.family = family(config.arch)
         self.tokenizer = tokenizer
         self.backend = get_backend(backend, threads) if isinstance(backend, str) else backend
         self.context = _resolve_context(config, context)
@@ -86,7 +203,8 @@ class Model:
         if threads_batch is not None:
             self.set_threads(self.backend.threads, threads_batch)
         self.weight_bytes = sum(int(a.nbytes) for a in weights.values())
-        self.batched_prefill = all(hasattr(self.backend, op) for op in BATCH_OPS)
+        self.batched_prefill = self.backend.supports_batch()
+        self.attn_scale = config.attn_scale      # None: 1/sqrt(head_dim)
         self.batch: BatchState | None = None
         self._build(weights)
 
@@ -97,85 +215,121 @@ class Model:
 
     # -- construction ---------------------------------------------------------
     def _build(self, w: dict) -> None:
-        c, b = self.config, self.backend
+        c, b, fam = self.config, self.backend, self.family
         up = b.upload
-        self.embedding = up(w["model.embed_tokens.weight"])            # (vocab, dim) f16
-        self.final_norm = up(w["model.norm.weight"])                    # (dim,) f32
-        if "lm_head.weight" in w and not c.tie_word_embeddings:
-            self.output = up(w["lm_head.weight"])                       # (vocab, dim) f16
-        else:
-            self.output = self.embedding
-        self.layers: list[LayerWeights] = []
-        fuse = bool(getattr(b, "fuse_qkv", False))
-        qd, kd = c.q_dim, c.kv_dim
+
+        roles = {t.role: t for t in fam.tensors}
+
+        def get(role: str, i: int | None = None):
+            """The host array of a role, or None where this family or config has none."""
+            t = roles.get(role)
+            return w.get(t.hf_name(i)) if t is not None and t.when(c) else None
+
+        self.embedding = up(get("token_embd.weight"))                   # (vocab, dim) f16
+        self.final_norm = up(get("output_norm.weight"))                 # (dim,) f32
+        out = get("output.weight")
+        self.output = up(out) if out is not None and not c.tie_word_embeddings else self.embedding
+        tables: dict = {}     # one (cos, sin) pair per distinct rope
+        qd, kd, f = c.q_dim, c.kv_dim, c.ffn_dim
+        self.layers: list[Layer] = []
         for i in range(c.n_layers):
-            p = f"model.layers.{i}."
-            names = [p + f"self_attn.{m}_proj.weight" for m in "qkv"]
-            bias_names = [p + f"self_attn.{m}_proj.bias" for m in "qkv"]
-            has_bias = c.attention_bias and all(n in w for n in bias_names)
             wqkv = bqkv = None
-            if fuse:
-                wqkv = up(np.concatenate([w[n] for n in names]))
+            if fam.fused_qkv:
+                wqkv = up(get("attn_qkv.weight", i))
+            elif b.fuse_qkv:
+                wqkv = up(np.concatenate([get(r, i) for r in ("attn_q.weight", "attn_k.weight", "attn_v.weight")]))
+            biases = [get(r, i) for r in ("attn_q.bias", "attn_k.bias", "attn_v.bias")]
+            has_bias = all(x is not None for x in biases)
+            if wqkv is not None:
                 wq, wk, wv = wqkv[:qd], wqkv[qd:qd + kd], wqkv[qd + kd:]
                 if has_bias:
-                    bqkv = up(np.concatenate([w[n] for n in bias_names]))
+                    bqkv = up(np.concatenate(biases))
             else:
-                wq, wk, wv = (up(w[n]) for n in names)
+                wq, wk, wv = (up(get(r, i)) for r in ("attn_q.weight", "attn_k.weight", "attn_v.weight"))
             if bqkv is not None:
                 bq, bk, bv = bqkv[:qd], bqkv[qd:qd + kd], bqkv[qd + kd:]
             elif has_bias:
-                bq, bk, bv = (up(w[n]) for n in bias_names)
+                bq, bk, bv = (up(x) for x in biases)
             else:
                 bq = bk = bv = None
-            self.layers.append(LayerWeights(
-                attn_norm=up(w[p + "input_layernorm.weight"]),
-                wq=wq, wk=wk, wv=wv, bq=bq, bk=bk, bv=bv,
-                wo=up(w[p + "self_attn.o_proj.weight"]),
-                ffn_norm=up(w[p + "post_attention_layernorm.weight"]),
-                w_gate=up(w[p + "mlp.gate_proj.weight"]),
-                w_up=up(w[p + "mlp.up_proj.weight"]),
-                w_down=up(w[p + "mlp.down_proj.weight"]),
+            if fam.fused_gate_up:
+                gu = up(get("ffn_gate_up.weight", i))                   # (2*ffn, dim): gate rows first
+                w_gate, w_up = gu[:f], gu[f:]
+            else:
+                w_gate, w_up = up(get("ffn_gate.weight", i)), up(get("ffn_up.weight", i))
+            spec = c.layer_rope(i)
+            key = None if spec is None else repr(spec)      # specs hold dicts: key by value
+            if key is not None and key not in tables:
+                cos, sin = spec.tables(self.context)                    # (context, rot/2) each
+                tables[key] = (up(cos), up(sin))
+            opt = lambda role: None if get(role, i) is None else up(get(role, i))  # noqa: E731
+            self.layers.append(Layer(
+                attn_norm=up(get("attn_norm.weight", i)), wq=wq, wk=wk, wv=wv,
+                wo=up(get("attn_output.weight", i)), ffn_norm=up(get("ffn_norm.weight", i)),
+                w_gate=w_gate, w_up=w_up, w_down=up(get("ffn_down.weight", i)),
                 k_cache=b.empty((c.n_kv_heads, self.context, c.head_dim), np.float16),
                 v_cache=b.empty((c.n_kv_heads, self.context, c.head_dim), np.float16),
-                wqkv=wqkv, bqkv=bqkv,
-            ))
-        cos, sin = c.rope_tables(self.context)                          # (context, head_dim/2)
-        self.rope_cos, self.rope_sin = up(cos), up(sin)
+                window=c.layer_window(i), rope=None if key is None else tables[key],
+                wqkv=wqkv, bq=bq, bk=bk, bv=bv, bqkv=bqkv,
+                q_norm=opt("attn_q_norm.weight"), k_norm=opt("attn_k_norm.weight"),
+                post_attn_norm=opt("post_attention_norm.weight"), post_ffn_norm=opt("post_ffw_norm.weight")))
         qkv = b.empty((qd + 2 * kd,))
+        q, k = qkv[:qd], qkv[qd:qd + kd]
         self.state = RunState(
-            qkv=qkv, x=b.empty((c.dim,)), xb=b.empty((c.dim,)), q=qkv[:qd], k=qkv[qd:qd + kd],
-            v=qkv[qd + kd:], att=b.empty((qd,)), hb=b.empty((c.ffn_dim,)), logits=b.empty((c.vocab_size,)))
+            qkv=qkv, x=b.empty((c.dim,)), xb=b.empty((c.dim,)), tmp=b.empty((c.dim,)), q=q, k=k,
+            v=qkv[qd + kd:], q_heads=q.reshape(c.n_heads, c.head_dim), k_heads=k.reshape(c.n_kv_heads, c.head_dim),
+            att=b.empty((qd,)), hb=b.empty((c.ffn_dim,)), logits=b.empty((c.vocab_size,)))
 
-    # -- the forward pass -----------------------------------------------------
+    # -- the forward pass: one block body for decode and prefill ---------------
+    def _block(self, o, L: Layer) -> None:
+        """One transformer block on pass ``o`` (one token or T tokens, same ops)."""
+        act = self.config.activation
+        # attention: x += [post_norm] wo @ attention(rope(qnorm(wq xb)), rope(knorm(wk xb)), wv xb)
+        o.rmsnorm(o.xb, o.x, L.attn_norm)
+        o.qkv(L)
+        if L.q_norm is not None:
+            o.head_norms(L)
+        o.rope_store(L)
+        o.attention(L)
+        self._residual(o, L.wo, o.att, L.post_attn_norm)
+        # MLP: x += [post_norm] w_down @ (act(w_gate xb) * (w_up xb))
+        o.rmsnorm(o.xb, o.x, L.ffn_norm)
+        o.gate_up(L, act)
+        self._residual(o, L.w_down, o.hb, L.post_ffn_norm)
+
+    @staticmethod
+    def _residual(o, w, h, post_norm) -> None:
+        if post_norm is None:
+            o.linear_add(o.x, w, h)
+        else:
+            o.linear(o.tmp, w, h)
+            o.rmsnorm(o.tmp, o.tmp, post_norm)
+            o.add(o.x, o.tmp)
+
     def _issue_forward_ops(self, token: int, pos: int) -> None:
         """Queue every op of one token's forward pass; logits land in state.logits."""
         b, s, c = self.backend, self.state, self.config
-        eps = c.norm_eps
-        b.embed(s.x, self.embedding, token)
+        b.embed(s.x, self.embedding, token, c.embed_scale)
+        o = _DecodePass(self, s, pos)
         for L in self.layers:
-            # attention block: x += wo @ attention(rope(wq xb), rope(wk xb), wv xb)
-            b.rmsnorm(s.xb, s.x, L.attn_norm, eps)
-            if L.wqkv is not None:
-                b.matvec(s.qkv, L.wqkv, s.xb)
-                if L.bqkv is not None:
-                    b.add(s.qkv, s.qkv, L.bqkv)
-            else:
-                b.matvec(s.q, L.wq, s.xb)
-                b.matvec(s.k, L.wk, s.xb)
-                b.matvec(s.v, L.wv, s.xb)
-                if L.bq is not None:
-                    b.add(s.q, s.q, L.bq)
-                    b.add(s.k, s.k, L.bk)
-                    b.add(s.v, s.v, L.bv)
-            b.rope_store(s.q, s.k, s.v, self.rope_cos, self.rope_sin, L.k_cache, L.v_cache, pos)
-            b.attention(s.att, s.q, L.k_cache, L.v_cache, pos)
-            b.matvec_add(s.x, L.wo, s.att)
-            # MLP block: x += w_down @ (silu(w_gate xb) * (w_up xb))
-            b.rmsnorm(s.xb, s.x, L.ffn_norm, eps)
-            b.gate_up_silu(s.hb, L.w_gate, L.w_up, s.xb)
-            b.matvec_add(s.x, L.w_down, s.hb)
-        b.rmsnorm(s.xb, s.x, self.final_norm, eps)
+            self._block(o, L)
+        b.rmsnorm(s.xb, s.x, self.final_norm, c.norm_eps)
         b.matvec(s.logits, self.output, s.xb)
+
+    def _issue_batch_ops(self, T: int, pos0: int, all_logits: bool) -> None:
+        """The forward pass for T prompt tokens at once (same block body)."""
+        b, c, s, B = self.backend, self.config, self.state, self.batch
+        eps = c.norm_eps
+        b.embed_batch(B.x[:T], self.embedding, B.tokens[:T], c.embed_scale)
+        o = _PrefillPass(self, B, T, pos0)
+        for L in self.layers:
+            self._block(o, L)
+        if all_logits:
+            b.rmsnorm_batch(B.xb[:T], B.x[:T], self.final_norm, eps)
+            b.matmul(B.logits[:T], self.output, B.xb[:T])
+        else:   # only the last position's logits are needed
+            b.rmsnorm(s.xb, B.x[T - 1], self.final_norm, eps)
+            b.matvec(s.logits, self.output, s.xb)
 
     def forward(self, token: int, pos: int) -> np.ndarray:
         """Run one token at position ``pos``; returns logits (vocab,) f32 on the host.
@@ -185,11 +339,7 @@ class Model:
         self._check_token(token)
         if not 0 <= pos < self.context:
             raise ContextFullError(f"position {pos} is outside the context window of {self.context} tokens")
-        step = getattr(self.backend, "decode_step", None)
-        if step is not None:
-            step(self._issue_forward_ops, token, pos)
-        else:
-            self._issue_forward_ops(token, pos)
+        self.backend.decode_step(self._issue_forward_ops, token, pos)
         return self.backend.to_host(self.state.logits)
 
     def prefill(self, tokens, pos0: int = 0, all_logits: bool = False) -> np.ndarray:
@@ -234,8 +384,8 @@ class Model:
             n = min(PREFILL_CHUNK, self.context)
             self.batch = BatchState(
                 tokens=np.zeros(n, np.int32), x=b.empty((n, c.dim)), xb=b.empty((n, c.dim)),
-                q=b.empty((n, c.q_dim)), k=b.empty((n, c.kv_dim)), v=b.empty((n, c.kv_dim)),
-                att=b.empty((n, c.q_dim)), hb=b.empty((n, c.ffn_dim)))
+                tmp=b.empty((n, c.dim)), q=b.empty((n, c.q_dim)), k=b.empty((n, c.kv_dim)),
+                v=b.empty((n, c.kv_dim)), att=b.empty((n, c.q_dim)), hb=b.empty((n, c.ffn_dim)))
         if all_logits and self.batch.logits is None:
             self.batch.logits = b.empty((self.batch.tokens.shape[0], c.vocab_size))
         return self.batch
@@ -255,36 +405,6 @@ class Model:
                 logits = self.backend.to_host(self.state.logits)
         return out[-1] if out is not None else logits
 
-    def _issue_batch_ops(self, T: int, pos0: int, all_logits: bool) -> None:
-        """The forward pass of ``_issue_forward_ops`` for T prompt tokens at once."""
-        b, c, s, B = self.backend, self.config, self.state, self.batch
-        eps = c.norm_eps
-        x, xb, q, k, v = B.x[:T], B.xb[:T], B.q[:T], B.k[:T], B.v[:T]
-        att, hb = B.att[:T], B.hb[:T]
-        b.embed_batch(x, self.embedding, B.tokens[:T])
-        for L in self.layers:
-            b.rmsnorm_batch(xb, x, L.attn_norm, eps)
-            b.matmul(q, L.wq, xb)
-            b.matmul(k, L.wk, xb)
-            b.matmul(v, L.wv, xb)
-            if L.bq is not None:
-                b.add_rows(q, q, L.bq)
-                b.add_rows(k, k, L.bk)
-                b.add_rows(v, v, L.bv)
-            b.rope_batch(q, k, self.rope_cos, self.rope_sin, pos0)
-            b.cache_store_batch(L.k_cache, L.v_cache, k, v, pos0)
-            b.attention_batch(att, q, L.k_cache, L.v_cache, pos0)
-            b.matmul_add(x, L.wo, att)
-            b.rmsnorm_batch(xb, x, L.ffn_norm, eps)
-            b.gate_up_silu_batch(hb, L.w_gate, L.w_up, xb)
-            b.matmul_add(x, L.w_down, hb)
-        if all_logits:
-            b.rmsnorm_batch(xb, x, self.final_norm, eps)
-            b.matmul(B.logits[:T], self.output, xb)
-        else:   # only the last position's logits are needed
-            b.rmsnorm(s.xb, B.x[T - 1], self.final_norm, eps)
-            b.matvec(s.logits, self.output, s.xb)
-
     # -- generation (the loop lives in generate.py) ---------------------------
     def generate(self, prompt: str, max_tokens: int = 256, **kwargs):
         """Stream generated text pieces for ``prompt`` (see generate.generate for options)."""
@@ -294,8 +414,6 @@ class Model:
     def set_threads(self, decode, prefill=None) -> None:
         """Kernel threads for decoding, and optionally a different count for prefill."""
         from .threads import parse_threads
-        if not hasattr(self.backend, "set_threads"):
-            return
         self.threads_decode = parse_threads(decode)
         self.threads_prefill = parse_threads(prefill, "threads-batch") if prefill is not None else self.threads_decode
         self.backend.set_threads(self.threads_decode)

@@ -1,5 +1,9 @@
 """The op interface every backend implements, with the same names and argument order.
 
+OPS below is the one registry of ops: every list of op names in cyllm (the
+model's batched ops, the CPU decode capture, the benchmark's null backend, the
+op test table) derives from it.
+
 Conventions (shared by numpy_ref, cpu and cuda):
 - Every op writes into a preallocated ``out`` given first, and allocates nothing.
 - Activations are float32 vectors; weight matrices are float16, row-major
@@ -7,115 +11,112 @@ Conventions (shared by numpy_ref, cpu and cuda):
 - One layer's KV cache is a pair of arrays (n_kv_heads, max_ctx, head_dim) f16:
   each head's keys are contiguous in time, which is what attention reads.
 - Rotary embeddings use the Hugging Face "rotate half" layout: within a head,
-  element i pairs with element i + head_dim/2.
+  element i pairs with element i + rot/2 for the first rot dims (rot = 2 *
+  cos.shape[1]; partial rotary leaves the rest of the head as it is).
+- Attention with ``window`` w > 0 sees the last w positions (itself included);
+  ``scale`` None means 1/sqrt(head_dim).
 - Ops marked *fused* exist because a benchmark showed they pay; each has a
   plain definition in numpy_ref.py, so tests compare every backend against it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 Array = Any   # np.ndarray on the host backends, cupy.ndarray on cuda
 
+ACTIVATIONS = ("silu", "gelu_tanh")
 
-class Backend(Protocol):
-    name: str              # "numpy" | "cpu" | "cuda"
-    kernel_variant: str    # what runs the kernels: "numpy", "avx2", "generic", "cuda"
-    threads: int           # worker threads used by the kernels (1 for numpy/cuda)
-    fuse_qkv: bool         # True: the model uploads q/k/v as one (q+2kv, dim) matrix (one matvec
-                           # instead of three); backends that map weights without copying say False
 
-    # -- memory ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Op:
+    name: str
+    signature: str     # arguments after self, as every backend spells them
+    doc: str
+    batched: bool = False   # a prefill op over T rows
+
+
+OPS: tuple[Op, ...] = (
+    Op("embed", "out, table, token, scale=1.0", "out (dim,) f32 = table[token] * scale ; table (vocab, dim) f16"),
+    Op("rmsnorm", "out, x, w, eps", "out (dim,) = x / sqrt(mean(x^2) + eps) * w ; out may alias x"),
+    Op("matvec", "out, w, x", "out (d,) f32 = w @ x ; w (d, n) f16, x (n,) f32"),
+    Op("matvec_add", "out, w, x", "*fused* out (d,) += w @ x"),
+    Op("gate_up", "out, w_gate, w_up, x, act='silu'",
+       "*fused* out (f,) = act(w_gate @ x) * (w_up @ x) ; act 'silu' | 'gelu_tanh'"),
+    Op("rope", "q, k, cos, sin, pos, head_dim=None",
+       "in place on q (n_heads*hd,), k (n_kv*hd,) ; cos, sin (max_ctx, rot/2), row pos ; hd None = rot"),
+    Op("cache_store", "k_cache, v_cache, k, v, pos", "k_cache[:, pos] = k ; v_cache[:, pos] = v (f32 -> f16)"),
+    Op("rope_store", "q, k, v, cos, sin, k_cache, v_cache, pos",
+       "*fused* rope(q, k, cos, sin, pos, head_dim of the cache) then cache_store"),
+    Op("attention", "out, q, k_cache, v_cache, pos, window=0, scale=None",
+       "causal attention of one query over cache positions max(0, pos+1-window)..pos ; "
+       "query head h reads kv head h // (n_heads // n_kv)"),
+    Op("swiglu", "out, gate, up", "out (f,) = silu(gate) * up"),
+    Op("add", "out, x, y", "out = x + y, all (n,) f32 (out may alias x)"),
+    Op("embed_batch", "out, table, tokens, scale=1.0", "out (T, dim) = table[tokens] * scale ; tokens (T,) int32 host",
+       batched=True),
+    Op("rmsnorm_batch", "out, x, w, eps", "rmsnorm of every row: out, x (T, n) ; w (n,)", batched=True),
+    Op("matmul", "out, w, x", "out (T, d) = x @ w.T ; w (d, n) f16, x (T, n) f32", batched=True),
+    Op("matmul_add", "out, w, x", "*fused* out (T, d) += x @ w.T", batched=True),
+    Op("gate_up_batch", "out, w_gate, w_up, x, act='silu'", "*fused* out (T, f) = act(x @ w_gate.T) * (x @ w_up.T)",
+       batched=True),
+    Op("add_rows", "out, x, b", "out (T, n) = x (T, n) + b (n,) on every row (out may alias x)", batched=True),
+    Op("rope_batch", "q, k, cos, sin, pos0, head_dim=None", "rope of every row; row t is position pos0 + t",
+       batched=True),
+    Op("cache_store_batch", "k_cache, v_cache, k, v, pos0", "k_cache[:, pos0 + t] = k[t] (same for v)",
+       batched=True),
+    Op("attention_batch", "out, q, k_cache, v_cache, pos0, window=0, scale=None",
+       "causal attention of T queries: row t is attention(..., pos0 + t, window, scale)", batched=True),
+)
+OP_NAMES = tuple(o.name for o in OPS)
+DECODE_OPS = tuple(o.name for o in OPS if not o.batched)
+BATCH_OPS = tuple(o.name for o in OPS if o.batched)
+
+
+class Backend:
+    """What every backend is beyond its ops: memory, capabilities with their defaults.
+
+    The ops themselves (OPS) are methods of each backend class; they are not
+    declared here so that a compiled base class (the CPU kernels) provides them.
+    """
+
+    name: str = "?"
+    kernel_variant: str = "?"
+    threads: int = 1
+    # True: the model uploads q/k/v as one (q+2kv, dim) matrix (one matvec instead of
+    # three); backends that map weights without copying say False
+    fuse_qkv: bool = False
+
     def upload(self, a: np.ndarray) -> Array:
         """Host array -> backend array (weights, once). May return a view (no copy)."""
+        raise NotImplementedError
 
-    def empty(self, shape: tuple[int, ...], dtype=np.float32) -> Array:
-        """A new uninitialised backend array (run state, once)."""
+    def empty(self, shape, dtype=np.float32) -> Array:
+        """A new zeroed backend array (run state, once)."""
+        raise NotImplementedError
 
     def to_host(self, a: Array) -> np.ndarray:
-        """Backend array -> host numpy array (a view where the backend allows)."""
+        raise NotImplementedError
 
     def synchronize(self) -> None:
-        """Wait until every queued op has finished."""
+        pass
 
-    # -- ops ------------------------------------------------------------------
-    def embed(self, out: Array, table: Array, token: int) -> None:
-        """out (dim,) f32 = table[token] ; table (vocab, dim) f16."""
+    def decode_step(self, issue_ops, token: int, pos: int) -> None:
+        """Run one token's ops; backends that capture the step (cpu, cuda) override this."""
+        issue_ops(token, pos)
 
-    def rmsnorm(self, out: Array, x: Array, w: Array, eps: float) -> None:
-        """out (dim,) f32 = x / sqrt(mean(x^2) + eps) * w ; x (dim,) f32, w (dim,) f32."""
+    def set_threads(self, n) -> None:
+        """Kernel threads; backends without a thread pool keep 1."""
 
-    def matvec(self, out: Array, w: Array, x: Array) -> None:
-        """out (d,) f32 = w @ x ; w (d, n) f16, x (n,) f32."""
+    def supports_batch(self) -> bool:
+        """True when every batched op exists (prefill runs T tokens per pass)."""
+        return all(callable(getattr(self, op, None)) for op in BATCH_OPS)
 
-    def matvec_add(self, out: Array, w: Array, x: Array) -> None:
-        """*fused* out (d,) f32 += w @ x ; the residual add folded into the matvec."""
-
-    def gate_up_silu(self, out: Array, w_gate: Array, w_up: Array, x: Array) -> None:
-        """*fused* out (f,) f32 = silu(w_gate @ x) * (w_up @ x) ; w_gate, w_up (f, n) f16."""
-
-    def rope(self, q: Array, k: Array, cos: Array, sin: Array, pos: int) -> None:
-        """In place on q (n_heads*head_dim,) and k (n_kv_heads*head_dim,) f32.
-
-        cos, sin (max_ctx, head_dim/2) f32 tables; row ``pos`` is used.
-        """
-
-    def cache_store(self, k_cache: Array, v_cache: Array, k: Array, v: Array, pos: int) -> None:
-        """k_cache[:, pos, :] = k ; v_cache[:, pos, :] = v (f32 -> f16).
-
-        k_cache, v_cache (n_kv_heads, max_ctx, head_dim) f16 ; k, v (n_kv_heads*head_dim,) f32.
-        """
-
-    def rope_store(self, q: Array, k: Array, v: Array, cos: Array, sin: Array,
-                   k_cache: Array, v_cache: Array, pos: int) -> None:
-        """*fused* rope(q, k, cos, sin, pos) then cache_store(k_cache, v_cache, k, v, pos)."""
-
-    def attention(self, out: Array, q: Array, k_cache: Array, v_cache: Array, pos: int) -> None:
-        """Causal attention of one query over cache positions 0..pos inclusive.
-
-        out, q (n_heads*head_dim,) f32 ; k_cache, v_cache (n_kv_heads, max_ctx, head_dim) f16.
-        Query head h reads KV head h // (n_heads // n_kv_heads); scale 1/sqrt(head_dim).
-        """
-
-    def swiglu(self, out: Array, gate: Array, up: Array) -> None:
-        """out (f,) f32 = silu(gate) * up."""
-
-    def add(self, out: Array, x: Array, y: Array) -> None:
-        """out = x + y, all (n,) f32 (out may alias x)."""
-
-    # -- batched ops (prefill: T tokens at once, each row one position) --------
-    def embed_batch(self, out: Array, table: Array, tokens: np.ndarray) -> None:
-        """out (T, dim) f32 = table[tokens] ; tokens (T,) int32 on the host."""
-
-    def rmsnorm_batch(self, out: Array, x: Array, w: Array, eps: float) -> None:
-        """rmsnorm of every row: out, x (T, dim) f32 ; w (dim,) f32."""
-
-    def matmul(self, out: Array, w: Array, x: Array) -> None:
-        """out (T, d) f32 = x @ w.T ; w (d, n) f16, x (T, n) f32."""
-
-    def matmul_add(self, out: Array, w: Array, x: Array) -> None:
-        """*fused* out (T, d) f32 += x @ w.T."""
-
-    def gate_up_silu_batch(self, out: Array, w_gate: Array, w_up: Array, x: Array) -> None:
-        """*fused* out (T, f) f32 = silu(x @ w_gate.T) * (x @ w_up.T) ; x (T, n) f32."""
-
-    def add_rows(self, out: Array, x: Array, b: Array) -> None:
-        """out (T, n) = x (T, n) + b (n,) broadcast over rows (out may alias x)."""
-
-    def rope_batch(self, q: Array, k: Array, cos: Array, sin: Array, pos0: int) -> None:
-        """rope on every row in place: q (T, n_heads*head_dim), k (T, n_kv*head_dim); row t is position pos0+t."""
-
-    def cache_store_batch(self, k_cache: Array, v_cache: Array, k: Array, v: Array, pos0: int) -> None:
-        """k_cache[:, pos0+t, :] = k[t] (same for v) ; k, v (T, n_kv*head_dim) f32."""
-
-    def attention_batch(self, out: Array, q: Array, k_cache: Array, v_cache: Array, pos0: int) -> None:
-        """Causal attention for T queries: row t attends to cache positions 0..pos0+t inclusive.
-
-        out, q (T, n_heads*head_dim) f32 ; the cache must already hold positions up to pos0+T-1.
-        """
+    def missing_ops(self) -> list[str]:
+        return [op for op in OP_NAMES if not callable(getattr(self, op, None))]
 
 
 class HostArrays:
@@ -136,3 +137,8 @@ def check_token(token: int, vocab: int) -> None:
     if not 0 <= token < vocab:
         from ..errors import InvalidArgumentError
         raise InvalidArgumentError(f"token id {token} is out of range [0, {vocab})")
+
+
+def window_start(pos: int, window: int) -> int:
+    """First cache position attended by the query at ``pos`` under a sliding window."""
+    return pos + 1 - window if 0 < window < pos + 1 else 0

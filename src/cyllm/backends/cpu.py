@@ -1,10 +1,7 @@
 """CPU backend: the Cython/OpenMP kernels of cyllm._ext.kernels (cython_ext/).
 
-The ops themselves (embed, rmsnorm, matvec, matvec_add, gate_up_silu, rope,
-cache_store, attention, swiglu, add, and the batched prefill ops embed_batch,
-rmsnorm_batch, matmul, matmul_add, gate_up_silu_batch, add_rows, rope_batch,
-cache_store_batch, attention_batch) are methods of the compiled base class
-CpuKernels: each call validates its arrays in C (a wrong dtype, shape or index
+The ops themselves (every op of backends.base.OPS) are methods of the compiled
+base class CpuKernels: each call validates its arrays in C (a wrong dtype, shape or index
 raises InvalidArgumentError) and runs without the GIL. This class adds the memory
 side of the Backend protocol, the thread/variant policy, and decode_step: the
 captured single-token forward pass (one OpenMP region per token).
@@ -24,7 +21,7 @@ import numpy as np
 
 from ..errors import BackendUnavailableError
 from ..threads import resolve_threads
-from .base import HostArrays
+from .base import DECODE_OPS, Backend, HostArrays
 
 try:
     from .._ext import kernels as _k
@@ -35,16 +32,16 @@ except ImportError as e:          # not built (source checkout without `pip inst
     ) from None
 
 
-# The ops a captured decode step may contain (see CpuBackend.decode_step).
-_STEP_OPS = ("embed", "rmsnorm", "matvec", "matvec_add", "gate_up_silu", "rope", "cache_store",
-             "rope_store", "attention", "swiglu", "add")
+# The ops a captured decode step may contain (see CpuBackend.decode_step): the decode
+# ops of the registry plus rmsnorm_batch, which per-head q/k norms issue on (heads, hd) views.
+_STEP_OPS = DECODE_OPS + ("rmsnorm_batch",)
 
 
 def _fused_default() -> bool:
     return os.environ.get("CYLLM_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-class CpuBackend(HostArrays, _k.CpuKernels):
+class CpuBackend(HostArrays, _k.CpuKernels, Backend):
     name = "cpu"
     fuse_qkv = False      # weights stay memory-mapped: no concatenated copy
 
@@ -126,7 +123,7 @@ class CpuBackend(HostArrays, _k.CpuKernels):
         self.threads = resolve_threads(n)
 
     def rope_store(self, q, k, v, cos, sin, k_cache, v_cache, pos) -> None:
-        self.rope(q, k, cos, sin, pos)
+        self.rope(q, k, cos, sin, pos, k_cache.shape[2])
         self.cache_store(k_cache, v_cache, k, v, pos)
 
     # -- memory ---------------------------------------------------------------

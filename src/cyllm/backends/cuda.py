@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BackendUnavailableError, InvalidArgumentError, ModelLoadError
-from .base import check_token
+from .base import ACTIVATIONS, Backend, check_token
 
 try:  # CuPy is an optional extra; a broken CUDA install can raise more than ImportError
     import cupy as cp
@@ -78,6 +78,24 @@ def kernel_source() -> str:
 
 # one compiled module per device, shared by every backend instance in the process
 _MODULES: dict = {}
+
+
+# the kernels of each GLU activation, named whole so that grep finds them
+_GATE_UP_KERNELS = {"silu": "gate_up_silu", "gelu_tanh": "gate_up_gelu"}   # + _r1/_r2/_scalar...
+_GLU_KERNELS = {"silu": "swiglu_f32", "gelu_tanh": "geglu_f32"}
+
+
+def _check_act(act) -> str:
+    if act not in ACTIVATIONS:
+        raise InvalidArgumentError(f"act must be one of {', '.join(ACTIVATIONS)}, got {act!r}")
+    return act
+
+
+def _check_window(window) -> int:
+    w = int(window)
+    if w < 0:
+        raise InvalidArgumentError(f"window must be >= 0 (0: no window), got {w}")
+    return min(w, 2**31 - 1)
 
 
 def _blocks(n: int, threads: int) -> int:
@@ -142,7 +160,7 @@ class _PdlLauncher:
         return self.fn(ct.byref(cfg), ct.c_void_p(func_ptr), params, None)
 
 
-class CudaBackend:
+class CudaBackend(Backend):
     name = "cuda"
     fuse_qkv = True       # upload copies anyway: one (q+2kv, dim) matrix, one matvec
     kernel_variant = "cuda"
@@ -327,7 +345,7 @@ class CudaBackend:
         return np.int32(pos)
 
     # -- ops --------------------------------------------------------------------
-    def embed(self, out, table, token):
+    def embed(self, out, table, token, scale=1.0):
         self._flush()
         vocab, dim = table.shape
         check_token(int(token), vocab)
@@ -337,7 +355,8 @@ class CudaBackend:
         else:
             tok = np.int32(token)
         self._k("embed_f16")((_blocks(dim, 256),), (256,),
-                             (out, table, self._step, tok, np.int32(vocab), np.int32(dim)))
+                             (out, table, self._step, tok, np.int32(vocab), np.int32(dim),
+                              np.float32(scale)))
 
     # -- rmsnorm, folded into the matvec that consumes it ------------------------------
     # rmsnorm(xb, x, w) followed by matvec(out, W, xb) is the pattern of every
@@ -460,21 +479,25 @@ class CudaBackend:
     def matvec_add(self, out, w, x):
         self._mv("matvec_add", out, w, w, x, 4)
 
-    def gate_up_silu(self, out, w_gate, w_up, x):
+    def gate_up(self, out, w_gate, w_up, x, act="silu"):
         if w_gate.shape != w_up.shape:
             self._flush()
-            raise InvalidArgumentError(f"gate_up_silu: gate {tuple(w_gate.shape)} and up {tuple(w_up.shape)} differ")
-        self._mv("gate_up_silu", out, w_gate, w_up, x, 2)
+            raise InvalidArgumentError(f"gate_up: gate {tuple(w_gate.shape)} and up {tuple(w_up.shape)} differ")
+        self._mv(_GATE_UP_KERNELS[_check_act(act)], out, w_gate, w_up, x, 2)
 
-    def rope(self, q, k, cos, sin, pos):
+    def rope(self, q, k, cos, sin, pos, head_dim=None):
         self._flush()
         n_pos, half = cos.shape
+        hd = 2 * half if head_dim is None else int(head_dim)
+        if hd < 2 * half or q.shape[0] % hd or k.shape[0] % hd:
+            raise InvalidArgumentError(f"rope: q {tuple(q.shape)}, k {tuple(k.shape)} with head_dim {hd}, "
+                                       f"{2 * half} rotated")
         p = self._pos(pos, n_pos)
-        nq = q.shape[0] // (2 * half)
-        nk = k.shape[0] // (2 * half)
+        nq = q.shape[0] // hd
+        nk = k.shape[0] // hd
         self._k("rope_f32")((_blocks((nq + nk) * half, 256),), (256,),
                             (q, k, cos, sin, self._step, p, np.int32(n_pos),
-                             np.int32(nq), np.int32(nk), np.int32(half)))
+                             np.int32(nq), np.int32(nk), np.int32(half), np.int32(hd)))
 
     def rope_store(self, q, k, v, cos, sin, k_cache, v_cache, pos):
         """*fused* rope(q, k, cos, sin, pos) then cache_store(k_cache, v_cache, k, v, pos).
@@ -484,8 +507,12 @@ class CudaBackend:
         self._flush()
         n_pos, half = cos.shape
         n_kv, max_ctx, hd = k_cache.shape
+        if hd != 2 * half:        # partial rotary: the fused kernel stores rotated pairs only
+            self.rope(q, k, cos, sin, pos, hd)
+            self.cache_store(k_cache, v_cache, k, v, pos)
+            return
         p = self._pos(pos, min(n_pos, max_ctx))
-        if hd != 2 * half or k.shape[0] != n_kv * hd or v.shape[0] != n_kv * hd:
+        if k.shape[0] != n_kv * hd or v.shape[0] != n_kv * hd:
             raise InvalidArgumentError(f"rope_store: k {tuple(k.shape)} does not fit a cache of {n_kv} heads x {hd}")
         nq = q.shape[0] // hd
         self._launch("rope_store_f32", (_blocks((nq + n_kv) * half, 256),), (256,),
@@ -525,7 +552,7 @@ class CudaBackend:
     def _attn_smem(gt: int, hd: int, chunk: int, n_split: int) -> int:
         return 4 * (gt * hd + gt * chunk + _ATT_WARPS * gt * hd + 2 * gt + _ATT_WARPS * n_split)
 
-    def attention(self, out, q, k_cache, v_cache, pos):
+    def attention(self, out, q, k_cache, v_cache, pos, window=0, scale=None):
         self._flush()
         n_kv, max_ctx, hd = k_cache.shape
         n_heads = q.shape[0] // hd
@@ -537,9 +564,10 @@ class CudaBackend:
         chunk = self._attn_chunk(n_kv, max_ctx)
         n_split = _blocks(max_ctx, chunk)
         counters, o_part, m_part, l_part = self._attn_buffers(n_heads, n_split, hd)
-        scale = np.float32(1.0 / math.sqrt(hd))
+        sc = np.float32(1.0 / math.sqrt(hd) if scale is None else scale)
         args_tail = (q, k_cache, v_cache, self._step, p, np.int32(max_ctx), np.int32(n_kv),
-                     np.int32(group), np.int32(hd), np.int32(chunk), np.int32(n_split), scale)
+                     np.int32(group), np.int32(hd), np.int32(chunk), np.int32(n_split), sc,
+                     np.int32(_check_window(window)))
         hd8 = hd // 8
         gt = 0
         if (hd % 8 == 0 and 0 < hd8 <= 32 and hd8 & (hd8 - 1) == 0
@@ -588,7 +616,7 @@ class CudaBackend:
                                        f"{tuple(a.shape)} strides {tuple(a.strides)}")
         return a.strides[0] // a.itemsize
 
-    def embed_batch(self, out, table, tokens):
+    def embed_batch(self, out, table, tokens, scale=1.0):
         self._flush()
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         vocab, dim = table.shape
@@ -607,7 +635,7 @@ class CudaBackend:
                                     cp.cuda.get_current_stream().ptr)
         self._k("embed_batch_f16")((_blocks(dim, 256), t), (256,),
                                    (out, table, dev, np.int32(t), np.int32(vocab), np.int32(dim),
-                                    np.int32(self._rows(out, "embed_batch"))))
+                                    np.int32(self._rows(out, "embed_batch")), np.float32(scale)))
 
     def rmsnorm_batch(self, out, x, w, eps):
         self._flush()
@@ -658,24 +686,25 @@ class CudaBackend:
             return
         self._gemm(out, w, self._cast16(x), 1.0)
 
-    def gate_up_silu_batch(self, out, w_gate, w_up, x) -> None:
-        """*fused* out (T, f) = silu(x @ w_gate^T) * (x @ w_up^T): x cast once, two GEMMs, one silu-product pass."""
+    def gate_up_batch(self, out, w_gate, w_up, x, act="silu") -> None:
+        """*fused* out (T, f) = act(x @ w_gate^T) * (x @ w_up^T): x cast once, two GEMMs, one product pass."""
         self._flush()
+        product = _GLU_KERNELS[_check_act(act)]
         if w_gate.shape != w_up.shape:
-            raise InvalidArgumentError(f"gate_up_silu_batch: gate {tuple(w_gate.shape)} and up {tuple(w_up.shape)} differ")
-        t, f, n = self._check_mm("gate_up_silu_batch", out, w_gate, x)
-        self._check_mm("gate_up_silu_batch", out, w_up, x)
+            raise InvalidArgumentError(f"gate_up_batch: gate {tuple(w_gate.shape)} and up {tuple(w_up.shape)} differ")
+        t, f, n = self._check_mm("gate_up_batch", out, w_gate, x)
+        self._check_mm("gate_up_batch", out, w_up, x)
         if t == 0:
             return
         x16 = self._cast16(x)
         up = self._buf("up", t * f, cp.float32).reshape(t, f)
         self._gemm(out, w_gate, x16, 0.0)
         self._gemm(up, w_up, x16, 0.0)
-        if self._rows(out, "gate_up_silu_batch") == f:
-            self._k("swiglu_f32")((_blocks(t * f, 256),), (256,), (out, out, up, np.int32(t * f)))
+        if self._rows(out, "gate_up_batch") == f:
+            self._k(product)((_blocks(t * f, 256),), (256,), (out, out, up, np.int32(t * f)))
         else:
             for r in range(t):
-                self._k("swiglu_f32")((_blocks(f, 256),), (256,), (out[r], out[r], up[r], np.int32(f)))
+                self._k(product)((_blocks(f, 256),), (256,), (out[r], out[r], up[r], np.int32(f)))
 
     def _gemm(self, out, w, x16, beta: float) -> None:
         """out (T, d) f32 = x16 (T, n) f16 @ w (d, n) f16 ^T + beta * out."""
@@ -727,23 +756,25 @@ class CudaBackend:
         else:
             cp.add(x, b, out=out)
 
-    def rope_batch(self, q, k, cos, sin, pos0) -> None:
+    def rope_batch(self, q, k, cos, sin, pos0, head_dim=None) -> None:
         self._flush()
         n_pos, half = cos.shape
         t = q.shape[0]
         pos0 = int(pos0)
-        if k.shape[0] != t or q.shape[1] % (2 * half) or k.shape[1] % (2 * half):
-            raise InvalidArgumentError(f"rope_batch: q {tuple(q.shape)}, k {tuple(k.shape)} with head_dim {2 * half}")
+        hd = 2 * half if head_dim is None else int(head_dim)
+        if k.shape[0] != t or hd < 2 * half or q.shape[1] % hd or k.shape[1] % hd:
+            raise InvalidArgumentError(f"rope_batch: q {tuple(q.shape)}, k {tuple(k.shape)} with head_dim {hd}")
         if t == 0:
             return
         if pos0 < 0 or pos0 + t > n_pos:
             raise InvalidArgumentError(f"positions {pos0}..{pos0 + t - 1} are out of range [0, {n_pos})")
-        nq, nk = q.shape[1] // (2 * half), k.shape[1] // (2 * half)
+        nq, nk = q.shape[1] // hd, k.shape[1] // hd
         total = t * (nq + nk) * half
         self._k("rope_batch_f32")((_blocks(total, 256),), (256,),
                                   (q, k, cos, sin, np.int32(pos0), np.int32(n_pos), np.int32(t),
                                    np.int32(nq), np.int32(nk), np.int32(half),
-                                   np.int32(self._rows(q, "rope_batch")), np.int32(self._rows(k, "rope_batch"))))
+                                   np.int32(self._rows(q, "rope_batch")), np.int32(self._rows(k, "rope_batch")),
+                                   np.int32(hd)))
 
     def cache_store_batch(self, k_cache, v_cache, k, v, pos0) -> None:
         self._flush()
@@ -762,7 +793,7 @@ class CudaBackend:
                                           np.int32(n_kv), np.int32(hd), np.int32(self._rows(k, "cache_store_batch")),
                                           np.int32(self._rows(v, "cache_store_batch"))))
 
-    def attention_batch(self, out, q, k_cache, v_cache, pos0) -> None:
+    def attention_batch(self, out, q, k_cache, v_cache, pos0, window=0, scale=None) -> None:
         """Causal attention of T queries (row t at position pos0 + t), flash-attention tiles."""
         self._flush()
         n_kv, max_ctx, hd = k_cache.shape
@@ -779,7 +810,7 @@ class CudaBackend:
         nc = 1 if hd <= 32 else 2 if hd <= 64 else 4 if hd <= 128 else 8 if hd <= 256 else 0
         if nc == 0:     # very wide heads: the decode kernel, one query at a time
             for r in range(t):
-                self.attention(out[r], q[r], k_cache, v_cache, pos0 + r)
+                self.attention(out[r], q[r], k_cache, v_cache, pos0 + r, window, scale)
             return
         bq = bk = 16 if nc == 8 else 32
         vec = self.attn_batch_vec and hd % 4 == 0
@@ -790,7 +821,8 @@ class CudaBackend:
                                       np.int32(n_heads // n_kv), np.int32(hd),
                                       np.int32(self._rows(q, "attention_batch")),
                                       np.int32(self._rows(out, "attention_batch")),
-                                      np.float32(1.0 / math.sqrt(hd))), shared_mem=smem)
+                                      np.float32(1.0 / math.sqrt(hd) if scale is None else scale),
+                                      np.int32(_check_window(window))), shared_mem=smem)
 
     # -- CUDA-graph decode ----------------------------------------------------------
     def reset_graph(self) -> None:

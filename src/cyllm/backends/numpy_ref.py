@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import HostArrays, check_token
+from ..errors import InvalidArgumentError
+from .base import ACTIVATIONS, Backend, HostArrays, check_token, window_start
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -18,7 +19,20 @@ def silu(x: np.ndarray) -> np.ndarray:
         return x / (1.0 + np.exp(-x))
 
 
-class NumpyBackend(HostArrays):
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU with the tanh approximation (Gemma's gelu_pytorch_tanh)."""
+    x = x.astype(np.float32, copy=False)
+    return (0.5 * x * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x ** 3)))
+            ).astype(np.float32)
+
+
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise InvalidArgumentError(f"act must be one of {', '.join(ACTIVATIONS)}, got {name!r}")
+    return silu if name == "silu" else gelu_tanh
+
+
+class NumpyBackend(HostArrays, Backend):
     name = "numpy"
     kernel_variant = "numpy"
     fuse_qkv = False
@@ -34,9 +48,9 @@ class NumpyBackend(HostArrays):
         return np.array(a, copy=True)
 
     # -- ops ------------------------------------------------------------------
-    def embed(self, out, table, token):
+    def embed(self, out, table, token, scale=1.0):
         check_token(token, table.shape[0])
-        out[:] = table[token]
+        out[:] = table[token].astype(np.float32) * np.float32(scale)
 
     def rmsnorm(self, out, x, w, eps):
         ms = np.mean(x.astype(np.float32) ** 2, dtype=np.float32)
@@ -48,23 +62,24 @@ class NumpyBackend(HostArrays):
     def matvec_add(self, out, w, x):
         out += w.astype(np.float32, copy=False) @ x
 
-    def gate_up_silu(self, out, w_gate, w_up, x):
+    def gate_up(self, out, w_gate, w_up, x, act="silu"):
         g = w_gate.astype(np.float32, copy=False) @ x
         u = w_up.astype(np.float32, copy=False) @ x
-        out[:] = silu(g) * u
+        out[:] = activation(act)(g) * u
 
-    def rope(self, q, k, cos, sin, pos):
+    def rope(self, q, k, cos, sin, pos, head_dim=None):
         c, s = cos[pos], sin[pos]                         # (half,)
         half = c.shape[0]
+        hd = 2 * half if head_dim is None else head_dim
         for vec in (q, k):
-            h = vec.reshape(-1, 2 * half)                 # (heads, head_dim) view
+            h = vec.reshape(-1, hd)                       # (heads, head_dim) view
             x1 = h[:, :half].copy()
-            x2 = h[:, half:].copy()
+            x2 = h[:, half:2 * half].copy()
             h[:, :half] = x1 * c - x2 * s
-            h[:, half:] = x2 * c + x1 * s
+            h[:, half:2 * half] = x2 * c + x1 * s
 
     def rope_store(self, q, k, v, cos, sin, k_cache, v_cache, pos):
-        self.rope(q, k, cos, sin, pos)
+        self.rope(q, k, cos, sin, pos, k_cache.shape[2])
         self.cache_store(k_cache, v_cache, k, v, pos)
 
     def cache_store(self, k_cache, v_cache, k, v, pos):
@@ -72,17 +87,19 @@ class NumpyBackend(HostArrays):
         k_cache[:, pos, :] = k.reshape(n_kv, hd)
         v_cache[:, pos, :] = v.reshape(n_kv, hd)
 
-    def attention(self, out, q, k_cache, v_cache, pos):
+    def attention(self, out, q, k_cache, v_cache, pos, window=0, scale=None):
         n_kv, _, hd = k_cache.shape
         n_heads = q.shape[0] // hd
         group = n_heads // n_kv
+        start = window_start(pos, window)
+        sc = np.float32(1.0 / np.sqrt(hd) if scale is None else scale)
         qh = q.reshape(n_heads, hd)
         oh = out.reshape(n_heads, hd)
         for h in range(n_heads):
             kv = h // group
-            keys = k_cache[kv, : pos + 1].astype(np.float32)    # (t, hd)
-            vals = v_cache[kv, : pos + 1].astype(np.float32)    # (t, hd)
-            scores = keys @ qh[h] / np.float32(np.sqrt(hd))     # (t,)
+            keys = k_cache[kv, start: pos + 1].astype(np.float32)    # (t, hd)
+            vals = v_cache[kv, start: pos + 1].astype(np.float32)    # (t, hd)
+            scores = keys @ qh[h] * sc                                # (t,)
             scores = np.exp(scores - scores.max())
             oh[h] = (scores / scores.sum()) @ vals
 
@@ -93,9 +110,9 @@ class NumpyBackend(HostArrays):
         np.add(x, y, out=out)
 
     # -- batched ops: the single-row op applied row by row, by definition ------
-    def embed_batch(self, out, table, tokens):
+    def embed_batch(self, out, table, tokens, scale=1.0):
         for t, token in enumerate(tokens):
-            self.embed(out[t], table, int(token))
+            self.embed(out[t], table, int(token), scale)
 
     def rmsnorm_batch(self, out, x, w, eps):
         for t in range(x.shape[0]):
@@ -107,20 +124,21 @@ class NumpyBackend(HostArrays):
     def matmul_add(self, out, w, x):
         out += x @ w.astype(np.float32, copy=False).T
 
-    def gate_up_silu_batch(self, out, w_gate, w_up, x):
-        out[:] = silu(x @ w_gate.astype(np.float32, copy=False).T) * (x @ w_up.astype(np.float32, copy=False).T)
+    def gate_up_batch(self, out, w_gate, w_up, x, act="silu"):
+        out[:] = activation(act)(x @ w_gate.astype(np.float32, copy=False).T) * \
+            (x @ w_up.astype(np.float32, copy=False).T)
 
     def add_rows(self, out, x, b):
         np.add(x, b, out=out)
 
-    def rope_batch(self, q, k, cos, sin, pos0):
+    def rope_batch(self, q, k, cos, sin, pos0, head_dim=None):
         for t in range(q.shape[0]):
-            self.rope(q[t], k[t], cos, sin, pos0 + t)
+            self.rope(q[t], k[t], cos, sin, pos0 + t, head_dim)
 
     def cache_store_batch(self, k_cache, v_cache, k, v, pos0):
         for t in range(k.shape[0]):
             self.cache_store(k_cache, v_cache, k[t], v[t], pos0 + t)
 
-    def attention_batch(self, out, q, k_cache, v_cache, pos0):
+    def attention_batch(self, out, q, k_cache, v_cache, pos0, window=0, scale=None):
         for t in range(q.shape[0]):
-            self.attention(out[t], q[t], k_cache, v_cache, pos0 + t)
+            self.attention(out[t], q[t], k_cache, v_cache, pos0 + t, window, scale)

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import ModelLoadError
+from ..families import family
 
 GGUF_MAGIC = b"GGUF"
 
@@ -21,30 +22,10 @@ __all__ = ["load_path", "validate_weights", "expected_shapes"]
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the model needs, name -> shape (from the config alone)."""
-    c = config
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (c.vocab_size, c.dim),
-        "model.norm.weight": (c.dim,),
-    }
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.dim)
-    for i in range(c.n_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (c.dim,)
-        shapes[p + "post_attention_layernorm.weight"] = (c.dim,)
-        shapes[p + "self_attn.q_proj.weight"] = (c.q_dim, c.dim)
-        shapes[p + "self_attn.k_proj.weight"] = (c.kv_dim, c.dim)
-        shapes[p + "self_attn.v_proj.weight"] = (c.kv_dim, c.dim)
-        shapes[p + "self_attn.o_proj.weight"] = (c.dim, c.q_dim)
-        shapes[p + "mlp.gate_proj.weight"] = (c.ffn_dim, c.dim)
-        shapes[p + "mlp.up_proj.weight"] = (c.ffn_dim, c.dim)
-        shapes[p + "mlp.down_proj.weight"] = (c.dim, c.ffn_dim)
-        if c.attention_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (c.q_dim,)
-            shapes[p + "self_attn.k_proj.bias"] = (c.kv_dim,)
-            shapes[p + "self_attn.v_proj.bias"] = (c.kv_dim,)
-    return shapes
+    """Every tensor the model needs, HF name -> shape (from the config and its family's table)."""
+    fam = family(config.arch)
+    return {t.hf_name(i): t.shape(config) for t, i in fam.expected(config)
+            if not (t.optional and config.tie_word_embeddings)}
 
 
 def validate_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> None:
@@ -54,12 +35,13 @@ def validate_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> Non
     A tied checkpoint may still carry lm_head.weight; then it is checked too.
     Raises ModelLoadError naming the first offending tensor.
     """
-    shapes = expected_shapes(config)
-    if config.tie_word_embeddings and "lm_head.weight" in weights:
-        shapes["lm_head.weight"] = (config.vocab_size, config.dim)
-    for name, shape in shapes.items():
+    fam = family(config.arch)
+    for t, i in fam.expected(config):
+        name, shape = t.hf_name(i), t.shape(config)
         arr = weights.get(name)
         if arr is None:
+            if t.optional and config.tie_word_embeddings:
+                continue
             raise ModelLoadError(f"missing tensor {name}")
         if not isinstance(arr, np.ndarray):
             raise ModelLoadError(f"tensor {name} is a {type(arr).__name__}, not a numpy array")

@@ -33,6 +33,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..config import ModelConfig
+from ..families import family, family_for_gguf
 from ..errors import ModelLoadError, UnsupportedModelError
 
 GGUF_MAGIC = b"GGUF"
@@ -54,11 +55,13 @@ _F32, _F16, _Q4_0, _Q4_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K, _BF16 = 0, 1, 2, 3, 8, 12,
 SUPPORTED_TENSOR_TYPES = {
     _F32: ("F32", 1, 4), _F16: ("F16", 1, 2), _BF16: ("BF16", 1, 2),
     _Q8_0: ("Q8_0", 32, 34), _Q4_0: ("Q4_0", 32, 18), _Q4_1: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
     _Q4_K: ("Q4_K", 256, 144), _Q5_K: ("Q5_K", 256, 176), _Q6_K: ("Q6_K", 256, 210),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136),
 }
-_OTHER_TYPE_NAMES = {6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 15: "Q8_K",
-                     16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL",
-                     21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32",
+_OTHER_TYPE_NAMES = {9: "Q8_1", 15: "Q8_K",
+                     16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S",
+                     21: "IQ3_S", 22: "IQ2_S", 24: "I8", 25: "I16", 26: "I32",
                      27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
 
 _FP16_MAX = 65504.0
@@ -291,40 +294,28 @@ def _meta(md: dict, key: str, default=None, required=False):
     return default
 
 
-# Published llama3 rope-scaling settings; a GGUF stores only the resulting
-# per-frequency divisors (tensor rope_freqs), so we recognise which one it is.
-_LLAMA3_CANDIDATES = [
-    {"factor": f, "low_freq_factor": lo, "high_freq_factor": hi, "original_max_position_embeddings": o}
-    for f in (8.0, 32.0, 16.0, 4.0, 2.0)
-    for lo in (1.0,)
-    for hi in (4.0,)
-    for o in (8192, 4096, 2048, 16384, 32768)
-]
-
-
-def _rope_scaling_from_freqs(freqs: np.ndarray, head_dim: int, theta: float, path) -> dict | None:
-    """Identify the llama3 rope scaling whose divisors equal the rope_freqs tensor."""
-    freqs = np.asarray(freqs, dtype=np.float64).reshape(-1)
-    if freqs.shape != (head_dim // 2,):
-        raise UnsupportedModelError(f"{path}: rope_freqs has {freqs.size} entries, expected {head_dim // 2}")
-    if np.allclose(freqs, 1.0):
-        return None
-    from ..config import _llama3_scale
-    base = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    for cand in _LLAMA3_CANDIDATES:
-        want = base / _llama3_scale(base, cand)
-        if np.allclose(want, freqs, rtol=1e-3, atol=1e-4):
-            return {"rope_type": "llama3", **cand}
-    raise UnsupportedModelError(
-        f"{path}: the rope_freqs tensor holds a rope scaling that is not a known llama3 setting")
-
-
 def config_from_gguf(gf: GGUFFile) -> ModelConfig:
     try:
         return _config_from_gguf(gf)
-    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError, KeyError) as e:
         # metadata of the wrong type (a string where a count belongs...)
         raise ModelLoadError(f"{gf.path}: bad GGUF hyperparameters ({type(e).__name__}: {_clip(e, 200)})") from None
+
+
+def _rope_scaling(gf: GGUFFile, p: str, rot_dim: int) -> dict | None:
+    kind = _meta(gf.metadata, p + "rope.scaling.type", "none")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(_meta(gf.metadata, p + "rope.scaling.factor", 1.0))}
+    if kind not in ("none", None, ""):
+        raise UnsupportedModelError(f"{gf.path}: rope scaling {_clip(repr(kind))} is not supported")
+    if "rope_freqs.weight" in gf.tensors:
+        # Llama 3.x: the scaled frequencies' divisors, used as they are
+        div = _tensor_float32(gf, gf.tensors["rope_freqs.weight"]).reshape(-1)
+        if div.shape != (rot_dim // 2,):
+            raise ModelLoadError(f"{gf.path}: rope_freqs has {div.size} entries, expected {rot_dim // 2}")
+        if not np.allclose(div, 1.0):
+            return {"rope_type": "llama3", "divisors": div.astype(np.float64).tolist()}
+    return None
 
 
 def _config_from_gguf(gf: GGUFFile) -> ModelConfig:
@@ -332,31 +323,22 @@ def _config_from_gguf(gf: GGUFFile) -> ModelConfig:
     arch = _meta(md, "general.architecture")
     if arch is None:
         raise ModelLoadError(f"{gf.path}: GGUF metadata has no general.architecture")
-    if arch != "llama":
-        raise UnsupportedModelError(f"{gf.path}: GGUF architecture {_clip(repr(arch))} is not supported (supported: 'llama')")
-    p = "llama."
+    fam = family_for_gguf(arch, md)
+    p = f"{arch}."
     dim = _meta(md, p + "embedding_length", required=True)
     n_layers = _meta(md, p + "block_count", required=True)
     n_heads = _meta(md, p + "attention.head_count", required=True)
     n_kv = _meta(md, p + "attention.head_count_kv", n_heads)
-    if isinstance(n_heads, np.ndarray) or isinstance(n_kv, np.ndarray):
+    if isinstance(n_heads, (np.ndarray, list)) or isinstance(n_kv, (np.ndarray, list)):
         raise UnsupportedModelError(f"{gf.path}: per-layer head counts are not supported")
-    head_dim = _meta(md, p + "attention.key_length") or (dim // n_heads if n_heads else 0)
+    for key, v in (("embedding_length", dim), ("block_count", n_layers), ("attention.head_count", n_heads)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ModelLoadError(f"{gf.path}: GGUF {p}{key} must be a positive integer, got {_clip(repr(v))}")
+    head_dim = _meta(md, p + "attention.key_length") or (dim // n_heads if dim % n_heads == 0 else 0)
     v_dim = _meta(md, p + "attention.value_length", head_dim)
     if v_dim != head_dim:
         raise UnsupportedModelError(f"{gf.path}: key length {head_dim} != value length {v_dim}")
-    rope_dim = _meta(md, p + "rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
-        raise UnsupportedModelError(
-            f"{gf.path}: partial rotary embeddings (rope dim {rope_dim} of head dim {head_dim}) are not supported")
-    theta = float(_meta(md, p + "rope.freq_base", 10000.0))
-    scaling_type = _meta(md, p + "rope.scaling.type", "none")
-    if scaling_type not in ("none", None, ""):
-        raise UnsupportedModelError(f"{gf.path}: rope scaling {_clip(repr(scaling_type))} is not supported")
-    rope_scaling = None
-    if "rope_freqs.weight" in gf.tensors:
-        rope_scaling = _rope_scaling_from_freqs(_tensor_float32(gf, gf.tensors["rope_freqs.weight"]),
-                                                head_dim, theta, gf.path)
+    rot = _meta(md, p + "rope.dimension_count", head_dim)
     emb = gf.tensors.get("token_embd.weight")
     if emb is None:
         raise ModelLoadError(f"{gf.path}: GGUF file has no token_embd.weight tensor")
@@ -365,25 +347,31 @@ def _config_from_gguf(gf: GGUFFile) -> ModelConfig:
     vocab = emb.dims[1]
     if "blk.0.ffn_gate_exps.weight" in gf.tensors:
         raise UnsupportedModelError(f"{gf.path}: mixture-of-experts GGUF files are not supported")
-    ffn = _meta(md, p + "feed_forward_length", required=True)
     eos_ids = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         v = _meta(md, key)
         if isinstance(v, int) and 0 <= v < vocab and v not in eos_ids:
             eos_ids.append(v)
     bos = _meta(md, "tokenizer.ggml.bos_token_id")
-    bias = "blk.0.attn_q.bias" in gf.tensors
+    fields = dict(
+        dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+        ffn_dim=_meta(md, p + "feed_forward_length", required=True), vocab_size=vocab,
+        max_seq_len=_meta(md, p + "context_length", 2048),
+        norm_eps=float(_meta(md, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_meta(md, p + "rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(gf, p, rot if isinstance(rot, int) and rot > 0 else head_dim),
+        rotary_dim=rot if rot != head_dim else None,
+        tie_word_embeddings="output.weight" not in gf.tensors,
+        attention_bias="blk.0.attn_q.bias" in gf.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in gf.tensors,
+        bos_token_id=bos if isinstance(bos, int) and 0 <= bos < vocab else None,
+        eos_token_ids=eos_ids, name=str(_meta(md, "general.name", gf.path.stem)))
+    config_tensors = {n: _tensor_float32(gf, gf.tensors[n]).reshape(-1)
+                      for n in fam.gguf_config_tensors if n in gf.tensors and n != "rope_freqs.weight"}
+    meta = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in md.items() if k.startswith(p)}
+    fields.update(fam.gguf_features(meta, p, config_tensors))
     try:
-        return ModelConfig(
-            arch="llama", dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
-            head_dim=head_dim, ffn_dim=ffn, vocab_size=vocab,
-            max_seq_len=_meta(md, p + "context_length", 2048),
-            norm_eps=float(_meta(md, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=theta, rope_scaling=rope_scaling,
-            tie_word_embeddings="output.weight" not in gf.tensors,
-            attention_bias=bias,
-            bos_token_id=bos if isinstance(bos, int) and 0 <= bos < vocab else None,
-            eos_token_ids=eos_ids, name=str(_meta(md, "general.name", gf.path.stem)))
+        return ModelConfig(arch=fam.name, **fields)
     except TypeError as e:
         raise ModelLoadError(f"{gf.path}: bad GGUF hyperparameter ({e})") from None
 
@@ -467,26 +455,6 @@ def _to_f16(a: np.ndarray, name: str, path) -> np.ndarray:
     return a.astype(np.float16)
 
 
-_BLOCK_MAP = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_MAP = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_IGNORED = {"rope_freqs.weight"}   # folded into config.rope_scaling
 _BLK_RE = re.compile(r"blk\.(\d+)\.(.+)$")
 
 
@@ -500,55 +468,37 @@ class PlannedTensor:
 
 
 def plan_tensors(gf: GGUFFile, cfg: ModelConfig) -> list[PlannedTensor]:
-    """Map every GGUF tensor to its HF name and target shape/dtype; check shapes."""
-    plan = []
-    d, q, kv, f, v = cfg.dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim, cfg.vocab_size
-    expect = {
-        "model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d),
-        "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
-        "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
-        "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
-        "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
-        "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f),
-    }
+    """Map every GGUF tensor to its HF name through the family's table; check shapes and presence."""
+    fam = family(cfg.arch)
+    by_gguf = {t.gguf_name(i): (t, i) for t, i in fam.expected(cfg)}
+    ignored = set(fam.gguf_config_tensors) | {"rope_freqs.weight"}
+    plan, seen = [], set()
     for name, info in gf.tensors.items():
-        if name in _IGNORED:
+        if name in ignored:
             continue
-        if name in _GLOBAL_MAP:
-            hf = _GLOBAL_MAP[name]
-            short = hf
-        else:
+        if name not in by_gguf:
             m = _BLK_RE.match(name)
-            if not m or m.group(2) not in _BLOCK_MAP:
-                raise UnsupportedModelError(f"{gf.path}: unexpected tensor {_clip(name)} for a llama model")
-            layer = int(m.group(1))
-            if layer >= cfg.n_layers:
+            if m and int(m.group(1)) >= cfg.n_layers:
                 raise ModelLoadError(f"{gf.path}: tensor {_clip(name)} is past block_count {cfg.n_layers}")
-            short = _BLOCK_MAP[m.group(2)]
-            hf = f"model.layers.{layer}.{short}"
+            raise UnsupportedModelError(f"{gf.path}: unexpected tensor {_clip(name)} for a {fam.name} model")
+        t, layer = by_gguf[name]
         if info.ggml_type not in SUPPORTED_TENSOR_TYPES:
             raise UnsupportedModelError(
                 f"{gf.path}: tensor {_clip(name)} has type {info.type_name}, which is not supported "
                 f"(supported: {', '.join(v[0] for v in SUPPORTED_TENSOR_TYPES.values())})")
-        if info.shape != expect[short]:
-            raise ModelLoadError(f"{gf.path}: tensor {_clip(name)} has shape {info.shape}, expected {expect[short]}")
+        want = t.shape(cfg)
+        if info.shape != want:
+            raise ModelLoadError(f"{gf.path}: tensor {_clip(name)} has shape {info.shape}, expected {want}")
         heads = 0
-        if short.startswith("self_attn.q_proj"):
-            heads = cfg.n_heads
-        elif short.startswith("self_attn.k_proj"):
-            heads = cfg.n_kv_heads
-        dtype = np.dtype(np.float16 if len(info.shape) == 2 else np.float32)
-        plan.append(PlannedTensor(hf, info, info.shape, dtype, heads))
-    names = {p.hf_name for p in plan}
-    required = ["model.embed_tokens.weight", "model.norm.weight"]
-    for i in range(cfg.n_layers):
-        required += [f"model.layers.{i}.{s}" for s in (
-            "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-            "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
-    missing = [n for n in required if n not in names]
+        if fam.permute_qk and t.permute:
+            heads = cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
+        dtype = np.dtype(np.float16 if len(want) == 2 else np.float32)
+        plan.append(PlannedTensor(t.hf_name(layer), info, want, dtype, heads))
+        seen.add(name)
+    missing = [n for n, (t, _) in by_gguf.items() if n not in seen and not t.optional]
     if missing:
-        raise ModelLoadError(f"{gf.path}: GGUF file lacks {len(missing)} tensors (first: {missing[0]})")
+        raise ModelLoadError(f"{gf.path}: GGUF file lacks {len(missing)} tensors of a {fam.name} model "
+                             f"(first: {missing[0]})")
     return plan
 
 

@@ -39,17 +39,34 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 _TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
                  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
                  r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE_SPLITS = {
     **{k: _LLAMA3_SPLIT for k in ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe", "pixtral")},
     **{k: _QWEN2_SPLIT for k in ("qwen2", "deepseek-r1-qwen")},
     "tekken": _TEKKEN_SPLIT,
+    "gpt-4o": _GPT4O_SPLIT,          # Phi-4-mini
 }
 # these split every digit apart before the GPT-2 pattern (their HF tokenizers use Digits)
 _PRE_DIGITS = {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"}
+# names whose split is GPT-2's own pattern
+_PRE_GPT2 = {None, "", "default", "gpt-2", "gpt2", "phi-2", "stablelm2", "olmo", "mpt", "jais", "roberta-bpe"}
 
 
-def _byte_level_pre_tokenizer(pre: str | None):
+def known_pre_tokenizer(pre) -> bool:
+    return pre in _PRE_SPLITS or pre in _PRE_DIGITS or pre in _PRE_GPT2
+
+
+def _byte_level_pre_tokenizer(pre: str | None, path=None):
     from tokenizers import Regex, pre_tokenizers
+    if not known_pre_tokenizer(pre):
+        # text still tokenizes, but maybe not as the model was trained: say so once
+        import sys
+        print(f"cyllm: warning: {path}: unknown pre-tokenizer {_clip(repr(pre))}; splitting text "
+              "the GPT-2 way, which may differ from the model's training", file=sys.stderr)
     if pre in _PRE_SPLITS:
         return pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
@@ -150,7 +167,7 @@ def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenize
                     raise TokenizerError(f"{gf.path}: bad GGUF merge {_clip(repr(m))}")
                 merges.append((parts[0], parts[1]))
             tk = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-            tk.pre_tokenizer = _byte_level_pre_tokenizer(_meta(md, "tokenizer.ggml.pre"))
+            tk.pre_tokenizer = _byte_level_pre_tokenizer(_meta(md, "tokenizer.ggml.pre"), gf.path)
             tk.decoder = decoders.ByteLevel()
             special_ok = lambda t: set(t) <= alphabet   # noqa: E731  (non-alphabet "controls" are mislabels)
             add_bos_default = False

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ModelConfig, config_from_hf, token_id_list as _ids
+from ..config import ModelConfig, token_id_list as _ids
+from ..families import config_from_hf, family
 from ..errors import ModelLoadError, UnsupportedModelError
-from . import expected_shapes, validate_weights
+from . import validate_weights
 from .safetensors import SafetensorsFile, bf16_bits_to_f32, open_checkpoint
 
 F16_MAX = 65504.0
@@ -91,19 +92,23 @@ def _to_f32(name: str, f: SafetensorsFile, tname: str) -> np.ndarray:
 def load_hf_weights(config: ModelConfig, d: Path) -> dict[str, np.ndarray]:
     """The model's tensors from the directory's safetensors, normalized and validated."""
     index = open_checkpoint(d)
-    wanted = expected_shapes(config)
-    if "lm_head.weight" in index:
-        wanted.setdefault("lm_head.weight", (config.vocab_size, config.dim))
+    fam = family(config.arch)
     weights: dict[str, np.ndarray] = {}
-    for name, shape in wanted.items():
+    for t, i in fam.expected(config):
+        name, shape = t.hf_name(i), t.shape(config)
         if name not in index:
+            if t.optional and config.tie_word_embeddings:
+                continue
             raise ModelLoadError(f"missing tensor {name} in the checkpoint in {d}")
         f, tname = index[name]
         got = f.shape_of(tname)
         if got != shape:
             # check before converting: a wrong shape must not cost a conversion
             raise ModelLoadError(f"tensor {name} has shape {got}, expected {shape}")
-        weights[name] = _to_f16(name, f, tname) if len(shape) == 2 else _to_f32(name, f, tname)
+        a = _to_f16(name, f, tname) if len(shape) == 2 else _to_f32(name, f, tname)
+        if t.hf_plus_one:
+            a = a + np.float32(1.0)      # the (1+w) norm stored as w: the model applies plain w
+        weights[name] = a
     # everything else (rotary_emb.inv_freq, ...) is not read by the model: dropped
     validate_weights(config, weights)
     return weights

@@ -1,0 +1,135 @@
+/* cyllm quantized CPU kernels: per-variant tables indexed by weight format
+ * (ggml's type_traits_cpu idea). Independent of kernels.h except for cyllm_silu.
+ *
+ * Weights: a matrix of `rows` rows of n elements in a block format is
+ * (rows, row_bytes) bytes, row_bytes = (n / block) * block_bytes, blocks exactly as
+ * in GGUF files (see src/cyllm/quant/formats.py for the layouts).
+ *
+ * Activations: x (n,) f32 is quantized ONCE per op into the activation format of the
+ * weight format (cyllm_qformat(fmt)->act), then every output row is an integer dot
+ * product with it. Layouts (cyllm's own, nb = n / block):
+ *   CYLLM_QA_Q8_0 (block 32):  int8 q[n] | float d[nb] | int32 sum[nb]      (sum of each block's q)
+ *   CYLLM_QA_Q8_K (block 256): int8 q[n] | float d[nb] | int16 bsum[16 nb]  (sum of each 16 q)
+ * Per block: amax = max|x|, d = amax / 127, q = rint(x * (127 / amax)) (0 if amax == 0):
+ * every variant writes the same bytes (and so does cyllm.quant.reference.quantize_act).
+ * Put the buffer on a 64-byte boundary (the kernels use unaligned loads, but a q block
+ * that straddles cache lines costs).
+ *
+ * Determinism: a row's result is computed by one call in a fixed order that does
+ * not depend on r0/r1 or on which other rows share the call, so any split of rows
+ * over threads gives the same bits. Different variants may differ in the last bits
+ * (float summation order); the integer parts are exact in all of them.
+ *
+ * Pointers may be unaligned beyond their element size; nothing here allocates; the
+ * kernels are single-threaded pieces of work (threads live in quant.pxi / program.c).
+ */
+#ifndef CYLLM_QUANT_H
+#define CYLLM_QUANT_H
+
+#include <stdint.h>
+#include "act.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* weight formats: the kernel_id of cyllm.quant.formats (KERNEL_IDS order) */
+enum {
+    CYLLM_QF_Q8_0 = 0, CYLLM_QF_Q4_0, CYLLM_QF_Q4_1, CYLLM_QF_Q5_0, CYLLM_QF_Q5_1,
+    CYLLM_QF_Q4_K, CYLLM_QF_Q5_K, CYLLM_QF_Q6_K, CYLLM_QF_COUNT
+};
+/* activation formats */
+enum { CYLLM_QA_Q8_0 = 0, CYLLM_QA_Q8_K = 1 };
+
+typedef struct cyllm_qformat_info {
+    const char *name;       /* "q4_k" */
+    int ggml_type;          /* GGML type id */
+    int block;              /* elements per block */
+    int block_bytes;        /* bytes per block */
+    int act;                /* CYLLM_QA_* */
+} cyllm_qformat_info;
+
+/* NULL for an id outside [0, CYLLM_QF_COUNT) */
+const cyllm_qformat_info *cyllm_qformat(int fmt);
+/* elements per activation block (32 | 256), 0 for a bad act */
+int cyllm_qact_block(int act);
+/* bytes of one quantized activation of n elements (n a multiple of the block), -1 if bad */
+int64_t cyllm_qact_bytes(int act, int64_t n);
+
+typedef struct cyllm_qfmt_kernels {
+    /* rows [r0, r1) of out = W @ x (add == 0) or out += W @ x (add != 0).
+     * w: the whole matrix (rows, row_bytes); xq: x quantized to this format's act; n: cols.
+     * nx, nx_bytes: the weights this thread reads next (NULL, 0: none known); the
+     * software prefetch runs into them near the end of the rows (a hint only). */
+    void (*matvec_rows)(float *out, const uint8_t *w, int64_t row_bytes, const void *xq,
+                        int64_t n, int64_t r0, int64_t r1, int add,
+                        const void *nx, int64_t nx_bytes);
+    /* rows [r0, r1) of out = act(Wg @ x) * (Wu @ x); Wg, Wu of the same format and shape.
+     * Each of the two dot products gives the bits matvec_rows gives for that row. */
+    void (*gate_up_rows)(float *out, const uint8_t *wg, const uint8_t *wu, int64_t row_bytes,
+                         const void *xq, int64_t n, int64_t r0, int64_t r1, int act,
+                         const void *nx, int64_t nx_bytes);
+    /* Batched (prefill) integer GEMM, rows [r0, r1) for T tokens:
+     * out[t * ldo + r] = (add ? out[t * ldo + r] : 0) + W[r] . x_t, where x_t is the
+     * activation at (const char *)xq + t * xq_stride. Each (r, t) gives the bits
+     * matvec_rows gives for row r with x_t. */
+    void (*gemm_rows)(float *out, int64_t ldo, const uint8_t *w, int64_t row_bytes,
+                      const void *xq, int64_t xq_stride, int64_t T, int64_t n,
+                      int64_t r0, int64_t r1, int add);
+    /* rows [r0, r1) dequantized to f16 (round to nearest even): out (r1 - r0, n),
+     * row r at out + (r - r0) * n. The prefill path feeds these panels to gemm_rows
+     * of kernels.h. Values beyond the f16 range become +-inf. */
+    void (*dequant_rows_f16)(uint16_t *out, const uint8_t *w, int64_t row_bytes, int64_t n,
+                             int64_t r0, int64_t r1);
+    /* one row to f32 (quantized embedding rows): out (n,) */
+    void (*dequant_row_f32)(float *out, const uint8_t *row, int64_t n);
+} cyllm_qfmt_kernels;
+
+typedef struct cyllm_qkernels {
+    const char *name;       /* "generic" | "avx2" | "avxvnni" | "avx512vnni" */
+    /* blocks [b0, b1) of x (n,) -> xq in the layout of act (xq is the whole buffer
+     * of cyllm_qact_bytes(act, n) bytes). */
+    void (*quantize_act)(void *xq, const float *x, int64_t n, int act, int64_t b0, int64_t b1);
+    cyllm_qfmt_kernels fmt[CYLLM_QF_COUNT];
+} cyllm_qkernels;
+
+extern const cyllm_qkernels cyllm_qkernels_generic;
+#ifdef CYLLM_HAVE_AVX2
+extern const cyllm_qkernels cyllm_qkernels_avx2;
+#endif
+#ifdef CYLLM_HAVE_AVXVNNI
+extern const cyllm_qkernels cyllm_qkernels_avxvnni;
+#endif
+#ifdef CYLLM_HAVE_AVX512VNNI
+extern const cyllm_qkernels cyllm_qkernels_avx512vnni;
+#endif
+
+/* quant_dispatch.c */
+enum {
+    CYLLM_QCPU_AVX2 = 1,        /* AVX + AVX2 + FMA + F16C, OS saves ymm */
+    CYLLM_QCPU_AVXVNNI = 2,     /* AVX-VNNI (VEX vpdpbusd), with the AVX2 set */
+    CYLLM_QCPU_AVX512VNNI = 4   /* AVX512F/BW/VL + AVX512_VNNI, OS saves zmm/opmask, with the AVX2 set */
+};
+int cyllm_qcpu_features(void);
+/* The table called `name`, or NULL when unknown, not built in, or not runnable here. */
+const cyllm_qkernels *cyllm_qkernels_by_name(const char *name);
+/* The best table runnable here, at most as wide as the main variant (kernels.h names:
+ * "generic" -> generic; "avx2" -> avxvnni or avx2; "avx512" -> avx512vnni, avxvnni or avx2). */
+const cyllm_qkernels *cyllm_qkernels_for_variant(const char *variant);
+
+/* software prefetch distance of the quantized matvecs, bytes ahead of the row
+ * stream (0 = off); quant_generic.c, set by quant.pxi's _set_qprefetch */
+extern int64_t cyllm_qpf_bytes;
+
+/* shared scalar helpers (baseline ISA): silu is kernels_generic.c's (the same bits as
+ * the f16 path), gelu_tanh is quant_generic.c's */
+float cyllm_silu(float x);
+float cyllm_gelu_tanh(float x);
+static inline float cyllm_qact_apply(int act, float g) {
+    return act == CYLLM_ACT_GELU_TANH ? cyllm_gelu_tanh(g) : cyllm_silu(g);
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif

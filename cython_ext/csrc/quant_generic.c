@@ -1,0 +1,354 @@
+/* Generic (portable C) quantized kernels: the reference table, and the fallback for
+ * CPUs without AVX2 and for non-x86 targets (must compile for aarch64).
+ *
+ * Per row: the integer dot product of each block (int32, exact), then one float
+ * multiply-add per block (32-blocks) or superblock (K-quants), summed left to right.
+ * Compiled with -ffp-contract=off (setup.py), so the dequantizers give the bits of
+ * cyllm.quant.reference.dequantize on every target.
+ */
+#include <math.h>
+#include "quant_impl.h"
+
+int64_t cyllm_qpf_bytes = 2048;
+
+static const cyllm_qformat_info INFO[CYLLM_QF_COUNT] = {
+    {"q8_0", 8, 32, QB_Q8_0, CYLLM_QA_Q8_0},
+    {"q4_0", 2, 32, QB_Q4_0, CYLLM_QA_Q8_0},
+    {"q4_1", 3, 32, QB_Q4_1, CYLLM_QA_Q8_0},
+    {"q5_0", 6, 32, QB_Q5_0, CYLLM_QA_Q8_0},
+    {"q5_1", 7, 32, QB_Q5_1, CYLLM_QA_Q8_0},
+    {"q4_k", 12, QK_K, QB_Q4_K, CYLLM_QA_Q8_K},
+    {"q5_k", 13, QK_K, QB_Q5_K, CYLLM_QA_Q8_K},
+    {"q6_k", 14, QK_K, QB_Q6_K, CYLLM_QA_Q8_K},
+};
+
+const cyllm_qformat_info *cyllm_qformat(int fmt) {
+    return fmt >= 0 && fmt < CYLLM_QF_COUNT ? &INFO[fmt] : 0;
+}
+
+int cyllm_qact_block(int act) {
+    return act == CYLLM_QA_Q8_0 ? 32 : act == CYLLM_QA_Q8_K ? QK_K : 0;
+}
+
+int64_t cyllm_qact_bytes(int act, int64_t n) {
+    int blk = cyllm_qact_block(act);
+    if (blk == 0 || n < 0 || n % blk) return -1;
+    int64_t nb = n / blk;
+    return act == CYLLM_QA_Q8_0 ? n + 8 * nb : n + 4 * nb + 32 * nb;
+}
+
+/* 0.5 x (1 + tanh(u)) written as x * sigmoid(2u): the same function without the
+ * cancellation of 1 + tanh(u) for negative u (relative error stays ~1 ulp) */
+float cyllm_gelu_tanh(float x) {
+    const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return x / (1.0f + expf(-2.0f * u));
+}
+
+/* ---- activation quantization ---------------------------------------------------- */
+
+static void quantize_act_generic(void *xq, const float *x, int64_t n, int act, int64_t b0, int64_t b1) {
+    const int blk = cyllm_qact_block(act);
+    char *p = (char *)xq;
+    int8_t *q = (int8_t *)p;
+    float *d = (float *)(p + n);
+    int64_t nb = n / blk;
+    for (int64_t b = b0; b < b1; b++) {
+        const float *xb = x + b * blk;
+        float amax = 0.0f;
+        for (int i = 0; i < blk; i++) {
+            float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;
+        }
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = amax / 127.0f;
+        int8_t *qb = q + b * blk;
+        for (int i = 0; i < blk; i++) qb[i] = (int8_t)(int)rintf(xb[i] * id);
+        if (act == CYLLM_QA_Q8_0) {
+            int32_t s = 0;
+            for (int i = 0; i < 32; i++) s += qb[i];
+            ((int32_t *)(p + n + 4 * nb))[b] = s;
+        } else {
+            int16_t *bs = (int16_t *)(p + n + 4 * nb) + b * 16;
+            for (int g = 0; g < 16; g++) {
+                int s = 0;
+                for (int i = 0; i < 16; i++) s += qb[g * 16 + i];
+                bs[g] = (int16_t)s;
+            }
+        }
+    }
+}
+
+/* ---- per-format decoders of one block into integers ------------------------------
+ * 32-blocks: v[32] = the integer weights (q4_0: 0..15, offset handled by the caller). */
+
+static inline void nib32(int8_t *v, const uint8_t *qs) {
+    for (int j = 0; j < 16; j++) { v[j] = (int8_t)(qs[j] & 15); v[j + 16] = (int8_t)(qs[j] >> 4); }
+}
+
+static inline void nib32_h(int8_t *v, const uint8_t *qs, uint32_t qh) {
+    for (int j = 0; j < 16; j++) {
+        v[j] = (int8_t)((qs[j] & 15) | (((qh >> j) & 1) << 4));
+        v[j + 16] = (int8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+    }
+}
+
+static inline int32_t idot32(const int8_t *a, const int8_t *b) {
+    int32_t s = 0;
+    for (int i = 0; i < 32; i++) s += (int32_t)a[i] * (int32_t)b[i];
+    return s;
+}
+
+/* 32-block formats: one row . x */
+static inline float dot_q8_0(const uint8_t *w, const cyllm_qact_view *a, int64_t nb) {
+    float s = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += QB_Q8_0) {
+        int32_t i = idot32((const int8_t *)(w + 2), a->q + b * 32);
+        s += (cyllm_h2f(cyllm_rd16(w)) * a->d[b]) * (float)i;
+    }
+    return s;
+}
+
+static inline float dot_q4_0(const uint8_t *w, const cyllm_qact_view *a, int64_t nb) {
+    float s = 0.0f;
+    int8_t v[32];
+    for (int64_t b = 0; b < nb; b++, w += QB_Q4_0) {
+        nib32(v, w + 2);
+        int32_t i = idot32(v, a->q + b * 32) - 8 * a->sum[b];
+        s += (cyllm_h2f(cyllm_rd16(w)) * a->d[b]) * (float)i;
+    }
+    return s;
+}
+
+static inline float dot_q4_1(const uint8_t *w, const cyllm_qact_view *a, int64_t nb) {
+    float s = 0.0f;
+    int8_t v[32];
+    for (int64_t b = 0; b < nb; b++, w += QB_Q4_1) {
+        nib32(v, w + 4);
+        int32_t i = idot32(v, a->q + b * 32);
+        s += (cyllm_h2f(cyllm_rd16(w)) * a->d[b]) * (float)i
+             + cyllm_h2f(cyllm_rd16(w + 2)) * (a->d[b] * (float)a->sum[b]);
+    }
+    return s;
+}
+
+static inline float dot_q5_0(const uint8_t *w, const cyllm_qact_view *a, int64_t nb) {
+    float s = 0.0f;
+    int8_t v[32];
+    for (int64_t b = 0; b < nb; b++, w += QB_Q5_0) {
+        nib32_h(v, w + 6, cyllm_rd32(w + 2));
+        int32_t i = idot32(v, a->q + b * 32) - 16 * a->sum[b];
+        s += (cyllm_h2f(cyllm_rd16(w)) * a->d[b]) * (float)i;
+    }
+    return s;
+}
+
+static inline float dot_q5_1(const uint8_t *w, const cyllm_qact_view *a, int64_t nb) {
+    float s = 0.0f;
+    int8_t v[32];
+    for (int64_t b = 0; b < nb; b++, w += QB_Q5_1) {
+        nib32_h(v, w + 8, cyllm_rd32(w + 4));
+        int32_t i = idot32(v, a->q + b * 32);
+        s += (cyllm_h2f(cyllm_rd16(w)) * a->d[b]) * (float)i
+             + cyllm_h2f(cyllm_rd16(w + 2)) * (a->d[b] * (float)a->sum[b]);
+    }
+    return s;
+}
+
+/* K-quants: per superblock isum = sum_j sc_j * (q . x over sub-block j) and, for the
+ * asymmetric ones, imin = sum_j m_j * (x sum over sub-block j) */
+static inline void k45_decode(int8_t *v, const uint8_t *qs, const uint8_t *qh) {
+    for (int c = 0; c < 4; c++) {
+        for (int l = 0; l < 32; l++) {
+            int lo = qs[32 * c + l] & 15, hi = qs[32 * c + l] >> 4;
+            if (qh) {
+                lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+                hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+            }
+            v[64 * c + l] = (int8_t)lo;
+            v[64 * c + 32 + l] = (int8_t)hi;
+        }
+    }
+}
+
+static inline float dot_k45(const uint8_t *w, const cyllm_qact_view *a, int64_t nb, int five) {
+    float s = 0.0f;
+    int8_t v[QK_K];
+    const int bb = five ? QB_Q5_K : QB_Q4_K;
+    for (int64_t b = 0; b < nb; b++, w += bb) {
+        uint8_t sc[8], m[8];
+        cyllm_k_scales(w + 4, sc, m);
+        k45_decode(v, five ? w + 48 : w + 16, five ? w + 16 : 0);
+        const int8_t *xq = a->q + b * QK_K;
+        const int16_t *bs = a->bsum + b * 16;
+        int32_t isum = 0, imin = 0;
+        for (int j = 0; j < 8; j++) {
+            isum += (int32_t)sc[j] * (idot32(v + 32 * j, xq + 32 * j));
+            imin += (int32_t)m[j] * ((int32_t)bs[2 * j] + (int32_t)bs[2 * j + 1]);
+        }
+        const float dx = a->d[b];
+        s += (cyllm_h2f(cyllm_rd16(w)) * dx) * (float)isum
+             - (cyllm_h2f(cyllm_rd16(w + 2)) * dx) * (float)imin;
+    }
+    return s;
+}
+
+static inline float dot_q4_k(const uint8_t *w, const cyllm_qact_view *a, int64_t nb) {
+    return dot_k45(w, a, nb, 0);
+}
+static inline float dot_q5_k(const uint8_t *w, const cyllm_qact_view *a, int64_t nb) {
+    return dot_k45(w, a, nb, 1);
+}
+
+/* q6_K: v = q - 32 in element order */
+static inline void q6k_decode(int8_t *v, const uint8_t *w) {
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
+        int8_t *y = v + 128 * h;
+        for (int l = 0; l < 32; l++) {
+            y[l] = (int8_t)(((ql[l] & 15) | (((qh[l] >> 0) & 3) << 4)) - 32);
+            y[l + 32] = (int8_t)(((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32);
+            y[l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+            y[l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+        }
+    }
+}
+
+static inline float dot_q6_k(const uint8_t *w, const cyllm_qact_view *a, int64_t nb) {
+    float s = 0.0f;
+    int8_t v[QK_K];
+    for (int64_t b = 0; b < nb; b++, w += QB_Q6_K) {
+        q6k_decode(v, w);
+        const int8_t *sc = (const int8_t *)(w + 192);
+        const int8_t *xq = a->q + b * QK_K;
+        int32_t isum = 0;
+        for (int j = 0; j < 16; j++) {
+            int32_t t = 0;
+            for (int i = 0; i < 16; i++) t += (int32_t)v[16 * j + i] * (int32_t)xq[16 * j + i];
+            isum += (int32_t)sc[j] * t;
+        }
+        s += (cyllm_h2f(cyllm_rd16(w + 208)) * a->d[b]) * (float)isum;
+    }
+    return s;
+}
+
+/* ---- dequantization (float32 in the reference's order of operations) -------------- */
+
+static void dequant_block(int fmt, float *y, const uint8_t *w) {
+    int8_t v[QK_K];
+    switch (fmt) {
+    case CYLLM_QF_Q8_0: {
+        float d = cyllm_h2f(cyllm_rd16(w));
+        for (int i = 0; i < 32; i++) y[i] = d * (float)(int8_t)w[2 + i];
+        break; }
+    case CYLLM_QF_Q4_0: case CYLLM_QF_Q5_0: {
+        float d = cyllm_h2f(cyllm_rd16(w));
+        int off = fmt == CYLLM_QF_Q4_0 ? 8 : 16;
+        if (fmt == CYLLM_QF_Q4_0) nib32(v, w + 2); else nib32_h(v, w + 6, cyllm_rd32(w + 2));
+        for (int i = 0; i < 32; i++) y[i] = d * (float)(v[i] - off);
+        break; }
+    case CYLLM_QF_Q4_1: case CYLLM_QF_Q5_1: {
+        float d = cyllm_h2f(cyllm_rd16(w)), m = cyllm_h2f(cyllm_rd16(w + 2));
+        if (fmt == CYLLM_QF_Q4_1) nib32(v, w + 4); else nib32_h(v, w + 8, cyllm_rd32(w + 4));
+        for (int i = 0; i < 32; i++) y[i] = d * (float)v[i] + m;
+        break; }
+    case CYLLM_QF_Q4_K: case CYLLM_QF_Q5_K: {
+        const int five = fmt == CYLLM_QF_Q5_K;
+        uint8_t sc[8], m[8];
+        cyllm_k_scales(w + 4, sc, m);
+        k45_decode(v, five ? w + 48 : w + 16, five ? w + 16 : 0);
+        float d = cyllm_h2f(cyllm_rd16(w)), dmin = cyllm_h2f(cyllm_rd16(w + 2));
+        for (int j = 0; j < 8; j++) {
+            float dl = d * (float)sc[j], ml = dmin * (float)m[j];
+            for (int i = 0; i < 32; i++) y[32 * j + i] = dl * (float)v[32 * j + i] - ml;
+        }
+        break; }
+    case CYLLM_QF_Q6_K: {
+        q6k_decode(v, w);
+        float d = cyllm_h2f(cyllm_rd16(w + 208));
+        const int8_t *sc = (const int8_t *)(w + 192);
+        for (int j = 0; j < 16; j++) {
+            float dl = d * (float)sc[j];
+            for (int i = 0; i < 16; i++) y[16 * j + i] = dl * (float)v[16 * j + i];
+        }
+        break; }
+    }
+}
+
+void cyllm_qdequant_row_f32_generic(int fmt, float *out, const uint8_t *row, int64_t n) {
+    const int blk = INFO[fmt].block, bb = INFO[fmt].block_bytes;
+    for (int64_t b = 0; b < n / blk; b++) dequant_block(fmt, out + b * blk, row + b * bb);
+}
+
+void cyllm_qdequant_rows_f16_generic(int fmt, uint16_t *out, const uint8_t *w, int64_t row_bytes,
+                                     int64_t n, int64_t r0, int64_t r1) {
+    const int blk = INFO[fmt].block, bb = INFO[fmt].block_bytes;
+    float y[QK_K];
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        uint16_t *o = out + (r - r0) * n;
+        for (int64_t b = 0; b < n / blk; b++) {
+            dequant_block(fmt, y, row + b * bb);
+            for (int i = 0; i < blk; i++) o[b * blk + i] = cyllm_f2h(y[i]);
+        }
+    }
+}
+
+/* ---- the table: five functions per format from its dot ----------------------------- */
+
+#define QFUNCS(F, FMT, ACT, BLK)                                                            \
+static void matvec_##F(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n,  \
+                       int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {       \
+    (void)nx; (void)nxb;                                                                      \
+    cyllm_qact_view a = cyllm_qact_split(xq, n, ACT);                                         \
+    for (int64_t r = r0; r < r1; r++) {                                                       \
+        float s = dot_##F(w + r * rb, &a, n / BLK);                                           \
+        out[r] = add ? out[r] + s : s;                                                        \
+    }                                                                                         \
+}                                                                                             \
+static void gate_up_##F(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb,        \
+                        const void *xq, int64_t n, int64_t r0, int64_t r1, int act,          \
+                        const void *nx, int64_t nxb) {                                        \
+    (void)nx; (void)nxb;                                                                      \
+    cyllm_qact_view a = cyllm_qact_split(xq, n, ACT);                                         \
+    for (int64_t r = r0; r < r1; r++) {                                                       \
+        float g = dot_##F(wg + r * rb, &a, n / BLK);                                          \
+        float u = dot_##F(wu + r * rb, &a, n / BLK);                                          \
+        out[r] = cyllm_qact_apply(act, g) * u;                                                \
+    }                                                                                         \
+}                                                                                             \
+static void gemm_##F(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,  \
+                     int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {    \
+    for (int64_t t = 0; t < T; t++) {                                                         \
+        cyllm_qact_view a = cyllm_qact_split((const char *)xq + t * xs, n, ACT);              \
+        float *o = out + t * ldo;                                                             \
+        for (int64_t r = r0; r < r1; r++) {                                                   \
+            float s = dot_##F(w + r * rb, &a, n / BLK);                                       \
+            o[r] = add ? o[r] + s : s;                                                        \
+        }                                                                                     \
+    }                                                                                         \
+}                                                                                             \
+static void deq16_##F(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n, int64_t r0,    \
+                      int64_t r1) {                                                           \
+    cyllm_qdequant_rows_f16_generic(FMT, out, w, rb, n, r0, r1);                              \
+}                                                                                             \
+static void deq32_##F(float *out, const uint8_t *row, int64_t n) {                           \
+    cyllm_qdequant_row_f32_generic(FMT, out, row, n);                                         \
+}
+
+QFUNCS(q8_0, CYLLM_QF_Q8_0, CYLLM_QA_Q8_0, 32)
+QFUNCS(q4_0, CYLLM_QF_Q4_0, CYLLM_QA_Q8_0, 32)
+QFUNCS(q4_1, CYLLM_QF_Q4_1, CYLLM_QA_Q8_0, 32)
+QFUNCS(q5_0, CYLLM_QF_Q5_0, CYLLM_QA_Q8_0, 32)
+QFUNCS(q5_1, CYLLM_QF_Q5_1, CYLLM_QA_Q8_0, 32)
+QFUNCS(q4_k, CYLLM_QF_Q4_K, CYLLM_QA_Q8_K, QK_K)
+QFUNCS(q5_k, CYLLM_QF_Q5_K, CYLLM_QA_Q8_K, QK_K)
+QFUNCS(q6_k, CYLLM_QF_Q6_K, CYLLM_QA_Q8_K, QK_K)
+
+#define QENTRY(F) {matvec_##F, gate_up_##F, gemm_##F, deq16_##F, deq32_##F}
+
+const cyllm_qkernels cyllm_qkernels_generic = {
+    "generic",
+    quantize_act_generic,
+    {QENTRY(q8_0), QENTRY(q4_0), QENTRY(q4_1), QENTRY(q5_0), QENTRY(q5_1),
+     QENTRY(q4_k), QENTRY(q5_k), QENTRY(q6_k)},
+};

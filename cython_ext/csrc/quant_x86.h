@@ -1,0 +1,501 @@
+/* Body of the x86 quantized kernels, compiled three times (256-bit vectors each time):
+ *   quant_avx2.c     QX_VNNI 0: u8 x s8 products by vpmaddubsw + vpmaddwd (AVX2)
+ *   quant_avxvnni.c  QX_VNNI 1: vpdpbusd / vpdpwssd, VEX encoding (AVX-VNNI)
+ *   quant_avx512.c   QX_VNNI 2: vpdpbusd / vpdpwssd, EVEX on ymm (AVX512_VNNI + VL)
+ * The including file defines QX_VNNI, QX_NAME and QX_TABLE. All three compute the
+ * same integers (no int16 saturation is reachable: see the bounds next to DOT2).
+ *
+ * Shape of the work (decode is memory-bound, so the aim is few uops per weight byte):
+ * - rows go in groups of QX_R (one load of x's blocks serves QX_R rows; the rows are
+ *   consecutive, so the weights stay one linear stream), the last rows one by one; a
+ *   row's operations are the same in both paths (its bits do not depend on grouping).
+ * - 32-blocks go in pairs (64 weights): the two 16-byte nibble runs fill one 256-bit
+ *   register; low nibbles meet x[0:16] of each block, high nibbles x[16:32]. The
+ *   q4_0/q5_0 offsets (-8, -16) come from x's block sums (the integer accumulator
+ *   starts at -offset*sum/4 in each of a block's 4 lanes), so nibbles stay unsigned
+ *   and no sign trick is needed; q8_0 uses the sign trick (|w| x sign(x, w)).
+ * - K-quants: the 6-bit (q4_k/q5_k) or int8 (q6_k) sub-block scales are applied as
+ *   int16 multipliers on the pair sums (vpmaddwd / vpdpwssd), one float FMA per
+ *   superblock; mins (q4_k/q5_k) and q6_k's -32 come from x's 16-element sums.
+ * - software prefetch cyllm_qpf_bytes ahead in the row stream, continuing into the
+ *   next op's weights (nx) near the end.
+ */
+#include <immintrin.h>
+#include "quant_impl.h"
+
+/* rows per group, per family: measured on a Xeon (family 6 model 207) at 1 thread,
+ * L3-resident 5632x2048 and 2048x5632 (bench/bench_quant.py): the nibble 32-block
+ * formats gain most from sharing x (R 4 vs 1: q4_0 +30%), q6_k was fastest alone */
+#define QX_R 4              /* array bound: the largest R below */
+#define QX_R_Q8 2
+#define QX_R_32 4
+#define QX_R_K45 2
+#define QX_R_Q6 1
+
+#if QX_VNNI == 1
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#define DPWSSD(acc, a, b) _mm256_dpwssd_avx_epi32((acc), (a), (b))
+#elif QX_VNNI == 2
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#define DPWSSD(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
+#else
+#define DPBUSD(acc, u, s) \
+    _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
+#define DPWSSD(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
+#endif
+
+/* acc + sum of u1*s1 + u2*s2 over each 4 bytes (u unsigned <= 31, |s| <= 127: each
+ * vpmaddubsw pair <= 2*31*127 = 7874, two of them <= 15748 < 32767) */
+#if QX_VNNI
+#define DOT2(acc, u1, s1, u2, s2) DPBUSD(DPBUSD((acc), (u1), (s1)), (u2), (s2))
+#else
+#define DOT2(acc, u1, s1, u2, s2) \
+    _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16((u1), (s1)), \
+                                              _mm256_maddubs_epi16((u2), (s2))), _mm256_set1_epi16(1)))
+#endif
+
+#define QX_CAT2(a, b) a##b
+#define QX_CAT(a, b) QX_CAT2(a, b)
+#define QF(name) QX_CAT(name, QX_VNNI)
+#define ALWAYS static inline __attribute__((always_inline))
+
+static const uint16_t qx_zero_h = 0;
+
+ALWAYS float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+ALWAYS float hsum4(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+ALWAYS int32_t hsum8i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+ALWAYS __m256i load2x128(const uint8_t *a, const uint8_t *b) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                   _mm_loadu_si128((const __m128i *)b), 1);
+}
+
+/* lanes 0-3 <- element 0 of v, lanes 4-7 <- element 1 */
+#define IDX01 _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)
+
+/* two f16 at p0, p1 -> [f(p0) x4, f(p1) x4] */
+ALWAYS __m256 h2x4(const uint8_t *p0, const uint8_t *p1) {
+    __m128i h = _mm_insert_epi16(_mm_cvtsi32_si128(cyllm_rd16(p0)), cyllm_rd16(p1), 1);
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(h)), IDX01);
+}
+
+/* Software prefetch: one pointer per group of rows, `dist` bytes ahead of the group's
+ * first row in the stream that ends at `end` and continues at nx (the next op's
+ * weights); inside the rows the kernels prefetch at the same offsets from it, with no
+ * per-iteration checks. Past both streams it points at the rows themselves (a no-op). */
+typedef struct {
+    const uint8_t *end;     /* end of this call's row stream */
+    const void *nx;         /* next op's weights, NULL: none */
+    int64_t nx_bytes;
+    int64_t dist;           /* bytes ahead (0: off) */
+} qx_pf;
+
+ALWAYS const uint8_t *pf_base(const uint8_t *w0, const qx_pf *pf) {
+    if (pf->dist == 0) return w0;
+    const uint8_t *q = w0 + pf->dist;
+    if (q < pf->end) return q;
+    int64_t off = q - pf->end;
+    return (pf->nx && off < pf->nx_bytes) ? (const uint8_t *)pf->nx + off : w0;
+}
+
+#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+
+/* ---- activation quantization (same bytes as quantize_act_generic) ------------------- */
+
+/* 32 floats -> 32 int8 at q (given the inverse scale); returns the int32 lanes' sums
+ * of elements 0-15 (*s0) and 16-31 (*s1) */
+ALWAYS void q32(int8_t *q, const float *x, float id, int32_t *s0, int32_t *s1) {
+    const __m256 v = _mm256_set1_ps(id);
+    const int rm = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x), v), rm));
+    __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8), v), rm));
+    __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 16), v), rm));
+    __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 24), v), rm));
+    *s0 = hsum8i(_mm256_add_epi32(i0, i1));
+    *s1 = hsum8i(_mm256_add_epi32(i2, i3));
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, p);
+}
+
+static void QF(quantize_act_x86_)(void *xq, const float *x, int64_t n, int act, int64_t b0, int64_t b1) {
+    const int blk = act == CYLLM_QA_Q8_K ? QK_K : 32;
+    char *p = (char *)xq;
+    const int64_t nb = n / blk;
+    float *d = (float *)(p + n);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t b = b0; b < b1; b++) {
+        const float *xb = x + b * blk;
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < blk; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xb + i), absmask));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float amax = _mm_cvtss_f32(h);
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = amax / 127.0f;
+        int8_t *qb = (int8_t *)p + b * blk;
+        int32_t s0, s1;
+        if (act == CYLLM_QA_Q8_0) {
+            q32(qb, xb, id, &s0, &s1);
+            ((int32_t *)(p + n + 4 * nb))[b] = s0 + s1;
+        } else {
+            int16_t *bs = (int16_t *)(p + n + 4 * nb) + b * 16;
+            for (int g = 0; g < 8; g++) {
+                q32(qb + 32 * g, xb + 32 * g, id, &s0, &s1);
+                bs[2 * g] = (int16_t)s0;
+                bs[2 * g + 1] = (int16_t)s1;
+            }
+        }
+    }
+}
+
+/* ---- 32-block formats ---------------------------------------------------------------
+ * R rows (o[0..R)) from row pointers w0 (row i at w0 + i*rb), nb blocks. kind:
+ * 0 q4_0, 1 q4_1, 2 q5_0, 3 q5_1 (nibble formats); q8_0 has its own loop. */
+
+/* 5th bits of one pair of q5 blocks -> bytes 0x10 where set: lo (elements 0-15 of both
+ * blocks, 128-bit lanes = blocks) and hi (elements 16-31) */
+ALWAYS void q5_bits(uint32_t h0, uint32_t h1, __m256i *lo, __m256i *hi) {
+    const __m256i v = _mm256_setr_epi32((int)h0, (int)h0, (int)h0, (int)h0, (int)h1, (int)h1, (int)h1, (int)h1);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i sel_lo = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m256i sel_hi = _mm256_add_epi8(sel_lo, _mm256_set1_epi8(2));
+    const __m256i x10 = _mm256_set1_epi8(0x10);
+    __m256i a = _mm256_and_si256(_mm256_shuffle_epi8(v, sel_lo), bit);
+    __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(v, sel_hi), bit);
+    *lo = _mm256_and_si256(_mm256_cmpeq_epi8(a, bit), x10);
+    *hi = _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), x10);
+}
+
+ALWAYS void rows32(const int R, const int kind, float *o, const uint8_t *w0, int64_t rb,
+                   const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
+    const int bb = kind == 0 ? QB_Q4_0 : kind == 1 ? QB_Q4_1 : kind == 2 ? QB_Q5_0 : QB_Q5_1;
+    const int qs_off = kind == 0 ? 2 : kind == 1 ? 4 : kind == 2 ? 6 : 8;
+    const int has_min = kind == 1 || kind == 3;
+    const int five = kind >= 2;
+    const int shift = kind == 0 ? 1 : 2;             /* offset/4 = 2 (q4_0) or 4 (q5_0) */
+    const __m256i m15 = _mm256_set1_epi8(15);
+    __m256 acc[QX_R], accm[QX_R];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < R; i++) { acc[i] = _mm256_setzero_ps(); accm[i] = _mm256_setzero_ps(); }
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int two = b + 1 < nb;
+        const int8_t *xb = a->q + b * 32;
+        __m256i xlo, xhi, off = _mm256_setzero_si256();
+        __m256 dx, dxs = _mm256_setzero_ps();
+        if (two) {
+            xlo = load2x128((const uint8_t *)xb, (const uint8_t *)(xb + 32));
+            xhi = load2x128((const uint8_t *)(xb + 16), (const uint8_t *)(xb + 48));
+            dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(
+                     _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(a->d + b)))), IDX01);
+            __m256i s = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(
+                            _mm_loadl_epi64((const __m128i *)(a->sum + b))), IDX01);
+            if (!has_min) off = _mm256_sub_epi32(off, _mm256_slli_epi32(s, shift));
+            else dxs = _mm256_mul_ps(dx, _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(0.25f)));
+        } else {
+            xlo = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)xb));
+            xhi = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
+            dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_load_ss(a->d + b)), IDX01);
+            __m256i s = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(
+                            _mm_cvtsi32_si128(a->sum[b])), IDX01);
+            if (!has_min) off = _mm256_sub_epi32(off, _mm256_slli_epi32(s, shift));
+            else dxs = _mm256_mul_ps(dx, _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(0.25f)));
+        }
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < R; i++) {
+            const uint8_t *p0 = w0 + i * rb + b * bb;
+            const uint8_t *p1 = two ? p0 + bb : p0;
+            PREFETCH(pfp + i * rb + b * bb);
+            __m256i v = load2x128(p0 + qs_off, p1 + qs_off);
+            __m256i lo = _mm256_and_si256(v, m15);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+            if (five) {
+                __m256i hl, hh;
+                q5_bits(cyllm_rd32(p0 + (kind == 2 ? 2 : 4)), two ? cyllm_rd32(p1 + (kind == 2 ? 2 : 4)) : 0,
+                        &hl, &hh);
+                lo = _mm256_or_si256(lo, hl);
+                hi = _mm256_or_si256(hi, hh);
+            }
+            __m256i isum = DOT2(off, lo, xlo, hi, xhi);
+            __m256 sd = _mm256_mul_ps(h2x4(p0, two ? p1 : (const uint8_t *)&qx_zero_h), dx);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sd, acc[i]);
+            if (has_min)
+                accm[i] = _mm256_fmadd_ps(h2x4(p0 + 2, two ? p1 + 2 : (const uint8_t *)&qx_zero_h), dxs, accm[i]);
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < R; i++) {
+        float s = hsum8(has_min ? _mm256_add_ps(acc[i], accm[i]) : acc[i]);
+        o[i] = add ? o[i] + s : s;
+    }
+}
+
+ALWAYS void k_q8_0(const int R, float *o, const uint8_t *w0, int64_t rb,
+                      const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
+    __m256 acc[QX_R];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + b * 32));
+        const float dx = a->d[b];
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < R; i++) {
+            const uint8_t *p = w0 + i * rb + b * QB_Q8_0;
+            if ((b & 1) == 0) PREFETCH(pfp + i * rb + b * QB_Q8_0);
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(p + 2));
+            /* |w| (unsigned, <= 128) x sign(x, w) (|.| <= 127): pairs <= 32512 */
+            __m256i isum = DPBUSD(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+            const __m256 sd = _mm256_set1_ps(_cvtsh_ss(cyllm_rd16(p)) * dx);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sd, acc[i]);
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < R; i++) {
+        float s = hsum8(acc[i]);
+        o[i] = add ? o[i] + s : s;
+    }
+}
+
+/* ---- K-quants --------------------------------------------------------------------- */
+
+/* int16 element j of each 128-bit lane, broadcast across the lane */
+#define BCAST16(v, j) _mm256_shuffle_epi8((v), _mm256_set1_epi16((short)((2 * (j)) | ((2 * (j) + 1) << 8))))
+
+ALWAYS void k_scales16(const uint8_t *s, __m256i *sc16, __m128i *m16) {
+    uint32_t a0 = cyllm_rd32(s), a1 = cyllm_rd32(s + 4), a2 = cyllm_rd32(s + 8);
+    uint64_t sc = (uint64_t)(a0 & 0x3f3f3f3fu)
+                  | ((uint64_t)((a2 & 0x0f0f0f0fu) | (((a0 >> 6) & 0x03030303u) << 4)) << 32);
+    uint64_t m = (uint64_t)(a1 & 0x3f3f3f3fu)
+                 | ((uint64_t)(((a2 >> 4) & 0x0f0f0f0fu) | (((a1 >> 6) & 0x03030303u) << 4)) << 32);
+    *sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+    *m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m));
+}
+
+/* q4_k (five = 0) / q5_k (five = 1) */
+ALWAYS void rows_k45(const int R, const int five, float *o, const uint8_t *w0, int64_t rb,
+                     const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
+    const int bb = five ? QB_Q5_K : QB_Q4_K;
+    const int qs_off = five ? 48 : 16;
+    const __m256i m15 = _mm256_set1_epi8(15), x10 = _mm256_set1_epi8(0x10);
+    __m256 acc[QX_R];
+    __m128 accm[QX_R];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < R; i++) { acc[i] = _mm256_setzero_ps(); accm[i] = _mm_setzero_ps(); }
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *xb = a->q + b * QK_K;
+        /* x sums per 32 (8 int16) from the 16 per-16 sums */
+        const __m128i bs32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(a->bsum + 16 * b)),
+                                            _mm_loadu_si128((const __m128i *)(a->bsum + 16 * b + 8)));
+        const float dx = a->d[b];
+        __m256i sc16[QX_R], isum[QX_R], qh[QX_R];
+        __m128i m16[QX_R];
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < R; i++) {
+            const uint8_t *p = w0 + i * rb + b * bb;
+            const uint8_t *f = pfp + i * rb + b * bb;
+            PREFETCH(f);
+            PREFETCH(f + 64);
+            PREFETCH(f + 128);
+            k_scales16(p + 4, &sc16[i], &m16[i]);
+            isum[i] = _mm256_setzero_si256();
+            if (five) qh[i] = _mm256_loadu_si256((const __m256i *)(p + 16));
+        }
+        _Pragma("GCC unroll 4")
+        for (int c = 0; c < 4; c++) {
+            const __m256i xl = _mm256_loadu_si256((const __m256i *)(xb + 64 * c));
+            const __m256i xh = _mm256_loadu_si256((const __m256i *)(xb + 64 * c + 32));
+            _Pragma("GCC unroll 4")
+            for (int i = 0; i < R; i++) {
+                const uint8_t *p = w0 + i * rb + b * bb;
+                __m256i v = _mm256_loadu_si256((const __m256i *)(p + qs_off + 32 * c));
+                __m256i lo = _mm256_and_si256(v, m15);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+                if (five) {
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh[i], 4), x10));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh[i], 3), x10));
+                    qh[i] = _mm256_srli_epi16(qh[i], 2);
+                }
+                /* pairs <= 2*31*127 = 7874; x 63 and pair-summed in int32 */
+                isum[i] = DPWSSD(isum[i], _mm256_maddubs_epi16(lo, xl), BCAST16(sc16[i], 2 * c));
+                isum[i] = DPWSSD(isum[i], _mm256_maddubs_epi16(hi, xh), BCAST16(sc16[i], 2 * c + 1));
+            }
+        }
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < R; i++) {
+            const uint8_t *p = w0 + i * rb + b * bb;
+            __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)cyllm_rd32(p))), _mm_set1_ps(dx));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_broadcastss_ps(dd), acc[i]);
+            __m128i imin = _mm_madd_epi16(m16[i], bs32);
+            accm[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), _mm_shuffle_ps(dd, dd, 0x55), accm[i]);
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < R; i++) {
+        float s = hsum8(acc[i]) - hsum4(accm[i]);
+        o[i] = add ? o[i] + s : s;
+    }
+}
+
+ALWAYS void k_q6_k(const int R, float *o, const uint8_t *w0, int64_t rb,
+                      const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
+    const __m256i m15 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    __m256 acc[QX_R];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *xb = a->q + b * QK_K;
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->bsum + 16 * b));
+        const float dx = a->d[b];
+        __m256i isum[QX_R], sc16[QX_R];
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < R; i++) {
+            const uint8_t *p = w0 + i * rb + b * QB_Q6_K;
+            const uint8_t *f = pfp + i * rb + b * QB_Q6_K;
+            PREFETCH(f);
+            PREFETCH(f + 64);
+            PREFETCH(f + 128);
+            PREFETCH(f + 192);
+            sc16[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
+            /* the -32 of every weight: 32 * sum_j sc_j * xsum_j */
+            isum[i] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                       _mm256_slli_epi32(_mm256_madd_epi16(sc16[i], bs), 5));
+        }
+        _Pragma("GCC unroll 2")
+        for (int h = 0; h < 2; h++) {
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xb + 128 * h));
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb + 128 * h + 32));
+            const __m256i x2 = _mm256_loadu_si256((const __m256i *)(xb + 128 * h + 64));
+            const __m256i x3 = _mm256_loadu_si256((const __m256i *)(xb + 128 * h + 96));
+            _Pragma("GCC unroll 4")
+            for (int i = 0; i < R; i++) {
+                const uint8_t *p = w0 + i * rb + b * QB_Q6_K;
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+                /* lanes of this half's 8 scales: low lane sub-block 2k, high lane 2k+1 */
+                const __m256i sh = h ? _mm256_permute2x128_si256(sc16[i], sc16[i], 0x11)
+                                     : _mm256_permute2x128_si256(sc16[i], sc16[i], 0x00);
+                __m256i g0 = _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+                __m256i g1 = _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+                __m256i g2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m30));
+                __m256i g3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
+                                             _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+                /* q in 0..63 unsigned: pairs <= 2*63*127 = 16002 */
+                isum[i] = DPWSSD(isum[i], _mm256_maddubs_epi16(g0, x0),
+                                 _mm256_shuffle_epi8(sh, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3)));
+                isum[i] = DPWSSD(isum[i], _mm256_maddubs_epi16(g1, x1),
+                                 _mm256_shuffle_epi8(sh, _mm256_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5,
+                                                                          6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7)));
+                isum[i] = DPWSSD(isum[i], _mm256_maddubs_epi16(g2, x2),
+                                 _mm256_shuffle_epi8(sh, _mm256_setr_epi8(8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9,
+                                                                          10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11)));
+                isum[i] = DPWSSD(isum[i], _mm256_maddubs_epi16(g3, x3),
+                                 _mm256_shuffle_epi8(sh, _mm256_setr_epi8(12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13,
+                                                                          14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15)));
+            }
+        }
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < R; i++) {
+            const uint8_t *p = w0 + i * rb + b * QB_Q6_K;
+            const __m256 sd = _mm256_set1_ps(_cvtsh_ss(cyllm_rd16(p + 208)) * dx);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), sd, acc[i]);
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < R; i++) {
+        float s = hsum8(acc[i]);
+        o[i] = add ? o[i] + s : s;
+    }
+}
+
+/* ---- per-format entry points ---------------------------------------------------------
+ * ROWS_F(R, o, w0, rb, a, nb, add, pf) runs R rows; RANGE_F runs rows [r0, r1) in groups. */
+
+#define QX_FORMAT(F, FMT, ACT, BLK, RG, CALL)                                                    \
+ALWAYS void rows_##F(const int R, float *o, const uint8_t *w0, int64_t rb,                  \
+                     const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {       \
+    CALL;                                                                                     \
+}                                                                                             \
+static void range_##F(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a,     \
+                      int64_t n, int64_t r0, int64_t r1, int add, const qx_pf *pf) {         \
+    int64_t r = r0;                                                                           \
+    for (; r + RG <= r1; r += RG)                                                            \
+        rows_##F(RG, o + (r - r0), w + r * rb, rb, a, n / BLK, add, pf_base(w + r * rb, pf)); \
+    for (; r < r1; r++)                                                                       \
+        rows_##F(1, o + (r - r0), w + r * rb, rb, a, n / BLK, add, pf_base(w + r * rb, pf)); \
+}                                                                                             \
+static void QF(matvec_##F)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n, \
+                           int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {   \
+    cyllm_qact_view a = cyllm_qact_split(xq, n, ACT);                                         \
+    qx_pf pf = {w + r1 * rb, nx, nxb, cyllm_qpf_bytes};                                       \
+    range_##F(out + r0, w, rb, &a, n, r0, r1, add, &pf);                                      \
+}                                                                                             \
+static void QF(gate_up_##F)(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb,   \
+                            const void *xq, int64_t n, int64_t r0, int64_t r1, int act,      \
+                            const void *nx, int64_t nxb) {                                    \
+    cyllm_qact_view a = cyllm_qact_split(xq, n, ACT);                                         \
+    qx_pf pg = {wg + r1 * rb, 0, 0, cyllm_qpf_bytes};                                         \
+    qx_pf pu = {wu + r1 * rb, nx, nxb, cyllm_qpf_bytes};                                      \
+    float g[16], u[16];                                                                       \
+    for (int64_t r = r0; r < r1; r += 16) {                                                   \
+        int64_t e = r + 16 < r1 ? r + 16 : r1;                                                \
+        range_##F(g, wg, rb, &a, n, r, e, 0, &pg);                                            \
+        range_##F(u, wu, rb, &a, n, r, e, 0, &pu);                                            \
+        for (int64_t i = r; i < e; i++) out[i] = cyllm_qact_apply(act, g[i - r]) * u[i - r]; \
+    }                                                                                         \
+}                                                                                             \
+static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
+                         int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) { \
+    qx_pf none = {w, 0, 0, 0};                                                                \
+    for (int64_t r = r0; r < r1; r += 16) {      /* 16 rows stay in L1/L2 across tokens */    \
+        int64_t e = r + 16 < r1 ? r + 16 : r1;                                                \
+        for (int64_t t = 0; t < T; t++) {                                                     \
+            cyllm_qact_view a = cyllm_qact_split((const char *)xq + t * xs, n, ACT);          \
+            range_##F(out + t * ldo + r, w, rb, &a, n, r, e, add, &none);                     \
+        }                                                                                     \
+    }                                                                                         \
+}                                                                                             \
+static void QF(deq16_##F)(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n, int64_t r0, \
+                          int64_t r1) {                                                       \
+    cyllm_qdequant_rows_f16_generic(FMT, out, w, rb, n, r0, r1);                              \
+}                                                                                             \
+static void QF(deq32_##F)(float *out, const uint8_t *row, int64_t n) {                       \
+    cyllm_qdequant_row_f32_generic(FMT, out, row, n);                                         \
+}
+
+QX_FORMAT(q8_0, CYLLM_QF_Q8_0, CYLLM_QA_Q8_0, 32, QX_R_Q8, k_q8_0(R, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q4_0, CYLLM_QF_Q4_0, CYLLM_QA_Q8_0, 32, QX_R_32, rows32(R, 0, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q4_1, CYLLM_QF_Q4_1, CYLLM_QA_Q8_0, 32, QX_R_32, rows32(R, 1, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q5_0, CYLLM_QF_Q5_0, CYLLM_QA_Q8_0, 32, QX_R_32, rows32(R, 2, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q5_1, CYLLM_QF_Q5_1, CYLLM_QA_Q8_0, 32, QX_R_32, rows32(R, 3, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q4_k, CYLLM_QF_Q4_K, CYLLM_QA_Q8_K, QK_K, QX_R_K45, rows_k45(R, 0, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q5_k, CYLLM_QF_Q5_K, CYLLM_QA_Q8_K, QK_K, QX_R_K45, rows_k45(R, 1, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q6_k, CYLLM_QF_Q6_K, CYLLM_QA_Q8_K, QK_K, QX_R_Q6, k_q6_k(R, o, w0, rb, a, nb, add, pfp))
+
+#define QX_ENTRY(F) {QF(matvec_##F), QF(gate_up_##F), QF(gemm_##F), QF(deq16_##F), QF(deq32_##F)}
+
+const cyllm_qkernels QX_TABLE = {
+    QX_NAME,
+    QF(quantize_act_x86_),
+    {QX_ENTRY(q8_0), QX_ENTRY(q4_0), QX_ENTRY(q4_1), QX_ENTRY(q5_0), QX_ENTRY(q5_1),
+     QX_ENTRY(q4_k), QX_ENTRY(q5_k), QX_ENTRY(q6_k)},
+};

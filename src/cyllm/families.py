@@ -1,0 +1,469 @@
+"""Model families: each is one description, read by both loaders, validation and convert.
+
+A family names its Hugging Face architectures and its GGUF architecture, lists
+its tensors in one table (the HF name, the GGUF name, the shape rule and the
+load transforms) and says how its config.json / GGUF metadata map onto
+ModelConfig's feature fields. model.py knows tensors only by *role* (the GGUF
+name inside a block: "attn_q.weight", "ffn_up.weight", ...), never by family.
+
+Facts the tables encode (llama.cpp's converter is the reference for GGUF):
+- llama.cpp interleaves the rows of q/k for its rope layout only in its
+  llama-style converters (Llama, Mistral, SmolLM3): ``Family.permute_qk``.
+- Gemma's RMSNorm multiplies by (1 + w). HF checkpoints store w, GGUF files
+  store 1 + w: ``Tensor.hf_plus_one`` adds the 1 when reading HF weights only.
+- Phi-3 fuses q/k/v into one matrix and gate/up into one (gate rows first);
+  GGUF keeps both fused (the gate/up pair under the name ffn_up).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .config import ModelConfig, token_id_list
+from .errors import ModelLoadError, UnsupportedModelError
+
+Shape = Callable[[ModelConfig], tuple]
+
+
+@dataclass(frozen=True)
+class Tensor:
+    role: str                          # GGUF name inside a block ("attn_q.weight") or a global GGUF name
+    hf: str                            # HF name; "{i}" is the layer index
+    shape: Shape                       # logical (numpy) shape
+    when: Callable[[ModelConfig], bool] = lambda c: True    # present under this config
+    optional: bool = False             # may be missing (a tied output matrix)
+    gguf: str | None = None            # GGUF name when it differs from the role ("blk.{i}." + role)
+    permute: str = ""                  # "q" | "k": rows interleaved by llama.cpp (families with permute_qk)
+    hf_plus_one: bool = False          # (1+w) norm: HF stores w, GGUF stores 1+w
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf
+
+    def gguf_name(self, i: int | None = None) -> str:
+        name = self.gguf or (("blk.{i}." + self.role) if self.per_layer else self.role)
+        return name.format(i=i)
+
+    def hf_name(self, i: int | None = None) -> str:
+        return self.hf.format(i=i)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    hf_architectures: tuple[str, ...]
+    hf_model_types: tuple[str, ...]
+    gguf_arch: str
+    tensors: tuple[Tensor, ...]
+    permute_qk: bool = False
+    hf_features: Callable[[dict], dict] = lambda cfg: {}           # config.json -> ModelConfig fields
+    gguf_features: Callable[[dict, str, dict], dict] = lambda md, p, t: {}   # metadata, prefix, tensors
+    gguf_config_tensors: tuple[str, ...] = ()    # GGUF tensors read into the config, not weights
+    hf_extra: Callable[[ModelConfig], dict] = lambda c: {}        # convert: family keys of config.json
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+
+    def expected(self, c: ModelConfig) -> list[tuple[Tensor, int | None]]:
+        """Every (tensor, layer) this config reads, globals first."""
+        out = []
+        for t in self.tensors:
+            if not t.when(c):
+                continue
+            if t.per_layer:
+                out.extend((t, i) for i in range(c.n_layers))
+            else:
+                out.append((t, None))
+        return out
+
+    def tensor(self, role: str) -> Tensor:
+        for t in self.tensors:
+            if t.role == role:
+                return t
+        raise KeyError(role)
+
+
+# -- the common tensor table -----------------------------------------------------------
+
+def _emb(c): return (c.vocab_size, c.dim)
+def _vec(c): return (c.dim,)
+def _hd(c): return (c.head_dim,)
+
+
+def _layers(prefix: str = "model.layers.{i}.") -> dict[str, Tensor]:
+    """Llama's names; other families replace or add rows."""
+    p = prefix
+    rows = [
+        Tensor("attn_norm.weight", p + "input_layernorm.weight", _vec),
+        Tensor("attn_q.weight", p + "self_attn.q_proj.weight", lambda c: (c.q_dim, c.dim), permute="q"),
+        Tensor("attn_k.weight", p + "self_attn.k_proj.weight", lambda c: (c.kv_dim, c.dim), permute="k"),
+        Tensor("attn_v.weight", p + "self_attn.v_proj.weight", lambda c: (c.kv_dim, c.dim)),
+        Tensor("attn_q.bias", p + "self_attn.q_proj.bias", lambda c: (c.q_dim,),
+               when=lambda c: c.attention_bias, permute="q"),
+        Tensor("attn_k.bias", p + "self_attn.k_proj.bias", lambda c: (c.kv_dim,),
+               when=lambda c: c.attention_bias, permute="k"),
+        Tensor("attn_v.bias", p + "self_attn.v_proj.bias", lambda c: (c.kv_dim,),
+               when=lambda c: c.attention_bias),
+        Tensor("attn_q_norm.weight", p + "self_attn.q_norm.weight", _hd, when=lambda c: c.qk_norm),
+        Tensor("attn_k_norm.weight", p + "self_attn.k_norm.weight", _hd, when=lambda c: c.qk_norm),
+        Tensor("attn_output.weight", p + "self_attn.o_proj.weight", lambda c: (c.dim, c.q_dim)),
+        Tensor("ffn_norm.weight", p + "post_attention_layernorm.weight", _vec),
+        Tensor("ffn_gate.weight", p + "mlp.gate_proj.weight", lambda c: (c.ffn_dim, c.dim)),
+        Tensor("ffn_up.weight", p + "mlp.up_proj.weight", lambda c: (c.ffn_dim, c.dim)),
+        Tensor("ffn_down.weight", p + "mlp.down_proj.weight", lambda c: (c.dim, c.ffn_dim)),
+    ]
+    return {t.role: t for t in rows}
+
+
+def _globals() -> dict[str, Tensor]:
+    rows = [
+        Tensor("token_embd.weight", "model.embed_tokens.weight", _emb),
+        Tensor("output_norm.weight", "model.norm.weight", _vec),
+        Tensor("output.weight", "lm_head.weight", _emb, optional=True),
+    ]
+    return {t.role: t for t in rows}
+
+
+def _table(**changes: Tensor | None) -> tuple[Tensor, ...]:
+    """The llama table with rows replaced (a Tensor), removed (None) or added (a new role)."""
+    rows = {**_globals(), **_layers()}
+    for role, t in changes.items():
+        role = role.replace("__", ".")
+        if t is None:
+            rows.pop(role, None)
+        else:
+            rows[t.role] = t
+    return tuple(rows.values())
+
+
+# -- reading config.json ---------------------------------------------------------------
+
+def _need(cfg: dict, key: str):
+    if key not in cfg or cfg[key] is None:
+        raise ModelLoadError(f"config.json: missing required key {key!r}")
+    return cfg[key]
+
+
+def _int(cfg: dict, key: str, default=None):
+    v = cfg.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ModelLoadError(f"config.json: {key} must be a whole number, got {str(v)[:40]!r}")
+    return v
+
+
+def rope_params(cfg: dict, layer_type: str = "full_attention") -> tuple[float, dict | None]:
+    """(theta, scaling or None) from the classic keys or transformers 5's ``rope_parameters``
+    (which may be keyed by layer type, as Gemma 3's is)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = dict(params)
+    else:
+        theta = cfg.get("rope_theta", 10000.0)
+        scaling = cfg.get("rope_scaling")
+        scaling = dict(scaling) if isinstance(scaling, dict) else None
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        scaling = None if kind in ("default", None) else {**scaling, "rope_type": kind}
+        for k in ("rope_theta", "type", "partial_rotary_factor"):
+            if scaling is not None:
+                scaling.pop(k, None)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ModelLoadError(f"config.json: rope_theta must be a number, got {str(theta)[:40]!r}")
+    return float(theta), scaling
+
+
+def _window_layers(cfg: dict, n_layers: int, all_sliding: bool) -> tuple[int, tuple | None]:
+    window = _int(cfg, "sliding_window", 0) or 0
+    if cfg.get("use_sliding_window") is False:
+        window = 0
+    types = cfg.get("layer_types")
+    if window and isinstance(types, list):
+        if len(types) != n_layers or not all(isinstance(t, str) for t in types):
+            raise ModelLoadError("config.json: layer_types must list one string per layer")
+        return window, tuple("sliding" if t == "sliding_attention" else "full" for t in types)
+    return (window, None) if all_sliding else (0, None)
+
+
+def common_hf(cfg: dict, name: str) -> dict:
+    """The ModelConfig fields every family reads the same way."""
+    dim = _need(cfg, "hidden_size")
+    n_heads = _need(cfg, "num_attention_heads")
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if not (isinstance(dim, int) and isinstance(n_heads, int) and n_heads > 0 and dim % n_heads == 0):
+            raise ModelLoadError(f"config.json: hidden_size {dim!r} is not divisible by "
+                                 f"num_attention_heads {n_heads!r} and no head_dim is given")
+        head_dim = dim // n_heads
+    theta, scaling = rope_params(cfg)
+    n_layers = _need(cfg, "num_hidden_layers")
+    return dict(
+        dim=dim, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or n_heads, head_dim=head_dim,
+        ffn_dim=_need(cfg, "intermediate_size"), vocab_size=_need(cfg, "vocab_size"),
+        max_seq_len=cfg.get("max_position_embeddings") or 2048,
+        norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=theta, rope_scaling=scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
+        eos_token_ids=token_id_list(cfg.get("eos_token_id")), name=name)
+
+
+def _mistral_hf(cfg):
+    window, types = _window_layers(cfg, cfg.get("num_hidden_layers", 0), all_sliding=True)
+    return dict(sliding_window=window, layer_types=types)
+
+
+def _qwen2_hf(cfg):
+    # Qwen2 windows only the layers its layer_types mark (use_sliding_window is usually off)
+    window, types = _window_layers(cfg, cfg.get("num_hidden_layers", 0), all_sliding=False)
+    return dict(attention_bias=True, sliding_window=window if types else 0, layer_types=types)
+
+
+def _qwen3_hf(cfg):
+    window, types = _window_layers(cfg, cfg.get("num_hidden_layers", 0), all_sliding=False)
+    return dict(qk_norm=True, sliding_window=window if types else 0, layer_types=types)
+
+
+def _gemma3_hf(cfg):
+    n = cfg.get("num_hidden_layers", 0)
+    window = _int(cfg, "sliding_window", 0) or 0
+    types = cfg.get("layer_types")
+    if not isinstance(types, list):
+        pattern = _int(cfg, "sliding_window_pattern", None) or _int(cfg, "_sliding_window_pattern", 6)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    if len(types) != n:
+        raise ModelLoadError("config.json: layer_types must list one string per layer")
+    theta, scaling = rope_params(cfg, "full_attention")
+    local_theta, local_scaling = rope_params(cfg, "sliding_attention")
+    if "rope_local_base_freq" in cfg:
+        local_theta = cfg["rope_local_base_freq"]
+    if local_scaling is not None:
+        raise UnsupportedModelError("Gemma 3: rope scaling on sliding layers is not supported")
+    qpas = cfg.get("query_pre_attn_scalar") or cfg.get("head_dim")
+    if cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping"):
+        raise UnsupportedModelError("logit soft-capping (Gemma 2) is not supported")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(f"Gemma 3: activation {act!r} is not supported")
+    return dict(qk_norm=True, post_norms=True, activation="gelu_tanh",
+                embed_scale=math.sqrt(cfg["hidden_size"]),
+                attn_scale=None if not isinstance(qpas, (int, float)) or qpas <= 0 else qpas ** -0.5,
+                sliding_window=window if "sliding_attention" in types else 0,
+                layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
+                rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
+                tie_word_embeddings=True)
+
+
+def _phi3_hf(cfg):
+    theta, scaling = rope_params(cfg)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    factor = cfg.get("partial_rotary_factor")
+    if factor is None and isinstance(cfg.get("rope_parameters"), dict):
+        factor = cfg["rope_parameters"].get("partial_rotary_factor")
+    rot = int(head_dim * float(factor if factor is not None else 1.0))
+    if scaling is not None and scaling.get("rope_type") == "longrope":
+        orig = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        if orig is None:
+            raise ModelLoadError("config.json: longrope needs original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = orig
+        if scaling.get("factor") is None:
+            scaling["factor"] = (cfg.get("max_position_embeddings") or orig) / orig
+    window = _int(cfg, "sliding_window", 0) or 0
+    return dict(rotary_dim=rot, rope_scaling=scaling, rope_theta=theta, sliding_window=window)
+
+
+def _smollm3_hf(cfg):
+    n = cfg.get("num_hidden_layers", 0)
+    flags = cfg.get("no_rope_layers")
+    if isinstance(flags, list):
+        if len(flags) != n:
+            raise ModelLoadError("config.json: no_rope_layers must hold one flag per layer")
+        nope = tuple(i for i, f in enumerate(flags) if not f)
+    else:
+        step = _int(cfg, "no_rope_layer_interval", 4) or 0
+        nope = tuple(i for i in range(n) if step and (i + 1) % step == 0)
+    window, types = _window_layers(cfg, n, all_sliding=False)
+    return dict(nope_layers=nope, sliding_window=window if types else 0, layer_types=types)
+
+
+# -- reading GGUF metadata -------------------------------------------------------------
+
+def _sliding_gguf(md, p, t):
+    w = md.get(p + "attention.sliding_window")
+    return dict(sliding_window=int(w)) if isinstance(w, int) and w > 0 else {}
+
+
+def _gemma3_gguf(md, p, t):
+    n = md[p + "block_count"]
+    pattern = md.get(p + "attention.sliding_window_pattern")
+    if isinstance(pattern, list) and len(pattern) == n:
+        types = tuple("sliding" if x else "full" for x in pattern)
+    else:
+        # llama.cpp's fixed Gemma 3 layout: every sixth layer is global
+        step = pattern if isinstance(pattern, int) and pattern > 0 else 6
+        types = tuple("full" if (i + 1) % step == 0 else "sliding" for i in range(n))
+    dim, heads = md[p + "embedding_length"], md[p + "attention.head_count"]
+    head_dim = md.get(p + "attention.key_length") or dim // heads
+    # GGUF keeps no query_pre_attn_scalar; llama.cpp uses head_dim, except for the 27B (62 layers)
+    qpas = dim // heads if n == 62 else head_dim
+    window = md.get(p + "attention.sliding_window") or 0
+    return dict(qk_norm=True, post_norms=True, activation="gelu_tanh", embed_scale=math.sqrt(dim),
+                attn_scale=qpas ** -0.5, sliding_window=int(window),
+                layer_types=types if window else None, rope_local_theta=10000.0,
+                tie_word_embeddings=True)
+
+
+def _phi3_gguf(md, p, t):
+    out = _sliding_gguf(md, p, t)
+    rot = md.get(p + "rope.dimension_count")
+    if isinstance(rot, int):
+        out["rotary_dim"] = rot
+    if "rope_factors_long.weight" in t and "rope_factors_short.weight" in t:
+        orig = md.get(p + "rope.scaling.original_context_length")
+        ctx = md.get(p + "context_length")
+        if not isinstance(orig, int) or orig <= 0:
+            raise ModelLoadError("GGUF: phi3 rope factors need rope.scaling.original_context_length")
+        out["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": t["rope_factors_long.weight"].tolist(),
+            "short_factor": t["rope_factors_short.weight"].tolist(),
+            "original_max_position_embeddings": orig,
+            "factor": (ctx or orig) / orig,
+            "attention_factor": md.get(p + "rope.scaling.attn_factor")}
+    return out
+
+
+def _smollm3_gguf(md, p, t):
+    n = md[p + "block_count"]
+    # llama.cpp's SmolLM3: every fourth layer has no rope
+    return dict(nope_layers=tuple(i for i in range(n) if (i + 1) % 4 == 0))
+
+
+# -- the families ----------------------------------------------------------------------
+
+_P = "model.layers.{i}."
+LLAMA = Family("llama", ("LlamaForCausalLM",), ("llama",), "llama", _table(), permute_qk=True,
+               gguf_config_tensors=("rope_freqs.weight",))
+MISTRAL = Family("mistral", ("MistralForCausalLM",), ("mistral",), "llama", _table(), permute_qk=True,
+                 hf_features=_mistral_hf, gguf_features=_sliding_gguf,
+                 hf_extra=lambda c: {"sliding_window": c.sliding_window or None})
+QWEN2 = Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), "qwen2", _table(), hf_features=_qwen2_hf,
+               hf_extra=lambda c: {"use_sliding_window": False})
+QWEN3 = Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), "qwen3", _table(), hf_features=_qwen3_hf)
+SMOLLM3 = Family("smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), "smollm3", _table(), permute_qk=True,
+                 hf_features=_smollm3_hf, gguf_features=_smollm3_gguf,
+                 hf_extra=lambda c: {"no_rope_layers": [0 if i in c.nope_layers else 1
+                                                        for i in range(c.n_layers)]})
+_G = dict(hf_plus_one=True)
+GEMMA3 = Family(
+    "gemma3", ("Gemma3ForCausalLM",), ("gemma3_text", "gemma3"), "gemma3",
+    _table(output__weight=None,
+           output_norm__weight=Tensor("output_norm.weight", "model.norm.weight", _vec, **_G),
+           attn_norm__weight=Tensor("attn_norm.weight", _P + "input_layernorm.weight", _vec, **_G),
+           attn_q_norm__weight=Tensor("attn_q_norm.weight", _P + "self_attn.q_norm.weight", _hd, **_G),
+           attn_k_norm__weight=Tensor("attn_k_norm.weight", _P + "self_attn.k_norm.weight", _hd, **_G),
+           post_attention_norm__weight=Tensor("post_attention_norm.weight",
+                                              _P + "post_attention_layernorm.weight", _vec, **_G),
+           ffn_norm__weight=Tensor("ffn_norm.weight", _P + "pre_feedforward_layernorm.weight", _vec, **_G),
+           post_ffw_norm__weight=Tensor("post_ffw_norm.weight", _P + "post_feedforward_layernorm.weight",
+                                        _vec, **_G)),
+    hf_features=_gemma3_hf, gguf_features=_gemma3_gguf,
+    hf_extra=lambda c: {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": c.sliding_window or None,
+                        "layer_types": [("sliding_attention" if c.layer_window(i) else "full_attention")
+                                        for i in range(c.n_layers)],
+                        "rope_local_base_freq": c.rope_local_theta,
+                        "query_pre_attn_scalar": (c.attn_scale ** -2) if c.attn_scale else c.head_dim})
+PHI3 = Family(
+    "phi3", ("Phi3ForCausalLM",), ("phi3",), "phi3",
+    _table(attn_q__weight=None, attn_k__weight=None, attn_v__weight=None,
+           attn_q__bias=None, attn_k__bias=None, attn_v__bias=None, ffn_gate__weight=None, ffn_up__weight=None,
+           attn_qkv__weight=Tensor("attn_qkv.weight", _P + "self_attn.qkv_proj.weight",
+                                   lambda c: (c.q_dim + 2 * c.kv_dim, c.dim)),
+           ffn_gate_up__weight=Tensor("ffn_gate_up.weight", _P + "mlp.gate_up_proj.weight",
+                                      lambda c: (2 * c.ffn_dim, c.dim), gguf="blk.{i}.ffn_up.weight")),
+    hf_features=_phi3_hf, gguf_features=_phi3_gguf,
+    gguf_config_tensors=("rope_factors_long.weight", "rope_factors_short.weight"),
+    hf_extra=lambda c: {"partial_rotary_factor": (c.rotary_dim or c.head_dim) / c.head_dim,
+                        "sliding_window": c.sliding_window or None},
+    fused_qkv=True, fused_gate_up=True)
+
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, PHI3, SMOLLM3)
+BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def family(name: str) -> Family:
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise UnsupportedModelError(f"model family {name!r} is not supported "
+                                    f"(supported: {', '.join(BY_NAME)})") from None
+
+
+def family_for_hf(cfg: dict) -> Family:
+    archs = cfg.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ModelLoadError("config.json: architectures must be a list of strings")
+    supported = ", ".join(a for f in FAMILIES for a in f.hf_architectures)
+    for arch in archs or []:
+        for f in FAMILIES:
+            if arch in f.hf_architectures:
+                return f
+    if not archs:
+        mt = cfg.get("model_type")
+        for f in FAMILIES:
+            if mt in f.hf_model_types:
+                return f
+        raise UnsupportedModelError(f"model_type {str(mt)[:60]!r} is not supported (supported: {supported})")
+    raise UnsupportedModelError(f"architecture {archs[0][:60]!r} is not supported (supported: {supported})")
+
+
+def family_for_gguf(arch: str, md: dict) -> Family:
+    if arch == "llama" and md.get("llama.attention.sliding_window"):
+        return MISTRAL
+    for f in FAMILIES:
+        if f.gguf_arch == arch:
+            return f
+    supported = ", ".join(sorted({f.gguf_arch for f in FAMILIES}))
+    raise UnsupportedModelError(f"GGUF architecture {str(arch)[:60]!r} is not supported (supported: {supported})")
+
+
+def config_from_hf(cfg: dict, name: str = "") -> ModelConfig:
+    """ModelConfig from a parsed Hugging Face config.json."""
+    fam = family_for_hf(cfg)
+    fields = common_hf(cfg, name)
+    try:
+        fields.update(fam.hf_features(cfg))
+        return ModelConfig(arch=fam.name, **fields)
+    except (TypeError, ValueError, KeyError, ZeroDivisionError, OverflowError) as e:
+        raise ModelLoadError(f"config.json: bad value ({type(e).__name__}: {str(e)[:120]})") from None
+
+
+def hf_config_dict(c: ModelConfig, torch_dtype: str = "float16") -> dict:
+    """config.json for a directory transformers loads as this family (used by convert)."""
+    fam = family(c.arch)
+    scaling = dict(c.rope_scaling) if c.rope_scaling else None
+    if scaling and "divisors" in scaling:
+        scaling = None    # GGUF llama3 divisors have no exact HF form; convert refuses them earlier
+    d = {
+        "architectures": [fam.hf_architectures[0]], "model_type": fam.hf_model_types[0],
+        "hidden_size": c.dim, "intermediate_size": c.ffn_dim, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
+        "vocab_size": c.vocab_size, "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta, "rope_scaling": scaling, "hidden_act": "silu",
+        "attention_bias": bool(c.attention_bias), "mlp_bias": False,
+        "tie_word_embeddings": bool(c.tie_word_embeddings), "torch_dtype": torch_dtype,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": (c.eos_token_ids[0] if len(c.eos_token_ids) == 1 else list(c.eos_token_ids))
+        if c.eos_token_ids else None,
+        "use_cache": True,
+    }
+    if scaling and scaling.get("rope_type") == "longrope":
+        d["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
+    d.update(fam.hf_extra(c))
+    return d

@@ -1,0 +1,158 @@
+"""Rotary position embeddings: frequencies and cos/sin tables for every rope type.
+
+A layer's rope is fully described by a :class:`RopeSpec`. Scaling types reduce
+to per-frequency divisors of the base inverse frequencies (linear: all equal the
+factor; llama3: the published wavelength formula, or the divisors a GGUF stores
+as its ``rope_freqs`` tensor, used as they are; longrope: the short or long
+factors) plus, for longrope, a magnitude factor on cos and sin. The arithmetic
+follows Hugging Face transformers (float32 tables) so positions rotate alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ModelLoadError, UnsupportedModelError
+
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float                     # base
+    dim: int                         # rotated dims per head (even; <= head_dim)
+    scaling: dict | None = None      # {"rope_type": ..., ...} or None (default)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.theta, (int, float)) and math.isfinite(self.theta) and self.theta > 1.0):
+            raise ModelLoadError(f"config: rope theta must be a finite number > 1, got {self.theta!r}")
+        if self.dim <= 0 or self.dim % 2:
+            raise ModelLoadError(f"config: the rotary dimension must be even and positive, got {self.dim}")
+        kind = self.rope_type
+        if kind not in ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+        if kind != "default":
+            _check_scaling(kind, self.scaling, self.dim)
+
+    @property
+    def rope_type(self) -> str:
+        return (self.scaling or {}).get("rope_type", "default")
+
+    def inv_freq(self, context: int) -> np.ndarray:
+        """(dim // 2,) float32 inverse frequencies, scaling applied for a cache of ``context``."""
+        base = 1.0 / (self.theta ** (np.arange(0, self.dim, 2, dtype=np.int64).astype(np.float32) / self.dim))
+        div = self.divisors(context)
+        if div is None:
+            return base.astype(np.float32)
+        return (base.astype(np.float64) / div).astype(np.float32)
+
+    def divisors(self, context: int) -> np.ndarray | None:
+        s = self.scaling or {}
+        kind = self.rope_type
+        half = self.dim // 2
+        if kind == "linear":
+            return np.full(half, float(s["factor"]))
+        if kind == "llama3":
+            if "divisors" in s:
+                return np.asarray(s["divisors"], dtype=np.float64)
+            base = 1.0 / (self.theta ** (np.arange(0, self.dim, 2, dtype=np.int64).astype(np.float32) / self.dim))
+            return base.astype(np.float64) / llama3_inv_freq(base.astype(np.float64), s)
+        if kind == "longrope":
+            # as llama.cpp: the long factors when the cache is longer than the trained context
+            long = context > int(s["original_max_position_embeddings"])
+            return np.asarray(s["long_factor" if long else "short_factor"], dtype=np.float64)
+        return None
+
+    def magnitude(self) -> float:
+        """Factor on cos and sin (longrope's attention factor; 1 otherwise)."""
+        s = self.scaling or {}
+        if self.rope_type != "longrope":
+            return 1.0
+        if s.get("attention_factor") is not None:
+            return float(s["attention_factor"])
+        factor = float(s.get("factor") or 1.0)
+        if factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(factor) / math.log(int(s["original_max_position_embeddings"])))
+
+    def tables(self, n_pos: int, context: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin, each (n_pos, dim // 2) float32."""
+        inv = self.inv_freq(n_pos if context is None else context)
+        freqs = np.outer(np.arange(n_pos, dtype=np.float32), inv).astype(np.float32)   # (n_pos, half)
+        cos, sin = np.cos(freqs), np.sin(freqs)
+        m = self.magnitude()
+        if m != 1.0:
+            cos, sin = cos * np.float32(m), sin * np.float32(m)
+        return cos.astype(np.float32), sin.astype(np.float32)
+
+
+def _positive(value, what: str) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ModelLoadError(f"config: rope scaling {what} must be a number, got {value!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise ModelLoadError(f"config: rope scaling {what} must be a finite number > 0, got {value!r}")
+    return v
+
+
+def _check_scaling(kind: str, s: dict, dim: int) -> None:
+    half = dim // 2
+    if kind == "linear":
+        _positive(s.get("factor"), "factor")
+    elif kind == "llama3":
+        if "divisors" in s:
+            d = np.asarray(s["divisors"], dtype=np.float64)
+            if d.shape != (half,) or not np.all(np.isfinite(d)) or np.any(d <= 0):
+                raise ModelLoadError(f"rope_freqs must hold {half} finite positive values")
+            return
+        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in s and key in ("factor", "original_max_position_embeddings"):
+                raise ModelLoadError(f"config: llama3 rope scaling lacks {key!r}")
+            _positive(s.get(key, 1.0 if key == "low_freq_factor" else 4.0), key)
+        if float(s.get("high_freq_factor", 4.0)) <= float(s.get("low_freq_factor", 1.0)):
+            raise ModelLoadError("config: llama3 rope scaling needs high_freq_factor > low_freq_factor")
+    elif kind == "longrope":
+        for key in ("short_factor", "long_factor"):
+            f = s.get(key)
+            try:
+                arr = np.asarray(f, dtype=np.float64)
+            except (TypeError, ValueError):
+                raise ModelLoadError(f"config: longrope {key} must be a list of numbers") from None
+            if arr.shape != (half,) or not np.all(np.isfinite(arr)) or np.any(arr <= 0):
+                raise ModelLoadError(f"config: longrope {key} must hold {half} finite positive numbers")
+        _positive(s.get("original_max_position_embeddings"), "original_max_position_embeddings")
+        if s.get("attention_factor") is not None:
+            _positive(s["attention_factor"], "attention_factor")
+
+
+def llama3_inv_freq(inv_freq: np.ndarray, s: dict) -> np.ndarray:
+    """Llama 3.1 frequency-dependent scaling of inverse frequencies (the published formula)."""
+    factor = float(s["factor"])
+    low = float(s.get("low_freq_factor", 1.0))
+    high = float(s.get("high_freq_factor", 4.0))
+    orig = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = orig / low, orig / high
+    wavelen = 2 * math.pi / inv_freq
+    out = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (orig / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * out / factor + smooth * out
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, out)
+
+
+def llama3_params_from_divisors(divisors, theta: float, dim: int) -> dict | None:
+    """The published llama3 scaling whose divisors these are (for writing config.json), or None."""
+    div = np.asarray(divisors, dtype=np.float64)
+    base = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    for factor in (8.0, 32.0, 16.0, 4.0, 2.0):
+        for orig in (8192, 4096, 2048, 16384, 32768):
+            params = {"factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": orig}
+            if np.allclose(base / llama3_inv_freq(base, params), div, rtol=1e-3, atol=1e-4):
+                return params
+    return None

@@ -1,0 +1,173 @@
+"""Every supported model family against Hugging Face transformers, from an HF directory
+and from the GGUF that llama.cpp's own converter writes of the same weights.
+
+The material (tiny random models of each family, built with transformers' own
+classes, and their GGUF conversions) comes from tests/tinymodels.py and
+tests/llamacpp_tools.py; see FAMILY_FEATURES there for what each kind exercises
+(sliding windows shorter than the sequence, two rope bases, partial rotary,
+longrope past its original context, NoPE layers, q/k norms, fused tensors...).
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import cyllm  # noqa: E402
+from conftest import HOST_BACKENDS, cuda_available  # noqa: E402
+from llamacpp_tools import family_material  # noqa: E402,F401  (session fixture)
+from tinymodels import FAMILY_FEATURES, FAMILY_KINDS, GGUF_FAITHFUL, load_reference  # noqa: E402
+
+SEQ = 70          # crosses every window (16) and original rope context (32) of the material
+PROMPT = 40       # greedy-text prompt: past the longrope original context from the first token
+N_GEN = 16
+BACKENDS = HOST_BACKENDS + [pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def _backend(name):
+    if name == "cuda" and not cuda_available():
+        pytest.skip("no CUDA GPU")
+    return name
+
+
+def rel_err(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _ids(model, n=SEQ):
+    """A fixed pseudo-random token sequence of the model's vocabulary (special tokens avoided)."""
+    rng = np.random.default_rng(7)
+    return rng.integers(3, model.config.vocab_size - 8, n).tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(family_material):
+    """kind -> (transformers model, its float32 logits of the test sequence)."""
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            ref = load_reference(family_material.hf_dir(kind))
+            cache[kind] = ref
+        return cache[kind]
+    return get
+
+
+def _hf_logits(ref, ids):
+    with torch.no_grad():
+        return ref(torch.tensor([ids])).logits[0].float().numpy()       # (T, vocab)
+
+
+def _assert_parity(ours, theirs):
+    assert ours.shape == theirs.shape
+    assert rel_err(ours, theirs) < 1e-2
+    assert float(np.mean(ours.argmax(-1) == theirs.argmax(-1))) > 0.98
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", list(FAMILY_KINDS), ids=list(FAMILY_KINDS))
+def test_hf_dir_logits_match_transformers(family_material, reference, kind, backend):
+    """Logits at all 70 positions (prefill) within 1e-2 of transformers' float32 eager forward."""
+    model = cyllm.load(family_material.hf_dir(kind), backend=_backend(backend))
+    ids = _ids(model)
+    _assert_parity(model.logits(ids), _hf_logits(reference(kind), ids))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", list(FAMILY_KINDS), ids=list(FAMILY_KINDS))
+def test_greedy_text_matches_transformers(family_material, reference, kind, backend):
+    model = cyllm.load(family_material.hf_dir(kind), backend=_backend(backend))
+    ids = _ids(model, PROMPT)
+    ref = reference(kind)
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=N_GEN, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    expected = out[0, len(ids):].tolist()
+    # cyllm's own loop on the same ids; EOS is not special here (eos_token_id=None above)
+    session_ids = list(ids)
+    logits = model.prefill(session_ids)
+    ours = []
+    for i in range(N_GEN):
+        t = int(np.argmax(logits))
+        ours.append(t)
+        logits = model.forward(t, len(ids) + i)
+    assert model.tokenizer.decode(ours) == model.tokenizer.decode(expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", list(FAMILY_KINDS), ids=list(FAMILY_KINDS))
+def test_decode_equals_prefill(family_material, kind, backend):
+    """One token at a time through decode gives the batched prefill's logits."""
+    backend = _backend(backend)
+    path = family_material.hf_dir(kind)
+    batched = cyllm.load(path, backend=backend)
+    ids = _ids(batched)
+    want = batched.logits(ids)
+    step = cyllm.load(path, backend=backend)
+    got = np.stack([step.forward(t, i).copy() for i, t in enumerate(ids)])
+    # the cuda prefill feeds cuBLAS FP16 inputs, decode reads FP32 activations
+    assert rel_err(got, want) < (1e-3 if backend == "cuda" else 1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", sorted(GGUF_FAITHFUL))
+def test_gguf_from_llamacpp_converter_matches_transformers(family_material, reference, kind, backend):
+    """The same weights as a GGUF written by llama.cpp's converter (its conventions: q/k
+    permutation, Gemma's +1 norms, fused Phi-3 tensors, rope_freqs / rope_factors)."""
+    model = cyllm.load(family_material.gguf(kind, "f32"), backend=_backend(backend))
+    assert model.config.arch in {"llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "smollm3"}
+    ids = _ids(model)
+    _assert_parity(model.logits(ids), _hf_logits(reference(kind), ids))
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "phi3_longrope"])
+def test_gguf_f16_and_q8_0_files(family_material, reference, kind):
+    """F16 and Q8_0 conversions: F16 at the HF tolerance, Q8_0 close to the F16 logits."""
+    backend = HOST_BACKENDS[-1]
+    f16 = cyllm.load(family_material.gguf(kind, "f16"), backend=backend)
+    ids = _ids(f16)
+    l16 = f16.logits(ids)
+    _assert_parity(l16, _hf_logits(reference(kind), ids))
+    q8 = cyllm.load(family_material.gguf(kind, "q8_0"), backend=backend)
+    assert rel_err(q8.logits(ids), l16) < 5e-2
+
+
+def test_every_family_has_material():
+    """Each family cyllm supports is exercised by at least one kind above."""
+    from cyllm.families import FAMILIES
+    covered = {FAMILY_KINDS[k][0] for k in FAMILY_KINDS}
+    assert {f.name for f in FAMILIES} <= covered | {"llama"}, covered
+    assert set(FAMILY_FEATURES) == set(FAMILY_KINDS)
+
+
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "  leading spaces and 12345 digits\n\nnew lines",
+         "Caf\u00e9 na\u00efve \u4f60\u597d \U0001f600", "def f(x):\n    return x ** 2  # it's"]
+
+
+@pytest.mark.parametrize("kind", sorted(GGUF_FAITHFUL))
+def test_gguf_tokenizer_and_template_match_the_hf_directory(family_material, kind):
+    """The tokenizer rebuilt from the GGUF metadata (its tokenizer.ggml.pre, SentencePiece
+    flags, special tokens) encodes like transformers' tokenizer of the HF directory, and the
+    chat template renders the same conversation."""
+    from transformers import AutoTokenizer
+    hf_tok = AutoTokenizer.from_pretrained(family_material.hf_dir(kind))
+    ours = cyllm.load(family_material.gguf(kind, "f32"), backend="numpy").tokenizer
+    for text in TEXTS:
+        assert ours.encode(text, add_special_tokens=False) == hf_tok.encode(text, add_special_tokens=False), text
+    messages = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi!"},
+                {"role": "user", "content": "Bye"}]
+    if hf_tok.chat_template:
+        want = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ours.apply_chat_template(messages, add_generation_prompt=True) == want
+
+
+@pytest.mark.parametrize("kind", ["llama32", "gemma3", "phi3_longrope", "smollm3"])
+def test_convert_gguf_back_to_a_directory_transformers_loads(family_material, reference, kind, tmp_path):
+    """`cyllm convert` writes the family's config.json and tensor names (Gemma's norms back to w,
+    Phi-3's fused tensors, llama3 rope parameters recovered from rope_freqs)."""
+    from cyllm.convert import convert_gguf_to_hf
+    out = convert_gguf_to_hf(family_material.gguf(kind, "f32"), tmp_path / "hf")
+    converted = load_reference(out)
+    ids = np.random.default_rng(1).integers(3, converted.config.vocab_size - 8, SEQ).tolist()
+    _assert_parity(_hf_logits(converted, ids), _hf_logits(reference(kind), ids))
