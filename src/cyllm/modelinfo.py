@@ -163,7 +163,7 @@ def _config_lines(c) -> list[str]:
 
 # -- Hugging Face directory ---------------------------------------------------------------
 def describe_hf_dir(d: Path) -> list[str]:
-    from .config import config_from_hf
+    from .families import config_from_hf
     from .loading.hf import read_json
     from .loading.safetensors import open_checkpoint
 
