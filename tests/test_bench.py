@@ -20,7 +20,7 @@ FAST = ["--synthetic", "tiny", "--backend", BACKEND, "-p", "8", "-n", "4", "-r",
 @pytest.fixture
 def fake_bandwidth(monkeypatch):
     """Skip the 512 MB bandwidth probe where the test is not about it."""
-    monkeypatch.setattr(bench, "read_bandwidth", lambda backend, threads: (10.0, "test"))
+    monkeypatch.setattr(bench, "read_bandwidth", lambda backend, threads, nbytes=None: (10.0, "test"))
 
 
 @pytest.fixture

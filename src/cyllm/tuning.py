@@ -65,23 +65,57 @@ def size_class(weight_bytes: int) -> str:
     return SIZE_CLASSES[-1][0]
 
 
-def _read_file() -> dict:
+MAX_FILE_BYTES = 1 << 20          # a tuning file is a few KB
+_warned_damaged = False
+
+
+def _load_file() -> tuple[dict, str | None]:
+    """(the saved data or {}, why the file is unusable or None). Never raises."""
+    path = tuning_path()
     try:
-        with open(tuning_path(), encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
-        return {}
-    if not isinstance(data.get("machines"), dict):
-        return {}
-    return data
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        return {}, None
+    except OSError as e:
+        return {}, f"cannot read it: {e.strerror or e}"
+    if len(raw) > MAX_FILE_BYTES:
+        return {}, f"larger than {MAX_FILE_BYTES >> 20} MiB"
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return {}, "not valid JSON"
+    if not isinstance(data, dict) or not isinstance(data.get("machines"), dict):
+        return {}, "not a cyllm tuning file"
+    if data.get("version") != FORMAT_VERSION:
+        return {}, f"format version {str(data.get('version'))[:20]!r}, expected {FORMAT_VERSION}"
+    return data, None
+
+
+def _read_file() -> dict:
+    return _load_file()[0]
+
+
+def damaged_reason() -> str | None:
+    """Why the tuning file cannot be used (None when it is fine or absent)."""
+    return _load_file()[1]
+
+
+def _warn_damaged_once(reason: str) -> None:
+    global _warned_damaged
+    if not _warned_damaged:
+        _warned_damaged = True
+        from .oneline import one_line
+        print(one_line(f"cyllm: warning: ignoring the tuning file {tuning_path()} ({reason}); "
+                       "`cyllm tune` writes a new one"), file=sys.stderr)
 
 
 def _entries_for_this_cpu() -> dict:
     """{size class: entry} saved for this CPU model ({} when none or unreadable)."""
-    machines = _read_file().get("machines", {})
-    entries = machines.get(cpu_model_name(), {})
+    data, reason = _load_file()
+    if reason is not None:
+        _warn_damaged_once(reason)
+    entries = data.get("machines", {}).get(cpu_model_name(), {})
     return entries if isinstance(entries, dict) else {}
 
 
@@ -107,6 +141,9 @@ def tuned_threads(weight_bytes: int) -> tuple[int | None, int | None]:
 def describe_saved_tuning() -> list[str]:
     """Lines for `cyllm info`."""
     path = tuning_path()
+    reason = damaged_reason()
+    if reason is not None:
+        return [f"tuning: the file {path} is unusable ({reason}); `cyllm tune` writes a new one"]
     entries = _entries_for_this_cpu()
     if not entries:
         if path.exists():
@@ -130,8 +167,10 @@ def _n_threads(n) -> str:
 def save_tuning(weight_bytes: int, decode_threads: int, prefill_threads: int, info: dict | None = None) -> Path:
     """Record the best counts for this CPU and model size class; returns the file written."""
     path = tuning_path()
-    data = _read_file() or {"version": FORMAT_VERSION, "machines": {}}
+    data = _read_file() or {"version": FORMAT_VERSION, "machines": {}}   # a damaged file is replaced
     machine = data["machines"].setdefault(cpu_model_name(), {})
+    if not isinstance(machine, dict):
+        machine = data["machines"][cpu_model_name()] = {}
     entry = {"decode_threads": int(decode_threads), "prefill_threads": int(prefill_threads),
              "weight_bytes": int(weight_bytes), "date": time.strftime("%Y-%m-%d %H:%M")}
     entry.update(info or {})
@@ -149,6 +188,24 @@ def save_tuning(weight_bytes: int, decode_threads: int, prefill_threads: int, in
 
 
 # -- the sweep ---------------------------------------------------------------------------
+# Repetitions whose spread ((max - min) / median) exceeds this are too noisy to save:
+# the choice between thread counts a few percent apart would be chance.
+NOISE_LIMIT = 0.10
+
+
+def noisiest_row(results: list[dict]) -> tuple[float, dict] | None:
+    """(spread, row) of the row whose repetitions disagree most; None with one repetition."""
+    worst = None
+    for r in results:
+        med = r.get("tokens_per_s") or 0.0
+        if r.get("repetitions", 1) < 2 or med <= 0:
+            continue
+        spread = (r["tokens_per_s_max"] - r["tokens_per_s_min"]) / med
+        if worst is None or spread > worst[0]:
+            worst = (spread, r)
+    return worst
+
+
 def best_threads(rates: dict[int, float]) -> int:
     """The smallest thread count within TOLERANCE of the fastest."""
     top = max(rates.values())
@@ -197,6 +254,8 @@ def add_tune_args(p) -> None:
     p.add_argument("--tg", default="32", help="tokens per decode run (default 32)")
     p.add_argument("--plot", metavar="PNG", help="where to write the chart (default: next to tuning.json)")
     p.add_argument("--no-save", action="store_true", help="measure and show, but do not save")
+    p.add_argument("--save-anyway", action="store_true",
+                   help=f"save even when repetitions disagree by more than {NOISE_LIMIT * 100:.0f}%%")
 
 
 def cmd_tune(a) -> int:
@@ -215,7 +274,8 @@ def cmd_tune(a) -> int:
     tg = parse_int_list(a.tg, "--tg", minimum=1)[0]
     check_thread_counts(threads)
     tests = [Test("pp", pp), Test("tg", tg)]
-    src = load_source(a.model, a.synthetic, seed, backends, max(pp, tg))
+    from .cli import model_path          # a Hugging Face name works here too
+    src = load_source(model_path(a.model), a.synthetic, seed, backends, max(pp, tg))
     cfg = BenchConfig(backends=backends, threads=threads, tests=tests, repetitions=reps,
                       seed=seed, context=a.context or max(pp, tg), overhead=False,
                       progress=not a.no_progress)
@@ -243,7 +303,17 @@ def cmd_tune(a) -> int:
                       "(pip install matplotlib)", file=sys.stderr)
         except OSError as e:
             print(f"cyllm: warning: cannot write the chart {plot}: {e}", file=sys.stderr)
-    if not a.no_save:
+    noisy = noisiest_row(results)
+    save = not a.no_save
+    if noisy is not None and noisy[0] > NOISE_LIMIT:
+        spread, r = noisy
+        warn = (f"cyllm: warning: repetitions disagree by up to {spread:.0%} ({r['threads']} thread"
+                f"{'s' if r['threads'] != 1 else ''}, {r['test']}): the machine is busy or the runs are short")
+        if save and not a.save_anyway:
+            warn += "; not saved (close other programs, use more -r or larger --pp/--tg, or --save-anyway)"
+            save = False
+        print(warn, file=sys.stderr)
+    if save:
         info = {"model": src.label, "logical_cpus": logical_cpus(), "threads_tried": threads,
                 "prefill_tokens_per_s": {str(k): v for k, v in pp_rates.items()},
                 "decode_tokens_per_s": {str(k): v for k, v in tg_rates.items()}}
