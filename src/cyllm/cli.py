@@ -352,8 +352,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-CUDA_INSTALL_HINT = ("in a cyllm source checkout: pip install '.[cuda]', or install the CuPy wheel for "
-                     "your CUDA version: pip install cupy-cuda12x (CUDA 12) / cupy-cuda13x (CUDA 13)")
+from .backends import CUDA_INSTALL_HINT  # noqa: E402  (the engine owns the hint; the CLI repeats it)
 
 
 def _cuda_status() -> str:

@@ -7,6 +7,9 @@ from ..errors import BackendUnavailableError
 BACKENDS = ("cpu", "cuda", "numpy")
 
 
+CUDA_INSTALL_HINT = ("in a cyllm source checkout: pip install '.[cuda]', or install the CuPy wheel for "
+                     "your CUDA version: pip install cupy-cuda12x (CUDA 12) / cupy-cuda13x (CUDA 13)")
+
 def get_backend(name: str, threads: int | None = None):
     """Instantiate backend ``name`` ("cpu" | "cuda" | "numpy")."""
     if threads is not None:
@@ -28,7 +31,6 @@ def get_backend(name: str, threads: int | None = None):
             from .cuda import CudaBackend
         except ImportError as e:
             raise BackendUnavailableError(
-                f"the cuda backend is not available ({e}); install it with "
-                "`pip install cyllm[cuda]` on a machine with an NVIDIA GPU") from None
+                f"the cuda backend is not available ({e}); {CUDA_INSTALL_HINT}") from None
         return CudaBackend(threads)
     raise BackendUnavailableError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BackendUnavailableError, InvalidArgumentError, ModelLoadError
+from . import CUDA_INSTALL_HINT
 from .base import ACTIVATIONS, Backend, check_token
 
 try:  # CuPy is an optional extra; a broken CUDA install can raise more than ImportError
@@ -169,8 +170,7 @@ class CudaBackend(Backend):
         self.threads = 1
         if cp is None:
             raise BackendUnavailableError(
-                f"the cuda backend needs CuPy ({_CUPY_ERROR}); install it with "
-                "`pip install cyllm[cuda]` on a machine with an NVIDIA GPU")
+                f"the cuda backend needs CuPy ({_CUPY_ERROR}); {CUDA_INSTALL_HINT}")
         try:
             n_dev = cp.cuda.runtime.getDeviceCount()
         except Exception as e:  # noqa: BLE001 - no driver, no device, driver too old...
