@@ -347,7 +347,7 @@ def test_bench_probe_is_sized_like_the_working_set(monkeypatch):
 
 def test_tune_does_not_save_noise(capsys, monkeypatch, tmp_path):
     import itertools
-    from cyllm import bench, tuning
+    from cyllm import bench, saved_tuning
     monkeypatch.setenv("CYLLM_CONFIG_DIR", str(tmp_path))
     monkeypatch.setattr(bench, "read_bandwidth", lambda backend, threads, nbytes=None: (10.0, "test"))
     durations = itertools.cycle([0.01, 0.02])                     # every run alternates: a 67% spread
@@ -356,9 +356,9 @@ def test_tune_does_not_save_noise(capsys, monkeypatch, tmp_path):
     code, out, err = run(capsys, *argv)
     assert code == 0
     assert "repetitions disagree by up to" in err and "not saved" in err
-    assert not tuning.tuning_path().exists()
+    assert not saved_tuning.tuning_path().exists()
     code, out, err = run(capsys, *argv, "--save-anyway")
-    assert code == 0 and "repetitions disagree" in err and tuning.tuning_path().exists()
+    assert code == 0 and "repetitions disagree" in err and saved_tuning.tuning_path().exists()
 
 
 def test_perplexity_progress_only_on_a_terminal(tiny, tmp_path):

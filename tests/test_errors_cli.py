@@ -225,10 +225,10 @@ def test_info_reports_a_damaged_default_model(model_cache, capsys):
 @pytest.mark.parametrize("content", [b"{not json", b"[" * 50000 + b"]" * 50000, b"\xff\xfe",
                                      b'{"version": 1, "machines": []}', b'{"version": "9" }'])
 def test_a_corrupt_tuning_file(capsys, monkeypatch, tmp_path, tiny, content):
-    from cyllm import tuning
+    from cyllm import saved_tuning
     monkeypatch.setenv("CYLLM_CONFIG_DIR", str(tmp_path))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(tuning, "_warned_damaged", False)
+    monkeypatch.setattr(saved_tuning, "_warned_damaged", False)
     (tmp_path / "tuning.json").write_bytes(content)
     code, out, _ = run(capsys, "info")
     assert code == 0

@@ -43,7 +43,7 @@ def _apply_thread_policy(model, threads, threads_batch) -> None:
     decode = model.threads_decode
     prefill = threads_batch
     if threads is None and not os.environ.get("OMP_NUM_THREADS", "").strip():
-        from .tuning import tuned_threads
+        from .saved_tuning import tuned_threads
         tuned_decode, tuned_prefill = tuned_threads(model.weight_bytes)
         decode = tuned_decode or decode
         prefill = prefill if prefill is not None else tuned_prefill

@@ -649,7 +649,7 @@ def format_results(results: list[dict], fmt: str) -> str:
 
 
 # -- the CLI ----------------------------------------------------------------------------
-def _add_common_bench_args(p, add_model_args) -> None:
+def add_common_bench_args(p, add_model_args) -> None:
     add_model_args(p)
     p.add_argument("--synthetic", metavar="PRESET",
                    help="random-weight model with real shapes instead of -m (presets: "
@@ -665,22 +665,12 @@ def add_bench_parser(sub, add_model_args) -> None:
                        description="Measure tokens/s for prompt processing (ppN) and generation (tgN, "
                        "optionally at a KV-cache depth), with the roofline of measured read bandwidth. "
                        "-t, -p, -n, -d, --backend take comma lists.")
-    _add_common_bench_args(b, add_model_args)
+    add_common_bench_args(b, add_model_args)
     b.add_argument("-p", "--n-prompt", default="512", help="prompt sizes, e.g. 128,512 (default 512; 0 = none)")
     b.add_argument("-n", "--n-gen", default="128", help="generation sizes (default 128; 0 = none)")
     b.add_argument("-d", "--depth", default="0", help="KV-cache depths for tg tests (default 0)")
     b.add_argument("-o", "--output", default="md", help="md (default), json, jsonl or csv")
     b.set_defaults(func=cmd_bench)
-
-
-def add_tune_parser(sub, add_model_args) -> None:
-    from .tuning import add_tune_args, cmd_tune
-    t = sub.add_parser("tune", help="find and save the best thread counts for prefill and decode",
-                       description="Sweep thread counts (1 to the logical CPUs) for prefill and decode, "
-                       "show the table and a chart, and save the best per model size class.")
-    _add_common_bench_args(t, add_model_args)
-    add_tune_args(t)
-    t.set_defaults(func=cmd_tune)
 
 
 def parse_common(a) -> tuple[list[str], int, int]:
@@ -712,7 +702,7 @@ def cmd_bench(a) -> int:
     tests = plan_tests(pp, tg, depths)
     check_thread_counts(threads)
     context = a.context or needed_context(tests)
-    from .cli import model_path          # a Hugging Face name works here too
+    from .hub import model_path          # a Hugging Face name works here too
     src = load_source(model_path(a.model), a.synthetic, seed, backends, context)
     cfg = BenchConfig(backends=backends, threads=threads, tests=tests, repetitions=reps,
                       seed=seed, context=context, progress=not a.no_progress)
@@ -723,6 +713,6 @@ def cmd_bench(a) -> int:
     return 0
 
 
-__all__ = ["add_bench_parser", "add_tune_parser", "run_bench", "BenchConfig", "Test", "ModelSource",
+__all__ = ["add_bench_parser", "add_common_bench_args", "run_bench", "BenchConfig", "Test", "ModelSource",
            "load_source", "plan_tests", "parse_int_list", "format_results", "read_bandwidth",
            "weight_bytes_read_per_token", "kv_bytes_read", "CyllmError"]

@@ -15,7 +15,8 @@ import os
 import sys
 
 from .argparsing import EXIT_USAGE, Parser, llama_cpp_flag, nonneg_int, pos_int
-from .errors import CyllmError, InvalidArgumentError, ModelLoadError
+from .errors import CyllmError, InvalidArgumentError
+from .hub import model_path
 from .oneline import one_line
 from .textinput import (check_text_arg, read_stdin_text, read_text_file, strip_one_newline,
                         stdin_is_tty as _stdin_is_tty)
@@ -124,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     cv.set_defaults(func=cmd_convert)
 
     try:
-        from .bench import add_bench_parser, add_tune_parser
+        from .bench import add_bench_parser
+        from .tuning import add_tune_parser
     except ImportError:
         pass
     else:
@@ -140,28 +142,6 @@ def _version() -> str:
 
 
 # -- models ----------------------------------------------------------------------------
-def model_path(spec: str | None):
-    """A local path for ``-m``: an existing path as given, else a Hugging Face name resolved
-    through its cache (downloading when needed); None for the default model."""
-    if spec is None:
-        return None
-    local = os.path.expanduser(spec)
-    try:
-        os.stat(local)
-        return local
-    except (FileNotFoundError, NotADirectoryError):
-        pass
-    except OSError as e:         # a component too long, a loop of links, no permission...
-        raise ModelLoadError(f"cannot use model path {spec}: {e.strerror or e}") from None
-    from .hub import parse_spec, resolve_model
-    if parse_spec(spec) is None or (spec.lower().endswith((".gguf", ".json", ".safetensors")) and ":" not in spec):
-        return local                  # the loader says "not found"
-    try:
-        return str(resolve_model(spec))
-    except ModelLoadError as e:
-        raise ModelLoadError(f"{spec} is not a local path, and as a Hugging Face name: {e}") from None
-
-
 def _load(a):
     import cyllm
     model = cyllm.load(model_path(a.model), backend=a.backend, threads=a.threads, context=a.context,
@@ -306,7 +286,7 @@ def cmd_info(a) -> int:
     except CyllmError as e:
         print(f"threads: {one_line(e)}")
     try:
-        from .tuning import describe_saved_tuning
+        from .saved_tuning import describe_saved_tuning
         for line in describe_saved_tuning():
             print(one_line(line))
     except ImportError:
@@ -352,7 +332,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-from .backends import CUDA_INSTALL_HINT  # noqa: E402  (the engine owns the hint; the CLI repeats it)
+from .errors import CUDA_INSTALL_HINT  # noqa: E402  (the engine's hint; the CLI repeats it)
 
 
 def _cuda_status() -> str:

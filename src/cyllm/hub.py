@@ -18,6 +18,7 @@ names that are not an existing path.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -292,3 +293,24 @@ def cached_models() -> list[CachedModel]:
 
 
 __all__ = ["resolve_model", "parse_spec", "cached_models", "quant_tag", "pick_gguf", "offline", "cache_dir"]
+
+
+def model_path(spec: str | None):
+    """A local path for ``-m``: an existing path as given, else a Hugging Face name resolved
+    through its cache (downloading when needed); None for the default model."""
+    if spec is None:
+        return None
+    local = os.path.expanduser(spec)
+    try:
+        os.stat(local)
+        return local
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except OSError as e:         # a component too long, a loop of links, no permission...
+        raise ModelLoadError(f"cannot use model path {spec}: {e.strerror or e}") from None
+    if parse_spec(spec) is None or (spec.lower().endswith((".gguf", ".json", ".safetensors")) and ":" not in spec):
+        return local                  # the loader says "not found"
+    try:
+        return str(resolve_model(spec))
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{spec} is not a local path, and as a Hugging Face name: {e}") from None

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from ..errors import BackendUnavailableError
+from ..errors import CUDA_INSTALL_HINT, BackendUnavailableError
 
 BACKENDS = ("cpu", "cuda", "numpy")
 
-
-CUDA_INSTALL_HINT = ("in a cyllm source checkout: pip install '.[cuda]', or install the CuPy wheel for "
-                     "your CUDA version: pip install cupy-cuda12x (CUDA 12) / cupy-cuda13x (CUDA 13)")
 
 def get_backend(name: str, threads: int | None = None):
     """Instantiate backend ``name`` ("cpu" | "cuda" | "numpy")."""

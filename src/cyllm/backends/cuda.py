@@ -25,8 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import BackendUnavailableError, InvalidArgumentError, ModelLoadError
-from . import CUDA_INSTALL_HINT
+from ..errors import CUDA_INSTALL_HINT, BackendUnavailableError, InvalidArgumentError, ModelLoadError
 from .base import ACTIVATIONS, Backend, check_token
 
 try:  # CuPy is an optional extra; a broken CUDA install can raise more than ImportError

@@ -529,7 +529,7 @@ def load_gguf(path: str | os.PathLike):
     gf = read_gguf(path)
     cfg = config_from_gguf(gf)
     weights = dict(iter_weights(gf, cfg))
-    from . import validate_weights
+    from .weights import validate_weights
     validate_weights(cfg, weights)
     from .gguf_tokenizer import build_tokenizer, make_tokenizer   # after this module: no import cycle
 

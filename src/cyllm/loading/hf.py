@@ -11,7 +11,7 @@ import numpy as np
 from ..config import ModelConfig, token_id_list as _ids
 from ..families import config_from_hf, family
 from ..errors import ModelLoadError, UnsupportedModelError
-from . import validate_weights
+from .weights import validate_weights
 from .safetensors import SafetensorsFile, bf16_bits_to_f32, open_checkpoint
 
 F16_MAX = 65504.0
