@@ -336,9 +336,11 @@ def test_bench_probe_is_sized_like_the_working_set(monkeypatch):
 
     class FakeCpu:
         name = "cpu"
+
+        def measure_bandwidth(self, nbytes, threads=None):
+            seen.append(nbytes)
+            return 10.0, "fake"
     monkeypatch.setattr(bench, "_BW_CACHE", {})
-    import cyllm.backends.cpu as cpu_mod
-    monkeypatch.setattr(cpu_mod, "measure_read_bandwidth", lambda n, nbytes: seen.append(nbytes) or 10.0)
     bench.read_bandwidth(FakeCpu(), 1, 3 << 20)
     bench.read_bandwidth(FakeCpu(), 1, 10 << 30)
     bench.read_bandwidth(FakeCpu(), 1, 100)

@@ -220,21 +220,13 @@ def bind_model(src: ModelSource, backend, context: int):
 
 def set_threads(model, n: int) -> int:
     """Switch the kernel thread count in place; returns the count now in effect."""
-    be = model.backend
-    setter = getattr(model, "set_threads", None)
-    if setter is not None:
-        try:
-            setter(n, n)            # Model.set_threads(decode, prefill): both phases use n
-        except TypeError:
-            setter(n)               # a Model whose set_threads takes one count
-    elif hasattr(be, "set_threads"):
-        be.set_threads(n)
-    return int(getattr(be, "threads", n))
+    model.set_threads(n, n)         # both phases use n
+    return int(model.backend.threads)
 
 
 def varies_threads(backend) -> bool:
     """Only backends with a thread team (cpu) are swept over -t."""
-    return hasattr(backend, "set_threads") and backend.name not in ("numpy", "cuda")
+    return backend.thread_team
 
 
 # -- bandwidth (the roofline) ----------------------------------------------------
@@ -279,25 +271,10 @@ def read_bandwidth(backend, threads: int, nbytes: int = PROBE_MAX_BYTES) -> tupl
     key = (kind, threads if kind == "cpu" else 1, nbytes)
     if key in _BW_CACHE:
         return _BW_CACHE[key]
-    result: tuple[float | None, str] = (None, "unavailable")
-    if kind == "cuda":
-        f = getattr(backend, "measure_copy_bandwidth", None)
-        if f is not None:
-            result = (_as_gbps(f()), "device copy")
-    else:
-        f = None
-        try:
-            from .backends import cpu as cpu_mod
-            f = getattr(cpu_mod, "measure_read_bandwidth", None)
-        except ImportError:
-            pass
-        if f is None and hasattr(backend, "measure_read_bandwidth"):
-            f = backend.measure_read_bandwidth
-        n = threads if kind == "cpu" else 1
-        if f is not None:
-            result = (_as_gbps(f(n, nbytes)), "cyllm read kernel")
-        else:
-            result = (_numpy_read_probe(nbytes), "numpy sum, 1 thread")
+    gbps, source = backend.measure_bandwidth(nbytes, threads)
+    result: tuple[float | None, str] = (_as_gbps(gbps), source)
+    if gbps is None and kind != "cuda":
+        result = (_numpy_read_probe(nbytes), "numpy sum, 1 thread")
     _BW_CACHE[key] = result
     return result
 
@@ -550,7 +527,7 @@ def _result_row(src, model, backend, threads, test: Test, samples, wbytes, overh
         row.update(bytes_per_token=int(round(bpt)), gb_per_s=gbps, read_bandwidth_gb_s=bw,
                    bandwidth_source=bw_src, roofline_pct=min(raw, 100.0) if raw is not None else None,
                    roofline_pct_measured=raw)
-        if overhead is not None and getattr(backend, "decode_step", None) is None:
+        if overhead is not None and not backend.captures_decode:
             row["issue_overhead_pct"] = 100.0 * overhead * med
     return row
 

@@ -140,6 +140,15 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
             return a
         return np.ascontiguousarray(a)
 
+    thread_team = True
+
+    @property
+    def captures_decode(self) -> bool:
+        return self.fused
+
+    def measure_bandwidth(self, nbytes: int, threads: int | None = None) -> tuple[float | None, str]:
+        return self.measure_read_bandwidth(threads, nbytes), "cyllm read kernel"
+
     def measure_read_bandwidth(self, threads: int | None = None, nbytes: int = 512 << 20,
                                reps: int = 5) -> float:
         """Memory read bandwidth in GB/s with this backend's variant (roofline for `cyllm bench`)."""

@@ -889,6 +889,13 @@ class CudaBackend(Backend):
         self._graph_key = issue_ops
 
     # -- measurement ------------------------------------------------------------------
+    @property
+    def captures_decode(self) -> bool:
+        return self.use_graphs
+
+    def measure_bandwidth(self, nbytes: int, threads: int | None = None) -> tuple[float | None, str]:
+        return self.measure_copy_bandwidth(), "device copy"
+
     def measure_copy_bandwidth(self, nbytes: int = 1 << 30, iters: int = 20) -> float:
         """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
         free, _ = cp.cuda.runtime.memGetInfo()
