@@ -5,7 +5,8 @@
 Layout of the work: every op validates its arrays here (dtype, dims, contiguity,
 writability, ranges) with the NumPy C API -- a few hundred ns, cheap next to a
 Python method call -- then releases the GIL and calls the C kernels of the chosen
-variant (csrc/kernels_generic.c, csrc/kernels_avx2.c) through function pointers.
+variant (csrc/kernels_generic.c, csrc/kernels_avx2.c, and csrc/kernels_avx512.c for the
+avx512 variant's prefill GEMM and attention) through function pointers.
 Big ops (matvec family, attention, the batched prefill GEMMs) split their
 rows/heads over `threads` OpenMP threads; small vector ops run serially because
 waking the team (~1-14 us) costs more than the op. Every row/head is computed by

@@ -1,4 +1,4 @@
-"""Hostile input at the command line (issue 13, classes 6-8) and the last line of defence:
+"""Hostile input at the command line and the last line of defence:
 one line on stderr, exit 2 for the user's input or environment, 3 for a bug; never a
 traceback, a hang or a large allocation."""
 

@@ -1,4 +1,4 @@
-"""The test material of the model families (issue 9) is right, checked without cyllm's engine.
+"""The test material of the model families is right, checked without cyllm's engine.
 
 tests/tinymodels.py builds a tiny random model per family with transformers' own
 classes; tests/llamacpp_tools.py turns it into GGUF with llama.cpp's converter.

@@ -10,7 +10,7 @@ Weights are drawn with a larger spread than transformers' default init (and
 norm weights around 1, biases non-zero) so that logits differ visibly between
 tokens and a wrong implementation cannot hide behind near-uniform outputs.
 
-The model families of issue 9 (``FAMILY_KINDS``: Llama 3.2, Mistral with a
+The model families (``FAMILY_KINDS``: Llama 3.2, Mistral with a
 sliding window, Qwen2, Qwen3, Gemma 3, Phi-3 / Phi-4-mini, SmolLM3) are built
 with transformers' own config and model classes, each with a tokenizer in its
 family's style (``KIND_TOKENIZER``): byte-level BPE with the family's split
@@ -85,7 +85,7 @@ KINDS = {
 }
 
 
-# --- the model families of issue 9 ---------------------------------------------------------
+# --- the model families ---------------------------------------------------------
 # Sizes break shortcuts: odd head counts, MQA/GQA, head_dim != hidden/heads where the family
 # allows it, rows that are not multiples of 32 (llama.cpp's q8_0 falls back to f16 for those),
 # a sliding window (16) shorter than the 70-token test sequence, rope scalings whose original

@@ -1,6 +1,7 @@
 /* cyllm CPU kernels: the per-variant function table.
  *
- * Every variant (generic = portable C, avx2 = AVX2+FMA+F16C intrinsics) fills one
+ * Every variant (generic = portable C, avx2 = AVX2+FMA+F16C intrinsics, avx512 = the avx2
+ * table with the AVX-512F prefill GEMM and attention of kernels_avx512.c) fills one
  * table; the Cython layer picks a table once and calls through it from inside its
  * OpenMP loops. The kernels here are single-threaded pieces of work (a range of
  * rows, one attention head): the threading lives in kernels.pyx.
