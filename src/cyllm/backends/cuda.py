@@ -80,8 +80,49 @@ def kernel_source() -> str:
 _MODULES: dict = {}
 
 
-# the kernels of each GLU activation, named whole so that grep finds them
-_GATE_UP_KERNELS = {"silu": "gate_up_silu", "gelu_tanh": "gate_up_gelu"}   # + _r1/_r2/_scalar...
+# Every kernel of cuda/*.cu this backend launches, named whole (grep finds each one):
+# matvec-like kernels by (op, rows per warp, 8 loads in flight, rmsnorm folded in)
+_MATVEC_KERNELS = {
+    ("matvec", 1, False, False): "matvec_r1", ("matvec", 1, True, False): "matvec_r1_u8",
+    ("matvec", 1, False, True): "matvec_r1_norm", ("matvec", 1, True, True): "matvec_r1_u8_norm",
+    ("matvec", 2, False, False): "matvec_r2", ("matvec", 2, True, False): "matvec_r2_u8",
+    ("matvec", 2, False, True): "matvec_r2_norm", ("matvec", 2, True, True): "matvec_r2_u8_norm",
+    ("matvec", 4, False, False): "matvec_r4", ("matvec", 4, True, False): "matvec_r4_u8",
+    ("matvec", 4, False, True): "matvec_r4_norm", ("matvec", 4, True, True): "matvec_r4_u8_norm",
+    ("matvec_add", 1, False, False): "matvec_add_r1", ("matvec_add", 1, True, False): "matvec_add_r1_u8",
+    ("matvec_add", 1, False, True): "matvec_add_r1_norm", ("matvec_add", 1, True, True): "matvec_add_r1_u8_norm",
+    ("matvec_add", 2, False, False): "matvec_add_r2", ("matvec_add", 2, True, False): "matvec_add_r2_u8",
+    ("matvec_add", 2, False, True): "matvec_add_r2_norm", ("matvec_add", 2, True, True): "matvec_add_r2_u8_norm",
+    ("matvec_add", 4, False, False): "matvec_add_r4", ("matvec_add", 4, True, False): "matvec_add_r4_u8",
+    ("matvec_add", 4, False, True): "matvec_add_r4_norm", ("matvec_add", 4, True, True): "matvec_add_r4_u8_norm",
+    ("gate_up_silu", 1, False, False): "gate_up_silu_r1", ("gate_up_silu", 1, True, False): "gate_up_silu_r1_u8",
+    ("gate_up_silu", 1, False, True): "gate_up_silu_r1_norm",
+    ("gate_up_silu", 1, True, True): "gate_up_silu_r1_u8_norm",
+    ("gate_up_silu", 2, False, False): "gate_up_silu_r2", ("gate_up_silu", 2, True, False): "gate_up_silu_r2_u8",
+    ("gate_up_silu", 2, False, True): "gate_up_silu_r2_norm",
+    ("gate_up_silu", 2, True, True): "gate_up_silu_r2_u8_norm",
+    ("gate_up_gelu", 1, False, False): "gate_up_gelu_r1", ("gate_up_gelu", 1, True, False): "gate_up_gelu_r1_u8",
+    ("gate_up_gelu", 1, False, True): "gate_up_gelu_r1_norm",
+    ("gate_up_gelu", 1, True, True): "gate_up_gelu_r1_u8_norm",
+    ("gate_up_gelu", 2, False, False): "gate_up_gelu_r2", ("gate_up_gelu", 2, True, False): "gate_up_gelu_r2_u8",
+    ("gate_up_gelu", 2, False, True): "gate_up_gelu_r2_norm",
+    ("gate_up_gelu", 2, True, True): "gate_up_gelu_r2_u8_norm",
+}
+# any n, any alignment
+_MATVEC_SCALAR_KERNELS = {"matvec": "matvec_scalar", "matvec_add": "matvec_add_scalar",
+                          "gate_up_silu": "gate_up_silu_scalar", "gate_up_gelu": "gate_up_gelu_scalar"}
+# decode attention by (query heads per tile, V loaded with K)
+_ATTN_SPLIT_KERNELS = {(1, False): "attn_split_g1", (1, True): "attn_split_g1_ve",
+                       (2, False): "attn_split_g2", (2, True): "attn_split_g2_ve",
+                       (4, False): "attn_split_g4", (4, True): "attn_split_g4_ve",
+                       (8, False): "attn_split_g8", (8, True): "attn_split_g8_ve"}
+# prefill attention by (columns per lane, float4 rows)
+_ATTN_BATCH_KERNELS = {(1, False): "attn_batch_c1", (1, True): "attn_batch_c1_v4",
+                       (2, False): "attn_batch_c2", (2, True): "attn_batch_c2_v4",
+                       (4, False): "attn_batch_c4", (4, True): "attn_batch_c4_v4",
+                       (8, False): "attn_batch_c8", (8, True): "attn_batch_c8_v4"}
+# the matvec-like op of each GLU activation, and the product pass of the batched one
+_GATE_UP_OPS = {"silu": "gate_up_silu", "gelu_tanh": "gate_up_gelu"}
 _GLU_KERNELS = {"silu": "swiglu_f32", "gelu_tanh": "geglu_f32"}
 
 
@@ -451,9 +492,7 @@ class CudaBackend(Backend):
         if (n % 8 == 0 and w0.data.ptr % 16 == 0 and w1.data.ptr % 16 == 0 and x.data.ptr % 16 == 0
                 and w0.flags.c_contiguous and w1.flags.c_contiguous):
             r, warps, u = self._matvec_shape(d, n, rmax)
-            name = f"{base}_r{r}" + ("_u8" if u == 8 else "")
-            if norm is not None:
-                name += "_norm"
+            name = _MATVEC_KERNELS[(base, r, u == 8, norm is not None)]
             # the wide variants keep a whole batch of loads in registers: never ask for a
             # block larger than the compiled kernel can launch
             warps = max(1, min(warps, getattr(self._k(name), "max_threads_per_block", 1024) // 32))
@@ -469,7 +508,7 @@ class CudaBackend(Backend):
                 self._rmsnorm_now(*norm)
             if not (w0.flags.c_contiguous and w1.flags.c_contiguous):
                 raise InvalidArgumentError(f"{base}: the weight matrix must be C-contiguous")
-            self._k(f"{base}_scalar")((_blocks(d, 8),), (256,),
+            self._k(_MATVEC_SCALAR_KERNELS[base])((_blocks(d, 8),), (256,),
                                       (out, w0, w1, x, np.int32(d), np.int32(n)))
 
     def matvec(self, out, w, x):
@@ -482,7 +521,7 @@ class CudaBackend(Backend):
         if w_gate.shape != w_up.shape:
             self._flush()
             raise InvalidArgumentError(f"gate_up: gate {tuple(w_gate.shape)} and up {tuple(w_up.shape)} differ")
-        self._mv(_GATE_UP_KERNELS[_check_act(act)], out, w_gate, w_up, x, 2)
+        self._mv(_GATE_UP_OPS[_check_act(act)], out, w_gate, w_up, x, 2)
 
     def rope(self, q, k, cos, sin, pos, head_dim=None):
         self._flush()
@@ -576,7 +615,7 @@ class CudaBackend(Backend):
                 gt //= 2
         if gt:
             ve = bool(self.attn_v_early)
-            self._launch(f"attn_split_g{gt}" + ("_ve" if ve else ""), (n_kv, n_split), (_ATT_THREADS,),
+            self._launch(_ATTN_SPLIT_KERNELS[(gt, ve)], (n_kv, n_split), (_ATT_THREADS,),
                          (out, counters, o_part, m_part, l_part) + args_tail,
                          shared_mem=self._attn_smem(gt, hd, chunk, n_split))
         else:
@@ -815,7 +854,7 @@ class CudaBackend(Backend):
         vec = self.attn_batch_vec and hd % 4 == 0
         pad = 4 if vec else 1
         smem = 4 * ((bq + bk) * (hd + pad) + bq * (bk + pad))
-        self._k(f"attn_batch_c{nc}" + ("_v4" if vec else ""))((n_heads, _blocks(t, bq)), (128,),
+        self._k(_ATTN_BATCH_KERNELS[(nc, vec)])((n_heads, _blocks(t, bq)), (128,),
                                      (out, q, k_cache, v_cache, np.int32(t), np.int32(pos0), np.int32(max_ctx),
                                       np.int32(n_heads // n_kv), np.int32(hd),
                                       np.int32(self._rows(q, "attention_batch")),
