@@ -268,7 +268,7 @@ def test_client_dropping_mid_stream_stops_its_generation(server):
     r = post(url, {"model": "m", "prompt": "Hello", "max_tokens": 3, "temperature": 0}, "/v1/completions")
     waited = time.perf_counter() - t0
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-    assert waited < 5.0
+    assert waited < 30.0           # the dropped request would have taken minutes
     time.sleep(0.2)
     dropped = [line for line in records.lines[n_before:] if "client disconnected" in line]
     assert len(dropped) == 1, records.lines[n_before:]
