@@ -48,13 +48,21 @@ def cmd_serve(a) -> int:
     api_key = a.api_key if a.api_key is not None else (os.environ.get("CYLLM_API_KEY") or None)
     if api_key is not None and not api_key.strip():
         raise InvalidArgumentError("--api-key is empty")
-    llm = load(a.model, backend=a.backend, threads=a.threads, context=a.context,
-               threads_batch=getattr(a, "threads_batch", None))
-    name = a.alias or (Path(a.model).name if a.model else (llm.config.name or "cyllm"))
+    sock = listen(a.host, a.port)        # a taken port fails before the model loads
+    try:
+        llm = load(a.model, backend=a.backend, threads=a.threads, context=a.context,
+                   threads_batch=getattr(a, "threads_batch", None))
+    except BaseException:
+        sock.close()
+        raise
+    if a.alias:
+        name = a.alias
+    else:
+        from ..default_model import default_model_path
+        name = Path(a.model).name if a.model else default_model_path(download=False).name
     app = create_app(llm, name, api_key)
     logging.basicConfig(level=getattr(logging, a.log_level.upper()), format="%(asctime)s %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
-    sock = listen(a.host, a.port)
     port = sock.getsockname()[1]
     print(f"cyllm: serving {name} on http://{a.host}:{port}/v1 (context {llm.context} tokens"
           f"{', API key required' if api_key else ''}) -- Ctrl-C to stop", file=sys.stderr, flush=True)
