@@ -20,9 +20,10 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 
-from cyllm.generate import Chat  # noqa: E402
+from cyllm.generate import Chat, GenerationStats, Session  # noqa: E402
 from cyllm.server.app import create_app  # noqa: E402
 from cyllm.server.cli import listen, server_for  # noqa: E402
+from cyllm.server.prompt_cache import PromptCache  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -60,6 +61,7 @@ def server(default_model):
     srv.should_exit = True
     thread.join(timeout=10)
     logger.removeHandler(records)
+    default_model.prompt_cache = None
 
 
 @pytest.fixture(scope="module")
@@ -299,3 +301,47 @@ def test_follow_up_turn_reuses_the_cache_with_fresh_run_logits(client, default_m
     first_tok = second.choices[0].logprobs.content[0]
     assert first_tok.token == tok.decode([int(np.argmax(ref))])
     assert abs(first_tok.logprob - ref.max()) < 2e-3
+
+
+def test_two_alternating_conversations_both_keep_their_cache(client, default_model):
+    def convo(system, question):
+        return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+    a = convo("You are a patient teacher who answers questions about European capitals and rivers "
+              "in one short sentence.", "What is the capital of Spain?")
+    b = convo("You are a poet. Every answer you give is a rhyming couplet about the sea and ships.",
+              "Write about the morning.")
+    a1 = client.chat.completions.create(model="m", messages=a, max_tokens=8, temperature=0)
+    client.chat.completions.create(model="m", messages=b, max_tokens=8, temperature=0)   # displaces a
+    a2_msgs = a + [{"role": "assistant", "content": a1.choices[0].message.content},
+                   {"role": "user", "content": "And of Portugal?"}]
+    a2 = client.chat.completions.create(model="m", messages=a2_msgs, max_tokens=3, temperature=0,
+                                        logprobs=True)
+    assert a2.usage.prompt_tokens_details.cached_tokens >= a1.usage.prompt_tokens
+    tok = default_model.tokenizer
+    ids = tok.encode(tok.apply_chat_template(a2_msgs, add_generation_prompt=True), add_special_tokens=False)
+    ref = log_softmax(fresh_logits(default_model, ids)[-1])
+    first = a2.choices[0].logprobs.content[0]
+    assert first.token == tok.decode([int(np.argmax(ref))]) and abs(first.logprob - ref.max()) < 2e-3
+
+
+def test_prompt_cache_keeps_within_its_capacity(default_model):
+    tok = default_model.tokenizer
+    c = default_model.config
+    per_token = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2
+    texts = [" ".join(f"{w}{i}" for i in range(40)) for w in ("apple", "river", "stone")]
+    ids = [tok.encode(t) for t in texts]
+    cache = PromptCache(default_model, capacity_bytes=per_token * (len(ids[0]) + len(ids[1]) + 10))
+    default_model.prompt_cache = cache
+    try:
+        for x in ids + [ids[0]]:
+            Session(default_model).feed(x)
+        # apple was saved when river came, evicted (oldest) when stone was saved for apple's return
+        assert cache.saved == 3 and len(cache) == 2 and cache.nbytes <= cache.capacity
+        assert cache.restored == 0
+        stats = GenerationStats()
+        logits = Session(default_model).feed(ids[2], stats).copy()
+        assert cache.restored == 1 and stats.cached_tokens == len(ids[2]) - 1
+        np.testing.assert_allclose(logits, fresh_logits(default_model, ids[2])[-1], atol=2e-3, rtol=1e-3)
+    finally:
+        default_model.prompt_cache = None

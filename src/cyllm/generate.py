@@ -95,6 +95,9 @@ class Session:
                 f"the prompt has {len(ids)} tokens but the context window holds {model.context} "
                 f"(use a larger --context or a shorter prompt)")
         with model.lock:
+            prompt_cache = getattr(model, "prompt_cache", None)     # server/prompt_cache.py
+            if prompt_cache is not None:
+                prompt_cache.before_feed(ids)       # may copy a saved conversation back in
             owner = model.kv_owner
             cached = owner.tokens if owner is not None else []
             common = 0

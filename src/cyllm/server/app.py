@@ -42,9 +42,16 @@ def _cyllm_error(e: CyllmError) -> JSONResponse:
     return error_response(400, str(e), code=code)
 
 
-def create_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The server app for one loaded model; the generation thread starts with the app."""
+def create_app(llm, model_name: str, api_key: str | None = None, cache_bytes: int = 1 << 30) -> FastAPI:
+    """The server app for one loaded model; the generation thread starts with the app.
+
+    ``cache_bytes``: host memory for the KV caches of recent conversations
+    (prompt_cache.py); 0 keeps only the conversation in the model's own cache.
+    """
+    from .prompt_cache import PromptCache
+
     worker: Worker | None = None
+    llm.prompt_cache = PromptCache(llm, cache_bytes) if cache_bytes > 0 else None
 
     async def lifespan(app):
         nonlocal worker

@@ -29,6 +29,8 @@ def add_serve_parser(sub, add_model_args) -> None:
     s.add_argument("--port", type=_port, default=8080, help="port (default 8080)")
     s.add_argument("--api-key", help="require `Authorization: Bearer KEY` (default: $CYLLM_API_KEY, else no key)")
     s.add_argument("--alias", help="model name shown in /v1/models and in responses (default: the file name)")
+    s.add_argument("--cache-ram", type=int, default=1024, metavar="MIB",
+                   help="host memory for the KV caches of recent conversations, MiB (default 1024; 0 = off)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="info logs one line per request (default)")
     s.set_defaults(func=cmd_serve)
@@ -60,7 +62,9 @@ def cmd_serve(a) -> int:
     else:
         from ..default_model import default_model_path
         name = Path(a.model).name if a.model else default_model_path(download=False).name
-    app = create_app(llm, name, api_key)
+    if a.cache_ram < 0:
+        raise InvalidArgumentError(f"--cache-ram must be >= 0, got {a.cache_ram}")
+    app = create_app(llm, name, api_key, cache_bytes=a.cache_ram << 20)
     logging.basicConfig(level=getattr(logging, a.log_level.upper()), format="%(asctime)s %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
     port = sock.getsockname()[1]
