@@ -133,11 +133,17 @@ def concurrency(url, n_clients, max_tokens, rounds) -> dict:
             "tokens": sum(x["tokens"] for x in results)}
 
 
-def conversation(url, turns, max_tokens) -> dict:
-    messages = [{"role": "system", "content": "You are a helpful travel assistant."}]
+def conversation(url, turns, max_tokens, reuse=True) -> dict:
+    """A conversation that sends its whole history each turn. reuse=False puts a new
+    number at the very start of every turn's prompt, so that no prefix can be reused:
+    the TTFT of a server without a prompt cache."""
+    system = "You are a helpful travel assistant."
+    messages = [{"role": "system", "content": system}]
     rows = []
     for i, text in enumerate(TURNS[:turns]):
         messages.append({"role": "user", "content": text})
+        if not reuse:
+            messages[0] = {"role": "system", "content": f"{1000 + i}. {system}"}
         x = stream_chat(url, messages, max_tokens, seed=i)
         messages.append({"role": "assistant", "content": x["text"]})
         u = x["usage"] or {}
@@ -199,6 +205,8 @@ def bench_server(server: Server, args) -> dict:
         print(f"{server.name}: {out['concurrency'][-1]}", file=sys.stderr)
     out["conversation"] = conversation(server.url, args.turns, args.turn_tokens)
     print(f"{server.name}: conversation {out['conversation']}", file=sys.stderr)
+    out["no_reuse"] = conversation(server.url, args.turns, args.turn_tokens, reuse=False)
+    print(f"{server.name}: conversation without reuse {out['no_reuse']}", file=sys.stderr)
     return out
 
 
@@ -220,13 +228,15 @@ def markdown(results, inproc, args, cmd) -> str:
                       f"(added {o['ttft_added_ms']:+.0f} ms), decode {o['http_tps']:.1f} vs {o['api_tps']:.1f} tok/s "
                       f"({100 * o['tps_change']:+.1f}%)"]
     lines += ["", f"{args.turns}-turn conversation ({args.turn_tokens} tokens per answer), whole history sent "
-                  "each turn:", "", "| server | prompt tokens sent | cached (reused) | TTFT sum (ms) |",
-              "|---|---|---|---|"]
+                  "each turn; \"no reuse\" changes the first characters of every turn's prompt:", "",
+              "| server | prompt tokens sent | cached (reused) | TTFT sum (ms) | TTFT sum, no reuse (ms) |",
+              "|---|---|---|---|---|"]
     for r in results:
         c = r["conversation"]
         cached = "n/a" if c["cached_tokens"] is None else f"{c['cached_tokens']} " \
             f"({100 * c['cached_tokens'] / max(1, c['prompt_tokens']):.0f}%)"
-        lines.append(f"| {r['name']} | {c['prompt_tokens']} | {cached} | {c['ttft_ms_total']:.0f} |")
+        lines.append(f"| {r['name']} | {c['prompt_tokens']} | {cached} | {c['ttft_ms_total']:.0f} | "
+                     f"{r['no_reuse']['ttft_ms_total']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -222,7 +222,8 @@ def test_api_key(default_model):
     srv, thread, url = start_server(default_model, api_key="sekrit")
     try:
         assert httpx.get(url + "/health").status_code == 200
-        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "sekrit"}):
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "sekrit"},
+                        {"authorization": "Bearer s\u00e9krit".encode("latin-1")}):
             r = httpx.get(url + "/v1/models", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(url + "/v1/models", headers={"authorization": "Bearer sekrit"}).status_code == 200
@@ -332,7 +333,9 @@ def test_prompt_cache_keeps_within_its_capacity(default_model):
     texts = [" ".join(f"{w}{i}" for i in range(40)) for w in ("apple", "river", "stone")]
     ids = [tok.encode(t) for t in texts]
     cache = PromptCache(default_model, capacity_bytes=per_token * (len(ids[0]) + len(ids[1]) + 10))
+    previous = default_model.prompt_cache
     default_model.prompt_cache = cache
+    default_model.kv_owner = None
     try:
         for x in ids + [ids[0]]:
             Session(default_model).feed(x)
@@ -344,4 +347,4 @@ def test_prompt_cache_keeps_within_its_capacity(default_model):
         assert cache.restored == 1 and stats.cached_tokens == len(ids[2]) - 1
         np.testing.assert_allclose(logits, fresh_logits(default_model, ids[2])[-1], atol=2e-3, rtol=1e-3)
     finally:
-        default_model.prompt_cache = None
+        default_model.prompt_cache = previous

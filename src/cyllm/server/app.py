@@ -51,13 +51,15 @@ def create_app(llm, model_name: str, api_key: str | None = None, cache_bytes: in
     from .prompt_cache import PromptCache
 
     worker: Worker | None = None
-    llm.prompt_cache = PromptCache(llm, cache_bytes) if cache_bytes > 0 else None
 
     async def lifespan(app):
         nonlocal worker
+        previous = getattr(llm, "prompt_cache", None)
+        llm.prompt_cache = PromptCache(llm, cache_bytes) if cache_bytes > 0 else None
         worker = Worker()
         yield
         worker.close()
+        llm.prompt_cache = previous
 
     app = FastAPI(title="cyllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.model_name = model_name
@@ -271,8 +273,9 @@ class Gate:
     def _authorized(self, scope) -> bool:
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), self.api_key)
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(),
+                                                                           self.api_key.encode("utf-8"))
         return False
 
 
