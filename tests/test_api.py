@@ -231,3 +231,27 @@ def test_cancel_stops_generation(default_model):
                                                   stats=stats, cancel=cancel))
     assert stats.stop_reason == "cancelled" and stats.generated_tokens <= 6
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
+
+
+# ------------------------------------------- structured output, HF tokenizer
+def test_json_schema_on_a_hugging_face_tokenizer(tmp_path):
+    """llguidance over a tokenizer.json model (the default model covers GGUF): a random
+    tiny model still writes JSON that validates, because the grammar decides."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    import json
+
+    from tinymodels import make_tiny_model
+
+    tiny = cyllm.load(make_tiny_model(tmp_path, "llama_tied", seed=2), backend="numpy")
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["colour", "n"], "additionalProperties": False}
+    for seed in (1, 2):
+        r = tiny.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=40, seed=seed,
+                                        temperature=1.0, response_format={
+                                            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        assert r["choices"][0]["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(r["choices"][0]["message"]["content"]), schema)
+    with pytest.raises(InvalidArgumentError):
+        tiny.create_completion("x", response_format={"type": "json_schema", "json_schema": {"schema": 5}})
