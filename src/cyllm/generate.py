@@ -15,7 +15,9 @@ stale generator is slower, never wrong. The lock is held for one step at a
 time, never across a ``yield``, so an abandoned generator blocks no one.
 
 Model.prefill/forward/logits called directly do not know about sessions;
-code that mixes them with sessions must set ``model.kv_owner = None``.
+code that mixes them with sessions must set ``model.kv_owner = None`` (or the
+Model does it itself in those methods: a Session re-claims ownership after
+each of its own calls).
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ class Session:
                 end = len(ids) if cancel is None else min(len(ids), pos + PREFILL_STEP)
                 logits = model.prefill(ids[pos:end], pos)
                 self.tokens = ids[:end]
+                model.kv_owner = self      # (again: a Model may clear it on direct prefill/forward calls)
                 pos = end
             if stats is not None:
                 stats.prefill_s += time.perf_counter() - t0
@@ -133,9 +136,11 @@ class Session:
                 self.feed(self.tokens, probe)
                 if stats is not None:
                     stats.recomputed_tokens += probe.prompt_tokens
-            model.kv_owner = self
+            elif model.kv_owner is not self:
+                model.kv_owner = None       # position 0 is about to change under the old owner
             logits = model.forward(token, len(self.tokens))
             self.tokens.append(token)
+            model.kv_owner = self
             return self._keep(logits)
 
     def _keep(self, logits: np.ndarray) -> np.ndarray:
