@@ -109,12 +109,16 @@ def stream_chat(url, messages, max_tokens, seed) -> dict:
 def concurrency(url, n_clients, max_tokens, rounds) -> dict:
     results = []
     wall = 0.0
+    failed = 0
     for r in range(rounds):
         out = [None] * n_clients
 
         def one(i):
             msgs = [{"role": "user", "content": PROMPTS[(i + r) % len(PROMPTS)]}]
-            out[i] = stream_chat(url, msgs, max_tokens, seed=100 * r + i)
+            try:
+                out[i] = stream_chat(url, msgs, max_tokens, seed=100 * r + i)
+            except httpx.HTTPError as e:          # counted as failed, not fatal to the run
+                print(f"request failed: {e!r}", file=sys.stderr)
 
         ts = [threading.Thread(target=one, args=(i,)) for i in range(n_clients)]
         t0 = time.perf_counter()
@@ -123,9 +127,13 @@ def concurrency(url, n_clients, max_tokens, rounds) -> dict:
         for t in ts:
             t.join()
         wall += time.perf_counter() - t0
-        results += out
+        failed += sum(x is None for x in out)
+        results += [x for x in out if x is not None]
+    if not results:
+        return {"clients": n_clients, "requests": 0, "failed": failed, "ttft_ms_median": 0.0, "ttft_ms_max": 0.0,
+                "decode_tps_per_client": 0.0, "aggregate_tps": 0.0, "tokens": 0}
     per_client = [(x["chunks"] - 1) / x["decode_s"] for x in results if x["decode_s"] > 0]
-    return {"clients": n_clients, "requests": len(results),
+    return {"clients": n_clients, "requests": len(results), "failed": failed,
             "ttft_ms_median": 1000 * statistics.median(x["ttft"] for x in results),
             "ttft_ms_max": 1000 * max(x["ttft"] for x in results),
             "decode_tps_per_client": statistics.median(per_client) if per_client else 0.0,
@@ -215,12 +223,13 @@ def markdown(results, inproc, args, cmd) -> str:
              f"Machine: {cpu_name()}, {os.cpu_count()} logical CPUs; threads {args.threads or 'default'}; "
              f"model {os.path.basename(args.model)}; context {args.context}; {args.max_tokens} tokens per "
              f"request, temperature 0.8, {args.rounds} round(s) per row", "",
-             "| server | clients | TTFT median (ms) | TTFT max (ms) | decode tok/s per client | aggregate tok/s |",
-             "|---|---|---|---|---|---|"]
+             "| server | clients | TTFT median (ms) | TTFT max (ms) | decode tok/s per client | aggregate tok/s "
+             "| failed requests |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         for c in r["concurrency"]:
             lines.append(f"| {r['name']} | {c['clients']} | {c['ttft_ms_median']:.0f} | {c['ttft_ms_max']:.0f} | "
-                         f"{c['decode_tps_per_client']:.1f} | {c['aggregate_tps']:.1f} |")
+                         f"{c['decode_tps_per_client']:.1f} | {c['aggregate_tps']:.1f} | {c['failed']} |")
     if inproc:
         o = inproc
         lines += ["", f"HTTP layer, {o['pairs']} alternating pairs of one request over HTTP and the same request "
@@ -252,6 +261,7 @@ def main() -> int:
     p.add_argument("--turn-tokens", type=int, default=24)
     p.add_argument("--llama-cpp-python", action="store_true",
                    help="also run llama-cpp-python's server (needs llama_cpp importable, with its [server] extra)")
+    p.add_argument("--no-cyllm", action="store_true", help="skip cyllm's server (e.g. to rerun only the peer)")
     p.add_argument("--no-in-process", action="store_true", help="skip the HTTP-overhead pairs")
     p.add_argument("--pairs", type=int, default=6, help="HTTP / Python API request pairs for the overhead")
     p.add_argument("--out", help="append the markdown table to this file")
@@ -263,22 +273,26 @@ def main() -> int:
     threads = [] if args.threads is None else ["-t", str(args.threads)]
     results = []
     port = free_port()
-    s = Server("cyllm", [sys.executable, "-m", "cyllm", "serve", "-m", args.model, "--port", str(port),
-                         "-c", str(args.context), *threads], port)
     inproc = None
-    try:
-        results.append(bench_server(s, args))
-        if not args.no_in_process:
-            inproc = overhead(s.url, args.model, args.threads, args.context, args.max_tokens, args.pairs)
-            print(f"overhead: {inproc}", file=sys.stderr)
-    finally:
-        s.stop()
+    if not args.no_cyllm:
+        s = Server("cyllm", [sys.executable, "-m", "cyllm", "serve", "-m", args.model, "--port", str(port),
+                             "-c", str(args.context), *threads], port)
+        try:
+            results.append(bench_server(s, args))
+            if not args.no_in_process:
+                inproc = overhead(s.url, args.model, args.threads, args.context, args.max_tokens, args.pairs)
+                print(f"overhead: {inproc}", file=sys.stderr)
+        finally:
+            s.stop()
     if args.llama_cpp_python:
         port = free_port()
         n_threads = args.threads or os.cpu_count()
         s = Server("llama-cpp-python", [sys.executable, "-m", "llama_cpp.server", "--model", args.model,
                                         "--port", str(port), "--n_ctx", str(args.context),
-                                        "--n_threads", str(n_threads), "--n_threads_batch", str(n_threads)], port)
+                                        "--n_threads", str(n_threads), "--n_threads_batch", str(n_threads),
+                                        # queue concurrent requests as cyllm does (its default cuts off the
+                                        # running stream when a new request arrives)
+                                        "--interrupt_requests", "False"], port)
         try:
             results.append(bench_server(s, args))
         finally:
