@@ -244,7 +244,8 @@ def markdown(results, inproc, args, cmd) -> str:
         c = r["conversation"]
         cached = "n/a" if c["cached_tokens"] is None else f"{c['cached_tokens']} " \
             f"({100 * c['cached_tokens'] / max(1, c['prompt_tokens']):.0f}%)"
-        lines.append(f"| {r['name']} | {c['prompt_tokens']} | {cached} | {c['ttft_ms_total']:.0f} | "
+        sent = c["prompt_tokens"] if c["cached_tokens"] is not None else "n/a (no usage in its stream)"
+        lines.append(f"| {r['name']} | {sent} | {cached} | {c['ttft_ms_total']:.0f} | "
                      f"{r['no_reuse']['ttft_ms_total']:.0f} |")
     return "\n".join(lines) + "\n"
 
