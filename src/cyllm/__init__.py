@@ -11,7 +11,7 @@ from __future__ import annotations
 from .errors import CyllmError
 
 __version__ = "0.1.0"
-__all__ = ["load", "Model", "CyllmError", "__version__"]
+__all__ = ["load", "Model", "Chat", "CyllmError", "__version__"]
 
 
 def load(path=None, backend: str = "cpu", threads=None, context=None, threads_batch=None):
@@ -54,4 +54,7 @@ def __getattr__(name):
     if name == "Model":
         from .model import Model
         return Model
+    if name == "Chat":
+        from .generate import Chat
+        return Chat
     raise AttributeError(name)

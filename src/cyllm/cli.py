@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--force", action="store_true", help="write into a non-empty directory")
     cv.set_defaults(func=cmd_convert)
 
+    from .server.cli import add_serve_parser
+    add_serve_parser(sub, _add_model_args)
+
     try:
         from .bench import add_bench_parser
         from .tuning import add_tune_parser

@@ -7,6 +7,7 @@ issues ops into preallocated arrays.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,6 +207,8 @@ class Model:
         self.batched_prefill = self.backend.supports_batch()
         self.attn_scale = config.attn_scale      # None: 1/sqrt(head_dim)
         self.batch: BatchState | None = None
+        self.kv_owner = None                  # the generate.Session whose tokens the KV cache holds
+        self.lock = threading.RLock()   # one cache: sessions take turns, one step at a time
         self._build(weights)
 
     @classmethod
@@ -406,10 +409,35 @@ class Model:
         return out[-1] if out is not None else logits
 
     # -- generation (the loop lives in generate.py) ---------------------------
-    def generate(self, prompt: str, max_tokens: int = 256, **kwargs):
-        """Stream generated text pieces for ``prompt`` (see generate.generate for options)."""
+    def generate(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float | None = None,
+                 seed: int | None = None, stop=None, *, repetition_penalty: float | None = None,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repeat_last_n: int = 64,
+                 session=None, stats=None, add_special_tokens: bool = True):
+        """Stream generated text pieces for ``prompt`` (a string or token ids).
+
+        Greedy by default (temperature 0). ``stop``: one string or a list of
+        strings. ``repeat_penalty`` (llama.cpp's name) = ``repetition_penalty``.
+        See generate.generate.
+        """
         from .generate import generate
-        return generate(self, prompt, max_tokens=max_tokens, **kwargs)
+        return generate(self, prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                        repeat_penalty=repeat_penalty, seed=seed, stop=stop, session=session, stats=stats,
+                        add_special_tokens=add_special_tokens, frequency_penalty=frequency_penalty,
+                        presence_penalty=presence_penalty, repeat_last_n=repeat_last_n)
+
+    def create_completion(self, prompt, **kwargs):
+        """OpenAI-shaped text completion (a dict, or an iterator of chunks with stream=True);
+        see cyllm.completions.create_completion for the options."""
+        from .completions import create_completion
+        return create_completion(self, prompt, **kwargs)
+
+    def create_chat_completion(self, messages, **kwargs):
+        """OpenAI-shaped chat completion (a dict, or an iterator of chunks with stream=True);
+        see cyllm.completions.create_chat_completion for the options."""
+        from .completions import create_chat_completion
+        return create_chat_completion(self, messages, **kwargs)
 
     def set_threads(self, decode, prefill=None) -> None:
         """Kernel threads for decoding, and optionally a different count for prefill."""
