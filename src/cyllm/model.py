@@ -342,6 +342,7 @@ class Model:
         self._check_token(token)
         if not 0 <= pos < self.context:
             raise ContextFullError(f"position {pos} is outside the context window of {self.context} tokens")
+        self.kv_owner = None      # the cache changes under whichever session held it (it re-claims)
         self.backend.decode_step(self._issue_forward_ops, token, pos)
         return self.backend.to_host(self.state.logits)
 
@@ -357,6 +358,7 @@ class Model:
                 f"{len(tokens)} tokens from position {pos0} do not fit in the context window "
                 f"of {self.context} tokens")
         out = np.empty((len(tokens), self.config.vocab_size), np.float32) if all_logits else None
+        self.kv_owner = None      # positions from pos0 on change: no session's tokens are there now
         switch = self.threads_prefill != self.threads_decode and len(tokens) > 1
         if switch:
             self.backend.set_threads(self.threads_prefill)
