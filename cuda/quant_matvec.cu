@@ -104,16 +104,17 @@ __device__ __forceinline__ int byte_s(u32 v, int k) { return (int)(signed char)(
 
 // ---- formats ------------------------------------------------------------------------
 // UPI: 16-byte units per item; EA: bytes of the 4/8-byte plane (0: none); EB: bytes of the
-// 2-byte plane (0: none); IE: elements per item; U: items per lane loaded together (the
-// bytes in flight per lane: about 270-340 for one matrix, halved for gate+up).
-struct QF_q8_0 { enum { UPI = 2,  EA = 0, EB = 2, IE = 32,  U = 8 }; };   // units: q[0:16], q[16:32]; B: d
-struct QF_q4_0 { enum { UPI = 1,  EA = 0, EB = 2, IE = 32,  U = 16 }; };  // unit: qs; B: d
-struct QF_q4_1 { enum { UPI = 1,  EA = 4, EB = 0, IE = 32,  U = 16 }; };  // unit: qs; A: d, m
-struct QF_q5_0 { enum { UPI = 1,  EA = 4, EB = 2, IE = 32,  U = 12 }; };  // unit: qs; A: qh; B: d
-struct QF_q5_1 { enum { UPI = 1,  EA = 8, EB = 0, IE = 32,  U = 12 }; };  // unit: qs; A: (d, m), qh
-struct QF_q4_k { enum { UPI = 9,  EA = 0, EB = 0, IE = 256, U = 2 }; };   // units: d dmin scales, qs x8
-struct QF_q5_k { enum { UPI = 11, EA = 0, EB = 0, IE = 256, U = 2 }; };   // + qh x2 before qs
-struct QF_q6_k { enum { UPI = 13, EA = 0, EB = 2, IE = 256, U = 1 }; };   // ql x8, qh x4, scales; B: d
+// 2-byte plane (0: none); IE: elements per item; B: items per lane loaded together (a
+// batch). Two batches are in flight (one computed while the next loads): about 260-420
+// bytes per lane for one matrix; gate+up halves B (q4_k/q5_k/q6_k: one batch instead).
+struct QF_q8_0 { enum { UPI = 2,  EA = 0, EB = 2, IE = 32,  B = 4 }; };   // units: q[0:16], q[16:32]; B: d
+struct QF_q4_0 { enum { UPI = 1,  EA = 0, EB = 2, IE = 32,  B = 8 }; };   // unit: qs; B: d
+struct QF_q4_1 { enum { UPI = 1,  EA = 4, EB = 0, IE = 32,  B = 8 }; };   // unit: qs; A: d, m
+struct QF_q5_0 { enum { UPI = 1,  EA = 4, EB = 2, IE = 32,  B = 6 }; };   // unit: qs; A: qh; B: d
+struct QF_q5_1 { enum { UPI = 1,  EA = 8, EB = 0, IE = 32,  B = 6 }; };   // unit: qs; A: (d, m), qh
+struct QF_q4_k { enum { UPI = 9,  EA = 0, EB = 0, IE = 256, B = 1 }; };   // units: d dmin scales, qs x8
+struct QF_q5_k { enum { UPI = 11, EA = 0, EB = 0, IE = 256, B = 1 }; };   // + qh x2 before qs
+struct QF_q6_k { enum { UPI = 13, EA = 0, EB = 2, IE = 256, B = 1 }; };   // ql x8, qh x4, scales; B: d
 
 template <class F>
 struct QItem {
@@ -177,6 +178,8 @@ __device__ __forceinline__ void qload_cached(QItem<F>& it, const QGeo& g, int s,
 // The codes and d are the CPU kernels' q8_0 activation (reference.quantize_act) bit for bit.
 // A warp stages elements [e0, e1) (multiples of 32); 8 lanes share one 32-block.
 // Returns this lane's share of sum(x^2) (for the folded rmsnorm).
+#define QS_CHUNKS 4   // float4 chunks per lane staged together: loads hoisted, shuffle chains interleaved
+
 template <bool NORM>
 __device__ __forceinline__ float qstage(const float* __restrict__ x, const float* __restrict__ nw,
                                         int e0, int e1, u32* __restrict__ xw, float4* __restrict__ xs,
@@ -185,38 +188,66 @@ __device__ __forceinline__ float qstage(const float* __restrict__ x, const float
     float ss = 0.0f;
     const bool vec = ((reinterpret_cast<size_t>(x) | (NORM ? reinterpret_cast<size_t>(nw) : 0)) & 15) == 0;
     const int c1 = e1 >> 2;
-    for (int c0 = e0 >> 2; c0 < c1; c0 += 32) {       // uniform trip count: shuffles see every lane
-        const int c = c0 + lane;
-        const bool act = c < c1;
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (act) {
-            if (vec) v = __ldg(reinterpret_cast<const float4*>(x) + c);
-            else v = make_float4(x[4 * c], x[4 * c + 1], x[4 * c + 2], x[4 * c + 3]);
-            if (NORM) {
-                ss = fmaf(v.x, v.x, ss); ss = fmaf(v.y, v.y, ss);
-                ss = fmaf(v.z, v.z, ss); ss = fmaf(v.w, v.w, ss);
-                float4 g;
-                if (vec) g = __ldg(reinterpret_cast<const float4*>(nw) + c);
-                else g = make_float4(nw[4 * c], nw[4 * c + 1], nw[4 * c + 2], nw[4 * c + 3]);
-                v.x *= g.x; v.y *= g.y; v.z *= g.z; v.w *= g.w;
+    for (int base = e0 >> 2; base < c1; base += 32 * QS_CHUNKS) {   // uniform: shuffles see every lane
+        float4 v[QS_CHUNKS];
+        bool act[QS_CHUNKS];
+#pragma unroll
+        for (int k = 0; k < QS_CHUNKS; ++k) {
+            const int c = base + lane + 32 * k;
+            act[k] = c < c1;
+            v[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (act[k]) {
+                if (vec) v[k] = __ldg(reinterpret_cast<const float4*>(x) + c);
+                else v[k] = make_float4(x[4 * c], x[4 * c + 1], x[4 * c + 2], x[4 * c + 3]);
             }
         }
-        float a = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-        a = fmaxf(a, __shfl_xor_sync(FULL_MASK, a, 1));
-        a = fmaxf(a, __shfl_xor_sync(FULL_MASK, a, 2));
-        a = fmaxf(a, __shfl_xor_sync(FULL_MASK, a, 4));
-        const float dq = a / 127.0f;
-        const float id = a > 0.0f ? 127.0f / a : 0.0f;
-        const int q0 = __float2int_rn(v.x * id), q1 = __float2int_rn(v.y * id);
-        const int q2 = __float2int_rn(v.z * id), q3 = __float2int_rn(v.w * id);
-        int s = q0 + q1 + q2 + q3;
-        s += __shfl_xor_sync(FULL_MASK, s, 1);
-        s += __shfl_xor_sync(FULL_MASK, s, 2);          // lanes 0-3 of the group: q[0:16]
-        const int so = __shfl_xor_sync(FULL_MASK, s, 4);
-        if (act) {
-            xw[c] = ((u32)q0 & 0xFFu) | (((u32)q1 & 0xFFu) << 8) | (((u32)q2 & 0xFFu) << 16) | ((u32)q3 << 24);
-            if ((c & 7) == 0)
-                xs[c >> 3] = make_float4(dq, dq * (float)(s + so), __int_as_float(s), __int_as_float(so));
+        if (NORM) {
+#pragma unroll
+            for (int k = 0; k < QS_CHUNKS; ++k) {
+                const int c = base + lane + 32 * k;
+                float4 g = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (act[k]) {
+                    if (vec) g = __ldg(reinterpret_cast<const float4*>(nw) + c);
+                    else g = make_float4(nw[4 * c], nw[4 * c + 1], nw[4 * c + 2], nw[4 * c + 3]);
+                }
+                ss = fmaf(v[k].x, v[k].x, ss); ss = fmaf(v[k].y, v[k].y, ss);
+                ss = fmaf(v[k].z, v[k].z, ss); ss = fmaf(v[k].w, v[k].w, ss);
+                v[k].x *= g.x; v[k].y *= g.y; v[k].z *= g.z; v[k].w *= g.w;
+            }
+        }
+        float a[QS_CHUNKS];
+#pragma unroll
+        for (int k = 0; k < QS_CHUNKS; ++k)
+            a[k] = fmaxf(fmaxf(fabsf(v[k].x), fabsf(v[k].y)), fmaxf(fabsf(v[k].z), fabsf(v[k].w)));
+#pragma unroll
+        for (int off = 1; off < 8; off <<= 1)
+#pragma unroll
+            for (int k = 0; k < QS_CHUNKS; ++k) a[k] = fmaxf(a[k], __shfl_xor_sync(FULL_MASK, a[k], off));
+        int q[QS_CHUNKS][4], sm[QS_CHUNKS];
+        float dq[QS_CHUNKS];
+#pragma unroll
+        for (int k = 0; k < QS_CHUNKS; ++k) {
+            dq[k] = a[k] / 127.0f;
+            const float id = a[k] > 0.0f ? 127.0f / a[k] : 0.0f;
+            q[k][0] = __float2int_rn(v[k].x * id); q[k][1] = __float2int_rn(v[k].y * id);
+            q[k][2] = __float2int_rn(v[k].z * id); q[k][3] = __float2int_rn(v[k].w * id);
+            sm[k] = q[k][0] + q[k][1] + q[k][2] + q[k][3];
+        }
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1)       // lanes 0-3 of a group: q[0:16], 4-7: q[16:32]
+#pragma unroll
+            for (int k = 0; k < QS_CHUNKS; ++k) sm[k] += __shfl_xor_sync(FULL_MASK, sm[k], off);
+#pragma unroll
+        for (int k = 0; k < QS_CHUNKS; ++k) {
+            const int so = __shfl_xor_sync(FULL_MASK, sm[k], 4);
+            const int c = base + lane + 32 * k;
+            if (act[k]) {
+                xw[c] = ((u32)q[k][0] & 0xFFu) | (((u32)q[k][1] & 0xFFu) << 8)
+                      | (((u32)q[k][2] & 0xFFu) << 16) | ((u32)q[k][3] << 24);
+                if ((c & 7) == 0)
+                    xs[c >> 3] = make_float4(dq[k], dq[k] * (float)(sm[k] + so),
+                                             __int_as_float(sm[k]), __int_as_float(so));
+            }
         }
     }
     return ss;
@@ -388,6 +419,8 @@ __device__ __forceinline__ float qdot(const QItem<QF_q6_k>& it, const uint4* xq,
 }
 
 // ---- the matvec -------------------------------------------------------------------------
+#define QMV_MAX_WARPS 16    // warps per block (cuda_quant.MAX_WARPS)
+
 template <class F, int MODE, bool NORM>
 __device__ __forceinline__ void qmv_body(
     float* __restrict__ out, const unsigned char* __restrict__ w0, const unsigned char* __restrict__ w1,
@@ -395,7 +428,8 @@ __device__ __forceinline__ void qmv_body(
     const float* __restrict__ nw, float eps, float* __restrict__ xn)
 {
     constexpr int NM = (MODE >= 2) ? 2 : 1;
-    constexpr int U = (F::U / NM) > 0 ? F::U / NM : 1;
+    constexpr int B = (F::B / NM) > 0 ? F::B / NM : 1;          // items per batch
+    constexpr int P = (NM == 2 && F::B == 1) ? 1 : 2;           // batches in flight
     pdl_trigger();      // the next kernel may start loading its weights now
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -411,13 +445,22 @@ __device__ __forceinline__ void qmv_body(
     g[0] = qgeo<F>(w0, d, nbi, tile);
     if (NM == 2) g[NM - 1] = qgeo<F>(w1, d, nbi, tile);
 
-    // the first batch goes out before pdl_wait: weights never depend on the previous kernel
-    QItem<F> it[U][NM];
+    // P batches go out before pdl_wait: weights never depend on the previous kernel.
+    // Zeroed first: the dots below run on every slot (branch-free, so the compiler can
+    // schedule the shared-memory loads early) and slots past the slice are discarded.
+    QItem<F> it[P][B][NM];
 #pragma unroll
-    for (int u = 0; u < U; ++u)
-        if (live && s0 + u < s1)
+    for (int p = 0; p < P; ++p)
 #pragma unroll
-            for (int m = 0; m < NM; ++m) qload<F>(it[u][m], g[m], s0 + u, W, lane);
+        for (int u = 0; u < B; ++u)
+#pragma unroll
+            for (int m = 0; m < NM; ++m) {
+#pragma unroll
+                for (int j = 0; j < F::UPI; ++j) it[p][u][m].u[j] = make_uint4(0u, 0u, 0u, 0u);
+                it[p][u][m].a0 = it[p][u][m].a1 = 0u;
+                it[p][u][m].b = 0;
+                if (live && s0 + p * B + u < s1) qload<F>(it[p][u][m], g[m], s0 + p * B + u, W, lane);
+            }
     pdl_wait();
 
     u32* xw = reinterpret_cast<u32*>(qmv_smem);
@@ -429,24 +472,31 @@ __device__ __forceinline__ void qmv_body(
     float acc[NM];
 #pragma unroll
     for (int m = 0; m < NM; ++m) acc[m] = 0.0f;
-    for (int sb = s0; sb < s1; sb += U) {
+    for (int sb = s0; sb < s1; sb += P * B) {
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int s = sb + u;
-            if (live && s < s1) {
-                const uint4* xq = reinterpret_cast<const uint4*>(xw) + s * (F::IE / 16);
-                const float4* xe = xs + s * (F::IE / 32);
+        for (int p = 0; p < P; ++p) {
 #pragma unroll
-                for (int m = 0; m < NM; ++m) acc[m] += qdot(it[u][m], xq, xe);
+            for (int u = 0; u < B; ++u) {
+                const int s = sb + p * B + u;
+                const bool ok = live && s < s1;
+                const int sx = min(s, s1 - 1);                    // in this warp's staged slice
+                const uint4* xq = reinterpret_cast<const uint4*>(xw) + sx * (F::IE / 16);
+                const float4* xe = xs + sx * (F::IE / 32);
+#pragma unroll
+                for (int m = 0; m < NM; ++m) {
+                    const float v = qdot(it[p][u][m], xq, xe);
+                    acc[m] += ok ? v : 0.0f;
+                }
             }
-        }
-        const int nb = sb + U;
-        if (nb < s1) {
+            // refill this batch's slots with the batch after the next
+            const int nb = sb + (p + P) * B;
+            if (nb < s1) {
 #pragma unroll
-            for (int u = 0; u < U; ++u)
-                if (live && nb + u < s1)
+                for (int u = 0; u < B; ++u)
+                    if (live && nb + u < s1)
 #pragma unroll
-                    for (int m = 0; m < NM; ++m) qload<F>(it[u][m], g[m], nb + u, W, lane);
+                        for (int m = 0; m < NM; ++m) qload<F>(it[p][u][m], g[m], nb + u, W, lane);
+            }
         }
     }
 
@@ -461,7 +511,9 @@ __device__ __forceinline__ void qmv_body(
     if (NORM) {
         // rmsnorm folded in: W (x * w * inv) = inv * (W (x * w)); the S slices cover all of x
         float t = 0.0f;
-        for (int w = 0; w < S; ++w) t += red[NM * S * 32 + w];
+#pragma unroll
+        for (int w = 0; w < QMV_MAX_WARPS; ++w)
+            if (w < S) t += red[NM * S * 32 + w];
         inv = rsqrtf(t / (float)n + eps);
     }
     if (warp == 0 && live) {
@@ -469,7 +521,9 @@ __device__ __forceinline__ void qmv_body(
 #pragma unroll
         for (int m = 0; m < NM; ++m) {
             float t = 0.0f;
-            for (int w = 0; w < S; ++w) t += red[(m * S + w) * 32 + lane];
+#pragma unroll
+            for (int w = 0; w < QMV_MAX_WARPS; ++w)
+                if (w < S) t += red[(m * S + w) * 32 + lane];
             r[m] = t * inv;
         }
         const float res = (MODE == 2) ? silu_f(r[0]) * r[NM - 1]
@@ -718,7 +772,7 @@ template <class F>
 __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const unsigned char* __restrict__ w0,
                                               const float* __restrict__ x, int d, int nbi)
 {
-    constexpr int U = F::U;
+    constexpr int U = 2 * F::B;       // the same bytes in flight as the int8 kernel's two batches
     pdl_trigger();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, S = blockDim.x >> 5;
     const int tile = blockIdx.x;
@@ -758,19 +812,25 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
 }
 
 #define CYLLM_QMV_XF32(NAME, F)                                                                      \
-    extern "C" __global__ void NAME(float* __restrict__ out, const unsigned char* __restrict__ w0,   \
+    extern "C" __global__ void __launch_bounds__(QMV_MAX_WARPS * 32) NAME(float* __restrict__ out, const unsigned char* __restrict__ w0,   \
                                     const float* __restrict__ x, int d, int nbi) {                   \
         qmv_xf32_body<F>(out, w0, x, d, nbi);                                                        \
     }
 
 // ---- kernels, named whole -----------------------------------------------------------------
-#define CYLLM_QMV(NAME, F, MODE, NORM)                                                              \
-    extern "C" __global__ void NAME(float* __restrict__ out, const unsigned char* __restrict__ w0,   \
+// CYLLM_QMV: at most 512 threads, so the compiler keeps to 128 registers and two 256-thread
+// blocks (this kernel's and, under programmatic dependent launch, the next one's) fit on one
+// SM. CYLLM_QMV_WIDE: no bound, for the kernels that would spill under it (q5_k, q6_k, and
+// gate+up of the K-quants: 150-200 registers).
+#define CYLLM_QMV_DEF(NAME, F, MODE, NORM, BOUNDS)                                                 \
+    extern "C" __global__ void BOUNDS NAME(float* __restrict__ out, const unsigned char* __restrict__ w0, \
                                     const unsigned char* __restrict__ w1, const float* __restrict__ x, \
                                     int d, int nbi, const float* __restrict__ nw, float eps,         \
                                     float* __restrict__ xn) {                                        \
         qmv_body<F, MODE, NORM>(out, w0, w1, x, d, nbi, nw, eps, xn);                                \
     }
+#define CYLLM_QMV(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, __launch_bounds__(QMV_MAX_WARPS * 32))
+#define CYLLM_QMV_WIDE(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, )
 #define CYLLM_QDEQ(NAME, F)                                                                          \
     extern "C" __global__ void NAME(f16_t* __restrict__ out, const unsigned char* __restrict__ w,     \
                                     int d, int nbi, int r0, int nrows) {                             \
@@ -849,34 +909,34 @@ CYLLM_QMV(qmv_q4_k,                    QF_q4_k, 0, false)
 CYLLM_QMV(qmv_q4_k_norm,               QF_q4_k, 0, true)
 CYLLM_QMV(qmv_add_q4_k,                QF_q4_k, 1, false)
 CYLLM_QMV(qmv_add_q4_k_norm,           QF_q4_k, 1, true)
-CYLLM_QMV(qmv_gate_up_silu_q4_k,       QF_q4_k, 2, false)
-CYLLM_QMV(qmv_gate_up_silu_q4_k_norm,  QF_q4_k, 2, true)
-CYLLM_QMV(qmv_gate_up_gelu_q4_k,       QF_q4_k, 3, false)
-CYLLM_QMV(qmv_gate_up_gelu_q4_k_norm,  QF_q4_k, 3, true)
+CYLLM_QMV_WIDE(qmv_gate_up_silu_q4_k,  QF_q4_k, 2, false)
+CYLLM_QMV_WIDE(qmv_gate_up_silu_q4_k_norm, QF_q4_k, 2, true)
+CYLLM_QMV_WIDE(qmv_gate_up_gelu_q4_k,  QF_q4_k, 3, false)
+CYLLM_QMV_WIDE(qmv_gate_up_gelu_q4_k_norm, QF_q4_k, 3, true)
 CYLLM_QDEQ(qdeq_f16_q4_k,              QF_q4_k)
 CYLLM_QROWS(qrows_f32_q4_k,            QF_q4_k)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q5_k)
-CYLLM_QMV(qmv_q5_k,                    QF_q5_k, 0, false)
-CYLLM_QMV(qmv_q5_k_norm,               QF_q5_k, 0, true)
-CYLLM_QMV(qmv_add_q5_k,                QF_q5_k, 1, false)
-CYLLM_QMV(qmv_add_q5_k_norm,           QF_q5_k, 1, true)
-CYLLM_QMV(qmv_gate_up_silu_q5_k,       QF_q5_k, 2, false)
-CYLLM_QMV(qmv_gate_up_silu_q5_k_norm,  QF_q5_k, 2, true)
-CYLLM_QMV(qmv_gate_up_gelu_q5_k,       QF_q5_k, 3, false)
-CYLLM_QMV(qmv_gate_up_gelu_q5_k_norm,  QF_q5_k, 3, true)
+CYLLM_QMV_WIDE(qmv_q5_k,               QF_q5_k, 0, false)
+CYLLM_QMV_WIDE(qmv_q5_k_norm,          QF_q5_k, 0, true)
+CYLLM_QMV_WIDE(qmv_add_q5_k,           QF_q5_k, 1, false)
+CYLLM_QMV_WIDE(qmv_add_q5_k_norm,      QF_q5_k, 1, true)
+CYLLM_QMV_WIDE(qmv_gate_up_silu_q5_k,  QF_q5_k, 2, false)
+CYLLM_QMV_WIDE(qmv_gate_up_silu_q5_k_norm, QF_q5_k, 2, true)
+CYLLM_QMV_WIDE(qmv_gate_up_gelu_q5_k,  QF_q5_k, 3, false)
+CYLLM_QMV_WIDE(qmv_gate_up_gelu_q5_k_norm, QF_q5_k, 3, true)
 CYLLM_QDEQ(qdeq_f16_q5_k,              QF_q5_k)
 CYLLM_QROWS(qrows_f32_q5_k,            QF_q5_k)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q6_k)
-CYLLM_QMV(qmv_q6_k,                    QF_q6_k, 0, false)
-CYLLM_QMV(qmv_q6_k_norm,               QF_q6_k, 0, true)
-CYLLM_QMV(qmv_add_q6_k,                QF_q6_k, 1, false)
-CYLLM_QMV(qmv_add_q6_k_norm,           QF_q6_k, 1, true)
-CYLLM_QMV(qmv_gate_up_silu_q6_k,       QF_q6_k, 2, false)
-CYLLM_QMV(qmv_gate_up_silu_q6_k_norm,  QF_q6_k, 2, true)
-CYLLM_QMV(qmv_gate_up_gelu_q6_k,       QF_q6_k, 3, false)
-CYLLM_QMV(qmv_gate_up_gelu_q6_k_norm,  QF_q6_k, 3, true)
+CYLLM_QMV_WIDE(qmv_q6_k,               QF_q6_k, 0, false)
+CYLLM_QMV_WIDE(qmv_q6_k_norm,          QF_q6_k, 0, true)
+CYLLM_QMV_WIDE(qmv_add_q6_k,           QF_q6_k, 1, false)
+CYLLM_QMV_WIDE(qmv_add_q6_k_norm,      QF_q6_k, 1, true)
+CYLLM_QMV_WIDE(qmv_gate_up_silu_q6_k,  QF_q6_k, 2, false)
+CYLLM_QMV_WIDE(qmv_gate_up_silu_q6_k_norm, QF_q6_k, 2, true)
+CYLLM_QMV_WIDE(qmv_gate_up_gelu_q6_k,  QF_q6_k, 3, false)
+CYLLM_QMV_WIDE(qmv_gate_up_gelu_q6_k_norm, QF_q6_k, 3, true)
 CYLLM_QDEQ(qdeq_f16_q6_k,              QF_q6_k)
 CYLLM_QROWS(qrows_f32_q6_k,            QF_q6_k)
 #endif

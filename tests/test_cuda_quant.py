@@ -138,7 +138,7 @@ def test_kernel_table_agrees():
                  for s in ("", "_norm")] + [f"qdeq_f16_{fmt}", f"qrows_f32_{fmt}"]
         for name in names:
             assert re.search(rf"\({name},", src), name
-        m = re.search(rf"struct QF_{fmt} {{ enum {{ UPI = (\d+),\s*EA = (\d+), EB = (\d+), IE = (\d+),\s*U = (\d+)", src)
+        m = re.search(rf"struct QF_{fmt} {{ enum {{ UPI = (\d+),\s*EA = (\d+), EB = (\d+), IE = (\d+),\s*B = (\d+)", src)
         assert m, fmt
         upi, ea, eb, ie, u = map(int, m.groups())
         units, main, pa, pb, uu = CQ.LAYOUTS[fmt]
@@ -243,7 +243,9 @@ def test_matvec_variants(be, cp, fmt):
             be.matvec(out, w, xd)
             got = be.to_host(out).copy()
             check_exact(got, want, mag, f"{fmt} {d}x{n} warps={warps} matvec")
-            assert rel(got, W @ x.astype(np.float64)) < 2e-2
+            # against the float product: off by at most the activation rounding (half a step per element)
+            step = np.repeat(np.abs(x).reshape(-1, 32).max(axis=1) / 127.0, 32)
+            assert np.all(np.abs(got - W @ x.astype(np.float64)) <= 0.5 * np.abs(W) @ step + 2e-5 * mag)
             base = rng.standard_normal(d).astype(np.float32)
             out = be.upload(base)
             be.matvec_add(out, w, xd)

@@ -40,16 +40,16 @@ except Exception:  # noqa: BLE001 - reported by CudaBackend when it is construct
 TILE = 32                 # rows per tile = lanes per warp (QMV_TILE)
 MAX_WARPS = 16            # warps per block of the matvec kernels
 
-# fmt -> (16-byte units per item, their byte range in the block, plane A range, plane B range, U)
-# U: items per lane loaded together (the QF_<fmt>::U of the kernels; halved for gate+up)
+# fmt -> (16-byte units per item, their byte range in the block, plane A range, plane B range, B)
+# B: items per lane loaded together (QF_<fmt>::B of the kernels); two batches are in flight
 LAYOUTS: dict[str, tuple] = {
-    "q8_0": (2, (2, 34), None, (0, 2), 8),
-    "q4_0": (1, (2, 18), None, (0, 2), 16),
-    "q4_1": (1, (4, 20), (0, 4), None, 16),
-    "q5_0": (1, (6, 22), (2, 6), (0, 2), 12),
-    "q5_1": (1, (8, 24), (0, 8), None, 12),
-    "q4_k": (9, (0, 144), None, None, 2),
-    "q5_k": (11, (0, 176), None, None, 2),
+    "q8_0": (2, (2, 34), None, (0, 2), 4),
+    "q4_0": (1, (2, 18), None, (0, 2), 8),
+    "q4_1": (1, (4, 20), (0, 4), None, 8),
+    "q5_0": (1, (6, 22), (2, 6), (0, 2), 6),
+    "q5_1": (1, (8, 24), (0, 8), None, 6),
+    "q4_k": (9, (0, 144), None, None, 1),
+    "q5_k": (11, (0, 176), None, None, 1),
     "q6_k": (13, (0, 208), None, (208, 210), 1),
 }
 SUPPORTED = tuple(LAYOUTS)
@@ -224,9 +224,10 @@ def matvec_warps(be, w: CudaQuantMatrix, nm: int) -> int:
     """Warps per block: enough that each warp's item slice is about one batch of loads."""
     forced = getattr(be, "qmv_warps", None)
     if forced:
-        return max(1, min(int(forced), 32))
-    u = max(1, LAYOUTS[w.fmt.name][4] // nm)
-    return max(1, min(MAX_WARPS, -(-w.nbi // u)))
+        return max(1, min(int(forced), MAX_WARPS))
+    b = LAYOUTS[w.fmt.name][4]
+    in_flight = 2 * max(1, b // nm) if (nm == 1 or b > 1) else 1
+    return max(1, min(MAX_WARPS, -(-w.nbi // in_flight)))
 
 
 _NULL = np.int64(0)       # a null pointer argument (kernels without the folded norm never read it)
