@@ -95,10 +95,10 @@ def cell(gbs, bw):
 def bench_matvec(be, bw, l2, lines, fmts, quick):
     lines.append("\n## matvec (GB/s of weight bytes, % of copy bandwidth; graph of launches over > 4x L2)\n")
     lines.append("auto = cuda_quant's warps per block; wN = N warps; pdl = programmatic dependent launch "
-                 "(as in decode_step). F16 row: the backend's F16 matvec on the same shape.\n")
+                 "(as in decode_step), plain = without. F16 row: the backend's F16 matvec on the same shape.\n")
     warp_opts = [None] if quick else [None, 4, 8, 16]
-    head = "| format | d x n | MiB | " + " | ".join(
-        [f"{'auto' if w is None else f'w{w}'} plain" for w in warp_opts] + ["auto pdl"]) + " |"
+    head = "| format | d x n | MiB | auto plain | " + " | ".join(
+        [f"{'auto' if w is None else f'w{w}'} pdl" for w in warp_opts]) + " |"
     lines.append(head)
     lines.append("|" + "---|" * (len(warp_opts) + 4))
     summary = {}
@@ -116,21 +116,42 @@ def bench_matvec(be, bw, l2, lines, fmts, quick):
                 ws, size = upload_copies(be, fmt, d, n, l2)
             o = out[:d]
             fns = [lambda m=m: be.matvec(o, m, x[n]) for m in ws] * 3
-            row = []
+            row = [cell(size / time_graph(be, fns, False) / 1e9, bw)]
             for wv in (warp_opts if fmt != "f16" else [None]):
                 be.qmv_warps = wv
-                row.append(cell(size / time_graph(be, fns, False) / 1e9, bw))
+                gp = size / time_graph(be, fns, True) / 1e9
+                row.append(cell(gp, bw))
+                if wv is None:
+                    summary[(fmt, d, n)] = gp
             be.qmv_warps = None
             if fmt == "f16":
                 row += ["-"] * (len(warp_opts) - 1)
-            gp = size / time_graph(be, fns, True) / 1e9
-            row.append(cell(gp, bw))
-            summary[(fmt, d, n)] = gp
             lines.append(f"| {fmt} | {d}x{n} | {size / 2**20:.1f} | " + " | ".join(row) + " |")
             print(lines[-1], flush=True)
             del ws, fns
             cp.get_default_memory_pool().free_all_blocks()
     return summary
+
+
+def bench_floor(be, lines, fmts):
+    """Time per launch of a tiny matvec (4096 rows, one item per row) in a graph: the
+    per-kernel chain (wait for the previous kernel, stage x, dot, reduce, retire) without bytes."""
+    lines.append("\n## latency floor: us per launch, 4096 rows x one item (graph of 64 launches)\n")
+    lines.append("| format | n | plain | pdl |")
+    lines.append("|---|---|---|---|")
+    o = cp.zeros(4096, dtype=cp.float32)
+    for fmt in fmts + ["f16"]:
+        n = 256 if fmt in ("q4_k", "q5_k", "q6_k") else 32 if fmt != "f16" else 256
+        x = cp.random.standard_normal(n, dtype=cp.float32)
+        if fmt == "f16":
+            ws = [(cp.random.standard_normal((4096, n), dtype=cp.float32) * 0.02).astype(cp.float16) for _ in range(8)]
+        else:
+            qm = QuantMatrix(random_blocks(fmt, 4096, n), fmt, (4096, n))
+            ws = [be.upload(qm) for _ in range(8)]
+        fns = [lambda m=m: be.matvec(o, m, x) for m in ws] * 8
+        cells = [f"{time_graph(be, fns, p) * 1e6:.2f}" for p in (False, True)]
+        lines.append(f"| {fmt} | {n} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
 
 
 def bench_fused(be, bw, l2, lines, fmts):
@@ -200,7 +221,8 @@ def bench_xf32(be, bw, l2, lines):
 
 
 def bench_prefill(be, lines, fmts):
-    lines.append("\n## prefill GEMM on quantized weights (T = 512: dequantize tiles to FP16 + cuBLAS; graph replay)\n")
+    lines.append("\n## prefill GEMM on quantized weights (T = 512: dequantize tiles to FP16 + cuBLAS; "
+                 "host clock over 20 calls)\n")
     lines.append("| format | T x n -> d | ms | TFLOP/s | F16 weights: ms |")
     lines.append("|---|---|---|---|---|")
     t = 512
@@ -208,13 +230,25 @@ def bench_prefill(be, lines, fmts):
         x = cp.random.standard_normal((t, n), dtype=cp.float32)
         out = cp.zeros((t, d), cp.float32)
         w16 = (cp.random.standard_normal((d, n), dtype=cp.float32) * 0.02).astype(cp.float16)
-        t16 = time_graph(be, [lambda w=w16: be.matmul(out, w, x)] * 4, False, reps=7)
+        t16 = _time_host(be, lambda w=w16: be.matmul(out, w, x))
         for fmt in fmts:
             wq = be.upload(QuantMatrix(random_blocks(fmt, d, n), fmt, (d, n)))
-            tq = time_graph(be, [lambda w=wq: be.matmul(out, w, x)] * 4, False, reps=7)
+            tq = _time_host(be, lambda w=wq: be.matmul(out, w, x))
             lines.append(f"| {fmt} | {t}x{n} -> {d} | {tq * 1e3:.3f} | {2 * t * n * d / tq / 1e12:.0f} | {t16 * 1e3:.3f} |")
             print(lines[-1], flush=True)
         cp.get_default_memory_pool().free_all_blocks()
+
+
+def _time_host(be, fn, calls=20) -> float:
+    """Seconds per call, host clock around many calls (cuBLAS refuses CuPy's stream capture),
+    so Python's launch cost is included where it exceeds the GPU time."""
+    fn()
+    be.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    be.synchronize()
+    return (time.perf_counter() - t0) / calls
 
 
 def main(argv=None):
@@ -243,6 +277,7 @@ def main(argv=None):
     print("\n".join(lines), flush=True)
     summary = bench_matvec(be, bw, l2, lines, fmts, args.quick)
     if not args.quick:
+        bench_floor(be, lines, ["q4_k", "q4_0", "q8_0", "q6_k"])
         bench_xf32(be, bw, l2, lines)
         bench_fused(be, bw, l2, lines, ["q4_k", "q8_0", "q6_k"])
         bench_prefill(be, lines, ["q4_k", "q8_0", "q6_k", "q4_0"])

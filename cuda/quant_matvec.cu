@@ -32,8 +32,8 @@
 //   ..._norm                  the same with the preceding rmsnorm folded in: x is the
 //                             un-normed vector, nw the norm weight; x*nw is quantized (the
 //                             int8 codes do not depend on the common factor rsqrt(mean(x^2)+eps),
-//                             which multiplies the sums at the end); block 0 writes the
-//                             normed vector to xn (if not null), as the rmsnorm op would.
+//                             which multiplies the sums at the end); the blocks also write
+//                             the normed vector to xn (if not null), as the rmsnorm op would.
 //   qmv_xf32_<fmt>            out = W x with FP32 activations (q8_0, q4_0 only: the measured
 //                             alternative; arguments out, w, x, d, nbi)
 //   qdeq_f16_<fmt>            rows [r0, r0+nrows) dequantized to FP16 (prefill: cuBLAS tiles)
@@ -532,9 +532,12 @@ __device__ __forceinline__ void qmv_body(
         if (MODE == 1) out[row] += res;
         else out[row] = res;
     }
-    if (NORM && blockIdx.x == 0 && xn != nullptr) {
-        // block 0 also writes the normed vector, so the rmsnorm op's output exists as asked
-        for (int j = threadIdx.x; j < n; j += blockDim.x) xn[j] = x[j] * inv * nw[j];
+    if (NORM && xn != nullptr) {
+        // the normed vector is written too, so the rmsnorm op's output exists as asked; every
+        // block knows inv, so the blocks share the writes (one block alone would add a chain
+        // of dependent loads to the kernel's tail)
+        const int step = gridDim.x * blockDim.x;
+        for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += step) xn[j] = x[j] * inv * nw[j];
     }
 }
 
