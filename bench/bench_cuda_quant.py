@@ -154,6 +154,38 @@ def bench_floor(be, lines, fmts):
         print(lines[-1], flush=True)
 
 
+def bench_residency(be, bw, l2, lines):
+    """Blocks per SM the driver allows for the 4096x4096 launch (the next kernel's block must
+    fit beside the running one for its weight loads to overlap it under PDL), and the time
+    with the shared-memory carveout left to the driver vs set to the maximum."""
+    lines.append("\n## residency at 4096x4096 (auto warps, pdl): blocks/SM by occupancy API; carveout default vs max shared\n")
+    lines.append("| format | warps | regs | smem B | blocks/SM | default carveout | carveout 100 |")
+    lines.append("|---|---|---|---|---|---|---|")
+    d = n = 4096
+    x = cp.random.standard_normal(n, dtype=cp.float32)
+    o = cp.zeros(d, dtype=cp.float32)
+    for fmt in ("q4_k", "q4_0", "q8_0", "q6_k"):
+        ws, size = upload_copies(be, fmt, d, n, l2)
+        fns = [lambda m=m: be.matvec(o, m, x) for m in ws] * 3
+        fns[0]()
+        k = CQ.kernel(be, f"qmv_{fmt}", fmt)
+        warps = CQ.matvec_warps(be, ws[0], 1)
+        smem = CQ._shared_bytes(n, warps, 1)
+        try:
+            occ = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(k.kernel.ptr, 32 * warps, smem)
+        except Exception as e:  # noqa: BLE001
+            occ = f"? ({type(e).__name__})"
+        t0 = time_graph(be, fns, True)
+        k.preferred_shared_memory_carveout = 100
+        t1 = time_graph(be, fns, True)
+        k.preferred_shared_memory_carveout = -1
+        lines.append(f"| {fmt} | {warps} | {k.num_regs} | {smem} | {occ} | {cell(size / t0 / 1e9, bw)} | "
+                     f"{cell(size / t1 / 1e9, bw)} |")
+        print(lines[-1], flush=True)
+        del ws, fns
+        cp.get_default_memory_pool().free_all_blocks()
+
+
 def bench_fused(be, bw, l2, lines, fmts):
     lines.append("\n## fused variants (auto warps, pdl; GB/s of weight bytes, % of copy bandwidth)\n")
     lines.append("| format | op | d x n | GB/s |")
@@ -277,10 +309,18 @@ def main(argv=None):
     print("\n".join(lines), flush=True)
     summary = bench_matvec(be, bw, l2, lines, fmts, args.quick)
     if not args.quick:
-        bench_floor(be, lines, ["q4_k", "q4_0", "q8_0", "q6_k"])
-        bench_xf32(be, bw, l2, lines)
-        bench_fused(be, bw, l2, lines, ["q4_k", "q8_0", "q6_k"])
-        bench_prefill(be, lines, ["q4_k", "q8_0", "q6_k", "q4_0"])
+        for section in (lambda: bench_residency(be, bw, l2, lines),
+                        lambda: bench_floor(be, lines, ["q4_k", "q4_0", "q8_0", "q6_k"]),
+                        lambda: bench_xf32(be, bw, l2, lines),
+                        lambda: bench_fused(be, bw, l2, lines, ["q4_k", "q8_0", "q6_k"]),
+                        lambda: bench_prefill(be, lines, ["q4_k", "q8_0", "q6_k", "q4_0"])):
+            try:
+                section()
+            except Exception as e:  # noqa: BLE001 - one failed section must not lose the others
+                lines.append(f"\n(section failed: {type(e).__name__}: {e})\n")
+                print(lines[-1], flush=True)
+                be._device_mode = False
+                cp.get_default_memory_pool().free_all_blocks()
     lines.append("\n## summary: matvec with pdl, % of copy bandwidth\n")
     lines.append("| format | " + " | ".join(f"{d}x{n}" for d, n in SHAPES) + " |")
     lines.append("|---|" + "---|" * len(SHAPES))

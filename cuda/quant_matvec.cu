@@ -463,6 +463,15 @@ __device__ __forceinline__ void qmv_body(
             }
     pdl_wait();
 
+    // the folded norm's output: this thread's first element is loaded now, with the staging
+    // loads, so the tail only multiplies and stores
+    const int jn = blockIdx.x * blockDim.x + threadIdx.x;
+    float xr = 0.0f, wr = 0.0f;
+    if (NORM && xn != nullptr && jn < n) {
+        xr = __ldg(x + jn);
+        wr = __ldg(nw + jn);
+    }
+
     u32* xw = reinterpret_cast<u32*>(qmv_smem);
     float4* xs = reinterpret_cast<float4*>(xw + n / 4);
     float* red = reinterpret_cast<float*>(xs + n / 32);      // NM*S*32 partial sums, then S sums of x^2
@@ -537,7 +546,8 @@ __device__ __forceinline__ void qmv_body(
         // block knows inv, so the blocks share the writes (one block alone would add a chain
         // of dependent loads to the kernel's tail)
         const int step = gridDim.x * blockDim.x;
-        for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += step) xn[j] = x[j] * inv * nw[j];
+        if (jn < n) xn[jn] = xr * inv * wr;
+        for (int j = jn + step; j < n; j += step) xn[j] = x[j] * inv * nw[j];   // small grids only
     }
 }
 

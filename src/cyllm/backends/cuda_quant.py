@@ -212,6 +212,9 @@ def kernel(be, name: str, fmt: str):
     k = cache.get(name)
     if k is None:
         k = cache[name] = _module(be, fmt).get_function(name)
+        carveout = getattr(be, "qmv_carveout", None)      # experiments: shared-memory carveout (%)
+        if carveout is not None:
+            k.preferred_shared_memory_carveout = int(carveout)
     return k
 
 
@@ -227,7 +230,12 @@ def matvec_warps(be, w: CudaQuantMatrix, nm: int) -> int:
         return max(1, min(int(forced), MAX_WARPS))
     b = LAYOUTS[w.fmt.name][4]
     in_flight = 2 * max(1, b // nm) if (nm == 1 or b > 1) else 1
-    return max(1, min(MAX_WARPS, -(-w.nbi // in_flight)))
+    warps = max(1, min(MAX_WARPS, -(-w.nbi // in_flight)))
+    if -(-w.rows // TILE) > be.sm_count:
+        # several waves of tiles: small blocks, several per SM, so one block's tail overlaps
+        # the next one's loads (measured on an H100, bench/results/cuda_quant_h100.md)
+        warps = min(warps, 8 if w.fmt.name == "q8_0" else 4)
+    return warps
 
 
 _NULL = np.int64(0)       # a null pointer argument (kernels without the folded norm never read it)
