@@ -212,10 +212,39 @@ def kernel(be, name: str, fmt: str):
     k = cache.get(name)
     if k is None:
         k = cache[name] = _module(be, fmt).get_function(name)
-        carveout = getattr(be, "qmv_carveout", None)      # experiments: shared-memory carveout (%)
-        if carveout is not None:
-            k.preferred_shared_memory_carveout = int(carveout)
     return k
+
+
+_CARVEOUT: dict = {}      # id(kernel) -> shared-memory carveout (%) requested so far
+
+
+def _carveout(be, k, smem: int, warps: int) -> None:
+    """Ask for enough shared memory per SM that the blocks meant to share an SM fit.
+
+    Measured on an H100: left to the driver, the carveout held one block of a 4096-wide
+    matvec (~7 KB) per SM, so under programmatic dependent launch the next kernel's block
+    could not start beside the running one and its weight loads did not overlap it (q4_k
+    4096x4096: 62% of copy bandwidth; with room for two blocks: 77%). Asking for all of it
+    starves L1, which also holds the loads in flight (q4_0 fell 50% -> 46%), so the request
+    is just what the co-resident blocks need. ``be.qmv_carveout`` (percent, -1 = the
+    driver's choice) overrides it for experiments.
+    """
+    forced = getattr(be, "qmv_carveout", None)
+    if forced is not None:
+        want = int(forced)
+    else:
+        per_sm = getattr(be, "_qmv_smem_per_sm", None)
+        if per_sm is None:
+            props = cp.cuda.runtime.getDeviceProperties(be.device.id)
+            per_sm = be._qmv_smem_per_sm = int(props.get("sharedMemPerMultiprocessor", 228 << 10))
+        regs = max(1, int(getattr(k, "num_regs", 128)))
+        by_regs = max(1, 65536 // (regs * 32 * warps))
+        blocks = min(4, max(2, by_regs))            # this kernel's and the next one's, at least
+        want = min(100, -(-100 * blocks * (smem + 1024) // per_sm))
+    key = id(k)
+    if _CARVEOUT.get(key) != want and (forced is not None or _CARVEOUT.get(key, -1) < want):
+        k.preferred_shared_memory_carveout = want
+        _CARVEOUT[key] = want
 
 
 def _shared_bytes(n: int, warps: int, nm: int) -> int:
@@ -281,6 +310,7 @@ def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None) -> None
     warps = min(matvec_warps(be, w0, nm), max(1, getattr(k, "max_threads_per_block", 1024) // 32))
     smem = _shared_bytes(n, warps, nm)
     _allow_smem(k, smem)
+    _carveout(be, k, smem, warps)
     grid, block = (-(-d // TILE),), (TILE * warps,)
     if norm is not None:
         xn, xin, nw, eps = norm
