@@ -159,7 +159,7 @@ def bench_residency(be, bw, l2, lines):
     one for its weight loads to overlap it under PDL), and the time with the shared-memory
     carveout left to the driver, as cuda_quant computes it, and at the maximum."""
     lines.append("\n## residency at 4096x4096 (auto warps, pdl): shared-memory carveout\n")
-    lines.append("| format | warps | regs | smem B | blocks/SM (API) | driver default | cuda_quant (auto) | 100% |")
+    lines.append("| format | warps | regs | smem B | blocks/SM (API) | driver default | cuda_quant's choice | 100% |")
     lines.append("|---|---|---|---|---|---|---|---|")
     d = n = 4096
     x = cp.random.standard_normal(n, dtype=cp.float32)
@@ -226,7 +226,7 @@ def xf32_launch(be, out, w, x):
     k = CQ.kernel(be, f"qmv_xf32_{w.fmt.name}", w.fmt.name)
     warps = CQ.matvec_warps(be, w, 1)
     smem = 4 * w.cols + 4 * 32 * warps
-    CQ._carveout(be, k, smem, warps)         # the same residency rule as the int8 kernels
+    CQ._carveout(be, k, w.fmt.name)          # the same carveout rule as the int8 kernels
     be._launch(k, (-(-w.rows // 32),), (32 * warps,),
                (out, w.data, x, np.int32(w.rows), np.int32(w.nbi)), shared_mem=smem)
 

@@ -215,34 +215,22 @@ def kernel(be, name: str, fmt: str):
     return k
 
 
-_CARVEOUT: dict = {}      # id(kernel) -> shared-memory carveout (%) requested so far
+_CARVEOUT: dict = {}      # id(kernel) -> shared-memory carveout (%) set on it
+# formats whose matvec runs faster with the largest shared-memory carveout (percent of the
+# unified L1/shared array), measured on an H100 at 4096x4096 under PDL (cuda_quant_h100.md,
+# "residency"): q4_k 61% -> 77% of copy bandwidth, q6_k 70 -> 80, q5_k 66 -> 73, q8_0 87 -> 93.
+# The 32-element 4/5-bit formats are slower with it (q4_0 51 -> 46): the driver's choice stays.
+# Asking only for room for two blocks did not help, so co-residency does not explain it all.
+_CARVEOUT_MAX = ("q8_0", "q4_k", "q5_k", "q6_k")
 
 
-def _carveout(be, k, smem: int, warps: int) -> None:
-    """Ask for enough shared memory per SM that the blocks meant to share an SM fit.
-
-    Measured on an H100: left to the driver, the carveout held one block of a 4096-wide
-    matvec (~7 KB) per SM, so under programmatic dependent launch the next kernel's block
-    could not start beside the running one and its weight loads did not overlap it (q4_k
-    4096x4096: 62% of copy bandwidth; with room for two blocks: 77%). Asking for all of it
-    starves L1, which also holds the loads in flight (q4_0 fell 50% -> 46%), so the request
-    is just what the co-resident blocks need. ``be.qmv_carveout`` (percent, -1 = the
-    driver's choice) overrides it for experiments.
-    """
+def _carveout(be, k, fmt: str) -> None:
+    """Set the kernel's preferred shared-memory carveout once (``be.qmv_carveout``: percent,
+    -1 = the driver's choice, overrides the table above for experiments)."""
     forced = getattr(be, "qmv_carveout", None)
-    if forced is not None:
-        want = int(forced)
-    else:
-        per_sm = getattr(be, "_qmv_smem_per_sm", None)
-        if per_sm is None:
-            props = cp.cuda.runtime.getDeviceProperties(be.device.id)
-            per_sm = be._qmv_smem_per_sm = int(props.get("sharedMemPerMultiprocessor", 228 << 10))
-        regs = max(1, int(getattr(k, "num_regs", 128)))
-        by_regs = max(1, 65536 // (regs * 32 * warps))
-        blocks = min(4, max(2, by_regs))            # this kernel's and the next one's, at least
-        want = min(100, -(-100 * blocks * (smem + 1024) // per_sm))
+    want = int(forced) if forced is not None else (100 if fmt in _CARVEOUT_MAX else -1)
     key = id(k)
-    if _CARVEOUT.get(key) != want and (forced is not None or _CARVEOUT.get(key, -1) < want):
+    if _CARVEOUT.get(key, -1) != want:
         k.preferred_shared_memory_carveout = want
         _CARVEOUT[key] = want
 
@@ -310,7 +298,7 @@ def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None) -> None
     warps = min(matvec_warps(be, w0, nm), max(1, getattr(k, "max_threads_per_block", 1024) // 32))
     smem = _shared_bytes(n, warps, nm)
     _allow_smem(k, smem)
-    _carveout(be, k, smem, warps)
+    _carveout(be, k, fmt)
     grid, block = (-(-d // TILE),), (TILE * warps,)
     if norm is not None:
         xn, xin, nw, eps = norm
