@@ -40,6 +40,19 @@
 //   qrows_f32_<fmt>           rows ids[i] (or `host` when >= 0) dequantized to FP32 times
 //                             scale (embedding lookup of a quantized table)
 // Formats are compiled on demand: -DQMV_<fmt> (or -DQMV_ALL) selects which are built.
+//
+// Every kernel, whole names (each also has a _norm twin, e.g. qmv_q4_k_norm):
+//   fmt  | out = W x  | out += W x     | silu(Wg x)*(Wu x)        | gelu_tanh(Wg x)*(Wu x)   | prefill tiles  | embedding rows
+//   -----+------------+----------------+--------------------------+--------------------------+----------------+---------------
+//   q8_0 | qmv_q8_0   | qmv_add_q8_0   | qmv_gate_up_silu_q8_0    | qmv_gate_up_gelu_q8_0    | qdeq_f16_q8_0 | qrows_f32_q8_0
+//   q4_0 | qmv_q4_0   | qmv_add_q4_0   | qmv_gate_up_silu_q4_0    | qmv_gate_up_gelu_q4_0    | qdeq_f16_q4_0 | qrows_f32_q4_0
+//   q4_1 | qmv_q4_1   | qmv_add_q4_1   | qmv_gate_up_silu_q4_1    | qmv_gate_up_gelu_q4_1    | qdeq_f16_q4_1 | qrows_f32_q4_1
+//   q5_0 | qmv_q5_0   | qmv_add_q5_0   | qmv_gate_up_silu_q5_0    | qmv_gate_up_gelu_q5_0    | qdeq_f16_q5_0 | qrows_f32_q5_0
+//   q5_1 | qmv_q5_1   | qmv_add_q5_1   | qmv_gate_up_silu_q5_1    | qmv_gate_up_gelu_q5_1    | qdeq_f16_q5_1 | qrows_f32_q5_1
+//   q4_k | qmv_q4_k   | qmv_add_q4_k   | qmv_gate_up_silu_q4_k    | qmv_gate_up_gelu_q4_k    | qdeq_f16_q4_k | qrows_f32_q4_k
+//   q5_k | qmv_q5_k   | qmv_add_q5_k   | qmv_gate_up_silu_q5_k    | qmv_gate_up_gelu_q5_k    | qdeq_f16_q5_k | qrows_f32_q5_k
+//   q6_k | qmv_q6_k   | qmv_add_q6_k   | qmv_gate_up_silu_q6_k    | qmv_gate_up_gelu_q6_k    | qdeq_f16_q6_k | qrows_f32_q6_k
+//   plus qmv_xf32_q8_0 and qmv_xf32_q4_0 (the FP32-activation alternative, measured only).
 #include "common.cuh"
 
 #define QMV_TILE 32                 // rows per tile = lanes per warp

@@ -217,10 +217,14 @@ def kernel(be, name: str, fmt: str):
 
 _CARVEOUT: dict = {}      # id(kernel) -> shared-memory carveout (%) set on it
 # formats whose matvec runs faster with the largest shared-memory carveout (percent of the
-# unified L1/shared array), measured on an H100 at 4096x4096 under PDL (cuda_quant_h100.md,
-# "residency"): q4_k 61% -> 77% of copy bandwidth, q6_k 70 -> 80, q5_k 66 -> 73, q8_0 87 -> 93.
-# The 32-element 4/5-bit formats are slower with it (q4_0 51 -> 46): the driver's choice stays.
-# Asking only for room for two blocks did not help, so co-residency does not explain it all.
+# unified L1/shared array), measured on an H100 under PDL (bench/results/cuda_quant_h100.md):
+# one-wave grids (4096 rows) gain -- q4_k 4096x4096 61% -> 77% of copy bandwidth, q6_k 70 -> 80,
+# q5_k 66 -> 73, q8_0 87 -> 93 -- while grids of several waves lose a little (q4_k 11008x4096
+# 82 -> 74, 32000x4096 94 -> 90). The 32-element 4/5-bit formats lose at 4096x4096 too (q4_0
+# 51 -> 46): the driver's choice stays for them. Asking only for room for two blocks did not
+# help, so co-residency does not explain it all. The attribute is per kernel; a per-launch
+# choice (cuLaunchKernelEx's preferred-carveout launch attribute, one-wave launches only) is
+# the measured-best rule, not done here.
 _CARVEOUT_MAX = ("q8_0", "q4_k", "q5_k", "q6_k")
 
 
@@ -230,7 +234,7 @@ def _carveout(be, k, fmt: str) -> None:
     forced = getattr(be, "qmv_carveout", None)
     want = int(forced) if forced is not None else (100 if fmt in _CARVEOUT_MAX else -1)
     key = id(k)
-    if _CARVEOUT.get(key, -1) != want:
+    if forced is not None or _CARVEOUT.get(key, -1) != want:
         k.preferred_shared_memory_carveout = want
         _CARVEOUT[key] = want
 
