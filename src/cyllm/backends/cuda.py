@@ -26,7 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CUDA_INSTALL_HINT, BackendUnavailableError, InvalidArgumentError, ModelLoadError
+from ..quant.formats import QuantMatrix
+from . import cuda_quant
 from .base import ACTIVATIONS, Backend, check_token
+from .cuda_quant import CudaQuantMatrix
 
 try:  # CuPy is an optional extra; a broken CUDA install can raise more than ImportError
     import cupy as cp
@@ -37,6 +40,7 @@ except Exception as e:  # noqa: BLE001 - reported when the backend is constructe
 
 # concatenation order of the kernel sources (common.cuh is inlined once, first)
 KERNEL_FILES = ("common.cuh", "elementwise.cu", "matvec.cu", "attention.cu")
+# quant_matvec.cu is compiled separately, one module per weight format (cuda_quant.py)
 
 _NEG1 = np.int32(-1)          # "read the step buffer" (see step_value in common.cuh)
 _ATT_THREADS = 256            # ATT_THREADS in attention.cu
@@ -298,7 +302,7 @@ class CudaBackend(Backend):
         Under decode_step (and use_pdl) it goes out with programmatic dependent
         launch, so it overlaps the previous kernel's tail; otherwise as usual.
         """
-        k = self._k(name)
+        k = self._k(name) if isinstance(name, str) else name     # a name, or a kernel of cuda_quant
         if self._device_mode and self.use_pdl:
             try:
                 if self._pdl is None:
@@ -330,6 +334,8 @@ class CudaBackend(Backend):
                 f"{free / gib:.2f} GiB free (of {total / gib:.2f} GiB); use a smaller model or --backend cpu")
 
     def upload(self, a: np.ndarray):
+        if isinstance(a, QuantMatrix):      # typed weight: block bytes stay quantized on the GPU
+            return cuda_quant.upload(self, a)
         a = np.asarray(a)
         if a.dtype == np.float64:
             a = a.astype(np.float32)
@@ -394,6 +400,9 @@ class CudaBackend(Backend):
             tok = _NEG1
         else:
             tok = np.int32(token)
+        if isinstance(table, CudaQuantMatrix):
+            cuda_quant.qembed(self, out, table, int(tok), scale)
+            return
         self._k("embed_f16")((_blocks(dim, 256),), (256,),
                              (out, table, self._step, tok, np.int32(vocab), np.int32(dim),
                               np.float32(scale)))
@@ -512,12 +521,21 @@ class CudaBackend(Backend):
                                       (out, w0, w1, x, np.int32(d), np.int32(n)))
 
     def matvec(self, out, w, x):
+        if isinstance(w, CudaQuantMatrix):
+            cuda_quant.qmatvec(self, out, w, x, "matvec")
+            return
         self._mv("matvec", out, w, w, x, 4)
 
     def matvec_add(self, out, w, x):
+        if isinstance(w, CudaQuantMatrix):
+            cuda_quant.qmatvec(self, out, w, x, "add")
+            return
         self._mv("matvec_add", out, w, w, x, 4)
 
     def gate_up(self, out, w_gate, w_up, x, act="silu"):
+        if isinstance(w_gate, CudaQuantMatrix) or isinstance(w_up, CudaQuantMatrix):
+            cuda_quant.qmatvec(self, out, (w_gate, w_up), x, "gate_up", _check_act(act))
+            return
         if w_gate.shape != w_up.shape:
             self._flush()
             raise InvalidArgumentError(f"gate_up: gate {tuple(w_gate.shape)} and up {tuple(w_up.shape)} differ")
@@ -671,6 +689,9 @@ class CudaBackend(Backend):
         cp.cuda.runtime.memcpyAsync(dev.data.ptr, tokens.ctypes.data, tokens.nbytes,
                                     cp.cuda.runtime.memcpyHostToDevice,
                                     cp.cuda.get_current_stream().ptr)
+        if isinstance(table, CudaQuantMatrix):
+            cuda_quant.qembed_batch(self, out, table, dev, scale)
+            return
         self._k("embed_batch_f16")((_blocks(dim, 256), t), (256,),
                                    (out, table, dev, np.int32(t), np.int32(vocab), np.int32(dim),
                                     np.int32(self._rows(out, "embed_batch")), np.float32(scale)))
@@ -710,6 +731,9 @@ class CudaBackend(Backend):
         x is rounded to FP16 (the GEMM's inputs); the products are summed in
         FP32 and written as FP32 by cuBLAS.
         """
+        if isinstance(w, CudaQuantMatrix):
+            cuda_quant.qmatmul(self, out, w, x, 0.0)
+            return
         self._flush()
         t, d, n = self._check_mm("matmul", out, w, x)
         if t == 0:
@@ -718,6 +742,9 @@ class CudaBackend(Backend):
 
     def matmul_add(self, out, w, x) -> None:
         """*fused* out (T, d) += x @ w^T: the GEMM's beta = 1 does the residual add."""
+        if isinstance(w, CudaQuantMatrix):
+            cuda_quant.qmatmul(self, out, w, x, 1.0)
+            return
         self._flush()
         t, d, n = self._check_mm("matmul_add", out, w, x)
         if t == 0:
@@ -726,6 +753,9 @@ class CudaBackend(Backend):
 
     def gate_up_batch(self, out, w_gate, w_up, x, act="silu") -> None:
         """*fused* out (T, f) = act(x @ w_gate^T) * (x @ w_up^T): x cast once, two GEMMs, one product pass."""
+        if isinstance(w_gate, CudaQuantMatrix) or isinstance(w_up, CudaQuantMatrix):
+            cuda_quant.qgate_up_batch(self, out, w_gate, w_up, x, _check_act(act))
+            return
         self._flush()
         product = _GLU_KERNELS[_check_act(act)]
         if w_gate.shape != w_up.shape:
