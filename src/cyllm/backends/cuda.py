@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 
 import numpy as np
 
@@ -29,6 +28,7 @@ from ..errors import CUDA_INSTALL_HINT, BackendUnavailableError, InvalidArgument
 from ..quant.formats import QuantMatrix
 from . import cuda_quant
 from .base import ACTIVATIONS, Backend, check_token
+from .cuda_source import assemble
 from .cuda_quant import CudaQuantMatrix
 
 try:  # CuPy is an optional extra; a broken CUDA install can raise more than ImportError
@@ -49,35 +49,9 @@ _SMEM_LIMIT = 48 * 1024       # default dynamic shared memory limit per block
 _FIT_MARGIN = 512 << 20       # room left for scratch, cuBLAS workspace, the CUDA context
 
 
-def _kernel_dir():
-    """Where the .cu files are: the installed ``cyllm._cuda`` package, else the repo's cuda/."""
-    try:
-        from importlib.resources import files
-        d = files("cyllm._cuda")
-        if d.joinpath("matvec.cu").is_file():
-            return d
-    except Exception:  # noqa: BLE001 - not installed as a package: running from a checkout
-        pass
-    d = Path(__file__).resolve().parents[3] / "cuda"
-    if (d / "matvec.cu").is_file():
-        return d
-    raise BackendUnavailableError("the cuda backend's kernel sources (cuda/*.cu) are missing from the installation")
-
-
 def kernel_source() -> str:
-    """All kernels as one source string.
-
-    CuPy caches compiled modules by source text only, so the header is inlined
-    here rather than #included: an edit to it then recompiles.
-    """
-    d = _kernel_dir()
-    parts = []
-    for name in KERNEL_FILES:
-        text = d.joinpath(name).read_text()
-        lines = [ln for ln in text.splitlines()
-                 if ln.strip() not in ('#include "common.cuh"', "#pragma once")]
-        parts.append(f"// ---- {name}\n" + "\n".join(lines))
-    return "\n".join(parts) + "\n"
+    """All the F16 backend's kernels as one source string (see cuda_source.assemble)."""
+    return assemble(KERNEL_FILES)
 
 
 # one compiled module per device, shared by every backend instance in the process

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..errors import BackendUnavailableError, InvalidArgumentError, ModelLoadError
 from ..quant.formats import FORMATS, QuantMatrix, WeightFormat
+from .cuda_source import assemble
 
 try:  # CuPy is optional: this module imports without it (the layout helpers use numpy)
     import cupy as cp
@@ -174,14 +175,7 @@ _MODULES: dict = {}       # (device id, fmt) -> RawModule
 
 
 def _source() -> str:
-    from .cuda import _kernel_dir
-    d = _kernel_dir()
-    parts = []
-    for name in ("common.cuh", "quant_matvec.cu"):
-        text = d.joinpath(name).read_text()
-        lines = [ln for ln in text.splitlines() if ln.strip() not in ('#include "common.cuh"', "#pragma once")]
-        parts.append(f"// ---- {name}\n" + "\n".join(lines))
-    return "\n".join(parts) + "\n"
+    return assemble(("common.cuh", "quant_matvec.cu"))
 
 
 def _module(be, fmt: str):
