@@ -110,8 +110,16 @@ class GGUFFile:
     buf: Any = field(repr=False)   # the read-only mmap the tensors live in
 
     def tensor_bytes(self, info: GGUFTensorInfo) -> np.ndarray:
-        """Zero-copy uint8 view of one tensor's raw data."""
-        return np.frombuffer(self.buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        """uint8 view of one tensor's raw data: zero-copy when it starts at a multiple of its
+        element size, else an aligned copy.
+
+        A file may use any ``general.alignment`` (1 is valid); the kernels need F32 at
+        4-byte and F16/BF16 (and the f16 scales of quantized blocks) at 2-byte addresses.
+        The mmap itself starts on a page, so the file offset decides the alignment.
+        """
+        raw = np.frombuffer(self.buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        need = 4 if info.ggml_type == _F32 else 2
+        return raw if info.offset % need == 0 else raw.copy()
 
     def release(self, info: GGUFTensorInfo) -> None:
         """Drop a tensor's file pages from this process once it has been converted.
