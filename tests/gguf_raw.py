@@ -26,6 +26,17 @@ class Array:
 
 
 @dataclass
+class Raw:
+    """A metadata value given as its encoded bytes (written verbatim after the type)."""
+    data: bytes
+
+
+def nested_array(depth: int) -> Raw:
+    """An ARRAY value nested ``depth`` arrays deep around one uint8 (no recursion to build)."""
+    return Raw(struct.pack("<IQ", ARRAY, 1) * (depth - 1) + struct.pack("<IQB", UINT8, 1, 7))
+
+
+@dataclass
 class RawGGUF:
     version: int = 3
     kv: list = field(default_factory=list)        # [key, vtype, value]
@@ -103,7 +114,9 @@ class RawGGUF:
             out.extend(struct.pack("<Q", len(b)) + b)
 
         def value(t, v):
-            if t in SCALAR_FMT:
+            if isinstance(v, Raw):
+                out.extend(v.data)
+            elif t in SCALAR_FMT:
                 out.extend(struct.pack(SCALAR_FMT[t], v))
             elif t == STRING:
                 string(v)
@@ -121,6 +134,8 @@ class RawGGUF:
             out += struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims)
             out += struct.pack("<IQ", ttype, offset)
         align = self.alignment or self.get("general.alignment", 32)
+        if not isinstance(align, int) or align <= 0:
+            align = 32        # a hostile value: the reader decides what to make of it
         out += b"\0" * (-len(out) % align)
         return bytes(out + self.data)
 
