@@ -62,7 +62,7 @@ def parse_json(text: str | bytes, where: str, err: type[CyllmError] = ModelLoadE
         try:
             text = bytes(text).decode("utf-8")
         except UnicodeDecodeError:
-            raise err(f"{where} is not UTF-8 text") from None
+            raise err(f"{where} is not valid JSON (not UTF-8 text)") from None
     if len(text) > MAX_FILE_BYTES:
         raise err(f"{where} is {len(text)} characters long, beyond any real config ({MAX_FILE_BYTES})")
     depth = nesting_depth(text)

@@ -214,12 +214,12 @@ def _open_sharded(index: Path) -> dict[str, tuple[SafetensorsFile, str]]:
         if shard not in shards:
             p = index.parent / shard
             if not p.is_file():
-                raise ModelLoadError(f"{where}: shard {short(shard)} (holding {short(name)}) is missing "
+                raise ModelLoadError(f"{where}: shard {one_line(shard, 200)} (holding {short(name)}) is missing "
                                      f"from {one_line(index.parent)}")
             shards[shard] = SafetensorsFile(p)
         f = shards[shard]
         if name not in f:
-            raise ModelLoadError(f"{where}: tensor {short(name)} is listed in {short(shard)} but that file "
+            raise ModelLoadError(f"{where}: tensor {short(name)} is listed in {one_line(shard, 200)} but that file "
                                  "does not hold it")
         out[name] = (f, name)
     return out
