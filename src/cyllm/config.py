@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import ModelLoadError
+from .oneline import one_line
 from .rope import RopeSpec
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -23,6 +24,7 @@ MAX_DIM = 1 << 17
 MAX_LAYERS = 4096
 MAX_VOCAB = 1 << 22
 MAX_CONTEXT = 1 << 24
+MAX_POSITIONS = 1 << 40       # a trained context or a window: any larger is not a real model
 
 
 @dataclass
@@ -58,7 +60,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         limits = {"dim": MAX_DIM, "n_layers": MAX_LAYERS, "n_heads": MAX_DIM, "n_kv_heads": MAX_DIM,
                   "head_dim": MAX_DIM, "ffn_dim": 1 << 20, "vocab_size": MAX_VOCAB,
-                  "max_seq_len": 1 << 40}
+                  "max_seq_len": MAX_POSITIONS}
         for key, limit in limits.items():
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
@@ -84,6 +86,8 @@ class ModelConfig:
         window = self.sliding_window
         if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
             raise ModelLoadError(f"config: sliding_window must be a whole number >= 0, got {_short(window)}")
+        if window > MAX_POSITIONS:
+            raise ModelLoadError(f"config: sliding_window = {window} is beyond any real model (at most {MAX_POSITIONS})")
         self.sliding_window = int(window)
         if self.layer_types is not None:
             types = tuple(self.layer_types)
@@ -97,6 +101,14 @@ class ModelConfig:
         if any(not 0 <= i < self.n_layers for i in nope):
             raise ModelLoadError(f"config: a NoPE layer index is outside 0..{self.n_layers - 1}")
         self.nope_layers = nope
+        # token ids outside the vocabulary can never be sampled (eos) or embedded (bos)
+        self.eos_token_ids = [int(i) for i in self.eos_token_ids
+                              if isinstance(i, (int, np.integer)) and not isinstance(i, bool)
+                              and 0 <= i < self.vocab_size]
+        bos = self.bos_token_id
+        if bos is not None and (isinstance(bos, bool) or not isinstance(bos, (int, np.integer))
+                                or not 0 <= bos < self.vocab_size):
+            self.bos_token_id = None
         # RopeSpec validates theta and the scaling parameters now, not at the first token
         self.rope()
         if self.rope_local_theta is not None:
@@ -150,8 +162,7 @@ class ModelConfig:
 
 
 def _short(value) -> str:
-    s = repr(value)
-    return s if len(s) <= 40 else s[:40] + "..."
+    return one_line(repr(value), 40)
 
 
 def _finite_positive(value, what: str) -> float:

@@ -18,11 +18,13 @@ Facts the tables encode (llama.cpp's converter is the reference for GGUF):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
-from .config import ModelConfig, token_id_list
+from .config import MAX_LAYERS, ModelConfig
 from .errors import ModelLoadError, UnsupportedModelError
+from .jsonio import JsonObject, short
+from .oneline import one_line
 
 Shape = Callable[[ModelConfig], tuple]
 
@@ -138,155 +140,158 @@ def _table(**changes: Tensor | None) -> tuple[Tensor, ...]:
 
 
 # -- reading config.json ---------------------------------------------------------------
+# every value goes through JsonObject's typed accessors (jsonio): a string where a
+# number belongs, a number where a flag belongs or NaN in a scale is one clear error
 
-def _need(cfg: dict, key: str):
-    if key not in cfg or cfg[key] is None:
-        raise ModelLoadError(f"config.json: missing required key {key!r}")
-    return cfg[key]
-
-
-def _int(cfg: dict, key: str, default=None):
-    v = cfg.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ModelLoadError(f"config.json: {key} must be a whole number, got {str(v)[:40]!r}")
-    return v
+def _n_layers(cfg: JsonObject) -> int:
+    # bounded before any per-layer list is built from it
+    return cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
 
 
-def rope_params(cfg: dict, layer_type: str = "full_attention") -> tuple[float, dict | None]:
+def _head_dim(cfg: JsonObject) -> int:
+    head_dim = cfg.int("head_dim", None, minimum=1)
+    if head_dim is None:
+        dim, n_heads = cfg.int("hidden_size", minimum=1), cfg.int("num_attention_heads", minimum=1)
+        if dim % n_heads:
+            raise ModelLoadError(f"{cfg.where}: hidden_size {dim} is not divisible by "
+                                 f"num_attention_heads {n_heads} and no head_dim is given")
+        head_dim = dim // n_heads
+    return head_dim
+
+
+def rope_params(cfg: JsonObject, layer_type: str = "full_attention") -> tuple[float, dict | None]:
     """(theta, scaling or None) from the classic keys or transformers 5's ``rope_parameters``
     (which may be keyed by layer type, as Gemma 3's is)."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
-        params = params[layer_type]
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = dict(params)
-    else:
-        theta = cfg.get("rope_theta", 10000.0)
-        scaling = cfg.get("rope_scaling")
-        scaling = dict(scaling) if isinstance(scaling, dict) else None
+    params = cfg.obj("rope_parameters")
+    if params is not None and any(k in params for k in _LAYER_TYPE_NAMES):
+        params = params.obj(layer_type)     # None: this layer type falls back to the classic keys
+    theta = params.number("rope_theta", None, positive=True) if params is not None else None
+    if theta is None:
+        theta = cfg.number("rope_theta", 10000.0, positive=True)
+    scaling = params if params is not None else cfg.obj("rope_scaling")
     if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        scaling = None if kind in ("default", None) else {**scaling, "rope_type": kind}
+        kind = scaling.text("rope_type", None) or scaling.text("type", None) or "default"
+        scaling = None if kind == "default" else {**scaling, "rope_type": kind}
         for k in ("rope_theta", "type", "partial_rotary_factor"):
             if scaling is not None:
                 scaling.pop(k, None)
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
-        raise ModelLoadError(f"config.json: rope_theta must be a number, got {str(theta)[:40]!r}")
-    return float(theta), scaling
+    return theta, scaling
 
 
-def _window_layers(cfg: dict, n_layers: int, all_sliding: bool) -> tuple[int, tuple | None]:
-    window = _int(cfg, "sliding_window", 0) or 0
-    if cfg.get("use_sliding_window") is False:
+_LAYER_TYPE_NAMES = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def _layer_types(cfg: JsonObject, n_layers: int) -> tuple | None:
+    types = cfg.list("layer_types", "str", length=n_layers)
+    if types is None:
+        return None
+    if not all(t in _LAYER_TYPE_NAMES for t in types):
+        raise cfg.fail("layer_types", "a list of 'full_attention' or 'sliding_attention'", types)
+    return tuple(_LAYER_TYPE_NAMES[t] for t in types)
+
+
+def _window_layers(cfg: JsonObject, n_layers: int, all_sliding: bool) -> tuple[int, tuple | None]:
+    window = cfg.int("sliding_window", 0, minimum=0)
+    if not cfg.flag("use_sliding_window", True):
         window = 0
-    types = cfg.get("layer_types")
-    if window and isinstance(types, list):
-        if len(types) != n_layers or not all(isinstance(t, str) for t in types):
-            raise ModelLoadError("config.json: layer_types must list one string per layer")
-        return window, tuple("sliding" if t == "sliding_attention" else "full" for t in types)
+    types = _layer_types(cfg, n_layers) if window else None
+    if types is not None:
+        return window, types
     return (window, None) if all_sliding else (0, None)
 
 
-def common_hf(cfg: dict, name: str) -> dict:
-    """The ModelConfig fields every family reads the same way."""
-    dim = _need(cfg, "hidden_size")
-    n_heads = _need(cfg, "num_attention_heads")
-    head_dim = cfg.get("head_dim")
-    if head_dim is None:
-        if not (isinstance(dim, int) and isinstance(n_heads, int) and n_heads > 0 and dim % n_heads == 0):
-            raise ModelLoadError(f"config.json: hidden_size {dim!r} is not divisible by "
-                                 f"num_attention_heads {n_heads!r} and no head_dim is given")
-        head_dim = dim // n_heads
+def common_hf(cfg: JsonObject, name: str) -> dict:
+    """The ModelConfig fields every family reads the same way (ModelConfig checks the ranges)."""
+    n_heads = cfg.int("num_attention_heads", minimum=1)
     theta, scaling = rope_params(cfg)
-    n_layers = _need(cfg, "num_hidden_layers")
+    bos = cfg.token_ids("bos_token_id")
     return dict(
-        dim=dim, n_layers=n_layers, n_heads=n_heads,
-        n_kv_heads=cfg.get("num_key_value_heads") or n_heads, head_dim=head_dim,
-        ffn_dim=_need(cfg, "intermediate_size"), vocab_size=_need(cfg, "vocab_size"),
-        max_seq_len=cfg.get("max_position_embeddings") or 2048,
-        norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=theta, rope_scaling=scaling,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
-        eos_token_ids=token_id_list(cfg.get("eos_token_id")), name=name)
+        dim=cfg.int("hidden_size", minimum=1), n_layers=_n_layers(cfg), n_heads=n_heads,
+        n_kv_heads=cfg.int("num_key_value_heads", None, minimum=1) or n_heads, head_dim=_head_dim(cfg),
+        ffn_dim=cfg.int("intermediate_size", minimum=1), vocab_size=cfg.int("vocab_size", minimum=1),
+        max_seq_len=cfg.int("max_position_embeddings", None, minimum=1) or 2048,
+        norm_eps=cfg.number("rms_norm_eps", 1e-5, positive=True), rope_theta=theta, rope_scaling=scaling,
+        tie_word_embeddings=cfg.flag("tie_word_embeddings", False),
+        attention_bias=cfg.flag("attention_bias", False),
+        bos_token_id=bos[0] if bos else None, eos_token_ids=cfg.token_ids("eos_token_id"), name=name)
 
 
 def _mistral_hf(cfg):
-    window, types = _window_layers(cfg, cfg.get("num_hidden_layers", 0), all_sliding=True)
+    window, types = _window_layers(cfg, _n_layers(cfg), all_sliding=True)
     return dict(sliding_window=window, layer_types=types)
 
 
 def _qwen2_hf(cfg):
     # Qwen2 windows only the layers its layer_types mark (use_sliding_window is usually off)
-    window, types = _window_layers(cfg, cfg.get("num_hidden_layers", 0), all_sliding=False)
+    window, types = _window_layers(cfg, _n_layers(cfg), all_sliding=False)
     return dict(attention_bias=True, sliding_window=window if types else 0, layer_types=types)
 
 
 def _qwen3_hf(cfg):
-    window, types = _window_layers(cfg, cfg.get("num_hidden_layers", 0), all_sliding=False)
+    window, types = _window_layers(cfg, _n_layers(cfg), all_sliding=False)
     return dict(qk_norm=True, sliding_window=window if types else 0, layer_types=types)
 
 
 def _gemma3_hf(cfg):
-    n = cfg.get("num_hidden_layers", 0)
-    window = _int(cfg, "sliding_window", 0) or 0
-    types = cfg.get("layer_types")
-    if not isinstance(types, list):
-        pattern = _int(cfg, "sliding_window_pattern", None) or _int(cfg, "_sliding_window_pattern", 6)
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
-    if len(types) != n:
-        raise ModelLoadError("config.json: layer_types must list one string per layer")
+    n = _n_layers(cfg)
+    window = cfg.int("sliding_window", 0, minimum=0)
+    types = _layer_types(cfg, n)
+    if types is None:
+        pattern = (cfg.int("sliding_window_pattern", None, minimum=1)
+                   or cfg.int("_sliding_window_pattern", 6, minimum=1))
+        types = tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n))
     theta, scaling = rope_params(cfg, "full_attention")
     local_theta, local_scaling = rope_params(cfg, "sliding_attention")
     if "rope_local_base_freq" in cfg:
-        local_theta = cfg["rope_local_base_freq"]
+        local_theta = cfg.number("rope_local_base_freq", positive=True)
     if local_scaling is not None:
         raise UnsupportedModelError("Gemma 3: rope scaling on sliding layers is not supported")
-    qpas = cfg.get("query_pre_attn_scalar") or cfg.get("head_dim")
-    if cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping"):
+    qpas = cfg.number("query_pre_attn_scalar", None, positive=True, null_ok=True) or cfg.int("head_dim", None)
+    if (cfg.number("final_logit_softcapping", None, null_ok=True)
+            or cfg.number("attn_logit_softcapping", None, null_ok=True)):
         raise UnsupportedModelError("logit soft-capping (Gemma 2) is not supported")
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    act = cfg.text("hidden_activation", None) or cfg.text("hidden_act", None) or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise UnsupportedModelError(f"Gemma 3: activation {act!r} is not supported")
+        raise UnsupportedModelError(f"Gemma 3: activation {short(act)} is not supported")
     return dict(qk_norm=True, post_norms=True, activation="gelu_tanh",
-                embed_scale=math.sqrt(cfg["hidden_size"]),
-                attn_scale=None if not isinstance(qpas, (int, float)) or qpas <= 0 else qpas ** -0.5,
-                sliding_window=window if "sliding_attention" in types else 0,
-                layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
-                rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
+                embed_scale=math.sqrt(cfg.int("hidden_size", minimum=1)),
+                attn_scale=None if not qpas or qpas <= 0 else qpas ** -0.5,
+                sliding_window=window if "sliding" in types else 0,
+                layer_types=types, rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
                 tie_word_embeddings=True)
 
 
 def _phi3_hf(cfg):
     theta, scaling = rope_params(cfg)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    factor = cfg.get("partial_rotary_factor")
-    if factor is None and isinstance(cfg.get("rope_parameters"), dict):
-        factor = cfg["rope_parameters"].get("partial_rotary_factor")
-    rot = int(head_dim * float(factor if factor is not None else 1.0))
+    head_dim = _head_dim(cfg)
+    factor = cfg.number("partial_rotary_factor", None, positive=True, null_ok=True)
+    params = cfg.obj("rope_parameters")
+    if factor is None and params is not None:
+        factor = params.number("partial_rotary_factor", None, positive=True, null_ok=True)
+    if factor is not None and factor > 1:
+        raise cfg.fail("partial_rotary_factor", "a number in (0, 1]", factor)
+    rot = int(head_dim * (factor if factor is not None else 1.0))
     if scaling is not None and scaling.get("rope_type") == "longrope":
-        orig = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        orig = cfg.int("original_max_position_embeddings", None, minimum=1)
         if orig is None:
-            raise ModelLoadError("config.json: longrope needs original_max_position_embeddings")
+            orig = JsonObject(scaling, cfg.where, prefix="rope_scaling.").int(
+                "original_max_position_embeddings", None, minimum=1)
+        if orig is None:
+            raise ModelLoadError(f"{cfg.where}: longrope needs original_max_position_embeddings")
         scaling["original_max_position_embeddings"] = orig
         if scaling.get("factor") is None:
-            scaling["factor"] = (cfg.get("max_position_embeddings") or orig) / orig
-    window = _int(cfg, "sliding_window", 0) or 0
+            scaling["factor"] = (cfg.int("max_position_embeddings", None, minimum=1) or orig) / orig
+    window = cfg.int("sliding_window", 0, minimum=0)
     return dict(rotary_dim=rot, rope_scaling=scaling, rope_theta=theta, sliding_window=window)
 
 
 def _smollm3_hf(cfg):
-    n = cfg.get("num_hidden_layers", 0)
-    flags = cfg.get("no_rope_layers")
-    if isinstance(flags, list):
-        if len(flags) != n:
-            raise ModelLoadError("config.json: no_rope_layers must hold one flag per layer")
+    n = _n_layers(cfg)
+    flags = cfg.list("no_rope_layers", "flag", length=n)
+    if flags is not None:
         nope = tuple(i for i, f in enumerate(flags) if not f)
     else:
-        step = _int(cfg, "no_rope_layer_interval", 4) or 0
+        step = cfg.int("no_rope_layer_interval", 4, minimum=0)
         nope = tuple(i for i in range(n) if step and (i + 1) % step == 0)
     window, types = _window_layers(cfg, n, all_sliding=False)
     return dict(nope_layers=nope, sliding_window=window if types else 0, layer_types=types)
@@ -406,9 +411,8 @@ def family(name: str) -> Family:
 
 
 def family_for_hf(cfg: dict) -> Family:
-    archs = cfg.get("architectures")
-    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
-        raise ModelLoadError("config.json: architectures must be a list of strings")
+    cfg = cfg if isinstance(cfg, JsonObject) else JsonObject(cfg, "config.json")
+    archs = cfg.list("architectures", "str")
     supported = ", ".join(a for f in FAMILIES for a in f.hf_architectures)
     for arch in archs or []:
         for f in FAMILIES:
@@ -417,10 +421,10 @@ def family_for_hf(cfg: dict) -> Family:
     if not archs:
         mt = cfg.get("model_type")
         for f in FAMILIES:
-            if mt in f.hf_model_types:
+            if isinstance(mt, str) and mt in f.hf_model_types:
                 return f
-        raise UnsupportedModelError(f"model_type {str(mt)[:60]!r} is not supported (supported: {supported})")
-    raise UnsupportedModelError(f"architecture {archs[0][:60]!r} is not supported (supported: {supported})")
+        raise UnsupportedModelError(f"model_type {short(mt, 60)} is not supported (supported: {supported})")
+    raise UnsupportedModelError(f"architecture {short(archs[0], 60)} is not supported (supported: {supported})")
 
 
 def family_for_gguf(arch: str, md: dict) -> Family:
@@ -430,18 +434,21 @@ def family_for_gguf(arch: str, md: dict) -> Family:
         if f.gguf_arch == arch:
             return f
     supported = ", ".join(sorted({f.gguf_arch for f in FAMILIES}))
-    raise UnsupportedModelError(f"GGUF architecture {str(arch)[:60]!r} is not supported (supported: {supported})")
+    raise UnsupportedModelError(f"GGUF architecture {short(arch, 60)} is not supported (supported: {supported})")
 
 
 def config_from_hf(cfg: dict, name: str = "") -> ModelConfig:
-    """ModelConfig from a parsed Hugging Face config.json."""
+    """ModelConfig from a parsed Hugging Face config.json (a JsonObject from jsonio.read_json_file,
+    or a plain dict)."""
+    cfg = cfg if isinstance(cfg, JsonObject) else JsonObject(cfg, "config.json")
     fam = family_for_hf(cfg)
     fields = common_hf(cfg, name)
     try:
         fields.update(fam.hf_features(cfg))
         return ModelConfig(arch=fam.name, **fields)
     except (TypeError, ValueError, KeyError, ZeroDivisionError, OverflowError) as e:
-        raise ModelLoadError(f"config.json: bad value ({type(e).__name__}: {str(e)[:120]})") from None
+        # a guard: the typed reads above should leave nothing for this to catch
+        raise ModelLoadError(f"{cfg.where}: bad value ({type(e).__name__}: {one_line(e, 120)})") from None
 
 
 def hf_config_dict(c: ModelConfig, torch_dtype: str = "float16") -> dict:

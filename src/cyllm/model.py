@@ -14,9 +14,11 @@ from typing import Any
 import numpy as np
 
 from .backends import get_backend
-from .config import ModelConfig
+from .config import MAX_CONTEXT, ModelConfig
 from .families import family
 from .errors import ContextFullError, InvalidArgumentError
+from .memory import check_model_fits
+from .oneline import one_line
 
 DEFAULT_CONTEXT = 4096
 PREFILL_CHUNK = 256       # prompt tokens per batched pass: weights are read once per chunk
@@ -199,6 +201,8 @@ class Model:
         self.tokenizer = tokenizer
         self.backend = get_backend(backend, threads) if isinstance(backend, str) else backend
         self.context = _resolve_context(config, context)
+        # refuse before allocating a KV cache, rope tables or scratch that cannot fit
+        check_model_fits(self.backend, config, self.context, weights, explicit=context is not None)
         self.threads_decode = self.backend.threads
         self.threads_prefill = self.backend.threads
         if threads_batch is not None:
@@ -476,5 +480,7 @@ def _resolve_context(config: ModelConfig, context) -> int:
     if context is None:
         return min(config.max_seq_len, DEFAULT_CONTEXT)
     if isinstance(context, bool) or not isinstance(context, (int, np.integer)) or context <= 0:
-        raise InvalidArgumentError(f"context must be a positive integer, got {context!r}")
+        raise InvalidArgumentError(f"context must be a positive integer, got {one_line(repr(context), 40)}")
+    if context > MAX_CONTEXT:
+        raise InvalidArgumentError(f"context {int(context)} is beyond what cyllm supports (at most {MAX_CONTEXT} tokens)")
     return int(context)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ModelLoadError, UnsupportedModelError
+from .oneline import one_line
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
@@ -27,14 +28,15 @@ class RopeSpec:
     scaling: dict | None = None      # {"rope_type": ..., ...} or None (default)
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.theta, (int, float)) and math.isfinite(self.theta) and self.theta > 1.0):
-            raise ModelLoadError(f"config: rope theta must be a finite number > 1, got {self.theta!r}")
+        if (isinstance(self.theta, bool) or not isinstance(self.theta, (int, float))
+                or not math.isfinite(self.theta) or self.theta <= 1.0):
+            raise ModelLoadError(f"config: rope theta must be a finite number > 1, got {_short(self.theta)}")
         if self.dim <= 0 or self.dim % 2:
             raise ModelLoadError(f"config: the rotary dimension must be even and positive, got {self.dim}")
         kind = self.rope_type
         if kind not in ROPE_TYPES:
             raise UnsupportedModelError(
-                f"rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+                f"rope type {_short(kind)} is not supported (supported: {', '.join(ROPE_TYPES)})")
         if kind != "default":
             _check_scaling(kind, self.scaling, self.dim)
 
@@ -91,13 +93,20 @@ class RopeSpec:
 
 
 def _positive(value, what: str) -> float:
+    # a real number only: float("8") or float(True) would let a string or a flag through
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ModelLoadError(f"config: rope scaling {what} must be a number, got {_short(value)}")
     try:
         v = float(value)
-    except (TypeError, ValueError, OverflowError):
-        raise ModelLoadError(f"config: rope scaling {what} must be a number, got {value!r}") from None
+    except OverflowError:
+        v = math.inf
     if not math.isfinite(v) or v <= 0:
-        raise ModelLoadError(f"config: rope scaling {what} must be a finite number > 0, got {value!r}")
+        raise ModelLoadError(f"config: rope scaling {what} must be a finite number > 0, got {_short(value)}")
     return v
+
+
+def _short(value) -> str:
+    return one_line(repr(value), 40)
 
 
 def _check_scaling(kind: str, s: dict, dim: int) -> None:
@@ -119,13 +128,16 @@ def _check_scaling(kind: str, s: dict, dim: int) -> None:
     elif kind == "longrope":
         for key in ("short_factor", "long_factor"):
             f = s.get(key)
-            try:
-                arr = np.asarray(f, dtype=np.float64)
-            except (TypeError, ValueError):
-                raise ModelLoadError(f"config: longrope {key} must be a list of numbers") from None
-            if arr.shape != (half,) or not np.all(np.isfinite(arr)) or np.any(arr <= 0):
-                raise ModelLoadError(f"config: longrope {key} must hold {half} finite positive numbers")
-        _positive(s.get("original_max_position_embeddings"), "original_max_position_embeddings")
+            if not isinstance(f, (list, tuple, np.ndarray)) or len(f) != half:
+                raise ModelLoadError(f"config: longrope {key} must be a list of {half} numbers")
+            for x in f:
+                _positive(x, f"{key} entry")
+        orig = _positive(s.get("original_max_position_embeddings"), "original_max_position_embeddings")
+        if orig < 2:     # its logarithm divides the attention factor
+            raise ModelLoadError(f"config: longrope original_max_position_embeddings must be at least 2, "
+                                 f"got {_short(s.get('original_max_position_embeddings'))}")
+        if s.get("factor") is not None:
+            _positive(s["factor"], "factor")
         if s.get("attention_factor") is not None:
             _positive(s["attention_factor"], "attention_factor")
 

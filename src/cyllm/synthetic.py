@@ -86,15 +86,9 @@ def weight_bytes(config: ModelConfig) -> int:
 
 
 def mem_available() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    """Host memory this process can still allocate, in bytes (None where unknown): memory.py."""
+    from .memory import host_available
+    return host_available()
 
 
 def check_fits(nbytes: int, what: str, factor: float = 1.0) -> None:

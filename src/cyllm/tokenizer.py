@@ -7,18 +7,18 @@ model states it in its metadata instead (``add_bos``), which then wins.
 Chat templates are rendered with the same jinja2 settings transformers uses
 (sandboxed, trim_blocks + lstrip_blocks, ``raise_exception``/``strftime_now``
 helpers, a ``tojson`` that keeps non-ASCII text), so a template produces the
-same prompt string here as there.
+same prompt string here as there; template_sandbox bounds their time and size.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from datetime import datetime
 from pathlib import Path
 
-from .config import token_id_list as _ids
 from .errors import InvalidArgumentError, TokenizerError
+from .jsonio import JsonObject, read_json_file
+from .oneline import one_line
+from .template_sandbox import MAX_TEMPLATE_CHARS, ChatTemplate
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -143,17 +143,12 @@ class Tokenizer:
             raise InvalidArgumentError(
                 "messages must be a list of {'role': ..., 'content': ...} dicts")
         template = self._template()
-        import jinja2
         variables = dict(self._template_vars)
         variables.update(bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         variables.update(kwargs)
-        try:
-            return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                   **variables)
-        except _TemplateRaised as e:
-            raise TokenizerError(f"chat template error: {e}") from None
-        except jinja2.TemplateError as e:
-            raise TokenizerError(f"chat template failed to render: {e}") from None
+        # bounded in time, output size and recursion; every failure is one TokenizerError line
+        return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                               **variables)
 
     # ------------------------------------------------------------ from files
     @classmethod
@@ -167,18 +162,18 @@ class Tokenizer:
         try:
             tok = tokenizers.Tokenizer.from_file(str(tpath))
         except Exception as e:  # the library raises plain Exception on bad files
-            raise TokenizerError(f"{tpath}: cannot load tokenizer ({e})") from None
+            raise TokenizerError(f"{one_line(tpath)}: cannot load tokenizer ({one_line(e, 300)})") from None
 
         tcfg = _read_json(d / "tokenizer_config.json")
-        mcfg = _read_json(d / "config.json", TokenizerError)
-        gcfg = _read_json(d / "generation_config.json", TokenizerError)
+        mcfg = _read_json(d / "config.json")
+        gcfg = _read_json(d / "generation_config.json")
 
-        bos_token = _token_str(tcfg.get("bos_token"))
-        eos_token = _token_str(tcfg.get("eos_token"))
+        bos_token = _token_str(tcfg, "bos_token")
+        eos_token = _token_str(tcfg, "eos_token")
         bos_id = tok.token_to_id(bos_token) if bos_token else None
         if bos_id is None:
             for src in (gcfg, mcfg):
-                ids = _ids(src.get("bos_token_id"))
+                ids = src.token_ids("bos_token_id")
                 if ids:
                     bos_id = ids[0]
                     break
@@ -186,28 +181,26 @@ class Tokenizer:
         if eos_token and tok.token_to_id(eos_token) is not None:
             eos_ids.append(tok.token_to_id(eos_token))
         for src in (gcfg, mcfg):
-            eos_ids += _ids(src.get("eos_token_id"))
+            eos_ids += src.token_ids("eos_token_id")
         vocab = tok.get_vocab_size(with_added_tokens=True)
         eos_ids = [i for i in eos_ids if 0 <= i < vocab]
         if bos_id is not None and not 0 <= bos_id < vocab:
             bos_id = None
 
-        template = _pick_template(tcfg.get("chat_template"), d)
+        template = _pick_template(tcfg)
         jpath = d / "chat_template.jinja"
         if jpath.is_file():
-            try:
-                template = jpath.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                raise TokenizerError(f"cannot read {jpath} ({e})") from None
+            template = read_template_file(jpath)
 
         extra = {}
         for key in ("unk_token", "pad_token", "sep_token", "cls_token", "mask_token"):
-            s = _token_str(tcfg.get(key))
+            s = _token_str(tcfg, key)
             if s is not None:
                 extra[key] = s
-        add = tcfg.get("additional_special_tokens")
-        if isinstance(add, list):
-            extra["additional_special_tokens"] = [_token_str(t) for t in add if _token_str(t)]
+        add = tcfg.list("additional_special_tokens")
+        if add is not None:
+            extra["additional_special_tokens"] = [t for t in (_token_value(tcfg, "additional_special_tokens", x)
+                                                              for x in add) if t]
         return cls(tok, bos_id, eos_ids, chat_template=template, bos_token=bos_token,
                    eos_token=eos_token, add_bos=None, template_vars=extra)
 
@@ -274,80 +267,56 @@ class StreamDecoder:
 
 
 # ---------------------------------------------------------------- helpers
-class _TemplateRaised(Exception):
-    pass
+def _compile_template(source: str) -> ChatTemplate:
+    """A chat template compiled in the bounded sandbox (template_sandbox); TokenizerError when bad."""
+    return ChatTemplate(source)
 
 
-def _raise_exception(message):
-    raise _TemplateRaised(message)
+def _read_json(path: Path) -> JsonObject:
+    return read_json_file(path, TokenizerError, missing_ok=True)
 
 
-def _strftime_now(fmt):
-    return datetime.now().strftime(fmt)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # transformers overrides jinja's tojson: no HTML escaping, non-ASCII kept
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def _compile_template(source: str):
-    import jinja2
-    from jinja2 import nodes
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationTag(Extension):
-        # `{% generation %}...{% endgeneration %}` marks assistant text for
-        # training masks in transformers; for inference it renders its body
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.Scope(body, lineno=lineno)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTag, loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+def read_template_file(path: Path) -> str:
+    """A chat template file (jinja text), bounded like the templates in JSON configs."""
     try:
-        return env.from_string(source)
-    except jinja2.TemplateError as e:
-        raise TokenizerError(f"chat template does not compile: {e}") from None
+        size = path.stat().st_size
+        if size > MAX_TEMPLATE_CHARS:
+            raise TokenizerError(f"{one_line(path)}: a chat template of {size} bytes is beyond any real one "
+                                 f"(at most {MAX_TEMPLATE_CHARS})")
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise TokenizerError(f"cannot read {one_line(path)} ({one_line(e.strerror or e)})") from None
+    except UnicodeDecodeError:
+        raise TokenizerError(f"{one_line(path)} is not UTF-8 text") from None
 
 
-def _read_json(path: Path, err=TokenizerError) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise err(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise err(f"{path}: expected a JSON object")
-    return data
-
-
-def _token_str(value) -> str | None:
-    """A special token from tokenizer_config: a string or {"content": ...}."""
-    if isinstance(value, str):
+def _token_value(cfg: JsonObject, key: str, value) -> str | None:
+    """A special token: a string or {"content": str} (transformers' AddedToken form); None = null."""
+    if value is None or isinstance(value, str):
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
-    return None
+    raise cfg.fail(key, 'a string or {"content": string}', value)
 
 
-def _pick_template(value, d: Path) -> str | None:
+def _token_str(cfg: JsonObject, key: str) -> str | None:
+    return _token_value(cfg, key, cfg.get(key))
+
+
+def _pick_template(cfg: JsonObject) -> str | None:
+    """chat_template of tokenizer_config.json: a string, or a list of {"name", "template"}
+    (the one named "default", or the only one)."""
+    value = cfg.get("chat_template")
     if value is None or isinstance(value, str):
         return value
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        if "default" in named:
-            return named["default"]
-        if len(named) == 1:
-            return next(iter(named.values()))
-        return None
-    raise TokenizerError(f"{d / 'tokenizer_config.json'}: chat_template must be a string or a list")
+    want = 'a string or a list of {"name": string, "template": string}'
+    if not isinstance(value, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+            for t in value):
+        raise cfg.fail("chat_template", want, value)
+    named = {t["name"]: t["template"] for t in value}
+    if "default" in named:
+        return named["default"]
+    if len(named) == 1:
+        return next(iter(named.values()))
+    return None

@@ -32,9 +32,11 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..config import ModelConfig
+from ..config import MAX_DIM, MAX_LAYERS, ModelConfig
 from ..families import family, family_for_gguf
 from ..errors import ModelLoadError, UnsupportedModelError
+from ..jsonio import JsonObject
+from ..oneline import one_line
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -65,6 +67,7 @@ _OTHER_TYPE_NAMES = {9: "Q8_1", 15: "Q8_K",
                      27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
 
 _FP16_MAX = 65504.0
+MAX_ARRAY_DEPTH = 16     # metadata arrays of arrays (real files: at most 2)
 
 
 def _clip(name, limit: int = 80) -> str:
@@ -110,8 +113,16 @@ class GGUFFile:
     buf: Any = field(repr=False)   # the read-only mmap the tensors live in
 
     def tensor_bytes(self, info: GGUFTensorInfo) -> np.ndarray:
-        """Zero-copy uint8 view of one tensor's raw data."""
-        return np.frombuffer(self.buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        """uint8 view of one tensor's raw data: zero-copy when it starts at a multiple of its
+        element size, else an aligned copy.
+
+        A file may use any ``general.alignment`` (1 is valid); the kernels need F32 at
+        4-byte and F16/BF16 (and the f16 scales of quantized blocks) at 2-byte addresses.
+        The mmap itself starts on a page, so the file offset decides the alignment.
+        """
+        raw = np.frombuffer(self.buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        need = 4 if info.ggml_type == _F32 else 2
+        return raw if info.offset % need == 0 else raw.copy()
 
     def release(self, info: GGUFTensorInfo) -> None:
         """Drop a tensor's file pages from this process once it has been converted.
@@ -138,7 +149,7 @@ class _Cursor:
         self.buf = buf
         self.size = len(buf)
         self.pos = 0
-        self.path = path
+        self.path = one_line(path)     # for messages only
 
     def need(self, n: int, what: str) -> None:
         if n < 0 or self.pos + n > self.size:
@@ -176,72 +187,101 @@ class _Cursor:
             return self.scalar(vtype, what)
         if vtype == _STRING:
             return self.string(what)
-        if vtype == _ARRAY:
-            etype = self.u32(what)
-            count = self.u64(what)
-            if etype in _SCALAR_NP:
-                dt = np.dtype(_SCALAR_NP[etype])
-                self.need(count * dt.itemsize, what)
-                arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos).copy()
-                self.pos += count * dt.itemsize
-                if etype == _BOOL:
-                    arr = arr.astype(bool)
-                return arr
-            if etype == _STRING:
-                # every string costs at least its 8-byte length: reject absurd counts early
-                self.need(count * 8, what)
-                out = []
-                buf, pos, size = self.buf, self.pos, self.size
-                unpack = struct.unpack_from
-                for _ in range(count):
-                    if pos + 8 > size:
-                        self.pos = pos
-                        self.need(8, what)
-                    (n,) = unpack("<Q", buf, pos)
-                    pos += 8
-                    if pos + n > size:
-                        self.pos = pos
-                        self.need(n, what)
-                    raw = bytes(buf[pos:pos + n])
-                    pos += n
-                    try:
-                        out.append(raw.decode("utf-8"))
-                    except UnicodeDecodeError:
-                        out.append(raw.decode("utf-8", errors="replace"))
-                self.pos = pos
-                return out
+        if vtype != _ARRAY:
+            raise ModelLoadError(f"{self.path}: GGUF file is corrupt (metadata {_clip(what)} has an "
+                                 f"unknown value type {vtype})")
+        # arrays of arrays are read with an explicit stack, not recursion: a hostile file
+        # can nest them thousands deep; real files nest at most two
+        etype, count = self._array_header(what)
+        if etype != _ARRAY:
+            return self._flat_array(etype, count, what)
+        root: list = []
+        stack = [[root, count]]              # [list being filled, items still to read]
+        while stack:
+            top = stack[-1]
+            if top[1] == 0:
+                stack.pop()
+                continue
+            top[1] -= 1
+            etype, count = self._array_header(what)
             if etype == _ARRAY:
-                self.need(count * 12, what)
-                return [self.value(_ARRAY, what) for _ in range(count)]
-            raise ModelLoadError(f"{self.path}: GGUF file is corrupt (metadata {_clip(what)} has an unknown array element type {etype})")
-        raise ModelLoadError(f"{self.path}: GGUF file is corrupt (metadata {_clip(what)} has an unknown value type {vtype})")
+                if len(stack) >= MAX_ARRAY_DEPTH:
+                    raise ModelLoadError(f"{self.path}: GGUF metadata {_clip(what)} nests arrays more "
+                                         f"than {MAX_ARRAY_DEPTH} deep; not a real model file")
+                child: list = []
+                top[0].append(child)
+                stack.append([child, count])
+            else:
+                top[0].append(self._flat_array(etype, count, what))
+        return root
+
+    def _array_header(self, what: str) -> tuple[int, int]:
+        etype = self.u32(what)
+        count = self.u64(what)
+        # every element costs at least this many bytes of the file: absurd counts end here
+        least = 12 if etype == _ARRAY else 8 if etype == _STRING else (
+            np.dtype(_SCALAR_NP[etype]).itemsize if etype in _SCALAR_NP else 0)
+        if etype not in _SCALAR_NP and etype not in (_STRING, _ARRAY):
+            raise ModelLoadError(f"{self.path}: GGUF file is corrupt (metadata {_clip(what)} has an "
+                                 f"unknown array element type {etype})")
+        self.need(count * least, what)
+        return etype, count
+
+    def _flat_array(self, etype: int, count: int, what: str):
+        """An array of scalars (a numpy array) or of strings (a list of str)."""
+        if etype in _SCALAR_NP:
+            dt = np.dtype(_SCALAR_NP[etype])
+            arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos).copy()
+            self.pos += count * dt.itemsize
+            return arr.astype(bool) if etype == _BOOL else arr
+        out = []
+        buf, pos, size = self.buf, self.pos, self.size
+        unpack = struct.unpack_from
+        for _ in range(count):
+            if pos + 8 > size:
+                self.pos = pos
+                self.need(8, what)
+            (n,) = unpack("<Q", buf, pos)
+            pos += 8
+            if pos + n > size:
+                self.pos = pos
+                self.need(n, what)
+            raw = bytes(buf[pos:pos + n])
+            pos += n
+            try:
+                out.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                out.append(raw.decode("utf-8", errors="replace"))
+        self.pos = pos
+        return out
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFFile:
     """Parse a GGUF header and memory-map its tensor data (nothing is dequantized)."""
     path = Path(path)
+    where = one_line(path)
     try:
         size = path.stat().st_size
         if size < 24:
-            raise ModelLoadError(f"{path}: not a GGUF file (only {size} bytes)")
+            raise ModelLoadError(f"{where}: not a GGUF file (only {size} bytes)")
         with open(path, "rb") as f:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except OSError as e:
-        raise ModelLoadError(f"{path}: cannot read ({e.strerror or e})") from None
+        raise ModelLoadError(f"{where}: cannot read ({one_line(e.strerror or e)})") from None
     if buf[:4] != GGUF_MAGIC:
-        raise ModelLoadError(f"{path}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
+        raise ModelLoadError(f"{where}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
     cur = _Cursor(buf, path)
     cur.pos = 4
     version = cur.u32("version")
     if version not in (2, 3):
         if version & 0xFFFF == 0 and version != 0:
-            raise ModelLoadError(f"{path}: big-endian GGUF files are not supported")
-        raise ModelLoadError(f"{path}: unsupported GGUF version {version} (supported: 2, 3)")
+            raise ModelLoadError(f"{where}: big-endian GGUF files are not supported")
+        raise ModelLoadError(f"{where}: unsupported GGUF version {version} (supported: 2, 3)")
     n_tensors = cur.u64("tensor count")
     n_kv = cur.u64("metadata count")
     # each kv pair needs at least 8 (key len) + 4 (type) + 1 bytes; each tensor info >= 8+4+4+8
     if n_kv * 13 > size or n_tensors * 24 > size:
-        raise ModelLoadError(f"{path}: GGUF file is truncated or corrupt (implausible counts "
+        raise ModelLoadError(f"{where}: GGUF file is truncated or corrupt (implausible counts "
                              f"{n_kv} metadata / {n_tensors} tensors for {size} bytes)")
     metadata: dict[str, Any] = {}
     for i in range(n_kv):
@@ -253,14 +293,14 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         name = cur.string(f"tensor name #{i}")
         n_dims = cur.u32(f"dims of {_clip(name)}")
         if n_dims > 4:
-            raise ModelLoadError(f"{path}: tensor {_clip(name)} has {n_dims} dimensions (at most 4)")
+            raise ModelLoadError(f"{where}: tensor {_clip(name)} has {n_dims} dimensions (at most 4)")
         dims = tuple(cur.u64(f"dims of {_clip(name)}") for _ in range(n_dims))
         ttype = cur.u32(f"type of {name}")
         offset = cur.u64(f"offset of {name}")
         infos.append((name, dims, ttype, offset))
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise ModelLoadError(f"{path}: bad general.alignment {_clip(repr(alignment))}")
+        raise ModelLoadError(f"{where}: bad general.alignment {_clip(repr(alignment))}")
     data_start = (cur.pos + alignment - 1) // alignment * alignment
     tensors: dict[str, GGUFTensorInfo] = {}
     for name, dims, ttype, offset in infos:
@@ -268,17 +308,17 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         if ttype in SUPPORTED_TENSOR_TYPES:
             _, block, bsize = SUPPORTED_TENSOR_TYPES[ttype]
             if not dims or dims[0] % block:
-                raise ModelLoadError(f"{path}: tensor {_clip(name)} ({_type_name(ttype)}) has a row length "
+                raise ModelLoadError(f"{where}: tensor {_clip(name)} ({_type_name(ttype)}) has a row length "
                                      f"{dims[0] if dims else 0} that is not a multiple of {block}")
             nbytes = n_elems // block * bsize
         else:
             nbytes = 0   # refused by name when (if) the tensor is used
         start = data_start + offset
         if start + nbytes > size:
-            raise ModelLoadError(f"{path}: GGUF file is truncated (tensor {_clip(name)} ends at byte "
+            raise ModelLoadError(f"{where}: GGUF file is truncated (tensor {_clip(name)} ends at byte "
                                  f"{start + nbytes}, file has {size})")
         if name in tensors:
-            raise ModelLoadError(f"{path}: tensor {_clip(name)} appears twice")
+            raise ModelLoadError(f"{where}: tensor {_clip(name)} appears twice")
         tensors[name] = GGUFTensorInfo(name, dims, ttype, start, nbytes)
     return GGUFFile(path, version, metadata, tensors, buf)
 
@@ -298,82 +338,107 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
     try:
         return _config_from_gguf(gf)
     except (TypeError, ValueError, ZeroDivisionError, OverflowError, KeyError) as e:
-        # metadata of the wrong type (a string where a count belongs...)
-        raise ModelLoadError(f"{gf.path}: bad GGUF hyperparameters ({type(e).__name__}: {_clip(e, 200)})") from None
+        # a guard: the typed reads below should leave little for this to catch
+        raise ModelLoadError(f"{one_line(gf.path)}: bad GGUF hyperparameters ({type(e).__name__}: "
+                             f"{_clip(e, 200)})") from None
 
 
-def _rope_scaling(gf: GGUFFile, p: str, rot_dim: int) -> dict | None:
-    kind = _meta(gf.metadata, p + "rope.scaling.type", "none")
+def _typed_metadata(gf: GGUFFile) -> JsonObject:
+    """The metadata with typed, range-checked accessors (messages name the file and the key)."""
+    md = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in gf.metadata.items()}
+    return JsonObject(md, f"{one_line(gf.path)}: GGUF metadata")
+
+
+def _rope_scaling(gf: GGUFFile, m: JsonObject, p: str, rot_dim: int) -> dict | None:
+    kind = m.text(p + "rope.scaling.type", "none")
     if kind == "linear":
-        return {"rope_type": "linear", "factor": float(_meta(gf.metadata, p + "rope.scaling.factor", 1.0))}
-    if kind not in ("none", None, ""):
-        raise UnsupportedModelError(f"{gf.path}: rope scaling {_clip(repr(kind))} is not supported")
+        return {"rope_type": "linear", "factor": m.number(p + "rope.scaling.factor", 1.0, positive=True)}
+    if kind not in ("none", ""):
+        raise UnsupportedModelError(f"{one_line(gf.path)}: rope scaling {_clip(repr(kind))} is not supported")
     if "rope_freqs.weight" in gf.tensors:
         # Llama 3.x: the scaled frequencies' divisors, used as they are
         div = _tensor_float32(gf, gf.tensors["rope_freqs.weight"]).reshape(-1)
         if div.shape != (rot_dim // 2,):
-            raise ModelLoadError(f"{gf.path}: rope_freqs has {div.size} entries, expected {rot_dim // 2}")
+            raise ModelLoadError(f"{one_line(gf.path)}: rope_freqs has {div.size} entries, expected {rot_dim // 2}")
         if not np.allclose(div, 1.0):
             return {"rope_type": "llama3", "divisors": div.astype(np.float64).tolist()}
     return None
 
 
+def _block_indices(gf: GGUFFile) -> set[str]:
+    """The distinct block numbers of the file's ``blk.N.*`` tensors (as written)."""
+    return {m.group(1) for m in map(_BLK_RE.match, gf.tensors) if m}
+
+
 def _config_from_gguf(gf: GGUFFile) -> ModelConfig:
     md = gf.metadata
-    arch = _meta(md, "general.architecture")
+    m = _typed_metadata(gf)
+    where = one_line(gf.path)
+    arch = m.text("general.architecture", None)
     if arch is None:
-        raise ModelLoadError(f"{gf.path}: GGUF metadata has no general.architecture")
+        raise ModelLoadError(f"{where}: GGUF metadata has no general.architecture")
     fam = family_for_gguf(arch, md)
     p = f"{arch}."
-    dim = _meta(md, p + "embedding_length", required=True)
-    n_layers = _meta(md, p + "block_count", required=True)
-    n_heads = _meta(md, p + "attention.head_count", required=True)
-    n_kv = _meta(md, p + "attention.head_count_kv", n_heads)
-    if isinstance(n_heads, (np.ndarray, list)) or isinstance(n_kv, (np.ndarray, list)):
-        raise UnsupportedModelError(f"{gf.path}: per-layer head counts are not supported")
-    for key, v in (("embedding_length", dim), ("block_count", n_layers), ("attention.head_count", n_heads)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ModelLoadError(f"{gf.path}: GGUF {p}{key} must be a positive integer, got {_clip(repr(v))}")
-    head_dim = _meta(md, p + "attention.key_length") or (dim // n_heads if dim % n_heads == 0 else 0)
-    v_dim = _meta(md, p + "attention.value_length", head_dim)
+    if isinstance(md.get(p + "attention.head_count"), (np.ndarray, list)) or isinstance(
+            md.get(p + "attention.head_count_kv"), (np.ndarray, list)):
+        raise UnsupportedModelError(f"{where}: per-layer head counts are not supported")
+    if isinstance(md.get(p + "feed_forward_length"), (np.ndarray, list)):
+        raise UnsupportedModelError(f"{where}: per-layer feed-forward sizes are not supported")
+    # counts are bounded before anything (per-layer lists, caches) is sized from them
+    dim = m.int(p + "embedding_length", minimum=1, maximum=MAX_DIM)
+    n_layers = m.int(p + "block_count", minimum=1, maximum=MAX_LAYERS)
+    blocks = _block_indices(gf)
+    if n_layers > len(blocks):
+        raise ModelLoadError(f"{where}: GGUF {p}block_count is {n_layers}, but the file holds the tensors "
+                             f"of {len(blocks)} blocks")
+    n_heads = m.int(p + "attention.head_count", minimum=1, maximum=MAX_DIM)
+    n_kv = m.int(p + "attention.head_count_kv", n_heads, minimum=1, maximum=MAX_DIM)
+    head_dim = m.int(p + "attention.key_length", None, minimum=1, maximum=MAX_DIM)
+    if head_dim is None:
+        if dim % n_heads:
+            raise ModelLoadError(f"{where}: GGUF {p}embedding_length {dim} is not a multiple of "
+                                 f"attention.head_count {n_heads} and no attention.key_length is given")
+        head_dim = dim // n_heads
+    v_dim = m.int(p + "attention.value_length", head_dim, minimum=1)
     if v_dim != head_dim:
-        raise UnsupportedModelError(f"{gf.path}: key length {head_dim} != value length {v_dim}")
-    rot = _meta(md, p + "rope.dimension_count", head_dim)
+        raise UnsupportedModelError(f"{where}: key length {head_dim} != value length {v_dim}")
+    rot = m.int(p + "rope.dimension_count", head_dim, minimum=1, maximum=MAX_DIM)
     emb = gf.tensors.get("token_embd.weight")
     if emb is None:
-        raise ModelLoadError(f"{gf.path}: GGUF file has no token_embd.weight tensor")
+        raise ModelLoadError(f"{where}: GGUF file has no token_embd.weight tensor")
     if len(emb.dims) != 2 or emb.dims[0] != dim:
-        raise ModelLoadError(f"{gf.path}: token_embd.weight has dims {emb.dims}, expected [{dim}, vocab]")
+        raise ModelLoadError(f"{where}: token_embd.weight has dims {emb.dims}, expected [{dim}, vocab]")
     vocab = emb.dims[1]
     if "blk.0.ffn_gate_exps.weight" in gf.tensors:
-        raise UnsupportedModelError(f"{gf.path}: mixture-of-experts GGUF files are not supported")
+        raise UnsupportedModelError(f"{where}: mixture-of-experts GGUF files are not supported")
     eos_ids = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         v = _meta(md, key)
         if isinstance(v, int) and 0 <= v < vocab and v not in eos_ids:
             eos_ids.append(v)
     bos = _meta(md, "tokenizer.ggml.bos_token_id")
+    name = _meta(md, "general.name")
     fields = dict(
         dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
-        ffn_dim=_meta(md, p + "feed_forward_length", required=True), vocab_size=vocab,
-        max_seq_len=_meta(md, p + "context_length", 2048),
-        norm_eps=float(_meta(md, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_meta(md, p + "rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(gf, p, rot if isinstance(rot, int) and rot > 0 else head_dim),
+        ffn_dim=m.int(p + "feed_forward_length", minimum=1), vocab_size=vocab,
+        max_seq_len=m.int(p + "context_length", 2048, minimum=1),
+        norm_eps=m.number(p + "attention.layer_norm_rms_epsilon", 1e-5, positive=True),
+        rope_theta=m.number(p + "rope.freq_base", 10000.0, positive=True),
+        rope_scaling=_rope_scaling(gf, m, p, rot),
         rotary_dim=rot if rot != head_dim else None,
         tie_word_embeddings="output.weight" not in gf.tensors,
         attention_bias="blk.0.attn_q.bias" in gf.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in gf.tensors,
         bos_token_id=bos if isinstance(bos, int) and 0 <= bos < vocab else None,
-        eos_token_ids=eos_ids, name=str(_meta(md, "general.name", gf.path.stem)))
+        eos_token_ids=eos_ids, name=name if isinstance(name, str) else gf.path.stem)
     config_tensors = {n: _tensor_float32(gf, gf.tensors[n]).reshape(-1)
                       for n in fam.gguf_config_tensors if n in gf.tensors and n != "rope_freqs.weight"}
-    meta = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in md.items() if k.startswith(p)}
+    meta = {k: v for k, v in m.items() if k.startswith(p)}
     fields.update(fam.gguf_features(meta, p, config_tensors))
     try:
         return ModelConfig(arch=fam.name, **fields)
     except TypeError as e:
-        raise ModelLoadError(f"{gf.path}: bad GGUF hyperparameter ({e})") from None
+        raise ModelLoadError(f"{where}: bad GGUF hyperparameter ({_clip(e, 200)})") from None
 
 
 # ----------------------------------------------------------------------------- tensors

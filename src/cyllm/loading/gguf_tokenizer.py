@@ -13,7 +13,19 @@ from typing import Any
 import numpy as np
 
 from ..errors import TokenizerError, UnsupportedModelError
+from ..oneline import one_line
 from .gguf import GGUFFile, _clip, _meta
+
+# What the builder accepts. Real vocabularies: up to ~260k tokens, a few MB of text, tokens
+# of at most a few hundred characters, as many merges as tokens. Deriving SentencePiece
+# merges costs the sum of squared token lengths, so a hostile vocabulary (one token of a
+# million characters, or tokens growing by one character each) would hang the builder.
+MAX_TOKENS = 1 << 22
+MAX_TOKEN_CHARS = 4096
+MAX_VOCAB_CHARS = 1 << 26
+MAX_MERGES = 1 << 23
+MAX_SPM_MERGE_CHARS = 1 << 23  # when merges are derived from scores: characters of all tokens,
+MAX_SPM_MERGE_WORK = 1 << 28   # and the sum of their squared lengths (a 262k Gemma vocabulary: ~2M, ~20M)
 
 # tokenizer.ggml.token_type values (llama.cpp)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -86,19 +98,36 @@ def _spm_merges(tokens: list[str], scores) -> list[tuple[str, str]]:
     first, then vocabulary order).
     """
     vocab = {t: i for i, t in enumerate(tokens)}
+    get = vocab.get
     cands = []
     for tok, score in zip(tokens, scores):
         local = []
         for k in range(1, len(tok)):
-            left, right = tok[:k], tok[k:]
-            if left in vocab and right in vocab:
-                local.append((vocab[left], vocab[right], left, right))
+            il = get(tok[:k])
+            if il is None:          # most splits end here: the right part is never cut
+                continue
+            ir = get(tok[k:])
+            if ir is not None:
+                local.append((il, ir, tok[:k], tok[k:]))
         local.sort()
         for _, _, left, right in local:
             cands.append((float(score), len(left), len(right), left, right))
     # stable sort, best first, same key and tie order as transformers' generate_merges
     cands.sort(key=lambda c: (c[0], c[1], c[2]), reverse=True)
     return [(c[3], c[4]) for c in cands]
+
+
+def _merges(md, where: str) -> list[str] | None:
+    m = md.get("tokenizer.ggml.merges")
+    if m is None:
+        return None
+    if not isinstance(m, list) or not all(isinstance(x, str) for x in m):
+        raise TokenizerError(f"{where}: GGUF tokenizer.ggml.merges must be an array of strings")
+    if len(m) > MAX_MERGES:
+        raise TokenizerError(f"{where}: GGUF tokenizer has {len(m)} merges (at most {MAX_MERGES})")
+    if m and max(map(len, m)) > 2 * MAX_TOKEN_CHARS + 1:
+        raise TokenizerError(f"{where}: a GGUF merge is longer than two tokens can be")
+    return m
 
 
 @dataclass
@@ -116,22 +145,66 @@ class GGUFTokenizerInfo:
     chat_template: str | None
 
 
+def _check_vocabulary(where: str, tokens, vocab_size: int | None) -> None:
+    """Bounds on what the builder accepts: a hostile vocabulary must not hang it or fill memory."""
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise TokenizerError(f"{where}: GGUF tokenizer has no token list (tokenizer.ggml.tokens must be "
+                             "an array of strings)")
+    if len(tokens) > MAX_TOKENS:
+        raise TokenizerError(f"{where}: GGUF tokenizer has {len(tokens)} tokens (at most {MAX_TOKENS})")
+    if vocab_size is not None and len(tokens) > vocab_size:
+        raise TokenizerError(f"{where}: GGUF tokenizer has {len(tokens)} tokens, more than the "
+                             f"model's vocabulary of {vocab_size}")
+    longest = max(map(len, tokens))
+    if longest > MAX_TOKEN_CHARS:
+        raise TokenizerError(f"{where}: GGUF tokenizer has a token of {longest} characters "
+                             f"(at most {MAX_TOKEN_CHARS}); not a real vocabulary")
+    total = sum(map(len, tokens))
+    if total > MAX_VOCAB_CHARS:
+        raise TokenizerError(f"{where}: GGUF tokenizer tokens hold {total} characters in all "
+                             f"(at most {MAX_VOCAB_CHARS}); not a real vocabulary")
+
+
+def _array(md, where: str, key: str, n: int, kind: str):
+    """A per-token metadata array (token_type: integers, scores: finite numbers) of n entries, or None."""
+    v = md.get(key)
+    if v is None:
+        return None
+    ok = isinstance(v, np.ndarray) and v.ndim == 1 and len(v) == n and (
+        np.issubdtype(v.dtype, np.integer) if kind == "int" else
+        (np.issubdtype(v.dtype, np.number) and not np.isnan(v).any()))
+    if not ok:
+        what = "integers" if kind == "int" else "numbers"
+        got = f"{len(v)} entries" if isinstance(v, (list, np.ndarray)) else type(v).__name__
+        raise TokenizerError(f"{where}: GGUF {key} must be an array of {n} {what} (one per token), got {got}")
+    return v
+
+
+def _flag(md, where: str, key: str, default: bool) -> bool:
+    v = _meta(md, key, default)
+    if isinstance(v, (bool, np.bool_)) or (isinstance(v, int) and v in (0, 1)):
+        return bool(v)
+    raise TokenizerError(f"{where}: GGUF {key} must be true or false, got {_clip(repr(v), 40)}")
+
+
+def _text(md, where: str, key: str):
+    v = _meta(md, key)
+    if v is None or isinstance(v, str):
+        return v
+    raise TokenizerError(f"{where}: GGUF {key} must be a string, got {_clip(repr(v), 40)}")
+
+
 def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenizerInfo | None:
     """tokenizers.Tokenizer + special-token facts from tokenizer.ggml.* metadata (None if absent)."""
     md = gf.metadata
-    kind = _meta(md, "tokenizer.ggml.model")
+    where = one_line(gf.path)
+    kind = _text(md, where, "tokenizer.ggml.model")
     if kind is None:
         return None
     tokens = md.get("tokenizer.ggml.tokens")
-    if not isinstance(tokens, list) or not tokens:
-        raise TokenizerError(f"{gf.path}: GGUF tokenizer has no token list")
-    if vocab_size is not None and len(tokens) > vocab_size:
-        raise TokenizerError(f"{gf.path}: GGUF tokenizer has {len(tokens)} tokens, more than the "
-                             f"model's vocabulary of {vocab_size}")
-    types = md.get("tokenizer.ggml.token_type")
-    types = [int(t) for t in types] if types is not None else [TOKEN_NORMAL] * len(tokens)
-    if len(types) != len(tokens):
-        raise TokenizerError(f"{gf.path}: GGUF tokenizer token_type length {len(types)} != {len(tokens)} tokens")
+    _check_vocabulary(where, tokens, vocab_size)
+    types = _array(md, where, "tokenizer.ggml.token_type", len(tokens), "int")
+    types = types.tolist() if types is not None else [TOKEN_NORMAL] * len(tokens)
 
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
@@ -150,6 +223,7 @@ def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenize
 
     try:
         if kind == "gpt2":
+            pre = _text(md, where, "tokenizer.ggml.pre")
             alphabet_map = _bytes_to_unicode()
             alphabet = set(alphabet_map.values())
             vocab = {}
@@ -157,41 +231,44 @@ def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenize
                 # a piece written in raw text (not the byte alphabet) is respelled byte-wise
                 spelled = t if set(t) <= alphabet else "".join(alphabet_map[b] for b in t.encode("utf-8"))
                 vocab.setdefault(spelled, i)
-            merges_raw = md.get("tokenizer.ggml.merges")
-            if not isinstance(merges_raw, list):
-                raise TokenizerError(f"{gf.path}: GGUF gpt2 tokenizer has no merges")
+            merges_raw = _merges(md, where)
+            if merges_raw is None:
+                raise TokenizerError(f"{where}: GGUF gpt2 tokenizer has no merges")
             merges = []
             for m in merges_raw:
                 parts = m.split(" ")
                 if len(parts) != 2:
-                    raise TokenizerError(f"{gf.path}: bad GGUF merge {_clip(repr(m))}")
+                    raise TokenizerError(f"{where}: bad GGUF merge {_clip(repr(m))}")
                 merges.append((parts[0], parts[1]))
-            pre = _meta(md, "tokenizer.ggml.pre")
             # Llama 3's tokenizer takes a whole pre-token that is in the vocabulary as it is,
             # before any merge (llama.cpp and its tokenizer.json alike)
             tk = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False,
                                       ignore_merges=_PRE_SPLITS.get(pre) is _LLAMA3_SPLIT))
-            tk.pre_tokenizer = _byte_level_pre_tokenizer(pre, gf.path)
+            tk.pre_tokenizer = _byte_level_pre_tokenizer(pre, where)
             tk.decoder = decoders.ByteLevel()
             special_ok = lambda t: set(t) <= alphabet   # noqa: E731  (non-alphabet "controls" are mislabels)
             add_bos_default = False
         elif kind == "llama":
-            scores = md.get("tokenizer.ggml.scores")
+            scores = _array(md, where, "tokenizer.ggml.scores", len(tokens), "number")
             if scores is None:
                 scores = np.zeros(len(tokens), dtype=np.float32)
-            if len(scores) != len(tokens):
-                raise TokenizerError(f"{gf.path}: GGUF tokenizer scores length {len(scores)} != {len(tokens)} tokens")
             vocab = {}
             for i, t in enumerate(tokens):
                 vocab.setdefault(t, i)
-            merges_raw = md.get("tokenizer.ggml.merges")
-            if isinstance(merges_raw, list) and merges_raw:
+            merges_raw = _merges(md, where)
+            if merges_raw:
                 merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+                if any(len(m) != 2 for m in merges):
+                    raise TokenizerError(f"{where}: a GGUF merge is not two pieces separated by a space")
             else:
+                chars, work = sum(len(t) for t in tokens), sum(len(t) ** 2 for t in tokens)
+                if chars > MAX_SPM_MERGE_CHARS or work > MAX_SPM_MERGE_WORK:
+                    raise TokenizerError(f"{where}: GGUF SentencePiece vocabulary is too large to derive its "
+                                         f"merges from ({chars} characters; squared lengths sum to {work})")
                 merges = _spm_merges(tokens, scores)
             unk = tokens[unk_id] if unk_id is not None else None
             tk = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-            add_prefix = bool(_meta(md, "tokenizer.ggml.add_space_prefix", True))
+            add_prefix = _flag(md, where, "tokenizer.ggml.add_space_prefix", True)
             # as llama.cpp's SentencePiece tokenizer: spaces become U+2581 and one more is put in
             # front even when the text already starts with a space (" Hi" -> "__Hi"); a
             # Metaspace pre-tokenizer would not add it then
@@ -207,7 +284,7 @@ def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenize
             add_bos_default = True   # llama.cpp's default for SentencePiece vocabularies
         else:
             raise UnsupportedModelError(
-                f"{gf.path}: GGUF tokenizer model {_clip(repr(kind))} is not supported (supported: 'gpt2', 'llama')")
+                f"{where}: GGUF tokenizer model {_clip(repr(kind))} is not supported (supported: 'gpt2', 'llama')")
         control = [AddedToken(t, normalized=False, special=True)
                    for t, ty in zip(tokens, types) if ty == TOKEN_CONTROL and t and special_ok(t)]
         if control:
@@ -219,18 +296,18 @@ def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenize
     except (TokenizerError, UnsupportedModelError):
         raise
     except Exception as e:   # tokenizers raises plain Exceptions on bad vocabularies
-        raise TokenizerError(f"{gf.path}: cannot build the GGUF tokenizer ({type(e).__name__}: {_clip(e, 200)})") from None
+        raise TokenizerError(f"{where}: cannot build the GGUF tokenizer ({type(e).__name__}: {_clip(e, 200)})") from None
 
     def name(i):
         return tokens[i] if i is not None else None
 
-    template = _meta(md, "tokenizer.chat_template")
+    template = _text(md, where, "tokenizer.chat_template")
     return GGUFTokenizerInfo(
         tokenizer=tk, kind=kind, bos_id=bos_id, eos_ids=eos_ids, bos_token=name(bos_id),
         eos_token=name(eos_ids[0]) if eos_ids else None, unk_token=name(unk_id), pad_token=name(pad_id),
-        add_bos=bool(_meta(md, "tokenizer.ggml.add_bos_token", add_bos_default)),
-        add_eos=bool(_meta(md, "tokenizer.ggml.add_eos_token", False)),
-        chat_template=template if isinstance(template, str) else None)
+        add_bos=_flag(md, where, "tokenizer.ggml.add_bos_token", add_bos_default),
+        add_eos=_flag(md, where, "tokenizer.ggml.add_eos_token", False),
+        chat_template=template)
 
 
 def make_tokenizer(info: GGUFTokenizerInfo):

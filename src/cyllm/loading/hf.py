@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 
-from ..config import ModelConfig, token_id_list as _ids
+from ..config import ModelConfig
 from ..families import config_from_hf, family
 from ..errors import ModelLoadError, UnsupportedModelError
+from ..jsonio import JsonObject, read_json_file
 from .weights import validate_weights
 from .safetensors import SafetensorsFile, bf16_bits_to_f32, open_checkpoint
 
@@ -20,21 +20,10 @@ F16_MAX = 65504.0
 _CHUNK_ELEMS = 1 << 22
 
 
-def read_json(path: Path, what: str | None = None):
-    """Parse a JSON file; ModelLoadError with the file name when it is bad."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ModelLoadError(f"cannot read {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise ModelLoadError(f"{path} is not UTF-8 text") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+def read_json(path: Path, what: str | None = None) -> JsonObject:
+    """A JSON object from a file of the model directory; ModelLoadError naming the file when bad
+    (bounded: see jsonio)."""
+    return read_json_file(path, ModelLoadError, name=what)
 
 
 def _merge_generation_config(config: ModelConfig, d: Path) -> None:
@@ -43,12 +32,12 @@ def _merge_generation_config(config: ModelConfig, d: Path) -> None:
         return
     gen = read_json(gpath)
     merged = list(config.eos_token_ids)
-    for i in _ids(gen.get("eos_token_id")):
-        if i not in merged:
+    for i in gen.token_ids("eos_token_id"):
+        if i not in merged and i < config.vocab_size:
             merged.append(i)
     config.eos_token_ids = merged
     if config.bos_token_id is None:
-        bos = _ids(gen.get("bos_token_id"))
+        bos = [i for i in gen.token_ids("bos_token_id") if i < config.vocab_size]
         if bos:
             config.bos_token_id = bos[0]
 

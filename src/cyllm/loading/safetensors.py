@@ -16,7 +16,7 @@ ModelLoadError naming the file and the tensor.
 
 from __future__ import annotations
 
-import json
+import math
 import mmap
 import os
 import struct
@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ModelLoadError, UnsupportedModelError
+from ..jsonio import parse_json, read_json_file, short
+from ..oneline import one_line
 
 # safetensors dtype tag -> numpy dtype (little-endian, as the format mandates).
 # "BF16" is handled separately (raw uint16 bits).
@@ -63,32 +65,30 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self._mm = None
+        where = self._where = one_line(self.path)
         try:
             size = self.path.stat().st_size
         except OSError as e:
-            raise ModelLoadError(f"cannot read {self.path}: {e.strerror or e}") from None
+            raise ModelLoadError(f"cannot read {self._where}: {one_line(e.strerror or e)}") from None
         if size < 8:
             raise ModelLoadError(
-                f"{self.path}: not a safetensors file ({size} bytes, shorter than the 8-byte header length)")
+                f"{self._where}: not a safetensors file ({size} bytes, shorter than the 8-byte header length)")
         try:
             with open(self.path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
                 if n > size - 8:
                     raise ModelLoadError(
-                        f"{self.path}: corrupt safetensors file: header length {n} is larger "
+                        f"{self._where}: corrupt safetensors file: header length {n} is larger "
                         f"than the file ({size} bytes); the file may be truncated")
                 if n > _MAX_HEADER:
-                    raise ModelLoadError(f"{self.path}: corrupt safetensors file: header length {n} is implausible")
+                    raise ModelLoadError(f"{self._where}: corrupt safetensors file: header length {n} is implausible")
                 raw_header = f.read(n)
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except OSError as e:
-            raise ModelLoadError(f"cannot read {self.path}: {e.strerror or e}") from None
-        try:
-            header = json.loads(raw_header.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelLoadError(f"{self.path}: corrupt safetensors file: header is not valid JSON ({e})") from None
+            raise ModelLoadError(f"cannot read {self._where}: {one_line(e.strerror or e)}") from None
+        header = parse_json(raw_header, f"{where}: corrupt safetensors file: the header")
         if not isinstance(header, dict):
-            raise ModelLoadError(f"{self.path}: corrupt safetensors file: header is not a JSON object")
+            raise ModelLoadError(f"{self._where}: corrupt safetensors file: header is not a JSON object")
         self.metadata = header.pop("__metadata__", None)
         self._data_start = 8 + n
         data_len = size - self._data_start
@@ -97,7 +97,7 @@ class SafetensorsFile:
             self._entries[name] = self._check_entry(name, entry, data_len)
 
     def _check_entry(self, name, entry, data_len):
-        where = f"{self.path}: tensor {name!r}"
+        where = f"{self._where}: tensor {short(name, 80)}"
         if not isinstance(entry, dict):
             raise ModelLoadError(f"{where}: header entry is not an object")
         for key in ("dtype", "shape", "data_offsets"):
@@ -106,13 +106,13 @@ class SafetensorsFile:
         dtype, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
         if not isinstance(dtype, str) or dtype not in _DTYPES:
             raise UnsupportedModelError(
-                f"{where}: unsupported dtype {dtype!r} (supported: {', '.join(_DTYPES)})")
-        if (not isinstance(shape, list)
+                f"{where}: unsupported dtype {short(dtype)} (supported: {', '.join(_DTYPES)})")
+        if (not isinstance(shape, list) or len(shape) > 8
                 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-            raise ModelLoadError(f"{where}: bad shape {shape!r}")
+            raise ModelLoadError(f"{where}: bad shape {short(shape)}")
         if (not isinstance(offs, list) or len(offs) != 2
                 or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs)):
-            raise ModelLoadError(f"{where}: bad data_offsets {offs!r}")
+            raise ModelLoadError(f"{where}: bad data_offsets {short(offs)}")
         begin, end = offs
         if end < begin:
             raise ModelLoadError(f"{where}: data_offsets end {end} < start {begin}")
@@ -120,7 +120,7 @@ class SafetensorsFile:
             raise ModelLoadError(
                 f"{where}: data_offsets [{begin}, {end}) run past the end of the file "
                 f"(data section is {data_len} bytes); the file may be truncated")
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        count = math.prod(shape)     # exact: np.prod in int64 wraps around on hostile shapes
         expected = count * _DTYPES[dtype].itemsize
         if end - begin != expected:
             raise ModelLoadError(
@@ -143,14 +143,23 @@ class SafetensorsFile:
         try:
             return self._entries[name]
         except KeyError:
-            raise ModelLoadError(f"{self.path}: no tensor {name!r}") from None
+            raise ModelLoadError(f"{self._where}: no tensor {short(name)}") from None
 
     def raw(self, name: str) -> tuple[str, np.ndarray]:
-        """(dtype tag, zero-copy read-only view); BF16 comes back as uint16 bits."""
+        """(dtype tag, read-only view); BF16 comes back as uint16 bits.
+
+        Zero-copy when the tensor starts at a multiple of its element size. The
+        format does not promise that (a header length that is not a multiple of
+        8 is valid, and the reference library loads it); the kernels need
+        dtype-aligned arrays, so a misaligned tensor comes back as an aligned copy.
+        """
         dtype, shape, begin, count = self._entry(name)
-        # unaligned offsets are fine for numpy (flags.aligned may be False)
-        arr = np.frombuffer(self._mm, dtype=_DTYPES[dtype], count=count,
-                            offset=self._data_start + begin)
+        start = self._data_start + begin
+        dt = _DTYPES[dtype]
+        if start % dt.itemsize == 0:
+            arr = np.frombuffer(self._mm, dtype=dt, count=count, offset=start)
+        else:
+            arr = np.frombuffer(self._mm, dtype=np.uint8, count=count * dt.itemsize, offset=start).copy().view(dt)
         return dtype, arr.reshape(shape)
 
     def get(self, name: str) -> np.ndarray:
@@ -187,29 +196,30 @@ def open_checkpoint(directory: str | os.PathLike) -> dict[str, tuple[Safetensors
                 "safetensors, e.g. load with transformers and save_pretrained())")
     else:
         hint = " (pytorch_model.bin is not supported: weights must be in safetensors format)"
-    raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {d}{hint}")
+    raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {one_line(d)}{hint}")
 
 
 def _open_sharded(index: Path) -> dict[str, tuple[SafetensorsFile, str]]:
-    try:
-        spec = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{index}: cannot parse ({e})") from None
-    wm = spec.get("weight_map") if isinstance(spec, dict) else None
-    if not isinstance(wm, dict) or not wm:
-        raise ModelLoadError(f"{index}: no \"weight_map\" object")
+    spec = read_json_file(index, ModelLoadError)
+    where = spec.where
+    wm = spec.obj("weight_map")
+    if not wm:
+        raise ModelLoadError(f"{where}: no \"weight_map\" object")
     shards: dict[str, SafetensorsFile] = {}
     out = {}
     for name, shard in wm.items():
-        if not isinstance(shard, str) or not shard or os.path.isabs(shard) or ".." in Path(shard).parts:
-            raise ModelLoadError(f"{index}: bad shard file name {shard!r} for tensor {name!r}")
+        if (not isinstance(shard, str) or not shard or "\0" in shard or os.path.isabs(shard)
+                or ".." in Path(shard).parts):
+            raise ModelLoadError(f"{where}: bad shard file name {short(shard)} for tensor {short(name)}")
         if shard not in shards:
             p = index.parent / shard
             if not p.is_file():
-                raise ModelLoadError(f"{index}: shard {shard} (holding {name!r}) is missing from {index.parent}")
+                raise ModelLoadError(f"{where}: shard {one_line(shard, 200)} (holding {short(name)}) is missing "
+                                     f"from {one_line(index.parent)}")
             shards[shard] = SafetensorsFile(p)
         f = shards[shard]
         if name not in f:
-            raise ModelLoadError(f"{index}: tensor {name!r} is listed in {shard} but that file does not hold it")
+            raise ModelLoadError(f"{where}: tensor {short(name)} is listed in {one_line(shard, 200)} but that file "
+                                 "does not hold it")
         out[name] = (f, name)
     return out

@@ -1,0 +1,359 @@
+"""Fuzzing the files and flags a hostile user hands to cyllm's command line.
+
+Seeds are real files: a tiny Hugging Face directory (tests/tinymodels.py) and a
+tiny GGUF (tests/test_gguf.py's write_tiny_gguf). Hypothesis draws structured
+mutations of them (a config value of the wrong type or range, a JSON nested
+50,000 deep, a safetensors header entry, a GGUF metadata value of another type,
+a tensor record, a hostile chat template, command-line flags), every case is
+written to disk, and one worker process (tests/fuzz_worker.py) runs
+``cyllm generate`` on each under an address-space limit and a time limit.
+
+Each case must end with exit status 0, or 2 and one line ``cyllm: error: ...``;
+never a traceback, a signal, more than CASE_SECONDS or more than MEM_MB.
+Hypothesis runs derandomized with no example database: CI sees the same cases
+on every run, and a failure names the case (its description and files) to replay.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import gguf_raw as G  # noqa: E402
+from hostile import problem, run_batch  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = 150         # per target: ~0.01-0.1 s a case; the module runs in about a minute or two
+
+
+def _collect(strategy, n: int = EXAMPLES) -> list:
+    """``n`` derandomized draws of ``strategy`` (generation only: nothing fails here to shrink)."""
+    out = []
+
+    @settings(max_examples=n, derandomize=True, database=None, deadline=None,
+              phases=[Phase.explicit, Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def draw(x):
+        out.append(x)
+
+    draw()
+    return out
+
+
+def _assert_all_clean(cases: list[tuple[list[str], str]], tmp_path: Path) -> None:
+    results = run_batch([argv for argv, _ in cases], tmp_path)
+    bad = []
+    for (argv, what), r in zip(cases, results):
+        p = problem(r["code"], r["stderr"])
+        if p:
+            bad.append(f"{what}: {p} (exit {r['code']}; argv {argv}):\n{r['stderr'][-1500:]}")
+    assert not bad, f"{len(bad)} of {len(cases)} cases broke the promise:\n\n" + "\n\n".join(bad[:8])
+
+
+# ============================================================================ values
+
+HUGE_INTS = [0, -1, 1, 2, 3, 7, 2 ** 31, 2 ** 63, 10 ** 7, 10 ** 12, 10 ** 30]
+scalars = st.one_of(
+    st.none(), st.booleans(),
+    st.sampled_from(HUGE_INTS), st.integers(-2 ** 70, 2 ** 70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, -0.0, 1e-45, 1e-300, 1e300, float("nan"), float("inf"), -float("inf")]),
+    st.text(max_size=12), st.sampled_from(["", "1e4", "true", "a\nb", "\x1b[2J", "\u2028", "\ud800"]))
+json_values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=4)
+                           | st.dictionaries(st.text(max_size=6), kids, max_size=3), max_leaves=8)
+
+CONFIG_KEYS = ["architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+               "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+               "tie_word_embeddings", "attention_bias", "sliding_window", "use_sliding_window", "layer_types",
+               "bos_token_id", "eos_token_id", "partial_rotary_factor", "original_max_position_embeddings",
+               "no_rope_layers", "no_rope_layer_interval", "query_pre_attn_scalar", "rope_local_base_freq",
+               "sliding_window_pattern", "hidden_activation", "final_logit_softcapping"]
+ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+         "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "GPTNeoXForCausalLM"]
+ROPE = st.fixed_dictionaries({"rope_type": st.sampled_from(["linear", "llama3", "longrope", "default", "yarn"])},
+                             optional={k: json_values for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                                 "original_max_position_embeddings",
+                                                                 "short_factor", "long_factor",
+                                                                 "attention_factor", "rope_theta")})
+TOKENIZER_KEYS = ["chat_template", "bos_token", "eos_token", "unk_token", "pad_token",
+                  "additional_special_tokens", "model_max_length", "add_bos_token"]
+
+# chat templates: fragments that raise, loop, grow or recurse, glued to benign ones
+TEMPLATE_PARTS = [
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
+    "{{ bos_token }}", "{% if add_generation_prompt %}assistant:{% endif %}",
+    "{{ 1/0 }}", "{{ 1 // 0 }}", "{{ raise_exception('bad\ntemplate') }}", "{{ undefined_thing.x.y }}",
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "{{ range(10**6) | list }}", "{{ lipsum(10**7) }}", "{{ 'x' * 10**10 }}", "{{ [0] * 10**9 }}",
+    "{{ 2 ** 10 ** 6 }}", "{{ '%999999999d' % 1 }}", "{{ '{:>999999999}'.format(1) }}",
+    "{{ 'x' | center(10**9) }}", "{{ ('x' * 60000) | replace('', 'y' * 60000) }}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+    "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "{% for x in [[1]] recursive %}{{ loop([x]) }}{% endfor %}",
+    "{{ messages | tojson(indent=10**9) }}", "{% include 'other' %}", "{{ ''.__class__.__mro__ }}",
+    "{% for %}", "{{ (((((((((( 1 )))))))))) }}", "{{ '(' * 100000 }}",
+]
+templates = st.one_of(st.lists(st.sampled_from(TEMPLATE_PARTS), min_size=1, max_size=4).map("".join),
+                      st.text(max_size=60))
+
+
+# ============================================================================ Hugging Face directories
+
+@pytest.fixture(scope="module")
+def hf_seed(tmp_path_factory):
+    from tinymodels import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("fuzzseed"), "llama_mqa_odd", dtype="float16")
+
+
+def _json_edit(data, key, value, delete):
+    data = copy.deepcopy(data)
+    if delete:
+        data.pop(key, None)
+    else:
+        data[key] = value
+    return data
+
+
+hf_mutations = st.one_of(
+    st.tuples(st.just("config.json"), st.sampled_from(CONFIG_KEYS), json_values, st.booleans()),
+    st.tuples(st.just("config.json"), st.just("rope_scaling"), ROPE, st.just(False)),
+    st.tuples(st.just("config.json"), st.just("architectures"),
+              st.lists(st.sampled_from(ARCHS), min_size=1, max_size=1), st.just(False)),
+    st.tuples(st.sampled_from(["generation_config.json", "tokenizer_config.json"]),
+              st.sampled_from(["bos_token_id", "eos_token_id"] + TOKENIZER_KEYS), json_values, st.booleans()),
+    st.tuples(st.just("tokenizer_config.json"), st.just("chat_template"), templates, st.just(False)),
+    st.tuples(st.sampled_from(["config.json", "tokenizer_config.json", "generation_config.json",
+                               "tokenizer.json"]),
+              st.sampled_from(["truncate", "deep", "digits", "garbage"]), st.integers(0, 10 ** 6), st.just(None)),
+)
+
+
+def _apply_hf(seed: Path, out: Path, m) -> str:
+    shutil.copytree(seed, out)
+    fname, key, value, delete = m
+    path = out / fname
+    if delete is None:        # a raw text edit
+        text = path.read_text(encoding="utf-8")
+        n = value
+        if key == "truncate":
+            path.write_text(text[:n % (len(text) + 1)], encoding="utf-8")
+        elif key == "deep":
+            path.write_text(text[:-1] + ', "z": ' + "[" * (n % 60000 + 1) + "]" * (n % 60000 + 1) + "}",
+                            encoding="utf-8")
+        elif key == "digits":
+            path.write_text(text[:-1] + ', "z": ' + "9" * (n % 10000 + 1) + "}", encoding="utf-8")
+        else:
+            raw = bytearray(path.read_bytes())
+            if raw:
+                raw[n % len(raw)] ^= 0xFF
+            path.write_bytes(bytes(raw))
+        return f"{fname}: {key} {n}"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    path.write_text(json.dumps(_json_edit(data, key, value, delete)), encoding="utf-8")
+    return f"{fname}: {'delete ' + key if delete else key + ' = ' + repr(value)[:200]}"
+
+
+def test_fuzz_hf_configs(hf_seed, tmp_path):
+    cases = []
+    for i, m in enumerate(_collect(hf_mutations)):
+        d = tmp_path / f"hf{i}"
+        what = _apply_hf(hf_seed, d, m)
+        argv = ["generate", "-m", str(d), "-p", "Hello", "-n", "2", "--temp", "0", "--no-stats"]
+        if i % 2:
+            argv.append("--chat-template")
+        cases.append((argv, what))
+    _assert_all_clean(cases, tmp_path)
+
+
+# ============================================================================ safetensors
+
+st_mutations = st.one_of(
+    st.tuples(st.just("entry"), st.sampled_from(["dtype", "shape", "data_offsets"]), json_values),
+    st.tuples(st.just("header_len"), st.integers(0, 2 ** 64 - 1), st.none()),
+    st.tuples(st.just("truncate"), st.integers(0, 10 ** 7), st.none()),
+    st.tuples(st.just("flip"), st.integers(0, 10 ** 5), st.none()),
+    st.tuples(st.just("pad"), st.integers(1, 15), st.none()),       # valid: header length not a multiple of 8
+)
+
+
+def _apply_st(seed: Path, out: Path, m) -> str:
+    shutil.copytree(seed, out)
+    path = out / "model.safetensors"
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+    op, a, b = m
+    if op == "entry":
+        name = sorted(k for k in header if k != "__metadata__")[len(str(b)) % (len(header) - 1)]
+        header[name][a] = b
+        h = json.dumps(header).encode()
+        raw = struct.pack("<Q", len(h)) + h + data
+    elif op == "header_len":
+        raw = struct.pack("<Q", a) + raw[8:]
+    elif op == "truncate":
+        raw = raw[:a % (len(raw) + 1)]
+    elif op == "flip":
+        i = a % (8 + n)
+        raw = raw[:i] + bytes([raw[i] ^ 0xFF]) + raw[i + 1:]
+    else:
+        h = json.dumps(header).encode() + b" " * a
+        raw = struct.pack("<Q", len(h)) + h + data
+    path.write_bytes(raw)
+    return f"model.safetensors: {op} {a!r} {b!r}"[:300]
+
+
+def test_fuzz_safetensors(hf_seed, tmp_path):
+    cases = []
+    for i, m in enumerate(_collect(st_mutations, EXAMPLES // 2)):
+        d = tmp_path / f"st{i}"
+        what = _apply_st(hf_seed, d, m)
+        cases.append((["generate", "-m", str(d), "-p", "Hello", "-n", "2", "--temp", "0", "--no-stats"], what))
+    _assert_all_clean(cases, tmp_path)
+
+
+# ============================================================================ GGUF
+
+@pytest.fixture(scope="module")
+def gguf_seed(tmp_path_factory):
+    from test_gguf import write_tiny_gguf
+    p = tmp_path_factory.mktemp("fuzzgguf") / "seed.gguf"
+    write_tiny_gguf(p)
+    g = G.RawGGUF.parse(p.read_bytes())
+    g.set("tokenizer.chat_template", G.STRING, TEMPLATE_PARTS[0] + TEMPLATE_PARTS[2])
+    return g
+
+
+GGUF_KEYS = ["general.architecture", "general.alignment", "general.name", "llama.block_count",
+             "llama.embedding_length", "llama.feed_forward_length", "llama.attention.head_count",
+             "llama.attention.head_count_kv", "llama.context_length", "llama.attention.layer_norm_rms_epsilon",
+             "llama.rope.freq_base", "llama.rope.dimension_count", "llama.rope.scaling.type",
+             "llama.rope.scaling.factor", "llama.attention.key_length", "llama.attention.sliding_window",
+             "tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+             "tokenizer.ggml.merges", "tokenizer.ggml.pre", "tokenizer.ggml.bos_token_id",
+             "tokenizer.ggml.eos_token_id", "tokenizer.ggml.add_bos_token", "tokenizer.chat_template"]
+
+_INT_RANGE = {G.UINT8: (0, 255), G.INT8: (-128, 127), G.UINT16: (0, 2 ** 16 - 1), G.INT16: (-2 ** 15, 2 ** 15 - 1),
+              G.UINT32: (0, 2 ** 32 - 1), G.INT32: (-2 ** 31, 2 ** 31 - 1), G.UINT64: (0, 2 ** 64 - 1),
+              G.INT64: (-2 ** 63, 2 ** 63 - 1)}
+
+
+def _scalar(t):
+    if t in _INT_RANGE:
+        lo, hi = _INT_RANGE[t]
+        return st.one_of(st.integers(lo, hi), st.sampled_from([v for v in HUGE_INTS if lo <= v <= hi]))
+    if t in (G.FLOAT32, G.FLOAT64):
+        return st.floats(allow_nan=True, allow_infinity=True, width=32 if t == G.FLOAT32 else 64)
+    if t == G.BOOL:
+        return st.booleans()
+    return st.one_of(st.text(max_size=20), templates)
+
+
+gguf_typed_values = st.one_of(
+    st.sampled_from(list(_INT_RANGE) + [G.FLOAT32, G.FLOAT64, G.BOOL, G.STRING]).flatmap(
+        lambda t: st.tuples(st.just(t), _scalar(t))),
+    st.sampled_from(list(_INT_RANGE) + [G.FLOAT32, G.BOOL, G.STRING]).flatmap(
+        lambda t: st.tuples(st.just(G.ARRAY), st.lists(_scalar(t), max_size=6).map(lambda xs, t=t: G.Array(t, xs)))),
+    st.integers(2, 100000).map(lambda d: (G.ARRAY, G.nested_array(d))),
+)
+
+gguf_mutations = st.one_of(
+    st.tuples(st.just("set"), st.sampled_from(GGUF_KEYS), gguf_typed_values),
+    st.tuples(st.just("remove"), st.sampled_from(GGUF_KEYS), st.none()),
+    st.tuples(st.just("token"), st.integers(0, 600), st.one_of(st.text(max_size=30),
+                                                               st.integers(1, 10 ** 6).map(lambda n: "a" * n))),
+    st.tuples(st.just("tensor"), st.integers(0, 20),
+              st.tuples(st.sampled_from(["dims", "type", "offset", "name"]),
+                        st.one_of(st.lists(st.sampled_from([0, 1, 32, 256, 2 ** 32, 2 ** 63]), max_size=5),
+                                  st.integers(0, 2 ** 64 - 1), st.text(max_size=20)))),
+    st.tuples(st.just("version"), st.integers(0, 2 ** 32 - 1), st.none()),
+    st.tuples(st.just("relayout"), st.sampled_from([1, 2, 4, 8, 64, 4096]), st.none()),   # valid files
+    st.tuples(st.just("truncate"), st.integers(0, 2 * 10 ** 6), st.none()),
+)
+
+
+def _apply_gguf(seed: G.RawGGUF, m) -> tuple[bytes, str]:
+    g = copy.deepcopy(seed)
+    op, a, b = m
+    if op == "set":
+        g.set(a, b[0], b[1])
+    elif op == "remove":
+        g.remove(a)
+    elif op == "token":
+        toks = g.get("tokenizer.ggml.tokens")
+        toks.items[a % len(toks.items)] = b
+    elif op == "tensor":
+        row = g.tensors[a % len(g.tensors)]
+        field, v = b
+        if field == "dims" and isinstance(v, list):
+            row[1] = v
+        elif field == "type" and isinstance(v, int):
+            row[2] = v % 2 ** 32
+        elif field == "offset" and isinstance(v, int):
+            row[3] = v
+        elif field == "name":
+            row[0] = str(v)
+    elif op == "version":
+        g.version = a
+    elif op == "relayout":
+        G.relayout(g, a)
+    raw = g.to_bytes()
+    if op == "truncate":
+        raw = raw[:a % (len(raw) + 1)]
+    return raw, f"gguf: {op} {a!r} {repr(b)[:200]}"
+
+
+def test_fuzz_gguf(gguf_seed, tmp_path):
+    cases = []
+    for i, m in enumerate(_collect(gguf_mutations, 2 * EXAMPLES)):
+        raw, what = _apply_gguf(gguf_seed, m)
+        p = tmp_path / f"case{i}.gguf"
+        p.write_bytes(raw)
+        argv = ["generate", "-m", str(p), "-p", "Hello", "-n", "2", "--temp", "0", "--no-stats"]
+        if i % 3 == 0:
+            argv.append("--chat-template")
+        cases.append((argv, what))
+    _assert_all_clean(cases, tmp_path)
+
+
+# ============================================================================ command-line flags
+
+FLAG_VALUES = st.one_of(st.sampled_from(["0", "-1", "1", "2", "10", "4096", "100000000", "1" + "0" * 30,
+                                         "1e3", "nan", "inf", "-inf", "1e-40", "0.5", "", "abc", "0x10",
+                                         "1,2", "1-3", "-", "\n"]),
+                        st.integers(-10 ** 12, 10 ** 12).map(str))
+GENERATE_FLAGS = ["-n", "-c", "-t", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed",
+                  "--threads-batch", "--backend"]
+BENCH_FLAGS = ["-p", "-n", "-d", "-t", "-r", "-c", "--backend"]
+
+flag_sets = st.one_of(
+    st.tuples(st.just("generate"), st.lists(st.tuples(st.sampled_from(GENERATE_FLAGS), FLAG_VALUES), max_size=3)),
+    st.tuples(st.just("bench"), st.lists(st.tuples(st.sampled_from(BENCH_FLAGS), FLAG_VALUES), max_size=3)),
+)
+
+
+def test_fuzz_cli_flags(hf_seed, tmp_path):
+    cases = []
+    for cmd, flags in _collect(flag_sets):
+        argv = [cmd, "-m", str(hf_seed)]
+        if cmd == "generate":
+            argv += ["-p", "Hello", "--no-stats"]
+        else:
+            argv += ["-r", "1", "--no-progress"]
+        for f, v in flags:
+            argv += [f, v]
+        if cmd == "generate" and not any(f == "-n" for f, _ in flags):
+            argv += ["-n", "4"]
+        cases.append((argv, "flags " + " ".join(argv[3:])))
+    _assert_all_clean(cases, tmp_path)
