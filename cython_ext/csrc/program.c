@@ -17,6 +17,7 @@
 #include <math.h>
 #include <stddef.h>
 #include "kernels.h"
+#include "quant.h"
 #include "omp_shim.h"
 
 int64_t cyllm_attention_scratch(int64_t n_heads, int64_t hd, int64_t t_len) {
@@ -114,13 +115,15 @@ static inline void row_split(int64_t d, int tid, int nth, int64_t *r0, int64_t *
     if (*r1 > d) *r1 = d;
 }
 
-static void run_op(const cyllm_kernels *kt, const cyllm_op *ops, int i, int tid, int nth,
-                   int64_t token, int64_t pos, float *scratch) {
+static void run_op(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyllm_op *ops, int i,
+                   int tid, int nth, int64_t token, int64_t pos, float *scratch) {
     const cyllm_op *o = &ops[i];
     int64_t p = o->dyn ? pos : o->fixed;
     switch (o->kind) {
     case CYLLM_OP_MATVEC:
-    case CYLLM_OP_GATE_UP: {
+    case CYLLM_OP_GATE_UP:
+    case CYLLM_OP_QMATVEC:
+    case CYLLM_OP_QGATE_UP: {
         int64_t r0, r1;
         row_split(o->d, tid, nth, &r0, &r1);
         if (r0 >= r1) return;
@@ -132,16 +135,41 @@ static void run_op(const cyllm_kernels *kt, const cyllm_op *ops, int i, int tid,
             int64_t q0, q1;
             row_split(nw->d, tid, nth, &q0, &q1);
             if (q0 < q1) {
-                nx = (const uint16_t *)nw->a + q0 * nw->n;
-                nx_bytes = (q1 - q0) * nw->n * 2;
+                nx = (const char *)nw->a + q0 * nw->rb;
+                nx_bytes = (q1 - q0) * nw->rb;
             }
         }
-        if (o->kind == CYLLM_OP_MATVEC)
+        switch (o->kind) {
+        case CYLLM_OP_MATVEC:
             kt->matvec_rows(o->out, (const uint16_t *)o->a, (const float *)o->c, o->n, r0, r1,
                             o->mode, nx, nx_bytes);
-        else
+            break;
+        case CYLLM_OP_GATE_UP:
             kt->gate_up_rows(o->out, (const uint16_t *)o->a, (const uint16_t *)o->b,
                              (const float *)o->c, o->n, r0, r1, o->mode, nx, nx_bytes);
+            break;
+        case CYLLM_OP_QMATVEC:
+            qk->fmt[o->qfmt].matvec_rows(o->out, (const uint8_t *)o->a, o->rb, o->xq, o->n, r0, r1,
+                                         o->mode, nx, nx_bytes);
+            break;
+        default:
+            qk->fmt[o->qfmt].gate_up_rows(o->out, (const uint8_t *)o->a, (const uint8_t *)o->b, o->rb,
+                                          o->xq, o->n, r0, r1, o->mode, nx, nx_bytes);
+        }
+        return;
+    }
+    case CYLLM_OP_QUANTIZE:
+        if (o->mode == 0) {         /* blocks split over the team (each block's bytes are its own) */
+            int64_t nb = o->n / cyllm_qact_block(o->act);
+            int64_t b0 = nb * tid / nth, b1 = nb * (tid + 1) / nth;
+            if (b0 < b1) qk->quantize_act(o->xq, (const float *)o->c, o->n, o->act, b0, b1);
+            return;
+        }
+        break;
+    case CYLLM_OP_GLU: {
+        int64_t r0, r1;
+        row_split(o->n, tid, nth, &r0, &r1);
+        cyllm_qglu(o->out, (const float *)o->a, (const float *)o->b, r0, r1, o->mode);
         return;
     }
     case CYLLM_OP_ATTENTION: {
@@ -155,6 +183,15 @@ static void run_op(const cyllm_kernels *kt, const cyllm_op *ops, int i, int tid,
     }
     if (tid != 0) return;               /* the small vector ops: thread 0 alone */
     switch (o->kind) {
+    case CYLLM_OP_QUANTIZE:
+        qk->quantize_act(o->xq, (const float *)o->c, o->n, o->act, 0, o->n / cyllm_qact_block(o->act));
+        break;
+    case CYLLM_OP_QEMBED:
+        qk->fmt[o->qfmt].dequant_row_f32(o->out, (const uint8_t *)o->a + (o->dyn ? token : o->fixed) * o->rb,
+                                         o->n);
+        if (o->scale != 1.0f)
+            for (int64_t i = 0; i < o->n; i++) o->out[i] *= o->scale;
+        break;
     case CYLLM_OP_EMBED:
         kt->f16_to_f32(o->out, (const uint16_t *)o->a + (o->dyn ? token : o->fixed) * o->n, o->n);
         if (o->scale != 1.0f)
@@ -195,10 +232,10 @@ static void run_op(const cyllm_kernels *kt, const cyllm_op *ops, int i, int tid,
     }
 }
 
-void cyllm_program_run(const cyllm_kernels *kt, const cyllm_op *ops, int n_ops, int nt,
-                       int64_t token, int64_t pos, float *scratch) {
+void cyllm_program_run(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyllm_op *ops,
+                       int n_ops, int nt, int64_t token, int64_t pos, float *scratch) {
     if (nt <= 1) {
-        for (int i = 0; i < n_ops; i++) run_op(kt, ops, i, 0, 1, token, pos, scratch);
+        for (int i = 0; i < n_ops; i++) run_op(kt, qk, ops, i, 0, 1, token, pos, scratch);
         return;
     }
 #ifdef _OPENMP
@@ -206,13 +243,13 @@ void cyllm_program_run(const cyllm_kernels *kt, const cyllm_op *ops, int n_ops, 
     {
         int tid = omp_get_thread_num(), nth = omp_get_num_threads();
         for (int i = 0; i < n_ops; i++) {
-            run_op(kt, ops, i, tid, nth, token, pos, scratch);
+            run_op(kt, qk, ops, i, tid, nth, token, pos, scratch);
             if (ops[i].barrier) {
                 #pragma omp barrier
             }
         }
     }
 #else
-    for (int i = 0; i < n_ops; i++) run_op(kt, ops, i, 0, 1, token, pos, scratch);
+    for (int i = 0; i < n_ops; i++) run_op(kt, qk, ops, i, 0, 1, token, pos, scratch);
 #endif
 }
