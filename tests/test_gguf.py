@@ -15,6 +15,7 @@ from gguf import quants  # noqa: E402
 
 from cyllm.errors import ModelLoadError, UnsupportedModelError  # noqa: E402
 from cyllm.loading.gguf import load_gguf, read_gguf  # noqa: E402
+from cyllm.quant import QuantMatrix  # noqa: E402
 from conftest import HOST_BACKENDS
 
 
@@ -149,17 +150,25 @@ def gguf_from_hf_rows(w, n_heads):
 
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_K, QT.Q6_K])
 def test_tensor_types_dequantize(tmp_path, qtype):
+    """Float matrices load as float16; native block formats as QuantMatrix views of the file
+    (q/k: a row-permuted copy) whose blocks dequantize (gguf package) to the file's values."""
     p = tmp_path / f"tiny-{qtype.name}.gguf"
     src = write_tiny_gguf(p, qtype=qtype)
     cfg, weights, tok = load_gguf(p)
     assert cfg.n_layers == 1 and cfg.dim == 256 and cfg.head_dim == 64 and not cfg.tie_word_embeddings
     gf = read_gguf(p)
+    quantized = qtype not in (QT.F32, QT.F16, QT.BF16)
     for gname, hname, heads in [("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", 0),
                                 ("token_embd.weight", "model.embed_tokens.weight", 0),
                                 ("output.weight", "lm_head.weight", 0),
                                 ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", 4),
                                 ("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj.weight", 2)]:
         got = weights[hname]
+        if quantized:
+            assert isinstance(got, QuantMatrix) and got.fmt.ggml_type == int(qtype)
+            if not heads:      # stays in the memory map
+                assert not got.data.flags.writeable and not got.data.flags.owndata
+            got = quants.dequantize(got.data, qtype).reshape(got.shape).astype(np.float16)
         assert got.dtype == np.float16 and got.shape == src[gname].shape
         info = gf.tensors[gname]
         raw = np.frombuffer(gf.buf, np.uint8, info.nbytes, info.offset)
@@ -393,9 +402,14 @@ def test_real_logits_match_transformers(ours, hf):
     got = ours.logits(ids)
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].float().numpy()
+    # cyllm computes the file's Q4_1/Q8_0 blocks natively with x rounded to int8 blocks
+    # (as llama.cpp does); transformers dequantizes to float32. The rounding of x moves the
+    # logits by a few percent of their range (tests/test_quant_model.py bounds the kernels'
+    # own error tightly; perplexity against llama.cpp's in test_quant_perplexity.py)
     rel = np.abs(got - ref).max() / np.abs(ref).max()
-    assert rel < 1e-2, rel
-    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.95
+    mean_rel = np.abs(got - ref).mean() / np.abs(ref).mean()
+    assert rel < 0.1 and mean_rel < 0.05, (rel, mean_rel)
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
 
 
 def test_real_greedy_matches_transformers(ours, hf):

@@ -1,4 +1,4 @@
-"""`cyllm generate|chat|info|bench|tune|perplexity|convert`.
+"""`cyllm generate|chat|info|bench|tune|perplexity|convert|quantize`.
 
 Every user error ends as one line on stderr (``cyllm: error: ...``) and exit
 status 2; results go to stdout, progress and statistics to stderr.
@@ -45,6 +45,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "or the tuned value)")
     p.add_argument("-c", "--context", type=_pos_int, help="context window in tokens (default: the "
                    "model's, at most 4096)")
+    p.add_argument("--quantize", metavar="TYPE", help="quantize float weights in memory at load: "
+                   "q8_0, q4_0 or q4_k (llama.cpp's Q4_K_M recipe)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, default_temp: float) -> None:
@@ -108,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_bench_parser(sub, _add_model_args)
         add_tune_parser(sub, _add_model_args)
+    from .quantize import add_quantize_parser
+    add_quantize_parser(sub)
     return parser
 
 
@@ -119,7 +123,7 @@ def _version() -> str:
 def _load(a):
     import cyllm
     return cyllm.load(a.model, backend=a.backend, threads=a.threads, context=a.context,
-                      threads_batch=getattr(a, "threads_batch", None))
+                      threads_batch=getattr(a, "threads_batch", None), quantize=getattr(a, "quantize", None))
 
 
 def _print_stats(stats, quiet: bool) -> None:

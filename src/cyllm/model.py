@@ -15,6 +15,7 @@ import numpy as np
 from .backends import get_backend
 from .config import ModelConfig
 from .families import family
+from .quant.convert import concat_rows
 from .errors import ContextFullError, InvalidArgumentError
 
 DEFAULT_CONTEXT = 4096
@@ -24,6 +25,7 @@ PREFILL_CHUNK = 256       # prompt tokens per batched pass: weights are read onc
 @dataclass
 class Layer:
     """One block's weights (backend arrays), its KV cache and its attention settings."""
+    # matrices: float16 backend arrays or QuantMatrix (blocks of a quantized format), see loading
     attn_norm: Any                # (dim,) f32
     wq: Any                       # (n_heads*head_dim, dim) f16 (a row view of wqkv when fused)
     wk: Any                       # (n_kv*head_dim, dim) f16
@@ -237,7 +239,7 @@ class Model:
             if fam.fused_qkv:
                 wqkv = up(get("attn_qkv.weight", i))
             elif b.fuse_qkv:
-                wqkv = up(np.concatenate([get(r, i) for r in ("attn_q.weight", "attn_k.weight", "attn_v.weight")]))
+                wqkv = up(concat_rows([get(r, i) for r in ("attn_q.weight", "attn_k.weight", "attn_v.weight")]))
             biases = [get(r, i) for r in ("attn_q.bias", "attn_k.bias", "attn_v.bias")]
             has_bias = all(x is not None for x in biases)
             if wqkv is not None:

@@ -215,7 +215,7 @@ def cmd_tune(a) -> int:
     tg = parse_int_list(a.tg, "--tg", minimum=1)[0]
     check_thread_counts(threads)
     tests = [Test("pp", pp), Test("tg", tg)]
-    src = load_source(a.model, a.synthetic, seed, backends, max(pp, tg))
+    src = load_source(a.model, a.synthetic, seed, backends, max(pp, tg), getattr(a, "quantize", None))
     cfg = BenchConfig(backends=backends, threads=threads, tests=tests, repetitions=reps,
                       seed=seed, context=a.context or max(pp, tg), overhead=False,
                       progress=not a.no_progress)

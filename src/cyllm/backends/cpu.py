@@ -20,6 +20,7 @@ import os
 import numpy as np
 
 from ..errors import BackendUnavailableError
+from ..quant.formats import QuantMatrix
 from ..threads import resolve_threads
 from .base import DECODE_OPS, Backend, HostArrays
 
@@ -130,7 +131,10 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
     def upload(self, a: np.ndarray) -> np.ndarray:
         """The array itself when already usable: no copy of mmapped f16 weights or f32
         vectors. Otherwise a C-contiguous, aligned, native-order copy; float64 becomes
-        float32 and a 1-D float16 vector float32 (every vector op reads f32)."""
+        float32 and a 1-D float16 vector float32 (every vector op reads f32). A QuantMatrix
+        is used as it is (its blocks, usually in the file's memory map)."""
+        if isinstance(a, QuantMatrix):
+            return a
         a = np.asarray(a)
         if a.dtype == np.float64 or (a.dtype == np.float16 and a.ndim == 1):
             a = a.astype(np.float32)

@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BackendUnavailableError, InvalidArgumentError, ModelLoadError
+from ..quant.convert import dequantize_f16
+from ..quant.formats import QuantMatrix
 from .base import ACTIVATIONS, Backend, check_token
 
 try:  # CuPy is an optional extra; a broken CUDA install can raise more than ImportError
@@ -290,6 +292,8 @@ class CudaBackend(Backend):
                 f"{free / gib:.2f} GiB free (of {total / gib:.2f} GiB); use a smaller model or --backend cpu")
 
     def upload(self, a: np.ndarray):
+        if isinstance(a, QuantMatrix):     # no native CUDA kernels yet (issue 11): f16 on the GPU
+            a = dequantize_f16(a)
         a = np.asarray(a)
         if a.dtype == np.float64:
             a = a.astype(np.float32)
