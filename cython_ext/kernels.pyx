@@ -84,6 +84,7 @@ cdef extern from "csrc/kernels.h" nogil:
     int cyllm_avx512_compiled() noexcept
     int cyllm_pf_groups
     int cyllm_pf_next
+    int cyllm_spin
     void cyllm_rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps) noexcept
     void cyllm_rope_rows(float *v, int64_t heads, int64_t hd, int64_t half, const float *c,
                          const float *s) noexcept
@@ -150,6 +151,12 @@ cdef inline Py_ssize_t _window(object window) except -1:
     if w < 0:
         raise InvalidArgumentError(f"window must be >= 0 (0: no window), got {w}")
     return w
+
+
+def _set_spin(int polls):
+    """Polls a decode-program thread spins at a barrier before it sleeps (benchmarks only)."""
+    global cyllm_spin
+    cyllm_spin = polls
 
 
 def _set_prefetch(int groups, int across_ops=1):

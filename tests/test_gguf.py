@@ -360,8 +360,17 @@ def real_path():
 
 @pytest.fixture(scope="module")
 def ours(real_path):
-    import cyllm
-    return cyllm.load(real_path, backend=pick_backend())
+    """The real GGUF through cyllm's loader, tokenizer and model, with its Q4_1/Q8_0 blocks
+    dequantized to f16 as transformers dequantizes them: these tests check the reading of
+    the file and the model's math; the native quantized kernels (which also round x to
+    int8 blocks, as llama.cpp does) are checked against llama.cpp in test_quant_perplexity.py."""
+    from cyllm.loading import load_path
+    from cyllm.model import Model
+    from cyllm.quant import QuantMatrix
+    from cyllm.quant.convert import dequantize_f16
+    cfg, weights, tok = load_path(real_path)
+    weights = {k: dequantize_f16(v) if isinstance(v, QuantMatrix) else v for k, v in weights.items()}
+    return Model(cfg, weights, tok, backend=pick_backend())
 
 
 @pytest.fixture(scope="module")
@@ -402,14 +411,9 @@ def test_real_logits_match_transformers(ours, hf):
     got = ours.logits(ids)
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].float().numpy()
-    # cyllm computes the file's Q4_1/Q8_0 blocks natively with x rounded to int8 blocks
-    # (as llama.cpp does); transformers dequantizes to float32. The rounding of x moves the
-    # logits by a few percent of their range (tests/test_quant_model.py bounds the kernels'
-    # own error tightly; perplexity against llama.cpp's in test_quant_perplexity.py)
     rel = np.abs(got - ref).max() / np.abs(ref).max()
-    mean_rel = np.abs(got - ref).mean() / np.abs(ref).mean()
-    assert rel < 0.1 and mean_rel < 0.05, (rel, mean_rel)
-    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+    assert rel < 1e-2, rel
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.95
 
 
 def test_real_greedy_matches_transformers(ours, hf):

@@ -99,6 +99,7 @@ float cyllm_act(float x, int act);
 /* matvec software prefetch distance in units of 4 rows (0 = off); see kernels_avx2.c */
 extern int cyllm_pf_groups;
 extern int cyllm_pf_next;       /* program.c: 1 = decode program prefetches across ops */
+extern int cyllm_spin;          /* program.c: polls at a barrier before a waiter sleeps */
 /* out (n,) = x / sqrt(mean(x^2) + eps) * w: sum of squares in double, one f32 scale.
  * Shared by the rmsnorm op and the decode program so both give the same bits. */
 void cyllm_rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps);

@@ -211,6 +211,10 @@ def cmd_info(a) -> int:
         print(f"kernel variant: {info['variant']}"
               + ("  (forced by CYLLM_KERNELS)" if os.environ.get("CYLLM_KERNELS") else ""))
         print(f"openmp: {'yes' if info['openmp'] else 'no (single-threaded build)'}")
+        for fmt, how in info.get("formats", {}).items():
+            print(f"weights {fmt}: {how}")
+        if "quant_error" in info:
+            print(f"quantized kernels: unavailable ({info['quant_error']})")
     except CyllmError as e:
         print(f"cpu backend: unavailable ({e})")
     except ImportError as e:

@@ -177,4 +177,28 @@ def kernel_info() -> dict:
     }
     if _k._DEFAULT_ERROR is not None:
         info["error"] = str(_k._DEFAULT_ERROR)
+    else:
+        try:
+            q = _k.QuantKernels(1, None, _k.DEFAULT_VARIANT)
+            info["quant_variant"] = q.quant_variant
+            info["formats"] = weight_format_kernels(q)
+        except Exception as e:          # noqa: BLE001 -- a bad $CYLLM_QKERNELS: say why
+            info["quant_error"] = str(e)
     return info
+
+
+def weight_format_kernels(q=None) -> dict:
+    """{format: what computes it on this CPU}: the kernel table indexed by format."""
+    from ..quant.formats import FORMATS
+    if q is None:
+        q = _k.QuantKernels(1, None, _k.DEFAULT_VARIANT)
+    dot = {"generic": "portable C", "avx2": "AVX2 vpmaddubsw", "avxvnni": "AVX-VNNI vpdpbusd",
+           "avx512vnni": "AVX512-VNNI vpdpbusd"}[q.quant_variant]
+    out = {"f16": f"{_k.DEFAULT_VARIANT} f16 kernels (F16C + FMA)" if _k.DEFAULT_VARIANT != "generic"
+           else "generic f16 kernels (portable C)"}
+    for f in FORMATS.values():
+        if not f.quantized:
+            continue
+        out[f.name] = (f"{q.quant_variant}: {dot} integer dot, x as {f.act} blocks; prefill "
+                       + ("int8 GEMM" if q.prefill_method_of(f.name) == "int8" else "f16 panels + f16 GEMM"))
+    return out
