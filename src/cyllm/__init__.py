@@ -14,23 +14,32 @@ __version__ = "0.1.0"
 __all__ = ["load", "Model", "Chat", "CyllmError", "__version__"]
 
 
-def load(path=None, backend: str = "cpu", threads=None, context=None, threads_batch=None):
+def load(path=None, backend: str = "cpu", threads=None, context=None, threads_batch=None,
+         quantize: str | None = None):
     """Load a Hugging Face model directory or a GGUF file (None: the default model).
 
     backend: "cpu" (default), "cuda" or "numpy" (the slow float32 reference).
     threads: kernel threads (default: OMP_NUM_THREADS, saved tuning, or physical cores).
     threads_batch: threads for prompt processing, when it should differ from ``threads``.
     context: KV-cache positions (default: the model's context length, at most 4096).
+    quantize: "q8_0" | "q4_0" | "q4_k": quantize the float matrices in memory at load
+    (llama.cpp's recipes: q4_k is Q4_K_M's); quantized GGUF tensors stay as stored.
     """
     from .backends import get_backend
     from .loading import load_path
     from .model import Model
 
+    if quantize is not None:
+        from .quant.convert import check_quantize_type
+        quantize = check_quantize_type(quantize)
     be = get_backend(backend, threads)       # fail fast on a bad backend or thread count
     if path is None:
         from .default_model import default_model_path
         path = default_model_path()
     config, weights, tokenizer = load_path(path)
+    if quantize is not None:
+        from .quant.convert import quantize_weights
+        quantize_weights(config, weights, quantize, be.threads if be.name == "cpu" else None)
     model = Model(config, weights, tokenizer, backend=be, context=context)
     _apply_thread_policy(model, threads, threads_batch)
     return model

@@ -174,8 +174,18 @@ def weight_format_of(path) -> tuple[str, int]:
         return "?", size
 
 
-def load_source(model=None, synthetic=None, seed: int = 0, backends=("cpu",), context: int = 0) -> ModelSource:
-    """Weights from a path (HF dir / GGUF), a synthetic preset, or the default model."""
+def load_source(model=None, synthetic=None, seed: int = 0, backends=("cpu",), context: int = 0,
+                quantize: str | None = None) -> ModelSource:
+    """Weights from a path (HF dir / GGUF), a synthetic preset, or the default model;
+    quantize: as cyllm.load's (float matrices quantized in memory)."""
+    if quantize is not None:
+        from .quant.convert import check_quantize_type
+        quantize = check_quantize_type(quantize)
+        src = load_source(model, synthetic, seed, backends, context)
+        from .quant.convert import quantize_weights
+        quantize_weights(src.config, src.weights, quantize)
+        src.label += f" --quantize {quantize}"
+        return src
     if model and synthetic:
         raise InvalidArgumentError("pass either -m/--model or --synthetic, not both")
     if synthetic:
@@ -680,7 +690,7 @@ def cmd_bench(a) -> int:
     check_thread_counts(threads)
     context = a.context or needed_context(tests)
     from .hub import model_path          # a Hugging Face name works here too
-    src = load_source(model_path(a.model), a.synthetic, seed, backends, context)
+    src = load_source(model_path(a.model), a.synthetic, seed, backends, context, getattr(a, "quantize", None))
     cfg = BenchConfig(backends=backends, threads=threads, tests=tests, repetitions=reps,
                       seed=seed, context=context, progress=not a.no_progress)
     results = run_bench(src, cfg)

@@ -1,4 +1,4 @@
-"""`cyllm generate|chat|info|models|bench|tune|perplexity|convert`.
+"""`cyllm generate|chat|info|models|bench|tune|perplexity|convert|quantize`.
 
 Every user error ends as one line on stderr (``cyllm: error: ...``) and exit
 status 2; a bug ends as one line ``cyllm: internal error: ...`` and exit status
@@ -42,6 +42,8 @@ def _add_model_args(p: argparse.ArgumentParser, threads_batch: bool = True, cont
                        "--threads, or the tuned value)")
     p.add_argument("-c", "--context", "--ctx-size", dest="context", type=pos_int,
                    help=context_help or "context window in tokens (default: the model's, at most 4096)")
+    p.add_argument("--quantize", metavar="TYPE", help="quantize float weights in memory at load: "
+                   "q8_0, q4_0 or q4_k (llama.cpp's Q4_K_M recipe)")
 
 
 def _add_bench_model_args(p: argparse.ArgumentParser) -> None:
@@ -135,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_bench_parser(sub, _add_bench_model_args)
         add_tune_parser(sub, _add_bench_model_args)
+    from .quantize import add_quantize_parser
+    add_quantize_parser(sub)
     parser.commands = dict(sub.choices)
     return parser
 
@@ -148,7 +152,7 @@ def _version() -> str:
 def _load(a):
     import cyllm
     model = cyllm.load(model_path(a.model), backend=a.backend, threads=a.threads, context=a.context,
-                       threads_batch=getattr(a, "threads_batch", None))
+                       threads_batch=getattr(a, "threads_batch", None), quantize=getattr(a, "quantize", None))
     trained = model.config.max_seq_len
     if a.context and a.context > trained:
         warn(f"--context {a.context} is larger than the {trained} tokens the model was trained on; "
@@ -281,6 +285,10 @@ def cmd_info(a) -> int:
         print(f"kernel variant: {info['variant']}"
               + ("  (forced by CYLLM_KERNELS)" if os.environ.get("CYLLM_KERNELS") else ""))
         print(f"openmp: {'yes' if info['openmp'] else 'no (single-threaded build)'}")
+        for fmt, how in info.get("formats", {}).items():
+            print(f"weights {fmt}: {how}")
+        if "quant_error" in info:
+            print(f"quantized kernels: unavailable ({one_line(info['quant_error'])})")
     except (CyllmError, ImportError) as e:
         print(f"cpu backend: unavailable ({one_line(e)})")
     src = "OMP_NUM_THREADS" if os.environ.get("OMP_NUM_THREADS") else "physical cores"

@@ -21,12 +21,14 @@ from .memory import check_model_fits
 from .oneline import one_line
 
 DEFAULT_CONTEXT = 4096
-PREFILL_CHUNK = 256       # prompt tokens per batched pass: weights are read once per chunk
+PREFILL_CHUNK = 256
+QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")       # prompt tokens per batched pass: weights are read once per chunk
 
 
 @dataclass
 class Layer:
     """One block's weights (backend arrays), its KV cache and its attention settings."""
+    # matrices: float16 backend arrays or QuantMatrix (blocks of a quantized format), see loading
     attn_norm: Any                # (dim,) f32
     wq: Any                       # (n_heads*head_dim, dim) f16 (a row view of wqkv when fused)
     wk: Any                       # (n_kv*head_dim, dim) f16
@@ -243,8 +245,10 @@ class Model:
             wqkv = bqkv = None
             if fam.fused_qkv:
                 wqkv = up(get("attn_qkv.weight", i))
-            elif b.fuse_qkv:
-                wqkv = up(np.concatenate([get(r, i) for r in ("attn_q.weight", "attn_k.weight", "attn_v.weight")]))
+            elif b.fuse_qkv and all(isinstance(get(r, i), np.ndarray) for r in QKV):
+                # float16 only: quantized q/k/v often differ in format (Q4_K_M: v in Q6_K), and a
+                # fused copy of blocks would double their memory; they stay three matvecs
+                wqkv = up(np.concatenate([get(r, i) for r in QKV]))
             biases = [get(r, i) for r in ("attn_q.bias", "attn_k.bias", "attn_v.bias")]
             has_bias = all(x is not None for x in biases)
             if wqkv is not None:
@@ -252,7 +256,7 @@ class Model:
                 if has_bias:
                     bqkv = up(np.concatenate(biases))
             else:
-                wq, wk, wv = (up(get(r, i)) for r in ("attn_q.weight", "attn_k.weight", "attn_v.weight"))
+                wq, wk, wv = (up(get(r, i)) for r in QKV)
             if bqkv is not None:
                 bq, bk, bv = bqkv[:qd], bqkv[qd:qd + kd], bqkv[qd + kd:]
             elif has_bias:

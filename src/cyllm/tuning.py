@@ -119,7 +119,7 @@ def cmd_tune(a) -> int:
     check_thread_counts(threads)
     tests = [Test("pp", pp), Test("tg", tg)]
     from .hub import model_path          # a Hugging Face name works here too
-    src = load_source(model_path(a.model), a.synthetic, seed, backends, max(pp, tg))
+    src = load_source(model_path(a.model), a.synthetic, seed, backends, max(pp, tg), getattr(a, "quantize", None))
     cfg = BenchConfig(backends=backends, threads=threads, tests=tests, repetitions=reps,
                       seed=seed, context=a.context or max(pp, tg), overhead=False,
                       progress=not a.no_progress)

@@ -1,8 +1,9 @@
 """Model loading: dispatch on the path, plus the shared weight validation.
 
 Every loader returns ``(ModelConfig, weights, Tokenizer | None)`` where
-``weights`` follows the weights contract (HF tensor names, matrices float16,
-1-D tensors float32) and has passed :func:`validate_weights`.
+``weights`` follows the weights contract (HF tensor names; a matrix is a float16
+array or a cyllm.quant.QuantMatrix in a native block format; 1-D tensors float32)
+and has passed :func:`validate_weights`.
 """
 
 from __future__ import annotations

@@ -19,10 +19,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def validate_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> None:
     """Check presence, shape and dtype of every tensor the model reads.
 
-    Matrices must be float16 and 1-D tensors float32 (the weights contract).
-    A tied checkpoint may still carry lm_head.weight; then it is checked too.
-    Raises ModelLoadError naming the first offending tensor.
+    Matrices must be float16 arrays or QuantMatrix (whose rows are whole blocks of its
+    format and whose data has the size the shape needs) and 1-D tensors float32 (the
+    weights contract). A tied checkpoint may still carry lm_head.weight; then it is
+    checked too. Raises ModelLoadError naming the first offending tensor.
     """
+    from ..quant.formats import QuantMatrix
     fam = family(config.arch)
     for t, i in fam.expected(config):
         name, shape = t.hf_name(i), t.shape(config)
@@ -31,6 +33,13 @@ def validate_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> Non
             if t.optional and config.tie_word_embeddings:
                 continue
             raise ModelLoadError(f"missing tensor {name}")
+        if isinstance(arr, QuantMatrix) and len(shape) == 2:
+            if arr.shape != shape:
+                raise ModelLoadError(f"tensor {name} has shape {arr.shape}, expected {shape}")
+            if shape[1] % arr.fmt.block or arr.data.shape != (shape[0], arr.fmt.row_bytes(shape[1])):
+                raise ModelLoadError(f"tensor {name}: {arr.fmt.name} data of shape {arr.data.shape} "
+                                     f"does not hold {shape[0]} rows of {shape[1]} elements")
+            continue
         if not isinstance(arr, np.ndarray):
             raise ModelLoadError(f"tensor {name} is a {type(arr).__name__}, not a numpy array")
         if tuple(arr.shape) != shape:
