@@ -110,7 +110,8 @@ def test_decode_equals_prefill(family_material, kind, backend):
     # that lands on an FP16 rounding boundary then differs by one FP16 ulp (~5e-4 of itself) in
     # the cache; measured worst case 1.03e-4 on cpu (llama32). The cuda prefill also feeds
     # cuBLAS FP16 inputs. Measured worst case on the host backends: 4.4e-4 (mistral_swa, numpy).
-    assert rel_err(got, want) < 1e-3
+    # cuda: its prefill rounds activations to FP16 for cuBLAS (measured 1.8e-3 on an H100, llama32)
+    assert rel_err(got, want) < (5e-3 if backend == "cuda" else 1e-3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
