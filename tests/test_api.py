@@ -22,7 +22,12 @@ def greedy(model, prompt, n=12, **kw):
 
 
 def fresh_last_logits(model, ids):
-    out = model.logits(ids)[-1].copy()
+    """The logits after ``ids`` from a fresh session: the prompt prefilled, the last token decoded
+    (a generation's own path; with quantized weights prefill and decode round differently)."""
+    model.kv_owner = None
+    s = Session(model)
+    s.feed(ids[:-1])
+    out = s.append(ids[-1]).copy()
     model.kv_owner = None
     return out
 
@@ -202,8 +207,13 @@ def test_create_completion_dict_and_stream(default_model):
 
 def test_create_chat_completion_matches_chat(default_model):
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    # each from an empty cache: a reused prefix would put decode-computed positions where the
+    # other ran prefill, and on quantized weights the two round activations differently
+    default_model.kv_owner = None
     r = default_model.create_chat_completion(msgs, max_tokens=10, temperature=0)
+    default_model.kv_owner = None
     ref = "".join(Chat(default_model, temperature=0.0).send(msgs[0]["content"], max_tokens=10))
+    default_model.kv_owner = None
     assert r["choices"][0]["message"] == {"role": "assistant", "content": ref}
     chunks = list(cyllm.completions.create_chat_completion(default_model, msgs, max_tokens=10, temperature=0,
                                                            stream=True))
