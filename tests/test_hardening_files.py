@@ -402,3 +402,14 @@ def test_messages_quote_paths_and_names_on_one_line(tiny, tmp_path, tiny_gguf):
     g.set("general.architecture", G.STRING, "evil\narch")
     p.write_bytes(g.to_bytes())
     one_line_error(ModelLoadError, load_path, p)
+
+
+def test_tokenizer_regex_that_backtracks_forever(tiny, tmp_path):
+    """A pre-tokenizer regex of a hostile tokenizer.json: Oniguruma stops it at its retry limit and
+    the library panics (a BaseException); cyllm turns that into one TokenizerError line."""
+    d = copy_dir(tiny, tmp_path / "m")
+    edit_json(d, "tokenizer.json", lambda t: t.update(pre_tokenizer={
+        "type": "Split", "pattern": {"Regex": "(a+)+$"}, "behavior": "Isolated", "invert": False}))
+    tok = load_path(d)[2]
+    assert tok.encode("ab") is not None
+    one_line_error(TokenizerError, tok.encode, "a" * 40 + "b", needles=["tokenizer"])
