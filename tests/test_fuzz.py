@@ -119,6 +119,8 @@ def hf_seed(tmp_path_factory):
 
 def _json_edit(data, key, value, delete):
     data = copy.deepcopy(data)
+    if key in ("rope_scaling", "rope_theta"):
+        data.pop("rope_parameters", None)      # else transformers 5's rope_parameters win
     if delete:
         data.pop(key, None)
     else:
@@ -128,7 +130,7 @@ def _json_edit(data, key, value, delete):
 
 hf_mutations = st.one_of(
     st.tuples(st.just("config.json"), st.sampled_from(CONFIG_KEYS), json_values, st.booleans()),
-    st.tuples(st.just("config.json"), st.just("rope_scaling"), ROPE, st.just(False)),
+    st.tuples(st.just("config.json"), st.sampled_from(["rope_scaling", "rope_parameters"]), ROPE, st.just(False)),
     st.tuples(st.just("config.json"), st.just("architectures"),
               st.lists(st.sampled_from(ARCHS), min_size=1, max_size=1), st.just(False)),
     st.tuples(st.sampled_from(["generation_config.json", "tokenizer_config.json"]),
@@ -145,7 +147,7 @@ def _apply_hf(seed: Path, out: Path, m) -> str:
     fname, key, value, delete = m
     path = out / fname
     if delete is None:        # a raw text edit
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8").rstrip()
         n = value
         if key == "truncate":
             path.write_text(text[:n % (len(text) + 1)], encoding="utf-8")

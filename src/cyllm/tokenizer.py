@@ -81,8 +81,8 @@ class Tokenizer:
         if not isinstance(text, str):
             raise InvalidArgumentError(f"encode() needs a str, got {type(text).__name__}")
         if self.add_bos is None:
-            return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
-        ids = list(self._tok.encode(text, add_special_tokens=False).ids)
+            return list(_guarded(self._tok.encode, text, add_special_tokens=add_special_tokens).ids)
+        ids = list(_guarded(self._tok.encode, text, add_special_tokens=False).ids)
         if add_special_tokens and self.add_bos and self.bos_id is not None:
             if not ids or ids[0] != self.bos_id:
                 ids.insert(0, self.bos_id)
@@ -101,7 +101,7 @@ class Tokenizer:
         return out
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return self._tok.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
+        return _guarded(self._tok.decode, self._check_ids(ids), skip_special_tokens=skip_special_tokens)
 
     def _special_ids(self) -> frozenset[int]:
         return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
@@ -159,10 +159,7 @@ class Tokenizer:
         if not tpath.is_file():
             return None
         import tokenizers
-        try:
-            tok = tokenizers.Tokenizer.from_file(str(tpath))
-        except Exception as e:  # the library raises plain Exception on bad files
-            raise TokenizerError(f"{one_line(tpath)}: cannot load tokenizer ({one_line(e, 300)})") from None
+        tok = _guarded(tokenizers.Tokenizer.from_file, str(tpath), what=f"{one_line(tpath)}: cannot load tokenizer")
 
         tcfg = _read_json(d / "tokenizer_config.json")
         mcfg = _read_json(d / "config.json")
@@ -237,7 +234,7 @@ class StreamDecoder:
         self._emitted = 0    # chars of decode(ids[start:]) already emitted
 
     def _dec(self, ids) -> str:
-        return self._t._tok.decode(ids, skip_special_tokens=self._skip)
+        return _guarded(self._t._tok.decode, ids, skip_special_tokens=self._skip)
 
     def add(self, token_id: int) -> str:
         self._ids.extend(self._t._check_ids([token_id]))
@@ -267,6 +264,21 @@ class StreamDecoder:
 
 
 # ---------------------------------------------------------------- helpers
+def _guarded(fn, *args, what: str = "the tokenizer failed on this text", **kwargs):
+    """Call the `tokenizers` library: its failures on a hostile tokenizer.json become one line.
+
+    A pre-tokenizer regex from the file can backtrack past Oniguruma's retry limit;
+    the library then panics, which reaches Python as pyo3's PanicException, a
+    BaseException (not an Exception) that no ordinary handler catches.
+    """
+    try:
+        return fn(*args, **kwargs)
+    except (KeyboardInterrupt, SystemExit, GeneratorExit, MemoryError):
+        raise
+    except BaseException as e:  # noqa: BLE001 - PanicException and the library's plain Exceptions
+        raise TokenizerError(f"{what} ({type(e).__name__}: {one_line(e, 300)})") from None
+
+
 def _compile_template(source: str) -> ChatTemplate:
     """A chat template compiled in the bounded sandbox (template_sandbox); TokenizerError when bad."""
     return ChatTemplate(source)

@@ -293,9 +293,10 @@ def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenize
                 for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED and t and t in vocab]
         if user:
             tk.add_tokens(user)
-    except (TokenizerError, UnsupportedModelError):
+    except (TokenizerError, UnsupportedModelError, KeyboardInterrupt, SystemExit, MemoryError):
         raise
-    except Exception as e:   # tokenizers raises plain Exceptions on bad vocabularies
+    except BaseException as e:  # noqa: BLE001 - tokenizers raises plain Exceptions, or panics (pyo3's
+        # PanicException is a BaseException), on bad vocabularies
         raise TokenizerError(f"{where}: cannot build the GGUF tokenizer ({type(e).__name__}: {_clip(e, 200)})") from None
 
     def name(i):

@@ -1,0 +1,415 @@
+"""Hostile files (issue 13, classes 1, 2, 3 and 9): configs with values of the wrong type or
+range, sizes that would allocate before they are checked, GGUF metadata of the wrong shape,
+and valid files with unusual alignment that must load.
+
+Every refusal is one CyllmError line (exit status 2 and one line on the command line),
+raised before anything large is allocated; the valid files give the same tensors as the
+safetensors library and the gguf package read, and the same logits as their plain twins.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cyllm
+import gguf_raw as G
+from cyllm.errors import CyllmError, InvalidArgumentError, ModelLoadError, TokenizerError
+from cyllm.jsonio import MAX_DEPTH, parse_json
+from cyllm.loading import load_path
+from hostile import problem, run_cli
+from tinymodels import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("hard"), "llama_mqa_odd")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from test_gguf import write_tiny_gguf
+    p = tmp_path_factory.mktemp("hardgguf") / "tiny.gguf"
+    write_tiny_gguf(p)
+    return p
+
+
+def one_line_error(exc_type, fn, *args, needles=(), seconds: float = 5.0, **kw) -> str:
+    """Call fn; it must raise exc_type, quickly, with a one-line message holding every needle."""
+    t0 = time.monotonic()
+    with pytest.raises(exc_type) as e:
+        fn(*args, **kw)
+    msg = str(e.value)
+    assert msg and "\n" not in msg and "\r" not in msg, repr(msg)
+    assert msg.isprintable(), repr(msg)
+    for n in needles:
+        assert n.lower() in msg.lower(), (n, msg)
+    assert time.monotonic() - t0 < seconds, f"took {time.monotonic() - t0:.1f} s: {msg}"
+    return msg
+
+
+def copy_dir(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_json(d: Path, name: str, change) -> None:
+    p = d / name
+    data = json.loads(p.read_text(encoding="utf-8"))
+    change(data)
+    p.write_text(json.dumps(data), encoding="utf-8")
+
+
+def classic_rope(cfg: dict) -> None:
+    """transformers 5 writes rope_parameters; older files use rope_theta/rope_scaling."""
+    params = cfg.pop("rope_parameters", None) or {}
+    cfg["rope_theta"] = params.get("rope_theta", 10000.0)
+
+
+# ============================================================================ class 1: config values
+
+def _set(**kv):
+    def change(cfg):
+        classic_rope(cfg)
+        cfg.update(kv)
+    return change
+
+
+CONFIG_CASES = {
+    # name: (change, expected message parts)
+    "architectures not a list": (_set(architectures="LlamaForCausalLM"), ["architectures", "list"]),
+    "architectures of ints": (_set(architectures=[1]), ["architectures"]),
+    "rope_theta a string": (_set(rope_theta="1e4"), ["rope_theta", "number"]),
+    "rope_theta null": (_set(rope_theta=None), ["rope_theta"]),
+    "rope_theta negative": (_set(rope_theta=-5.0), ["rope_theta"]),
+    "rope_theta a flag": (_set(rope_theta=True), ["rope_theta"]),
+    "rms_norm_eps zero": (_set(rms_norm_eps=0), ["rms_norm_eps"]),
+    "rms_norm_eps a string": (_set(rms_norm_eps="1e-5"), ["rms_norm_eps"]),
+    "llama3 low_freq_factor 0": (_set(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0,
+                                                    "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 64}),
+                                 ["low_freq_factor"]),
+    "llama3 factor a string": (_set(rope_scaling={"rope_type": "llama3", "factor": "8",
+                                                  "original_max_position_embeddings": 64}), ["factor"]),
+    "linear factor a flag": (_set(rope_scaling={"rope_type": "linear", "factor": True}), ["factor"]),
+    "linear factor 0": (_set(rope_scaling={"rope_type": "linear", "factor": 0}), ["factor"]),
+    "rope_scaling a list": (_set(rope_scaling=[1, 2]), ["rope_scaling"]),
+    "rope_type a number": (_set(rope_scaling={"rope_type": 5}), ["rope_type"]),
+    "longrope factors of strings": (_set(rope_scaling={"rope_type": "longrope", "short_factor": ["1"] * 12,
+                                                       "long_factor": ["1"] * 12,
+                                                       "original_max_position_embeddings": 64}),
+                                    ["short_factor"]),
+    "longrope original context 1": (_set(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 12,
+                                                       "long_factor": [1.0] * 12,
+                                                       "original_max_position_embeddings": 1}),
+                                    ["original_max_position_embeddings"]),
+    "tie_word_embeddings a string": (_set(tie_word_embeddings="no"), ["tie_word_embeddings"]),
+    "attention_bias a string": (_set(attention_bias="false"), ["attention_bias"]),
+    "num_hidden_layers 10^7": (_set(num_hidden_layers=10 ** 7), ["num_hidden_layers"]),
+    "num_attention_heads a float": (_set(num_attention_heads=3.0), ["num_attention_heads"]),
+    "vocab_size 1e400": (None, ["vocab_size"]),
+    "sliding_window 10^30": (_set(architectures=["MistralForCausalLM"], sliding_window=10 ** 30), ["sliding_window"]),
+    "layer_types of numbers": (_set(architectures=["Qwen2ForCausalLM"], sliding_window=4, layer_types=[1, 2]),
+                               ["layer_types"]),
+    "layer_types unknown": (_set(architectures=["Qwen2ForCausalLM"], sliding_window=4,
+                                 layer_types=["full_attention", "chunked_attention"]), ["layer_types"]),
+    "no_rope_layers a string": (_set(architectures=["SmolLM3ForCausalLM"], no_rope_layers="ab"),
+                                ["no_rope_layers"]),
+    "gemma3 layers 10^9": (_set(architectures=["Gemma3ForCausalLM"], num_hidden_layers=10 ** 9),
+                           ["num_hidden_layers"]),
+    "gemma3 window pattern 0": (_set(architectures=["Gemma3ForCausalLM"], hidden_act="gelu_pytorch_tanh",
+                                     sliding_window_pattern=0), ["sliding_window_pattern"]),
+    "phi3 partial rotary NaN": (None, ["partial_rotary_factor"]),
+    "rope_parameters per layer type not an object": (_set(rope_parameters={"full_attention": 5}),
+                                                     ["full_attention"]),
+}
+
+RAW_CASES = {      # JSON text edits (what json.dumps cannot write)
+    "vocab_size 1e400": ('"vocab_size": 400', '"vocab_size": 1e400'),
+    "phi3 partial rotary NaN": ('"architectures": ["LlamaForCausalLM"]',
+                                '"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": NaN'),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_CASES))
+def test_config_values_refused(tiny, tmp_path, case):
+    change, needles = CONFIG_CASES[case]
+    d = copy_dir(tiny, tmp_path / "m")
+    if change is not None:
+        edit_json(d, "config.json", change)
+    else:
+        old, new = RAW_CASES[case]
+        text = json.dumps(json.loads((d / "config.json").read_text()))
+        assert old in text
+        (d / "config.json").write_text(text.replace(old, new))
+    one_line_error(ModelLoadError, load_path, d, needles=needles)
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "tokenizer_config.json"])
+@pytest.mark.parametrize("attack", ["deep", "digits"])
+def test_json_bounds(tiny, tmp_path, name, attack):
+    """50,000 nested brackets (RecursionError in json) and an integer of 5,000 digits (ValueError)."""
+    d = copy_dir(tiny, tmp_path / "m")
+    text = (d / name).read_text().rstrip()
+    bomb = "[" * 50000 + "]" * 50000 if attack == "deep" else "9" * 5000
+    (d / name).write_text(text[:-1] + f', "x": {bomb}}}')
+    one_line_error(CyllmError, load_path, d, needles=[name, "deep" if attack == "deep" else "digits"])
+
+
+def test_shard_index_bounds(tmp_path):
+    d = make_tiny_model(tmp_path, "llama_tied", dtype="bfloat16", sharded=True)
+    index = d / "model.safetensors.index.json"
+    spec = json.loads(index.read_text())
+    index.write_text(json.dumps({**spec, "metadata": "x"})[:-1] + ', "deep": ' + "[" * 50000 + "]" * 50000 + "}")
+    one_line_error(ModelLoadError, load_path, d, needles=["index", "deep"])
+    index.write_text(json.dumps({"weight_map": [1, 2]}))
+    one_line_error(ModelLoadError, load_path, d, needles=["weight_map"])
+
+
+def test_parse_json_limits():
+    assert parse_json('{"a": [1, {"b": "[[[["}], "c": 1000000000000000019884624838656}', "x") == {
+        "a": [1, {"b": "[[[["}], "c": 1000000000000000019884624838656}
+    ok = "[" * MAX_DEPTH + "]" * MAX_DEPTH
+    assert parse_json(ok, "x") == eval(ok)
+    one_line_error(ModelLoadError, parse_json, "[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), "x", needles=["deep"])
+    one_line_error(ModelLoadError, parse_json, b"\xff\xfe", "x", needles=["UTF-8"])
+
+
+def test_tokenizer_config_types(tiny, tmp_path):
+    d = copy_dir(tiny, tmp_path / "m")
+    edit_json(d, "tokenizer_config.json", lambda c: c.update(chat_template=[1, {"name": [1]}]))
+    one_line_error(TokenizerError, load_path, d, needles=["chat_template"])
+    edit_json(d, "tokenizer_config.json", lambda c: c.update(chat_template=None, bos_token=[1, 2]))
+    one_line_error(TokenizerError, load_path, d, needles=["bos_token"])
+
+
+def test_valid_config_variants_still_load(tiny, tmp_path):
+    """What real files hold: 31-digit model_max_length, null head_dim and window, -1 ids, classic rope keys."""
+    d = copy_dir(tiny, tmp_path / "m")
+    edit_json(d, "tokenizer_config.json", lambda c: c.update(model_max_length=1000000000000000019884624838656))
+    edit_json(d, "config.json", lambda c: (classic_rope(c), c.update(sliding_window=None, pad_token_id=-1,
+                                                                      eos_token_id=[2, -1], rope_scaling=None)))
+    edit_json(d, "generation_config.json", lambda c: c.update(eos_token_id=[2, 10 ** 12]))
+    cfg, _, tok = load_path(d)
+    assert cfg.eos_token_ids == [2] and cfg.rope_theta == 10000.0 and tok is not None
+
+
+def test_configs_transformers_writes(tmp_path):
+    """config.json of every supported family as transformers writes it: the values it holds."""
+    transformers = pytest.importorskip("transformers")
+    from cyllm.families import config_from_hf
+    from cyllm.jsonio import read_json_file
+    cases = {
+        "llama3": transformers.LlamaConfig(num_hidden_layers=3, rope_theta=500000.0, max_position_embeddings=131072,
+                                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 8192}),
+        "qwen2": transformers.Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=128,
+                                          max_window_layers=2),
+        "gemma3": transformers.Gemma3TextConfig(num_hidden_layers=7),
+        "phi3": transformers.Phi3Config(num_hidden_layers=2, partial_rotary_factor=0.5),
+        "smollm3": transformers.SmolLM3Config(num_hidden_layers=8),
+    }
+    for name, hf in cases.items():
+        d = tmp_path / name
+        hf.save_pretrained(d)
+        c = config_from_hf(read_json_file(d / "config.json"))
+        assert (c.n_layers, c.dim, c.n_heads, c.vocab_size) == (hf.num_hidden_layers, hf.hidden_size,
+                                                                hf.num_attention_heads, hf.vocab_size), name
+        assert c.norm_eps == pytest.approx(hf.rms_norm_eps), name
+    c = config_from_hf(read_json_file(tmp_path / "gemma3" / "config.json"))
+    assert c.layer_types == tuple("sliding" if t == "sliding_attention" else "full"
+                                  for t in cases["gemma3"].layer_types)
+    assert config_from_hf(read_json_file(tmp_path / "phi3" / "config.json")).rotary_dim == \
+        int(cases["phi3"].hidden_size // cases["phi3"].num_attention_heads * 0.5)
+
+
+# ============================================================================ class 2: sizes before allocation
+
+def test_context_beyond_any_model(tiny):
+    one_line_error(InvalidArgumentError, cyllm.load, tiny, backend="numpy", context=10 ** 12, needles=["context"])
+
+
+def test_context_beyond_memory_is_refused_before_allocating(tiny):
+    """Under a 1.5 GB address-space limit, -c 10^7 (7.5 GB of KV cache and rope tables) is one line."""
+    code, err = run_cli(["generate", "-m", str(tiny), "-p", "hi", "-c", "10000000", "-n", "1"], mem_mb=1536)
+    assert problem(code, err) is None and code == 2, err
+    assert "available" in err and "context" in err
+
+
+def test_bench_huge_prompt(tiny):
+    code, err = run_cli(["bench", "-m", str(tiny), "-p", "1000000000", "-n", "0", "-r", "1", "--no-progress"],
+                        mem_mb=1536)
+    assert problem(code, err) is None and code == 2, err
+
+
+def test_memory_estimate_covers_what_is_allocated(tiny):
+    """The estimate counts the KV cache exactly and at least the rope tables the model builds."""
+    from cyllm.memory import state_bytes
+    model = cyllm.load(tiny, backend="numpy", context=300)
+    c = model.config
+    kv = sum(L.k_cache.nbytes + L.v_cache.nbytes for L in model.layers)
+    tables = {id(L.rope[0]): L.rope for L in model.layers if L.rope is not None}
+    rope = sum(cos.nbytes + sin.nbytes for cos, sin in tables.values())
+    per_pos, _ = state_bytes(c, 300)
+    assert kv == c.kv_bytes_per_token() * 300
+    assert (per_pos - c.kv_bytes_per_token()) * 300 >= rope > 0
+
+
+def test_gguf_block_count(tiny_gguf, tmp_path):
+    for count, needle in ((10 ** 7, "block_count"), (4096, "blocks")):
+        g = G.RawGGUF.parse(tiny_gguf.read_bytes())
+        g.set("llama.block_count", G.UINT32, count)
+        p = tmp_path / f"b{count}.gguf"
+        p.write_bytes(g.to_bytes())
+        one_line_error(ModelLoadError, load_path, p, needles=[needle])
+
+
+# ============================================================================ class 3: GGUF metadata shapes
+
+def _gguf_with(tiny_gguf, tmp_path, name, edit) -> Path:
+    g = G.RawGGUF.parse(tiny_gguf.read_bytes())
+    edit(g)
+    p = tmp_path / name
+    p.write_bytes(g.to_bytes())
+    return p
+
+
+def test_gguf_arrays_nested_deep(tiny_gguf, tmp_path):
+    p = _gguf_with(tiny_gguf, tmp_path, "deep.gguf", lambda g: g.set("x.deep", G.ARRAY, G.nested_array(50000)))
+    one_line_error(ModelLoadError, load_path, p, needles=["nests"])
+
+
+def test_gguf_nested_arrays_read_as_the_gguf_package_reads_them(tiny_gguf, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from cyllm.loading.gguf import read_gguf
+    nested = G.Array(G.ARRAY, [G.Array(G.INT32, [1, 2, 3]), G.Array(G.INT32, [4])])
+    p = _gguf_with(tiny_gguf, tmp_path, "nested.gguf", lambda g: g.set("x.nested", G.ARRAY, nested))
+    ours = read_gguf(p).metadata["x.nested"]
+    field = gguf.GGUFReader(p).fields["x.nested"]
+    theirs = [int(field.parts[i][0]) for i in field.data]     # the gguf package lists the leaves
+    assert [list(a) for a in ours] == [[1, 2, 3], [4]]
+    assert [x for a in ours for x in a] == theirs
+
+
+TOKENIZER_CASES = {
+    "token_type a scalar": (lambda g: g.set("tokenizer.ggml.token_type", G.INT32, 1), ["token_type"]),
+    "token_type strings": (lambda g: g.set("tokenizer.ggml.token_type", G.ARRAY,
+                                           G.Array(G.STRING, ["a"] * len(g.get("tokenizer.ggml.tokens").items))),
+                           ["token_type"]),
+    "scores strings": (lambda g: g.set("tokenizer.ggml.scores", G.ARRAY,
+                                       G.Array(G.STRING, ["a"] * len(g.get("tokenizer.ggml.tokens").items))),
+                       ["scores"]),
+    "merges of numbers": (lambda g: g.set("tokenizer.ggml.merges", G.ARRAY, G.Array(G.INT32, [1, 2])),
+                          ["merges"]),
+    "add_bos_token a string": (lambda g: g.set("tokenizer.ggml.add_bos_token", G.STRING, "false"),
+                               ["add_bos_token"]),
+    "chat_template a number": (lambda g: g.set("tokenizer.chat_template", G.INT32, 5), ["chat_template"]),
+    "a token of a million characters": (lambda g: g.get("tokenizer.ggml.tokens").items.__setitem__(300, "a" * 10 ** 6),
+                                        ["characters"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TOKENIZER_CASES))
+def test_gguf_tokenizer_metadata_refused(tiny_gguf, tmp_path, case):
+    edit, needles = TOKENIZER_CASES[case]
+    p = _gguf_with(tiny_gguf, tmp_path, "t.gguf", edit)
+    one_line_error(TokenizerError, load_path, p, needles=needles)
+
+
+def test_gguf_quadratic_vocabulary(tiny_gguf, tmp_path):
+    """Tokens growing by one character each: 8 GB of pieces to split were it not bounded."""
+    from cyllm.loading.gguf import read_gguf
+    from cyllm.loading.gguf_tokenizer import build_tokenizer
+    n = 3000
+    toks = ["<unk>", "<s>", "</s>"] + ["\u2581" + "a" * i for i in range(1, n)]
+
+    def edit(g):
+        g.set("tokenizer.ggml.tokens", G.ARRAY, G.Array(G.STRING, toks))
+        g.set("tokenizer.ggml.scores", G.ARRAY, G.Array(G.FLOAT32, [0.0] * len(toks)))
+        g.set("tokenizer.ggml.token_type", G.ARRAY, G.Array(G.INT32, [1] * len(toks)))
+    p = _gguf_with(tiny_gguf, tmp_path, "quad.gguf", edit)
+    one_line_error(TokenizerError, build_tokenizer, read_gguf(p), needles=["merges"])
+
+
+# ============================================================================ class 9: valid files, odd alignment
+
+def _logits(path, backend) -> np.ndarray:
+    m = cyllm.load(path, backend=backend)
+    return m.logits([1, 5, 9, 13]).copy()
+
+
+def test_safetensors_header_not_a_multiple_of_8(tiny, tmp_path, host_backend):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    d = copy_dir(tiny, tmp_path / "odd")
+    raw = (d / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = raw[8:8 + n].rstrip(b" ")
+    header += b" " * (1 if len(header) % 2 == 0 else 2)       # odd length: every tensor misaligned
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + n:])
+    reference = safetensors_numpy.load_file(str(d / "model.safetensors"))   # the format's own reader
+    from cyllm.loading.safetensors import load_safetensors
+    ours = load_safetensors(d / "model.safetensors")
+    for name, a in reference.items():
+        assert ours[name].flags.aligned
+        np.testing.assert_array_equal(ours[name], a)
+    np.testing.assert_array_equal(_logits(d, host_backend), _logits(tiny, host_backend))
+
+
+@pytest.mark.parametrize("alignment", [1, 2, 8])
+def test_gguf_any_alignment(tiny_gguf, tmp_path, alignment, host_backend):
+    gguf = pytest.importorskip("gguf")
+    from cyllm.loading.gguf import _dequantize, read_gguf
+    g = G.relayout(G.RawGGUF.parse(tiny_gguf.read_bytes()), alignment)
+    p = tmp_path / f"a{alignment}.gguf"
+    p.write_bytes(g.to_bytes())
+    gf = read_gguf(p)
+    reference = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(p).tensors}
+    for name, info in gf.tensors.items():
+        a = _dequantize(gf, info)
+        assert a.flags.aligned, name
+        np.testing.assert_array_equal(a.reshape(reference[name].shape), reference[name])
+    np.testing.assert_array_equal(_logits(p, host_backend), _logits(tiny_gguf, host_backend))
+
+
+# ============================================================================ messages stay one line
+
+def test_messages_quote_paths_and_names_on_one_line(tiny, tmp_path, tiny_gguf):
+    d = copy_dir(tiny, tmp_path / "evil\nline\x1b[2J")
+    edit_json(d, "config.json", lambda c: c.update(hidden_size="x"))
+    msg = one_line_error(ModelLoadError, load_path, d)
+    assert "\\n" in msg
+    # a tensor name with a newline in a safetensors header
+    d2 = copy_dir(tiny, tmp_path / "m2")
+    raw = (d2 / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header["bad\nname"] = dict(header.pop(name), dtype="Q7")
+    h = json.dumps(header).encode()
+    (d2 / "model.safetensors").write_bytes(struct.pack("<Q", len(h)) + h + raw[8 + n:])
+    one_line_error(ModelLoadError, load_path, d2, needles=["bad\\nname"])
+    # a GGUF at a path with a newline, holding an architecture name with one
+    p = tmp_path / "x\ny.gguf"
+    g = G.RawGGUF.parse(tiny_gguf.read_bytes())
+    g.set("general.architecture", G.STRING, "evil\narch")
+    p.write_bytes(g.to_bytes())
+    one_line_error(ModelLoadError, load_path, p)
+
+
+def test_tokenizer_regex_that_backtracks_forever(tiny, tmp_path):
+    """A pre-tokenizer regex of a hostile tokenizer.json: Oniguruma stops it at its retry limit and
+    the library panics (a BaseException); cyllm turns that into one TokenizerError line."""
+    d = copy_dir(tiny, tmp_path / "m")
+    edit_json(d, "tokenizer.json", lambda t: t.update(pre_tokenizer={
+        "type": "Split", "pattern": {"Regex": "(a+)+$"}, "behavior": "Isolated", "invert": False}))
+    tok = load_path(d)[2]
+    assert tok.encode("ab") is not None
+    one_line_error(TokenizerError, tok.encode, "a" * 40 + "b", needles=["tokenizer"])
