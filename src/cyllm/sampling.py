@@ -52,8 +52,10 @@ class SamplingParams:
                 bad(f"{name} must be in [-2, 2], got {v}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             bad(f"seed must be an integer, got {self.seed!r}")
-        if self.seed is not None and self.seed < 0:
-            self.seed &= (1 << 64) - 1     # numpy seeds must be >= 0; keep every int usable
+        if self.seed == -1:
+            self.seed = None               # llama.cpp's spelling of "a random seed"
+        elif self.seed is not None and not 0 <= self.seed < 1 << 64:
+            bad(f"seed must be in [0, 2^64) (or -1 for a random one), got {self.seed}")
 
 
 class Sampler:
@@ -93,7 +95,8 @@ class Sampler:
             window = np.unique(np.asarray(recent[-p.repeat_last_n:] if p.repeat_last_n else recent))
             vals = x[window]
             # the published (CTRL) rule: shrink positive logits, push negative ones further down
-            x[window] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            with np.errstate(over="ignore"):         # past float32's range: handled below
+                x[window] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if self._penalize and self._seen:
             x = self._working(x)
             seen = np.asarray(self._seen)
@@ -101,6 +104,10 @@ class Sampler:
         if self.constraint is not None:
             x = self._working(x)
             self.constraint.apply(x)
+        if x is self._buf:
+            # a tiny penalty can push a logit past float32's range: +inf would make the
+            # softmax inf - inf = NaN; the largest finite value keeps the order
+            np.nan_to_num(x, copy=False, nan=-np.inf, posinf=np.finfo(np.float32).max, neginf=-np.inf)
         if p.temperature == 0.0:
             return int(np.argmax(x))
         return self._sample_stochastic(x)
@@ -116,7 +123,6 @@ class Sampler:
         x = self._buf
         if x is not logits:
             np.copyto(x, logits)
-        x /= np.float32(p.temperature)
         vocab = x.shape[0]
         # candidate set: indices sorted by descending logit, cut by top-k
         if 0 < p.top_k < vocab:
@@ -124,8 +130,14 @@ class Sampler:
         else:
             cand = np.arange(vocab)
         cand = cand[np.argsort(x[cand], kind="stable")[::-1]]
-        logit = x[cand].astype(np.float64)
-        probs = np.exp(logit - logit[0])
+        # the temperature divides differences from the best logit in float64: nothing overflows
+        # (a temperature of 1e-40 makes every other token's weight exactly 0: greedy)
+        top = float(x[cand[0]])
+        if not np.isfinite(top):          # every token masked: nothing better than the first
+            return int(cand[0])
+        with np.errstate(over="ignore", invalid="ignore"):
+            logit = (x[cand].astype(np.float64) - top) / p.temperature
+        probs = np.exp(np.nan_to_num(logit, nan=-np.inf))
         probs /= probs.sum()
         keep = len(cand)
         if p.top_p < 1.0:
