@@ -16,7 +16,8 @@ __all__ = ["load", "Model", "Chat", "CyllmError", "__version__"]
 
 def load(path=None, backend: str = "cpu", threads=None, context=None, threads_batch=None,
          quantize: str | None = None):
-    """Load a Hugging Face model directory or a GGUF file (None: the default model).
+    """Load a Hugging Face model directory, a GGUF file or a Hugging Face model name
+    ("org/repo", "org/repo-GGUF:Q4_K_M"; None: the default model).
 
     backend: "cpu" (default), "cuda" or "numpy" (the slow float32 reference).
     threads: kernel threads (default: OMP_NUM_THREADS, saved tuning, or physical cores).
@@ -36,6 +37,13 @@ def load(path=None, backend: str = "cpu", threads=None, context=None, threads_ba
     if path is None:
         from .default_model import default_model_path
         path = default_model_path()
+    else:
+        import os
+        if not isinstance(path, (str, os.PathLike)):
+            from .errors import InvalidArgumentError
+            raise InvalidArgumentError(f"the model path must be a string or a path, got {type(path).__name__}")
+        from .hub import model_path           # a Hugging Face name ("org/repo[:QUANT]") works too
+        path = model_path(os.fspath(path))
     config, weights, tokenizer = load_path(path)
     if quantize is not None:
         from .quant.convert import quantize_weights

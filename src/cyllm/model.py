@@ -466,6 +466,8 @@ class Model:
     def _check_ids(self, ids) -> list[int]:
         if isinstance(ids, np.ndarray):
             ids = ids.tolist()
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise InvalidArgumentError(f"token ids must be a list of integers, got {type(ids).__name__}")
         ids = list(ids)
         if not ids:
             raise InvalidArgumentError("an empty list of token ids was given")
