@@ -149,9 +149,11 @@ def gguf_from_hf_rows(w, n_heads):
 # ============================================================================ tensor types
 
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_K, QT.Q6_K])
-def test_tensor_types_dequantize(tmp_path, qtype):
-    """Float matrices load as float16; native block formats as QuantMatrix views of the file
-    (q/k: a row-permuted copy) whose blocks dequantize (gguf package) to the file's values."""
+def test_tensor_types_dequantize(tmp_path, qtype, monkeypatch):
+    """Float matrices load as float16; with CYLLM_QUANT=native, native block formats as
+    QuantMatrix views of the file (q/k: a row-permuted copy) whose blocks dequantize (gguf
+    package) to the file's values."""
+    monkeypatch.setenv("CYLLM_QUANT", "native")
     p = tmp_path / f"tiny-{qtype.name}.gguf"
     src = write_tiny_gguf(p, qtype=qtype)
     cfg, weights, tok = load_gguf(p)
