@@ -676,8 +676,9 @@ def load_gguf(path: str | os.PathLike):
     """
     gf = read_gguf(path)
     cfg = config_from_gguf(gf)
-    plan = plan_tensors(gf, cfg, native=native_quantized())
-    note = conversion_note(plan)
+    native = native_quantized()
+    plan = plan_tensors(gf, cfg, native=native)
+    note = conversion_note(plan) if native else None     # float16 is the plain default: no note
     if note:
         import sys
         print(f"cyllm: note: {gf.path.name}: {note}", file=sys.stderr)
