@@ -20,7 +20,9 @@ Compiler flags, and why:
   explicitly): quant_generic.c at the baseline ISA; quant_avx2.c with the AVX2 flags;
   quant_avxvnni.c with -mavxvnni and quant_avx512.c with -mavx512f/bw/vl/vnni, each
   only when the compiler accepts the flags (probed), selected at run time by cpuid
-  (quant_dispatch.c). CYLLM_NO_AVX512=1 skips the avx512vnni object too.
+  (quant_dispatch.c). CYLLM_NO_AVX512=1 skips the avx512vnni object too. The weight
+  quantizers (csrc/quant_quantize.c) are baseline-ISA scalar C with the same flag: their
+  bytes must be the NumPy reference's (llama.cpp's reference quantizers).
 """
 
 import os
@@ -40,6 +42,7 @@ AVX512_FLAGS = AVX2_FLAGS + ["-mavx512f"]
 HEADERS = [os.path.join(CSRC, h) for h in ("kernels.h", "act.h", "fp16.h", "omp_shim.h", "gemm_pack.h")]
 QUANT_HEADERS = [os.path.join(CSRC, h) for h in ("quant.h", "act.h", "quant_impl.h", "quant_x86.h", "fp16.h")]
 QUANT_GENERIC_SOURCE = os.path.join(CSRC, "quant_generic.c")
+QUANT_QUANTIZE_SOURCE = os.path.join(CSRC, "quant_quantize.c")
 QUANT_AVX2_SOURCE = os.path.join(CSRC, "quant_avx2.c")
 QUANT_AVXVNNI_SOURCE = os.path.join(CSRC, "quant_avxvnni.c")
 QUANT_AVX512_SOURCE = os.path.join(CSRC, "quant_avx512.c")
@@ -176,7 +179,7 @@ class BuildExt(build_ext):
                 ext.define_macros = list(ext.define_macros or []) + [("CYLLM_HAVE_AVX512", "1")]
         # quantized kernels: generic always; x86 variants when the compiler takes their flags
         nocontract = [] if msvc else ["-ffp-contract=off"]
-        quant = [(QUANT_GENERIC_SOURCE, [], [])]
+        quant = [(QUANT_GENERIC_SOURCE, [], []), (QUANT_QUANTIZE_SOURCE, [], [])]
         avxvnni = avx512vnni = False
         if avx2:
             quant.append((QUANT_AVX2_SOURCE, AVX2_FLAGS, [("CYLLM_HAVE_AVX2", "1")]))
@@ -217,6 +220,7 @@ def extensions():
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         # the AVX2 object is linked in by BuildExt: list it so edits relink
         depends=HEADERS + QUANT_HEADERS + [AVX2_SOURCE, AVX512_SOURCE, QUANT_GENERIC_SOURCE,
+                                           QUANT_QUANTIZE_SOURCE,
                                            QUANT_AVX2_SOURCE, QUANT_AVXVNNI_SOURCE,
                                            QUANT_AVX512_SOURCE, os.path.join("cython_ext", "quant.pxi")],
     )

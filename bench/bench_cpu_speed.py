@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""cyllm CPU vs llama.cpp, interleaved: pp512, tg128, tg128 @ d2048 (issue 5's table).
+"""cyllm CPU vs llama.cpp, interleaved: pp512, tg128, tg128 @ d2048.
 
 The machines are shared and noisy, so instead of timing one engine after the
 other (bench/compare_llamacpp.py) this alternates them rep by rep, test by test,

@@ -5,7 +5,8 @@
 Layout of the work: every op validates its arrays here (dtype, dims, contiguity,
 writability, ranges) with the NumPy C API -- a few hundred ns, cheap next to a
 Python method call -- then releases the GIL and calls the C kernels of the chosen
-variant (csrc/kernels_generic.c, csrc/kernels_avx2.c) through function pointers.
+variant (csrc/kernels_generic.c, csrc/kernels_avx2.c, and csrc/kernels_avx512.c for the
+avx512 variant's prefill GEMM and attention) through function pointers.
 Big ops (matvec family, attention, the batched prefill GEMMs) split their
 rows/heads over `threads` OpenMP threads; small vector ops run serially because
 waking the team (~1-14 us) costs more than the op. Every row/head is computed by
@@ -17,6 +18,7 @@ DecodeProgram (end of file) runs a whole captured decode step in one region.
 import os
 import time
 
+import numpy as np
 cimport numpy as cnp
 from cython.parallel cimport prange, threadid
 from libc.stdint cimport uint16_t, int32_t, int64_t
@@ -25,6 +27,7 @@ from libc.string cimport memset
 from libc.math cimport sqrt, expf
 
 from cyllm.errors import BackendUnavailableError, InvalidArgumentError
+from cyllm.quant.formats import QuantMatrix
 
 cnp.import_array()
 
@@ -67,10 +70,14 @@ cdef extern from "csrc/kernels.h" nogil:
         int64_t d, n, n_heads, n_kv, hd, max_ctx, half, fixed, window
         int next_w
         float eps, scale
+        void *xq
+        int qfmt, act
+        int64_t rb
 
     enum:
         CYLLM_OP_EMBED, CYLLM_OP_RMSNORM, CYLLM_OP_MATVEC, CYLLM_OP_GATE_UP, CYLLM_OP_ROPE,
-        CYLLM_OP_CACHE_STORE, CYLLM_OP_ATTENTION, CYLLM_OP_ADD, CYLLM_OP_SWIGLU
+        CYLLM_OP_CACHE_STORE, CYLLM_OP_ATTENTION, CYLLM_OP_ADD, CYLLM_OP_SWIGLU,
+        CYLLM_OP_QUANTIZE, CYLLM_OP_QMATVEC, CYLLM_OP_QGATE_UP, CYLLM_OP_QEMBED, CYLLM_OP_GLU
 
     int CYLLM_CPU_AVX, CYLLM_CPU_AVX2, CYLLM_CPU_FMA, CYLLM_CPU_F16C, CYLLM_CPU_AVX512F
     int cyllm_cpu_features() noexcept
@@ -78,11 +85,12 @@ cdef extern from "csrc/kernels.h" nogil:
     int cyllm_avx512_compiled() noexcept
     int cyllm_pf_groups
     int cyllm_pf_next
+    int cyllm_spin
     void cyllm_rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps) noexcept
     void cyllm_rope_rows(float *v, int64_t heads, int64_t hd, int64_t half, const float *c,
                          const float *s) noexcept
-    void cyllm_program_run(const cyllm_kernels *kt, const cyllm_op *ops, int n_ops, int nt,
-                           int64_t token, int64_t pos, float *scratch) noexcept
+    void cyllm_program_run(const cyllm_kernels *kt, const void *qk, const cyllm_op *ops, int n_ops,
+                           int nt, int64_t token, int64_t pos, float *scratch) noexcept
     int64_t cyllm_attention_scratch(int64_t n_heads, int64_t hd, int64_t t_len) noexcept
     void cyllm_attention_run(const cyllm_kernels *kt, float *out, const float *q,
                              const uint16_t *kc, const uint16_t *vc, int64_t n_heads,
@@ -144,6 +152,12 @@ cdef inline Py_ssize_t _window(object window) except -1:
     if w < 0:
         raise InvalidArgumentError(f"window must be >= 0 (0: no window), got {w}")
     return w
+
+
+def _set_spin(int polls):
+    """Polls a decode-program thread spins at a barrier before it sleeps (benchmarks only)."""
+    global cyllm_spin
+    cyllm_spin = polls
 
 
 def _set_prefetch(int groups, int across_ops=1):
@@ -321,6 +335,18 @@ cdef inline int _check_len(Py_ssize_t got, Py_ssize_t want, str name, str what) 
     return 0
 
 
+# the quantized-weight kernels (QuantKernels): CpuKernels hands QuantMatrix weights to them
+include "quant.pxi"
+
+
+cdef inline tuple _qm(object w, str name):
+    """(block data (rows, row_bytes) uint8, kernel id) of a QuantMatrix weight."""
+    if type(w) is not QuantMatrix:
+        raise InvalidArgumentError(
+            f"{name} must be a float16 numpy array or a cyllm.quant.QuantMatrix, got {type(w).__name__}")
+    return (<object>w).data, (<object>w).fmt.kernel_id
+
+
 # -- the kernels -------------------------------------------------------------------
 
 cdef class CpuKernels:
@@ -334,6 +360,8 @@ cdef class CpuKernels:
     cdef str _variant
     cdef float *scratch          # attention partials (grown on demand, kept)
     cdef Py_ssize_t scratch_n
+    cdef QuantKernels q          # the kernels of QuantMatrix weights (same threads)
+    cdef dict _scr               # f32 scratch vectors by name (mixed-format gate/up), grown once
 
     def __cinit__(self):
         self.scratch = NULL
@@ -362,7 +390,28 @@ cdef class CpuKernels:
             v = resolve_variant(variant)
         self.kt = cyllm_kernels_by_name(v.encode())
         self._variant = v
+        self._scr = {}
+        self.q = QuantKernels(1, None, v)
         self.threads = threads
+
+    @property
+    def quant_variant(self):
+        """The table of the quantized kernels ($CYLLM_QKERNELS or the best no wider than
+        kernel_variant)."""
+        return self.q.quant_variant
+
+    @property
+    def quant(self):
+        """The QuantKernels object QuantMatrix weights are computed with."""
+        return self.q
+
+    cdef cnp.ndarray _scratch_vec(self, str name, Py_ssize_t n):
+        """A float32 scratch vector of n elements (the buffer only grows)."""
+        cdef cnp.ndarray a = self._scr.get(name)
+        if a is None or a.shape[0] < n:
+            a = np.empty(max(n, 1), np.float32)
+            self._scr[name] = a
+        return a[:n]
 
     @property
     def kernel_variant(self):
@@ -378,9 +427,14 @@ cdef class CpuKernels:
         if n < 1 or n > 4096:
             raise InvalidArgumentError(f"threads must be in [1, 4096], got {n}")
         self.nthreads = <int>n
+        if self.q is not None:
+            self.q.nthreads = <int>n
 
     # -- matvec family -------------------------------------------------------------
     cdef int _matvec(self, object out, object w, object x, int add) except -1:
+        if not cnp.PyArray_Check(w):        # a QuantMatrix: the quantized kernels
+            data, kid = _qm(w, "w")
+            return self.q._matvec(out, data, kid, x, add, None, CYLLM_ACT_SILU)
         cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 1, True)
         cdef cnp.ndarray aw = _arr(w, "w", cnp.NPY_FLOAT16, 2, False)
         cdef cnp.ndarray ax = _arr(x, "x", cnp.NPY_FLOAT32, 1, False)
@@ -432,8 +486,12 @@ cdef class CpuKernels:
         self._matvec(out, w, x, 1)
 
     def gate_up(self, out, w_gate, w_up, x, act="silu"):
-        """out (f,) f32 = act(w_gate @ x) * (w_up @ x); w_gate, w_up (f, n) f16; act "silu" | "gelu_tanh"."""
+        """out (f,) f32 = act(w_gate @ x) * (w_up @ x); w_gate, w_up (f, n) f16 or QuantMatrix;
+        act "silu" | "gelu_tanh"."""
         cdef int a = _act(act)
+        if not (cnp.PyArray_Check(w_gate) and cnp.PyArray_Check(w_up)):
+            self._qgate_up(out, w_gate, w_up, x, a)
+            return
         cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 1, True)
         cdef cnp.ndarray ag = _arr(w_gate, "w_gate", cnp.NPY_FLOAT16, 2, False)
         cdef cnp.ndarray au = _arr(w_up, "w_up", cnp.NPY_FLOAT16, 2, False)
@@ -450,6 +508,33 @@ cdef class CpuKernels:
         self._rows(<float *>cnp.PyArray_DATA(ao), <const uint16_t *>cnp.PyArray_DATA(ag),
                    <const uint16_t *>cnp.PyArray_DATA(au), <const float *>cnp.PyArray_DATA(ax),
                    f, n, 2 + a)
+
+    cdef int _qgate_up(self, object out, object wg, object wu, object x, int a) except -1:
+        """gate_up with a QuantMatrix among the weights: one fused kernel when both share a
+        format, else two matvecs into scratch and the GLU (what a decode program does too)."""
+        cdef Py_ssize_t f
+        if type(wg) is QuantMatrix and type(wu) is QuantMatrix and wg.fmt is wu.fmt:
+            if wg.shape != wu.shape:
+                raise InvalidArgumentError(
+                    f"w_up has shape {wu.shape}, expected {wg.shape} (the shape of w_gate)")
+            return self.q._matvec(out, wg.data, wg.fmt.kernel_id, x, 0, wu.data, a)
+        if not cnp.PyArray_Check(wg):
+            _qm(wg, "w_gate")
+        if not cnp.PyArray_Check(wu):
+            _qm(wu, "w_up")
+        if tuple(wg.shape) != tuple(wu.shape):
+            raise InvalidArgumentError(
+                f"w_up has shape {tuple(wu.shape)}, expected {tuple(wg.shape)} (the shape of w_gate)")
+        cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 1, True)
+        f = wg.shape[0]
+        _check_len(cnp.PyArray_DIM(ao, 0), f, "out", "rows of w_gate")
+        cdef cnp.ndarray g = self._scratch_vec("g", f), u = self._scratch_vec("u", f)
+        self._matvec(g, wg, x, 0)
+        self._matvec(u, wu, x, 0)
+        with nogil:
+            cyllm_qglu(<float *>cnp.PyArray_DATA(ao), <const float *>cnp.PyArray_DATA(g),
+                       <const float *>cnp.PyArray_DATA(u), 0, f, a)
+        return 0
 
     # -- attention and its helpers ------------------------------------------------
     def attention(self, out, q, k_cache, v_cache, pos, window=0, scale=None):
@@ -556,13 +641,23 @@ cdef class CpuKernels:
 
     # -- small vector ops (serial below VECTOR_PARALLEL_MIN) ------------------------
     def embed(self, out, table, token, scale=1.0):
-        """out (dim,) f32 = table[token] * scale; table (vocab, dim) f16."""
+        """out (dim,) f32 = table[token] * scale; table (vocab, dim) f16 or QuantMatrix."""
         cdef float sc = _factor(scale)
         cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 1, True)
+        cdef Py_ssize_t tok = _index(token, "token")
+        cdef int32_t t32
+        if not cnp.PyArray_Check(table):
+            data, kid = _qm(table, "table")
+            _check_len(cnp.PyArray_DIM(ao, 0), table.cols, "out", "columns of the table")
+            if tok < 0 or tok >= table.rows:
+                raise InvalidArgumentError(f"token id {tok} is out of range [0, {table.rows})")
+            _no_overlap(ao, data, "out", "table")
+            t32 = <int32_t>tok
+            self.q._embed_rows(<float *>cnp.PyArray_DATA(ao), data, kid, &t32, 1, table.cols, sc)
+            return
         cdef cnp.ndarray at = _arr(table, "table", cnp.NPY_FLOAT16, 2, False)
         cdef Py_ssize_t vocab = cnp.PyArray_DIM(at, 0), dim = cnp.PyArray_DIM(at, 1)
         _check_len(cnp.PyArray_DIM(ao, 0), dim, "out", "columns of the table")
-        cdef Py_ssize_t tok = _index(token, "token")
         if tok < 0 or tok >= vocab:
             raise InvalidArgumentError(f"token id {tok} is out of range [0, {vocab})")
         cdef const cyllm_kernels *kt = self.kt
@@ -629,7 +724,43 @@ cdef class CpuKernels:
         self._elementwise(out, x, y, "x", "y", "the length of x", False)
 
     # -- batched ops (prefill: row t of every (T, ...) array is one position) -------
+    cdef int _qgemm_op(self, object out, object w, object wu, object x, int mode) except -1:
+        """matmul / matmul_add / gate_up_batch with a QuantMatrix among the weights."""
+        cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 2, True)
+        cdef cnp.ndarray ax = _arr(x, "x", cnp.NPY_FLOAT32, 2, False)
+        cdef Py_ssize_t T = cnp.PyArray_DIM(ax, 0), n = cnp.PyArray_DIM(ax, 1), d, f
+        cdef cnp.ndarray au
+        if mode >= 2:
+            # gate into out, up into scratch (T, f), then out = act(out) * up
+            if tuple(w.shape) != tuple(wu.shape):
+                raise InvalidArgumentError(
+                    f"w_up has shape {tuple(wu.shape)}, expected {tuple(w.shape)} (the shape of w_gate)")
+            f = w.shape[0]
+            if cnp.PyArray_DIM(ao, 0) != T or cnp.PyArray_DIM(ao, 1) != f:
+                raise InvalidArgumentError(f"out has shape {out.shape}, expected ({T}, {f}) (rows of x, rows of w_gate)")
+            au = self._scratch_vec("up_batch", T * f).reshape(T, f)
+            self._gemm(out, w, None, x, 0)
+            self._gemm(au, wu, None, x, 0)
+            with nogil:
+                cyllm_qglu(<float *>cnp.PyArray_DATA(ao), <const float *>cnp.PyArray_DATA(ao),
+                           <const float *>cnp.PyArray_DATA(au), 0, T * f, mode - 2)
+            return 0
+        data, kid = _qm(w, "w")
+        d = w.rows
+        if n != w.cols:
+            raise InvalidArgumentError(f"x has shape {x.shape}: expected {w.cols} columns (columns of w)")
+        if cnp.PyArray_DIM(ao, 0) != T or cnp.PyArray_DIM(ao, 1) != d:
+            raise InvalidArgumentError(f"out has shape {out.shape}, expected ({T}, {d}) (rows of x, rows of w)")
+        _no_overlap(ao, ax, "out", "x")
+        _no_overlap(ao, data, "out", "w")
+        self.q._qgemm(<float *>cnp.PyArray_DATA(ao), <const uint8_t *>cnp.PyArray_DATA(<cnp.ndarray>data),
+                      w.row_bytes, kid, <const float *>cnp.PyArray_DATA(ax), T, n, d, mode,
+                      self.q.prefill_method[kid])
+        return 0
+
     cdef int _gemm(self, object out, object w, object wu, object x, int mode) except -1:
+        if not cnp.PyArray_Check(w) or (mode >= 2 and not cnp.PyArray_Check(wu)):
+            return self._qgemm_op(out, w, wu, x, mode)
         cdef str wname = "w_gate" if mode == 2 else "w"
         cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 2, True)
         cdef cnp.ndarray aw = _arr(w, wname, cnp.NPY_FLOAT16, 2, False)
@@ -693,6 +824,8 @@ cdef class CpuKernels:
         cdef float sc = _factor(scale)
         cdef Py_ssize_t i
         cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 2, True)
+        if not cnp.PyArray_Check(table):
+            return self._qembed_batch(ao, table, tokens, sc)
         cdef cnp.ndarray at = _arr(table, "table", cnp.NPY_FLOAT16, 2, False)
         if (not cnp.PyArray_Check(tokens) or cnp.PyArray_TYPE(<cnp.ndarray>tokens) != cnp.NPY_INT32
                 or not cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>tokens)
@@ -717,6 +850,25 @@ cdef class CpuKernels:
             if sc != 1.0:
                 for i in range(T * dim):
                     po[i] *= sc
+
+    cdef int _qembed_batch(self, cnp.ndarray ao, object table, object tokens, float sc) except -1:
+        data, kid = _qm(table, "table")
+        if (not cnp.PyArray_Check(tokens) or cnp.PyArray_TYPE(<cnp.ndarray>tokens) != cnp.NPY_INT32
+                or not cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>tokens)
+                or cnp.PyArray_NDIM(<cnp.ndarray>tokens) != 1
+                or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>tokens)
+                or not cnp.PyArray_ISALIGNED(<cnp.ndarray>tokens)):
+            raise InvalidArgumentError("tokens must be a contiguous 1-D native int32 numpy array")
+        cdef const int32_t *tok = <const int32_t *>cnp.PyArray_DATA(<cnp.ndarray>tokens)
+        cdef Py_ssize_t vocab = table.rows, dim = table.cols, t
+        cdef Py_ssize_t T = cnp.PyArray_DIM(<cnp.ndarray>tokens, 0)
+        if cnp.PyArray_DIM(ao, 0) != T or cnp.PyArray_DIM(ao, 1) != dim:
+            raise InvalidArgumentError(f"out has shape {(<object>ao).shape}, expected ({T}, {dim}) (tokens, columns of the table)")
+        for t in range(T):
+            if tok[t] < 0 or tok[t] >= vocab:
+                raise InvalidArgumentError(f"token id {tok[t]} is out of range [0, {vocab})")
+        _no_overlap(ao, data, "out", "table")
+        return self.q._embed_rows(<float *>cnp.PyArray_DATA(ao), data, kid, tok, T, dim, sc)
 
     def rmsnorm_batch(self, out, x, w, eps):
         """rmsnorm of every row: out, x (T, dim) f32 (out may alias x) ; w (dim,) f32."""
@@ -960,9 +1112,18 @@ class NotCapturable(Exception):
     """The recorded ops cannot be compiled into a DecodeProgram (the caller runs them op by op)."""
 
 
-# ops that run on thread 0 alone inside the program (all others split over the team)
-cdef inline bint _serial(int kind) noexcept:
-    return kind != CYLLM_OP_MATVEC and kind != CYLLM_OP_GATE_UP and kind != CYLLM_OP_ATTENTION
+# ops that run on thread 0 alone inside the program (all others split over the team);
+# a QUANTIZE op is either (its mode)
+cdef inline bint _serial_op(const cyllm_op *o) noexcept:
+    if o.kind == CYLLM_OP_QUANTIZE:
+        return o.mode == 1
+    return (o.kind != CYLLM_OP_MATVEC and o.kind != CYLLM_OP_GATE_UP and o.kind != CYLLM_OP_ATTENTION
+            and o.kind != CYLLM_OP_QMATVEC and o.kind != CYLLM_OP_QGATE_UP and o.kind != CYLLM_OP_GLU)
+
+
+cdef inline bint _weight_op(int kind) noexcept:
+    return (kind == CYLLM_OP_MATVEC or kind == CYLLM_OP_GATE_UP or kind == CYLLM_OP_QMATVEC
+            or kind == CYLLM_OP_QGATE_UP)
 
 
 cdef inline tuple _span(cnp.ndarray a):
@@ -992,7 +1153,9 @@ cdef class DecodeProgram:
     cdef cyllm_op *ops
     cdef int n_ops
     cdef const cyllm_kernels *kt
+    cdef const cyllm_qkernels *qk
     cdef list refs
+    cdef dict qx                 # (x address, n, act) -> (activation buffer, its span) still valid
     cdef float *scratch          # attention partials for the longest context of any op
     cdef readonly Py_ssize_t max_pos      # run(pos) needs pos < max_pos
     cdef readonly Py_ssize_t vocab        # run(token) needs token < vocab
@@ -1009,7 +1172,9 @@ cdef class DecodeProgram:
 
     def __init__(self, CpuKernels backend, list records, token, pos):
         self.kt = backend.kt
+        self.qk = backend.q.qk
         self.refs = []
+        self.qx = {}
         self.max_pos = 1 << 62
         self.vocab = 1 << 62
         cdef Py_ssize_t step_tok = _index(token, "token"), step_pos = _index(pos, "pos")
@@ -1019,11 +1184,22 @@ cdef class DecodeProgram:
             self._compile(name, args, step_tok, step_pos, meta)
         if not meta:
             raise NotCapturable("no ops were recorded")
-        cdef int nxt = -1
+        cdef int nxt = -1, j
         for i in range(self.n_ops - 1, -1, -1):     # prefetch chain: each weight op -> the next
             self.ops[i].next_w = nxt
-            if self.ops[i].kind == CYLLM_OP_MATVEC or self.ops[i].kind == CYLLM_OP_GATE_UP:
+            if _weight_op(self.ops[i].kind):
                 nxt = i
+        # A QUANTIZE op runs on thread 0 when its x came from a thread-0 op (rmsnorm): no
+        # barrier between the two, one before the matvecs. After a split op (gate_up) a
+        # barrier is due anyway, so its blocks are split over the team too.
+        for i in range(self.n_ops):
+            if self.ops[i].kind != CYLLM_OP_QUANTIZE:
+                continue
+            self.ops[i].mode = 1
+            for j in range(i - 1, -1, -1):
+                if _hits(meta[j][2], meta[i][1]):
+                    self.ops[i].mode = 1 if _serial_op(&self.ops[j]) else 0
+                    break
         cdef Py_ssize_t need = 1
         for i in range(self.n_ops):
             if self.ops[i].kind == CYLLM_OP_ATTENTION:
@@ -1039,17 +1215,18 @@ cdef class DecodeProgram:
         self.n_barriers = 0
         for i in range(self.n_ops):
             kind, reads, writes = meta[i]
+            serial = _serial_op(&self.ops[i])
             conflict = False
-            for rk, rr, rw in run_ops:
+            for rs, rr, rw in run_ops:
                 if (_hits(reads, rw) or _hits(writes, rr) or _hits(writes, rw)) and \
-                        not (_serial(kind) and _serial(rk)):
+                        not (serial and rs):
                     conflict = True
                     break
             if conflict:
                 self.ops[i - 1].barrier = 1
                 self.n_barriers += 1
                 run_ops = []
-            run_ops.append((kind, reads, writes))
+            run_ops.append((serial, reads, writes))
 
     cdef int _push(self, cyllm_op *o, list meta, list reads, list writes) except -1:
         cdef cyllm_op *grown = <cyllm_op *>realloc(self.ops, (self.n_ops + 1) * sizeof(cyllm_op))
@@ -1059,6 +1236,93 @@ cdef class DecodeProgram:
         self.ops[self.n_ops] = o[0]
         self.n_ops += 1
         meta.append((o.kind, reads, writes))
+        # a quantized copy of x is stale once anything writes x
+        for key in [k for k, v in self.qx.items() if _hits(writes, [v[2]])]:
+            del self.qx[key]
+        return 0
+
+    cdef tuple _act_buffer(self, cnp.ndarray ax, int act, list meta):
+        """The activation blocks of x (n,) in format act: the buffer a QUANTIZE op already
+        filled (x unchanged since), or a new buffer and the QUANTIZE op that fills it."""
+        cdef size_t px = <size_t>cnp.PyArray_DATA(ax)
+        cdef Py_ssize_t n = cnp.PyArray_DIM(ax, 0)
+        key = (px, n, act)
+        if key in self.qx:
+            return self.qx[key][:2]
+        cdef int64_t nbytes = cyllm_qact_bytes(act, n)
+        buf = np.zeros(nbytes + 64, np.uint8)
+        self.refs.append(buf)
+        cdef size_t p = (<size_t>cnp.PyArray_DATA(<cnp.ndarray>buf) + 63) & ~(<size_t>63)
+        cdef cyllm_op o
+        memset(&o, 0, sizeof(cyllm_op))
+        o.kind = CYLLM_OP_QUANTIZE
+        o.c = cnp.PyArray_DATA(ax)
+        o.n = n
+        o.act = act
+        o.xq = <void *>p
+        o.mode = 1
+        span = (p, p + <size_t>nbytes)
+        self._push(&o, meta, [_span(ax)], [span])
+        self.qx[key] = (p, span, _span(ax))
+        return (p, span)
+
+    cdef int _compile_quant(self, str name, tuple args, list meta) except -1:
+        """matvec / matvec_add / gate_up with a QuantMatrix among the weights."""
+        cdef cyllm_op o
+        memset(&o, 0, sizeof(cyllm_op))
+        cdef cnp.ndarray ao = _arr(args[0], "out", cnp.NPY_FLOAT32, 1, True), ax, g, u, aw, au
+        w = args[1]
+        wu = args[2] if name == "gate_up" else None
+        ax = _arr(args[3] if name == "gate_up" else args[2], "x", cnp.NPY_FLOAT32, 1, False)
+        act = _act(args[4] if len(args) > 4 else "silu") if name == "gate_up" else 0
+        if name == "gate_up" and not (type(w) is QuantMatrix and type(wu) is QuantMatrix and w.fmt is wu.fmt):
+            # formats differ: two matvecs into scratch, then the GLU (as CpuKernels.gate_up)
+            f = w.shape[0]
+            g = np.zeros(f, np.float32)
+            u = np.zeros(f, np.float32)
+            self.refs.append((g, u))
+            self._compile("matvec", (g, w, ax), 0, 0, meta)
+            self._compile("matvec", (u, wu, ax), 0, 0, meta)
+            o.kind = CYLLM_OP_GLU
+            o.mode = act
+            o.n = f
+            _check_len(cnp.PyArray_DIM(ao, 0), f, "out", "rows of w_gate")
+            o.out = <float *>cnp.PyArray_DATA(ao)
+            o.a = cnp.PyArray_DATA(g)
+            o.b = cnp.PyArray_DATA(u)
+            self._push(&o, meta, [_span(g), _span(u)], [_span(ao)])
+            return 0
+        data, kid = _qm(w, "w")
+        aw = <cnp.ndarray>data
+        o.qfmt = kid
+        o.d = w.rows
+        o.n = w.cols
+        o.rb = w.row_bytes
+        _check_len(cnp.PyArray_DIM(ax, 0), o.n, "x", "columns of w")
+        _check_len(cnp.PyArray_DIM(ao, 0), o.d, "out", "rows of w")
+        reads = [_span(aw)]
+        if name == "gate_up":
+            if wu.shape != w.shape:
+                raise InvalidArgumentError("w_up must have the shape of w_gate")
+            au = <cnp.ndarray>wu.data
+            o.kind = CYLLM_OP_QGATE_UP
+            o.mode = act
+            o.b = cnp.PyArray_DATA(au)
+            reads.append(_span(au))
+        else:
+            o.kind = CYLLM_OP_QMATVEC
+            o.mode = 1 if name == "matvec_add" else 0
+            if o.mode:
+                reads.append(_span(ao))
+        if _hits([_span(ao)], [_span(aw), _span(ax)] + ([_span(au)] if name == "gate_up" else [])):
+            raise InvalidArgumentError("a matvec output must not share memory with its inputs")
+        p, span = self._act_buffer(ax, cyllm_qformat(kid).act, meta)
+        o.xq = <void *><size_t>p
+        reads.append(span)
+        o.out = <float *>cnp.PyArray_DATA(ao)
+        o.a = cnp.PyArray_DATA(aw)
+        self.refs.append(w)
+        self._push(&o, meta, reads, [_span(ao)])
         return 0
 
     cdef int _compile(self, str name, tuple args, Py_ssize_t step_tok, Py_ssize_t step_pos,
@@ -1069,7 +1333,27 @@ cdef class DecodeProgram:
         cdef Py_ssize_t v, hd, p
         cdef int nd
         self.refs.append(args)
-        if name == "embed":
+        if name == "embed" and not cnp.PyArray_Check(args[1]):
+            a0 = _arr(args[0], "out", cnp.NPY_FLOAT32, 1, True)
+            data, kid = _qm(args[1], "table")
+            a1 = <cnp.ndarray>data
+            if _index(args[2], "token") != step_tok:
+                raise NotCapturable("embed of a token other than the step's")
+            o.kind = CYLLM_OP_QEMBED
+            o.dyn = 1
+            o.qfmt = kid
+            o.scale = _factor(args[3] if len(args) > 3 else 1.0)
+            o.out = <float *>cnp.PyArray_DATA(a0)
+            o.a = cnp.PyArray_DATA(a1)
+            o.n = args[1].cols
+            o.rb = args[1].row_bytes
+            _check_len(cnp.PyArray_DIM(a0, 0), o.n, "out", "columns of the table")
+            self.vocab = min(self.vocab, args[1].rows)
+            self._push(&o, ops, [_span(a1)], [_span(a0)])
+        elif name in ("matvec", "matvec_add", "gate_up") and not (
+                cnp.PyArray_Check(args[1]) and (name != "gate_up" or cnp.PyArray_Check(args[2]))):
+            self._compile_quant(name, args, ops)
+        elif name == "embed":
             a0 = _arr(args[0], "out", cnp.NPY_FLOAT32, 1, True)
             a1 = _arr(args[1], "table", cnp.NPY_FLOAT16, 2, False)
             if _index(args[2], "token") != step_tok:
@@ -1133,6 +1417,7 @@ cdef class DecodeProgram:
             o.out = <float *>cnp.PyArray_DATA(a0)
             o.a = cnp.PyArray_DATA(a1)
             o.c = cnp.PyArray_DATA(a3)
+            o.rb = o.n * 2
             self._push(&o, ops, reads, [_span(a0)])
         elif name in ("rope", "rope_store"):
             a0 = _arr(args[0], "q", cnp.NPY_FLOAT32, 1, True)
@@ -1248,5 +1533,5 @@ cdef class DecodeProgram:
         if nt < 1 or nt > 4096:
             raise InvalidArgumentError(f"threads must be in [1, 4096], got {nt}")
         with nogil:
-            cyllm_program_run(self.kt, self.ops, self.n_ops, <int>nt, tok, p, self.scratch)
-include "quant.pxi"
+            cyllm_program_run(self.kt, <const void *>self.qk, self.ops, self.n_ops, <int>nt, tok, p,
+                              self.scratch)

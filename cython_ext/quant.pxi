@@ -1,5 +1,6 @@
-# Quantized-weight kernels (included at the end of kernels.pyx: uses its _arr, _index,
-# _no_overlap, resolve_variant and the cyllm_kernels table for the f16 prefill GEMM).
+# Quantized-weight kernels (included by kernels.pyx before CpuKernels, which dispatches
+# QuantMatrix weights here: uses its _arr, _index, _no_overlap, resolve_variant and the
+# cyllm_kernels table for the f16 prefill GEMM).
 #
 # Weights are (rows, row_bytes) uint8 arrays of GGUF blocks (cyllm.quant.QuantMatrix.data);
 # the format is a kernel id (cyllm.quant.FORMATS[name].kernel_id) or its name. x is
@@ -13,7 +14,7 @@ from libc.stdint cimport uintptr_t
 
 cdef extern from "csrc/quant.h" nogil:
     enum:
-        CYLLM_QF_COUNT, CYLLM_QA_Q8_0, CYLLM_QA_Q8_K, CYLLM_ACT_SILU, CYLLM_ACT_GELU_TANH
+        CYLLM_QF_COUNT, CYLLM_QA_Q8_0, CYLLM_QA_Q8_K
         CYLLM_QCPU_AVX2, CYLLM_QCPU_AVXVNNI, CYLLM_QCPU_AVX512VNNI
     ctypedef struct cyllm_qformat_info:
         const char *name
@@ -43,6 +44,9 @@ cdef extern from "csrc/quant.h" nogil:
     const cyllm_qkernels *cyllm_qkernels_by_name(const char *name) noexcept
     const cyllm_qkernels *cyllm_qkernels_for_variant(const char *variant) noexcept
     int64_t cyllm_qpf_bytes
+    void cyllm_quantize_row(int fmt, uint8_t *out, const float *x, int64_t n) noexcept nogil
+    void cyllm_qglu(float *out, const float *g, const float *u, int64_t r0, int64_t r1,
+                    int act) noexcept nogil
 
 
 QUANT_VARIANTS = ("generic", "avx2", "avxvnni", "avx512vnni")
@@ -135,6 +139,49 @@ cdef inline cnp.ndarray _qweights(object w, str name, int fmt, Py_ssize_t *cols)
     return a
 
 
+def quantize_rows(out, x, fmt, threads=1):
+    """out (rows, row_bytes) uint8 = x (rows, cols) f32 quantized to fmt (llama.cpp's reference
+    quantizers, the bytes of cyllm.quant.reference.quantize); rows split over `threads`.
+    x must be finite (checked) and cols a multiple of the format's block."""
+    cdef int f = _qfmt(fmt)
+    cdef cnp.ndarray ax = _arr(x, "x", cnp.NPY_FLOAT32, 2, False)
+    cdef Py_ssize_t rows = cnp.PyArray_DIM(ax, 0), cols = cnp.PyArray_DIM(ax, 1), n
+    cdef const cyllm_qformat_info *fi = cyllm_qformat(f)
+    if cols < 1 or cols % fi.block:
+        raise InvalidArgumentError(
+            f"quantize to {fi.name.decode()}: a row of {cols} elements is not a multiple of "
+            f"the block ({fi.block})")
+    if not cnp.PyArray_Check(out) or cnp.PyArray_TYPE(<cnp.ndarray>out) != cnp.NPY_UINT8 \
+            or not cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out):
+        raise InvalidArgumentError("out must be a writable uint8 array")
+    cdef cnp.ndarray ao = _qweights(out, "out", f, &n)
+    if cnp.PyArray_DIM(ao, 0) != rows or n != cols:
+        raise InvalidArgumentError(f"out has shape {out.shape}, expected ({rows}, {cols // fi.block * fi.block_bytes})")
+    _no_overlap(ao, ax, "out", "x")
+    if not np.isfinite(x).all():
+        raise InvalidArgumentError(f"quantize to {fi.name.decode()}: the input holds inf or nan")
+    cdef Py_ssize_t nt = _index(threads, "threads"), r, rb = cnp.PyArray_DIM(ao, 1)
+    if nt < 1 or nt > 4096:
+        raise InvalidArgumentError(f"threads must be in [1, 4096], got {nt}")
+    if nt > rows:
+        nt = rows
+    cdef uint8_t *po = <uint8_t *>cnp.PyArray_DATA(ao)
+    cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
+    with nogil:
+        if nt <= 1:
+            for r in range(rows):
+                cyllm_quantize_row(f, po + r * rb, px + r * cols, cols)
+        else:
+            for r in prange(rows, num_threads=nt, schedule="dynamic", chunksize=4):
+                cyllm_quantize_row(f, po + r * rb, px + r * cols, cols)
+
+
+# prefill methods (QuantKernels.qmatmul's `method`): 0 = int8 GEMM on quantized x,
+# 1 = 64-row panels dequantized to f16 + the main variant's f16 GEMM
+QPREFILL_INT8 = 0
+QPREFILL_F16 = 1
+
+
 cdef class QuantKernels:
     """The quantized-weight ops on the CPU.
 
@@ -154,6 +201,7 @@ cdef class QuantKernels:
     cdef char *pan_raw           # f16 panels of the prefill path, one per thread
     cdef uint16_t *pan
     cdef Py_ssize_t pan_cap      # uint16 elements
+    cdef int prefill_method[8]   # per kernel id: QPREFILL_INT8 | QPREFILL_F16
 
     def __cinit__(self):
         self.act_raw = NULL
@@ -174,6 +222,10 @@ cdef class QuantKernels:
         self.kt = cyllm_kernels_by_name(b.encode())
         self._variant = v
         self._base = b
+        cdef int i
+        forced = os.environ.get("CYLLM_QPREFILL", "").strip().lower()
+        for i in range(CYLLM_QF_COUNT):
+            self.prefill_method[i] = QPREFILL_F16 if forced == "f16" else QPREFILL_INT8
         cdef Py_ssize_t n = _index(threads, "threads")
         if n < 1 or n > 4096:
             raise InvalidArgumentError(f"threads must be in [1, 4096], got {n}")
@@ -394,7 +446,83 @@ cdef class QuantKernels:
             k.dequant_row_f32(<float *>cnp.PyArray_DATA(ao),
                               <const uint8_t *>cnp.PyArray_DATA(aw) + r * rb, n)
 
+    # -- embedding rows ---------------------------------------------------------------
+    cdef int _embed_rows(self, float *po, object w, int f, const int32_t *tok, Py_ssize_t T,
+                         Py_ssize_t cols, float sc) except -1:
+        """po (T, cols) = rows tok[0..T) of w dequantized, times sc (ids already checked)."""
+        cdef cnp.ndarray aw = <cnp.ndarray>w
+        cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
+        cdef Py_ssize_t rb = cnp.PyArray_DIM(aw, 1), t, i
+        cdef const cyllm_qfmt_kernels *k = &self.qk.fmt[f]
+        with nogil:
+            for t in range(T):
+                k.dequant_row_f32(po + t * cols, pw + <Py_ssize_t>tok[t] * rb, cols)
+            if sc != 1.0:
+                for i in range(T * cols):
+                    po[i] *= sc
+        return 0
+
     # -- prefill ----------------------------------------------------------------------
+    def set_prefill_method(self, fmt, method):
+        """The prefill path of format fmt: "int8" or "f16" (benchmarks; default int8)."""
+        cdef int f = _qfmt(fmt)
+        if method not in ("int8", "f16"):
+            raise InvalidArgumentError(f"method must be 'int8' or 'f16', got {method!r}")
+        self.prefill_method[f] = QPREFILL_INT8 if method == "int8" else QPREFILL_F16
+
+    def prefill_method_of(self, fmt):
+        return "int8" if self.prefill_method[_qfmt(fmt)] == QPREFILL_INT8 else "f16"
+
+    cdef int _qgemm(self, float *po, const uint8_t *pw, Py_ssize_t rb, int f, const float *px,
+                    Py_ssize_t T, Py_ssize_t n, Py_ssize_t d, int add, int method) except -1:
+        """po (T, d) (+)= px (T, n) @ W.T, W = d rows of rb bytes in format f (checked by the caller)."""
+        if T == 0 or d == 0:
+            return 0
+        cdef const cyllm_qfmt_kernels *k = &self.qk.fmt[f]
+        cdef const cyllm_qkernels *qk = self.qk
+        cdef const cyllm_kernels *kt = self.kt
+        cdef int act = cyllm_qformat(f).act
+        cdef Py_ssize_t stride = ((cyllm_qact_bytes(act, n) + 63) // 64) * 64
+        cdef Py_ssize_t nbx = n // cyllm_qact_block(act)
+        cdef Py_ssize_t groups, panels, t, i, r0, r1, p0, rows
+        cdef char *xq
+        cdef uint16_t *pan
+        cdef int nt
+        if method == QPREFILL_INT8:
+            xq = self._act_for(T * stride)
+            groups = (d + 3) // 4
+            nt = self._threads_for(d, d * rb * T)
+            with nogil:
+                for t in range(T):
+                    qk.quantize_act(xq + t * stride, px + t * n, n, act, 0, nbx)
+                if nt == 1:
+                    k.gemm_rows(po, d, pw, rb, xq, stride, T, n, 0, d, add)
+                else:
+                    for i in prange(nt, num_threads=nt, schedule="static", chunksize=1):
+                        r0 = (groups * i // nt) * 4
+                        r1 = (groups * (i + 1) // nt) * 4
+                        if r1 > d:
+                            r1 = d
+                        k.gemm_rows(po, d, pw, rb, xq, stride, T, n, r0, r1, add)
+            return 0
+        # f16 panels: each thread dequantizes its runs of QPANEL_ROWS rows, then the f16 GEMM
+        panels = (d + QPANEL_ROWS - 1) // QPANEL_ROWS
+        nt = self.nthreads if panels >= self.nthreads else <int>panels
+        if nt < 1:
+            nt = 1
+        pan = self._panels_for(<Py_ssize_t>nt * QPANEL_ROWS * n)
+        with nogil:
+            for i in prange(nt, num_threads=nt, schedule="static", chunksize=1):
+                for p0 in range(panels * i // nt, panels * (i + 1) // nt):
+                    r0 = p0 * QPANEL_ROWS
+                    r1 = r0 + QPANEL_ROWS
+                    if r1 > d:
+                        r1 = d
+                    rows = r1 - r0
+                    k.dequant_rows_f16(pan + i * QPANEL_ROWS * n, pw, rb, n, r0, r1)
+                    kt.gemm_rows(po + r0, pan + i * QPANEL_ROWS * n, NULL, px, T, n, d, 0, rows, add)
+        return 0
+
     def qmatmul(self, out, w, fmt, x, add=False, method="int8"):
         """out (T, d) f32 = x (T, n) f32 @ w.T (add: +=); w (d, row_bytes) blocks of fmt.
 
@@ -416,52 +544,6 @@ cdef class QuantKernels:
             raise InvalidArgumentError(f"out has shape {out.shape}, expected ({T}, {d})")
         _no_overlap(ao, ax, "out", "x")
         _no_overlap(ao, aw, "out", "w")
-        if T == 0 or d == 0:
-            return
-        cdef int a = 1 if add else 0
-        cdef float *po = <float *>cnp.PyArray_DATA(ao)
-        cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
-        cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
-        cdef const cyllm_qfmt_kernels *k = &self.qk.fmt[f]
-        cdef const cyllm_qkernels *qk = self.qk
-        cdef const cyllm_kernels *kt = self.kt
-        cdef int act = cyllm_qformat(f).act
-        cdef Py_ssize_t stride = ((cyllm_qact_bytes(act, n) + 63) // 64) * 64
-        cdef Py_ssize_t nbx = n // cyllm_qact_block(act)
-        cdef Py_ssize_t groups, panels, t, i, r0, r1, p0, rows
-        cdef char *xq
-        cdef uint16_t *pan
-        cdef int nt
-        if method == "int8":
-            xq = self._act_for(T * stride)
-            groups = (d + 3) // 4
-            nt = self._threads_for(d, d * rb * T)
-            with nogil:
-                for t in range(T):
-                    qk.quantize_act(xq + t * stride, px + t * n, n, act, 0, nbx)
-                if nt == 1:
-                    k.gemm_rows(po, d, pw, rb, xq, stride, T, n, 0, d, a)
-                else:
-                    for i in prange(nt, num_threads=nt, schedule="static", chunksize=1):
-                        r0 = (groups * i // nt) * 4
-                        r1 = (groups * (i + 1) // nt) * 4
-                        if r1 > d:
-                            r1 = d
-                        k.gemm_rows(po, d, pw, rb, xq, stride, T, n, r0, r1, a)
-            return
-        # f16 panels: each thread dequantizes its runs of QPANEL_ROWS rows, then the f16 GEMM
-        panels = (d + QPANEL_ROWS - 1) // QPANEL_ROWS
-        nt = self.nthreads if panels >= self.nthreads else <int>panels
-        if nt < 1:
-            nt = 1
-        pan = self._panels_for(<Py_ssize_t>nt * QPANEL_ROWS * n)
-        with nogil:
-            for i in prange(nt, num_threads=nt, schedule="static", chunksize=1):
-                for p0 in range(panels * i // nt, panels * (i + 1) // nt):
-                    r0 = p0 * QPANEL_ROWS
-                    r1 = r0 + QPANEL_ROWS
-                    if r1 > d:
-                        r1 = d
-                    rows = r1 - r0
-                    k.dequant_rows_f16(pan + i * QPANEL_ROWS * n, pw, rb, n, r0, r1)
-                    kt.gemm_rows(po + r0, pan + i * QPANEL_ROWS * n, NULL, px, T, n, d, 0, rows, a)
+        self._qgemm(<float *>cnp.PyArray_DATA(ao), <const uint8_t *>cnp.PyArray_DATA(aw), rb, f,
+                    <const float *>cnp.PyArray_DATA(ax), T, n, d, 1 if add else 0,
+                    QPREFILL_INT8 if method == "int8" else QPREFILL_F16)

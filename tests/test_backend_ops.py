@@ -37,6 +37,8 @@ from conftest import require_cuda
 from cyllm.backends.base import OP_NAMES, OPS
 from cyllm.backends.numpy_ref import NumpyBackend
 from cyllm.errors import BackendUnavailableError
+from cyllm.quant import FORMATS, QUANTIZED, QuantMatrix
+from cyllm.quant.convert import quantize_rows_f32
 
 try:
     from cyllm._ext import kernels as _k
@@ -123,6 +125,43 @@ def glu_scale(inp, want):
     return 1.2 * bg * np.abs(u) + bu * np.abs(g) + np.abs(g * u)
 
 
+def act_err(x, w_cols, act):
+    """Per element of x (..., n): the bound amax(block)/254 on |x - q*d| when x is rounded to
+    int8 blocks of format act (q = rint(x * 127/amax), d = amax/127)."""
+    block = 32 if act == "q8_0" else 256
+    xb = np.abs(np.asarray(x, np.float64)).reshape(*np.shape(x)[:-1], -1, block)
+    return np.repeat(xb.max(axis=-1) / 254.0, block, axis=-1).reshape(np.shape(x))
+
+
+def _w64(w):
+    return np.abs(w.dequantize().astype(np.float64)) if isinstance(w, QuantMatrix) else _abs64(w)
+
+
+def qdot_scale(inp, want):
+    """Quantized weights: the native kernels round x to int8 blocks (error <= amax/254 per
+    element), so the bound is sum_j |w_ij| err_j plus float32 rounding of the products."""
+    w = inp["w"]
+    return act_err(inp["x"], w.cols, w.fmt.act) @ _w64(w).T + 1e-5 * (_abs64(inp["x"]) @ _w64(w).T)
+
+
+def qdot_add_scale(inp, want):
+    return qdot_scale(inp, want) + 1e-5 * _abs64(inp["out"])
+
+
+def qglu_scale(inp, want):
+    """act(g) * u with g, u each off by its qdot bound (as glu_scale)."""
+    x = np.asarray(inp["x"], np.float64)
+    wg, wu = inp["w_gate"], inp["w_up"]
+    dg, du = (np.asarray(m.dequantize() if isinstance(m, QuantMatrix) else m, np.float64) for m in (wg, wu))
+    g, u = x @ dg.T, x @ du.T
+
+    def bound(m, d):
+        e = 1e-5 * (np.abs(x) @ np.abs(d).T)
+        return e + (act_err(x, m.cols, m.fmt.act) @ np.abs(d).T if isinstance(m, QuantMatrix) else 0.0)
+    bg, bu = bound(wg, dg), bound(wu, du)
+    return 1.2 * bg * (np.abs(u) + bu) + bu * np.abs(g) + 1e-5 * np.abs(g * u)
+
+
 EXACT = Tol()
 DOT = Tol(1e-5, scale=dot_scale)
 GEMM = Tol(2e-5, scale=dot_scale, cuda_rel=1e-3)
@@ -157,7 +196,35 @@ OUTPUTS: dict[str, dict[str, Tol]] = {
 }
 
 
+# quantized weights (cases with a `fmt` parameter): x rounded to int8 blocks bounds the error
+Q_DOT = Tol(1.0, scale=qdot_scale)
+Q_OUTPUTS: dict[str, dict[str, Tol]] = {
+    "embed": {"out": Tol(1e-30, cuda_rel=2.0**-11)},       # exact (cuda: f16 dequantized rows)
+    "embed_batch": {"out": Tol(1e-30, cuda_rel=2.0**-11)},
+    "matvec": {"out": Q_DOT},
+    "matvec_add": {"out": Tol(1.0, scale=qdot_add_scale)},
+    "gate_up": {"out": Tol(1.0, scale=qglu_scale)},
+    "matmul": {"out": Q_DOT},
+    "matmul_add": {"out": Tol(1.0, scale=qdot_add_scale)},
+    "gate_up_batch": {"out": Tol(1.0, scale=qglu_scale)},
+}
+
+
+def tolerances(op, params):
+    return Q_OUTPUTS[op] if "fmt" in params else OUTPUTS[op]
+
+
 # -- input builders: (rng, **case params) -> {argument name: value} ----------------------
+
+def qweights(rng, d, n, fmt):
+    """A (d, n) weight matrix: float16, or a QuantMatrix of random rows (row scales varied
+    over 4 decades, a zero row and a zero block) quantized by cyllm's quantizer."""
+    if fmt in (None, "f16"):
+        return f16(rng, d, n)
+    x = rng.standard_normal((d, n)).astype(np.float32) * (10.0 ** rng.uniform(-2, 2, (d, 1))).astype(np.float32)
+    x[d // 2] = 0.0
+    x[0, :FORMATS[fmt].block] = 0.0
+    return QuantMatrix(quantize_rows_f32(x, fmt), fmt, (d, n))
 
 def f16(rng, *shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float16)
@@ -212,14 +279,20 @@ def _optional(args, **kw):
     return args
 
 
-def b_embed(rng, vocab, dim, token, scale=None, specials=False, int64=False):
-    table = (special_f16(rng, vocab * dim) if specials else f16(rng, vocab * dim)).reshape(vocab, dim)
+def b_embed(rng, vocab, dim, token, scale=None, specials=False, int64=False, fmt=None):
+    if fmt is not None:
+        table = qweights(rng, vocab, dim, fmt)
+    else:
+        table = (special_f16(rng, vocab * dim) if specials else f16(rng, vocab * dim)).reshape(vocab, dim)
     return _optional(dict(out=nan32(dim), table=table, token=np.int64(token) if int64 else token),
                      scale=scale)
 
 
-def b_embed_batch(rng, vocab, dim, T, scale=None, specials=False):
-    table = (special_f16(rng, vocab * dim) if specials else f16(rng, vocab * dim)).reshape(vocab, dim)
+def b_embed_batch(rng, vocab, dim, T, scale=None, specials=False, fmt=None):
+    if fmt is not None:
+        table = qweights(rng, vocab, dim, fmt)
+    else:
+        table = (special_f16(rng, vocab * dim) if specials else f16(rng, vocab * dim)).reshape(vocab, dim)
     tokens = rng.integers(0, vocab, T).astype(np.int32)
     tokens[0], tokens[-1] = vocab - 1, 0          # both ends of the table
     return _optional(dict(out=nan32(T, dim), table=table, tokens=Host(tokens)), scale=scale)
@@ -231,18 +304,24 @@ def b_rmsnorm(rng, n, eps=1e-5, T=None, alias=False):
     return dict(out=Alias("x") if alias else nan32(*shape), x=x, w=f32(rng, n), eps=eps)
 
 
-def b_matvec(rng, d, n, add=False):
-    return dict(out=f32(rng, d) if add else nan32(d), w=f16(rng, d, n), x=f32(rng, n))
+def b_matvec(rng, d, n, add=False, fmt=None):
+    x = f32(rng, n)
+    if fmt is not None:
+        x[:32] = 0.0                                 # an all-zero activation block (amax 0)
+        x[40] *= 30.0                                # an outlier that sets its block's scale
+    return dict(out=f32(rng, d) if add else nan32(d), w=qweights(rng, d, n, fmt), x=x)
 
 
-def b_matmul(rng, T, d, n, add=False):
-    return dict(out=f32(rng, T, d) if add else nan32(T, d), w=f16(rng, d, n), x=f32(rng, T, n))
+def b_matmul(rng, T, d, n, add=False, fmt=None):
+    return dict(out=f32(rng, T, d) if add else nan32(T, d), w=qweights(rng, d, n, fmt), x=f32(rng, T, n))
 
 
-def b_gate_up(rng, f, n, T=None, act=None):
+def b_gate_up(rng, f, n, T=None, act=None, fmt=None, fmt_up=None):
     x = f32(rng, n) if T is None else f32(rng, T, n)
     out = nan32(f) if T is None else nan32(T, f)
-    return _optional(dict(out=out, w_gate=f16(rng, f, n), w_up=f16(rng, f, n), x=x), act=act)
+    w_gate = qweights(rng, f, n, fmt)
+    w_up = qweights(rng, f, n, fmt_up or fmt)
+    return _optional(dict(out=out, w_gate=w_gate, w_up=w_up, x=x), act=act)
 
 
 def b_rope(rng, n_heads, n_kv, hd, pos, rot=None, max_ctx=None, pass_hd=False):
@@ -461,6 +540,38 @@ CASES = [
     case("attention_batch", n_heads=4, n_kv=1, hd=256, T=17, pos0=30, window=20, scale=0.0625),
 ]
 
+# quantized weights (QuantMatrix): every format, rows not a multiple of the 4-row groups,
+# one or several blocks per row, the threaded sizes; gate/up of two formats (mixed) and
+# a float16 gate with a quantized up
+_K = ("q4_k", "q5_k", "q6_k")
+for _f in QUANTIZED:
+    _n = 256 * 3 if _f in _K else 32 * 5
+    CASES += [
+        case("matvec", d=131, n=_n, fmt=_f),
+        case("matvec", d=517, n=1024, fmt=_f),
+        case("matvec_add", d=203, n=_n, fmt=_f),
+        case("gate_up", f=131, n=_n, act="silu" if _f < "q5" else "gelu_tanh", fmt=_f),
+        case("embed", vocab=50, dim=_n, token=49, scale=2.5, fmt=_f),
+        case("matmul", T=5, d=131, n=_n, fmt=_f),
+    ]
+CASES += [
+    case("gate_up", f=600, n=512, fmt="q4_k", fmt_up="q6_k"),
+    case("gate_up", f=129, n=256, act="gelu_tanh", fmt="f16", fmt_up="q8_0"),
+    case("embed", vocab=7, dim=64, token=0, fmt="q4_1"),
+    case("embed_batch", vocab=60, dim=512, T=17, scale=3.0, fmt="q8_0"),
+    case("embed_batch", vocab=9, dim=256, T=5, fmt="q4_k"),
+    case("matmul", T=33, d=257, n=1024, fmt="q4_0"),
+    case("matmul", T=64, d=96, n=512, fmt="q6_k"),
+    case("matmul", T=17, d=300, n=768, fmt="q4_k"),
+    case("matmul", T=9, d=70, n=2048, fmt="q8_0"),
+    case("matmul_add", T=7, d=131, n=512, fmt="q4_k"),
+    case("matmul_add", T=13, d=100, n=256, fmt="q5_0"),
+    case("gate_up_batch", T=9, f=131, n=512, fmt="q4_k"),
+    case("gate_up_batch", T=5, f=77, n=96, act="gelu_tanh", fmt="q4_0"),
+    case("gate_up_batch", T=12, f=129, n=256, fmt="q4_k", fmt_up="q6_k"),
+    case("gate_up_batch", T=3, f=40, n=512, fmt="f16", fmt_up="q5_k"),
+]
+
 
 def case_id(op, params):
     return op + "-" + "-".join(f"{k}{v}" for k, v in params.items())
@@ -476,6 +587,10 @@ class HostRunner:
 
     def put(self, a):
         return self.be.upload(a)
+
+    def put_weight(self, w):
+        """A QuantMatrix: the backend's upload (cpu keeps the blocks, numpy and cuda dequantize)."""
+        return self.be.upload(w)
 
     def get(self, a):
         return np.array(self.be.to_host(a), copy=True)
@@ -572,7 +687,9 @@ def run(runner, op, named):
         v = named.get(name, defaults.get(name))
         if name not in named and name not in defaults:
             raise AssertionError(f"case for {op} lacks the required argument {name!r}")
-        if isinstance(v, np.ndarray):
+        if isinstance(v, QuantMatrix):
+            arrays[name] = runner.put_weight(v)
+        elif isinstance(v, np.ndarray):
             arrays[name] = runner.put(v.copy())
         elif isinstance(v, Host):
             arrays[name] = v.value.copy()
@@ -582,7 +699,7 @@ def run(runner, op, named):
         if isinstance(named.get(name), Alias):
             arrays[name] = arrays[named[name].name]
     runner.call(op, [arrays[n] for n in names[:last + 1]], step_values(op, named))
-    return {name: runner.get(arrays[name]) for name in OUTPUTS[op]}
+    return {name: runner.get(arrays[name]) for name in OUTPUTS[op]}  # (same names in Q_OUTPUTS)
 
 
 def check(op, name, tol, got, want, scale, on_cuda):
@@ -649,7 +766,7 @@ def expected(op, params):
         inputs = {k: (v.value if isinstance(v, Host) else v) for k, v in named.items()}
         scales = {name: (np.abs(want[name].astype(np.float64)) if tol.scale is None
                          else tol.scale(inputs, want[name]))
-                  for name, tol in OUTPUTS[op].items() if not tol.exact}
+                  for name, tol in tolerances(op, params).items() if not tol.exact}
         _EXPECTED[key] = (named, want, scales)
     return _EXPECTED[key]
 
@@ -668,7 +785,7 @@ def test_op(kind, op, params):
     runner = make_runner(kind)
     named, want, scales = expected(op, params)
     got = run(runner, op, named)
-    for name, tol in OUTPUTS[op].items():
+    for name, tol in tolerances(op, params).items():
         check(op, name, tol, got[name], want[name], scales.get(name), kind.startswith("cuda"))
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import cpu_backend_available
-from cyllm import bench, synthetic, tuning
+from cyllm import bench, saved_tuning, synthetic, tuning
 from cyllm.cli import main
 from cyllm.errors import InvalidArgumentError, ModelLoadError
 from cyllm.threads import logical_cpus
@@ -20,7 +20,7 @@ FAST = ["--synthetic", "tiny", "--backend", BACKEND, "-p", "8", "-n", "4", "-r",
 @pytest.fixture
 def fake_bandwidth(monkeypatch):
     """Skip the 512 MB bandwidth probe where the test is not about it."""
-    monkeypatch.setattr(bench, "read_bandwidth", lambda backend, threads: (10.0, "test"))
+    monkeypatch.setattr(bench, "read_bandwidth", lambda backend, threads, nbytes=None: (10.0, "test"))
 
 
 @pytest.fixture
@@ -145,32 +145,32 @@ def test_tune_saves_and_is_read_back(capsys, config_dir, fake_bandwidth, monkeyp
     assert "best: decode" in out and "saved to" in out
     assert "#" in out                                           # the text chart
     saved = json.loads((config_dir / "tuning.json").read_text())
-    entry = saved["machines"][tuning.cpu_model_name()]["<500MB"]
+    entry = saved["machines"][saved_tuning.cpu_model_name()]["<500MB"]
     nbytes = synthetic.weight_bytes(synthetic.preset_config("tiny"))
-    assert tuning.tuned_threads(nbytes) == (entry["decode_threads"], entry["prefill_threads"])
-    assert all(1 <= t <= logical_cpus() for t in tuning.tuned_threads(nbytes))
-    assert tuning.tuned_threads(10**10) == (None, None)         # another size class
-    assert any("decode" in ln for ln in tuning.describe_saved_tuning())
+    assert saved_tuning.tuned_threads(nbytes) == (entry["decode_threads"], entry["prefill_threads"])
+    assert all(1 <= t <= logical_cpus() for t in saved_tuning.tuned_threads(nbytes))
+    assert saved_tuning.tuned_threads(10**10) == (None, None)         # another size class
+    assert any("decode" in ln for ln in saved_tuning.describe_saved_tuning())
     # `cyllm info` shows it
     rc, out, _ = run(capsys, "info")
     assert rc == 0 and "tuning" in out and "<500MB" in out
     # a different CPU model: the entry is ignored
-    monkeypatch.setattr(tuning, "cpu_model_name", lambda: "Some Other CPU 9000")
-    assert tuning.tuned_threads(nbytes) == (None, None)
+    monkeypatch.setattr(saved_tuning, "cpu_model_name", lambda: "Some Other CPU 9000")
+    assert saved_tuning.tuned_threads(nbytes) == (None, None)
 
 
 def test_tuned_threads_robust(config_dir):
-    assert tuning.tuned_threads(1000) == (None, None)
-    assert tuning.describe_saved_tuning()                       # says "none saved"
+    assert saved_tuning.tuned_threads(1000) == (None, None)
+    assert saved_tuning.describe_saved_tuning()                       # says "none saved"
     config_dir.mkdir(parents=True)
     (config_dir / "tuning.json").write_text("{not json")
-    assert tuning.tuned_threads(1000) == (None, None)
+    assert saved_tuning.tuned_threads(1000) == (None, None)
     path = tuning.save_tuning(1000, 1, 1)
     assert path == config_dir / "tuning.json"
-    assert tuning.tuned_threads(1000) == (1, 1)
+    assert saved_tuning.tuned_threads(1000) == (1, 1)
     # a count above this machine's CPUs (tuned on a bigger allocation) is not used
     tuning.save_tuning(1000, 10_000, 1)
-    assert tuning.tuned_threads(1000) == (None, 1)
+    assert saved_tuning.tuned_threads(1000) == (None, 1)
 
 
 def test_best_threads_prefers_fewer_within_tolerance():

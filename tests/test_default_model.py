@@ -46,6 +46,7 @@ def test_cyllm_model_env_overrides(clean_env, monkeypatch):
 def test_cached_file_is_used_without_download(clean_env, monkeypatch):
     monkeypatch.setenv("CYLLM_MODEL_DIR", str(clean_env / "c"))
     monkeypatch.setattr(dm, "FILE_SIZE", 10)
+    monkeypatch.setattr(dm, "FILE_SHA256", hashlib.sha256(b"0123456789").hexdigest())
     (clean_env / "c").mkdir()
     (clean_env / "c" / dm.FILE_NAME).write_bytes(b"0123456789")
     monkeypatch.setattr(dm, "_pip_download", lambda dest: pytest.fail("must not download"))

@@ -155,3 +155,15 @@ def test_cli_entry_point_exit_status(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("call", ["load_int", "load_bytes", "logits_none", "logits_str"])
+def test_python_api_wrong_types_are_cyllm_errors(call, default_model):
+    """Wrong argument types give a CyllmError (one line), not TypeError from deep inside."""
+    import cyllm
+    from cyllm.errors import CyllmError
+    calls = {"load_int": lambda: cyllm.load(123), "load_bytes": lambda: cyllm.load(b"model.gguf"),
+             "logits_none": lambda: default_model.logits(None), "logits_str": lambda: default_model.logits("hi")}
+    with pytest.raises(CyllmError) as e:
+        calls[call]()
+    assert "\n" not in str(e.value)

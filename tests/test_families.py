@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 import cyllm  # noqa: E402
 from conftest import HOST_BACKENDS, cuda_available  # noqa: E402
-from llamacpp_tools import family_material  # noqa: E402,F401  (session fixture)
+from llamacpp_tools import VOCABS, family_material, llamacpp_template, llamacpp_vocab  # noqa: E402,F401
 from tinymodels import FAMILY_FEATURES, FAMILY_KINDS, GGUF_FAITHFUL, load_reference  # noqa: E402
 
 SEQ = 70          # crosses every window (16) and original rope context (32) of the material
@@ -106,8 +106,12 @@ def test_decode_equals_prefill(family_material, kind, backend):
     want = batched.logits(ids)
     step = cyllm.load(path, backend=backend)
     got = np.stack([step.forward(t, i).copy() for i, t in enumerate(ids)])
-    # the cuda prefill feeds cuBLAS FP16 inputs, decode reads FP32 activations
-    assert rel_err(got, want) < (1e-3 if backend == "cuda" else 1e-4)
+    # Not bitwise: the GEMM and the matvec sum in different orders (~1e-7), and a K or V value
+    # that lands on an FP16 rounding boundary then differs by one FP16 ulp (~5e-4 of itself) in
+    # the cache; measured worst case 1.03e-4 on cpu (llama32). The cuda prefill also feeds
+    # cuBLAS FP16 inputs. Measured worst case on the host backends: 4.4e-4 (mistral_swa, numpy).
+    # cuda: its prefill rounds activations to FP16 for cuBLAS (measured 1.8e-3 on an H100, llama32)
+    assert rel_err(got, want) < (5e-3 if backend == "cuda" else 1e-3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -123,14 +127,17 @@ def test_gguf_from_llamacpp_converter_matches_transformers(family_material, refe
 
 @pytest.mark.parametrize("kind", ["qwen3", "gemma3", "phi3_longrope"])
 def test_gguf_f16_and_q8_0_files(family_material, reference, kind):
-    """F16 and Q8_0 conversions: F16 at the HF tolerance, Q8_0 close to the F16 logits."""
+    """F16 and Q8_0 conversions: F16 at the HF tolerance, Q8_0 near the F16 logits (8-bit weights:
+    measured up to 5.3e-2 on these tiny random models) with the same argmax nearly everywhere."""
     backend = HOST_BACKENDS[-1]
     f16 = cyllm.load(family_material.gguf(kind, "f16"), backend=backend)
     ids = _ids(f16)
     l16 = f16.logits(ids)
     _assert_parity(l16, _hf_logits(reference(kind), ids))
     q8 = cyllm.load(family_material.gguf(kind, "q8_0"), backend=backend)
-    assert rel_err(q8.logits(ids), l16) < 5e-2
+    l8 = q8.logits(ids)
+    assert rel_err(l8, l16) < 1e-1
+    assert float(np.mean(l8.argmax(-1) == l16.argmax(-1))) > 0.9
 
 
 def test_every_family_has_material():
@@ -141,25 +148,38 @@ def test_every_family_has_material():
     assert set(FAMILY_FEATURES) == set(FAMILY_KINDS)
 
 
-TEXTS = ["The quick brown fox jumps over the lazy dog.", "  leading spaces and 12345 digits\n\nnew lines",
-         "Caf\u00e9 na\u00efve \u4f60\u597d \U0001f600", "def f(x):\n    return x ** 2  # it's"]
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_gguf_tokenizer_matches_llamacpp_test_vectors(vocab):
+    """The tokenizer rebuilt from a real vocabulary GGUF (llama.cpp's ggml-vocab-*.gguf: its
+    tokenizer.ggml.pre, merges or SentencePiece scores, special tokens) gives the ids llama.cpp's
+    own tokenizer test expects for its test texts."""
+    from cyllm.loading.gguf import read_gguf
+    from cyllm.loading.gguf_tokenizer import build_tokenizer, make_tokenizer
+    path, cases = llamacpp_vocab(vocab)
+    tok = make_tokenizer(build_tokenizer(read_gguf(path)))
+    bad = [(text, want, got) for text, want in cases
+           if (got := tok.encode(text, add_special_tokens=False)) != want]
+    assert not bad, f"{len(bad)}/{len(cases)} texts differ, first: {bad[0]!r}"
 
 
-@pytest.mark.parametrize("kind", sorted(GGUF_FAITHFUL))
-def test_gguf_tokenizer_and_template_match_the_hf_directory(family_material, kind):
-    """The tokenizer rebuilt from the GGUF metadata (its tokenizer.ggml.pre, SentencePiece
-    flags, special tokens) encodes like transformers' tokenizer of the HF directory, and the
-    chat template renders the same conversation."""
+@pytest.mark.parametrize("name", ["Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B", "HuggingFaceTB-SmolLM3-3B",
+                                  "microsoft-Phi-3.5-mini-instruct", "google-gemma-2-2b-it",
+                                  "meta-llama-Llama-3.2-3B-Instruct"])
+def test_real_chat_templates_render_like_transformers(family_material, name):
+    """The chat templates these families ship render a conversation as transformers renders it."""
     from transformers import AutoTokenizer
-    hf_tok = AutoTokenizer.from_pretrained(family_material.hf_dir(kind))
-    ours = cyllm.load(family_material.gguf(kind, "f32"), backend="numpy").tokenizer
-    for text in TEXTS:
-        assert ours.encode(text, add_special_tokens=False) == hf_tok.encode(text, add_special_tokens=False), text
-    messages = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi!"},
-                {"role": "user", "content": "Bye"}]
-    if hf_tok.chat_template:
-        want = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        assert ours.apply_chat_template(messages, add_generation_prompt=True) == want
+    template = llamacpp_template(name)
+    d = family_material.hf_dir("qwen2")
+    hf_tok = AutoTokenizer.from_pretrained(d)
+    ours = cyllm.load(d, backend="numpy").tokenizer
+    ours.chat_template = template
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"},
+                {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "Bye"}]
+    if "gemma" in name:
+        messages = messages[1:]          # Gemma's template refuses a system turn
+    want = hf_tok.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                      add_generation_prompt=True)
+    assert ours.apply_chat_template(messages, add_generation_prompt=True) == want
 
 
 @pytest.mark.parametrize("kind", ["llama32", "gemma3", "phi3_longrope", "smollm3"])

@@ -15,6 +15,7 @@ from gguf import quants  # noqa: E402
 
 from cyllm.errors import ModelLoadError, UnsupportedModelError  # noqa: E402
 from cyllm.loading.gguf import load_gguf, read_gguf  # noqa: E402
+from cyllm.quant import QuantMatrix  # noqa: E402
 from conftest import HOST_BACKENDS
 
 
@@ -149,17 +150,25 @@ def gguf_from_hf_rows(w, n_heads):
 
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_K, QT.Q6_K])
 def test_tensor_types_dequantize(tmp_path, qtype):
+    """Float matrices load as float16; native block formats as QuantMatrix views of the file
+    (q/k: a row-permuted copy) whose blocks dequantize (gguf package) to the file's values."""
     p = tmp_path / f"tiny-{qtype.name}.gguf"
     src = write_tiny_gguf(p, qtype=qtype)
     cfg, weights, tok = load_gguf(p)
     assert cfg.n_layers == 1 and cfg.dim == 256 and cfg.head_dim == 64 and not cfg.tie_word_embeddings
     gf = read_gguf(p)
+    quantized = qtype not in (QT.F32, QT.F16, QT.BF16)
     for gname, hname, heads in [("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", 0),
                                 ("token_embd.weight", "model.embed_tokens.weight", 0),
                                 ("output.weight", "lm_head.weight", 0),
                                 ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", 4),
                                 ("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj.weight", 2)]:
         got = weights[hname]
+        if quantized:
+            assert isinstance(got, QuantMatrix) and got.fmt.ggml_type == int(qtype)
+            if not heads:      # stays in the memory map
+                assert not got.data.flags.writeable and not got.data.flags.owndata
+            got = quants.dequantize(got.data, qtype).reshape(got.shape).astype(np.float16)
         assert got.dtype == np.float16 and got.shape == src[gname].shape
         info = gf.tensors[gname]
         raw = np.frombuffer(gf.buf, np.uint8, info.nbytes, info.offset)
@@ -250,7 +259,10 @@ def test_llama3_rope_freqs(tmp_path):
 
 # ============================================================================ tokenizers
 
-SPM_TEXTS = ["the quick brown fox", "Hello world", "  two  leading spaces", "new\nline and\ttab",
+# no text with a leading space: transformers' GGUF conversion then drops SentencePiece's dummy
+# prefix, which llama.cpp keeps (" Hi" -> "__Hi"); cyllm follows llama.cpp, checked against
+# llama.cpp's own tokenizer test vectors in tests/test_families.py
+SPM_TEXTS = ["the quick brown fox", "Hello world", "two  inner  spaces", "new\nline and\ttab",
              "unknown: ünï 日本 🙂", "thethethe catmat", "", "trailing space "]
 
 
@@ -351,8 +363,17 @@ def real_path():
 
 @pytest.fixture(scope="module")
 def ours(real_path):
-    import cyllm
-    return cyllm.load(real_path, backend=pick_backend())
+    """The real GGUF through cyllm's loader, tokenizer and model, with its Q4_1/Q8_0 blocks
+    dequantized to f16 as transformers dequantizes them: these tests check the reading of
+    the file and the model's math; the native quantized kernels (which also round x to
+    int8 blocks, as llama.cpp does) are checked against llama.cpp in test_quant_perplexity.py."""
+    from cyllm.loading import load_path
+    from cyllm.model import Model
+    from cyllm.quant import QuantMatrix
+    from cyllm.quant.convert import dequantize_f16
+    cfg, weights, tok = load_path(real_path)
+    weights = {k: dequantize_f16(v) if isinstance(v, QuantMatrix) else v for k, v in weights.items()}
+    return Model(cfg, weights, tok, backend=pick_backend())
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Peak memory while generating stays within weights + KV cache + 150 MB (issue 5's budget)."""
+"""Peak memory while generating stays within weights + KV cache + 150 MB."""
 
 import subprocess
 import sys

@@ -77,3 +77,28 @@ def test_repetition_penalty_follows_ctrl_rule():
 def test_bad_parameters_raise(kw):
     with pytest.raises(InvalidArgumentError):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1e-40), dict(temperature=1e-40, repetition_penalty=1e-45),
+                                dict(temperature=0.7, repetition_penalty=1e-45),
+                                dict(temperature=0.0, repetition_penalty=1e-45),
+                                dict(temperature=5e-324, top_p=0.5, min_p=0.9)])
+def test_extreme_sampling_parameters_never_give_nan(kw):
+    """Temperatures and penalties at the edge of float range choose a token (the likeliest
+    one where the distribution collapses) instead of failing on NaN probabilities."""
+    from cyllm.sampling import Sampler, SamplingParams
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=300).astype(np.float32) * 5
+    s = Sampler(300, SamplingParams(seed=1, **kw))
+    tok = s.sample(logits, recent=[5, 7, int(np.argmax(logits))])
+    assert 0 <= tok < 300
+    if kw.get("temperature", 1) < 1e-30 and kw.get("repetition_penalty", 1.0) == 1.0:
+        assert tok == int(np.argmax(logits))
+
+
+def test_seed_minus_one_means_random_and_other_negatives_are_refused():
+    from cyllm.errors import InvalidArgumentError
+    from cyllm.sampling import SamplingParams
+    assert SamplingParams(temperature=1.0, seed=-1).seed is None
+    with pytest.raises(InvalidArgumentError):
+        SamplingParams(temperature=1.0, seed=-5)

@@ -5,7 +5,7 @@ import pytest
 import cyllm
 from conftest import HOST_BACKENDS
 from cyllm.threads import physical_cores, resolve_threads
-from cyllm.tuning import save_tuning
+from cyllm.saved_tuning import save_tuning
 from tinymodels import make_tiny_model
 
 pytestmark = pytest.mark.skipif("cpu" not in HOST_BACKENDS, reason="compiled cpu backend not built")

@@ -1,6 +1,7 @@
 /* cyllm CPU kernels: the per-variant function table.
  *
- * Every variant (generic = portable C, avx2 = AVX2+FMA+F16C intrinsics) fills one
+ * Every variant (generic = portable C, avx2 = AVX2+FMA+F16C intrinsics, avx512 = the avx2
+ * table with the AVX-512F prefill GEMM and attention of kernels_avx512.c) fills one
  * table; the Cython layer picks a table once and calls through it from inside its
  * OpenMP loops. The kernels here are single-threaded pieces of work (a range of
  * rows, one attention head): the threading lives in kernels.pyx.
@@ -99,6 +100,7 @@ float cyllm_act(float x, int act);
 /* matvec software prefetch distance in units of 4 rows (0 = off); see kernels_avx2.c */
 extern int cyllm_pf_groups;
 extern int cyllm_pf_next;       /* program.c: 1 = decode program prefetches across ops */
+extern int cyllm_spin;          /* program.c: polls at a barrier before a waiter sleeps */
 /* out (n,) = x / sqrt(mean(x^2) + eps) * w: sum of squares in double, one f32 scale.
  * Shared by the rmsnorm op and the decode program so both give the same bits. */
 void cyllm_rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps);
@@ -109,7 +111,9 @@ void cyllm_rope_rows(float *v, int64_t heads, int64_t hd, int64_t half, const fl
 /* program.c: a captured decode step (see cyllm_program_run). */
 enum {
     CYLLM_OP_EMBED = 1, CYLLM_OP_RMSNORM, CYLLM_OP_MATVEC, CYLLM_OP_GATE_UP, CYLLM_OP_ROPE,
-    CYLLM_OP_CACHE_STORE, CYLLM_OP_ATTENTION, CYLLM_OP_ADD, CYLLM_OP_SWIGLU
+    CYLLM_OP_CACHE_STORE, CYLLM_OP_ATTENTION, CYLLM_OP_ADD, CYLLM_OP_SWIGLU,
+    /* quantized weights (quant.h): x -> activation blocks once, then integer matvecs */
+    CYLLM_OP_QUANTIZE, CYLLM_OP_QMATVEC, CYLLM_OP_QGATE_UP, CYLLM_OP_QEMBED, CYLLM_OP_GLU
 };
 typedef struct cyllm_op {
     int kind;
@@ -129,6 +133,14 @@ typedef struct cyllm_op {
     int64_t window;         /* attention: positions attended, itself included (0: all) */
     int next_w;             /* matvec/gate_up: index of the next matvec/gate_up op (prefetch), -1: none */
     float eps, scale;       /* scale: attention score scale; embed: factor on the row */
+    /* quantized ops. QUANTIZE: x (c, n floats) -> xq in activation format act; mode 1: on
+     * thread 0 alone (x came from a thread-0 op: no barrier in between), 0: blocks split
+     * over the team. QMATVEC/QGATE_UP: weights a (and b) of format qfmt read xq; mode as
+     * for MATVEC/GATE_UP. QEMBED: row `token` of table a (format qfmt) dequantized.
+     * GLU: out = act(a) * b over n elements (mode = act), split over the team. */
+    void *xq;
+    int qfmt, act;
+    int64_t rb;             /* bytes per weight row (every matvec-like op: the prefetch of the next) */
 } cyllm_op;
 /* Decode attention of one query (all heads) over cache positions start..pos, called by
  * every thread `tid` of a team of `nth` (it contains barriers). Up to
@@ -148,9 +160,11 @@ void cyllm_attention_run(const cyllm_kernels *kt, float *out, const float *q,
                          const uint16_t *kc, const uint16_t *vc, int64_t n_heads, int64_t n_kv,
                          int64_t hd, int64_t max_ctx, int64_t start, int64_t pos, float scale,
                          float *scratch, int nt);
-/* Runs ops[0..n_ops) for one token inside one OpenMP parallel region of nt threads. */
-void cyllm_program_run(const cyllm_kernels *kt, const cyllm_op *ops, int n_ops, int nt,
-                       int64_t token, int64_t pos, float *scratch);
+/* Runs ops[0..n_ops) for one token inside one OpenMP parallel region of nt threads
+ * (qk: the quantized kernels of the QUANTIZE/QMATVEC/QGATE_UP/QEMBED ops). */
+struct cyllm_qkernels;
+void cyllm_program_run(const cyllm_kernels *kt, const struct cyllm_qkernels *qk, const cyllm_op *ops,
+                       int n_ops, int nt, int64_t token, int64_t pos, float *scratch);
 
 #ifdef __cplusplus
 }

@@ -16,18 +16,87 @@
  */
 #include <math.h>
 #include <stddef.h>
+#include <stdatomic.h>
 #include "kernels.h"
+#include "quant.h"
 #include "omp_shim.h"
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#include <sched.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+/* ---- the team's barrier: spin briefly, then sleep ------------------------------------
+ * A decode step waits at ~10 barriers per layer. With the cores to itself a barrier is
+ * over in well under a microsecond, so the waiters spin. When another process keeps a
+ * core busy, the thread being waited for may be descheduled for a whole time slice:
+ * spinning then burns the very core it needs (libgomp spins ~300k iterations first,
+ * and 2-thread decode collapsed 10-40x). So after cyllm_spin polls the waiter sleeps
+ * on a futex (elsewhere: yields) and the last arrival wakes it. Sense: `gen` counts
+ * completed barriers; seq_cst on `sleepers`/`gen` orders the sleep/wake handshake. */
+int cyllm_spin = 2000;
+
+typedef struct {
+    atomic_int arrived;
+    atomic_int gen;
+    atomic_int sleepers;
+} cyllm_sync;
+
+static void sync_wait(cyllm_sync *s, int nth) {
+    int g = atomic_load_explicit(&s->gen, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&s->arrived, 1, memory_order_acq_rel) == nth - 1) {
+        atomic_store_explicit(&s->arrived, 0, memory_order_relaxed);
+        atomic_fetch_add(&s->gen, 1);
+        if (atomic_load(&s->sleepers) > 0) {
+#if defined(__linux__)
+            syscall(SYS_futex, (int *)&s->gen, FUTEX_WAKE_PRIVATE, 1 << 30, NULL, NULL, 0);
+#endif
+        }
+        return;
+    }
+    for (int i = 0; i < cyllm_spin; i++) {
+        if (atomic_load_explicit(&s->gen, memory_order_acquire) != g) return;
+        CPU_RELAX();
+    }
+    atomic_fetch_add(&s->sleepers, 1);
+    while (atomic_load(&s->gen) == g) {
+#if defined(__linux__)
+        syscall(SYS_futex, (int *)&s->gen, FUTEX_WAIT_PRIVATE, g, NULL, NULL, 0);
+#else
+        sched_yield();
+#endif
+    }
+    atomic_fetch_sub(&s->sleepers, 1);
+}
+
+/* a barrier of the team running a step: the program's own (sync), or OpenMP's */
+static inline void team_barrier(cyllm_sync *sync, int nth) {
+    if (sync) {
+        sync_wait(sync, nth);
+        return;
+    }
+#ifdef _OPENMP
+    #pragma omp barrier
+#endif
+}
 
 int64_t cyllm_attention_scratch(int64_t n_heads, int64_t hd, int64_t t_len) {
     int64_t nblk = (t_len + CYLLM_ATT_BLOCK - 1) / CYLLM_ATT_BLOCK;
     return nblk <= 1 ? 0 : nblk * n_heads * (hd + 2);
 }
 
-void cyllm_attention_step(const cyllm_kernels *kt, float *out, const float *q,
-                          const uint16_t *kc, const uint16_t *vc, int64_t n_heads, int64_t n_kv,
-                          int64_t hd, int64_t max_ctx, int64_t start, int64_t pos, float scale,
-                          float *scratch, int tid, int nth) {
+static void attention_step(const cyllm_kernels *kt, float *out, const float *q,
+                           const uint16_t *kc, const uint16_t *vc, int64_t n_heads, int64_t n_kv,
+                           int64_t hd, int64_t max_ctx, int64_t start, int64_t pos, float scale,
+                           float *scratch, int tid, int nth, cyllm_sync *sync) {
     /* a sliding window only moves the first position: the cache rows start..pos */
     int64_t group = n_heads / n_kv, t_len = pos + 1 - start;
     kc += start * hd;
@@ -62,9 +131,7 @@ void cyllm_attention_step(const cyllm_kernels *kt, float *out, const float *q,
                             kc + (kvh * max_ctx + t0) * hd, vc + (kvh * max_ctx + t0) * hd,
                             len, hd, scale, group, pml + (blk * n_heads + h0) * 2);
     }
-#ifdef _OPENMP
-    #pragma omp barrier
-#endif
+    team_barrier(sync, nth);
     for (int64_t h = tid; h < n_heads; h += nth) {
         float m = -INFINITY;
         for (int64_t b = 0; b < nblk; b++) {
@@ -82,6 +149,14 @@ void cyllm_attention_step(const cyllm_kernels *kt, float *out, const float *q,
         float inv = 1.0f / l;
         for (int64_t d = 0; d < hd; d++) oh[d] *= inv;
     }
+}
+
+void cyllm_attention_step(const cyllm_kernels *kt, float *out, const float *q,
+                          const uint16_t *kc, const uint16_t *vc, int64_t n_heads, int64_t n_kv,
+                          int64_t hd, int64_t max_ctx, int64_t start, int64_t pos, float scale,
+                          float *scratch, int tid, int nth) {
+    attention_step(kt, out, q, kc, vc, n_heads, n_kv, hd, max_ctx, start, pos, scale, scratch, tid, nth,
+                   NULL);
 }
 
 void cyllm_attention_run(const cyllm_kernels *kt, float *out, const float *q,
@@ -114,13 +189,15 @@ static inline void row_split(int64_t d, int tid, int nth, int64_t *r0, int64_t *
     if (*r1 > d) *r1 = d;
 }
 
-static void run_op(const cyllm_kernels *kt, const cyllm_op *ops, int i, int tid, int nth,
-                   int64_t token, int64_t pos, float *scratch) {
+static void run_op(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyllm_op *ops, int i,
+                   int tid, int nth, int64_t token, int64_t pos, float *scratch, cyllm_sync *sync) {
     const cyllm_op *o = &ops[i];
     int64_t p = o->dyn ? pos : o->fixed;
     switch (o->kind) {
     case CYLLM_OP_MATVEC:
-    case CYLLM_OP_GATE_UP: {
+    case CYLLM_OP_GATE_UP:
+    case CYLLM_OP_QMATVEC:
+    case CYLLM_OP_QGATE_UP: {
         int64_t r0, r1;
         row_split(o->d, tid, nth, &r0, &r1);
         if (r0 >= r1) return;
@@ -132,22 +209,47 @@ static void run_op(const cyllm_kernels *kt, const cyllm_op *ops, int i, int tid,
             int64_t q0, q1;
             row_split(nw->d, tid, nth, &q0, &q1);
             if (q0 < q1) {
-                nx = (const uint16_t *)nw->a + q0 * nw->n;
-                nx_bytes = (q1 - q0) * nw->n * 2;
+                nx = (const char *)nw->a + q0 * nw->rb;
+                nx_bytes = (q1 - q0) * nw->rb;
             }
         }
-        if (o->kind == CYLLM_OP_MATVEC)
+        switch (o->kind) {
+        case CYLLM_OP_MATVEC:
             kt->matvec_rows(o->out, (const uint16_t *)o->a, (const float *)o->c, o->n, r0, r1,
                             o->mode, nx, nx_bytes);
-        else
+            break;
+        case CYLLM_OP_GATE_UP:
             kt->gate_up_rows(o->out, (const uint16_t *)o->a, (const uint16_t *)o->b,
                              (const float *)o->c, o->n, r0, r1, o->mode, nx, nx_bytes);
+            break;
+        case CYLLM_OP_QMATVEC:
+            qk->fmt[o->qfmt].matvec_rows(o->out, (const uint8_t *)o->a, o->rb, o->xq, o->n, r0, r1,
+                                         o->mode, nx, nx_bytes);
+            break;
+        default:
+            qk->fmt[o->qfmt].gate_up_rows(o->out, (const uint8_t *)o->a, (const uint8_t *)o->b, o->rb,
+                                          o->xq, o->n, r0, r1, o->mode, nx, nx_bytes);
+        }
+        return;
+    }
+    case CYLLM_OP_QUANTIZE:
+        if (o->mode == 0) {         /* blocks split over the team (each block's bytes are its own) */
+            int64_t nb = o->n / cyllm_qact_block(o->act);
+            int64_t b0 = nb * tid / nth, b1 = nb * (tid + 1) / nth;
+            if (b0 < b1) qk->quantize_act(o->xq, (const float *)o->c, o->n, o->act, b0, b1);
+            return;
+        }
+        break;
+    case CYLLM_OP_GLU: {
+        int64_t r0, r1;
+        row_split(o->n, tid, nth, &r0, &r1);
+        cyllm_qglu(o->out, (const float *)o->a, (const float *)o->b, r0, r1, o->mode);
         return;
     }
     case CYLLM_OP_ATTENTION: {
         int64_t start = o->window > 0 && p + 1 > o->window ? p + 1 - o->window : 0;
-        cyllm_attention_step(kt, o->out, (const float *)o->a, o->kc, o->vc, o->n_heads, o->n_kv,
-                             o->hd, o->max_ctx, start, p, o->scale, scratch, tid, nth);
+        attention_step(kt, o->out, (const float *)o->a, o->kc, o->vc, o->n_heads, o->n_kv,
+                       o->hd, o->max_ctx, start, p, o->scale, scratch, tid, nth, sync);
         return;
     }
     default:
@@ -155,6 +257,15 @@ static void run_op(const cyllm_kernels *kt, const cyllm_op *ops, int i, int tid,
     }
     if (tid != 0) return;               /* the small vector ops: thread 0 alone */
     switch (o->kind) {
+    case CYLLM_OP_QUANTIZE:
+        qk->quantize_act(o->xq, (const float *)o->c, o->n, o->act, 0, o->n / cyllm_qact_block(o->act));
+        break;
+    case CYLLM_OP_QEMBED:
+        qk->fmt[o->qfmt].dequant_row_f32(o->out, (const uint8_t *)o->a + (o->dyn ? token : o->fixed) * o->rb,
+                                         o->n);
+        if (o->scale != 1.0f)
+            for (int64_t i = 0; i < o->n; i++) o->out[i] *= o->scale;
+        break;
     case CYLLM_OP_EMBED:
         kt->f16_to_f32(o->out, (const uint16_t *)o->a + (o->dyn ? token : o->fixed) * o->n, o->n);
         if (o->scale != 1.0f)
@@ -195,24 +306,26 @@ static void run_op(const cyllm_kernels *kt, const cyllm_op *ops, int i, int tid,
     }
 }
 
-void cyllm_program_run(const cyllm_kernels *kt, const cyllm_op *ops, int n_ops, int nt,
-                       int64_t token, int64_t pos, float *scratch) {
+void cyllm_program_run(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyllm_op *ops,
+                       int n_ops, int nt, int64_t token, int64_t pos, float *scratch) {
     if (nt <= 1) {
-        for (int i = 0; i < n_ops; i++) run_op(kt, ops, i, 0, 1, token, pos, scratch);
+        for (int i = 0; i < n_ops; i++) run_op(kt, qk, ops, i, 0, 1, token, pos, scratch, NULL);
         return;
     }
 #ifdef _OPENMP
+    cyllm_sync sync;
+    atomic_init(&sync.arrived, 0);
+    atomic_init(&sync.gen, 0);
+    atomic_init(&sync.sleepers, 0);
     #pragma omp parallel num_threads(nt)
     {
         int tid = omp_get_thread_num(), nth = omp_get_num_threads();
         for (int i = 0; i < n_ops; i++) {
-            run_op(kt, ops, i, tid, nth, token, pos, scratch);
-            if (ops[i].barrier) {
-                #pragma omp barrier
-            }
+            run_op(kt, qk, ops, i, tid, nth, token, pos, scratch, &sync);
+            if (ops[i].barrier) sync_wait(&sync, nth);
         }
     }
 #else
-    for (int i = 0; i < n_ops; i++) run_op(kt, ops, i, 0, 1, token, pos, scratch);
+    for (int i = 0; i < n_ops; i++) run_op(kt, qk, ops, i, 0, 1, token, pos, scratch, NULL);
 #endif
 }

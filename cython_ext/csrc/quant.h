@@ -117,6 +117,11 @@ const cyllm_qkernels *cyllm_qkernels_by_name(const char *name);
  * "generic" -> generic; "avx2" -> avxvnni or avx2; "avx512" -> avx512vnni, avxvnni or avx2). */
 const cyllm_qkernels *cyllm_qkernels_for_variant(const char *variant);
 
+/* quant_quantize.c: one row of n float32 (n a multiple of the block, finite values)
+ * -> out (row_bytes) in format fmt; the bytes of cyllm.quant.reference.quantize
+ * (llama.cpp's reference quantizers). Baseline ISA, no FMA contraction. */
+void cyllm_quantize_row(int fmt, uint8_t *out, const float *x, int64_t n);
+
 /* software prefetch distance of the quantized matvecs, bytes ahead of the row
  * stream (0 = off); quant_generic.c, set by quant.pxi's _set_qprefetch */
 extern int64_t cyllm_qpf_bytes;
@@ -128,6 +133,10 @@ float cyllm_gelu_tanh(float x);
 static inline float cyllm_qact_apply(int act, float g) {
     return act == CYLLM_ACT_GELU_TANH ? cyllm_gelu_tanh(g) : cyllm_silu(g);
 }
+/* out[i] = act(g[i]) * u[i] for i in [r0, r1): a GLU whose gate and up products came
+ * from separate matvecs (gate and up of different formats); the fused kernels apply
+ * the same function to the same values */
+void cyllm_qglu(float *out, const float *g, const float *u, int64_t r0, int64_t r1, int act);
 
 #ifdef __cplusplus
 }

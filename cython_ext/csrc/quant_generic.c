@@ -44,6 +44,10 @@ float cyllm_gelu_tanh(float x) {
     return x / (1.0f + expf(-2.0f * u));
 }
 
+void cyllm_qglu(float *out, const float *g, const float *u, int64_t r0, int64_t r1, int act) {
+    for (int64_t i = r0; i < r1; i++) out[i] = cyllm_qact_apply(act, g[i]) * u[i];
+}
+
 /* ---- activation quantization ---------------------------------------------------- */
 
 static void quantize_act_generic(void *xq, const float *x, int64_t n, int act, int64_t b0, int64_t b1) {

@@ -33,23 +33,32 @@ from .errors import BackendUnavailableError, CyllmError, InvalidArgumentError
 from .model import PREFILL_CHUNK
 from .backends.base import OP_NAMES, Backend, HostArrays
 
-OUTPUT_FORMATS = ("md", "json", "csv")
+OUTPUT_FORMATS = ("md", "json", "jsonl", "csv")
 # warm-up runs are shortened: their job is to fault pages in and wake threads
 WARMUP_TG = 8
 
 
 # -- argument parsing ----------------------------------------------------------
+MAX_LIST_VALUES = 1024      # more sizes or thread counts than any sweep needs
+
+
 def parse_int_list(text, what: str, minimum: int = 0) -> list[int]:
-    """"1,2,4" / "1-4" / 512 -> [ints], each >= minimum; InvalidArgumentError otherwise."""
+    """"1,2,4" / "1-4" / 512 -> [ints], each >= minimum; InvalidArgumentError otherwise.
+
+    At most MAX_LIST_VALUES values: a range is checked before it is expanded, so
+    "0-1000000000000000000" is an error, not an endless loop or a MemoryError.
+    """
     if isinstance(text, (list, tuple)):
         items = [str(t) for t in text]
     elif isinstance(text, (int, np.integer)) and not isinstance(text, bool):
         items = [str(int(text))]
     elif isinstance(text, str):
+        if text.count(",") >= MAX_LIST_VALUES:
+            raise InvalidArgumentError(f"{what}: more than {MAX_LIST_VALUES} values")
         items = [t.strip() for t in text.split(",")]
     else:
         raise InvalidArgumentError(f"{what}: expected a comma-separated list of numbers, got {text!r}")
-    out: list[int] = []
+    out: dict[int, None] = {}                      # ordered, O(1) duplicate check
     for item in items:
         m = re.fullmatch(r"(\d+)-(\d+)", item)          # a range "1-4"
         try:
@@ -57,20 +66,25 @@ def parse_int_list(text, what: str, minimum: int = 0) -> list[int]:
                 a, b = int(m.group(1)), int(m.group(2))
                 if b < a:
                     raise ValueError
-                vals = list(range(a, b + 1))
             else:
-                vals = [int(item)]
+                a = b = int(item)
         except ValueError:
+            shown = item if len(item) <= 40 else item[:40] + "..."
             raise InvalidArgumentError(
-                f"{what}: {item!r} is not a whole number (expected a list like 1,2,4)") from None
+                f"{what}: {shown!r} is not a whole number (expected a list like 1,2,4)") from None
+        if b - a + 1 > MAX_LIST_VALUES:
+            raise InvalidArgumentError(
+                f"{what}: the range {a}-{b} has {b - a + 1} values; at most {MAX_LIST_VALUES}")
+        vals = range(a, b + 1)
         for v in vals:
             if v < minimum:
                 raise InvalidArgumentError(f"{what}: expected numbers >= {minimum}, got {v}")
-            if v not in out:
-                out.append(v)
+            out[v] = None
+        if len(out) > MAX_LIST_VALUES:
+            raise InvalidArgumentError(f"{what}: more than {MAX_LIST_VALUES} values")
     if not out:
         raise InvalidArgumentError(f"{what}: the list is empty")
-    return out
+    return list(out)
 
 
 def parse_backends(text) -> list[str]:
@@ -117,14 +131,61 @@ class ModelSource:
     tokenizer: object = None
     path: str | None = None
     preset: str | None = None
+    weight_format: str = "F16"      # as stored in the file: Q4_K_M, Q8_0, BF16... (llama-bench's "model")
+    file_bytes: int | None = None   # size on disk (llama-bench's "size")
 
     @property
     def weight_bytes(self) -> int:
         return sum(int(a.nbytes) for a in self.weights.values())
 
+    @property
+    def model_type(self) -> str:
+        """llama-bench's model column: family, size, weight format (``llama 135M Q4_1``)."""
+        return f"{self.config.arch} {_size_label(int(self.config.n_params))} {self.weight_format}"
 
-def load_source(model=None, synthetic=None, seed: int = 0, backends=("cpu",), context: int = 0) -> ModelSource:
-    """Weights from a path (HF dir / GGUF), a synthetic preset, or the default model."""
+
+def _size_label(n: int) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.1f}".rstrip("0").rstrip(".") + "B"
+    return f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+def weight_format_of(path) -> tuple[str, int]:
+    """(weight format, bytes on disk) of a GGUF file or Hugging Face directory, from headers."""
+    from collections import Counter
+    from pathlib import Path
+    p = Path(path)
+    if p.is_file():
+        from .loading.gguf import read_gguf
+        from .modelinfo import gguf_file_type_name
+        gf = read_gguf(p)
+        name = gguf_file_type_name(gf.metadata.get("general.file_type"))
+        if name is None:        # no file type recorded: the most common matrix type
+            kinds = Counter(t.type_name for t in gf.tensors.values() if len(t.dims) == 2)
+            name = kinds.most_common(1)[0][0] if kinds else "?"
+        return name, p.stat().st_size
+    files = sorted(p.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    try:
+        from .loading.safetensors import open_checkpoint
+        kinds = Counter(f.dtype_of(t) for f, t in open_checkpoint(p).values())
+        return (kinds.most_common(1)[0][0] if kinds else "?"), size
+    except CyllmError:
+        return "?", size
+
+
+def load_source(model=None, synthetic=None, seed: int = 0, backends=("cpu",), context: int = 0,
+                quantize: str | None = None) -> ModelSource:
+    """Weights from a path (HF dir / GGUF), a synthetic preset, or the default model;
+    quantize: as cyllm.load's (float matrices quantized in memory)."""
+    if quantize is not None:
+        from .quant.convert import check_quantize_type
+        quantize = check_quantize_type(quantize)
+        src = load_source(model, synthetic, seed, backends, context)
+        from .quant.convert import quantize_weights
+        quantize_weights(src.config, src.weights, quantize)
+        src.label += f" --quantize {quantize}"
+        return src
     if model and synthetic:
         raise InvalidArgumentError("pass either -m/--model or --synthetic, not both")
     if synthetic:
@@ -136,8 +197,10 @@ def load_source(model=None, synthetic=None, seed: int = 0, backends=("cpu",), co
         from .synthetic import check_fits, weight_bytes
         check_fits(int(weight_bytes(cfg) * factor) + kv, f"synthetic preset {synthetic!r}")
         cfg, weights = build_synthetic(synthetic, seed=seed, check_memory=False)
-        return ModelSource(label=f"{cfg.name.split(':', 1)[1]} (synthetic)", config=cfg,
-                           weights=weights, preset=synthetic)
+        src = ModelSource(label=f"{cfg.name.split(':', 1)[1]} (synthetic)", config=cfg,
+                          weights=weights, preset=synthetic)
+        src.file_bytes = src.weight_bytes            # nothing on disk: the float16 weights held
+        return src
     from .loading import load_path
     if model is None:
         try:
@@ -147,7 +210,9 @@ def load_source(model=None, synthetic=None, seed: int = 0, backends=("cpu",), co
         model = default_model_path()
     config, weights, tok = load_path(model)
     label = os.path.basename(os.path.normpath(os.fspath(model)))
-    return ModelSource(label=label, config=config, weights=weights, tokenizer=tok, path=os.fspath(model))
+    fmt, size = weight_format_of(model)
+    return ModelSource(label=label, config=config, weights=weights, tokenizer=tok, path=os.fspath(model),
+                       weight_format=fmt, file_bytes=size)
 
 
 def make_backend(name: str, threads: int):
@@ -165,21 +230,13 @@ def bind_model(src: ModelSource, backend, context: int):
 
 def set_threads(model, n: int) -> int:
     """Switch the kernel thread count in place; returns the count now in effect."""
-    be = model.backend
-    setter = getattr(model, "set_threads", None)
-    if setter is not None:
-        try:
-            setter(n, n)            # Model.set_threads(decode, prefill): both phases use n
-        except TypeError:
-            setter(n)               # a Model whose set_threads takes one count
-    elif hasattr(be, "set_threads"):
-        be.set_threads(n)
-    return int(getattr(be, "threads", n))
+    model.set_threads(n, n)         # both phases use n
+    return int(model.backend.threads)
 
 
 def varies_threads(backend) -> bool:
     """Only backends with a thread team (cpu) are swept over -t."""
-    return hasattr(backend, "set_threads") and backend.name not in ("numpy", "cuda")
+    return backend.thread_team
 
 
 # -- bandwidth (the roofline) ----------------------------------------------------
@@ -195,9 +252,20 @@ def _as_gbps(v) -> float | None:
     return v / 1e9 if v > 1e5 else v       # accept bytes/s or GB/s
 
 
-def _numpy_read_probe() -> float:
-    """GB/s of a 1-thread numpy sum over 256 MB (fallback when the extension has no probe)."""
-    buf = np.ones(64 << 20, dtype=np.float32)          # (64M,) 256 MB >> any LLC
+# The probe reads a buffer as large as the weights a token reads, capped here: a model
+# larger than the last-level cache is compared with DRAM bandwidth, one that fits in
+# it with cache bandwidth (against a DRAM-sized probe a small model showed 110%).
+PROBE_MAX_BYTES = 512 << 20
+PROBE_MIN_BYTES = 1 << 20
+
+
+def probe_bytes(working_set: int) -> int:
+    return int(min(max(working_set, PROBE_MIN_BYTES), PROBE_MAX_BYTES))
+
+
+def _numpy_read_probe(nbytes: int = 256 << 20) -> float:
+    """GB/s of a 1-thread numpy sum over nbytes (fallback when the extension has no probe)."""
+    buf = np.ones(max(nbytes // 4, 1), dtype=np.float32)          # (nbytes/4,)
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
@@ -206,31 +274,17 @@ def _numpy_read_probe() -> float:
     return buf.nbytes / best / 1e9
 
 
-def read_bandwidth(backend, threads: int) -> tuple[float | None, str]:
-    """(GB/s, source) of the memory the backend's kernels read, for ``threads``."""
+def read_bandwidth(backend, threads: int, nbytes: int = PROBE_MAX_BYTES) -> tuple[float | None, str]:
+    """(GB/s, source) of reading ``nbytes`` of memory with the backend's kernels and ``threads``."""
     kind = backend.name
-    key = (kind, threads if kind == "cpu" else 1)
+    nbytes = probe_bytes(nbytes)
+    key = (kind, threads if kind == "cpu" else 1, nbytes)
     if key in _BW_CACHE:
         return _BW_CACHE[key]
-    result: tuple[float | None, str] = (None, "unavailable")
-    if kind == "cuda":
-        f = getattr(backend, "measure_copy_bandwidth", None)
-        if f is not None:
-            result = (_as_gbps(f()), "device copy")
-    else:
-        f = None
-        try:
-            from .backends import cpu as cpu_mod
-            f = getattr(cpu_mod, "measure_read_bandwidth", None)
-        except ImportError:
-            pass
-        if f is None and hasattr(backend, "measure_read_bandwidth"):
-            f = backend.measure_read_bandwidth
-        n = threads if kind == "cpu" else 1
-        if f is not None:
-            result = (_as_gbps(f(n)), "cyllm read kernel")
-        else:
-            result = (_numpy_read_probe(), "numpy sum, 1 thread")
+    gbps, source = backend.measure_bandwidth(nbytes, threads)
+    result: tuple[float | None, str] = (_as_gbps(gbps), source)
+    if gbps is None and kind != "cuda":
+        result = (_numpy_read_probe(nbytes), "numpy sum, 1 thread")
     _BW_CACHE[key] = result
     return result
 
@@ -444,6 +498,9 @@ def _result_row(src, model, backend, threads, test: Test, samples, wbytes, overh
     med = statistics.median(samples)
     row = {
         "model": src.label,
+        "model_type": src.model_type,
+        "weight_format": src.weight_format,
+        "file_bytes": src.file_bytes,
         "model_path": src.path,
         "synthetic": src.preset,
         "model_bytes": src.weight_bytes,
@@ -467,15 +524,20 @@ def _result_row(src, model, backend, threads, test: Test, samples, wbytes, overh
         "read_bandwidth_gb_s": None,
         "bandwidth_source": None,
         "roofline_pct": None,
+        "roofline_pct_measured": None,
         "issue_overhead_pct": None,
     }
     if test.kind == "tg":
         bpt = wbytes + kv_bytes_read(model, test.depth, test.n)
         gbps = bpt * med / 1e9
-        bw, bw_src = read_bandwidth(backend, threads)
+        bw, bw_src = read_bandwidth(backend, threads, wbytes)
+        raw = (100.0 * gbps / bw) if bw else None
+        # above 100% the probe underestimated what this working set can stream (a noisy
+        # probe run, a different access pattern): the honest statement is "at the roofline"
         row.update(bytes_per_token=int(round(bpt)), gb_per_s=gbps, read_bandwidth_gb_s=bw,
-                   bandwidth_source=bw_src, roofline_pct=(100.0 * gbps / bw) if bw else None)
-        if overhead is not None and getattr(backend, "decode_step", None) is None:
+                   bandwidth_source=bw_src, roofline_pct=min(raw, 100.0) if raw is not None else None,
+                   roofline_pct_measured=raw)
+        if overhead is not None and not backend.captures_decode:
             row["issue_overhead_pct"] = 100.0 * overhead * med
     return row
 
@@ -496,14 +558,30 @@ def format_markdown(results: list[dict]) -> str:
     head = ["model", "size", "params", "backend", "variant", "threads", "test", "t/s", "GB/s", "roofline"]
     align = ["---", "---:", "---:", "---", "---", "---:", "---:", "---:", "---:", "---:"]
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
+    clamped = False
     for r in results:
         gb = f"{r['gb_per_s']:.2f}" if r["gb_per_s"] is not None else ""
         rf = f"{r['roofline_pct']:.1f}%" if r["roofline_pct"] is not None else ""
+        measured = r.get("roofline_pct_measured")
+        if measured is not None and measured > 100.0:
+            rf += "*"
+            clamped = True
+        size = r.get("file_bytes") or r["model_bytes"]
         lines.append("| " + " | ".join([
-            r["model"], _fmt_bytes(r["model_bytes"]), _fmt_params(r["n_params"]), r["backend"],
+            r.get("model_type") or r["model"], _fmt_bytes(size), _fmt_params(r["n_params"]), r["backend"],
             r["kernel_variant"], str(r["threads"]), r["test"],
             f"{r['tokens_per_s']:.2f} ± {r['tokens_per_s_stdev']:.2f}", gb, rf]) + " |")
     notes = []
+    for name, mtype, held, synth in dict.fromkeys(
+            (r["model"], r.get("model_type"), r["model_bytes"], r.get("synthetic")) for r in results):
+        if synth:
+            notes.append(f"{mtype}: {name}, random float16 weights; size = the weights held")
+        else:
+            notes.append(f"{mtype}: {name}; size = the file on disk; held in memory as float16 "
+                         f"matrices: {_fmt_bytes(held)}")
+    if clamped:
+        notes.append("* measured above the probed bandwidth (shown as 100%): the probe "
+                     "underestimated what this working set can stream")
     bws = {}
     for r in results:
         if r["read_bandwidth_gb_s"] is not None:
@@ -528,11 +606,11 @@ def format_markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-CSV_COLUMNS = ["model", "model_path", "synthetic", "model_bytes", "n_params", "backend",
+CSV_COLUMNS = ["model", "model_type", "weight_format", "file_bytes", "model_path", "synthetic", "model_bytes", "n_params", "backend",
                "kernel_variant", "threads", "logical_cpus", "test", "n_prompt", "n_gen", "depth",
                "repetitions", "tokens_per_s", "tokens_per_s_stdev", "tokens_per_s_min",
                "tokens_per_s_max", "bytes_per_token", "gb_per_s", "read_bandwidth_gb_s",
-               "bandwidth_source", "roofline_pct", "issue_overhead_pct"]
+               "bandwidth_source", "roofline_pct", "roofline_pct_measured", "issue_overhead_pct"]
 
 
 def format_csv(results: list[dict]) -> str:
@@ -548,12 +626,17 @@ def format_json(results: list[dict]) -> str:
     return json.dumps(results, indent=2)
 
 
+def format_jsonl(results: list[dict]) -> str:
+    """One JSON object per line (llama-bench's -o jsonl)."""
+    return "\n".join(json.dumps(r) for r in results)
+
+
 def format_results(results: list[dict], fmt: str) -> str:
-    return {"md": format_markdown, "json": format_json, "csv": format_csv}[fmt](results)
+    return {"md": format_markdown, "json": format_json, "jsonl": format_jsonl, "csv": format_csv}[fmt](results)
 
 
 # -- the CLI ----------------------------------------------------------------------------
-def _add_common_bench_args(p, add_model_args) -> None:
+def add_common_bench_args(p, add_model_args) -> None:
     add_model_args(p)
     p.add_argument("--synthetic", metavar="PRESET",
                    help="random-weight model with real shapes instead of -m (presets: "
@@ -569,22 +652,12 @@ def add_bench_parser(sub, add_model_args) -> None:
                        description="Measure tokens/s for prompt processing (ppN) and generation (tgN, "
                        "optionally at a KV-cache depth), with the roofline of measured read bandwidth. "
                        "-t, -p, -n, -d, --backend take comma lists.")
-    _add_common_bench_args(b, add_model_args)
+    add_common_bench_args(b, add_model_args)
     b.add_argument("-p", "--n-prompt", default="512", help="prompt sizes, e.g. 128,512 (default 512; 0 = none)")
     b.add_argument("-n", "--n-gen", default="128", help="generation sizes (default 128; 0 = none)")
     b.add_argument("-d", "--depth", default="0", help="KV-cache depths for tg tests (default 0)")
-    b.add_argument("-o", "--output", default="md", help="md (default), json or csv")
+    b.add_argument("-o", "--output", default="md", help="md (default), json, jsonl or csv")
     b.set_defaults(func=cmd_bench)
-
-
-def add_tune_parser(sub, add_model_args) -> None:
-    from .tuning import add_tune_args, cmd_tune
-    t = sub.add_parser("tune", help="find and save the best thread counts for prefill and decode",
-                       description="Sweep thread counts (1 to the logical CPUs) for prefill and decode, "
-                       "show the table and a chart, and save the best per model size class.")
-    _add_common_bench_args(t, add_model_args)
-    add_tune_args(t)
-    t.set_defaults(func=cmd_tune)
 
 
 def parse_common(a) -> tuple[list[str], int, int]:
@@ -616,7 +689,8 @@ def cmd_bench(a) -> int:
     tests = plan_tests(pp, tg, depths)
     check_thread_counts(threads)
     context = a.context or needed_context(tests)
-    src = load_source(a.model, a.synthetic, seed, backends, context)
+    from .hub import model_path          # a Hugging Face name works here too
+    src = load_source(model_path(a.model), a.synthetic, seed, backends, context, getattr(a, "quantize", None))
     cfg = BenchConfig(backends=backends, threads=threads, tests=tests, repetitions=reps,
                       seed=seed, context=context, progress=not a.no_progress)
     results = run_bench(src, cfg)
@@ -626,6 +700,6 @@ def cmd_bench(a) -> int:
     return 0
 
 
-__all__ = ["add_bench_parser", "add_tune_parser", "run_bench", "BenchConfig", "Test", "ModelSource",
+__all__ = ["add_bench_parser", "add_common_bench_args", "run_bench", "BenchConfig", "Test", "ModelSource",
            "load_source", "plan_tests", "parse_int_list", "format_results", "read_bandwidth",
            "weight_bytes_read_per_token", "kv_bytes_read", "CyllmError"]

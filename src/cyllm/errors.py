@@ -32,3 +32,8 @@ class ContextFullError(CyllmError):
 
 class BackendUnavailableError(CyllmError):
     """The requested backend is unknown or cannot run on this machine."""
+
+
+# what to install for the cuda backend (its errors and `cyllm info` say it)
+CUDA_INSTALL_HINT = ("in a cyllm source checkout: pip install '.[cuda]', or install the CuPy wheel for "
+                     "your CUDA version: pip install cupy-cuda12x (CUDA 12) / cupy-cuda13x (CUDA 13)")

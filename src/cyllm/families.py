@@ -18,7 +18,7 @@ Facts the tables encode (llama.cpp's converter is the reference for GGUF):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from .config import MAX_LAYERS, ModelConfig
@@ -383,7 +383,7 @@ GEMMA3 = Family(
                         "layer_types": [("sliding_attention" if c.layer_window(i) else "full_attention")
                                         for i in range(c.n_layers)],
                         "rope_local_base_freq": c.rope_local_theta,
-                        "query_pre_attn_scalar": (c.attn_scale ** -2) if c.attn_scale else c.head_dim})
+                        "query_pre_attn_scalar": round(c.attn_scale ** -2) if c.attn_scale else c.head_dim})
 PHI3 = Family(
     "phi3", ("Phi3ForCausalLM",), ("phi3",), "phi3",
     _table(attn_q__weight=None, attn_k__weight=None, attn_v__weight=None,
@@ -468,6 +468,7 @@ def hf_config_dict(c: ModelConfig, torch_dtype: str = "float16") -> dict:
         "bos_token_id": c.bos_token_id,
         "eos_token_id": (c.eos_token_ids[0] if len(c.eos_token_ids) == 1 else list(c.eos_token_ids))
         if c.eos_token_ids else None,
+        "pad_token_id": None,       # else transformers fills in its class default, maybe past the vocabulary
         "use_cache": True,
     }
     if scaling and scaling.get("rope_type") == "longrope":

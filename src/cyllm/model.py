@@ -7,6 +7,7 @@ issues ops into preallocated arrays.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,12 +21,14 @@ from .memory import check_model_fits
 from .oneline import one_line
 
 DEFAULT_CONTEXT = 4096
-PREFILL_CHUNK = 256       # prompt tokens per batched pass: weights are read once per chunk
+PREFILL_CHUNK = 256
+QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")       # prompt tokens per batched pass: weights are read once per chunk
 
 
 @dataclass
 class Layer:
     """One block's weights (backend arrays), its KV cache and its attention settings."""
+    # matrices: float16 backend arrays or QuantMatrix (blocks of a quantized format), see loading
     attn_norm: Any                # (dim,) f32
     wq: Any                       # (n_heads*head_dim, dim) f16 (a row view of wqkv when fused)
     wk: Any                       # (n_kv*head_dim, dim) f16
@@ -210,6 +213,8 @@ class Model:
         self.batched_prefill = self.backend.supports_batch()
         self.attn_scale = config.attn_scale      # None: 1/sqrt(head_dim)
         self.batch: BatchState | None = None
+        self.kv_owner = None                  # the generate.Session whose tokens the KV cache holds
+        self.lock = threading.RLock()   # one cache: sessions take turns, one step at a time
         self._build(weights)
 
     @classmethod
@@ -240,8 +245,10 @@ class Model:
             wqkv = bqkv = None
             if fam.fused_qkv:
                 wqkv = up(get("attn_qkv.weight", i))
-            elif b.fuse_qkv:
-                wqkv = up(np.concatenate([get(r, i) for r in ("attn_q.weight", "attn_k.weight", "attn_v.weight")]))
+            elif b.fuse_qkv and all(isinstance(get(r, i), np.ndarray) for r in QKV):
+                # float16 only: quantized q/k/v often differ in format (Q4_K_M: v in Q6_K), and a
+                # fused copy of blocks would double their memory; they stay three matvecs
+                wqkv = up(np.concatenate([get(r, i) for r in QKV]))
             biases = [get(r, i) for r in ("attn_q.bias", "attn_k.bias", "attn_v.bias")]
             has_bias = all(x is not None for x in biases)
             if wqkv is not None:
@@ -249,7 +256,7 @@ class Model:
                 if has_bias:
                     bqkv = up(np.concatenate(biases))
             else:
-                wq, wk, wv = (up(get(r, i)) for r in ("attn_q.weight", "attn_k.weight", "attn_v.weight"))
+                wq, wk, wv = (up(get(r, i)) for r in QKV)
             if bqkv is not None:
                 bq, bk, bv = bqkv[:qd], bqkv[qd:qd + kd], bqkv[qd + kd:]
             elif has_bias:
@@ -343,6 +350,7 @@ class Model:
         self._check_token(token)
         if not 0 <= pos < self.context:
             raise ContextFullError(f"position {pos} is outside the context window of {self.context} tokens")
+        self.kv_owner = None      # the cache changes under whichever session held it (it re-claims)
         self.backend.decode_step(self._issue_forward_ops, token, pos)
         return self.backend.to_host(self.state.logits)
 
@@ -358,6 +366,7 @@ class Model:
                 f"{len(tokens)} tokens from position {pos0} do not fit in the context window "
                 f"of {self.context} tokens")
         out = np.empty((len(tokens), self.config.vocab_size), np.float32) if all_logits else None
+        self.kv_owner = None      # positions from pos0 on change: no session's tokens are there now
         switch = self.threads_prefill != self.threads_decode and len(tokens) > 1
         if switch:
             self.backend.set_threads(self.threads_prefill)
@@ -410,10 +419,35 @@ class Model:
         return out[-1] if out is not None else logits
 
     # -- generation (the loop lives in generate.py) ---------------------------
-    def generate(self, prompt: str, max_tokens: int = 256, **kwargs):
-        """Stream generated text pieces for ``prompt`` (see generate.generate for options)."""
+    def generate(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float | None = None,
+                 seed: int | None = None, stop=None, *, repetition_penalty: float | None = None,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repeat_last_n: int = 64,
+                 session=None, stats=None, add_special_tokens: bool = True):
+        """Stream generated text pieces for ``prompt`` (a string or token ids).
+
+        Greedy by default (temperature 0). ``stop``: one string or a list of
+        strings. ``repeat_penalty`` (llama.cpp's name) = ``repetition_penalty``.
+        See generate.generate.
+        """
         from .generate import generate
-        return generate(self, prompt, max_tokens=max_tokens, **kwargs)
+        return generate(self, prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                        repeat_penalty=repeat_penalty, seed=seed, stop=stop, session=session, stats=stats,
+                        add_special_tokens=add_special_tokens, frequency_penalty=frequency_penalty,
+                        presence_penalty=presence_penalty, repeat_last_n=repeat_last_n)
+
+    def create_completion(self, prompt, **kwargs):
+        """OpenAI-shaped text completion (a dict, or an iterator of chunks with stream=True);
+        see cyllm.completions.create_completion for the options."""
+        from .completions import create_completion
+        return create_completion(self, prompt, **kwargs)
+
+    def create_chat_completion(self, messages, **kwargs):
+        """OpenAI-shaped chat completion (a dict, or an iterator of chunks with stream=True);
+        see cyllm.completions.create_chat_completion for the options."""
+        from .completions import create_chat_completion
+        return create_chat_completion(self, messages, **kwargs)
 
     def set_threads(self, decode, prefill=None) -> None:
         """Kernel threads for decoding, and optionally a different count for prefill."""
@@ -432,6 +466,8 @@ class Model:
     def _check_ids(self, ids) -> list[int]:
         if isinstance(ids, np.ndarray):
             ids = ids.tolist()
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise InvalidArgumentError(f"token ids must be a list of integers, got {type(ids).__name__}")
         ids = list(ids)
         if not ids:
             raise InvalidArgumentError("an empty list of token ids was given")

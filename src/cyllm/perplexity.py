@@ -58,7 +58,10 @@ def chunk_nll(logits: np.ndarray, chunk: list[int] | np.ndarray, first: int) -> 
 
 
 def perplexity(model, text: str, ctx: int, progress: bool = True) -> tuple[float, float]:
-    """(ppl, stderr of ppl) of ``text`` with chunks of ``ctx`` tokens (see module doc)."""
+    """(ppl, stderr of ppl) of ``text`` with chunks of ``ctx`` tokens (see module doc).
+
+    progress: draw a bar on stderr (only when stderr is a terminal).
+    """
     if isinstance(ctx, bool) or not isinstance(ctx, (int, np.integer)) or ctx < MIN_CTX:
         raise InvalidArgumentError(f"perplexity context must be an integer >= {MIN_CTX}, got {ctx!r}")
     ctx = int(ctx)
@@ -80,7 +83,7 @@ def perplexity(model, text: str, ctx: int, progress: bool = True) -> tuple[float
     count = 0
 
     bar = None
-    if progress:
+    if progress and _stderr_is_tty():          # a log file gets the result, not a hundred bar frames
         from tqdm import tqdm
         bar = tqdm(total=n_chunks, desc="perplexity", unit="chunk", file=sys.stderr, leave=True,
                    dynamic_ncols=True)
@@ -100,6 +103,13 @@ def perplexity(model, text: str, ctx: int, progress: bool = True) -> tuple[float
         if bar is not None:
             bar.close()
     return ppl_from_sums(total, total2, count)
+
+
+def _stderr_is_tty() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (ValueError, OSError):
+        return False
 
 
 def ppl_from_sums(total: float, total2: float, count: int) -> tuple[float, float]:

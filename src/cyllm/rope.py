@@ -158,13 +158,17 @@ def llama3_inv_freq(inv_freq: np.ndarray, s: dict) -> np.ndarray:
 
 
 def llama3_params_from_divisors(divisors, theta: float, dim: int) -> dict | None:
-    """The published llama3 scaling whose divisors these are (for writing config.json), or None."""
+    """The llama3 scaling parameters whose divisors these are (for writing config.json), or None.
+
+    The largest divisor is the factor; the original context is searched over powers of two
+    with the published low/high frequency factors (1, 4).
+    """
     div = np.asarray(divisors, dtype=np.float64)
     base = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    for factor in (8.0, 32.0, 16.0, 4.0, 2.0):
-        for orig in (8192, 4096, 2048, 16384, 32768):
-            params = {"factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": orig}
-            if np.allclose(base / llama3_inv_freq(base, params), div, rtol=1e-3, atol=1e-4):
-                return params
+    factor = float(np.max(div))
+    for k in range(4, 21):
+        params = {"factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 1 << k}
+        if np.allclose(base / llama3_inv_freq(base, params), div, rtol=1e-3, atol=1e-4):
+            return params
     return None

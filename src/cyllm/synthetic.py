@@ -27,7 +27,7 @@ PRESETS: dict[str, dict] = {
     "smollm2-135m": dict(arch="llama", dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
                          ffn_dim=1536, vocab_size=49152, max_seq_len=8192, norm_eps=1e-5,
                          rope_theta=100000.0, tie_word_embeddings=True),
-    # the same shape with a separate output matrix (163 M params): the GPU anchor in ANCHORS.md
+    # the same shape with a separate output matrix (163 M params): a GPU benchmark shape
     "smollm2-135m-untied": dict(arch="llama", dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
                                 head_dim=64, ffn_dim=1536, vocab_size=49152, max_seq_len=8192,
                                 norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=False),

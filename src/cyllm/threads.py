@@ -10,6 +10,10 @@ import os
 
 from .errors import InvalidArgumentError
 
+# far above any machine's core count (OpenMP would start that many threads), far below
+# what overflows a C int: `-t 10**18` is an error, not an OverflowError
+MAX_THREADS = 1024
+
 
 def logical_cpus() -> int:
     try:
@@ -46,7 +50,7 @@ def parse_threads(value, what: str = "threads") -> int:
         try:
             value = int(value.strip())
         except ValueError:
-            raise InvalidArgumentError(f"{what} must be a positive integer, got {value!r}") from None
+            raise InvalidArgumentError(f"{what} must be a positive integer, got {value[:40]!r}") from None
     if not isinstance(value, int):
         try:
             import numbers
@@ -58,6 +62,8 @@ def parse_threads(value, what: str = "threads") -> int:
             raise InvalidArgumentError(f"{what} must be a positive integer, got {value!r}") from None
     if value <= 0:
         raise InvalidArgumentError(f"{what} must be a positive integer, got {value}")
+    if value > MAX_THREADS:
+        raise InvalidArgumentError(f"{what} must be at most {MAX_THREADS}, got {str(value)[:30]}")
     return value
 
 

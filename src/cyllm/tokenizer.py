@@ -127,6 +127,11 @@ class Tokenizer:
             self._compiled = _compile_template(self.chat_template)
         return self._compiled
 
+    def set_chat_template(self, source: str) -> None:
+        """Use ``source`` (jinja text) as the chat template; compiled now, so a bad one fails at once."""
+        self._compiled = _compile_template(source)
+        self.chat_template = source
+
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
         """Render ``messages`` ([{"role", "content"}, ...]) to the prompt string.
 

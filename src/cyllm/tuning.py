@@ -1,4 +1,4 @@
-"""`cyllm tune` and the saved thread counts it produces.
+"""`cyllm tune`: measure the best thread counts and save them (saved_tuning.py keeps them).
 
 The best thread count depends on the machine (core kinds, memory channels,
 SMT) and on the model size (a small model's decode is dominated by per-op
@@ -14,141 +14,32 @@ Config dir: $CYLLM_CONFIG_DIR, else $XDG_CONFIG_HOME/cyllm, else ~/.config/cyllm
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 from .errors import InvalidArgumentError
-
-FILE_NAME = "tuning.json"
-FORMAT_VERSION = 1
-# A thread count within this fraction of the fastest counts as just as good; the
-# smallest such count wins (fewer threads: less noise from, and for, other work).
-TOLERANCE = 0.03
-# model size classes by weight bytes (upper bounds), smallest first
-SIZE_CLASSES = [("<500MB", 500_000_000), ("500MB-2GB", 2_000_000_000),
-                ("2GB-8GB", 8_000_000_000), (">=8GB", None)]
-
-
-def config_dir() -> Path:
-    env = os.environ.get("CYLLM_CONFIG_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CONFIG_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".config"
-    return base / "cyllm"
-
-
-def tuning_path() -> Path:
-    return config_dir() / FILE_NAME
-
-
-def cpu_model_name() -> str:
-    """The CPU model string (/proc/cpuinfo 'model name'; platform info elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") or line.startswith("Model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def size_class(weight_bytes: int) -> str:
-    for name, bound in SIZE_CLASSES:
-        if bound is None or weight_bytes < bound:
-            return name
-    return SIZE_CLASSES[-1][0]
-
-
-def _read_file() -> dict:
-    try:
-        with open(tuning_path(), encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
-        return {}
-    if not isinstance(data.get("machines"), dict):
-        return {}
-    return data
-
-
-def _entries_for_this_cpu() -> dict:
-    """{size class: entry} saved for this CPU model ({} when none or unreadable)."""
-    machines = _read_file().get("machines", {})
-    entries = machines.get(cpu_model_name(), {})
-    return entries if isinstance(entries, dict) else {}
-
-
-def _valid_count(v) -> int | None:
-    from .threads import logical_cpus
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        return None
-    # a count tuned on a larger allocation of the same CPU model would oversubscribe here
-    return v if v <= logical_cpus() else None
-
-
-def tuned_threads(weight_bytes: int) -> tuple[int | None, int | None]:
-    """(decode threads, prefill threads) saved for this CPU and this model size; None where unknown."""
-    try:
-        entry = _entries_for_this_cpu().get(size_class(int(weight_bytes)))
-        if not isinstance(entry, dict):
-            return None, None
-        return _valid_count(entry.get("decode_threads")), _valid_count(entry.get("prefill_threads"))
-    except Exception:   # noqa: BLE001 -- a damaged tuning file must never stop a model from loading
-        return None, None
-
-
-def describe_saved_tuning() -> list[str]:
-    """Lines for `cyllm info`."""
-    path = tuning_path()
-    entries = _entries_for_this_cpu()
-    if not entries:
-        if path.exists():
-            return [f"tuning: none saved for this CPU in {path} (run `cyllm tune`)"]
-        return ["tuning: none saved (run `cyllm tune -m MODEL` to measure the best thread counts)"]
-    lines = [f"tuning ({path}):"]
-    for name, _ in SIZE_CLASSES:
-        e = entries.get(name)
-        if not isinstance(e, dict):
-            continue
-        lines.append(f"  models {name}: decode {_n_threads(e.get('decode_threads'))}, "
-                     f"prefill {_n_threads(e.get('prefill_threads'))} "
-                     f"(measured on {e.get('model', '?')}, {e.get('date', '?')})")
-    return lines
-
-
-def _n_threads(n) -> str:
-    return f"{n} thread" + ("" if n == 1 else "s")
-
-
-def save_tuning(weight_bytes: int, decode_threads: int, prefill_threads: int, info: dict | None = None) -> Path:
-    """Record the best counts for this CPU and model size class; returns the file written."""
-    path = tuning_path()
-    data = _read_file() or {"version": FORMAT_VERSION, "machines": {}}
-    machine = data["machines"].setdefault(cpu_model_name(), {})
-    entry = {"decode_threads": int(decode_threads), "prefill_threads": int(prefill_threads),
-             "weight_bytes": int(weight_bytes), "date": time.strftime("%Y-%m-%d %H:%M")}
-    entry.update(info or {})
-    machine[size_class(weight_bytes)] = entry
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)          # atomic: a concurrent reader sees old or new, never half
-    except OSError as e:
-        raise InvalidArgumentError(f"cannot write the tuning file {path}: {e}") from None
-    return path
+from .saved_tuning import TOLERANCE, _n_threads, config_dir, cpu_model_name, save_tuning, size_class
 
 
 # -- the sweep ---------------------------------------------------------------------------
+# Repetitions whose spread ((max - min) / median) exceeds this are too noisy to save:
+# the choice between thread counts a few percent apart would be chance.
+NOISE_LIMIT = 0.10
+
+
+def noisiest_row(results: list[dict]) -> tuple[float, dict] | None:
+    """(spread, row) of the row whose repetitions disagree most; None with one repetition."""
+    worst = None
+    for r in results:
+        med = r.get("tokens_per_s") or 0.0
+        if r.get("repetitions", 1) < 2 or med <= 0:
+            continue
+        spread = (r["tokens_per_s_max"] - r["tokens_per_s_min"]) / med
+        if worst is None or spread > worst[0]:
+            worst = (spread, r)
+    return worst
+
+
 def best_threads(rates: dict[int, float]) -> int:
     """The smallest thread count within TOLERANCE of the fastest."""
     top = max(rates.values())
@@ -192,11 +83,23 @@ def save_plot(path: Path, pp_rates, tg_rates, best_pp, best_tg, title: str) -> b
     return True
 
 
+def add_tune_parser(sub, add_model_args) -> None:
+    from .bench import add_common_bench_args
+    t = sub.add_parser("tune", help="find and save the best thread counts for prefill and decode",
+                       description="Sweep thread counts (1 to the logical CPUs) for prefill and decode, "
+                       "show the table and a chart, and save the best per model size class.")
+    add_common_bench_args(t, add_model_args)
+    add_tune_args(t)
+    t.set_defaults(func=cmd_tune)
+
+
 def add_tune_args(p) -> None:
     p.add_argument("--pp", default="64", help="prompt tokens per prefill run (default 64)")
     p.add_argument("--tg", default="32", help="tokens per decode run (default 32)")
     p.add_argument("--plot", metavar="PNG", help="where to write the chart (default: next to tuning.json)")
     p.add_argument("--no-save", action="store_true", help="measure and show, but do not save")
+    p.add_argument("--save-anyway", action="store_true",
+                   help=f"save even when repetitions disagree by more than {NOISE_LIMIT * 100:.0f}%%")
 
 
 def cmd_tune(a) -> int:
@@ -215,7 +118,8 @@ def cmd_tune(a) -> int:
     tg = parse_int_list(a.tg, "--tg", minimum=1)[0]
     check_thread_counts(threads)
     tests = [Test("pp", pp), Test("tg", tg)]
-    src = load_source(a.model, a.synthetic, seed, backends, max(pp, tg))
+    from .hub import model_path          # a Hugging Face name works here too
+    src = load_source(model_path(a.model), a.synthetic, seed, backends, max(pp, tg), getattr(a, "quantize", None))
     cfg = BenchConfig(backends=backends, threads=threads, tests=tests, repetitions=reps,
                       seed=seed, context=a.context or max(pp, tg), overhead=False,
                       progress=not a.no_progress)
@@ -243,7 +147,17 @@ def cmd_tune(a) -> int:
                       "(pip install matplotlib)", file=sys.stderr)
         except OSError as e:
             print(f"cyllm: warning: cannot write the chart {plot}: {e}", file=sys.stderr)
-    if not a.no_save:
+    noisy = noisiest_row(results)
+    save = not a.no_save
+    if noisy is not None and noisy[0] > NOISE_LIMIT:
+        spread, r = noisy
+        warn = (f"cyllm: warning: repetitions disagree by up to {spread:.0%} ({r['threads']} thread"
+                f"{'s' if r['threads'] != 1 else ''}, {r['test']}): the machine is busy or the runs are short")
+        if save and not a.save_anyway:
+            warn += "; not saved (close other programs, use more -r or larger --pp/--tg, or --save-anyway)"
+            save = False
+        print(warn, file=sys.stderr)
+    if save:
         info = {"model": src.label, "logical_cpus": logical_cpus(), "threads_tried": threads,
                 "prefill_tokens_per_s": {str(k): v for k, v in pp_rates.items()},
                 "decode_tokens_per_s": {str(k): v for k, v in tg_rates.items()}}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import BackendUnavailableError
+from ..errors import CUDA_INSTALL_HINT, BackendUnavailableError
 
 BACKENDS = ("cpu", "cuda", "numpy")
 
@@ -28,7 +28,6 @@ def get_backend(name: str, threads: int | None = None):
             from .cuda import CudaBackend
         except ImportError as e:
             raise BackendUnavailableError(
-                f"the cuda backend is not available ({e}); install it with "
-                "`pip install cyllm[cuda]` on a machine with an NVIDIA GPU") from None
+                f"the cuda backend is not available ({e}); {CUDA_INSTALL_HINT}") from None
         return CudaBackend(threads)
     raise BackendUnavailableError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")

@@ -111,6 +111,19 @@ class Backend:
     def set_threads(self, n) -> None:
         """Kernel threads; backends without a thread pool keep 1."""
 
+    # capabilities the tools ask about (bench, tune); every backend answers, none is probed
+    thread_team = False        # True: kernels run on a team of `threads` (the count can be swept)
+
+    @property
+    def captures_decode(self) -> bool:
+        """True when decode_step replays a recorded step (Python issues no ops per token)."""
+        return False
+
+    def measure_bandwidth(self, nbytes: int, threads: int | None = None) -> tuple[float | None, str]:
+        """(GB/s, what was measured): the memory bandwidth the roofline of `cyllm bench` uses;
+        (None, "unavailable") where the backend has no probe."""
+        return None, "unavailable"
+
     def supports_batch(self) -> bool:
         """True when every batched op exists (prefill runs T tokens per pass)."""
         return all(callable(getattr(self, op, None)) for op in BATCH_OPS)

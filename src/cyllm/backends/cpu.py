@@ -20,6 +20,7 @@ import os
 import numpy as np
 
 from ..errors import BackendUnavailableError
+from ..quant.formats import QuantMatrix
 from ..threads import resolve_threads
 from .base import DECODE_OPS, Backend, HostArrays
 
@@ -130,7 +131,10 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
     def upload(self, a: np.ndarray) -> np.ndarray:
         """The array itself when already usable: no copy of mmapped f16 weights or f32
         vectors. Otherwise a C-contiguous, aligned, native-order copy; float64 becomes
-        float32 and a 1-D float16 vector float32 (every vector op reads f32)."""
+        float32 and a 1-D float16 vector float32 (every vector op reads f32). A QuantMatrix
+        is used as it is (its blocks, usually in the file's memory map)."""
+        if isinstance(a, QuantMatrix):
+            return a
         a = np.asarray(a)
         if a.dtype == np.float64 or (a.dtype == np.float16 and a.ndim == 1):
             a = a.astype(np.float32)
@@ -139,6 +143,15 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         if a.flags.c_contiguous and a.flags.aligned:
             return a
         return np.ascontiguousarray(a)
+
+    thread_team = True
+
+    @property
+    def captures_decode(self) -> bool:
+        return self.fused
+
+    def measure_bandwidth(self, nbytes: int, threads: int | None = None) -> tuple[float | None, str]:
+        return self.measure_read_bandwidth(threads, nbytes), "cyllm read kernel"
 
     def measure_read_bandwidth(self, threads: int | None = None, nbytes: int = 512 << 20,
                                reps: int = 5) -> float:
@@ -173,4 +186,28 @@ def kernel_info() -> dict:
     }
     if _k._DEFAULT_ERROR is not None:
         info["error"] = str(_k._DEFAULT_ERROR)
+    else:
+        try:
+            q = _k.QuantKernels(1, None, _k.DEFAULT_VARIANT)
+            info["quant_variant"] = q.quant_variant
+            info["formats"] = weight_format_kernels(q)
+        except Exception as e:          # noqa: BLE001 -- a bad $CYLLM_QKERNELS: say why
+            info["quant_error"] = str(e)
     return info
+
+
+def weight_format_kernels(q=None) -> dict:
+    """{format: what computes it on this CPU}: the kernel table indexed by format."""
+    from ..quant.formats import FORMATS
+    if q is None:
+        q = _k.QuantKernels(1, None, _k.DEFAULT_VARIANT)
+    dot = {"generic": "portable C", "avx2": "AVX2 vpmaddubsw", "avxvnni": "AVX-VNNI vpdpbusd",
+           "avx512vnni": "AVX512-VNNI vpdpbusd"}[q.quant_variant]
+    out = {"f16": f"{_k.DEFAULT_VARIANT} f16 kernels (F16C + FMA)" if _k.DEFAULT_VARIANT != "generic"
+           else "generic f16 kernels (portable C)"}
+    for f in FORMATS.values():
+        if not f.quantized:
+            continue
+        out[f.name] = (f"{q.quant_variant}: {dot} integer dot, x as {f.act} blocks; prefill "
+                       + ("int8 GEMM" if q.prefill_method_of(f.name) == "int8" else "f16 panels + f16 GEMM"))
+    return out

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 
 import numpy as np
 
-from ..errors import BackendUnavailableError, InvalidArgumentError, ModelLoadError
+from ..errors import CUDA_INSTALL_HINT, BackendUnavailableError, InvalidArgumentError, ModelLoadError
+from ..quant.formats import QuantMatrix
+from . import cuda_quant
 from .base import ACTIVATIONS, Backend, check_token
+from .cuda_source import assemble
+from .cuda_quant import CudaQuantMatrix
 
 try:  # CuPy is an optional extra; a broken CUDA install can raise more than ImportError
     import cupy as cp
@@ -37,6 +40,7 @@ except Exception as e:  # noqa: BLE001 - reported when the backend is constructe
 
 # concatenation order of the kernel sources (common.cuh is inlined once, first)
 KERNEL_FILES = ("common.cuh", "elementwise.cu", "matvec.cu", "attention.cu")
+# quant_matvec.cu is compiled separately, one module per weight format (cuda_quant.py)
 
 _NEG1 = np.int32(-1)          # "read the step buffer" (see step_value in common.cuh)
 _ATT_THREADS = 256            # ATT_THREADS in attention.cu
@@ -45,43 +49,58 @@ _SMEM_LIMIT = 48 * 1024       # default dynamic shared memory limit per block
 _FIT_MARGIN = 512 << 20       # room left for scratch, cuBLAS workspace, the CUDA context
 
 
-def _kernel_dir():
-    """Where the .cu files are: the installed ``cyllm._cuda`` package, else the repo's cuda/."""
-    try:
-        from importlib.resources import files
-        d = files("cyllm._cuda")
-        if d.joinpath("matvec.cu").is_file():
-            return d
-    except Exception:  # noqa: BLE001 - not installed as a package: running from a checkout
-        pass
-    d = Path(__file__).resolve().parents[3] / "cuda"
-    if (d / "matvec.cu").is_file():
-        return d
-    raise BackendUnavailableError("the cuda backend's kernel sources (cuda/*.cu) are missing from the installation")
-
-
 def kernel_source() -> str:
-    """All kernels as one source string.
-
-    CuPy caches compiled modules by source text only, so the header is inlined
-    here rather than #included: an edit to it then recompiles.
-    """
-    d = _kernel_dir()
-    parts = []
-    for name in KERNEL_FILES:
-        text = d.joinpath(name).read_text()
-        lines = [ln for ln in text.splitlines()
-                 if ln.strip() not in ('#include "common.cuh"', "#pragma once")]
-        parts.append(f"// ---- {name}\n" + "\n".join(lines))
-    return "\n".join(parts) + "\n"
+    """All the F16 backend's kernels as one source string (see cuda_source.assemble)."""
+    return assemble(KERNEL_FILES)
 
 
 # one compiled module per device, shared by every backend instance in the process
 _MODULES: dict = {}
 
 
-# the kernels of each GLU activation, named whole so that grep finds them
-_GATE_UP_KERNELS = {"silu": "gate_up_silu", "gelu_tanh": "gate_up_gelu"}   # + _r1/_r2/_scalar...
+# Every kernel of cuda/*.cu this backend launches, named whole (grep finds each one):
+# matvec-like kernels by (op, rows per warp, 8 loads in flight, rmsnorm folded in)
+_MATVEC_KERNELS = {
+    ("matvec", 1, False, False): "matvec_r1", ("matvec", 1, True, False): "matvec_r1_u8",
+    ("matvec", 1, False, True): "matvec_r1_norm", ("matvec", 1, True, True): "matvec_r1_u8_norm",
+    ("matvec", 2, False, False): "matvec_r2", ("matvec", 2, True, False): "matvec_r2_u8",
+    ("matvec", 2, False, True): "matvec_r2_norm", ("matvec", 2, True, True): "matvec_r2_u8_norm",
+    ("matvec", 4, False, False): "matvec_r4", ("matvec", 4, True, False): "matvec_r4_u8",
+    ("matvec", 4, False, True): "matvec_r4_norm", ("matvec", 4, True, True): "matvec_r4_u8_norm",
+    ("matvec_add", 1, False, False): "matvec_add_r1", ("matvec_add", 1, True, False): "matvec_add_r1_u8",
+    ("matvec_add", 1, False, True): "matvec_add_r1_norm", ("matvec_add", 1, True, True): "matvec_add_r1_u8_norm",
+    ("matvec_add", 2, False, False): "matvec_add_r2", ("matvec_add", 2, True, False): "matvec_add_r2_u8",
+    ("matvec_add", 2, False, True): "matvec_add_r2_norm", ("matvec_add", 2, True, True): "matvec_add_r2_u8_norm",
+    ("matvec_add", 4, False, False): "matvec_add_r4", ("matvec_add", 4, True, False): "matvec_add_r4_u8",
+    ("matvec_add", 4, False, True): "matvec_add_r4_norm", ("matvec_add", 4, True, True): "matvec_add_r4_u8_norm",
+    ("gate_up_silu", 1, False, False): "gate_up_silu_r1", ("gate_up_silu", 1, True, False): "gate_up_silu_r1_u8",
+    ("gate_up_silu", 1, False, True): "gate_up_silu_r1_norm",
+    ("gate_up_silu", 1, True, True): "gate_up_silu_r1_u8_norm",
+    ("gate_up_silu", 2, False, False): "gate_up_silu_r2", ("gate_up_silu", 2, True, False): "gate_up_silu_r2_u8",
+    ("gate_up_silu", 2, False, True): "gate_up_silu_r2_norm",
+    ("gate_up_silu", 2, True, True): "gate_up_silu_r2_u8_norm",
+    ("gate_up_gelu", 1, False, False): "gate_up_gelu_r1", ("gate_up_gelu", 1, True, False): "gate_up_gelu_r1_u8",
+    ("gate_up_gelu", 1, False, True): "gate_up_gelu_r1_norm",
+    ("gate_up_gelu", 1, True, True): "gate_up_gelu_r1_u8_norm",
+    ("gate_up_gelu", 2, False, False): "gate_up_gelu_r2", ("gate_up_gelu", 2, True, False): "gate_up_gelu_r2_u8",
+    ("gate_up_gelu", 2, False, True): "gate_up_gelu_r2_norm",
+    ("gate_up_gelu", 2, True, True): "gate_up_gelu_r2_u8_norm",
+}
+# any n, any alignment
+_MATVEC_SCALAR_KERNELS = {"matvec": "matvec_scalar", "matvec_add": "matvec_add_scalar",
+                          "gate_up_silu": "gate_up_silu_scalar", "gate_up_gelu": "gate_up_gelu_scalar"}
+# decode attention by (query heads per tile, V loaded with K)
+_ATTN_SPLIT_KERNELS = {(1, False): "attn_split_g1", (1, True): "attn_split_g1_ve",
+                       (2, False): "attn_split_g2", (2, True): "attn_split_g2_ve",
+                       (4, False): "attn_split_g4", (4, True): "attn_split_g4_ve",
+                       (8, False): "attn_split_g8", (8, True): "attn_split_g8_ve"}
+# prefill attention by (columns per lane, float4 rows)
+_ATTN_BATCH_KERNELS = {(1, False): "attn_batch_c1", (1, True): "attn_batch_c1_v4",
+                       (2, False): "attn_batch_c2", (2, True): "attn_batch_c2_v4",
+                       (4, False): "attn_batch_c4", (4, True): "attn_batch_c4_v4",
+                       (8, False): "attn_batch_c8", (8, True): "attn_batch_c8_v4"}
+# the matvec-like op of each GLU activation, and the product pass of the batched one
+_GATE_UP_OPS = {"silu": "gate_up_silu", "gelu_tanh": "gate_up_gelu"}
 _GLU_KERNELS = {"silu": "swiglu_f32", "gelu_tanh": "geglu_f32"}
 
 
@@ -169,8 +188,7 @@ class CudaBackend(Backend):
         self.threads = 1
         if cp is None:
             raise BackendUnavailableError(
-                f"the cuda backend needs CuPy ({_CUPY_ERROR}); install it with "
-                "`pip install cyllm[cuda]` on a machine with an NVIDIA GPU")
+                f"the cuda backend needs CuPy ({_CUPY_ERROR}); {CUDA_INSTALL_HINT}")
         try:
             n_dev = cp.cuda.runtime.getDeviceCount()
         except Exception as e:  # noqa: BLE001 - no driver, no device, driver too old...
@@ -258,7 +276,7 @@ class CudaBackend(Backend):
         Under decode_step (and use_pdl) it goes out with programmatic dependent
         launch, so it overlaps the previous kernel's tail; otherwise as usual.
         """
-        k = self._k(name)
+        k = self._k(name) if isinstance(name, str) else name     # a name, or a kernel of cuda_quant
         if self._device_mode and self.use_pdl:
             try:
                 if self._pdl is None:
@@ -290,6 +308,8 @@ class CudaBackend(Backend):
                 f"{free / gib:.2f} GiB free (of {total / gib:.2f} GiB); use a smaller model or --backend cpu")
 
     def upload(self, a: np.ndarray):
+        if isinstance(a, QuantMatrix):      # typed weight: block bytes stay quantized on the GPU
+            return cuda_quant.upload(self, a)
         a = np.asarray(a)
         if a.dtype == np.float64:
             a = a.astype(np.float32)
@@ -354,6 +374,9 @@ class CudaBackend(Backend):
             tok = _NEG1
         else:
             tok = np.int32(token)
+        if isinstance(table, CudaQuantMatrix):
+            cuda_quant.qembed(self, out, table, int(tok), scale)
+            return
         self._k("embed_f16")((_blocks(dim, 256),), (256,),
                              (out, table, self._step, tok, np.int32(vocab), np.int32(dim),
                               np.float32(scale)))
@@ -452,9 +475,7 @@ class CudaBackend(Backend):
         if (n % 8 == 0 and w0.data.ptr % 16 == 0 and w1.data.ptr % 16 == 0 and x.data.ptr % 16 == 0
                 and w0.flags.c_contiguous and w1.flags.c_contiguous):
             r, warps, u = self._matvec_shape(d, n, rmax)
-            name = f"{base}_r{r}" + ("_u8" if u == 8 else "")
-            if norm is not None:
-                name += "_norm"
+            name = _MATVEC_KERNELS[(base, r, u == 8, norm is not None)]
             # the wide variants keep a whole batch of loads in registers: never ask for a
             # block larger than the compiled kernel can launch
             warps = max(1, min(warps, getattr(self._k(name), "max_threads_per_block", 1024) // 32))
@@ -470,20 +491,29 @@ class CudaBackend(Backend):
                 self._rmsnorm_now(*norm)
             if not (w0.flags.c_contiguous and w1.flags.c_contiguous):
                 raise InvalidArgumentError(f"{base}: the weight matrix must be C-contiguous")
-            self._k(f"{base}_scalar")((_blocks(d, 8),), (256,),
+            self._k(_MATVEC_SCALAR_KERNELS[base])((_blocks(d, 8),), (256,),
                                       (out, w0, w1, x, np.int32(d), np.int32(n)))
 
     def matvec(self, out, w, x):
+        if isinstance(w, CudaQuantMatrix):
+            cuda_quant.qmatvec(self, out, w, x, "matvec")
+            return
         self._mv("matvec", out, w, w, x, 4)
 
     def matvec_add(self, out, w, x):
+        if isinstance(w, CudaQuantMatrix):
+            cuda_quant.qmatvec(self, out, w, x, "add")
+            return
         self._mv("matvec_add", out, w, w, x, 4)
 
     def gate_up(self, out, w_gate, w_up, x, act="silu"):
+        if isinstance(w_gate, CudaQuantMatrix) or isinstance(w_up, CudaQuantMatrix):
+            cuda_quant.qmatvec(self, out, (w_gate, w_up), x, "gate_up", _check_act(act))
+            return
         if w_gate.shape != w_up.shape:
             self._flush()
             raise InvalidArgumentError(f"gate_up: gate {tuple(w_gate.shape)} and up {tuple(w_up.shape)} differ")
-        self._mv(_GATE_UP_KERNELS[_check_act(act)], out, w_gate, w_up, x, 2)
+        self._mv(_GATE_UP_OPS[_check_act(act)], out, w_gate, w_up, x, 2)
 
     def rope(self, q, k, cos, sin, pos, head_dim=None):
         self._flush()
@@ -577,7 +607,7 @@ class CudaBackend(Backend):
                 gt //= 2
         if gt:
             ve = bool(self.attn_v_early)
-            self._launch(f"attn_split_g{gt}" + ("_ve" if ve else ""), (n_kv, n_split), (_ATT_THREADS,),
+            self._launch(_ATTN_SPLIT_KERNELS[(gt, ve)], (n_kv, n_split), (_ATT_THREADS,),
                          (out, counters, o_part, m_part, l_part) + args_tail,
                          shared_mem=self._attn_smem(gt, hd, chunk, n_split))
         else:
@@ -633,6 +663,9 @@ class CudaBackend(Backend):
         cp.cuda.runtime.memcpyAsync(dev.data.ptr, tokens.ctypes.data, tokens.nbytes,
                                     cp.cuda.runtime.memcpyHostToDevice,
                                     cp.cuda.get_current_stream().ptr)
+        if isinstance(table, CudaQuantMatrix):
+            cuda_quant.qembed_batch(self, out, table, dev, scale)
+            return
         self._k("embed_batch_f16")((_blocks(dim, 256), t), (256,),
                                    (out, table, dev, np.int32(t), np.int32(vocab), np.int32(dim),
                                     np.int32(self._rows(out, "embed_batch")), np.float32(scale)))
@@ -672,6 +705,9 @@ class CudaBackend(Backend):
         x is rounded to FP16 (the GEMM's inputs); the products are summed in
         FP32 and written as FP32 by cuBLAS.
         """
+        if isinstance(w, CudaQuantMatrix):
+            cuda_quant.qmatmul(self, out, w, x, 0.0)
+            return
         self._flush()
         t, d, n = self._check_mm("matmul", out, w, x)
         if t == 0:
@@ -680,6 +716,9 @@ class CudaBackend(Backend):
 
     def matmul_add(self, out, w, x) -> None:
         """*fused* out (T, d) += x @ w^T: the GEMM's beta = 1 does the residual add."""
+        if isinstance(w, CudaQuantMatrix):
+            cuda_quant.qmatmul(self, out, w, x, 1.0)
+            return
         self._flush()
         t, d, n = self._check_mm("matmul_add", out, w, x)
         if t == 0:
@@ -688,6 +727,9 @@ class CudaBackend(Backend):
 
     def gate_up_batch(self, out, w_gate, w_up, x, act="silu") -> None:
         """*fused* out (T, f) = act(x @ w_gate^T) * (x @ w_up^T): x cast once, two GEMMs, one product pass."""
+        if isinstance(w_gate, CudaQuantMatrix) or isinstance(w_up, CudaQuantMatrix):
+            cuda_quant.qgate_up_batch(self, out, w_gate, w_up, x, _check_act(act))
+            return
         self._flush()
         product = _GLU_KERNELS[_check_act(act)]
         if w_gate.shape != w_up.shape:
@@ -816,7 +858,7 @@ class CudaBackend(Backend):
         vec = self.attn_batch_vec and hd % 4 == 0
         pad = 4 if vec else 1
         smem = 4 * ((bq + bk) * (hd + pad) + bq * (bk + pad))
-        self._k(f"attn_batch_c{nc}" + ("_v4" if vec else ""))((n_heads, _blocks(t, bq)), (128,),
+        self._k(_ATTN_BATCH_KERNELS[(nc, vec)])((n_heads, _blocks(t, bq)), (128,),
                                      (out, q, k_cache, v_cache, np.int32(t), np.int32(pos0), np.int32(max_ctx),
                                       np.int32(n_heads // n_kv), np.int32(hd),
                                       np.int32(self._rows(q, "attention_batch")),
@@ -890,6 +932,13 @@ class CudaBackend(Backend):
         self._graph_key = issue_ops
 
     # -- measurement ------------------------------------------------------------------
+    @property
+    def captures_decode(self) -> bool:
+        return self.use_graphs
+
+    def measure_bandwidth(self, nbytes: int, threads: int | None = None) -> tuple[float | None, str]:
+        return self.measure_copy_bandwidth(), "device copy"
+
     def measure_copy_bandwidth(self, nbytes: int = 1 << 30, iters: int = 20) -> float:
         """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
         free, _ = cp.cuda.runtime.memGetInfo()

@@ -1,7 +1,8 @@
 """Plain NumPy float32 reference backend: the ground truth the tests compare against.
 
 Written for clarity, not speed: each op is the textbook formula. Weights are
-widened to float32 at upload so the arithmetic here is float32 throughout,
+widened to float32 at upload (quantized ones dequantized by cyllm.quant.reference)
+so the arithmetic here is float32 throughout,
 while the KV cache stays float16 exactly as in the fast backends.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..quant.formats import QuantMatrix
+from ..quant.reference import quantize_act
 from .base import ACTIVATIONS, Backend, HostArrays, check_token, window_start
 
 
@@ -32,17 +35,60 @@ def activation(name: str):
     return silu if name == "silu" else gelu_tanh
 
 
+class _ActQuant(np.ndarray):
+    """A dequantized weight matrix whose products first round x the way the native
+    kernels do (``act``: the activation format of its block format)."""
+    act: str | None = None
+
+    def __array_finalize__(self, obj):
+        self.act = getattr(obj, "act", None)
+
+
+def _fake_quant(x: np.ndarray, act: str | None) -> np.ndarray:
+    """x (..., n) -> float64 with every row rounded to int8 blocks of format act (x = q * d)."""
+    if act is None:
+        return x
+    x2 = np.asarray(x, np.float32).reshape(-1, x.shape[-1])
+    out = np.empty(x2.shape, np.float64)
+    for r in range(x2.shape[0]):
+        a = quantize_act(x2[r], act)
+        block = a["q"].size // a["d"].size
+        out[r] = (a["q"].astype(np.float64).reshape(-1, block) * a["d"].astype(np.float64)[:, None]).reshape(-1)
+    return out.reshape(x.shape)
+
+
+def _mm(w, x):
+    """w @ x for x (n,) or x @ w.T for x (T, n): float32, or float64 on fake-quantized x."""
+    act = getattr(w, "act", None)
+    if act is None:
+        return w.astype(np.float32, copy=False) @ x if x.ndim == 1 else x @ w.astype(np.float32, copy=False).T
+    xq = _fake_quant(x, act)
+    w64 = np.asarray(w, np.float64)
+    return (w64 @ xq if x.ndim == 1 else xq @ w64.T).astype(np.float32)
+
+
 class NumpyBackend(HostArrays, Backend):
     name = "numpy"
     kernel_variant = "numpy"
     fuse_qkv = False
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, quantized_activations: bool = False):
+        """quantized_activations: products with a quantized weight matrix see x rounded to
+        int8 blocks as the native CPU kernels round it (the reference of their math on a
+        whole model); off (default): plain float32 math on the dequantized weights."""
         self.threads = 1
+        self.quantized_activations = quantized_activations
 
     # -- memory ---------------------------------------------------------------
     def upload(self, a: np.ndarray) -> np.ndarray:
-        # float16 weights are widened once so every matvec is float32 math.
+        # float16 weights are widened once so every matvec is float32 math; a quantized
+        # matrix is dequantized (the reference stays plain: float32 weights)
+        if isinstance(a, QuantMatrix):
+            w = a.dequantize()
+            if self.quantized_activations:
+                w = w.view(_ActQuant)
+                w.act = a.fmt.act
+            return w
         if a.dtype == np.float16:
             return a.astype(np.float32)
         return np.array(a, copy=True)
@@ -57,15 +103,13 @@ class NumpyBackend(HostArrays, Backend):
         out[:] = x * np.float32(1.0 / np.sqrt(ms + np.float32(eps))) * w
 
     def matvec(self, out, w, x):
-        out[:] = w.astype(np.float32, copy=False) @ x
+        out[:] = _mm(w, x)
 
     def matvec_add(self, out, w, x):
-        out += w.astype(np.float32, copy=False) @ x
+        out += _mm(w, x)
 
     def gate_up(self, out, w_gate, w_up, x, act="silu"):
-        g = w_gate.astype(np.float32, copy=False) @ x
-        u = w_up.astype(np.float32, copy=False) @ x
-        out[:] = activation(act)(g) * u
+        out[:] = activation(act)(_mm(w_gate, x)) * _mm(w_up, x)
 
     def rope(self, q, k, cos, sin, pos, head_dim=None):
         c, s = cos[pos], sin[pos]                         # (half,)
@@ -119,14 +163,13 @@ class NumpyBackend(HostArrays, Backend):
             self.rmsnorm(out[t], x[t], w, eps)
 
     def matmul(self, out, w, x):
-        out[:] = x @ w.astype(np.float32, copy=False).T
+        out[:] = _mm(w, x)
 
     def matmul_add(self, out, w, x):
-        out += x @ w.astype(np.float32, copy=False).T
+        out += _mm(w, x)
 
     def gate_up_batch(self, out, w_gate, w_up, x, act="silu"):
-        out[:] = activation(act)(x @ w_gate.astype(np.float32, copy=False).T) * \
-            (x @ w_up.astype(np.float32, copy=False).T)
+        out[:] = activation(act)(_mm(w_gate, x)) * _mm(w_up, x)
 
     def add_rows(self, out, x, b):
         np.add(x, b, out=out)

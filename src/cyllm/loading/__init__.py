@@ -1,8 +1,9 @@
 """Model loading: dispatch on the path, plus the shared weight validation.
 
 Every loader returns ``(ModelConfig, weights, Tokenizer | None)`` where
-``weights`` follows the weights contract (HF tensor names, matrices float16,
-1-D tensors float32) and has passed :func:`validate_weights`.
+``weights`` follows the weights contract (HF tensor names; a matrix is a float16
+array or a cyllm.quant.QuantMatrix in a native block format; 1-D tensors float32)
+and has passed :func:`validate_weights`.
 """
 
 from __future__ import annotations
@@ -10,46 +11,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 
-from ..config import ModelConfig
 from ..errors import ModelLoadError
-from ..families import family
+from .weights import expected_shapes, validate_weights
 
 GGUF_MAGIC = b"GGUF"
 
 __all__ = ["load_path", "validate_weights", "expected_shapes"]
-
-
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the model needs, HF name -> shape (from the config and its family's table)."""
-    fam = family(config.arch)
-    return {t.hf_name(i): t.shape(config) for t, i in fam.expected(config)
-            if not (t.optional and config.tie_word_embeddings)}
-
-
-def validate_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> None:
-    """Check presence, shape and dtype of every tensor the model reads.
-
-    Matrices must be float16 and 1-D tensors float32 (the weights contract).
-    A tied checkpoint may still carry lm_head.weight; then it is checked too.
-    Raises ModelLoadError naming the first offending tensor.
-    """
-    fam = family(config.arch)
-    for t, i in fam.expected(config):
-        name, shape = t.hf_name(i), t.shape(config)
-        arr = weights.get(name)
-        if arr is None:
-            if t.optional and config.tie_word_embeddings:
-                continue
-            raise ModelLoadError(f"missing tensor {name}")
-        if not isinstance(arr, np.ndarray):
-            raise ModelLoadError(f"tensor {name} is a {type(arr).__name__}, not a numpy array")
-        if tuple(arr.shape) != shape:
-            raise ModelLoadError(f"tensor {name} has shape {tuple(arr.shape)}, expected {shape}")
-        want = np.float16 if len(shape) == 2 else np.float32
-        if arr.dtype != want:
-            raise ModelLoadError(f"tensor {name} has dtype {arr.dtype}, expected {np.dtype(want)}")
 
 
 def _is_gguf_file(p: Path) -> bool:

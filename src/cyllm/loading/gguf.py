@@ -28,7 +28,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -522,18 +522,39 @@ def _to_f16(a: np.ndarray, name: str, path) -> np.ndarray:
 
 _BLK_RE = re.compile(r"blk\.(\d+)\.(.+)$")
 
+# GGML types without a native kernel -> the native format they are converted to at load.
+# Each target has more bits than its source, so the conversion adds little error to the
+# file's own quantization error; the row-length rule of the source is the target's.
+CONVERT_TO_NATIVE = {10: "q4_k", 11: "q4_k", 23: "q5_k", 20: "q5_0"}    # Q2_K, Q3_K, IQ4_XS, IQ4_NL
+
 
 @dataclass
 class PlannedTensor:
     hf_name: str
     info: GGUFTensorInfo
     shape: tuple[int, ...]     # HF (numpy) shape
-    dtype: np.dtype            # float16 for matrices, float32 for 1-D
+    dtype: np.dtype            # float16 for F16/F32/BF16 matrices, float32 for 1-D
     unpermute_heads: int = 0   # >0: q/k rows to reorder with this many heads
+    fmt: str | None = None     # native block format of a quantized matrix (a QuantMatrix); None: dtype
+
+    @property
+    def converted(self) -> str | None:
+        """'SOURCE -> target' when the file's type is not what the model will hold."""
+        src = self.info.type_name
+        if self.fmt is not None:
+            return None if src.lower() == self.fmt else f"{src} -> {self.fmt.upper()}"
+        if len(self.shape) == 2 and src != "F16":
+            return f"{src} -> F16"
+        return None
 
 
-def plan_tensors(gf: GGUFFile, cfg: ModelConfig) -> list[PlannedTensor]:
-    """Map every GGUF tensor to its HF name through the family's table; check shapes and presence."""
+def plan_tensors(gf: GGUFFile, cfg: ModelConfig, native: bool = False) -> list[PlannedTensor]:
+    """Map every GGUF tensor to its HF name through the family's table; check shapes and presence.
+
+    native: quantized matrices stay in a native block format (QuantMatrix, see materialize);
+    otherwise every matrix becomes float16 (what `cyllm convert` writes).
+    """
+    from ..quant.formats import format_by_ggml_type
     fam = family(cfg.arch)
     by_gguf = {t.gguf_name(i): (t, i) for t, i in fam.expected(cfg)}
     ignored = set(fam.gguf_config_tensors) | {"rope_freqs.weight"}
@@ -558,7 +579,10 @@ def plan_tensors(gf: GGUFFile, cfg: ModelConfig) -> list[PlannedTensor]:
         if fam.permute_qk and t.permute:
             heads = cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
         dtype = np.dtype(np.float16 if len(want) == 2 else np.float32)
-        plan.append(PlannedTensor(t.hf_name(layer), info, want, dtype, heads))
+        fmt = None
+        if native and len(want) == 2 and info.ggml_type not in (_F32, _F16, _BF16):
+            fmt = CONVERT_TO_NATIVE.get(info.ggml_type) or format_by_ggml_type(info.ggml_type).name
+        plan.append(PlannedTensor(t.hf_name(layer), info, want, dtype, heads, fmt))
         seen.add(name)
     missing = [n for n, (t, _) in by_gguf.items() if n not in seen and not t.optional]
     if missing:
@@ -567,8 +591,39 @@ def plan_tensors(gf: GGUFFile, cfg: ModelConfig) -> list[PlannedTensor]:
     return plan
 
 
-def materialize(gf: GGUFFile, p: PlannedTensor) -> np.ndarray:
-    """One planned tensor in its contract dtype (F16 matrices stay zero-copy views)."""
+def _quant_matrix(gf: GGUFFile, p: PlannedTensor):
+    """A quantized matrix in its native format: a zero-copy view of the mapped blocks,
+    or (a type without a native kernel) dequantized and requantized chunk by chunk."""
+    from ..quant.convert import quantize_rows_f32
+    from ..quant.formats import QuantMatrix, format_by_name
+    fmt = format_by_name(p.fmt)
+    info = p.info
+    rows, cols = p.shape
+    if SUPPORTED_TENSOR_TYPES[info.ggml_type][0].lower() == fmt.name:
+        qm = QuantMatrix.from_buffer(gf.buf, info.offset, fmt, p.shape, p.hf_name)
+    else:
+        out = np.empty((rows, fmt.row_bytes(cols)), np.uint8)
+        step = max(1, _CHUNK_ELEMENTS // cols)
+        for r0 in range(0, rows, step):
+            part = slice(r0, min(r0 + step, rows))
+            out[part] = quantize_rows_f32(np.asarray(_dequantize(gf, info, part), np.float32), fmt, p.hf_name)
+        gf.release(info)
+        qm = QuantMatrix(out, fmt, p.shape, p.hf_name)
+    if p.unpermute_heads:
+        # llama.cpp's q/k row order -> HF's: whole block rows move, so this is a copy of the
+        # matrix ((rows, row_bytes) bytes, a few MB per layer); the file pages of the
+        # original are then dropped from this process (they would count twice)
+        order = _unpermute_rows(np.arange(rows), p.unpermute_heads)
+        qm = qm.take_rows(order)
+        gf.release(info)
+    return qm
+
+
+def materialize(gf: GGUFFile, p: PlannedTensor):
+    """One planned tensor: a QuantMatrix (p.fmt set), else in its contract dtype
+    (F16 matrices stay zero-copy views)."""
+    if p.fmt is not None:
+        return _quant_matrix(gf, p)
     if p.dtype == np.float16:
         a = _matrix_f16(gf, p.info, p.hf_name)
     else:
@@ -578,23 +633,43 @@ def materialize(gf: GGUFFile, p: PlannedTensor) -> np.ndarray:
     return a
 
 
-def iter_weights(gf: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    for p in plan_tensors(gf, cfg):
+def iter_weights(gf: GGUFFile, cfg: ModelConfig, native: bool = False):
+    for p in plan_tensors(gf, cfg, native):
         yield p.hf_name, materialize(gf, p)
+
+
+def conversion_note(plan: list[PlannedTensor]) -> str | None:
+    """One line naming the tensor types converted at load (None: everything runs as stored)."""
+    counts: dict[str, int] = {}
+    for p in plan:
+        c = p.converted
+        if c is not None:
+            counts[c] = counts.get(c, 0) + 1
+    if not counts:
+        return None
+    parts = ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
+    return f"converted at load (no native kernel for the stored type): {parts}"
 
 
 # ----------------------------------------------------------------------------- entry point
 
 def load_gguf(path: str | os.PathLike):
-    """GGUF file -> (ModelConfig, {HF name: array}, Tokenizer | None).
+    """GGUF file -> (ModelConfig, {HF name: array or QuantMatrix}, Tokenizer | None).
 
-    Quantized tensors are dequantized once here (float16 matrices, float32
-    vectors); F16 matrices other than q/k are zero-copy views of the mmap.
+    Matrices in a native block format (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k)
+    stay in the memory map as QuantMatrix views (llama-style q/k: a row-permuted copy);
+    other block types become the nearest native format, F32/BF16 matrices float16, with
+    one notice on stderr; F16 matrices other than q/k are zero-copy views; vectors f32.
     """
     gf = read_gguf(path)
     cfg = config_from_gguf(gf)
-    weights = dict(iter_weights(gf, cfg))
-    from . import validate_weights
+    plan = plan_tensors(gf, cfg, native=True)
+    note = conversion_note(plan)
+    if note:
+        import sys
+        print(f"cyllm: note: {gf.path.name}: {note}", file=sys.stderr)
+    weights = {p.hf_name: materialize(gf, p) for p in plan}
+    from .weights import validate_weights
     validate_weights(cfg, weights)
     from .gguf_tokenizer import build_tokenizer, make_tokenizer   # after this module: no import cycle
 

@@ -206,7 +206,7 @@ def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenize
     types = _array(md, where, "tokenizer.ggml.token_type", len(tokens), "int")
     types = types.tolist() if types is not None else [TOKEN_NORMAL] * len(tokens)
 
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models
 
     def tok_id(key):
         v = _meta(md, key)
@@ -240,7 +240,10 @@ def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenize
                 if len(parts) != 2:
                     raise TokenizerError(f"{where}: bad GGUF merge {_clip(repr(m))}")
                 merges.append((parts[0], parts[1]))
-            tk = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+            # Llama 3's tokenizer takes a whole pre-token that is in the vocabulary as it is,
+            # before any merge (llama.cpp and its tokenizer.json alike)
+            tk = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False,
+                                      ignore_merges=_PRE_SPLITS.get(pre) is _LLAMA3_SPLIT))
             tk.pre_tokenizer = _byte_level_pre_tokenizer(pre, where)
             tk.decoder = decoders.ByteLevel()
             special_ok = lambda t: set(t) <= alphabet   # noqa: E731  (non-alphabet "controls" are mislabels)
@@ -266,8 +269,13 @@ def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenize
             unk = tokens[unk_id] if unk_id is not None else None
             tk = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
             add_prefix = _flag(md, where, "tokenizer.ggml.add_space_prefix", True)
-            tk.pre_tokenizer = pre_tokenizers.Metaspace(
-                replacement="\u2581", prepend_scheme="first" if add_prefix else "never", split=False)
+            # as llama.cpp's SentencePiece tokenizer: spaces become U+2581 and one more is put in
+            # front even when the text already starts with a space (" Hi" -> "__Hi"); a
+            # Metaspace pre-tokenizer would not add it then
+            from tokenizers import normalizers
+            spaces = normalizers.Replace(" ", "\u2581")
+            tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), spaces]) if add_prefix else spaces
+            tk.pre_tokenizer = None
             seq = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
             if add_prefix:
                 seq.append(decoders.Strip(content=" ", left=1))

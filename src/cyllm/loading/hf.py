@@ -11,7 +11,7 @@ from ..config import ModelConfig
 from ..families import config_from_hf, family
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..jsonio import JsonObject, read_json_file
-from . import validate_weights
+from .weights import validate_weights
 from .safetensors import SafetensorsFile, bf16_bits_to_f32, open_checkpoint
 
 F16_MAX = 65504.0

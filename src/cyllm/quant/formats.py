@@ -172,6 +172,21 @@ class QuantMatrix:
     def shape(self) -> tuple[int, int]:
         return (self.rows, self.cols)
 
+    ndim = 2
+
+    def __getitem__(self, rows) -> "QuantMatrix":
+        """A run of whole rows (a slice with step 1): a zero-copy QuantMatrix of the same
+        format (the model views fused q/k/v and gate/up matrices this way)."""
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise InvalidArgumentError("a QuantMatrix is indexed by a slice of whole rows only")
+        a, b, _ = rows.indices(self.rows)
+        return QuantMatrix(self.data[a:max(a, b)], self.fmt, (max(0, b - a), self.cols))
+
+    def take_rows(self, order: np.ndarray) -> "QuantMatrix":
+        """A new QuantMatrix whose row i is row order[i] of this one: whole block rows move
+        (a copy of the matrix: (rows, row_bytes) bytes)."""
+        return QuantMatrix(np.ascontiguousarray(self.data[np.asarray(order)]), self.fmt, self.shape)
+
     @property
     def row_bytes(self) -> int:
         return self.data.shape[1]

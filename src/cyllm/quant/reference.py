@@ -201,7 +201,10 @@ def _quantize_32(x: np.ndarray, name: str) -> np.ndarray:
             d = np.abs(x).max(axis=1) / F32(127)
             idd = np.where(d == 0, F32(0), F32(1) / d).astype(F32)
             v = x * idd[:, None]
-            q = (np.sign(v) * np.floor(np.abs(v) + F32(0.5))).astype(np.int8)    # roundf
+            a = np.abs(v)
+            fl = np.floor(a)
+            # C's roundf (half away from zero); floor(a + 0.5) would round 0.49999997 up
+            q = (np.sign(v) * (fl + (a - fl >= F32(0.5)))).astype(np.int8)
             return np.concatenate([_h(d), q.view(np.uint8)], axis=1)
         if name in ("q4_0", "q5_0"):
             half = F32(8) if name == "q4_0" else F32(16)

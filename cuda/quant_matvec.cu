@@ -1,0 +1,968 @@
+// Decode matvec over quantized weights (ggml block formats), int8 activations, FP32 accumulation.
+//
+// Why this shape (bench/results/cuda_quant_*.md has the numbers):
+// * Bandwidth per SM on an H200 is ~36 B/clk, so a q4 matrix streams ~64 weights per clock
+//   per SM. FP32 activations cost at least an unpack, a convert and an FMA per weight and
+//   4 bytes of x per weight through L1; int8 activations (x quantized per 32 elements, the
+//   q8_0 activation format of the CPU kernels: d = amax/127, q = rint(x * 127/amax)) need
+//   one dp4a per 4 weights and 1 byte of x per weight.
+// * Layout ("lane = row"): the weights are repacked once at upload (backends/cuda_quant.py,
+//   repack) so that lane l of a warp owns row 32*T + l of row tile T and a warp's 16-byte
+//   loads are 512 contiguous bytes. Each row is a sequence of items (one block for the
+//   32-element formats, one superblock for the K-quants); an item is UPI 16-byte units
+//   (the block's quant bits; K-quants: the whole block but q6_k's d) plus up to two small
+//   planes (4/8-byte and 2-byte fields: scales, 5th bits). In tile T of width
+//   W = min(32, d - 32T):
+//     unit j of item s of row 32T + l  at  main + 32T*nbi*UPI*16 + ((s*UPI + j)*W + l)*16
+//     small-plane field of item s     at  plane + 32T*nbi*E + (s*W + l)*E
+//   The bytes are the file's, only reordered: GPU memory = the file's weight bytes.
+// * Every lane of a warp works on the same items (of its own row), so the activation
+//   reads from shared memory are broadcasts: no bank conflicts, one wavefront per load.
+//   A block holds S warps on one row tile; warp w takes items [w*nbi/S, (w+1)*nbi/S) and
+//   quantizes only its own slice of x into shared memory (no block barrier before the
+//   dots); the S partial sums per row meet in shared memory at the end.
+// * Programmatic dependent launch: the first batch of U items (weights only) is loaded
+//   before pdl_wait, so it streams while the previous kernel finishes.
+//
+// Variants (MODE as in matvec.cu; every kernel takes the same arguments):
+//   qmv_<fmt>                 out  = W x
+//   qmv_add_<fmt>             out += W x
+//   qmv_gate_up_silu_<fmt>    out  = silu(Wg x) * (Wu x)
+//   qmv_gate_up_gelu_<fmt>    out  = gelu_tanh(Wg x) * (Wu x)
+//   ..._norm                  the same with the preceding rmsnorm folded in: x is the
+//                             un-normed vector, nw the norm weight; x*nw is quantized (the
+//                             int8 codes do not depend on the common factor rsqrt(mean(x^2)+eps),
+//                             which multiplies the sums at the end); the blocks also write
+//                             the normed vector to xn (if not null), as the rmsnorm op would.
+//   qmv_xf32_<fmt>            out = W x with FP32 activations (q8_0, q4_0 only: the measured
+//                             alternative; arguments out, w, x, d, nbi)
+//   qdeq_f16_<fmt>            rows [r0, r0+nrows) dequantized to FP16 (prefill: cuBLAS tiles)
+//   qrows_f32_<fmt>           rows ids[i] (or `host` when >= 0) dequantized to FP32 times
+//                             scale (embedding lookup of a quantized table)
+// Formats are compiled on demand: -DQMV_<fmt> (or -DQMV_ALL) selects which are built.
+//
+// Every kernel, whole names (each also has a _norm twin, e.g. qmv_q4_k_norm):
+//   fmt  | out = W x  | out += W x     | silu(Wg x)*(Wu x)        | gelu_tanh(Wg x)*(Wu x)   | prefill tiles  | embedding rows
+//   -----+------------+----------------+--------------------------+--------------------------+----------------+---------------
+//   q8_0 | qmv_q8_0   | qmv_add_q8_0   | qmv_gate_up_silu_q8_0    | qmv_gate_up_gelu_q8_0    | qdeq_f16_q8_0 | qrows_f32_q8_0
+//   q4_0 | qmv_q4_0   | qmv_add_q4_0   | qmv_gate_up_silu_q4_0    | qmv_gate_up_gelu_q4_0    | qdeq_f16_q4_0 | qrows_f32_q4_0
+//   q4_1 | qmv_q4_1   | qmv_add_q4_1   | qmv_gate_up_silu_q4_1    | qmv_gate_up_gelu_q4_1    | qdeq_f16_q4_1 | qrows_f32_q4_1
+//   q5_0 | qmv_q5_0   | qmv_add_q5_0   | qmv_gate_up_silu_q5_0    | qmv_gate_up_gelu_q5_0    | qdeq_f16_q5_0 | qrows_f32_q5_0
+//   q5_1 | qmv_q5_1   | qmv_add_q5_1   | qmv_gate_up_silu_q5_1    | qmv_gate_up_gelu_q5_1    | qdeq_f16_q5_1 | qrows_f32_q5_1
+//   q4_k | qmv_q4_k   | qmv_add_q4_k   | qmv_gate_up_silu_q4_k    | qmv_gate_up_gelu_q4_k    | qdeq_f16_q4_k | qrows_f32_q4_k
+//   q5_k | qmv_q5_k   | qmv_add_q5_k   | qmv_gate_up_silu_q5_k    | qmv_gate_up_gelu_q5_k    | qdeq_f16_q5_k | qrows_f32_q5_k
+//   q6_k | qmv_q6_k   | qmv_add_q6_k   | qmv_gate_up_silu_q6_k    | qmv_gate_up_gelu_q6_k    | qdeq_f16_q6_k | qrows_f32_q6_k
+//   plus qmv_xf32_q8_0 and qmv_xf32_q4_0 (the FP32-activation alternative, measured only).
+#include "common.cuh"
+
+#define QMV_TILE 32                 // rows per tile = lanes per warp
+
+extern __shared__ uint4 qmv_smem[];
+
+// ---- streamed loads of the small planes (read once per token, like the 16-byte units)
+__device__ __forceinline__ u32 ld_stream4(const u32* p) {
+#ifdef CYLLM_PLAIN_LOADS
+    return *p;
+#else
+    u32 v;
+    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+#endif
+}
+
+__device__ __forceinline__ uint2 ld_stream8(const uint2* p) {
+#ifdef CYLLM_PLAIN_LOADS
+    return *p;
+#else
+    uint2 v;
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+#endif
+}
+
+__device__ __forceinline__ unsigned short ld_stream2(const unsigned short* p) {
+#ifdef CYLLM_PLAIN_LOADS
+    return *p;
+#else
+    unsigned short v;
+    asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+#endif
+}
+
+// 4-way byte dot products: weights as unsigned bytes (0..255) or signed, x signed
+__device__ __forceinline__ int dp4a_us(u32 a, u32 b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+__device__ __forceinline__ int dp4a_ss(u32 a, u32 b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+__device__ __forceinline__ u32 word(const uint4& v, int i) {   // i a compile-time constant
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// bits 0..3 of v -> bit 4 of bytes 0..3 (the 5th bit of four 5-bit quants)
+__device__ __forceinline__ u32 spread4(u32 v) {
+    return ((v & 0xFu) * 0x02040810u) & 0x10101010u;
+}
+
+__device__ __forceinline__ int byte_u(u32 v, int k) { return (int)((v >> (8 * k)) & 0xFFu); }
+__device__ __forceinline__ int byte_s(u32 v, int k) { return (int)(signed char)((v >> (8 * k)) & 0xFFu); }
+
+// ---- formats ------------------------------------------------------------------------
+// UPI: 16-byte units per item; EA: bytes of the 4/8-byte plane (0: none); EB: bytes of the
+// 2-byte plane (0: none); IE: elements per item; B: items per lane loaded together (a
+// batch). Two batches are in flight (one computed while the next loads): about 260-420
+// bytes per lane for one matrix; gate+up halves B (q4_k/q5_k/q6_k: one batch instead).
+struct QF_q8_0 { enum { UPI = 2,  EA = 0, EB = 2, IE = 32,  B = 4 }; };   // units: q[0:16], q[16:32]; B: d
+struct QF_q4_0 { enum { UPI = 1,  EA = 0, EB = 2, IE = 32,  B = 8 }; };   // unit: qs; B: d
+struct QF_q4_1 { enum { UPI = 1,  EA = 4, EB = 0, IE = 32,  B = 8 }; };   // unit: qs; A: d, m
+struct QF_q5_0 { enum { UPI = 1,  EA = 4, EB = 2, IE = 32,  B = 6 }; };   // unit: qs; A: qh; B: d
+struct QF_q5_1 { enum { UPI = 1,  EA = 8, EB = 0, IE = 32,  B = 6 }; };   // unit: qs; A: (d, m), qh
+struct QF_q4_k { enum { UPI = 9,  EA = 0, EB = 0, IE = 256, B = 1 }; };   // units: d dmin scales, qs x8
+struct QF_q5_k { enum { UPI = 11, EA = 0, EB = 0, IE = 256, B = 1 }; };   // + qh x2 before qs
+struct QF_q6_k { enum { UPI = 13, EA = 0, EB = 2, IE = 256, B = 1 }; };   // ql x8, qh x4, scales; B: d
+
+template <class F>
+struct QItem {
+    uint4 u[F::UPI];
+    u32 a0, a1;          // plane A (EA = 4: a0; EA = 8: a0, a1)
+    unsigned short b;    // plane B
+};
+
+// Where one lane's row of one matrix lives, for row tile T.
+struct QGeo {
+    const unsigned char* main;   // tile base of the unit plane
+    const unsigned char* pa;     // tile base of plane A
+    const unsigned char* pb;     // tile base of plane B
+};
+
+template <class F>
+__device__ __forceinline__ QGeo qgeo(const unsigned char* w, int d, int nbi, int tile) {
+    const size_t t0 = (size_t)QMV_TILE * tile * nbi;        // items before this tile
+    const size_t items = (size_t)d * nbi;
+    QGeo g;
+    g.main = w + t0 * F::UPI * 16;
+    g.pa = w + items * F::UPI * 16 + t0 * F::EA;
+    g.pb = w + items * (F::UPI * 16 + F::EA) + t0 * F::EB;
+    return g;
+}
+
+template <class F>
+__device__ __forceinline__ void qload(QItem<F>& it, const QGeo& g, int s, int W, int l) {
+    const uint4* p = reinterpret_cast<const uint4*>(g.main) + ((size_t)s * F::UPI * W + l);
+#pragma unroll
+    for (int j = 0; j < F::UPI; ++j) it.u[j] = ld_stream16(p + (size_t)j * W);
+    const size_t f = (size_t)s * W + l;
+    if (F::EA == 4) it.a0 = ld_stream4(reinterpret_cast<const u32*>(g.pa) + f);
+    if (F::EA == 8) {
+        const uint2 v = ld_stream8(reinterpret_cast<const uint2*>(g.pa) + f);
+        it.a0 = v.x;
+        it.a1 = v.y;
+    }
+    if (F::EB == 2) it.b = ld_stream2(reinterpret_cast<const unsigned short*>(g.pb) + f);
+}
+
+// Same addresses, cached loads (the dequantize kernels read an item from several threads).
+template <class F>
+__device__ __forceinline__ void qload_cached(QItem<F>& it, const QGeo& g, int s, int W, int l) {
+    const uint4* p = reinterpret_cast<const uint4*>(g.main) + ((size_t)s * F::UPI * W + l);
+#pragma unroll
+    for (int j = 0; j < F::UPI; ++j) it.u[j] = __ldg(p + (size_t)j * W);
+    const size_t f = (size_t)s * W + l;
+    if (F::EA == 4) it.a0 = __ldg(reinterpret_cast<const u32*>(g.pa) + f);
+    if (F::EA == 8) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(g.pa) + f);
+        it.a0 = v.x;
+        it.a1 = v.y;
+    }
+    if (F::EB == 2) it.b = __ldg(reinterpret_cast<const unsigned short*>(g.pb) + f);
+}
+
+// ---- activations in shared memory -----------------------------------------------------
+// x (n floats) -> int8 codes, 16 bytes per unit (xq: n/16 uint4), and one entry per
+// 32 elements: {d, d * sum(q), sum(q[0:16]) (int bits), sum(q[16:32]) (int bits)}.
+// The codes and d are the CPU kernels' q8_0 activation (reference.quantize_act) bit for bit.
+// A warp stages elements [e0, e1) (multiples of 32); 8 lanes share one 32-block.
+// Returns this lane's share of sum(x^2) (for the folded rmsnorm).
+#define QS_CHUNKS 4   // float4 chunks per lane staged together: loads hoisted, shuffle chains interleaved
+
+template <bool NORM>
+__device__ __forceinline__ float qstage(const float* __restrict__ x, const float* __restrict__ nw,
+                                        int e0, int e1, u32* __restrict__ xw, float4* __restrict__ xs,
+                                        int lane)
+{
+    float ss = 0.0f;
+    const bool vec = ((reinterpret_cast<size_t>(x) | (NORM ? reinterpret_cast<size_t>(nw) : 0)) & 15) == 0;
+    const int c1 = e1 >> 2;
+    for (int base = e0 >> 2; base < c1; base += 32 * QS_CHUNKS) {   // uniform: shuffles see every lane
+        float4 v[QS_CHUNKS];
+        bool act[QS_CHUNKS];
+#pragma unroll
+        for (int k = 0; k < QS_CHUNKS; ++k) {
+            const int c = base + lane + 32 * k;
+            act[k] = c < c1;
+            v[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (act[k]) {
+                if (vec) v[k] = __ldg(reinterpret_cast<const float4*>(x) + c);
+                else v[k] = make_float4(x[4 * c], x[4 * c + 1], x[4 * c + 2], x[4 * c + 3]);
+            }
+        }
+        if (NORM) {
+#pragma unroll
+            for (int k = 0; k < QS_CHUNKS; ++k) {
+                const int c = base + lane + 32 * k;
+                float4 g = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (act[k]) {
+                    if (vec) g = __ldg(reinterpret_cast<const float4*>(nw) + c);
+                    else g = make_float4(nw[4 * c], nw[4 * c + 1], nw[4 * c + 2], nw[4 * c + 3]);
+                }
+                ss = fmaf(v[k].x, v[k].x, ss); ss = fmaf(v[k].y, v[k].y, ss);
+                ss = fmaf(v[k].z, v[k].z, ss); ss = fmaf(v[k].w, v[k].w, ss);
+                v[k].x *= g.x; v[k].y *= g.y; v[k].z *= g.z; v[k].w *= g.w;
+            }
+        }
+        float a[QS_CHUNKS];
+#pragma unroll
+        for (int k = 0; k < QS_CHUNKS; ++k)
+            a[k] = fmaxf(fmaxf(fabsf(v[k].x), fabsf(v[k].y)), fmaxf(fabsf(v[k].z), fabsf(v[k].w)));
+#pragma unroll
+        for (int off = 1; off < 8; off <<= 1)
+#pragma unroll
+            for (int k = 0; k < QS_CHUNKS; ++k) a[k] = fmaxf(a[k], __shfl_xor_sync(FULL_MASK, a[k], off));
+        int q[QS_CHUNKS][4], sm[QS_CHUNKS];
+        float dq[QS_CHUNKS];
+#pragma unroll
+        for (int k = 0; k < QS_CHUNKS; ++k) {
+            dq[k] = a[k] / 127.0f;
+            const float id = a[k] > 0.0f ? 127.0f / a[k] : 0.0f;
+            q[k][0] = __float2int_rn(v[k].x * id); q[k][1] = __float2int_rn(v[k].y * id);
+            q[k][2] = __float2int_rn(v[k].z * id); q[k][3] = __float2int_rn(v[k].w * id);
+            sm[k] = q[k][0] + q[k][1] + q[k][2] + q[k][3];
+        }
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1)       // lanes 0-3 of a group: q[0:16], 4-7: q[16:32]
+#pragma unroll
+            for (int k = 0; k < QS_CHUNKS; ++k) sm[k] += __shfl_xor_sync(FULL_MASK, sm[k], off);
+#pragma unroll
+        for (int k = 0; k < QS_CHUNKS; ++k) {
+            const int so = __shfl_xor_sync(FULL_MASK, sm[k], 4);
+            const int c = base + lane + 32 * k;
+            if (act[k]) {
+                xw[c] = ((u32)q[k][0] & 0xFFu) | (((u32)q[k][1] & 0xFFu) << 8)
+                      | (((u32)q[k][2] & 0xFFu) << 16) | ((u32)q[k][3] << 24);
+                if ((c & 7) == 0)
+                    xs[c >> 3] = make_float4(dq[k], dq[k] * (float)(sm[k] + so),
+                                             __int_as_float(sm[k]), __int_as_float(so));
+            }
+        }
+    }
+    return ss;
+}
+
+// ---- per-format dot of one item with its activations ----------------------------------
+// xq: the item's codes (IE/16 units), xs: its 32-block entries.
+__device__ __forceinline__ float qdot(const QItem<QF_q8_0>& it, const uint4* xq, const float4* xs) {
+    const uint4 xa = xq[0], xb = xq[1];
+    int i = 0;
+    i = dp4a_ss(it.u[0].x, xa.x, i); i = dp4a_ss(it.u[0].y, xa.y, i);
+    i = dp4a_ss(it.u[0].z, xa.z, i); i = dp4a_ss(it.u[0].w, xa.w, i);
+    i = dp4a_ss(it.u[1].x, xb.x, i); i = dp4a_ss(it.u[1].y, xb.y, i);
+    i = dp4a_ss(it.u[1].z, xb.z, i); i = dp4a_ss(it.u[1].w, xb.w, i);
+    return h2f(it.b) * (xs[0].x * (float)i);
+}
+
+// low nibbles: elements 0..15 (x unit 0); high nibbles, kept in place (16*q, still one byte):
+// elements 16..31 (x unit 1), divided by 16 after the sum (exact)
+__device__ __forceinline__ int dot_nib32(const uint4 q, const uint4 xa, const uint4 xb) {
+    int lo = 0, hi = 0;
+    lo = dp4a_us(q.x & 0x0F0F0F0Fu, xa.x, lo); hi = dp4a_us(q.x & 0xF0F0F0F0u, xb.x, hi);
+    lo = dp4a_us(q.y & 0x0F0F0F0Fu, xa.y, lo); hi = dp4a_us(q.y & 0xF0F0F0F0u, xb.y, hi);
+    lo = dp4a_us(q.z & 0x0F0F0F0Fu, xa.z, lo); hi = dp4a_us(q.z & 0xF0F0F0F0u, xb.z, hi);
+    lo = dp4a_us(q.w & 0x0F0F0F0Fu, xa.w, lo); hi = dp4a_us(q.w & 0xF0F0F0F0u, xb.w, hi);
+    return lo + (hi >> 4);
+}
+
+__device__ __forceinline__ float qdot(const QItem<QF_q4_0>& it, const uint4* xq, const float4* xs) {
+    const int i = dot_nib32(it.u[0], xq[0], xq[1]);
+    const float4 e = xs[0];
+    return h2f(it.b) * fmaf(e.x, (float)i, -8.0f * e.y);      // sum (q-8) x
+}
+
+__device__ __forceinline__ float qdot(const QItem<QF_q4_1>& it, const uint4* xq, const float4* xs) {
+    const int i = dot_nib32(it.u[0], xq[0], xq[1]);
+    const float4 e = xs[0];
+    const float2 dm = h2x2f(it.a0);
+    return fmaf(dm.x, e.x * (float)i, dm.y * e.y);            // sum (d q + m) x
+}
+
+// 5-bit quants: nibbles | 5th bit from qh (bit j for element j)
+__device__ __forceinline__ int dot_q5(const uint4 q, u32 qh, const uint4 xa, const uint4 xb) {
+    int i = 0;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        const u32 w = word(q, t);
+        i = dp4a_us((w & 0x0F0F0F0Fu) | spread4(qh >> (4 * t)), word(xa, t), i);
+        i = dp4a_us(((w >> 4) & 0x0F0F0F0Fu) | spread4(qh >> (16 + 4 * t)), word(xb, t), i);
+    }
+    return i;
+}
+
+__device__ __forceinline__ float qdot(const QItem<QF_q5_0>& it, const uint4* xq, const float4* xs) {
+    const int i = dot_q5(it.u[0], it.a0, xq[0], xq[1]);
+    const float4 e = xs[0];
+    return h2f(it.b) * fmaf(e.x, (float)i, -16.0f * e.y);     // sum (q-16) x
+}
+
+__device__ __forceinline__ float qdot(const QItem<QF_q5_1>& it, const uint4* xq, const float4* xs) {
+    const int i = dot_q5(it.u[0], it.a1, xq[0], xq[1]);
+    const float4 e = xs[0];
+    const float2 dm = h2x2f(it.a0);
+    return fmaf(dm.x, e.x * (float)i, dm.y * e.y);
+}
+
+// q4_k/q5_k packed 6-bit scales (bytes 4..15 of the block: s0, s1, s2) -> sub-block scales
+// and mins as bytes: sc[0..3], sc[4..7], m[0..3], m[4..7]
+__device__ __forceinline__ void k_scales(const uint4 meta, u32& scA, u32& scB, u32& mA, u32& mB) {
+    const u32 s0 = meta.y, s1 = meta.z, s2 = meta.w;
+    scA = s0 & 0x3F3F3F3Fu;
+    mA = s1 & 0x3F3F3F3Fu;
+    scB = (s2 & 0x0F0F0F0Fu) | ((s0 >> 2) & 0x30303030u);
+    mB = ((s2 >> 4) & 0x0F0F0F0Fu) | ((s1 >> 2) & 0x30303030u);
+}
+
+__device__ __forceinline__ float qdot(const QItem<QF_q4_k>& it, const uint4* xq, const float4* xs) {
+    u32 scA, scB, mA, mB;
+    k_scales(it.u[0], scA, scB, mA, mB);
+    float ad = 0.0f, am = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {          // 64 elements: sub-block 2c (low nibbles), 2c+1 (high)
+        const uint4 q0 = it.u[1 + 2 * c], q1 = it.u[2 + 2 * c];
+        int lo = 0, hi = 0;
+        const uint4 xa = xq[4 * c], xb = xq[4 * c + 1], xc = xq[4 * c + 2], xd = xq[4 * c + 3];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            lo = dp4a_us(word(q0, t) & 0x0F0F0F0Fu, word(xa, t), lo);
+            lo = dp4a_us(word(q1, t) & 0x0F0F0F0Fu, word(xb, t), lo);
+            hi = dp4a_us(word(q0, t) & 0xF0F0F0F0u, word(xc, t), hi);
+            hi = dp4a_us(word(q1, t) & 0xF0F0F0F0u, word(xd, t), hi);
+        }
+        const u32 sc = c < 2 ? scA : scB, mm = c < 2 ? mA : mB;
+        const int k0 = (2 * c) & 3;
+        const float4 e0 = xs[2 * c], e1 = xs[2 * c + 1];
+        ad = fmaf(e0.x, (float)(byte_u(sc, k0) * lo), ad);
+        ad = fmaf(e1.x, (float)(byte_u(sc, k0 + 1) * (hi >> 4)), ad);
+        am = fmaf(e0.y, (float)byte_u(mm, k0), am);
+        am = fmaf(e1.y, (float)byte_u(mm, k0 + 1), am);
+    }
+    const float2 dd = h2x2f(it.u[0].x);                    // d, dmin
+    return fmaf(dd.x, ad, -dd.y * am);
+}
+
+__device__ __forceinline__ float qdot(const QItem<QF_q5_k>& it, const uint4* xq, const float4* xs) {
+    u32 scA, scB, mA, mB;
+    k_scales(it.u[0], scA, scB, mA, mB);
+    float ad = 0.0f, am = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const uint4 q0 = it.u[3 + 2 * c], q1 = it.u[4 + 2 * c];
+        int lo = 0, hi = 0;
+        const uint4 xa = xq[4 * c], xb = xq[4 * c + 1], xc = xq[4 * c + 2], xd = xq[4 * c + 3];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const u32 h0 = word(it.u[1], t), h1 = word(it.u[2], t);   // 5th bits of elements l, l+16
+            const u32 w0 = word(q0, t), w1 = word(q1, t);
+            lo = dp4a_us((w0 & 0x0F0F0F0Fu) | (((h0 >> (2 * c)) & 0x01010101u) << 4), word(xa, t), lo);
+            lo = dp4a_us((w1 & 0x0F0F0F0Fu) | (((h1 >> (2 * c)) & 0x01010101u) << 4), word(xb, t), lo);
+            hi = dp4a_us(((w0 >> 4) & 0x0F0F0F0Fu) | (((h0 >> (2 * c + 1)) & 0x01010101u) << 4), word(xc, t), hi);
+            hi = dp4a_us(((w1 >> 4) & 0x0F0F0F0Fu) | (((h1 >> (2 * c + 1)) & 0x01010101u) << 4), word(xd, t), hi);
+        }
+        const u32 sc = c < 2 ? scA : scB, mm = c < 2 ? mA : mB;
+        const int k0 = (2 * c) & 3;
+        const float4 e0 = xs[2 * c], e1 = xs[2 * c + 1];
+        ad = fmaf(e0.x, (float)(byte_u(sc, k0) * lo), ad);
+        ad = fmaf(e1.x, (float)(byte_u(sc, k0 + 1) * hi), ad);
+        am = fmaf(e0.y, (float)byte_u(mm, k0), am);
+        am = fmaf(e1.y, (float)byte_u(mm, k0 + 1), am);
+    }
+    const float2 dd = h2x2f(it.u[0].x);
+    return fmaf(dd.x, ad, -dd.y * am);
+}
+
+// q6_k: element 128h + 32k + l (k = 2*nibble + g): low 4 bits from ql byte 64h + 32g + l
+// (nibble), high 2 bits from qh byte 32h + l (bits 2k, 2k+1); scale per 16 elements
+// (j = 8h + 2k + l/16, signed); w = d * sc_j * (q - 32).
+__device__ __forceinline__ float qdot(const QItem<QF_q6_k>& it, const uint4* xq, const float4* xs) {
+    float ad = 0.0f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int g = 0; g < 2; ++g) {
+            const uint4 l0 = it.u[4 * h + 2 * g], l1 = it.u[4 * h + 2 * g + 1];
+            const uint4 h0 = it.u[8 + 2 * h], h1 = it.u[9 + 2 * h];
+            const int ka = g, kb = g + 2;          // x blocks 4h + ka, 4h + kb
+            const uint4 xa0 = xq[2 * (4 * h + ka)], xa1 = xq[2 * (4 * h + ka) + 1];
+            const uint4 xb0 = xq[2 * (4 * h + kb)], xb1 = xq[2 * (4 * h + kb) + 1];
+            int a0 = 0, a1 = 0, b0 = 0, b1 = 0;    // (k, 16-element half)
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+                const u32 wl0 = word(l0, t), wl1 = word(l1, t), wh0 = word(h0, t), wh1 = word(h1, t);
+                a0 = dp4a_us((wl0 & 0x0F0F0F0Fu) | (((wh0 >> (2 * ka)) & 0x03030303u) << 4), word(xa0, t), a0);
+                a1 = dp4a_us((wl1 & 0x0F0F0F0Fu) | (((wh1 >> (2 * ka)) & 0x03030303u) << 4), word(xa1, t), a1);
+                b0 = dp4a_us(((wl0 >> 4) & 0x0F0F0F0Fu) | (((wh0 >> (2 * kb)) & 0x03030303u) << 4), word(xb0, t), b0);
+                b1 = dp4a_us(((wl1 >> 4) & 0x0F0F0F0Fu) | (((wh1 >> (2 * kb)) & 0x03030303u) << 4), word(xb1, t), b1);
+            }
+            const float4 ea = xs[4 * h + ka], eb = xs[4 * h + kb];
+            const int ja = 8 * h + 2 * ka, jb = 8 * h + 2 * kb;     // scale index of the first half
+            const u32 swa = word(it.u[12], ja >> 2), swb = word(it.u[12], jb >> 2);
+            const int ia = byte_s(swa, ja & 3) * (a0 - 32 * __float_as_int(ea.z))
+                         + byte_s(swa, (ja & 3) + 1) * (a1 - 32 * __float_as_int(ea.w));
+            const int ib = byte_s(swb, jb & 3) * (b0 - 32 * __float_as_int(eb.z))
+                         + byte_s(swb, (jb & 3) + 1) * (b1 - 32 * __float_as_int(eb.w));
+            ad = fmaf(ea.x, (float)ia, ad);
+            ad = fmaf(eb.x, (float)ib, ad);
+        }
+    return h2f(it.b) * ad;
+}
+
+// ---- the matvec -------------------------------------------------------------------------
+#define QMV_MAX_WARPS 16    // warps per block (cuda_quant.MAX_WARPS)
+
+template <class F, int MODE, bool NORM>
+__device__ __forceinline__ void qmv_body(
+    float* __restrict__ out, const unsigned char* __restrict__ w0, const unsigned char* __restrict__ w1,
+    const float* __restrict__ x, int d, int nbi,
+    const float* __restrict__ nw, float eps, float* __restrict__ xn)
+{
+    constexpr int NM = (MODE >= 2) ? 2 : 1;
+    constexpr int B = (F::B / NM) > 0 ? F::B / NM : 1;          // items per batch
+    constexpr int P = (NM == 2 && F::B == 1) ? 1 : 2;           // batches in flight
+    pdl_trigger();      // the next kernel may start loading its weights now
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int S = blockDim.x >> 5;
+    const int tile = blockIdx.x;
+    const int W = min(QMV_TILE, d - QMV_TILE * tile);
+    const bool live = lane < W;
+    const int s0 = (int)(((long long)nbi * warp) / S);
+    const int s1 = (int)(((long long)nbi * (warp + 1)) / S);
+    const int n = nbi * F::IE;
+
+    QGeo g[NM];
+    g[0] = qgeo<F>(w0, d, nbi, tile);
+    if (NM == 2) g[NM - 1] = qgeo<F>(w1, d, nbi, tile);
+
+    // P batches go out before pdl_wait: weights never depend on the previous kernel.
+    // Zeroed first: the dots below run on every slot (branch-free, so the compiler can
+    // schedule the shared-memory loads early) and slots past the slice are discarded.
+    QItem<F> it[P][B][NM];
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+#pragma unroll
+        for (int u = 0; u < B; ++u)
+#pragma unroll
+            for (int m = 0; m < NM; ++m) {
+#pragma unroll
+                for (int j = 0; j < F::UPI; ++j) it[p][u][m].u[j] = make_uint4(0u, 0u, 0u, 0u);
+                it[p][u][m].a0 = it[p][u][m].a1 = 0u;
+                it[p][u][m].b = 0;
+                if (live && s0 + p * B + u < s1) qload<F>(it[p][u][m], g[m], s0 + p * B + u, W, lane);
+            }
+    pdl_wait();
+
+    // the folded norm's output: this thread's first element is loaded now, with the staging
+    // loads, so the tail only multiplies and stores
+    const int jn = blockIdx.x * blockDim.x + threadIdx.x;
+    float xr = 0.0f, wr = 0.0f;
+    if (NORM && xn != nullptr && jn < n) {
+        xr = __ldg(x + jn);
+        wr = __ldg(nw + jn);
+    }
+
+    u32* xw = reinterpret_cast<u32*>(qmv_smem);
+    float4* xs = reinterpret_cast<float4*>(xw + n / 4);
+    float* red = reinterpret_cast<float*>(xs + n / 32);      // NM*S*32 partial sums, then S sums of x^2
+    const float ss = qstage<NORM>(x, nw, s0 * F::IE, s1 * F::IE, xw, xs, lane);
+    __syncwarp();
+
+    float acc[NM];
+#pragma unroll
+    for (int m = 0; m < NM; ++m) acc[m] = 0.0f;
+    for (int sb = s0; sb < s1; sb += P * B) {
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+#pragma unroll
+            for (int u = 0; u < B; ++u) {
+                const int s = sb + p * B + u;
+                const bool ok = live && s < s1;
+                const int sx = min(s, s1 - 1);                    // in this warp's staged slice
+                const uint4* xq = reinterpret_cast<const uint4*>(xw) + sx * (F::IE / 16);
+                const float4* xe = xs + sx * (F::IE / 32);
+#pragma unroll
+                for (int m = 0; m < NM; ++m) {
+                    const float v = qdot(it[p][u][m], xq, xe);
+                    acc[m] += ok ? v : 0.0f;
+                }
+            }
+            // refill this batch's slots with the batch after the next
+            const int nb = sb + (p + P) * B;
+            if (nb < s1) {
+#pragma unroll
+                for (int u = 0; u < B; ++u)
+                    if (live && nb + u < s1)
+#pragma unroll
+                        for (int m = 0; m < NM; ++m) qload<F>(it[p][u][m], g[m], nb + u, W, lane);
+            }
+        }
+    }
+
+#pragma unroll
+    for (int m = 0; m < NM; ++m) red[(m * S + warp) * 32 + lane] = acc[m];
+    if (NORM) {
+        const float t = warp_sum(ss);
+        if (lane == 0) red[NM * S * 32 + warp] = t;
+    }
+    __syncthreads();
+    float inv = 1.0f;
+    if (NORM) {
+        // rmsnorm folded in: W (x * w * inv) = inv * (W (x * w)); the S slices cover all of x
+        float t = 0.0f;
+#pragma unroll
+        for (int w = 0; w < QMV_MAX_WARPS; ++w)
+            if (w < S) t += red[NM * S * 32 + w];
+        inv = rsqrtf(t / (float)n + eps);
+    }
+    if (warp == 0 && live) {
+        float r[NM];
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+            float t = 0.0f;
+#pragma unroll
+            for (int w = 0; w < QMV_MAX_WARPS; ++w)
+                if (w < S) t += red[(m * S + w) * 32 + lane];
+            r[m] = t * inv;
+        }
+        const float res = (MODE == 2) ? silu_f(r[0]) * r[NM - 1]
+                        : (MODE == 3) ? gelu_tanh_f(r[0]) * r[NM - 1] : r[0];
+        const int row = QMV_TILE * tile + lane;
+        if (MODE == 1) out[row] += res;
+        else out[row] = res;
+    }
+    if (NORM && xn != nullptr) {
+        // the normed vector is written too, so the rmsnorm op's output exists as asked; every
+        // block knows inv, so the blocks share the writes (one block alone would add a chain
+        // of dependent loads to the kernel's tail)
+        const int step = gridDim.x * blockDim.x;
+        if (jn < n) xn[jn] = xr * inv * wr;
+        for (int j = jn + step; j < n; j += step) xn[j] = x[j] * inv * nw[j];   // small grids only
+    }
+}
+
+// ---- dequantize: one 32-element group of an item -> 32 values ---------------------------
+// q: 8 words of 4 byte-codes (elements 4i..4i+3), signed (q8_0) or unsigned; value of
+// element e = a[e/16] * q_e + b[e/16].
+template <class F> struct QSigned { enum { value = 0 }; };
+template <> struct QSigned<QF_q8_0> { enum { value = 1 }; };
+
+__device__ __forceinline__ void qgroup(const QItem<QF_q8_0>& it, int, u32 q[8], float a[2], float b[2]) {
+#pragma unroll
+    for (int t = 0; t < 4; ++t) { q[t] = word(it.u[0], t); q[4 + t] = word(it.u[1], t); }
+    a[0] = a[1] = h2f(it.b);
+    b[0] = b[1] = 0.0f;
+}
+
+__device__ __forceinline__ void qgroup(const QItem<QF_q4_0>& it, int, u32 q[8], float a[2], float b[2]) {
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        q[t] = word(it.u[0], t) & 0x0F0F0F0Fu;
+        q[4 + t] = (word(it.u[0], t) >> 4) & 0x0F0F0F0Fu;
+    }
+    a[0] = a[1] = h2f(it.b);
+    b[0] = b[1] = -8.0f * a[0];
+}
+
+__device__ __forceinline__ void qgroup(const QItem<QF_q4_1>& it, int, u32 q[8], float a[2], float b[2]) {
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        q[t] = word(it.u[0], t) & 0x0F0F0F0Fu;
+        q[4 + t] = (word(it.u[0], t) >> 4) & 0x0F0F0F0Fu;
+    }
+    const float2 dm = h2x2f(it.a0);
+    a[0] = a[1] = dm.x;
+    b[0] = b[1] = dm.y;
+}
+
+__device__ __forceinline__ void q5_words(const uint4 qs, u32 qh, u32 q[8]) {
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        q[t] = (word(qs, t) & 0x0F0F0F0Fu) | spread4(qh >> (4 * t));
+        q[4 + t] = ((word(qs, t) >> 4) & 0x0F0F0F0Fu) | spread4(qh >> (16 + 4 * t));
+    }
+}
+
+__device__ __forceinline__ void qgroup(const QItem<QF_q5_0>& it, int, u32 q[8], float a[2], float b[2]) {
+    q5_words(it.u[0], it.a0, q);
+    a[0] = a[1] = h2f(it.b);
+    b[0] = b[1] = -16.0f * a[0];
+}
+
+__device__ __forceinline__ void qgroup(const QItem<QF_q5_1>& it, int, u32 q[8], float a[2], float b[2]) {
+    q5_words(it.u[0], it.a1, q);
+    const float2 dm = h2x2f(it.a0);
+    a[0] = a[1] = dm.x;
+    b[0] = b[1] = dm.y;
+}
+
+// k: sub-block 0..7 (run-time)
+__device__ __forceinline__ void k_scale_min(const uint4 meta, int k, float& a, float& b) {
+    u32 scA, scB, mA, mB;
+    k_scales(meta, scA, scB, mA, mB);
+    const u32 sc = k < 4 ? scA : scB, mm = k < 4 ? mA : mB;
+    const float2 dd = h2x2f(meta.x);
+    a = dd.x * (float)((sc >> (8 * (k & 3))) & 0xFFu);
+    b = -dd.y * (float)((mm >> (8 * (k & 3))) & 0xFFu);
+}
+
+__device__ __forceinline__ void qgroup(const QItem<QF_q4_k>& it, int k, u32 q[8], float a[2], float b[2]) {
+    const int c = k >> 1, sh = 4 * (k & 1);
+    uint4 q0 = it.u[1], q1 = it.u[2];
+#pragma unroll
+    for (int cc = 1; cc < 4; ++cc)
+        if (c == cc) { q0 = it.u[1 + 2 * cc]; q1 = it.u[2 + 2 * cc]; }
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        q[t] = (word(q0, t) >> sh) & 0x0F0F0F0Fu;
+        q[4 + t] = (word(q1, t) >> sh) & 0x0F0F0F0Fu;
+    }
+    k_scale_min(it.u[0], k, a[0], b[0]);
+    a[1] = a[0];
+    b[1] = b[0];
+}
+
+__device__ __forceinline__ void qgroup(const QItem<QF_q5_k>& it, int k, u32 q[8], float a[2], float b[2]) {
+    const int c = k >> 1, sh = 4 * (k & 1);
+    uint4 q0 = it.u[3], q1 = it.u[4];
+#pragma unroll
+    for (int cc = 1; cc < 4; ++cc)
+        if (c == cc) { q0 = it.u[3 + 2 * cc]; q1 = it.u[4 + 2 * cc]; }
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        q[t] = ((word(q0, t) >> sh) & 0x0F0F0F0Fu) | (((word(it.u[1], t) >> k) & 0x01010101u) << 4);
+        q[4 + t] = ((word(q1, t) >> sh) & 0x0F0F0F0Fu) | (((word(it.u[2], t) >> k) & 0x01010101u) << 4);
+    }
+    k_scale_min(it.u[0], k, a[0], b[0]);
+    a[1] = a[0];
+    b[1] = b[0];
+}
+
+__device__ __forceinline__ void qgroup(const QItem<QF_q6_k>& it, int k, u32 q[8], float a[2], float b[2]) {
+    const int h = k >> 2, kk = k & 3, g = kk & 1, sh = 4 * (kk >> 1);
+    uint4 l0 = it.u[0], l1 = it.u[1], h0 = it.u[8], h1 = it.u[9];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+        for (int gg = 0; gg < 2; ++gg)
+            if (h == hh && g == gg) { l0 = it.u[4 * hh + 2 * gg]; l1 = it.u[4 * hh + 2 * gg + 1]; }
+    if (h == 1) { h0 = it.u[10]; h1 = it.u[11]; }
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        q[t] = ((word(l0, t) >> sh) & 0x0F0F0F0Fu) | (((word(h0, t) >> (2 * kk)) & 0x03030303u) << 4);
+        q[4 + t] = ((word(l1, t) >> sh) & 0x0F0F0F0Fu) | (((word(h1, t) >> (2 * kk)) & 0x03030303u) << 4);
+    }
+    const int j = 8 * h + 2 * kk;
+    const uint4 sv = it.u[12];
+    u32 sw = sv.x;
+    if ((j >> 2) == 1) sw = sv.y;
+    if ((j >> 2) == 2) sw = sv.z;
+    if ((j >> 2) == 3) sw = sv.w;
+    const float d = h2f(it.b);
+    a[0] = d * (float)byte_s(sw, j & 3);
+    a[1] = d * (float)byte_s(sw, (j & 3) + 1);
+    b[0] = -32.0f * a[0];
+    b[1] = -32.0f * a[1];
+}
+
+template <class F>
+__device__ __forceinline__ void qgroup_values(const unsigned char* w, int d, int nbi, int row, int grp, float v[32]) {
+    const int tile = row / QMV_TILE, l = row % QMV_TILE;
+    const int W = min(QMV_TILE, d - QMV_TILE * tile);
+    const int s = grp / (F::IE / 32), k = grp % (F::IE / 32);
+    QItem<F> it;
+    qload_cached<F>(it, qgeo<F>(w, d, nbi, tile), s, W, l);
+    u32 q[8];
+    float a[2], b[2];
+    qgroup(it, k, q, a, b);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        const u32 wq = q[i >> 2];
+        const int c = QSigned<F>::value ? byte_s(wq, i & 3) : byte_u(wq, i & 3);
+        v[i] = fmaf(a[i >> 4], (float)c, b[i >> 4]);
+    }
+}
+
+// rows [r0, r0 + nrows) -> out (nrows, n) FP16; one thread per 32 elements
+template <class F>
+__device__ __forceinline__ void qdeq_f16_body(f16_t* __restrict__ out, const unsigned char* __restrict__ w,
+                                              int d, int nbi, int r0, int nrows)
+{
+    const int groups = nbi * (F::IE / 32);
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)nrows * groups) return;
+    const int r = (int)(idx / groups), grp = (int)(idx % groups);
+    float v[32];
+    qgroup_values<F>(w, d, nbi, r0 + r, grp, v);
+    uint4* o = reinterpret_cast<uint4*>(out + (size_t)r * groups * 32 + (size_t)grp * 32);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        uint4 p;
+        p.x = (u32)f2h(v[8 * i + 0]) | ((u32)f2h(v[8 * i + 1]) << 16);
+        p.y = (u32)f2h(v[8 * i + 2]) | ((u32)f2h(v[8 * i + 3]) << 16);
+        p.z = (u32)f2h(v[8 * i + 4]) | ((u32)f2h(v[8 * i + 5]) << 16);
+        p.w = (u32)f2h(v[8 * i + 6]) | ((u32)f2h(v[8 * i + 7]) << 16);
+        o[i] = p;
+    }
+}
+
+// out row i (stride ldo floats) = scale * row (host >= 0 ? host : ids[i]) of W, FP32;
+// grid (ceil(groups / blockDim), nrows); ids out of range are clamped (callers check tokens)
+template <class F>
+__device__ __forceinline__ void qrows_f32_body(float* __restrict__ out, int ldo, const unsigned char* __restrict__ w,
+                                               int d, int nbi, const int* __restrict__ ids, int host,
+                                               float scale)
+{
+    const int groups = nbi * (F::IE / 32);
+    const int grp = blockIdx.x * blockDim.x + threadIdx.x;
+    const int i = blockIdx.y;
+    if (grp >= groups) return;
+    int row = host >= 0 ? host : ids[i];
+    row = min(max(row, 0), d - 1);
+    float v[32];
+    qgroup_values<F>(w, d, nbi, row, grp, v);
+    float4* o = reinterpret_cast<float4*>(out + (size_t)i * ldo + (size_t)grp * 32);
+    const bool vec = ((reinterpret_cast<size_t>(out) | ((size_t)ldo * 4)) & 15) == 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float4 p = make_float4(v[4 * j] * scale, v[4 * j + 1] * scale, v[4 * j + 2] * scale, v[4 * j + 3] * scale);
+        if (vec) {
+            o[j] = p;
+        } else {
+            float* f = out + (size_t)i * ldo + (size_t)grp * 32 + 4 * j;
+            f[0] = p.x; f[1] = p.y; f[2] = p.z; f[3] = p.w;
+        }
+    }
+}
+
+// ---- the alternative measured against: FP32 activations (q8_0, q4_0; out = W x only) --------
+// Same layout and launch shape; each warp copies its slice of x into shared memory as
+// floats and every weight byte becomes a float through the exponent trick
+// (0x4B000000 | b is 2^23 + b), then one FMA: about 3 instructions per weight against
+// about 0.8 for the int8 path (bench/bench_cuda_quant.py reports both).
+__device__ __forceinline__ float byte_f(u32 w, int k, float bias) {   // byte k of w minus bias
+    return __int_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + k)) - bias;
+}
+
+__device__ __forceinline__ float dot_bytes_f32(u32 w, const float4 xv, float bias, float acc) {
+    acc = fmaf(byte_f(w, 0, bias), xv.x, acc);
+    acc = fmaf(byte_f(w, 1, bias), xv.y, acc);
+    acc = fmaf(byte_f(w, 2, bias), xv.z, acc);
+    return fmaf(byte_f(w, 3, bias), xv.w, acc);
+}
+
+__device__ __forceinline__ float qdot_f32(const QItem<QF_q8_0>& it, const float4* xf) {
+    float acc = 0.0f;      // signed bytes: flip the sign bit (b + 128), take 128 off with the bias
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        acc = dot_bytes_f32(word(it.u[0], t) ^ 0x80808080u, xf[t], 8388736.0f, acc);
+        acc = dot_bytes_f32(word(it.u[1], t) ^ 0x80808080u, xf[4 + t], 8388736.0f, acc);
+    }
+    return h2f(it.b) * acc;
+}
+
+__device__ __forceinline__ float qdot_f32(const QItem<QF_q4_0>& it, const float4* xf) {
+    float acc = 0.0f;      // q - 8
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        acc = dot_bytes_f32(word(it.u[0], t) & 0x0F0F0F0Fu, xf[t], 8388616.0f, acc);
+        acc = dot_bytes_f32((word(it.u[0], t) >> 4) & 0x0F0F0F0Fu, xf[4 + t], 8388616.0f, acc);
+    }
+    return h2f(it.b) * acc;
+}
+
+template <class F>
+__device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const unsigned char* __restrict__ w0,
+                                              const float* __restrict__ x, int d, int nbi)
+{
+    constexpr int U = 2 * F::B;       // the same bytes in flight as the int8 kernel's two batches
+    pdl_trigger();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, S = blockDim.x >> 5;
+    const int tile = blockIdx.x;
+    const int W = min(QMV_TILE, d - QMV_TILE * tile);
+    const bool live = lane < W;
+    const int s0 = (int)(((long long)nbi * warp) / S), s1 = (int)(((long long)nbi * (warp + 1)) / S);
+    const int n = nbi * F::IE;
+    const QGeo g = qgeo<F>(w0, d, nbi, tile);
+    QItem<F> it[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+        if (live && s0 + u < s1) qload<F>(it[u], g, s0 + u, W, lane);
+    pdl_wait();
+    float4* xf = reinterpret_cast<float4*>(qmv_smem);
+    float* red = reinterpret_cast<float*>(xf + n / 4);
+    for (int c = s0 * F::IE / 4 + lane; c < s1 * F::IE / 4; c += 32)
+        xf[c] = make_float4(x[4 * c], x[4 * c + 1], x[4 * c + 2], x[4 * c + 3]);
+    __syncwarp();
+    float acc = 0.0f;
+    for (int sb = s0; sb < s1; sb += U) {
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (live && sb + u < s1) acc += qdot_f32(it[u], xf + (sb + u) * (F::IE / 4));
+        if (sb + U < s1) {
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (live && sb + U + u < s1) qload<F>(it[u], g, sb + U + u, W, lane);
+        }
+    }
+    red[warp * 32 + lane] = acc;
+    __syncthreads();
+    if (warp == 0 && live) {
+        float t = 0.0f;
+        for (int w = 0; w < S; ++w) t += red[w * 32 + lane];
+        out[QMV_TILE * tile + lane] = t;
+    }
+}
+
+#define CYLLM_QMV_XF32(NAME, F)                                                                      \
+    extern "C" __global__ void __launch_bounds__(QMV_MAX_WARPS * 32) NAME(float* __restrict__ out, const unsigned char* __restrict__ w0,   \
+                                    const float* __restrict__ x, int d, int nbi) {                   \
+        qmv_xf32_body<F>(out, w0, x, d, nbi);                                                        \
+    }
+
+// ---- kernels, named whole -----------------------------------------------------------------
+// CYLLM_QMV: at most 512 threads, so the compiler keeps to 128 registers and two 256-thread
+// blocks (this kernel's and, under programmatic dependent launch, the next one's) fit on one
+// SM. CYLLM_QMV_WIDE: no bound, for the kernels that would spill under it (q5_k, q6_k, and
+// gate+up of the K-quants: 150-200 registers).
+#define CYLLM_QMV_DEF(NAME, F, MODE, NORM, BOUNDS)                                                 \
+    extern "C" __global__ void BOUNDS NAME(float* __restrict__ out, const unsigned char* __restrict__ w0, \
+                                    const unsigned char* __restrict__ w1, const float* __restrict__ x, \
+                                    int d, int nbi, const float* __restrict__ nw, float eps,         \
+                                    float* __restrict__ xn) {                                        \
+        qmv_body<F, MODE, NORM>(out, w0, w1, x, d, nbi, nw, eps, xn);                                \
+    }
+#define CYLLM_QMV(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, __launch_bounds__(QMV_MAX_WARPS * 32))
+#define CYLLM_QMV_WIDE(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, )
+#define CYLLM_QDEQ(NAME, F)                                                                          \
+    extern "C" __global__ void NAME(f16_t* __restrict__ out, const unsigned char* __restrict__ w,     \
+                                    int d, int nbi, int r0, int nrows) {                             \
+        qdeq_f16_body<F>(out, w, d, nbi, r0, nrows);                                                 \
+    }
+#define CYLLM_QROWS(NAME, F)                                                                         \
+    extern "C" __global__ void NAME(float* __restrict__ out, int ldo, const unsigned char* __restrict__ w, \
+                                    int d, int nbi, const int* __restrict__ ids, int host, float scale) { \
+        qrows_f32_body<F>(out, ldo, w, d, nbi, ids, host, scale);                                    \
+    }
+
+#if defined(QMV_ALL) || defined(QMV_q8_0)
+CYLLM_QMV(qmv_q8_0,                    QF_q8_0, 0, false)
+CYLLM_QMV(qmv_q8_0_norm,               QF_q8_0, 0, true)
+CYLLM_QMV(qmv_add_q8_0,                QF_q8_0, 1, false)
+CYLLM_QMV(qmv_add_q8_0_norm,           QF_q8_0, 1, true)
+CYLLM_QMV(qmv_gate_up_silu_q8_0,       QF_q8_0, 2, false)
+CYLLM_QMV(qmv_gate_up_silu_q8_0_norm,  QF_q8_0, 2, true)
+CYLLM_QMV(qmv_gate_up_gelu_q8_0,       QF_q8_0, 3, false)
+CYLLM_QMV(qmv_gate_up_gelu_q8_0_norm,  QF_q8_0, 3, true)
+CYLLM_QDEQ(qdeq_f16_q8_0,              QF_q8_0)
+CYLLM_QROWS(qrows_f32_q8_0,            QF_q8_0)
+CYLLM_QMV_XF32(qmv_xf32_q8_0,          QF_q8_0)
+#endif
+#if defined(QMV_ALL) || defined(QMV_q4_0)
+CYLLM_QMV(qmv_q4_0,                    QF_q4_0, 0, false)
+CYLLM_QMV(qmv_q4_0_norm,               QF_q4_0, 0, true)
+CYLLM_QMV(qmv_add_q4_0,                QF_q4_0, 1, false)
+CYLLM_QMV(qmv_add_q4_0_norm,           QF_q4_0, 1, true)
+CYLLM_QMV(qmv_gate_up_silu_q4_0,       QF_q4_0, 2, false)
+CYLLM_QMV(qmv_gate_up_silu_q4_0_norm,  QF_q4_0, 2, true)
+CYLLM_QMV(qmv_gate_up_gelu_q4_0,       QF_q4_0, 3, false)
+CYLLM_QMV(qmv_gate_up_gelu_q4_0_norm,  QF_q4_0, 3, true)
+CYLLM_QDEQ(qdeq_f16_q4_0,              QF_q4_0)
+CYLLM_QROWS(qrows_f32_q4_0,            QF_q4_0)
+CYLLM_QMV_XF32(qmv_xf32_q4_0,          QF_q4_0)
+#endif
+#if defined(QMV_ALL) || defined(QMV_q4_1)
+CYLLM_QMV(qmv_q4_1,                    QF_q4_1, 0, false)
+CYLLM_QMV(qmv_q4_1_norm,               QF_q4_1, 0, true)
+CYLLM_QMV(qmv_add_q4_1,                QF_q4_1, 1, false)
+CYLLM_QMV(qmv_add_q4_1_norm,           QF_q4_1, 1, true)
+CYLLM_QMV(qmv_gate_up_silu_q4_1,       QF_q4_1, 2, false)
+CYLLM_QMV(qmv_gate_up_silu_q4_1_norm,  QF_q4_1, 2, true)
+CYLLM_QMV(qmv_gate_up_gelu_q4_1,       QF_q4_1, 3, false)
+CYLLM_QMV(qmv_gate_up_gelu_q4_1_norm,  QF_q4_1, 3, true)
+CYLLM_QDEQ(qdeq_f16_q4_1,              QF_q4_1)
+CYLLM_QROWS(qrows_f32_q4_1,            QF_q4_1)
+#endif
+#if defined(QMV_ALL) || defined(QMV_q5_0)
+CYLLM_QMV(qmv_q5_0,                    QF_q5_0, 0, false)
+CYLLM_QMV(qmv_q5_0_norm,               QF_q5_0, 0, true)
+CYLLM_QMV(qmv_add_q5_0,                QF_q5_0, 1, false)
+CYLLM_QMV(qmv_add_q5_0_norm,           QF_q5_0, 1, true)
+CYLLM_QMV(qmv_gate_up_silu_q5_0,       QF_q5_0, 2, false)
+CYLLM_QMV(qmv_gate_up_silu_q5_0_norm,  QF_q5_0, 2, true)
+CYLLM_QMV(qmv_gate_up_gelu_q5_0,       QF_q5_0, 3, false)
+CYLLM_QMV(qmv_gate_up_gelu_q5_0_norm,  QF_q5_0, 3, true)
+CYLLM_QDEQ(qdeq_f16_q5_0,              QF_q5_0)
+CYLLM_QROWS(qrows_f32_q5_0,            QF_q5_0)
+#endif
+#if defined(QMV_ALL) || defined(QMV_q5_1)
+CYLLM_QMV(qmv_q5_1,                    QF_q5_1, 0, false)
+CYLLM_QMV(qmv_q5_1_norm,               QF_q5_1, 0, true)
+CYLLM_QMV(qmv_add_q5_1,                QF_q5_1, 1, false)
+CYLLM_QMV(qmv_add_q5_1_norm,           QF_q5_1, 1, true)
+CYLLM_QMV(qmv_gate_up_silu_q5_1,       QF_q5_1, 2, false)
+CYLLM_QMV(qmv_gate_up_silu_q5_1_norm,  QF_q5_1, 2, true)
+CYLLM_QMV(qmv_gate_up_gelu_q5_1,       QF_q5_1, 3, false)
+CYLLM_QMV(qmv_gate_up_gelu_q5_1_norm,  QF_q5_1, 3, true)
+CYLLM_QDEQ(qdeq_f16_q5_1,              QF_q5_1)
+CYLLM_QROWS(qrows_f32_q5_1,            QF_q5_1)
+#endif
+#if defined(QMV_ALL) || defined(QMV_q4_k)
+CYLLM_QMV(qmv_q4_k,                    QF_q4_k, 0, false)
+CYLLM_QMV(qmv_q4_k_norm,               QF_q4_k, 0, true)
+CYLLM_QMV(qmv_add_q4_k,                QF_q4_k, 1, false)
+CYLLM_QMV(qmv_add_q4_k_norm,           QF_q4_k, 1, true)
+CYLLM_QMV_WIDE(qmv_gate_up_silu_q4_k,  QF_q4_k, 2, false)
+CYLLM_QMV_WIDE(qmv_gate_up_silu_q4_k_norm, QF_q4_k, 2, true)
+CYLLM_QMV_WIDE(qmv_gate_up_gelu_q4_k,  QF_q4_k, 3, false)
+CYLLM_QMV_WIDE(qmv_gate_up_gelu_q4_k_norm, QF_q4_k, 3, true)
+CYLLM_QDEQ(qdeq_f16_q4_k,              QF_q4_k)
+CYLLM_QROWS(qrows_f32_q4_k,            QF_q4_k)
+#endif
+#if defined(QMV_ALL) || defined(QMV_q5_k)
+CYLLM_QMV_WIDE(qmv_q5_k,               QF_q5_k, 0, false)
+CYLLM_QMV_WIDE(qmv_q5_k_norm,          QF_q5_k, 0, true)
+CYLLM_QMV_WIDE(qmv_add_q5_k,           QF_q5_k, 1, false)
+CYLLM_QMV_WIDE(qmv_add_q5_k_norm,      QF_q5_k, 1, true)
+CYLLM_QMV_WIDE(qmv_gate_up_silu_q5_k,  QF_q5_k, 2, false)
+CYLLM_QMV_WIDE(qmv_gate_up_silu_q5_k_norm, QF_q5_k, 2, true)
+CYLLM_QMV_WIDE(qmv_gate_up_gelu_q5_k,  QF_q5_k, 3, false)
+CYLLM_QMV_WIDE(qmv_gate_up_gelu_q5_k_norm, QF_q5_k, 3, true)
+CYLLM_QDEQ(qdeq_f16_q5_k,              QF_q5_k)
+CYLLM_QROWS(qrows_f32_q5_k,            QF_q5_k)
+#endif
+#if defined(QMV_ALL) || defined(QMV_q6_k)
+CYLLM_QMV_WIDE(qmv_q6_k,               QF_q6_k, 0, false)
+CYLLM_QMV_WIDE(qmv_q6_k_norm,          QF_q6_k, 0, true)
+CYLLM_QMV_WIDE(qmv_add_q6_k,           QF_q6_k, 1, false)
+CYLLM_QMV_WIDE(qmv_add_q6_k_norm,      QF_q6_k, 1, true)
+CYLLM_QMV_WIDE(qmv_gate_up_silu_q6_k,  QF_q6_k, 2, false)
+CYLLM_QMV_WIDE(qmv_gate_up_silu_q6_k_norm, QF_q6_k, 2, true)
+CYLLM_QMV_WIDE(qmv_gate_up_gelu_q6_k,  QF_q6_k, 3, false)
+CYLLM_QMV_WIDE(qmv_gate_up_gelu_q6_k_norm, QF_q6_k, 3, true)
+CYLLM_QDEQ(qdeq_f16_q6_k,              QF_q6_k)
+CYLLM_QROWS(qrows_f32_q6_k,            QF_q6_k)
+#endif

@@ -1,0 +1,427 @@
+"""Quantized weights on the CUDA backend: the device-side typed weight and the ops on it.
+
+``CudaQuantMatrix`` is what ``CudaBackend.upload(QuantMatrix)`` returns: the file's block
+bytes, reordered once on the device into the "lane = row" layout of cuda/quant_matvec.cu
+(the same number of bytes: no dequantized copy is kept), plus format and shape.
+
+Decode (one token): ``qmatvec`` runs one kernel per op -- out = W x, out += W x, or
+act(Wg x) * (Wu x) -- with the activation quantized to int8 per 32 elements inside the
+kernel (the CPU kernels' q8_0 activation format) and a held-back rmsnorm folded in, like
+the F16 ``_norm`` kernels. Launched through ``CudaBackend._launch``, so inside
+``decode_step`` they go out with programmatic dependent launch and are captured in the
+step's CUDA graph. Nothing here allocates on the decode path.
+
+Prefill (T tokens): ``qmatmul`` dequantizes row tiles of W to FP16 into one reused
+scratch tile and multiplies with cuBLAS, as the F16 path does.
+
+Kernels are compiled per format on first use (one NVRTC module per format and device).
+
+Layout (see cuda/quant_matvec.cu for the kernel side). Each row of a (d, n) matrix is
+``nbi`` items (a block for the 32-element formats, a superblock for the K-quants); an item
+is ``units`` 16-byte units taken from one byte range of the block, plus up to two small
+fields (a 4/8-byte one, "A", and a 2-byte one, "B"). Rows are grouped in tiles of 32; in a
+tile of width W the units are stored (item, unit, row-in-tile) and each small plane
+(item, row-in-tile), so lane l of a warp reading unit j of item s for row 32T + l reads
+512 contiguous bytes with the other lanes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import BackendUnavailableError, InvalidArgumentError, ModelLoadError
+from ..quant.formats import FORMATS, QuantMatrix, WeightFormat
+from .cuda_source import assemble
+
+try:  # CuPy is optional: this module imports without it (the layout helpers use numpy)
+    import cupy as cp
+except Exception:  # noqa: BLE001 - reported by CudaBackend when it is constructed
+    cp = None
+
+TILE = 32                 # rows per tile = lanes per warp (QMV_TILE)
+MAX_WARPS = 16            # warps per block of the matvec kernels
+
+# fmt -> (16-byte units per item, their byte range in the block, plane A range, plane B range, B)
+# B: items per lane loaded together (QF_<fmt>::B of the kernels); two batches are in flight
+LAYOUTS: dict[str, tuple] = {
+    "q8_0": (2, (2, 34), None, (0, 2), 4),
+    "q4_0": (1, (2, 18), None, (0, 2), 8),
+    "q4_1": (1, (4, 20), (0, 4), None, 8),
+    "q5_0": (1, (6, 22), (2, 6), (0, 2), 6),
+    "q5_1": (1, (8, 24), (0, 8), None, 6),
+    "q4_k": (9, (0, 144), None, None, 1),
+    "q5_k": (11, (0, 176), None, None, 1),
+    "q6_k": (13, (0, 208), None, (208, 210), 1),
+}
+SUPPORTED = tuple(LAYOUTS)
+
+# mode -> kernel name prefix (whole names: <prefix><fmt>[_norm], see the table in quant_matvec.cu)
+_PREFIX = {"matvec": "qmv_", "add": "qmv_add_"}
+_GLU_PREFIX = {"silu": "qmv_gate_up_silu_", "gelu_tanh": "qmv_gate_up_gelu_"}
+_GLU_KERNELS = {"silu": "swiglu_f32", "gelu_tanh": "geglu_f32"}       # elementwise, in elementwise.cu
+_DEQ_TILE_ELEMS = 1 << 24  # FP16 scratch tile of the prefill path: 32 MiB
+
+
+def _layout(fmt: WeightFormat):
+    lay = LAYOUTS.get(fmt.name)
+    if lay is None:
+        raise InvalidArgumentError(
+            f"the cuda backend has no kernels for {fmt.name} weights (supported: {', '.join(SUPPORTED)})")
+    return lay
+
+
+def _planes(fmt: WeightFormat):
+    """[(byte range, bytes per element unit)] in storage order: units, plane A, plane B."""
+    units, main, pa, pb, _ = _layout(fmt)
+    out = [(main, 16)]
+    for rng in (pa, pb):
+        if rng is not None:
+            out.append((rng, rng[1] - rng[0]))
+    return out
+
+
+def repack(xp, blocks, fmt) -> object:
+    """(rows, row_bytes) uint8 block rows -> the flat kernel layout (same byte count).
+
+    ``xp`` is numpy or cupy: the same reordering runs on the host (tests) or on the device
+    (upload). Shapes: raw (rows, nbi, block_bytes); each plane (rows, NU, E) with NU units
+    of E bytes per row; tile T of width W stored as (NU, W, E).
+    """
+    fmt = FORMATS[fmt] if isinstance(fmt, str) else fmt
+    rows, rb = blocks.shape
+    nbi = rb // fmt.block_bytes
+    raw = blocks.reshape(rows, nbi, fmt.block_bytes)
+    full = rows // TILE * TILE
+    parts = []
+    for (lo, hi), e in _planes(fmt):
+        p = raw[:, :, lo:hi].reshape(rows, -1, e)                 # (rows, NU, E)
+        nu = p.shape[1]
+        if full:
+            t = p[:full].reshape(full // TILE, TILE, nu, e).transpose(0, 2, 1, 3)
+            parts.append(xp.ascontiguousarray(t).reshape(-1))
+        if rows > full:
+            parts.append(xp.ascontiguousarray(p[full:].transpose(1, 0, 2)).reshape(-1))
+    return xp.concatenate(parts)
+
+
+def unpack(xp, flat, fmt, rows: int, cols: int):
+    """Inverse of repack: the flat kernel layout -> (rows, row_bytes) block rows."""
+    fmt = FORMATS[fmt] if isinstance(fmt, str) else fmt
+    nbi = cols // fmt.block
+    out = xp.empty((rows, nbi, fmt.block_bytes), dtype=xp.uint8)
+    full = rows // TILE * TILE
+    off = 0
+    for (lo, hi), e in _planes(fmt):
+        nu = (hi - lo) // e * nbi
+        if full:
+            size = full * nu * e
+            t = flat[off:off + size].reshape(full // TILE, nu, TILE, e).transpose(0, 2, 1, 3)
+            out[:full, :, lo:hi] = t.reshape(full, nbi, hi - lo)
+            off += size
+        if rows > full:
+            w = rows - full
+            size = w * nu * e
+            t = flat[off:off + size].reshape(nu, w, e).transpose(1, 0, 2)
+            out[full:, :, lo:hi] = t.reshape(w, nbi, hi - lo)
+            off += size
+    return out.reshape(rows, nbi * fmt.block_bytes)
+
+
+class CudaQuantMatrix:
+    """A quantized (rows, cols) weight on the GPU: repacked block bytes + format + shape."""
+
+    __slots__ = ("data", "fmt", "rows", "cols", "nbi")
+
+    def __init__(self, data, fmt: WeightFormat, rows: int, cols: int):
+        self.data = data            # flat uint8 device array in the kernel layout
+        self.fmt = fmt
+        self.rows = int(rows)
+        self.cols = int(cols)
+        self.nbi = self.cols // fmt.block      # items per row: blocks, or superblocks of the K-quants
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def __repr__(self) -> str:
+        return f"CudaQuantMatrix({self.fmt.name}, shape={self.shape}, {self.nbytes} bytes)"
+
+
+def upload(be, qm: QuantMatrix) -> CudaQuantMatrix:
+    """QuantMatrix (host block bytes) -> CudaQuantMatrix; reordered on the device."""
+    _layout(qm.fmt)
+    be.check_fits(2 * qm.nbytes)        # the raw copy lives until the repacked one exists
+    try:
+        raw = cp.asarray(np.ascontiguousarray(qm.data))
+        flat = repack(cp, raw, qm.fmt)
+        del raw
+    except cp.cuda.memory.OutOfMemoryError:
+        raise ModelLoadError(
+            f"out of GPU memory uploading a {qm.nbytes / 2**20:.1f} MiB {qm.fmt.name} tensor "
+            f"to {be.device_name}") from None
+    return CudaQuantMatrix(flat, qm.fmt, qm.rows, qm.cols)
+
+
+# -- kernels --------------------------------------------------------------------------------
+_MODULES: dict = {}       # (device id, fmt) -> RawModule
+
+
+def _source() -> str:
+    return assemble(("common.cuh", "quant_matvec.cu"))
+
+
+def _module(be, fmt: str):
+    key = (be.device.id, fmt)
+    mod = _MODULES.get(key)
+    if mod is None:
+        src = _source()
+        errors = []
+        for opts in ((), ("-DCYLLM_PLAIN_LOADS",)):
+            try:
+                mod = cp.RawModule(code=src, options=(f"-DQMV_{fmt}",) + opts)
+                mod.get_function(f"qmv_{fmt}")         # forces the NVRTC compile now
+                break
+            except Exception as e:  # noqa: BLE001 - CompileException, or a driver refusing the cubin
+                errors.append(e)
+                mod = None
+        if mod is None:
+            first = str(errors[0]).strip().splitlines()
+            raise BackendUnavailableError(
+                f"the cuda {fmt} kernels failed to compile ({first[0] if first else type(errors[0]).__name__})")
+        _MODULES[key] = mod
+    return mod
+
+
+def kernel(be, name: str, fmt: str):
+    """The compiled kernel ``name`` of format ``fmt`` (cached on the backend)."""
+    cache = be.__dict__.setdefault("_qkernels", {})
+    k = cache.get(name)
+    if k is None:
+        k = cache[name] = _module(be, fmt).get_function(name)
+    return k
+
+
+_CARVEOUT: dict = {}      # id(kernel) -> shared-memory carveout (%) set on it
+# formats whose matvec runs faster with the largest shared-memory carveout (percent of the
+# unified L1/shared array), measured on an H100 under PDL (bench/results/cuda_quant_h100.md):
+# one-wave grids (4096 rows) gain -- q4_k 4096x4096 61% -> 77% of copy bandwidth, q6_k 70 -> 80,
+# q5_k 66 -> 73, q8_0 87 -> 93 -- while grids of several waves lose a little (q4_k 11008x4096
+# 82 -> 74, 32000x4096 94 -> 90). The 32-element 4/5-bit formats lose at 4096x4096 too (q4_0
+# 51 -> 46): the driver's choice stays for them. Asking only for room for two blocks did not
+# help, so co-residency does not explain it all. The attribute is per kernel; a per-launch
+# choice (cuLaunchKernelEx's preferred-carveout launch attribute, one-wave launches only) is
+# the measured-best rule, not done here.
+_CARVEOUT_MAX = ("q8_0", "q4_k", "q5_k", "q6_k")
+
+
+def _carveout(be, k, fmt: str) -> None:
+    """Set the kernel's preferred shared-memory carveout once (``be.qmv_carveout``: percent,
+    -1 = the driver's choice, overrides the table above for experiments)."""
+    forced = getattr(be, "qmv_carveout", None)
+    want = int(forced) if forced is not None else (100 if fmt in _CARVEOUT_MAX else -1)
+    key = id(k)
+    if forced is not None or _CARVEOUT.get(key, -1) != want:
+        k.preferred_shared_memory_carveout = want
+        _CARVEOUT[key] = want
+
+
+def _shared_bytes(n: int, warps: int, nm: int) -> int:
+    # int8 codes (n) + one 16-byte entry per 32 elements + partial sums + sums of x^2
+    return n + 16 * (n // 32) + 4 * (nm * warps * TILE + warps)
+
+
+def matvec_warps(be, w: CudaQuantMatrix, nm: int) -> int:
+    """Warps per block: enough that each warp's item slice is about one batch of loads."""
+    forced = getattr(be, "qmv_warps", None)
+    if forced:
+        return max(1, min(int(forced), MAX_WARPS))
+    b = LAYOUTS[w.fmt.name][4]
+    in_flight = 2 * max(1, b // nm) if (nm == 1 or b > 1) else 1
+    warps = max(1, min(MAX_WARPS, -(-w.nbi // in_flight)))
+    if -(-w.rows // TILE) > be.sm_count:
+        # several waves of tiles: small blocks, several per SM, so one block's tail overlaps
+        # the next one's loads (measured on an H100, bench/results/cuda_quant_h100.md)
+        warps = min(warps, 8 if w.fmt.name == "q8_0" else 4)
+    return warps
+
+
+_NULL = np.int64(0)       # a null pointer argument (kernels without the folded norm never read it)
+
+
+def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None) -> None:
+    """Decode matvec on quantized weights.
+
+    mode "matvec": out (d,) = W x;  "add": out += W x;  "gate_up": w = (w_gate, w_up),
+    out = act(w_gate x) * (w_up x) with act "silu" or "gelu_tanh". x (n,) float32.
+    A held-back rmsnorm whose output is x is folded into the kernel.
+    """
+    if mode == "gate_up":
+        if not (isinstance(w, tuple) and len(w) == 2):
+            be._flush()
+            raise InvalidArgumentError("gate_up: w must be the pair (w_gate, w_up)")
+        w0, w1 = w
+        if act not in _GLU_PREFIX:
+            be._flush()
+            raise InvalidArgumentError(f"act must be one of {', '.join(_GLU_PREFIX)}, got {act!r}")
+        if not (isinstance(w0, CudaQuantMatrix) and isinstance(w1, CudaQuantMatrix)
+                and w1.fmt is w0.fmt and w1.shape == w0.shape):
+            _gate_up_split(be, out, w0, w1, x, act)
+            return
+        prefix, nm = _GLU_PREFIX[act], 2
+    elif mode in _PREFIX:
+        w0 = w1 = w
+        prefix, nm = _PREFIX[mode], 1
+    else:
+        be._flush()
+        raise InvalidArgumentError(f"qmatvec: unknown mode {mode!r}")
+    d, n = w0.shape
+    if x.shape != (n,) or out.shape != (d,) or x.dtype != np.float32 or out.dtype != np.float32:
+        be._flush()
+        raise InvalidArgumentError(f"{prefix}{w0.fmt.name}: shapes {w0.shape} @ {tuple(x.shape)} -> {tuple(out.shape)}")
+    if not (x.flags.c_contiguous and out.flags.c_contiguous):
+        be._flush()
+        raise InvalidArgumentError(f"{prefix}{w0.fmt.name}: x and out must be contiguous")
+    norm = be._take_norm(out, x)
+    fmt = w0.fmt.name
+    name = f"{prefix}{fmt}" + ("_norm" if norm is not None else "")
+    k = kernel(be, name, fmt)
+    warps = min(matvec_warps(be, w0, nm), max(1, getattr(k, "max_threads_per_block", 1024) // 32))
+    smem = _shared_bytes(n, warps, nm)
+    _allow_smem(k, smem)
+    _carveout(be, k, fmt)
+    grid, block = (-(-d // TILE),), (TILE * warps,)
+    if norm is not None:
+        xn, xin, nw, eps = norm
+        args = (out, w0.data, w1.data, xin, np.int32(d), np.int32(w0.nbi), nw, np.float32(eps), xn)
+    else:
+        args = (out, w0.data, w1.data, x, np.int32(d), np.int32(w0.nbi), _NULL, np.float32(0.0), _NULL)
+    be._launch(k, grid, block, args, shared_mem=smem)
+
+
+_SMEM_SET: dict = {}      # id(kernel) -> dynamic shared memory limit raised to
+
+
+def _allow_smem(k, smem: int) -> None:
+    """Raise the kernel's dynamic shared memory limit when a row is very long (n > ~37k)."""
+    if smem > 48 * 1024 and _SMEM_SET.get(id(k), 0) < smem:
+        try:
+            k.max_dynamic_shared_size_bytes = smem
+        except Exception as e:  # noqa: BLE001 - more than the device allows
+            raise InvalidArgumentError(f"a row of this length needs {smem} bytes of shared memory ({e})") from None
+        _SMEM_SET[id(k)] = smem
+
+
+def _gate_up_split(be, out, wg, wu, x, act) -> None:
+    """Gate and up of different formats (or one F16): two matvecs and the elementwise GLU product."""
+    if wg.shape != wu.shape:
+        be._flush()
+        raise InvalidArgumentError(f"gate_up: gate {tuple(wg.shape)} and up {tuple(wu.shape)} differ")
+    up = be._buf("qmv_up", out.shape[0], cp.float32)      # allocated in the eager step, before capture
+    # a held-back rmsnorm folds into the gate matvec, whose block 0 writes x for the up matvec
+    be.matvec(out, wg, x)
+    be.matvec(up, wu, x)
+    n = out.shape[0]
+    be._k(_GLU_KERNELS[act])((-(-n // 256),), (256,), (out, out, up, np.int32(n)))
+
+
+# -- prefill and lookups ---------------------------------------------------------------------
+def dequantize_rows(be, w: CudaQuantMatrix, r0: int, nrows: int, out16) -> None:
+    """Rows [r0, r0 + nrows) of w -> out16 ((nrows, cols) float16, contiguous)."""
+    fmt = w.fmt.name
+    groups = w.cols // 32
+    total = nrows * groups
+    kernel(be, f"qdeq_f16_{fmt}", fmt)((-(-total // 256),), (256,),
+                                       (out16, w.data, np.int32(w.rows), np.int32(w.nbi),
+                                        np.int32(r0), np.int32(nrows)))
+
+
+def dequantize(be, w: CudaQuantMatrix):
+    """The whole matrix as a new (rows, cols) float16 device array (tests, debugging)."""
+    be._flush()
+    out = cp.empty((w.rows, w.cols), dtype=cp.float16)
+    dequantize_rows(be, w, 0, w.rows, out)
+    return out
+
+
+def _tile_rows(w: CudaQuantMatrix) -> int:
+    return max(TILE, min(w.rows, _DEQ_TILE_ELEMS // w.cols) // TILE * TILE)
+
+
+def qmatmul(be, out, w: CudaQuantMatrix, x, beta: float = 0.0) -> None:
+    """out (T, d) f32 = x (T, n) f32 @ W^T (+ beta * out): row tiles of W dequantized to FP16
+    into one scratch tile (reused), each multiplied by cuBLAS (FP16 in, FP32 accumulate)."""
+    be._flush()
+    t, n = x.shape
+    d = w.rows
+    if w.cols != n or out.shape != (t, d):
+        raise InvalidArgumentError(f"matmul: {tuple(x.shape)} @ {w.shape}^T -> {tuple(out.shape)}")
+    if t == 0:
+        return
+    x16 = be._cast16(x)
+    ldc = be._rows(out, "matmul")
+    tr = _tile_rows(w)
+    scratch = be._buf("qdeq_tile", min(tr, d) * n, cp.float16)
+    for r0 in range(0, d, tr):
+        nr = min(tr, d - r0)
+        tile = scratch[:nr * n].reshape(nr, n)
+        dequantize_rows(be, w, r0, nr, tile)
+        o = out[:, r0:r0 + nr]
+        if not be._gemm_ex(o, tile, x16, t, nr, n, ldc, beta):
+            prod = cp.matmul(x16.astype(cp.float32), tile.T.astype(cp.float32))
+            if beta:
+                o += prod
+            else:
+                o[...] = prod
+
+
+def qgate_up_batch(be, out, wg, wu, x, act: str = "silu") -> None:
+    """out (T, f) = act(x @ Wg^T) * (x @ Wu^T) on quantized weights."""
+    be._flush()
+    if act not in _GLU_KERNELS:
+        raise InvalidArgumentError(f"act must be one of {', '.join(_GLU_KERNELS)}, got {act!r}")
+    if wg.shape != wu.shape:
+        raise InvalidArgumentError(f"gate_up_batch: gate {wg.shape} and up {wu.shape} differ")
+    t, f = out.shape
+    up = be._buf("up", t * f, cp.float32).reshape(t, f)
+    for o, w in ((out, wg), (up, wu)):
+        if isinstance(w, CudaQuantMatrix):
+            qmatmul(be, o, w, x)
+        else:
+            be.matmul(o, w, x)
+    k = be._k(_GLU_KERNELS[act])
+    if be._rows(out, "gate_up_batch") == f:
+        k((-(-(t * f) // 256),), (256,), (out, out, up, np.int32(t * f)))
+    else:
+        for r in range(t):
+            k((-(-f // 256),), (256,), (out[r], out[r], up[r], np.int32(f)))
+
+
+def qembed(be, out, w: CudaQuantMatrix, token: int, scale: float = 1.0) -> None:
+    """out (cols,) f32 = scale * row `token` of a quantized table; under decode_step the
+    row is read from the step buffer (token < 0), so the captured graph serves every token."""
+    _rows_f32(be, out, w, w.cols, be._step, int(token), 1, scale)
+
+
+def qembed_batch(be, out, w: CudaQuantMatrix, tokens_dev, scale: float = 1.0) -> None:
+    """out (T, cols) f32 row i = scale * row tokens_dev[i] (a device int32 array) of the table."""
+    _rows_f32(be, out, w, be._rows(out, "embed_batch"), tokens_dev, -1, out.shape[0], scale)
+
+
+def _rows_f32(be, out, w, ldo, ids, host_row, nrows, scale) -> None:
+    fmt = w.fmt.name
+    groups = w.cols // 32
+    kernel(be, f"qrows_f32_{fmt}", fmt)((-(-groups // 128), nrows), (128,),
+                                        (out, np.int32(ldo), w.data, np.int32(w.rows), np.int32(w.nbi),
+                                         ids, np.int32(host_row), np.float32(scale)))
+
+
+__all__ = ["CudaQuantMatrix", "LAYOUTS", "SUPPORTED", "dequantize", "dequantize_rows", "kernel",
+           "matvec_warps", "qembed", "qembed_batch", "qgate_up_batch", "qmatmul", "qmatvec", "repack", "unpack", "upload"]

@@ -1,0 +1,432 @@
+"""OpenAI-shaped completions from Python: ``create_completion`` and ``create_chat_completion``.
+
+They take the parameters of OpenAI's /v1/completions and /v1/chat/completions
+(the same names, so a request body can be passed as keyword arguments) and
+return the same dicts, or with ``stream=True`` an iterator of the same chunks,
+as llama-cpp-python's functions of these names do. The HTTP server
+(cyllm.server) is a thin layer over them.
+
+Sampling defaults are llama.cpp's (and the CLI's): temperature 0.8, top_k 40,
+top_p 0.95, min_p 0.05, no penalties. ``Model.generate`` is greedy instead.
+
+Everything is checked before generation starts (types, ranges, the prompt
+length, the JSON schema): errors are CyllmError subclasses, which the server
+turns into HTTP 400. A request reuses whatever prefix of its prompt is still
+in the model's KV cache (see generate.Session) and reports it as
+``usage.prompt_tokens_details.cached_tokens``.
+
+Logprobs are those of the model's own distribution: log-softmax of the raw
+logits, before penalties, grammar mask and temperature.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .errors import ContextFullError, InvalidArgumentError, TokenizerError
+from .generate import GenerationStats, Session, StopScanner, check_stop, generate_tokens, sampling_params
+from .sampling import LogprobReader, Sampler, SamplingParams
+
+DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
+                frequency_penalty=0.0, presence_penalty=0.0)
+COMPLETION_MAX_TOKENS = 16       # OpenAI's (and llama-cpp-python's) default for /v1/completions
+MAX_TOP_LOGPROBS = 20
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# accepted and ignored (OpenAI fields with no effect on one local model), or accepted
+# only at the value that means "off"
+_IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+_OFF_VALUES = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+               "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+               "functions": (None, []), "function_call": (None, "none", "auto")}
+
+
+@dataclass
+class Request:
+    """A checked request, ready to run."""
+    object: str                 # "chat.completion" or "text_completion"
+    ids: list[int]              # the whole prompt, tokenized
+    max_tokens: int
+    params: SamplingParams
+    stop: list[str]
+    logprobs: int | None        # alternatives per token to report, None: no logprobs
+    grammar: str | None         # llguidance grammar text, None: free text
+    model_name: str
+    include_usage: bool
+    id: str
+    created: int
+
+
+# ----------------------------------------------------------------- public API
+def create_completion(llm, prompt, *, max_tokens: int | None = COMPLETION_MAX_TOKENS,
+                      temperature: float = DEFAULTS["temperature"], top_p: float = DEFAULTS["top_p"],
+                      top_k: int = DEFAULTS["top_k"], min_p: float = DEFAULTS["min_p"],
+                      repeat_penalty: float = DEFAULTS["repeat_penalty"],
+                      frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                      seed: int | None = None, stop: str | list[str] | None = None, stream: bool = False,
+                      stream_options: dict | None = None, logprobs: int | None = None,
+                      response_format: dict | None = None, model: str | None = None,
+                      stats: GenerationStats | None = None, cancel: Callable[[], bool] | None = None,
+                      **other):
+    """Continue ``prompt`` (a string, a list of token ids, or a list of one string).
+
+    Returns a "text_completion" dict, or with ``stream=True`` an iterator of
+    chunks. ``logprobs``: how many alternatives to report per token (0: only
+    the chosen token). ``stats`` (optional) receives timings; ``cancel``
+    (optional) is polled every step and ends the generation when it returns True.
+    """
+    _check_other(other)
+    ids = _prompt_ids(llm, prompt)
+    lp = None if logprobs is None else _int("logprobs", logprobs, 0, MAX_TOP_LOGPROBS)
+    req = _request(llm, "text_completion", ids, max_tokens, dict(
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed),
+        stop, stream, stream_options, lp, response_format, model)
+    return run(llm, req, stream, stats, cancel)
+
+
+def create_chat_completion(llm, messages, *, max_tokens: int | None = None,
+                           max_completion_tokens: int | None = None,
+                           temperature: float = DEFAULTS["temperature"], top_p: float = DEFAULTS["top_p"],
+                           top_k: int = DEFAULTS["top_k"], min_p: float = DEFAULTS["min_p"],
+                           repeat_penalty: float = DEFAULTS["repeat_penalty"],
+                           frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                           seed: int | None = None, stop: str | list[str] | None = None, stream: bool = False,
+                           stream_options: dict | None = None, logprobs: bool | None = None,
+                           top_logprobs: int | None = None, response_format: dict | None = None,
+                           model: str | None = None, stats: GenerationStats | None = None,
+                           cancel: Callable[[], bool] | None = None, **other):
+    """Answer a conversation ([{"role", "content"}, ...]) with the model's chat template.
+
+    Returns a "chat.completion" dict, or with ``stream=True`` an iterator of
+    "chat.completion.chunk" dicts. Without a token limit the answer may run
+    until the context window is full.
+    """
+    _check_other(other)
+    if max_tokens is not None and max_completion_tokens is not None and max_tokens != max_completion_tokens:
+        raise InvalidArgumentError("max_tokens and max_completion_tokens are the same option: give one")
+    limit = max_completion_tokens if max_completion_tokens is not None else max_tokens
+    ids = _chat_ids(llm, messages)
+    want = False if logprobs is None else _bool("logprobs", logprobs)
+    if top_logprobs is not None:
+        top = _int("top_logprobs", top_logprobs, 0, MAX_TOP_LOGPROBS)
+        if not want:
+            raise InvalidArgumentError("top_logprobs needs logprobs: true")
+    else:
+        top = 0
+    req = _request(llm, "chat.completion", ids, limit, dict(
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed),
+        stop, stream, stream_options, top if want else None, response_format, model)
+    return run(llm, req, stream, stats, cancel)
+
+
+def run(llm, req: Request, stream: bool, stats: GenerationStats | None = None,
+        cancel: Callable[[], bool] | None = None):
+    """Run a checked request: the response dict, or an iterator of chunks."""
+    stats = stats if stats is not None else GenerationStats()
+    llm.last_stats = stats
+    chunks = _chat_chunks if req.object == "chat.completion" else _text_chunks
+    if stream:
+        return chunks(llm, req, stats, cancel)
+    req.include_usage = True
+    return collect(chunks(llm, req, stats, cancel))
+
+
+# ------------------------------------------------------------ request checks
+def _check_other(other: dict) -> None:
+    for key, value in other.items():
+        if key in _IGNORED:
+            continue
+        if key in _OFF_VALUES:
+            if any(value == ok and type(value) is type(ok) for ok in _OFF_VALUES[key]):
+                continue
+            raise InvalidArgumentError(f"{key}={value!r} is not supported (cyllm serves one completion "
+                                       "per request, without tool calls or logit bias)")
+        raise InvalidArgumentError(f"unsupported parameter: {key!r}")
+
+
+def _num(name, v, lo=None, hi=None) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise InvalidArgumentError(f"{name} must be a number, got {type(v).__name__} {v!r}")
+    v = float(v)
+    if not np.isfinite(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise InvalidArgumentError(f"{name} must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def _int(name, v, lo=None, hi=None) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise InvalidArgumentError(f"{name} must be an integer, got {type(v).__name__} {v!r}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise InvalidArgumentError(f"{name} must be {bounds}, got {v}")
+    return int(v)
+
+
+def _bool(name, v) -> bool:
+    if not isinstance(v, bool):
+        raise InvalidArgumentError(f"{name} must be true or false, got {v!r}")
+    return v
+
+
+def _request(llm, obj, ids, max_tokens, sampling, stop, stream, stream_options, logprobs,
+             response_format, model_name) -> Request:
+    from .grammar import grammar_for
+
+    room = llm.context - len(ids)
+    if room <= 0:
+        raise ContextFullError(
+            f"the prompt has {len(ids)} tokens but the context window holds {llm.context}: "
+            f"no room to generate (use a larger --context or a shorter prompt)")
+    limit = room if max_tokens is None else min(_int("max_tokens", max_tokens, 0), room)
+    # null in a request body means "the default"
+    sampling = {k: DEFAULTS[k] if v is None and k in DEFAULTS else v for k, v in sampling.items()}
+    for k in ("temperature", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty"):
+        if k in sampling:
+            sampling[k] = _num(k, sampling[k])
+    if "top_k" in sampling:
+        sampling["top_k"] = _int("top_k", sampling["top_k"], 0)
+    if sampling.get("seed") is not None:
+        _int("seed", sampling["seed"])
+    params = sampling_params(**sampling)
+    _bool("stream", stream)
+    include_usage = False
+    if stream_options is not None:
+        if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
+            raise InvalidArgumentError("stream_options must be {\"include_usage\": true|false}")
+        if not stream:
+            raise InvalidArgumentError("stream_options needs stream: true")
+        include_usage = _bool("stream_options.include_usage", stream_options.get("include_usage", False))
+    if model_name is not None and not isinstance(model_name, str):
+        raise InvalidArgumentError(f"model must be a string, got {model_name!r}")
+    grammar = grammar_for(response_format)
+    if grammar is not None:
+        from .grammar import GrammarConstraint
+        GrammarConstraint(llm, grammar)       # a bad schema fails now, before any response starts
+    prefix = "chatcmpl-" if obj == "chat.completion" else "cmpl-"
+    return Request(object=obj, ids=ids, max_tokens=limit, params=params, stop=check_stop(stop),
+                   logprobs=logprobs, grammar=grammar,
+                   model_name=model_name or llm.config.name or "cyllm", include_usage=include_usage,
+                   id=prefix + uuid.uuid4().hex[:24], created=int(time.time()))
+
+
+def _tokenizer(llm):
+    if llm.tokenizer is None:
+        raise TokenizerError("this model has no tokenizer (no tokenizer.json): completions need one")
+    return llm.tokenizer
+
+
+def _prompt_ids(llm, prompt) -> list[int]:
+    tok = _tokenizer(llm)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = tok.encode(prompt, add_special_tokens=True)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                     for t in prompt):
+        ids = llm._check_ids(prompt)
+    else:
+        raise InvalidArgumentError("prompt must be a string, a list of token ids, or a list of one string")
+    if not ids:
+        raise InvalidArgumentError("the prompt is empty (it encodes to no tokens)")
+    return ids
+
+
+def _content_text(i: int, content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidArgumentError(
+                    f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise InvalidArgumentError(f"messages[{i}].content must be a string or a list of text parts")
+
+
+def _chat_ids(llm, messages) -> list[int]:
+    tok = _tokenizer(llm)
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgumentError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+    rendered = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidArgumentError(f"messages[{i}] must be an object with a 'role'")
+        if m["role"] not in CHAT_ROLES:
+            raise InvalidArgumentError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                                       f"got {m['role']!r}")
+        msg = dict(m)      # other keys (name, tool_calls, tool_call_id) go to the template as they are
+        msg["content"] = _content_text(i, m.get("content"))
+        if msg["role"] == "developer":      # OpenAI's newer name for the system role
+            msg["role"] = "system"
+        rendered.append(msg)
+    text = tok.apply_chat_template(rendered, add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)     # the template writes BOS itself
+    if not ids:
+        raise InvalidArgumentError("the conversation renders to an empty prompt")
+    return ids
+
+
+# ------------------------------------------------------------------ running
+def _events(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[tuple[str, list]]:
+    """(text, logprob entries) increments of the answer; the end reason lands in stats.stop_reason.
+
+    An entry is (token id, logprob, [(id, logprob)...], text offset); entries
+    come with the text they start in, and a stop string cuts both.
+    """
+    vocab = llm.config.vocab_size
+    constraint = None
+    if req.grammar is not None:
+        from .grammar import GrammarConstraint
+        constraint = GrammarConstraint(llm, req.grammar)
+    sampler = Sampler(vocab, req.params, constraint)
+    reader = LogprobReader(vocab) if req.logprobs is not None else None
+    seen: list = []
+
+    def observe(logits, token):
+        seen.append(reader.read(logits, token, req.logprobs))
+
+    tokens = generate_tokens(Session(llm), req.ids, req.max_tokens, sampler, stats, cancel,
+                             observe if reader is not None else None)
+    scanner = StopScanner(llm.tokenizer, req.stop)
+    pending: deque = deque()     # entries whose text is not released yet
+    try:
+        for token in tokens:
+            start = scanner.decoded
+            text = scanner.push(token)
+            if reader is not None:
+                lp, top = seen.pop()
+                pending.append((token, lp, top, start))
+            entries = _release(pending, scanner.released)
+            if text or entries:
+                yield text, entries
+            if scanner.stopped:
+                stats.stop_reason = "stop"
+                return
+        if stats.stop_reason == "cancelled":
+            return
+        text = scanner.finish()
+        if scanner.stopped:
+            stats.stop_reason = "stop"
+            entries = _release(pending, scanner.released)
+        else:
+            entries = list(pending)
+        if text or entries:
+            yield text, entries
+    finally:
+        tokens.close()
+
+
+def _release(pending: deque, released: int) -> list:
+    out = []
+    while pending and pending[0][3] < released:
+        out.append(pending.popleft())
+    return out
+
+
+def _finish_reason(stats: GenerationStats) -> str | None:
+    return {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}.get(stats.stop_reason)
+
+
+def usage(req: Request, stats: GenerationStats) -> dict:
+    n = stats.generated_tokens
+    return {"prompt_tokens": len(req.ids), "completion_tokens": n, "total_tokens": len(req.ids) + n,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
+
+
+def _token_text(tok, token_id: int) -> str:
+    return tok.decode([token_id])
+
+
+def _chat_logprobs(tok, entries) -> list[dict]:
+    def one(i, lp):
+        t = _token_text(tok, i)
+        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+    return [dict(one(i, lp), top_logprobs=[one(j, l) for j, l in top]) for i, lp, top, _ in entries]
+
+
+def _text_logprobs(tok, entries) -> dict:
+    return {"tokens": [_token_text(tok, i) for i, _, _, _ in entries],
+            "token_logprobs": [lp for _, lp, _, _ in entries],
+            "top_logprobs": [{_token_text(tok, j): l for j, l in top} for _, _, top, _ in entries],
+            "text_offset": [off for _, _, _, off in entries]}
+
+
+def _chat_chunks(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[dict]:
+    tok = llm.tokenizer
+    base = {"id": req.id, "object": "chat.completion.chunk", "created": req.created, "model": req.model_name}
+
+    def chunk(delta, finish=None, logprobs=None):
+        c = dict(base, choices=[{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
+        if req.include_usage:
+            c["usage"] = None
+        return c
+
+    yield chunk({"role": "assistant", "content": ""})
+    for text, entries in _events(llm, req, stats, cancel):
+        lp = {"content": _chat_logprobs(tok, entries), "refusal": None} if req.logprobs is not None else None
+        yield chunk({"content": text}, logprobs=lp)
+    if stats.stop_reason == "cancelled":
+        return
+    yield chunk({}, finish=_finish_reason(stats))
+    if req.include_usage:
+        yield dict(base, choices=[], usage=usage(req, stats))
+
+
+def _text_chunks(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[dict]:
+    tok = llm.tokenizer
+    base = {"id": req.id, "object": "text_completion", "created": req.created, "model": req.model_name}
+
+    def chunk(text, finish=None, logprobs=None):
+        c = dict(base, choices=[{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}])
+        if req.include_usage:
+            c["usage"] = None
+        return c
+
+    for text, entries in _events(llm, req, stats, cancel):
+        yield chunk(text, logprobs=_text_logprobs(tok, entries) if req.logprobs is not None else None)
+    if stats.stop_reason == "cancelled":
+        return
+    yield chunk("", finish=_finish_reason(stats))
+    if req.include_usage:
+        yield dict(base, choices=[], usage=usage(req, stats))
+
+
+def collect(chunks: Iterator[dict]) -> dict:
+    """The non-streamed response from a stream of chunks (that ends with the usage chunk)."""
+    text, finish, first, use = [], None, None, None
+    chat_lp: list | None = None
+    text_lp: dict | None = None
+    for c in chunks:
+        first = first or c
+        use = c.get("usage") or use
+        for choice in c["choices"]:
+            piece = choice["delta"].get("content", "") if "delta" in choice else choice["text"]
+            text.append(piece)
+            finish = choice["finish_reason"] or finish
+            lp = choice["logprobs"]
+            if lp is not None and "content" in lp:
+                chat_lp = (chat_lp or []) + lp["content"]
+            elif lp is not None:
+                text_lp = text_lp or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                for k in text_lp:
+                    text_lp[k] += lp[k]
+    if first is None:                 # cancelled before anything was produced
+        return {}
+    base = {"id": first["id"], "created": first["created"], "model": first["model"]}
+    if first["object"] == "chat.completion.chunk":
+        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                  "logprobs": None if chat_lp is None else {"content": chat_lp, "refusal": None},
+                  "finish_reason": finish}
+        return dict(base, object="chat.completion", choices=[choice], usage=use)
+    choice = {"text": "".join(text), "index": 0, "logprobs": text_lp, "finish_reason": finish}
+    return dict(base, object="text_completion", choices=[choice], usage=use)

@@ -1,0 +1,120 @@
+"""Structured output: JSON (any object, or one JSON schema) enforced token by token.
+
+The grammar engine is llguidance, the one llama.cpp uses for JSON schemas. It
+works from the tokenizer's own JSON (``tokenizers.Tokenizer.to_str()``), which
+cyllm's Tokenizer wraps for Hugging Face directories and GGUF files alike, so
+the token mask is computed over exactly the vocabulary the model samples from
+(outlines-core and xgrammar need a vocabulary export of their own; llguidance
+takes the tokenizer as it is and computes a mask in well under a millisecond).
+
+A GrammarConstraint plugs into sampling.Sampler: ``apply(x)`` sets the
+logits of tokens the grammar forbids to -inf, ``accept(token)`` advances it.
+When the JSON value is complete only the end-of-sequence token is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+
+import numpy as np
+
+from .errors import CyllmError, InvalidArgumentError
+
+# JSON layout: one space after ':' and ',' (how people and models write JSON),
+# no free whitespace (a small model could otherwise loop on newlines)
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+_tokenizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise InvalidArgumentError(
+            "response_format needs the llguidance package: pip install 'cyllm[server]'") from None
+    return llguidance
+
+
+def ll_tokenizer(model):
+    """llguidance's view of the model's tokenizer, built once per tokenizer (~0.5 s)."""
+    tok = model.tokenizer
+    with _lock:
+        lt = _tokenizers.get(tok)
+        if lt is None:
+            llg = _llguidance()
+            eos = sorted(set(tok.eos_ids) | set(model.config.eos_token_ids))
+            # n_vocab = the model's logit count (may exceed the tokenizer's: padded embeddings)
+            lt = llg.LLTokenizer(tok.backend.to_str(), n_vocab=model.config.vocab_size,
+                                 eos_token=eos or None)
+            _tokenizers[tok] = lt
+        return lt
+
+
+def grammar_for(response_format) -> str | None:
+    """llguidance grammar text for an OpenAI ``response_format`` (None: free text).
+
+    Accepted: {"type": "text"}, {"type": "json_object"} (llama-cpp-python's
+    {"type": "json_object", "schema": {...}} too), {"type": "json_schema",
+    "json_schema": {"name": ..., "schema": {...}, "strict": ...}}.
+    """
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+        raise InvalidArgumentError("response_format must be an object with a 'type'")
+    kind = response_format["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = response_format.get("schema", {"type": "object"})
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise InvalidArgumentError("response_format.json_schema must be an object with a 'schema'")
+        schema = spec.get("schema", {})
+    else:
+        raise InvalidArgumentError(
+            f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidArgumentError("the JSON schema must be an object")
+    llg = _llguidance()
+    try:
+        return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+    except (ValueError, TypeError) as e:
+        raise InvalidArgumentError(f"invalid JSON schema: {e}") from None
+
+
+class GrammarConstraint:
+    """One generation's grammar state: a token mask before each sample."""
+
+    def __init__(self, model, grammar: str):
+        llg = _llguidance()
+        lt = ll_tokenizer(model)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, lt)
+        if is_error:
+            raise InvalidArgumentError(f"invalid JSON schema: {messages[0] if messages else 'rejected'}")
+        self._m = llg.LLMatcher(lt, grammar, log_level=0)
+        if self._m.is_error():
+            raise InvalidArgumentError(f"invalid JSON schema: {self._m.get_error()}")
+        vocab = model.config.vocab_size
+        self._vocab = vocab
+        self._mask = np.zeros((vocab + 31) // 32, np.int32)     # (words,) one bit per token
+        self._bits = np.empty(vocab, np.uint8)                   # (vocab,) 1 = allowed
+
+    def apply(self, x: np.ndarray) -> None:
+        """Forbidden tokens of logits x (vocab,) f32 -> -inf, in place."""
+        self._m.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+        self._bits[:] = np.unpackbits(self._mask.view(np.uint8), count=self._vocab, bitorder="little")
+        np.copyto(x, np.float32(-np.inf), where=self._bits == 0)
+
+    def accept(self, token: int) -> None:
+        if not self._m.consume_token(token):
+            # cannot happen for a token drawn under the mask; say so clearly if it does
+            raise CyllmError(f"the grammar rejected token {token}: {self._m.get_error()}")
+
+    @property
+    def complete(self) -> bool:
+        return self._m.is_accepting()

@@ -1,0 +1,49 @@
+"""The weights contract: which tensors a config needs, with which shapes and dtypes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import ModelLoadError
+from ..families import family
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs, HF name -> shape (from the config and its family's table)."""
+    fam = family(config.arch)
+    return {t.hf_name(i): t.shape(config) for t, i in fam.expected(config)
+            if not (t.optional and config.tie_word_embeddings)}
+
+
+def validate_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> None:
+    """Check presence, shape and dtype of every tensor the model reads.
+
+    Matrices must be float16 arrays or QuantMatrix (whose rows are whole blocks of its
+    format and whose data has the size the shape needs) and 1-D tensors float32 (the
+    weights contract). A tied checkpoint may still carry lm_head.weight; then it is
+    checked too. Raises ModelLoadError naming the first offending tensor.
+    """
+    from ..quant.formats import QuantMatrix
+    fam = family(config.arch)
+    for t, i in fam.expected(config):
+        name, shape = t.hf_name(i), t.shape(config)
+        arr = weights.get(name)
+        if arr is None:
+            if t.optional and config.tie_word_embeddings:
+                continue
+            raise ModelLoadError(f"missing tensor {name}")
+        if isinstance(arr, QuantMatrix) and len(shape) == 2:
+            if arr.shape != shape:
+                raise ModelLoadError(f"tensor {name} has shape {arr.shape}, expected {shape}")
+            if shape[1] % arr.fmt.block or arr.data.shape != (shape[0], arr.fmt.row_bytes(shape[1])):
+                raise ModelLoadError(f"tensor {name}: {arr.fmt.name} data of shape {arr.data.shape} "
+                                     f"does not hold {shape[0]} rows of {shape[1]} elements")
+            continue
+        if not isinstance(arr, np.ndarray):
+            raise ModelLoadError(f"tensor {name} is a {type(arr).__name__}, not a numpy array")
+        if tuple(arr.shape) != shape:
+            raise ModelLoadError(f"tensor {name} has shape {tuple(arr.shape)}, expected {shape}")
+        want = np.float16 if len(shape) == 2 else np.float32
+        if arr.dtype != want:
+            raise ModelLoadError(f"tensor {name} has dtype {arr.dtype}, expected {np.dtype(want)}")

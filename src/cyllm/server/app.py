@@ -1,0 +1,293 @@
+"""The ASGI app: OpenAI's /v1/chat/completions, /v1/completions, /v1/models, plus /health.
+
+Request bodies are passed as keyword arguments to cyllm.completions (same
+names as OpenAI's fields), which checks them all before anything runs; a
+CyllmError becomes a 400 OpenAI error object. Every other failure is an
+OpenAI error object too (401, 404, 405, 500): the server never dies on a
+request. One log line per request (logger "cyllm.server").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import completions
+from ..errors import ContextFullError, CyllmError
+from .worker import DONE, Job, Worker
+
+log = logging.getLogger("cyllm.server")
+RESERVED = ("llm", "stats", "cancel")          # keyword arguments of completions that a body cannot set
+
+
+def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None,
+               param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, code), status_code=status)
+
+
+def _cyllm_error(e: CyllmError) -> JSONResponse:
+    code = "context_length_exceeded" if isinstance(e, ContextFullError) else None
+    return error_response(400, str(e), code=code)
+
+
+def create_app(llm, model_name: str, api_key: str | None = None, cache_bytes: int = 1 << 30) -> FastAPI:
+    """The server app for one loaded model; the generation thread starts with the app.
+
+    ``cache_bytes``: host memory for the KV caches of recent conversations
+    (prompt_cache.py); 0 keeps only the conversation in the model's own cache.
+    """
+    from .prompt_cache import PromptCache
+
+    worker: Worker | None = None
+
+    async def lifespan(app):
+        nonlocal worker
+        previous = getattr(llm, "prompt_cache", None)
+        llm.prompt_cache = PromptCache(llm, cache_bytes) if cache_bytes > 0 else None
+        worker = Worker()
+        yield
+        worker.close()
+        llm.prompt_cache = previous
+
+    app = FastAPI(title="cyllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.model_name = model_name
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            msg = f"Invalid URL ({request.method} {request.url.path})"
+        elif exc.status_code == 405:
+            msg = f"Method {request.method} is not allowed for {request.url.path}"
+        else:
+            msg = str(exc.detail)
+        return error_response(exc.status_code, msg)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        log.exception("request failed")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    def model_card():
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "cyllm"}
+
+    @app.get("/v1/models")
+    @app.get("/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name != model_name:
+            return error_response(404, f"The model '{name}' does not exist", code="model_not_found")
+        return model_card()
+
+    async def generation(request: Request, create, required: str):
+        body = await _json_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        if required not in body:
+            return error_response(400, f"Missing required parameter: '{required}'")
+        bad = [k for k in body if k in RESERVED]
+        if bad:
+            return error_response(400, f"unsupported parameter: {bad[0]!r}")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            return error_response(400, f"stream must be true or false, got {stream!r}")
+        if not stream and body.get("stream_options") is not None:
+            return error_response(400, "stream_options is only allowed when stream is true")
+        name = body.pop("model", None)
+        if name is not None and not isinstance(name, str):
+            return error_response(400, f"model must be a string, got {name!r}")
+        body.update(stream=True, model=model_name)
+        if not stream:
+            body["stream_options"] = {"include_usage": True}
+        job = Job(None, asyncio.get_running_loop())
+        try:
+            # checks, chat template, tokenization, grammar compilation: off the event loop
+            chunks = await asyncio.to_thread(create, llm, stats=job.stats, cancel=job.cancelled.is_set, **body)
+        except CyllmError as e:
+            return _cyllm_error(e)
+        except TypeError as e:         # a field given twice or in an impossible shape
+            return error_response(400, f"invalid request: {e}")
+        job.start = lambda cancel: chunks
+        request.state.job = job          # for the log line
+        worker.submit(job)
+        if stream:
+            return EventStream(job)
+        return await _collect(request, job)
+
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
+    async def chat_completions(request: Request):
+        return await generation(request, completions.create_chat_completion, "messages")
+
+    @app.post("/v1/completions")
+    @app.post("/completions")
+    async def text_completions(request: Request):
+        return await generation(request, completions.create_completion, "prompt")
+
+    return Gate(app, api_key)
+
+
+async def _json_body(request: Request):
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return error_response(400, f"We could not parse the JSON body of your request ({e})")
+    if not isinstance(body, dict):
+        return error_response(400, "the request body must be a JSON object")
+    return body
+
+
+async def _wait_disconnect(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect(request: Request, job: Job):
+    """Gather a non-streamed answer, cancelling it if the client goes away first."""
+    async def gather():
+        return [item async for item in _items(job)]
+
+    waiter = asyncio.ensure_future(gather())
+    gone = asyncio.ensure_future(_wait_disconnect(request.receive))
+    await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if not waiter.done():
+        job.cancelled.set()
+        request.state.disconnected = True
+        await waiter
+    gone.cancel()
+    items = waiter.result()
+    if items and isinstance(items[-1], Exception):
+        e = items[-1]
+        if isinstance(e, CyllmError):
+            return _cyllm_error(e)
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+    return JSONResponse(completions.collect(iter(items)))
+
+
+async def _items(job: Job):
+    """The job's chunks as they come; an exception ends the sequence (and is its last item)."""
+    while True:
+        item = await job.items.get()
+        if item is DONE:
+            return
+        yield item
+        if isinstance(item, Exception):
+            return
+
+
+class EventStream(Response):
+    """A server-sent-events response that cancels its job the moment the client disconnects.
+
+    (Starlette's StreamingResponse notices a disconnect only on some ASGI
+    spec versions; this one always listens for it.)
+    """
+
+    def __init__(self, job: Job):        # no body or headers of Response's own: __call__ sends them
+        self.job = job
+        self.background = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        job = self.job
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        gone.add_done_callback(lambda _: job.cancelled.set())
+        try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                    (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+            async for item in _items(job):
+                if isinstance(item, Exception):
+                    if isinstance(item, CyllmError):
+                        payload = error_body(str(item))
+                    else:
+                        payload = error_body(f"internal error: {type(item).__name__}: {item}", "server_error")
+                    await send(_event(payload))
+                    break
+                await send(_event(item))
+            if not job.cancelled.is_set():
+                await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:             # the connection broke while writing
+            pass
+        finally:
+            if gone.done():
+                scope.setdefault("state", {})["disconnected"] = True
+            gone.cancel()
+            job.cancelled.set()     # harmless after the end; stops the worker otherwise
+
+
+def _event(obj) -> dict:
+    data = b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return {"type": "http.response.body", "body": data, "more_body": True}
+
+
+class Gate:
+    """Outermost ASGI layer: the API key check and one log line per request."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.api_key = api_key
+        self.state = app.state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = [0]
+
+        async def send_logged(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key is not None and scope["path"] != "/health" and not self._authorized(scope):
+                await JSONResponse(error_body("Incorrect API key provided", code="invalid_api_key"),
+                                   status_code=401)(scope, receive, send_logged)
+            else:
+                await self.app(scope, receive, send_logged)
+        finally:
+            log.info(_log_line(scope, status[0], time.perf_counter() - t0))
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(),
+                                                                           self.api_key.encode("utf-8"))
+        return False
+
+
+def _log_line(scope, status: int, seconds: float) -> str:
+    line = f"{scope.get('method', '?')} {scope.get('path', '?')} {status or '-'} {seconds * 1000:.0f} ms"
+    state = scope.get("state") or {}
+    job = state.get("job")
+    if job is not None:
+        s = job.stats
+        line += (f" | prompt {s.prompt_tokens + s.cached_tokens} tokens ({s.cached_tokens} cached)"
+                 f" | generated {s.generated_tokens} tokens, {s.decode_tps:.1f} tok/s"
+                 f" | ttft {job.ttft_s * 1000:.0f} ms | {s.stop_reason or '-'}")
+    if state.get("disconnected"):
+        line += " | client disconnected"
+    return line

@@ -1,0 +1,454 @@
+"""Quantized weights on the CUDA backend (backends/cuda_quant.py, cuda/quant_matvec.cu).
+
+Host-side (no GPU needed): the upload repack is a pure reordering (round trip), every
+byte sits where the kernels' address formulas read it, and the kernel table of the .cu
+file agrees with the Python one.
+
+On a GPU (marked cuda): every format and variant against NumPy references of the block
+math on awkward shapes -- rows not a multiple of the 32-row tile, one block per row, many
+blocks, warps with no items. Two references: exact (the dequantized weights times the
+int8-quantized activation, float64: only the kernels' float32 sums differ, and one wrong
+element shows), and plain float (dequantize-then-matvec, where the activation rounding
+is the only difference). The rmsnorm folded into each variant, decode through a captured
+CUDA graph (with programmatic dependent launch) replayed on new inputs, the prefill
+GEMM on dequantized tiles, embedding lookups. Outputs are poisoned with NaN first.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cyllm.backends import cuda_quant as CQ
+from cyllm.errors import InvalidArgumentError
+from cyllm.quant import FORMATS, QuantMatrix
+from cyllm.quant import reference as R
+
+FMTS = list(CQ.SUPPORTED)
+CU = Path(__file__).resolve().parents[1] / "cuda" / "quant_matvec.cu"
+
+# f16 fields of each block: (byte offset, scale of the random value, sign)
+_F16_FIELDS = {
+    "q8_0": [(0, 0.02, 1)], "q4_0": [(0, 0.02, 1)], "q4_1": [(0, 0.02, 1), (2, 0.15, -1)],
+    "q5_0": [(0, 0.02, 1)], "q5_1": [(0, 0.01, 1), (2, 0.15, -1)],
+    "q4_k": [(0, 0.002, 1), (2, 0.004, 1)], "q5_k": [(0, 0.001, 1), (2, 0.004, 1)],
+    "q6_k": [(208, 0.0003, 1)],
+}
+
+
+def random_blocks(fmt: str, rows: int, cols: int, rng) -> np.ndarray:
+    """(rows, row_bytes) uint8: random bytes (every code, scale and bit pattern) with finite f16 scales."""
+    f = FORMATS[fmt]
+    nbi = cols // f.block
+    raw = rng.integers(0, 256, (rows, nbi, f.block_bytes), dtype=np.uint8)
+    for off, scale, sign in _F16_FIELDS[fmt]:
+        v = (sign * scale * rng.uniform(0.2, 1.0, (rows, nbi))).astype("<f2")
+        raw[:, :, off:off + 2] = v.view(np.uint8).reshape(rows, nbi, 2)
+    return raw.reshape(rows, nbi * f.block_bytes)
+
+
+def deq64(data: np.ndarray, fmt: str, cols: int) -> np.ndarray:
+    """(rows, cols) float64 weights from the integer/scale components of reference.decode."""
+    c = R.decode(data, fmt)
+    rows = data.shape[0]
+    q = c["q"].astype(np.float64)
+    d = c["d"].astype(np.float64)
+    if FORMATS[fmt].block == 32:
+        w = d[:, None] * q
+        if "m" in c:
+            w = w + c["m"].astype(np.float64)[:, None]
+    elif fmt == "q6_k":
+        sc = np.repeat(c["sc"].astype(np.float64), 16, axis=1)
+        w = d[:, None] * sc * q
+    else:
+        sc = np.repeat(c["sc"].astype(np.float64), 32, axis=1)
+        m = np.repeat(c["m"].astype(np.float64), 32, axis=1)
+        w = d[:, None] * sc * q - c["dmin"].astype(np.float64)[:, None] * m
+    return w.reshape(rows, cols)
+
+
+def xq64(x: np.ndarray) -> np.ndarray:
+    """x as the kernels see it: quantized per 32 (reference.quantize_act "q8_0"), float64."""
+    a = R.quantize_act(x, "q8_0")
+    return (a["q"].reshape(-1, 32).astype(np.float64) * a["d"].astype(np.float64)[:, None]).reshape(-1)
+
+
+# -- host side ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FMTS)
+def test_repack_round_trip(fmt):
+    rng = np.random.default_rng(7)
+    b = FORMATS[fmt].block
+    for rows in (1, 5, 31, 32, 33, 70):
+        for nbi in (1, 3):
+            raw = random_blocks(fmt, rows, nbi * b, rng)
+            flat = CQ.repack(np, raw, fmt)
+            assert flat.shape == (raw.size,)
+            np.testing.assert_array_equal(CQ.unpack(np, flat, fmt, rows, nbi * b), raw)
+
+
+def _kernel_reads(fmt, d, nbi, row, s):
+    """Byte ranges the kernels read for item s of `row` (qgeo / qload of quant_matvec.cu), in the
+    order of the block fields they stand for: units, plane A, plane B."""
+    units, main, pa, pb, _ = CQ.LAYOUTS[fmt]
+    ea = 0 if pa is None else pa[1] - pa[0]
+    eb = 0 if pb is None else pb[1] - pb[0]
+    tile, lane = divmod(row, 32)
+    w = min(32, d - 32 * tile)
+    t0 = 32 * tile * nbi
+    items = d * nbi
+    out = [(t0 * units * 16 + ((s * units + j) * w + lane) * 16, 16) for j in range(units)]
+    if ea:
+        out.append((items * units * 16 + t0 * ea + (s * w + lane) * ea, ea))
+    if eb:
+        out.append((items * (units * 16 + ea) + t0 * eb + (s * w + lane) * eb, eb))
+    return out
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_repack_matches_kernel_addressing(fmt):
+    rng = np.random.default_rng(11)
+    f = FORMATS[fmt]
+    units, main, pa, pb, _ = CQ.LAYOUTS[fmt]
+    fields = [(main[0] + 16 * j, main[0] + 16 * j + 16) for j in range(units)]
+    fields += [r for r in (pa, pb) if r is not None]
+    for d, nbi in ((1, 2), (45, 3), (64, 1), (97, 2)):
+        raw = random_blocks(fmt, d, nbi * f.block, rng).reshape(d, nbi, f.block_bytes)
+        flat = CQ.repack(np, raw.reshape(d, -1), fmt)
+        for row in {0, d - 1, d // 2, min(d - 1, 33)}:
+            for s in range(nbi):
+                for (off, n), (lo, hi) in zip(_kernel_reads(fmt, d, nbi, row, s), fields):
+                    assert n == hi - lo
+                    np.testing.assert_array_equal(flat[off:off + n], raw[row, s, lo:hi])
+        # every byte of the block is read exactly once
+        covered = np.zeros(f.block_bytes, int)
+        for lo, hi in fields:
+            covered[lo:hi] += 1
+        assert covered.tolist() == [1] * f.block_bytes
+
+
+def test_kernel_table_agrees():
+    """Every kernel name cuda_quant builds is written whole in the .cu file, and the format
+    traits (units, plane sizes, items in flight) match LAYOUTS."""
+    src = CU.read_text()
+    for fmt in FMTS:
+        names = [f"{p}{fmt}{s}" for p in ("qmv_", "qmv_add_", "qmv_gate_up_silu_", "qmv_gate_up_gelu_")
+                 for s in ("", "_norm")] + [f"qdeq_f16_{fmt}", f"qrows_f32_{fmt}"]
+        for name in names:
+            assert re.search(rf"\({name},", src), name
+        m = re.search(rf"struct QF_{fmt} {{ enum {{ UPI = (\d+),\s*EA = (\d+), EB = (\d+), IE = (\d+),\s*B = (\d+)", src)
+        assert m, fmt
+        upi, ea, eb, ie, u = map(int, m.groups())
+        units, main, pa, pb, uu = CQ.LAYOUTS[fmt]
+        assert (upi, ie, u) == (units, FORMATS[fmt].block, uu)
+        assert ea == (0 if pa is None else pa[1] - pa[0]) and eb == (0 if pb is None else pb[1] - pb[0])
+        assert main[1] - main[0] == 16 * units
+
+
+def test_references_agree():
+    """deq64 (the tests' float64 weights) matches reference.dequantize for every format."""
+    rng = np.random.default_rng(3)
+    for fmt in FMTS:
+        cols = 2 * FORMATS[fmt].block
+        raw = random_blocks(fmt, 3, cols, rng)
+        np.testing.assert_allclose(deq64(raw, fmt, cols), R.dequantize(raw, fmt, cols), rtol=1e-6, atol=1e-7)
+
+
+# -- on the GPU -----------------------------------------------------------------------------------
+def _cuda():
+    from conftest import cuda_available
+    if not cuda_available():
+        pytest.skip("no CUDA GPU visible")
+    import cupy as cp
+    return cp
+
+
+@pytest.fixture(scope="module")
+def cp():
+    return _cuda()
+
+
+@pytest.fixture(scope="module")
+def be(cp):
+    from cyllm.backends.cuda import CudaBackend
+    return CudaBackend()
+
+
+def shapes(fmt):
+    """(rows, cols): one block per row, a row past a tile boundary, many blocks, several tiles."""
+    if FORMATS[fmt].block == 32:
+        return [(1, 32), (33, 64), (45, 576), (130, 4128), (300, 4096)]
+    return [(1, 256), (31, 512), (45, 2816), (97, 11008), (300, 4096)]
+
+
+def poisoned(cp, n):
+    return cp.full(n, np.nan, dtype=cp.float32)
+
+
+def check_exact(got, want, mag, what):
+    got = np.asarray(got, np.float64)
+    assert np.all(np.isfinite(got)), f"{what}: non-finite output (unwritten element or bad read)"
+    bad = np.abs(got - want) > 2e-5 * mag + 1e-30
+    assert not bad.any(), f"{what}: {bad.sum()} rows off, worst {np.max(np.abs(got - want) / mag):.2e} of magnitude"
+
+
+def rel(got, want) -> float:
+    got = np.asarray(got, np.float64)
+    assert np.all(np.isfinite(got))
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def gelu_tanh(v):
+    return 0.5 * v * (1.0 + np.tanh(0.7978845608028654 * (v + 0.044715 * v ** 3)))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", FMTS)
+def test_upload_is_the_file_bytes(be, cp, fmt):
+    rng = np.random.default_rng(5)
+    raw = random_blocks(fmt, 45, 2 * FORMATS[fmt].block, rng)
+    w = be.upload(QuantMatrix(raw, fmt, (45, 2 * FORMATS[fmt].block)))
+    assert isinstance(w, CQ.CudaQuantMatrix) and w.nbytes == raw.nbytes and w.shape == (45, 2 * FORMATS[fmt].block)
+    np.testing.assert_array_equal(CQ.unpack(np, cp.asnumpy(w.data), fmt, *w.shape), raw)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", FMTS)
+def test_matvec_variants(be, cp, fmt):
+    """out = Wx, out += Wx, silu/gelu gate*up on every shape, and with forced warps per block
+    (1: one warp walks the whole row; 3: uneven slices; 16: warps with no items)."""
+    rng = np.random.default_rng(abs(hash(fmt)) % 2**32)
+    for d, n in shapes(fmt):
+        raw = random_blocks(fmt, d, n, rng)
+        raw2 = random_blocks(fmt, d, n, rng)
+        w = be.upload(QuantMatrix(raw, fmt, (d, n)))
+        w2 = be.upload(QuantMatrix(raw2, fmt, (d, n)))
+        W, W2 = deq64(raw, fmt, n), deq64(raw2, fmt, n)
+        for warps in (None, 1, 3, 16):
+            be.qmv_warps = warps
+            x = rng.standard_normal(n).astype(np.float32)
+            if warps == 3:      # x not 16-byte aligned: the scalar staging path
+                xd = be.upload(np.concatenate([[0.0], x]).astype(np.float32))[1:]
+            else:
+                xd = be.upload(x)
+            xq = xq64(x)
+            want, mag = W @ xq, np.abs(W) @ np.abs(xq)
+            out = poisoned(cp, d)
+            be.matvec(out, w, xd)
+            got = be.to_host(out).copy()
+            check_exact(got, want, mag, f"{fmt} {d}x{n} warps={warps} matvec")
+            # against the float product: off by at most the activation rounding (half a step per element)
+            step = np.repeat(np.abs(x).reshape(-1, 32).max(axis=1) / 127.0, 32)
+            assert np.all(np.abs(got - W @ x.astype(np.float64)) <= 0.5 * np.abs(W) @ step + 2e-5 * mag)
+            base = rng.standard_normal(d).astype(np.float32)
+            out = be.upload(base)
+            be.matvec_add(out, w, xd)
+            check_exact(be.to_host(out), base + want, mag + np.abs(base), f"{fmt} {d}x{n} add")
+            want2, mag2 = W2 @ xq, np.abs(W2) @ np.abs(xq)
+            for act, fn in (("silu", silu), ("gelu_tanh", gelu_tanh)):
+                out = poisoned(cp, d)
+                be.gate_up(out, w, w2, xd, act)
+                g = be.to_host(out).copy()
+                ref = fn(want) * want2
+                # the product's error: from each factor, relative to its magnitude
+                tol = 1e-4 * (np.abs(want2) * (mag + 1) + np.abs(want) * mag2) + 1e-6 * np.abs(ref)
+                assert np.all(np.abs(g - ref) <= tol + 1e-12), (fmt, d, n, warps, act)
+        be.qmv_warps = None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", FMTS)
+def test_realistic_weights(be, cp, fmt):
+    """Weights from the reference quantizer (llama.cpp's) of Gaussian rows: the float result
+    is close to the unquantized product's dequantized counterpart."""
+    rng = np.random.default_rng(17)
+    d, n = 37, 2 * FORMATS[fmt].block if FORMATS[fmt].block == 256 else 96
+    wf = (rng.standard_normal((d, n)) * 0.05).astype(np.float32)
+    raw = R.quantize(wf, fmt)
+    w = be.upload(QuantMatrix(raw, fmt, (d, n)))
+    x = rng.standard_normal(n).astype(np.float32)
+    out = poisoned(cp, d)
+    be.matvec(out, w, be.upload(x))
+    W = deq64(raw, fmt, n)
+    xq = xq64(x)
+    check_exact(be.to_host(out), W @ xq, np.abs(W) @ np.abs(xq), f"{fmt} realistic")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", FMTS)
+def test_norm_folded(be, cp, fmt):
+    """rmsnorm then each matvec variant: the norm is folded in (no rmsnorm launch) and its
+    output still written."""
+    rng = np.random.default_rng(23)
+    eps = 1e-5
+    for d, n in shapes(fmt)[1:4]:
+        raw, raw2 = random_blocks(fmt, d, n, rng), random_blocks(fmt, d, n, rng)
+        w = be.upload(QuantMatrix(raw, fmt, (d, n)))
+        w2 = be.upload(QuantMatrix(raw2, fmt, (d, n)))
+        W, W2 = deq64(raw, fmt, n), deq64(raw2, fmt, n)
+        x = (rng.standard_normal(n) * 3).astype(np.float32)
+        nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
+        inv = 1.0 / np.sqrt(np.mean(x.astype(np.float64) ** 2) + eps)
+        xq = xq64(x * nw)                                   # the kernel quantizes x * nw
+        want, mag = inv * (W @ xq), inv * (np.abs(W) @ np.abs(xq))
+        want2 = inv * (W2 @ xq)
+        xd, nwd = be.upload(x), be.upload(nw)
+        for mode in ("matvec", "add", "gate_up"):
+            xb = poisoned(cp, n)
+            out = poisoned(cp, d) if mode != "add" else be.upload(np.ones(d, np.float32))
+            be.rmsnorm(xb, xd, nwd, eps)
+            assert be._pending_norm is not None
+            if mode == "matvec":
+                be.matvec(out, w, xb)
+            elif mode == "add":
+                be.matvec_add(out, w, xb)
+            else:
+                be.gate_up(out, w, w2, xb, "silu")
+            assert be._pending_norm is None
+            got = be.to_host(out).copy()
+            if mode == "matvec":
+                check_exact(got, want, mag, f"{fmt} norm+matvec")
+            elif mode == "add":
+                check_exact(got, 1.0 + want, mag + 1.0, f"{fmt} norm+add")
+            else:
+                assert rel(got, silu(want) * want2) < 1e-4
+            np.testing.assert_allclose(be.to_host(xb), x * inv * nw, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q8_0", "q4_0", "q5_0"])
+def test_decode_graph(be, cp, fmt):
+    """A sub-block's ops inside decode_step: captured once (PDL launches), replayed with new inputs."""
+    rng = np.random.default_rng(29)
+    f = FORMATS[fmt]
+    n = 8 * f.block if f.block == 256 else 576
+    d, ff = n, 3 * n // 2 if f.block == 32 else 3 * n // 2 // 256 * 256
+    eps = 1e-5
+    raws = {k: random_blocks(fmt, r, c, rng) for k, (r, c) in
+            {"wo": (d, n), "wg": (ff, n), "wu": (ff, n), "wd": (d, ff)}.items()}
+    ws = {k: be.upload(QuantMatrix(v, fmt, v.shape[0:1] + (v.shape[1] // f.block_bytes * f.block,)))
+          for k, v in raws.items()}
+    Ws = {k: deq64(v, fmt, v.shape[1] // f.block_bytes * f.block) for k, v in raws.items()}
+    nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    x = be.upload(np.zeros(n, np.float32))
+    xb, h, o = be.empty(n), be.empty(ff), be.empty(d)
+    nwd = be.upload(nw)
+
+    def issue(token, pos):
+        be.rmsnorm(xb, x, nwd, eps)
+        be.matvec(o, ws["wo"], xb)          # o = Wo norm(x)
+        be.rmsnorm(xb, x, nwd, eps)
+        be.gate_up(h, ws["wg"], ws["wu"], xb, "silu")
+        be.matvec_add(o, ws["wd"], h)       # o += Wd h
+
+    for step in range(3):
+        xv = rng.standard_normal(n).astype(np.float32)
+        x.set(xv)
+        be.decode_step(issue, 1, step)
+        if step:
+            assert be._graph is not None
+        inv = 1.0 / np.sqrt(np.mean(xv.astype(np.float64) ** 2) + eps)
+        xq = xq64(xv * nw)
+        want = inv * (Ws["wo"] @ xq)
+        hv = silu(inv * (Ws["wg"] @ xq)) * (inv * (Ws["wu"] @ xq))
+        hq = xq64(be.to_host(h).astype(np.float32))
+        assert rel(be.to_host(h), hv) < 1e-4
+        want = want + Ws["wd"] @ hq
+        mag = inv * (np.abs(Ws["wo"]) @ np.abs(xq)) + np.abs(Ws["wd"]) @ np.abs(hq)
+        check_exact(be.to_host(o), want, mag, f"{fmt} graph step {step}")
+    be.reset_graph()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", FMTS)
+def test_prefill_matmul(be, cp, fmt):
+    """matmul / matmul_add / gate_up_batch on dequantized FP16 tiles (several tiles: a small tile size)."""
+    rng = np.random.default_rng(31)
+    old = CQ._DEQ_TILE_ELEMS
+    CQ._DEQ_TILE_ELEMS = 64 * 4096          # tiles of 64 rows at n=4096: the loop over tiles runs
+    try:
+        for d, n in shapes(fmt)[2:]:
+            t = 7
+            raw, raw2 = random_blocks(fmt, d, n, rng), random_blocks(fmt, d, n, rng)
+            w = be.upload(QuantMatrix(raw, fmt, (d, n)))
+            w2 = be.upload(QuantMatrix(raw2, fmt, (d, n)))
+            W, W2 = deq64(raw, fmt, n), deq64(raw2, fmt, n)
+            x = rng.standard_normal((t, n)).astype(np.float32)
+            x16 = x.astype(np.float16).astype(np.float64)
+            out = cp.full((t, d), np.nan, dtype=cp.float32)
+            be.matmul(out, w, be.upload(x))
+            assert rel(be.to_host(out), x16 @ W.T) < 2e-3
+            base = rng.standard_normal((t, d)).astype(np.float32)
+            out = be.upload(base)
+            be.matmul_add(out, w, be.upload(x))
+            assert rel(be.to_host(out), base + x16 @ W.T) < 2e-3
+            out = cp.full((t, d), np.nan, dtype=cp.float32)
+            be.gate_up_batch(out, w, w2, be.upload(x), "gelu_tanh")
+            assert rel(be.to_host(out), gelu_tanh(x16 @ W.T) * (x16 @ W2.T)) < 5e-3
+            f16 = cp.asnumpy(CQ.dequantize(be, w)).astype(np.float64)
+            np.testing.assert_allclose(f16, W, rtol=1e-3, atol=1e-7)
+    finally:
+        CQ._DEQ_TILE_ELEMS = old
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", FMTS)
+def test_embed(be, cp, fmt):
+    rng = np.random.default_rng(37)
+    vocab, n = 70, 2 * FORMATS[fmt].block if FORMATS[fmt].block == 256 else 96
+    raw = random_blocks(fmt, vocab, n, rng)
+    w = be.upload(QuantMatrix(raw, fmt, (vocab, n)))
+    ref = R.dequantize(raw, fmt, n).astype(np.float64)
+    out = poisoned(cp, n)
+    be.embed(out, w, 69, 2.0)
+    atol = 1e-6 * np.abs(ref).max()          # q*d + m cancels: compare against the row's scale
+    np.testing.assert_allclose(be.to_host(out), 2.0 * ref[69], rtol=1e-6, atol=2 * atol)
+    toks = np.array([3, 0, 69, 3, 41], np.int32)
+    out = cp.full((5, n), np.nan, dtype=cp.float32)
+    be.embed_batch(out, w, toks, 0.5)
+    np.testing.assert_allclose(be.to_host(out), 0.5 * ref[toks], rtol=1e-6, atol=atol / 2)
+
+
+@pytest.mark.cuda
+def test_bad_input(be, cp):
+    rng = np.random.default_rng(41)
+    raw = random_blocks("q4_0", 40, 64, rng)
+    w = be.upload(QuantMatrix(raw, "q4_0", (40, 64)))
+    w2 = be.upload(QuantMatrix(random_blocks("q4_0", 40, 96, rng), "q4_0", (40, 96)))
+    with pytest.raises(InvalidArgumentError):
+        be.matvec(be.empty(40), w, be.empty(96))
+    with pytest.raises(InvalidArgumentError):
+        be.matvec(be.empty(39), w, be.empty(64))
+    with pytest.raises(InvalidArgumentError):
+        be.gate_up(be.empty(40), w, w2, be.empty(64), "silu")
+    with pytest.raises(InvalidArgumentError):
+        be.gate_up(be.empty(40), w, w, be.empty(64), "relu")
+    with pytest.raises(InvalidArgumentError):
+        be.matmul(be.empty((3, 40)), w, be.empty((3, 96)))
+
+
+@pytest.mark.cuda
+def test_mixed_gate_up(be, cp):
+    """Gate and up in different formats (or one F16): split into two matvecs and the GLU product."""
+    rng = np.random.default_rng(43)
+    d, n = 70, 512
+    rg, ru = random_blocks("q4_k", d, n, rng), random_blocks("q6_k", d, n, rng)
+    wg = be.upload(QuantMatrix(rg, "q4_k", (d, n)))
+    wu = be.upload(QuantMatrix(ru, "q6_k", (d, n)))
+    x = rng.standard_normal(n).astype(np.float32)
+    xq = xq64(x)
+    out = poisoned(cp, d)
+    be.gate_up(out, wg, wu, be.upload(x), "silu")
+    want = silu(deq64(rg, "q4_k", n) @ xq) * (deq64(ru, "q6_k", n) @ xq)
+    assert rel(be.to_host(out), want) < 1e-4
+    wf = (rng.standard_normal((d, n)) * 0.05).astype(np.float16)
+    out = poisoned(cp, d)
+    be.gate_up(out, wg, be.upload(wf), be.upload(x), "silu")
+    want = silu(deq64(rg, "q4_k", n) @ xq) * (wf.astype(np.float64) @ x)
+    assert rel(be.to_host(out), want) < 1e-4

@@ -1,0 +1,359 @@
+"""`cyllm serve` on the real default model, driven by the official `openai` client and raw HTTP.
+
+The server runs in this process (uvicorn on 127.0.0.1, a free port, its own
+thread) over the session's default model; references are computed
+independently: greedy text from cyllm's Chat, logprobs from a fresh full
+forward pass (model.logits) with NumPy's log-softmax, JSON checked by
+`jsonschema`.
+"""
+
+import json
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+jsonschema = pytest.importorskip("jsonschema")
+
+from cyllm.generate import Chat, GenerationStats, Session  # noqa: E402
+from cyllm.server.app import create_app  # noqa: E402
+from cyllm.server.cli import listen, server_for  # noqa: E402
+from cyllm.server.prompt_cache import PromptCache  # noqa: E402
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def start_server(model, api_key=None):
+    app = create_app(model, "smollm2", api_key)
+    sock = listen("127.0.0.1", 0)
+    server = server_for(app, sock)
+    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.fixture(scope="module")
+def server(default_model):
+    logger = logging.getLogger("cyllm.server")
+    records = Records()
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    srv, thread, url = start_server(default_model)
+    yield url, records
+    srv.should_exit = True
+    thread.join(timeout=10)
+    logger.removeHandler(records)
+    default_model.prompt_cache = None
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def wait_for_lines(records, start, needle, timeout=10.0):
+    """Log lines after index ``start`` that contain ``needle`` (the server logs a request
+    after its response has gone out, so the line may come a moment after the client is done)."""
+    deadline = time.time() + timeout
+    while True:
+        found = [line for line in records.lines[start:] if needle in line]
+        if found or time.time() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def fresh_logits(model, ids):
+    out = model.logits(ids)
+    model.kv_owner = None          # a direct forward pass wrote the cache behind the sessions' backs
+    return out
+
+
+# ----------------------------------------------------------------- answers
+def test_chat_answer_equals_cyllm_chat_and_names_paris(client, default_model):
+    r = client.chat.completions.create(model="anything", messages=QUESTION, max_tokens=16, temperature=0)
+    text = r.choices[0].message.content
+    assert "Paris" in text
+    reference = "".join(Chat(default_model, temperature=0.0).send(QUESTION[0]["content"], max_tokens=16))
+    assert text == reference
+    assert r.object == "chat.completion" and r.model == "smollm2"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_stream_equals_plain_and_reports_usage(client):
+    kw = dict(model="m", messages=[{"role": "user", "content": "Name three colours."}], max_tokens=20,
+              temperature=0.7, seed=11)
+    plain = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [plain.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_stop_string_and_list(client):
+    full = client.completions.create(model="m", prompt="1, 2, 3,", max_tokens=12, temperature=0).choices[0]
+    assert full.text.startswith(" 4, 5, 6")
+    cut = client.completions.create(model="m", prompt="1, 2, 3,", max_tokens=12, temperature=0, stop=", 6")
+    assert cut.choices[0].text == " 4, 5" and cut.choices[0].finish_reason == "stop"
+    cut = client.completions.create(model="m", prompt="1, 2, 3,", max_tokens=12, temperature=0,
+                                    stop=["7", " 5,"])
+    assert cut.choices[0].text == " 4,"
+
+
+def test_seed_repeats_and_differs(client):
+    kw = dict(model="m", prompt="Once upon a time", max_tokens=24, temperature=1.0)
+    a = client.completions.create(seed=5, **kw).choices[0].text
+    b = client.completions.create(seed=5, **kw).choices[0].text
+    c = client.completions.create(seed=6, **kw).choices[0].text
+    assert a == b and a != c
+
+
+def test_logprobs_equal_a_fresh_forward_pass(client, default_model):
+    r = client.completions.create(model="m", prompt="The capital of France is", max_tokens=6, temperature=0,
+                                  logprobs=3)
+    lp = r.choices[0].logprobs
+    tok = default_model.tokenizer
+    prompt = tok.encode("The capital of France is")
+    gen = tok.encode(r.choices[0].text, add_special_tokens=False)
+    ref = log_softmax(fresh_logits(default_model, prompt + gen)[len(prompt) - 1:-1])   # (n_gen, vocab)
+    assert len(lp.token_logprobs) == len(gen) == r.usage.completion_tokens
+    for i, t in enumerate(gen):
+        assert lp.tokens[i] == tok.decode([t])
+        assert abs(lp.token_logprobs[i] - ref[i, t]) < 2e-3
+        best = np.argsort(-ref[i])[:3]
+        assert list(lp.top_logprobs[i]) == [tok.decode([j]) for j in best]     # greedy: best first
+        np.testing.assert_allclose(list(lp.top_logprobs[i].values()), ref[i, best], atol=2e-3)
+    chat = client.chat.completions.create(model="m", messages=QUESTION, max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert content[0].top_logprobs[0].token == content[0].token
+    assert content[0].logprob <= 0 and bytes(content[0].bytes).decode() == content[0].token
+
+
+def test_json_schema_output_validates(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=40, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "A JSON object please."}],
+                                       max_tokens=60, temperature=0, response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:
+        assert r.choices[0].message.content.startswith("{")
+
+
+# ---------------------------------------------------------- errors, routes
+def post(url, body, path="/v1/chat/completions", **kw):
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(url + path, content=content, headers={"content-type": "application/json"}, timeout=60, **kw)
+
+
+@pytest.mark.parametrize("body, words", [
+    (b"{not json", "parse the JSON"),
+    (b"[1, 2]", "JSON object"),
+    ({"model": "m"}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.5}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 7}, "top_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": 3}, "stop"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n=2"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, "frobnicate"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stats": 1}, "stats"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, "stream"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}}, "schema"),
+])
+def test_bad_requests_get_openai_errors(server, body, words):
+    r = post(server[0], body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and words.lower() in err["message"].lower()
+
+
+def test_prompt_longer_than_context_is_400(server, default_model):
+    r = post(server[0], {"prompt": "hello " * (default_model.context + 10), "max_tokens": 2}, "/v1/completions")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_openai_client_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=QUESTION, temperature=-1)
+
+
+def test_routes(server):
+    url = server[0]
+    r = httpx.get(url + "/v1/nowhere")
+    assert r.status_code == 404 and "error" in r.json()
+    assert httpx.get(url + "/v1/chat/completions").status_code == 405
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    models = httpx.get(url + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "smollm2"
+
+
+def test_api_key(default_model):
+    srv, thread, url = start_server(default_model, api_key="sekrit")
+    try:
+        assert httpx.get(url + "/health").status_code == 200
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "sekrit"},
+                        {"authorization": "Bearer s\u00e9krit".encode("latin-1")}):
+            r = httpx.get(url + "/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(url + "/v1/models", headers={"authorization": "Bearer sekrit"}).status_code == 200
+        c = openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0)
+        assert c.completions.create(model="m", prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
+# ------------------------------------------------------ scheduling, cache
+def test_concurrent_clients_get_the_sequential_answers(client):
+    reqs = [dict(model="m", prompt=p, max_tokens=10, temperature=0.9, seed=s)
+            for p, s in (("The sea is", 1), ("My favourite food is", 2), ("In 1990,", 3), ("Dogs and cats", 4))]
+    sequential = [client.completions.create(**r).choices[0].text for r in reqs]
+    concurrent = [None] * len(reqs)
+
+    def one(i):
+        concurrent[i] = client.completions.create(**reqs[i]).choices[0].text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert concurrent == sequential
+
+
+def test_client_dropping_mid_stream_stops_its_generation(server):
+    url, records = server
+    body = {"model": "m", "prompt": "1, 2, 3, 4, 5,", "max_tokens": 3000, "temperature": 0, "stream": True}
+    n_before = len(records.lines)
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data: "):
+                got += 1
+                if got == 3:
+                    break
+    t0 = time.perf_counter()
+    r = post(url, {"model": "m", "prompt": "Hello", "max_tokens": 3, "temperature": 0}, "/v1/completions")
+    waited = time.perf_counter() - t0
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert waited < 30.0           # the dropped request would have taken minutes
+    dropped = wait_for_lines(records, n_before, "client disconnected")
+    assert len(dropped) == 1, records.lines[n_before:]
+    generated = int(dropped[0].split("generated ")[1].split()[0])
+    assert generated < 100          # not the 3000 it asked for
+
+
+def test_follow_up_turn_reuses_the_cache_with_fresh_run_logits(client, default_model, server):
+    url, records = server
+    system = {"role": "system", "content": "You are a terse geography tutor."}
+    first = client.chat.completions.create(model="m", messages=[system] + QUESTION, max_tokens=12, temperature=0)
+    answer = first.choices[0].message.content
+    convo = [system] + QUESTION + [{"role": "assistant", "content": answer},
+                                   {"role": "user", "content": "And of Italy?"}]
+    n_before = len(records.lines)
+    second = client.chat.completions.create(model="m", messages=convo, max_tokens=4, temperature=0,
+                                            logprobs=True, top_logprobs=1)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens
+    assert cached < second.usage.prompt_tokens
+    assert wait_for_lines(records, n_before, f"({cached} cached)"), records.lines[n_before:]
+    # the same logprobs as a fresh evaluation of the whole conversation
+    tok = default_model.tokenizer
+    ids = tok.encode(tok.apply_chat_template(convo, add_generation_prompt=True), add_special_tokens=False)
+    assert len(ids) == second.usage.prompt_tokens
+    ref = log_softmax(fresh_logits(default_model, ids)[-1])
+    first_tok = second.choices[0].logprobs.content[0]
+    assert first_tok.token == tok.decode([int(np.argmax(ref))])
+    assert abs(first_tok.logprob - ref.max()) < 2e-3
+
+
+def test_two_alternating_conversations_both_keep_their_cache(client, default_model):
+    def convo(system, question):
+        return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+    a = convo("You are a patient teacher who answers questions about European capitals and rivers "
+              "in one short sentence.", "What is the capital of Spain?")
+    b = convo("You are a poet. Every answer you give is a rhyming couplet about the sea and ships.",
+              "Write about the morning.")
+    a1 = client.chat.completions.create(model="m", messages=a, max_tokens=8, temperature=0)
+    client.chat.completions.create(model="m", messages=b, max_tokens=8, temperature=0)   # displaces a
+    a2_msgs = a + [{"role": "assistant", "content": a1.choices[0].message.content},
+                   {"role": "user", "content": "And of Portugal?"}]
+    a2 = client.chat.completions.create(model="m", messages=a2_msgs, max_tokens=3, temperature=0,
+                                        logprobs=True)
+    assert a2.usage.prompt_tokens_details.cached_tokens >= a1.usage.prompt_tokens
+    tok = default_model.tokenizer
+    ids = tok.encode(tok.apply_chat_template(a2_msgs, add_generation_prompt=True), add_special_tokens=False)
+    ref = log_softmax(fresh_logits(default_model, ids)[-1])
+    first = a2.choices[0].logprobs.content[0]
+    assert first.token == tok.decode([int(np.argmax(ref))]) and abs(first.logprob - ref.max()) < 2e-3
+
+
+def test_prompt_cache_keeps_within_its_capacity(default_model):
+    tok = default_model.tokenizer
+    c = default_model.config
+    per_token = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2
+    texts = [" ".join(f"{w}{i}" for i in range(40)) for w in ("apple", "river", "stone")]
+    ids = [tok.encode(t) for t in texts]
+    cache = PromptCache(default_model, capacity_bytes=per_token * (len(ids[0]) + len(ids[1]) + 10))
+    previous = default_model.prompt_cache
+    default_model.prompt_cache = cache
+    default_model.kv_owner = None
+    try:
+        for x in ids + [ids[0]]:
+            Session(default_model).feed(x)
+        # apple was saved when river came, evicted (oldest) when stone was saved for apple's return
+        assert cache.saved == 3 and len(cache) == 2 and cache.nbytes <= cache.capacity
+        assert cache.restored == 0
+        stats = GenerationStats()
+        logits = Session(default_model).feed(ids[2], stats).copy()
+        assert cache.restored == 1 and stats.cached_tokens == len(ids[2]) - 1
+        np.testing.assert_allclose(logits, fresh_logits(default_model, ids[2])[-1], atol=2e-3, rtol=1e-3)
+    finally:
+        default_model.prompt_cache = previous
