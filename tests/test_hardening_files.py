@@ -9,7 +9,6 @@ safetensors library and the gguf package read, and the same logits as their plai
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 import struct
