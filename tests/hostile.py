@@ -68,7 +68,8 @@ def run_cli(argv: list[str], mem_mb: int = MEM_MB, seconds: float = CASE_SECONDS
                            text=True, errors="replace", timeout=seconds, preexec_fn=_limits(mem_mb),
                            env=_env())
     except subprocess.TimeoutExpired as e:
-        return "timeout", (e.stderr or b"").decode("utf-8", "replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        err = e.stderr or ""
+        return "timeout", err.decode("utf-8", "replace") if isinstance(err, bytes) else err
     return r.returncode, r.stderr
 
 
@@ -101,7 +102,7 @@ def run_batch(cases: list[list[str]], workdir: Path, mem_mb: int = MEM_MB,
         if started is None:          # the batch ran to its end
             break
         # the worker died inside case `started`: record it and go on after it
-        results[start + started] = {"code": code if code == "timeout" else (code if isinstance(code, int) and code < 0 else "exception"),
-                                    "stderr": f"the worker died (status {code}): {tail}"}
+        died = code if code == "timeout" or (isinstance(code, int) and code < 0) else "exception"
+        results[start + started] = {"code": died, "stderr": f"the worker died (status {code}): {tail}"}
         start += started + 1
     return [results.get(i, {"code": "exception", "stderr": "no result"}) for i in range(len(cases))]

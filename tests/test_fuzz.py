@@ -359,3 +359,20 @@ def test_fuzz_cli_flags(hf_seed, tmp_path):
             argv += ["-n", "4"]
         cases.append((argv, "flags " + " ".join(argv[3:])))
     _assert_all_clean(cases, tmp_path)
+
+
+# ============================================================================ the JSON reader, in process
+
+@settings(max_examples=400, derandomize=True, database=None, deadline=None)
+@given(st.one_of(st.text(alphabet='[]{}"\\:,0123456789.eE-+ atrufnlsNIxy\n', max_size=300),
+                 json_values.map(json.dumps)))
+def test_parse_json_agrees_with_json_or_refuses_in_one_line(text):
+    """Whatever parse_json accepts, json.loads reads the same way; the rest is one ModelLoadError line."""
+    from cyllm.errors import ModelLoadError
+    from cyllm.jsonio import parse_json
+    try:
+        ours = parse_json(text, "f.json")
+    except ModelLoadError as e:
+        assert "\n" not in str(e)
+        return
+    assert json.dumps(ours, sort_keys=True) == json.dumps(json.loads(text), sort_keys=True)

@@ -9,7 +9,6 @@ safetensors library and the gguf package read, and the same logits as their plai
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 import struct
@@ -180,6 +179,10 @@ def test_parse_json_limits():
     assert parse_json(ok, "x") == eval(ok)
     one_line_error(ModelLoadError, parse_json, "[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), "x", needles=["deep"])
     one_line_error(ModelLoadError, parse_json, b"\xff\xfe", "x", needles=["UTF-8"])
+    # unterminated strings full of escaped quotes: the bracket scan must stay linear
+    for tail in ("", "\\"):
+        one_line_error(ModelLoadError, parse_json, '{"a": "' + 'x\\"' * 300000 + tail, "x", needles=["JSON"],
+                       seconds=2.0)
 
 
 def test_tokenizer_config_types(tiny, tmp_path):

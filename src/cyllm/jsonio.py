@@ -29,8 +29,10 @@ MAX_INT_DIGITS = 64            # 1e30 written as an integer (a common model_max_
 MAX_FILE_BYTES = 256 << 20     # tokenizer_config.json of large vocabularies: a few MB
 _REQUIRED = object()
 
-# a JSON string literal (the unrolled form: no nested repetition to backtrack over)
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# a JSON string literal, or an unterminated one running to the end of the text: the match
+# can never fail once started, so the scan stays linear (a pattern that demands the closing
+# quote is retried from every later quote of "a\"a\"a\"..., quadratic in the text)
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 
 
