@@ -74,9 +74,13 @@ def run_cli(argv: list[str], mem_mb: int = MEM_MB, seconds: float = CASE_SECONDS
 
 
 def run_batch(cases: list[list[str]], workdir: Path, mem_mb: int = MEM_MB,
-              case_seconds: float = CASE_SECONDS) -> list[dict]:
+              case_seconds: float = CASE_SECONDS, template_seconds: float | None = None) -> list[dict]:
     """Every argv of ``cases`` through tests/fuzz_worker.py (one process, restarted after a case
-    that kills it); one result dict per case, in order."""
+    that kills it); one result dict per case, in order. ``template_seconds``: the chat-template
+    render deadline in the worker (default: cyllm's own)."""
+    env = _env()
+    if template_seconds is not None:
+        env["FUZZ_TEMPLATE_SECONDS"] = str(template_seconds)
     results: dict[int, dict] = {}
     start = 0
     while start < len(cases):
@@ -87,7 +91,7 @@ def run_batch(cases: list[list[str]], workdir: Path, mem_mb: int = MEM_MB,
         try:
             proc = subprocess.run([sys.executable, str(HERE / "fuzz_worker.py"), str(cases_file),
                                    str(results_file), str(case_seconds)], capture_output=True, text=True,
-                                  errors="replace", timeout=overall, preexec_fn=_limits(mem_mb), env=_env())
+                                  errors="replace", timeout=overall, preexec_fn=_limits(mem_mb), env=env)
             code, tail = proc.returncode, proc.stderr[-2000:]
         except subprocess.TimeoutExpired:
             code, tail = "timeout", ""

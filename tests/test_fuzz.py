@@ -51,8 +51,8 @@ def _collect(strategy, n: int = EXAMPLES) -> list:
     return out
 
 
-def _assert_all_clean(cases: list[tuple[list[str], str]], tmp_path: Path) -> None:
-    results = run_batch([argv for argv, _ in cases], tmp_path)
+def _assert_all_clean(cases: list[tuple[list[str], str]], tmp_path: Path, **kw) -> None:
+    results = run_batch([argv for argv, _ in cases], tmp_path, **kw)
     bad = []
     for (argv, what), r in zip(cases, results):
         p = problem(r["code"], r["stderr"])
@@ -176,7 +176,7 @@ def test_fuzz_hf_configs(hf_seed, tmp_path):
         if i % 2:
             argv.append("--chat-template")
         cases.append((argv, what))
-    _assert_all_clean(cases, tmp_path)
+    _assert_all_clean(cases, tmp_path, template_seconds=1.0)
 
 
 # ============================================================================ safetensors
@@ -222,7 +222,7 @@ def test_fuzz_safetensors(hf_seed, tmp_path):
         d = tmp_path / f"st{i}"
         what = _apply_st(hf_seed, d, m)
         cases.append((["generate", "-m", str(d), "-p", "Hello", "-n", "2", "--temp", "0", "--no-stats"], what))
-    _assert_all_clean(cases, tmp_path)
+    _assert_all_clean(cases, tmp_path, template_seconds=1.0)
 
 
 # ============================================================================ GGUF
@@ -326,7 +326,19 @@ def test_fuzz_gguf(gguf_seed, tmp_path):
         if i % 3 == 0:
             argv.append("--chat-template")
         cases.append((argv, what))
-    _assert_all_clean(cases, tmp_path)
+    _assert_all_clean(cases, tmp_path, template_seconds=1.0)
+
+
+# ============================================================================ chat templates on the command line
+
+def test_fuzz_chat_template_files(hf_seed, tmp_path):
+    cases = []
+    for i, source in enumerate(_collect(templates, EXAMPLES // 2)):
+        f = tmp_path / f"t{i}.jinja"
+        f.write_text(source, encoding="utf-8")
+        cases.append((["generate", "-m", str(hf_seed), "-p", "Hello", "-n", "2", "--temp", "0", "--no-stats",
+                       "--chat-template", str(f)], f"--chat-template {source[:200]!r}"))
+    _assert_all_clean(cases, tmp_path, template_seconds=1.0)
 
 
 # ============================================================================ command-line flags
@@ -358,7 +370,7 @@ def test_fuzz_cli_flags(hf_seed, tmp_path):
         if cmd == "generate" and not any(f == "-n" for f, _ in flags):
             argv += ["-n", "4"]
         cases.append((argv, "flags " + " ".join(argv[3:])))
-    _assert_all_clean(cases, tmp_path)
+    _assert_all_clean(cases, tmp_path, template_seconds=1.0)
 
 
 # ============================================================================ the JSON reader, in process

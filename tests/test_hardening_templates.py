@@ -204,3 +204,14 @@ def test_template_file_size_bound(tiny, tmp_path):
     f.write_text("x" * (sandbox.MAX_TEMPLATE_CHARS + 10))
     with pytest.raises(TokenizerError, match="beyond any real one"):
         read_template_file(f)
+
+
+def test_template_from_the_command_line(tiny, tmp_path, capsys, fast_deadline):
+    f = tmp_path / "evil.jinja"
+    for source, needle in (("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                            "longer than"),
+                           ("{{ raise_exception('line one\nline two') }}", "line one\\nline two"),
+                           ("{{ 'x' * 10**10 }}", "repeats")):
+        f.write_text(source)
+        _one_line_cli_error(*_cli(capsys, "generate", "-m", tiny, "-p", "hi", "-n", "1", "--chat-template", f),
+                            needle)
