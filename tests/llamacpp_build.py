@@ -2,7 +2,7 @@
 once into the test cache, for tests and benchmarks that compare with llama.cpp itself.
 
 Where the source comes from: the llama-cpp-python sdist (the same file
-tests/llamacpp_tools.py downloads: ``pip download --no-deps --no-binary :all:
+tests/llamacpp_tools.py downloads: ``pip download --no-deps --no-binary llama-cpp-python
 llama-cpp-python==0.3.36`` into ``$CYLLM_TEST_CACHE``, default ``~/.cache/cyllm-tests``),
 whose ``vendor/llama.cpp`` is extracted next to it and built with cmake:
 
@@ -53,7 +53,7 @@ def _sdist() -> Path:
     if path.is_file():
         return path
     root.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
            "--timeout", "60", "--retries", "2", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
            "-d", str(root)]
     try:

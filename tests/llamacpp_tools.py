@@ -6,7 +6,7 @@ metadata keys), so they are written by llama.cpp's ``convert_hf_to_gguf.py``,
 never by cyllm: a file we wrote ourselves would only test our own reading.
 
 Where the converter comes from: the llama-cpp-python source distribution
-(``pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36``) vendors
+(``pip download --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36``) vendors
 llama.cpp; from it we extract ``vendor/llama.cpp/convert_hf_to_gguf.py``, its
 ``conversion/`` package and ``gguf-py/`` into a cache directory
 (``$CYLLM_TEST_CACHE``, default ``~/.cache/cyllm-tests``), once; later runs reuse
@@ -95,7 +95,7 @@ def llamacpp_dir() -> Path:
     if not sdist.is_file():
         if _FAILED:
             raise LlamaCppUnavailable(_FAILED[0])
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
                "--timeout", "60", "--retries", "2",
                f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(root)]
         try:
