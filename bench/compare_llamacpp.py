@@ -21,7 +21,8 @@ cyllm can load (HF directory or GGUF of any type):
         -m SmolLM2-135M-Instruct.Q4_1.gguf
 
 The tokenizer metadata is copied from the source GGUF (or from --tokenizer-gguf
-for an HF directory or a --synthetic preset with the same vocabulary). Quantized
+for an HF directory or a --synthetic preset with the same vocabulary); with neither,
+a made-up SentencePiece vocabulary of the model's size is written. Quantized
 sources give an F16 file of the dequantized values: same speed as a true F16
 export (speed depends on bytes, not values), slightly different outputs.
 """
@@ -135,6 +136,26 @@ def _copy_tokenizer_fields(writer, src_gguf: str, vocab_size: int) -> None:
                          f"vocabulary is {vocab_size}: llama.cpp would refuse the file")
 
 
+def _synthetic_spm_fields(writer, vocab_size: int) -> None:
+    """A SentencePiece-style vocabulary of ``vocab_size`` made-up pieces: <unk>, <s>, </s>,
+    the 256 byte tokens (so any text encodes), then filler words. Enough for llama.cpp and
+    cyllm to load and run a random-weight model; speed depends on bytes, not on words."""
+    import gguf
+    if vocab_size < 3 + 256 + 1:
+        raise CyllmError(f"a synthetic SPM vocabulary needs at least 260 tokens, the model has {vocab_size}")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+    tokens += [f"\u2581w{i}" for i in range(vocab_size - len(tokens))]
+    types += [gguf.TokenType.NORMAL] * (vocab_size - len(types))
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(vocab_size - 259)])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+
+
 def write_f16_gguf(out: str, config, weights: dict, tokenizer_gguf: str | None, name: str) -> None:
     """An F16 GGUF (llama or qwen2 arch) of ``weights`` that llama.cpp loads."""
     import gguf
@@ -158,6 +179,8 @@ def write_f16_gguf(out: str, config, weights: dict, tokenizer_gguf: str | None, 
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     if tokenizer_gguf:
         _copy_tokenizer_fields(w, tokenizer_gguf, c.vocab_size)
+    else:
+        _synthetic_spm_fields(w, c.vocab_size)
 
     def f16(a):
         return np.ascontiguousarray(a, dtype=np.float16)
@@ -205,7 +228,7 @@ def write_f16_gguf(out: str, config, weights: dict, tokenizer_gguf: str | None, 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", help="GGUF file (an HF directory only with --make-f16-gguf)")
-    ap.add_argument("--synthetic", help="synthetic preset (only with --make-f16-gguf and --tokenizer-gguf)")
+    ap.add_argument("--synthetic", help="synthetic preset (only with --make-f16-gguf)")
     ap.add_argument("-t", "--threads", default="1,2", help="thread counts (default 1,2)")
     ap.add_argument("-p", "--n-prompt", default="512", help="prompt sizes (default 512)")
     ap.add_argument("-n", "--n-gen", default="128", help="generation sizes (default 128)")
@@ -214,15 +237,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     ap.add_argument("--make-f16-gguf", metavar="OUT", help="write an F16 GGUF of the model and exit")
-    ap.add_argument("--tokenizer-gguf", help="GGUF whose tokenizer metadata --make-f16-gguf copies")
+    ap.add_argument("--tokenizer-gguf", help="GGUF whose tokenizer metadata --make-f16-gguf copies "
+                    "(default: the -m GGUF's, else a made-up SentencePiece vocabulary)")
     a = ap.parse_args(argv)
     try:
         if a.make_f16_gguf:
             src = load_source(a.model, a.synthetic, a.seed)
+            # no tokenizer source: a made-up SentencePiece vocabulary of the model's size
             tok_src = a.tokenizer_gguf or (a.model if a.model and a.model.endswith(".gguf") else None)
-            if tok_src is None:
-                raise CyllmError("pass --tokenizer-gguf FILE (a GGUF with the same vocabulary) to "
-                                 "give the F16 file a tokenizer")
             write_f16_gguf(a.make_f16_gguf, src.config, src.weights, tok_src, src.config.name or src.label)
             print(f"wrote {a.make_f16_gguf} ({os.path.getsize(a.make_f16_gguf) / 1e6:.1f} MB)", file=sys.stderr)
             return 0

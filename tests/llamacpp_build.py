@@ -18,7 +18,7 @@ was built), under a lock so concurrent test processes wait for one build.
 API: ``llamacpp_tool(name)`` -> Path of the binary (builds on first use; raises
 LlamaCppUnavailable with the reason when cmake, a compiler or the source is missing),
 ``build_tools(names)``. Run as a script to build ahead of the tests:
-``python tests/llamacpp_build.py [--with-bench]``.
+``python tests/llamacpp_build.py [--with-bench] [--native-bench]``.
 """
 
 from __future__ import annotations
@@ -138,6 +138,33 @@ def build_tools(names=TOOLS, jobs: int | None = None, log=None) -> dict[str, Pat
     return bins
 
 
+def build_native_bench(jobs: int | None = None, log=None) -> Path:
+    """llama-bench built with -DGGML_NATIVE=ON (llama.cpp's default: every ISA extension of
+    this CPU, AVX-512/VNNI included) in build-native/, for speed comparisons on this host
+    only (the binary may not run on another CPU)."""
+    build_tools(TOOLS, jobs, log)                  # the source, extracted once
+    src = source_dir()
+    path = src / "build-native" / "bin" / "llama-bench"
+    if path.is_file():
+        return path
+    with open(cache_dir() / ".llama.cpp-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():
+            return path
+        out = log or subprocess.DEVNULL
+        for cmd in (["cmake", "-B", "build-native", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+                     "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON",
+                     "-DGGML_OPENMP=ON"],
+                    ["cmake", "--build", "build-native", "--target", "llama-bench", "-j",
+                     str(jobs or os.cpu_count() or 2)]):
+            r = subprocess.run(cmd, cwd=src, stdout=out, stderr=subprocess.STDOUT if log else subprocess.PIPE,
+                               text=True)
+            if r.returncode != 0:
+                tail = (r.stderr or "").strip().splitlines()[-5:]
+                raise LlamaCppUnavailable(f"building llama.cpp failed ({' '.join(cmd[:3])}): {' | '.join(tail)}")
+    return path
+
+
 def llamacpp_tool(name: str) -> Path:
     """The path of llama.cpp tool ``name`` (built on first use)."""
     return build_tools(TOOLS if name in TOOLS else BENCH_TOOLS)[name]
@@ -147,3 +174,5 @@ if __name__ == "__main__":
     names = BENCH_TOOLS if "--with-bench" in sys.argv else TOOLS
     for n, p in build_tools(names, log=sys.stdout).items():
         print(n, p)
+    if "--native-bench" in sys.argv:
+        print("llama-bench (GGML_NATIVE=ON)", build_native_bench(log=sys.stdout))

@@ -23,13 +23,17 @@
 #include <immintrin.h>
 #include "quant_impl.h"
 
-/* rows per group, per family: measured on a Xeon (family 6 model 207) at 1 thread,
- * L3-resident 5632x2048 and 2048x5632 (bench/bench_quant.py): the nibble 32-block
- * formats gain most from sharing x (R 4 vs 1: q4_0 +30%), q6_k was fastest alone */
+/* rows per group, per family. Sharing x's loads between R rows pays only while the
+ * weights come from cache (an L3-resident 5632x2048 on a Xeon: q4_0 R 4 vs 1 +30%);
+ * decode streams them from DRAM, and there one row at a time was faster for every
+ * format (AMD EPYC family 25 model 17, 1 thread, 5632x2048 rotated over 300 MB:
+ * q4_k 10.5 -> 15.5 GB/s, q8_0 10.4 -> 16.7, q4_0 8.6 -> 12.9; whole-model decode of a
+ * TinyLlama-shape Q4_K_M at 2 threads 25 -> 35 tok/s). The grouped code stays for
+ * cache-resident uses (bench/bench_quant.py measures both). */
 #define QX_R 4              /* array bound: the largest R below */
-#define QX_R_Q8 2
-#define QX_R_32 4
-#define QX_R_K45 2
+#define QX_R_Q8 1
+#define QX_R_32 1
+#define QX_R_K45 1
 #define QX_R_Q6 1
 
 #if QX_VNNI == 1
