@@ -35,7 +35,7 @@ from pathlib import Path
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 _SDIST = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
 _VENDOR = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
-TOOLS = ("llama-quantize", "llama-perplexity")
+TOOLS = ("llama-quantize", "llama-perplexity", "llama-simple")
 BENCH_TOOLS = TOOLS + ("llama-bench",)
 
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..config import MAX_DIM, MAX_LAYERS, ModelConfig
 from ..families import family, family_for_gguf
-from ..errors import ModelLoadError, UnsupportedModelError
+from ..errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
 from ..jsonio import JsonObject
 from ..oneline import one_line
 
@@ -654,22 +654,25 @@ def conversion_note(plan: list[PlannedTensor]) -> str | None:
 # ----------------------------------------------------------------------------- entry point
 
 def native_quantized() -> bool:
-    """Whether quantized GGUF matrices stay quantized (CYLLM_QUANT=native) or are dequantized
-    to float16 at load (the default for now).
+    """Whether quantized GGUF matrices stay in their block format (the default) or are
+    dequantized to float16 at load (CYLLM_QUANT=f16: to compare against the float path, or
+    for a backend without quantized kernels).
 
-    The native path computes with activations rounded to int8 blocks, as llama.cpp does; it is
-    off by default until its prefill matches the float16 GEMM's speed and its output has been
-    checked against llama.cpp's perplexity on real files (measured on the default Q4_1 model:
-    logits within ~4% of the float reference, prefill ~10x slower than float16).
+    Native blocks are what the file holds: a third to a quarter of the float16 bytes to read
+    per token, computed with activations rounded to int8 blocks as llama.cpp does (the
+    perplexity of a file matches llama.cpp's llama-perplexity on it; see the README).
     """
-    return os.environ.get("CYLLM_QUANT", "f16").strip().lower() == "native"
+    value = os.environ.get("CYLLM_QUANT", "native").strip().lower()
+    if value not in ("native", "f16"):
+        raise InvalidArgumentError(f"CYLLM_QUANT must be 'native' or 'f16', got {one_line(value, 40)!r}")
+    return value == "native"
 
 
 def load_gguf(path: str | os.PathLike):
     """GGUF file -> (ModelConfig, {HF name: array or QuantMatrix}, Tokenizer | None).
 
-    Quantized matrices are float16 (dequantized chunk by chunk) unless native_quantized():
-    then matrices in a native block format (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k)
+    Quantized matrices stay quantized unless CYLLM_QUANT=f16 (see native_quantized()):
+    matrices in a native block format (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k)
     stay in the memory map as QuantMatrix views (llama-style q/k: a row-permuted copy);
     other block types become the nearest native format, F32/BF16 matrices float16, with
     one notice on stderr; F16 matrices other than q/k are zero-copy views; vectors f32.
@@ -678,7 +681,7 @@ def load_gguf(path: str | os.PathLike):
     cfg = config_from_gguf(gf)
     native = native_quantized()
     plan = plan_tensors(gf, cfg, native=native)
-    note = conversion_note(plan) if native else None     # float16 is the plain default: no note
+    note = conversion_note(plan) if native else None     # f16 asked for: nothing to say
     if note:
         import sys
         print(f"cyllm: note: {gf.path.name}: {note}", file=sys.stderr)
