@@ -8,10 +8,10 @@ import numpy as np
 from cyllm.generate import Chat, Session
 
 
-def test_capital_of_france_names_paris(default_model):
+def test_capital_of_japan_names_tokyo(default_model):
     chat = Chat(default_model, temperature=0.0)
-    answer = "".join(chat.send("What is the capital of France?", max_tokens=32))
-    assert "Paris" in answer
+    answer = "".join(chat.send("What is the capital of Japan?", max_tokens=32))
+    assert "Tokyo" in answer
 
 
 def test_second_turn_reuses_the_cache_and_matches_a_fresh_run(default_model):
@@ -35,6 +35,6 @@ def test_second_turn_reuses_the_cache_and_matches_a_fresh_run(default_model):
 def test_cli_chat_reads_piped_stdin(default_model_file):
     r = subprocess.run([sys.executable, "-m", "cyllm", "chat", "-m", str(default_model_file), "-n", "24",
                         "--temp", "0", "--no-stats"],
-                       input="What is the capital of France?\n", capture_output=True, text=True, timeout=300)
+                       input="What is the capital of Japan?\n", capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "Paris" in r.stdout
+    assert "Tokyo" in r.stdout

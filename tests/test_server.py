@@ -25,7 +25,7 @@ from cyllm.server.app import create_app  # noqa: E402
 from cyllm.server.cli import listen, server_for  # noqa: E402
 from cyllm.server.prompt_cache import PromptCache  # noqa: E402
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [{"role": "user", "content": "What is the capital of Japan?"}]
 
 
 class Records(logging.Handler):
@@ -93,10 +93,10 @@ def fresh_logits(model, ids):
 
 
 # ----------------------------------------------------------------- answers
-def test_chat_answer_equals_cyllm_chat_and_names_paris(client, default_model):
+def test_chat_answer_equals_cyllm_chat_and_names_tokyo(client, default_model):
     r = client.chat.completions.create(model="anything", messages=QUESTION, max_tokens=16, temperature=0)
     text = r.choices[0].message.content
-    assert "Paris" in text
+    assert "Tokyo" in text
     reference = "".join(Chat(default_model, temperature=0.0).send(QUESTION[0]["content"], max_tokens=16))
     assert text == reference
     assert r.object == "chat.completion" and r.model == "smollm2"

@@ -66,9 +66,9 @@ def test_serve_answers_openai_requests_and_logs_one_line_each(default_model_file
                 time.sleep(0.1)
         headers = {"authorization": "Bearer k"}
         r = httpx.post(url + "/v1/chat/completions", headers=headers, timeout=120, json={
-            "model": "x", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "model": "x", "messages": [{"role": "user", "content": "What is the capital of Japan?"}],
             "max_tokens": 12, "temperature": 0})
-        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+        assert r.status_code == 200 and "Tokyo" in r.json()["choices"][0]["message"]["content"]
         assert r.json()["model"] == default_model_file.name
         assert httpx.post(url + "/v1/completions", content=b"{", headers=headers).status_code == 400
         assert httpx.get(url + "/v1/models").status_code == 401

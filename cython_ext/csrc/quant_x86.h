@@ -6,9 +6,9 @@
  * same integers (no int16 saturation is reachable: see the bounds next to DOT2).
  *
  * Shape of the work (decode is memory-bound, so the aim is few uops per weight byte):
- * - rows go in groups of QX_R (one load of x's blocks serves QX_R rows; the rows are
- *   consecutive, so the weights stay one linear stream), the last rows one by one; a
- *   row's operations are the same in both paths (its bits do not depend on grouping).
+ * - one row at a time against C activations (C = 1 in decode, QX_C tokens in prefill,
+ *   where the row's unpacking serves C tokens); each token's operations run in the same
+ *   order whatever C, so decode and prefill give a (row, token) the same bits.
  * - 32-blocks go in pairs (64 weights): the two 16-byte nibble runs fill one 256-bit
  *   register; low nibbles meet x[0:16] of each block, high nibbles x[16:32]. The
  *   q4_0/q5_0 offsets (-8, -16) come from x's block sums (the integer accumulator
@@ -23,18 +23,14 @@
 #include <immintrin.h>
 #include "quant_impl.h"
 
-/* rows per group, per family. Sharing x's loads between R rows pays only while the
- * weights come from cache (an L3-resident 5632x2048 on a Xeon: q4_0 R 4 vs 1 +30%);
- * decode streams them from DRAM, and there one row at a time was faster for every
- * format (AMD EPYC family 25 model 17, 1 thread, 5632x2048 rotated over 300 MB:
- * q4_k 10.5 -> 15.5 GB/s, q8_0 10.4 -> 16.7, q4_0 8.6 -> 12.9; whole-model decode of a
- * TinyLlama-shape Q4_K_M at 2 threads 25 -> 35 tok/s). The grouped code stays for
- * cache-resident uses (bench/bench_quant.py measures both). */
-#define QX_R 4              /* array bound: the largest R below */
-#define QX_R_Q8 1
-#define QX_R_32 1
-#define QX_R_K45 1
-#define QX_R_Q6 1
+/* Decode runs one row at a time: sharing x's loads between rows paid only while the
+ * weights came from cache, and decode streams them from DRAM, where grouped rows were
+ * slower for every format (AMD EPYC family 25 model 17, 1 thread, 5632x2048 rotated over
+ * 300 MB: q4_k 10.5 -> 15.5 GB/s one row at a time, q8_0 10.4 -> 16.7, q4_0 8.6 -> 12.9;
+ * TinyLlama-shape Q4_K_M decode 25 -> 35 tok/s at 2 threads).
+ * Prefill shares the other way: one row's unpacked weights serve QX_C tokens at once. */
+#define QX_C 4              /* tokens per kernel call in the prefill GEMM */
+#define QX_TB 32            /* tokens per block of the GEMM (their activations stay cached) */
 
 #if QX_VNNI == 1
 #define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
@@ -171,8 +167,11 @@ static void QF(quantize_act_x86_)(void *xq, const float *x, int64_t n, int act, 
 }
 
 /* ---- 32-block formats ---------------------------------------------------------------
- * R rows (o[0..R)) from row pointers w0 (row i at w0 + i*rb), nb blocks. kind:
- * 0 q4_0, 1 q4_1, 2 q5_0, 3 q5_1 (nibble formats); q8_0 has its own loop. */
+ * Every kernel computes ONE row against C activations (tokens): C = 1 in decode, QX_C in
+ * the prefill GEMM, where the row's unpacking (nibbles, 5th bits, scales) is done once
+ * for C tokens. Each token's own operations run in the same order for every C, so a
+ * (row, token) result has the same bits in decode and prefill. o[j * ldo] gets token j.
+ * kind: 0 q4_0, 1 q4_1, 2 q5_0, 3 q5_1 (nibble formats); q8_0 has its own loop. */
 
 /* 5th bits of one pair of q5 blocks -> bytes 0x10 where set: lo (elements 0-15 of both
  * blocks, 128-bit lanes = blocks) and hi (elements 16-31) */
@@ -189,7 +188,7 @@ ALWAYS void q5_bits(uint32_t h0, uint32_t h1, __m256i *lo, __m256i *hi) {
     *hi = _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), x10);
 }
 
-ALWAYS void rows32(const int R, const int kind, float *o, const uint8_t *w0, int64_t rb,
+ALWAYS void rows32(const int C, const int kind, float *o, int64_t ldo, const uint8_t *w0,
                    const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
     const int bb = kind == 0 ? QB_Q4_0 : kind == 1 ? QB_Q4_1 : kind == 2 ? QB_Q5_0 : QB_Q5_1;
     const int qs_off = kind == 0 ? 2 : kind == 1 ? 4 : kind == 2 ? 6 : 8;
@@ -197,84 +196,81 @@ ALWAYS void rows32(const int R, const int kind, float *o, const uint8_t *w0, int
     const int five = kind >= 2;
     const int shift = kind == 0 ? 1 : 2;             /* offset/4 = 2 (q4_0) or 4 (q5_0) */
     const __m256i m15 = _mm256_set1_epi8(15);
-    __m256 acc[QX_R], accm[QX_R];
+    __m256 acc[QX_C], accm[QX_C];
     _Pragma("GCC unroll 4")
-    for (int i = 0; i < R; i++) { acc[i] = _mm256_setzero_ps(); accm[i] = _mm256_setzero_ps(); }
+    for (int j = 0; j < C; j++) { acc[j] = _mm256_setzero_ps(); accm[j] = _mm256_setzero_ps(); }
     for (int64_t b = 0; b < nb; b += 2) {
         const int two = b + 1 < nb;
-        const int8_t *xb = a->q + b * 32;
-        __m256i xlo, xhi, off = _mm256_setzero_si256();
-        __m256 dx, dxs = _mm256_setzero_ps();
-        if (two) {
-            xlo = load2x128((const uint8_t *)xb, (const uint8_t *)(xb + 32));
-            xhi = load2x128((const uint8_t *)(xb + 16), (const uint8_t *)(xb + 48));
-            dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(
-                     _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(a->d + b)))), IDX01);
-            __m256i s = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(
-                            _mm_loadl_epi64((const __m128i *)(a->sum + b))), IDX01);
-            if (!has_min) off = _mm256_sub_epi32(off, _mm256_slli_epi32(s, shift));
-            else dxs = _mm256_mul_ps(dx, _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(0.25f)));
-        } else {
-            xlo = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)xb));
-            xhi = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
-            dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_load_ss(a->d + b)), IDX01);
-            __m256i s = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(
-                            _mm_cvtsi32_si128(a->sum[b])), IDX01);
-            if (!has_min) off = _mm256_sub_epi32(off, _mm256_slli_epi32(s, shift));
-            else dxs = _mm256_mul_ps(dx, _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(0.25f)));
+        const uint8_t *p0 = w0 + b * bb;
+        const uint8_t *p1 = two ? p0 + bb : p0;
+        PREFETCH(pfp + b * bb);
+        __m256i v = load2x128(p0 + qs_off, p1 + qs_off);
+        __m256i lo = _mm256_and_si256(v, m15);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+        if (five) {
+            __m256i hl, hh;
+            q5_bits(cyllm_rd32(p0 + (kind == 2 ? 2 : 4)), two ? cyllm_rd32(p1 + (kind == 2 ? 2 : 4)) : 0,
+                    &hl, &hh);
+            lo = _mm256_or_si256(lo, hl);
+            hi = _mm256_or_si256(hi, hh);
         }
+        const __m256 wd = h2x4(p0, two ? p1 : (const uint8_t *)&qx_zero_h);
+        const __m256 wm = has_min ? h2x4(p0 + 2, two ? p1 + 2 : (const uint8_t *)&qx_zero_h) : wd;
         _Pragma("GCC unroll 4")
-        for (int i = 0; i < R; i++) {
-            const uint8_t *p0 = w0 + i * rb + b * bb;
-            const uint8_t *p1 = two ? p0 + bb : p0;
-            PREFETCH(pfp + i * rb + b * bb);
-            __m256i v = load2x128(p0 + qs_off, p1 + qs_off);
-            __m256i lo = _mm256_and_si256(v, m15);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
-            if (five) {
-                __m256i hl, hh;
-                q5_bits(cyllm_rd32(p0 + (kind == 2 ? 2 : 4)), two ? cyllm_rd32(p1 + (kind == 2 ? 2 : 4)) : 0,
-                        &hl, &hh);
-                lo = _mm256_or_si256(lo, hl);
-                hi = _mm256_or_si256(hi, hh);
+        for (int j = 0; j < C; j++) {
+            const int8_t *xb = a[j].q + b * 32;
+            __m256i xlo, xhi, off = _mm256_setzero_si256(), s;
+            __m256 dx, dxs = _mm256_setzero_ps();
+            if (two) {
+                xlo = load2x128((const uint8_t *)xb, (const uint8_t *)(xb + 32));
+                xhi = load2x128((const uint8_t *)(xb + 16), (const uint8_t *)(xb + 48));
+                dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(
+                         _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(a[j].d + b)))), IDX01);
+                s = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(
+                        _mm_loadl_epi64((const __m128i *)(a[j].sum + b))), IDX01);
+            } else {
+                xlo = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)xb));
+                xhi = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
+                dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_load_ss(a[j].d + b)), IDX01);
+                s = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(_mm_cvtsi32_si128(a[j].sum[b])), IDX01);
             }
+            if (!has_min) off = _mm256_sub_epi32(off, _mm256_slli_epi32(s, shift));
+            else dxs = _mm256_mul_ps(dx, _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(0.25f)));
             __m256i isum = DOT2(off, lo, xlo, hi, xhi);
-            __m256 sd = _mm256_mul_ps(h2x4(p0, two ? p1 : (const uint8_t *)&qx_zero_h), dx);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sd, acc[i]);
-            if (has_min)
-                accm[i] = _mm256_fmadd_ps(h2x4(p0 + 2, two ? p1 + 2 : (const uint8_t *)&qx_zero_h), dxs, accm[i]);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(wd, dx), acc[j]);
+            if (has_min) accm[j] = _mm256_fmadd_ps(wm, dxs, accm[j]);
         }
     }
     _Pragma("GCC unroll 4")
-    for (int i = 0; i < R; i++) {
-        float s = hsum8(has_min ? _mm256_add_ps(acc[i], accm[i]) : acc[i]);
-        o[i] = add ? o[i] + s : s;
+    for (int j = 0; j < C; j++) {
+        float r = hsum8(has_min ? _mm256_add_ps(acc[j], accm[j]) : acc[j]);
+        o[j * ldo] = add ? o[j * ldo] + r : r;
     }
 }
 
-ALWAYS void k_q8_0(const int R, float *o, const uint8_t *w0, int64_t rb,
-                      const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
-    __m256 acc[QX_R];
+ALWAYS void k_q8_0(const int C, float *o, int64_t ldo, const uint8_t *w0,
+                   const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
+    __m256 acc[QX_C];
     _Pragma("GCC unroll 4")
-    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+    for (int j = 0; j < C; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + b * 32));
-        const float dx = a->d[b];
+        const uint8_t *p = w0 + b * QB_Q8_0;
+        if ((b & 1) == 0) PREFETCH(pfp + b * QB_Q8_0);
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(p + 2));
+        const __m256i wabs = _mm256_sign_epi8(w, w);
+        const float wd = _cvtsh_ss(cyllm_rd16(p));
         _Pragma("GCC unroll 4")
-        for (int i = 0; i < R; i++) {
-            const uint8_t *p = w0 + i * rb + b * QB_Q8_0;
-            if ((b & 1) == 0) PREFETCH(pfp + i * rb + b * QB_Q8_0);
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(p + 2));
+        for (int j = 0; j < C; j++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(a[j].q + b * 32));
             /* |w| (unsigned, <= 128) x sign(x, w) (|.| <= 127): pairs <= 32512 */
-            __m256i isum = DPBUSD(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-            const __m256 sd = _mm256_set1_ps(_cvtsh_ss(cyllm_rd16(p)) * dx);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sd, acc[i]);
+            __m256i isum = DPBUSD(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(x, w));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(wd * a[j].d[b]), acc[j]);
         }
     }
     _Pragma("GCC unroll 4")
-    for (int i = 0; i < R; i++) {
-        float s = hsum8(acc[i]);
-        o[i] = add ? o[i] + s : s;
+    for (int j = 0; j < C; j++) {
+        float r = hsum8(acc[j]);
+        o[j * ldo] = add ? o[j * ldo] + r : r;
     }
 }
 
@@ -294,158 +290,145 @@ ALWAYS void k_scales16(const uint8_t *s, __m256i *sc16, __m128i *m16) {
 }
 
 /* q4_k (five = 0) / q5_k (five = 1) */
-ALWAYS void rows_k45(const int R, const int five, float *o, const uint8_t *w0, int64_t rb,
+ALWAYS void rows_k45(const int C, const int five, float *o, int64_t ldo, const uint8_t *w0,
                      const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
     const int bb = five ? QB_Q5_K : QB_Q4_K;
     const int qs_off = five ? 48 : 16;
     const __m256i m15 = _mm256_set1_epi8(15), x10 = _mm256_set1_epi8(0x10);
-    __m256 acc[QX_R];
-    __m128 accm[QX_R];
+    __m256 acc[QX_C];
+    __m128 accm[QX_C];
     _Pragma("GCC unroll 4")
-    for (int i = 0; i < R; i++) { acc[i] = _mm256_setzero_ps(); accm[i] = _mm_setzero_ps(); }
+    for (int j = 0; j < C; j++) { acc[j] = _mm256_setzero_ps(); accm[j] = _mm_setzero_ps(); }
     for (int64_t b = 0; b < nb; b++) {
-        const int8_t *xb = a->q + b * QK_K;
-        /* x sums per 32 (8 int16) from the 16 per-16 sums */
-        const __m128i bs32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(a->bsum + 16 * b)),
-                                            _mm_loadu_si128((const __m128i *)(a->bsum + 16 * b + 8)));
-        const float dx = a->d[b];
-        __m256i sc16[QX_R], isum[QX_R], qh[QX_R];
-        __m128i m16[QX_R];
+        const uint8_t *p = w0 + b * bb;
+        const uint8_t *f = pfp + b * bb;
+        PREFETCH(f);
+        PREFETCH(f + 64);
+        PREFETCH(f + 128);
+        __m256i sc16, isum[QX_C], qh = _mm256_setzero_si256();
+        __m128i m16;
+        k_scales16(p + 4, &sc16, &m16);
+        if (five) qh = _mm256_loadu_si256((const __m256i *)(p + 16));
         _Pragma("GCC unroll 4")
-        for (int i = 0; i < R; i++) {
-            const uint8_t *p = w0 + i * rb + b * bb;
-            const uint8_t *f = pfp + i * rb + b * bb;
-            PREFETCH(f);
-            PREFETCH(f + 64);
-            PREFETCH(f + 128);
-            k_scales16(p + 4, &sc16[i], &m16[i]);
-            isum[i] = _mm256_setzero_si256();
-            if (five) qh[i] = _mm256_loadu_si256((const __m256i *)(p + 16));
-        }
+        for (int j = 0; j < C; j++) isum[j] = _mm256_setzero_si256();
         _Pragma("GCC unroll 4")
         for (int c = 0; c < 4; c++) {
-            const __m256i xl = _mm256_loadu_si256((const __m256i *)(xb + 64 * c));
-            const __m256i xh = _mm256_loadu_si256((const __m256i *)(xb + 64 * c + 32));
+            __m256i v = _mm256_loadu_si256((const __m256i *)(p + qs_off + 32 * c));
+            __m256i lo = _mm256_and_si256(v, m15);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+            if (five) {
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), x10));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), x10));
+                qh = _mm256_srli_epi16(qh, 2);
+            }
+            const __m256i s_lo = BCAST16(sc16, 2 * c), s_hi = BCAST16(sc16, 2 * c + 1);
             _Pragma("GCC unroll 4")
-            for (int i = 0; i < R; i++) {
-                const uint8_t *p = w0 + i * rb + b * bb;
-                __m256i v = _mm256_loadu_si256((const __m256i *)(p + qs_off + 32 * c));
-                __m256i lo = _mm256_and_si256(v, m15);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
-                if (five) {
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh[i], 4), x10));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh[i], 3), x10));
-                    qh[i] = _mm256_srli_epi16(qh[i], 2);
-                }
+            for (int j = 0; j < C; j++) {
+                const int8_t *xb = a[j].q + b * QK_K;
+                const __m256i xl = _mm256_loadu_si256((const __m256i *)(xb + 64 * c));
+                const __m256i xh = _mm256_loadu_si256((const __m256i *)(xb + 64 * c + 32));
                 /* pairs <= 2*31*127 = 7874; x 63 and pair-summed in int32 */
-                isum[i] = DPWSSD(isum[i], _mm256_maddubs_epi16(lo, xl), BCAST16(sc16[i], 2 * c));
-                isum[i] = DPWSSD(isum[i], _mm256_maddubs_epi16(hi, xh), BCAST16(sc16[i], 2 * c + 1));
+                isum[j] = DPWSSD(isum[j], _mm256_maddubs_epi16(lo, xl), s_lo);
+                isum[j] = DPWSSD(isum[j], _mm256_maddubs_epi16(hi, xh), s_hi);
             }
         }
+        const __m128 wdd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)cyllm_rd32(p)));   /* d, dmin */
         _Pragma("GCC unroll 4")
-        for (int i = 0; i < R; i++) {
-            const uint8_t *p = w0 + i * rb + b * bb;
-            __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)cyllm_rd32(p))), _mm_set1_ps(dx));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_broadcastss_ps(dd), acc[i]);
-            __m128i imin = _mm_madd_epi16(m16[i], bs32);
-            accm[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), _mm_shuffle_ps(dd, dd, 0x55), accm[i]);
+        for (int j = 0; j < C; j++) {
+            /* x sums per 32 (8 int16) from the 16 per-16 sums */
+            const __m128i bs32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(a[j].bsum + 16 * b)),
+                                                _mm_loadu_si128((const __m128i *)(a[j].bsum + 16 * b + 8)));
+            __m128 dd = _mm_mul_ps(wdd, _mm_set1_ps(a[j].d[b]));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_broadcastss_ps(dd), acc[j]);
+            __m128i imin = _mm_madd_epi16(m16, bs32);
+            accm[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), _mm_shuffle_ps(dd, dd, 0x55), accm[j]);
         }
     }
     _Pragma("GCC unroll 4")
-    for (int i = 0; i < R; i++) {
-        float s = hsum8(acc[i]) - hsum4(accm[i]);
-        o[i] = add ? o[i] + s : s;
+    for (int j = 0; j < C; j++) {
+        float r = hsum8(acc[j]) - hsum4(accm[j]);
+        o[j * ldo] = add ? o[j * ldo] + r : r;
     }
 }
 
-ALWAYS void k_q6_k(const int R, float *o, const uint8_t *w0, int64_t rb,
-                      const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
+ALWAYS void k_q6_k(const int C, float *o, int64_t ldo, const uint8_t *w0,
+                   const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
     const __m256i m15 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
-    __m256 acc[QX_R];
+    __m256 acc[QX_C];
     _Pragma("GCC unroll 4")
-    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+    for (int j = 0; j < C; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const int8_t *xb = a->q + b * QK_K;
-        const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->bsum + 16 * b));
-        const float dx = a->d[b];
-        __m256i isum[QX_R], sc16[QX_R];
+        const uint8_t *p = w0 + b * QB_Q6_K;
+        const uint8_t *f = pfp + b * QB_Q6_K;
+        PREFETCH(f);
+        PREFETCH(f + 64);
+        PREFETCH(f + 128);
+        PREFETCH(f + 192);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
+        __m256i isum[QX_C];
         _Pragma("GCC unroll 4")
-        for (int i = 0; i < R; i++) {
-            const uint8_t *p = w0 + i * rb + b * QB_Q6_K;
-            const uint8_t *f = pfp + i * rb + b * QB_Q6_K;
-            PREFETCH(f);
-            PREFETCH(f + 64);
-            PREFETCH(f + 128);
-            PREFETCH(f + 192);
-            sc16[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
+        for (int j = 0; j < C; j++) {
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(a[j].bsum + 16 * b));
             /* the -32 of every weight: 32 * sum_j sc_j * xsum_j */
-            isum[i] = _mm256_sub_epi32(_mm256_setzero_si256(),
-                                       _mm256_slli_epi32(_mm256_madd_epi16(sc16[i], bs), 5));
+            isum[j] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
         }
         _Pragma("GCC unroll 2")
         for (int h = 0; h < 2; h++) {
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xb + 128 * h));
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb + 128 * h + 32));
-            const __m256i x2 = _mm256_loadu_si256((const __m256i *)(xb + 128 * h + 64));
-            const __m256i x3 = _mm256_loadu_si256((const __m256i *)(xb + 128 * h + 96));
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+            /* lanes of this half's 8 scales: low lane sub-block 2k, high lane 2k+1 */
+            const __m256i sh = h ? _mm256_permute2x128_si256(sc16, sc16, 0x11)
+                                 : _mm256_permute2x128_si256(sc16, sc16, 0x00);
+            const __m256i g0 = _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+            const __m256i g1 = _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+            const __m256i g2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m30));
+            const __m256i g3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
+                                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+            const __m256i s0 = _mm256_shuffle_epi8(sh, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                                        2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
+            const __m256i s1 = _mm256_shuffle_epi8(sh, _mm256_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5,
+                                                                        6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7));
+            const __m256i s2 = _mm256_shuffle_epi8(sh, _mm256_setr_epi8(8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9,
+                                                                        10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11));
+            const __m256i s3 = _mm256_shuffle_epi8(sh, _mm256_setr_epi8(12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13,
+                                                                        14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15));
             _Pragma("GCC unroll 4")
-            for (int i = 0; i < R; i++) {
-                const uint8_t *p = w0 + i * rb + b * QB_Q6_K;
-                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
-                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
-                /* lanes of this half's 8 scales: low lane sub-block 2k, high lane 2k+1 */
-                const __m256i sh = h ? _mm256_permute2x128_si256(sc16[i], sc16[i], 0x11)
-                                     : _mm256_permute2x128_si256(sc16[i], sc16[i], 0x00);
-                __m256i g0 = _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
-                __m256i g1 = _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
-                __m256i g2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m30));
-                __m256i g3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
-                                             _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+            for (int j = 0; j < C; j++) {
+                const int8_t *xb = a[j].q + b * QK_K + 128 * h;
                 /* q in 0..63 unsigned: pairs <= 2*63*127 = 16002 */
-                isum[i] = DPWSSD(isum[i], _mm256_maddubs_epi16(g0, x0),
-                                 _mm256_shuffle_epi8(sh, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3)));
-                isum[i] = DPWSSD(isum[i], _mm256_maddubs_epi16(g1, x1),
-                                 _mm256_shuffle_epi8(sh, _mm256_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5,
-                                                                          6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7)));
-                isum[i] = DPWSSD(isum[i], _mm256_maddubs_epi16(g2, x2),
-                                 _mm256_shuffle_epi8(sh, _mm256_setr_epi8(8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9,
-                                                                          10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11)));
-                isum[i] = DPWSSD(isum[i], _mm256_maddubs_epi16(g3, x3),
-                                 _mm256_shuffle_epi8(sh, _mm256_setr_epi8(12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13,
-                                                                          14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15)));
+                isum[j] = DPWSSD(isum[j], _mm256_maddubs_epi16(g0, _mm256_loadu_si256((const __m256i *)xb)), s0);
+                isum[j] = DPWSSD(isum[j], _mm256_maddubs_epi16(g1, _mm256_loadu_si256((const __m256i *)(xb + 32))), s1);
+                isum[j] = DPWSSD(isum[j], _mm256_maddubs_epi16(g2, _mm256_loadu_si256((const __m256i *)(xb + 64))), s2);
+                isum[j] = DPWSSD(isum[j], _mm256_maddubs_epi16(g3, _mm256_loadu_si256((const __m256i *)(xb + 96))), s3);
             }
         }
+        const float wd = _cvtsh_ss(cyllm_rd16(p + 208));
         _Pragma("GCC unroll 4")
-        for (int i = 0; i < R; i++) {
-            const uint8_t *p = w0 + i * rb + b * QB_Q6_K;
-            const __m256 sd = _mm256_set1_ps(_cvtsh_ss(cyllm_rd16(p + 208)) * dx);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), sd, acc[i]);
-        }
+        for (int j = 0; j < C; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_set1_ps(wd * a[j].d[b]), acc[j]);
     }
     _Pragma("GCC unroll 4")
-    for (int i = 0; i < R; i++) {
-        float s = hsum8(acc[i]);
-        o[i] = add ? o[i] + s : s;
+    for (int j = 0; j < C; j++) {
+        float r = hsum8(acc[j]);
+        o[j * ldo] = add ? o[j * ldo] + r : r;
     }
 }
 
 /* ---- per-format entry points ---------------------------------------------------------
- * ROWS_F(R, o, w0, rb, a, nb, add, pf) runs R rows; RANGE_F runs rows [r0, r1) in groups. */
+ * one_##F(C, o, ldo, w0, a, nb, add, pf) runs one row against C activations; RANGE_F runs
+ * rows [r0, r1) of one activation (decode); the GEMM runs tokens in blocks of QX_TB (their
+ * activations stay in L1/L2 while the thread's rows stream past), QX_C tokens per call. */
 
-#define QX_FORMAT(F, FMT, ACT, BLK, RG, CALL)                                                    \
-ALWAYS void rows_##F(const int R, float *o, const uint8_t *w0, int64_t rb,                  \
-                     const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {       \
+#define QX_FORMAT(F, FMT, ACT, BLK, CALL)                                                       \
+ALWAYS void one_##F(const int C, float *o, int64_t ldo, const uint8_t *w0,                  \
+                    const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {       \
     CALL;                                                                                     \
 }                                                                                             \
 static void range_##F(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a,     \
                       int64_t n, int64_t r0, int64_t r1, int add, const qx_pf *pf) {         \
-    int64_t r = r0;                                                                           \
-    for (; r + RG <= r1; r += RG)                                                            \
-        rows_##F(RG, o + (r - r0), w + r * rb, rb, a, n / BLK, add, pf_base(w + r * rb, pf)); \
-    for (; r < r1; r++)                                                                       \
-        rows_##F(1, o + (r - r0), w + r * rb, rb, a, n / BLK, add, pf_base(w + r * rb, pf)); \
+    for (int64_t r = r0; r < r1; r++)                                                         \
+        one_##F(1, o + (r - r0), 0, w + r * rb, a, n / BLK, add, pf_base(w + r * rb, pf));  \
 }                                                                                             \
 static void QF(matvec_##F)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n, \
                            int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {   \
@@ -469,12 +452,19 @@ static void QF(gate_up_##F)(float *out, const uint8_t *wg, const uint8_t *wu, in
 }                                                                                             \
 static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
                          int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) { \
-    qx_pf none = {w, 0, 0, 0};                                                                \
-    for (int64_t r = r0; r < r1; r += 16) {      /* 16 rows stay in L1/L2 across tokens */    \
-        int64_t e = r + 16 < r1 ? r + 16 : r1;                                                \
-        for (int64_t t = 0; t < T; t++) {                                                     \
-            cyllm_qact_view a = cyllm_qact_split((const char *)xq + t * xs, n, ACT);          \
-            range_##F(out + t * ldo + r, w, rb, &a, n, r, e, add, &none);                     \
+    cyllm_qact_view a[QX_TB];                                                                 \
+    for (int64_t t0 = 0; t0 < T; t0 += QX_TB) {                                               \
+        const int64_t tn = T - t0 < QX_TB ? T - t0 : QX_TB;                                   \
+        for (int64_t t = 0; t < tn; t++)                                                      \
+            a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, ACT);                \
+        for (int64_t r = r0; r < r1; r++) {                                                   \
+            const uint8_t *wr = w + r * rb;                                                   \
+            float *o = out + t0 * ldo + r;                                                    \
+            int64_t t = 0;                                                                    \
+            for (; t + QX_C <= tn; t += QX_C)                                                 \
+                one_##F(QX_C, o + t * ldo, ldo, wr, a + t, n / BLK, add, wr);                 \
+            for (; t < tn; t++)                                                               \
+                one_##F(1, o + t * ldo, ldo, wr, a + t, n / BLK, add, wr);                    \
         }                                                                                     \
     }                                                                                         \
 }                                                                                             \
@@ -486,14 +476,14 @@ static void QF(deq32_##F)(float *out, const uint8_t *row, int64_t n) {          
     cyllm_qdequant_row_f32_generic(FMT, out, row, n);                                         \
 }
 
-QX_FORMAT(q8_0, CYLLM_QF_Q8_0, CYLLM_QA_Q8_0, 32, QX_R_Q8, k_q8_0(R, o, w0, rb, a, nb, add, pfp))
-QX_FORMAT(q4_0, CYLLM_QF_Q4_0, CYLLM_QA_Q8_0, 32, QX_R_32, rows32(R, 0, o, w0, rb, a, nb, add, pfp))
-QX_FORMAT(q4_1, CYLLM_QF_Q4_1, CYLLM_QA_Q8_0, 32, QX_R_32, rows32(R, 1, o, w0, rb, a, nb, add, pfp))
-QX_FORMAT(q5_0, CYLLM_QF_Q5_0, CYLLM_QA_Q8_0, 32, QX_R_32, rows32(R, 2, o, w0, rb, a, nb, add, pfp))
-QX_FORMAT(q5_1, CYLLM_QF_Q5_1, CYLLM_QA_Q8_0, 32, QX_R_32, rows32(R, 3, o, w0, rb, a, nb, add, pfp))
-QX_FORMAT(q4_k, CYLLM_QF_Q4_K, CYLLM_QA_Q8_K, QK_K, QX_R_K45, rows_k45(R, 0, o, w0, rb, a, nb, add, pfp))
-QX_FORMAT(q5_k, CYLLM_QF_Q5_K, CYLLM_QA_Q8_K, QK_K, QX_R_K45, rows_k45(R, 1, o, w0, rb, a, nb, add, pfp))
-QX_FORMAT(q6_k, CYLLM_QF_Q6_K, CYLLM_QA_Q8_K, QK_K, QX_R_Q6, k_q6_k(R, o, w0, rb, a, nb, add, pfp))
+QX_FORMAT(q8_0, CYLLM_QF_Q8_0, CYLLM_QA_Q8_0, 32, k_q8_0(C, o, ldo, w0, a, nb, add, pfp))
+QX_FORMAT(q4_0, CYLLM_QF_Q4_0, CYLLM_QA_Q8_0, 32, rows32(C, 0, o, ldo, w0, a, nb, add, pfp))
+QX_FORMAT(q4_1, CYLLM_QF_Q4_1, CYLLM_QA_Q8_0, 32, rows32(C, 1, o, ldo, w0, a, nb, add, pfp))
+QX_FORMAT(q5_0, CYLLM_QF_Q5_0, CYLLM_QA_Q8_0, 32, rows32(C, 2, o, ldo, w0, a, nb, add, pfp))
+QX_FORMAT(q5_1, CYLLM_QF_Q5_1, CYLLM_QA_Q8_0, 32, rows32(C, 3, o, ldo, w0, a, nb, add, pfp))
+QX_FORMAT(q4_k, CYLLM_QF_Q4_K, CYLLM_QA_Q8_K, QK_K, rows_k45(C, 0, o, ldo, w0, a, nb, add, pfp))
+QX_FORMAT(q5_k, CYLLM_QF_Q5_K, CYLLM_QA_Q8_K, QK_K, rows_k45(C, 1, o, ldo, w0, a, nb, add, pfp))
+QX_FORMAT(q6_k, CYLLM_QF_Q6_K, CYLLM_QA_Q8_K, QK_K, k_q6_k(C, o, ldo, w0, a, nb, add, pfp))
 
 #define QX_ENTRY(F) {QF(matvec_##F), QF(gate_up_##F), QF(gemm_##F), QF(deq16_##F), QF(deq32_##F)}
 
