@@ -1015,6 +1015,20 @@ cdef class CpuKernels:
             nt = 1
         cdef Py_ssize_t R = kt.attention_rows_max, blocks, per, h, t0
         cdef float *work
+        cdef float *scr
+        cdef int ntr
+        if getattr(self, "batch_rows_exact", False):
+            # every row exactly as attention() computes it at that position (the decode
+            # step's split, whatever T): a model whose activations are rounded to int8
+            # blocks must give a token the same bits whichever path computed its cache
+            scr = self._scratch_for(cyllm_attention_scratch(n_heads, hd, p0 + T))
+            with nogil:
+                for t in range(T):
+                    st = p0 + t + 1 - w if 0 < w < p0 + t + 1 else 0
+                    ntr = self.nthreads if (p0 + t + 1 - st) * hd * n_heads >= 16384 else 1
+                    cyllm_attention_run(kt, po + t * qlen, pq + t * qlen, pk, pv, n_heads, n_kv, hd, max_ctx,
+                                        st, p0 + t, sc, scr, ntr)
+            return
         if kt.attention_rows != NULL and T > 1 and (w == 0 or w >= p0 + T):
             # GEMM-shaped kernel: work item = (block of R query rows, one head); blocks
             # of later rows attend to more positions, so they are handed out first

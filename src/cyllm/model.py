@@ -19,6 +19,7 @@ from .families import family
 from .errors import ContextFullError, InvalidArgumentError
 from .memory import check_model_fits
 from .oneline import one_line
+from .quant.formats import QuantMatrix
 
 DEFAULT_CONTEXT = 4096
 PREFILL_CHUNK = 256
@@ -210,6 +211,8 @@ class Model:
         if threads_batch is not None:
             self.set_threads(self.backend.threads, threads_batch)
         self.weight_bytes = sum(int(a.nbytes) for a in weights.values())
+        if any(isinstance(a, QuantMatrix) for a in weights.values()):
+            self.backend.batch_rows_exact = True     # see Backend.batch_rows_exact
         self.batched_prefill = self.backend.supports_batch()
         self.attn_scale = config.attn_scale      # None: 1/sqrt(head_dim)
         self.batch: BatchState | None = None

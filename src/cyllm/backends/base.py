@@ -89,6 +89,11 @@ class Backend:
     # True: the model uploads q/k/v as one (q+2kv, dim) matrix (one matvec instead of
     # three); backends that map weights without copying say False
     fuse_qkv: bool = False
+    # True: each batched op gives every row the bits its single-row op gives at that
+    # position. The model asks for it when weights are quantized: their kernels round the
+    # activations to int8 blocks, where a last-bit difference between the prefill and
+    # decode paths can flip a rounding and change the text a seed gives (host backends)
+    batch_rows_exact: bool = False
 
     def upload(self, a: np.ndarray) -> Array:
         """Host array -> backend array (weights, once). May return a view (no copy)."""
