@@ -244,3 +244,15 @@ def test_cli_directory_without_config(tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "config.json" in lines[0], r.stderr
     assert not (tmp_path / "o.gguf").exists() and not (tmp_path / "o.gguf.part").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["q4_k_m", "q6_k"])
+@pytest.mark.parametrize("kind", ["llama_k256", "phi3"])
+def test_gguf_input_matches_llamacpp(material, tmp_path, kind, qtype):
+    """The GGUF input path: llama.cpp's F16 file -> cyllm quantize == llama-quantize's file."""
+    from cyllm.quantize import quantize
+    material.convert([(kind, "float16")])
+    ours = tmp_path / "ours.gguf"
+    quantize(material.f16[(kind, "float16")], ours, qtype, threads=2)
+    _assert_same_file(ours, material.llamacpp_quant(kind, "float16", qtype))
