@@ -1,4 +1,9 @@
-"""`cyllm quantize IN OUT --type T`: a GGUF file -> a quantized GGUF file llama.cpp loads.
+"""`cyllm quantize IN OUT --type T`: a GGUF file or a Hugging Face directory -> a quantized
+GGUF file llama.cpp loads.
+
+A Hugging Face directory is read through cyllm.hf_gguf (the metadata, tensor names and
+q/k row order llama.cpp's converter gives the family) and quantized from its own
+precision in the same pass; what follows about the recipe holds for both inputs.
 
 A tool above the engine (it uses the loader's GGUF reader and the quantizers of
 cyllm.quant, and the `gguf` package's GGUFWriter). What it writes follows what
@@ -21,7 +26,9 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -50,6 +57,89 @@ def _plan(gf, rec):
     return out
 
 
+@dataclass
+class _Item:
+    """One output tensor: name, numpy shape, and how its bytes are made."""
+    name: str
+    shape: tuple[int, ...]
+    kind: str                       # "quant" (fmt) | "f32" | "f16" | "raw" (copied as stored)
+    rows: Callable | None = None    # slice -> float32 rows (quant, f32, f16)
+    fmt: str | None = None          # quant: the block format
+    raw_type: int | None = None     # raw: GGML type id
+    raw: Callable | None = None     # raw: () -> uint8 array of the stored bytes
+    nbytes: int = 0                 # raw: byte size
+    release: Callable | None = None  # called once the tensor is written
+
+    @property
+    def type_name(self) -> str:
+        if self.kind == "quant":
+            return self.fmt.upper()
+        if self.kind == "raw":
+            return _type_name(self.raw_type)
+        return self.kind.upper()
+
+
+def _type_name(t: int) -> str:
+    from .loading.gguf import _type_name as name
+    return name(t)
+
+
+def _check_type(qtype) -> str:
+    key = qtype.strip().lower() if isinstance(qtype, str) else qtype
+    if key not in FILE_TYPES:
+        raise InvalidArgumentError(f"unknown quantization type {qtype!r} (supported: {', '.join(FILE_TYPES)})")
+    return key
+
+
+def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
+    if not src.exists():
+        raise InvalidArgumentError(f"input not found: {src}")
+    if dst.exists() and not overwrite:
+        raise InvalidArgumentError(f"{dst} exists; choose another name or pass --force")
+    if dst.exists() and dst.resolve() == src.resolve():
+        raise InvalidArgumentError("the output must not be the input file")
+    if dst.is_dir():
+        raise InvalidArgumentError(f"{dst} is a directory; the output is a .gguf file")
+
+
+def quantize(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, overwrite: bool = False,
+             threads: int | None = None, log=sys.stderr) -> dict:
+    """Write `dst`, the model `src` (a GGUF file or a Hugging Face directory) quantized to
+    `qtype` (see FILE_TYPES). Returns {type name: number of tensors} of what was written."""
+    src = Path(src)
+    if src.is_dir():
+        return quantize_hf(src, dst, qtype, overwrite, threads)
+    return quantize_gguf(src, dst, qtype, overwrite, threads, log)
+
+
+def quantize_hf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, overwrite: bool = False,
+                threads: int | None = None) -> dict:
+    """A Hugging Face directory (safetensors F32/F16/BF16) -> quantized GGUF, in llama.cpp's
+    conventions (cyllm.hf_gguf): the model as llama.cpp's converter would write it, then
+    quantized as llama-quantize would, in one pass and from the source precision."""
+    import gguf
+
+    from .hf_gguf import hf_source
+    key = _check_type(qtype)
+    src, dst = Path(src), Path(dst)
+    _check_paths(src, dst, overwrite)
+    hs = hf_source(src)
+    names = {t.name for t in hs.tensors}
+    rec = recipe(key, hs.config.n_layers, has_output="output.weight" in names)
+    items = []
+    for t in hs.tensors:
+        if len(t.shape) != 2:
+            items.append(_Item(t.name, t.shape, "f32", rows=t.rows))
+            continue
+        fmt = rec.format_of(t.name, t.shape)
+        items.append(_Item(t.name, t.shape, "quant", rows=t.rows, fmt=fmt) if fmt is not None
+                     else _Item(t.name, t.shape, "f16", rows=t.rows))
+    kvs = [kv for kv in hs.metadata if kv[0] != "general.architecture"]
+    kvs.append(("general.file_type", LLAMA_FTYPE[key], gguf.GGUFValueType.UINT32, None))
+    kvs.append(("general.quantization_version", gguf.GGML_QUANT_VERSION, gguf.GGUFValueType.UINT32, None))
+    return _write(dst, hs.arch, kvs, items, threads)
+
+
 def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, overwrite: bool = False,
                   threads: int | None = None, log=sys.stderr) -> dict:
     """Write `dst`, the GGUF file `src` quantized to `qtype` (see FILE_TYPES).
@@ -58,21 +148,12 @@ def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, ov
     import gguf
 
     from .loading.gguf import SUPPORTED_TENSOR_TYPES, _dequantize, config_from_gguf, read_gguf
-    from .quant.convert import quantize_rows_f32
-    from .quant.formats import format_by_name
 
-    key = qtype.strip().lower() if isinstance(qtype, str) else qtype
-    if key not in FILE_TYPES:
-        raise InvalidArgumentError(f"unknown quantization type {qtype!r} (supported: {', '.join(FILE_TYPES)})")
+    key = _check_type(qtype)
     src, dst = Path(src), Path(dst)
     if src.is_dir():
-        raise InvalidArgumentError(
-            f"{src} is a directory: `cyllm quantize` reads GGUF files (convert a Hugging Face "
-            "directory with llama.cpp's convert_hf_to_gguf.py, or load it with --quantize)")
-    if dst.exists() and not overwrite:
-        raise InvalidArgumentError(f"{dst} exists; choose another name or pass --force")
-    if dst.resolve() == src.resolve():
-        raise InvalidArgumentError("the output must not be the input file")
+        return quantize_hf(src, dst, qtype, overwrite, threads)
+    _check_paths(src, dst, overwrite)
     gf = read_gguf(src)
     cfg = config_from_gguf(gf)                 # the model must be one cyllm knows
     rec = recipe(key, cfg.n_layers, has_output="output.weight" in gf.tensors)
@@ -87,35 +168,61 @@ def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, ov
               "quantization errors (quantize an F16/BF16/F32 file for the best quality)", file=log)
 
     reader = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(None, str(cfg_arch(gf)))
+    kvs = []
     for k, field in reader.fields.items():
         if k in _SKIP_KEYS or k.startswith("GGUF."):
             continue
         vtype = field.types[0]
         sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY and len(field.types) > 1 else None
-        w.add_key_value(k, field.contents(), vtype, sub_type=sub)
-    w.add_file_type(LLAMA_FTYPE[key])
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        kvs.append((k, field.contents(), vtype, sub))
+    kvs.append(("general.file_type", LLAMA_FTYPE[key], gguf.GGUFValueType.UINT32, None))
+    kvs.append(("general.quantization_version", gguf.GGML_QUANT_VERSION, gguf.GGUFValueType.UINT32, None))
 
-    counts: dict[str, int] = {}
+    items = []
     for name, info, fmt in plan:
-        if fmt is None:
-            tname = info.type_name
-            raw = gguf.GGMLQuantizationType(info.ggml_type)
-            if info.ggml_type in (0, 1):
-                dt = np.dtype(np.float32 if info.ggml_type == 0 else np.float16)
-                w.add_tensor_info(name, info.shape, dt, info.nbytes)
-            else:
-                rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
-                w.add_tensor_info(name, (*info.shape[:-1], info.nbytes // max(rows, 1)), np.dtype(np.uint8),
-                                  info.nbytes, raw_dtype=raw)
+        def rows(part, info=info):
+            return np.asarray(_dequantize(gf, info, part), np.float32)
+        release = (lambda info=info: gf.release(info))
+        if fmt is not None:
+            items.append(_Item(name, info.shape, "quant", rows=rows, fmt=fmt, release=release))
+        elif info.ggml_type in (0, 1):
+            def whole(part, info=info):
+                return gf.tensor_bytes(info).view(np.float32 if info.ggml_type == 0 else np.float16) \
+                    .reshape(info.shape)[part]
+            items.append(_Item(name, info.shape, "f32" if info.ggml_type == 0 else "f16", rows=whole,
+                               release=release))
         else:
-            f = format_by_name(fmt)
-            tname = fmt.upper()
-            rows, cols = info.shape
-            w.add_tensor_info(name, (rows, f.row_bytes(cols)), np.dtype(np.uint8), rows * f.row_bytes(cols),
+            items.append(_Item(name, info.shape, "raw", raw_type=info.ggml_type, nbytes=info.nbytes,
+                               raw=lambda info=info: gf.tensor_bytes(info), release=release))
+    return _write(dst, cfg_arch(gf), kvs, items, threads)
+
+
+def _write(dst: Path, arch: str, kvs: list, items: list[_Item], threads: int | None) -> dict:
+    """Stream `items` into the GGUF `dst` (written as dst.part, then renamed): memory stays
+    near one row chunk of one tensor (plus one quantized matrix)."""
+    import gguf
+
+    from .quant.convert import quantize_rows_f32
+    from .quant.formats import format_by_name
+
+    w = gguf.GGUFWriter(None, arch)
+    for k, v, vtype, sub in kvs:
+        w.add_key_value(k, v, vtype, sub_type=sub)
+    counts: dict[str, int] = {}
+    for it in items:
+        if it.kind == "quant":
+            f = format_by_name(it.fmt)
+            rows, cols = it.shape
+            w.add_tensor_info(it.name, (rows, f.row_bytes(cols)), np.dtype(np.uint8), rows * f.row_bytes(cols),
                               raw_dtype=gguf.GGMLQuantizationType(f.ggml_type))
-        counts[tname] = counts.get(tname, 0) + 1
+        elif it.kind in ("f32", "f16"):
+            dt = np.dtype(np.float32 if it.kind == "f32" else np.float16)
+            w.add_tensor_info(it.name, it.shape, dt, int(np.prod(it.shape)) * dt.itemsize)
+        else:
+            n_rows = int(np.prod(it.shape[:-1])) if len(it.shape) > 1 else 1
+            w.add_tensor_info(it.name, (*it.shape[:-1], it.nbytes // max(n_rows, 1)), np.dtype(np.uint8),
+                              it.nbytes, raw_dtype=gguf.GGMLQuantizationType(it.raw_type))
+        counts[it.type_name] = counts.get(it.type_name, 0) + 1
 
     tmp = dst.with_name(dst.name + ".part")
     try:
@@ -124,24 +231,22 @@ def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, ov
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        step_elems = 1 << 22
-        for name, info, fmt in plan:
-            if fmt is None:
-                data = gf.tensor_bytes(info)
-                if info.ggml_type in (0, 1):
-                    data = data.view(np.float32 if info.ggml_type == 0 else np.float16).reshape(info.shape)
-                w.write_tensor_data(data)
-                continue
-            f = format_by_name(fmt)
-            rows, cols = info.shape
-            out = np.empty((rows, f.row_bytes(cols)), np.uint8)
-            step = max(1, step_elems // cols)
-            for r0 in range(0, rows, step):
-                part = slice(r0, min(r0 + step, rows))
-                x = np.asarray(_dequantize(gf, info, part), np.float32)
-                out[part] = quantize_rows_f32(x, f, name, threads)
-            w.write_tensor_data(out)
-            gf.release(info)
+        for it in items:
+            if it.kind == "raw":
+                w.write_tensor_data(it.raw())
+            elif it.kind == "quant":
+                f = format_by_name(it.fmt)
+                rows, cols = it.shape
+                out = np.empty((rows, f.row_bytes(cols)), np.uint8)
+                step = max(1, _STEP_ELEMS // cols)
+                for r0 in range(0, rows, step):
+                    part = slice(r0, min(r0 + step, rows))
+                    out[part] = quantize_rows_f32(it.rows(part), f, it.name, threads)
+                w.write_tensor_data(out)
+            else:
+                w.write_tensor_data(_float_tensor(it))
+            if it.release is not None:
+                it.release()
         w.close()
         os.replace(tmp, dst)
     except OSError as e:
@@ -152,6 +257,28 @@ def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, ov
     return counts
 
 
+_STEP_ELEMS = 1 << 22
+
+
+def _float_tensor(it: _Item) -> np.ndarray:
+    """An F32/F16 tensor, converted chunk by chunk (F16: values beyond its range are refused)."""
+    n = it.shape[0]
+    dt = np.float32 if it.kind == "f32" else np.float16
+    cols = int(np.prod(it.shape[1:])) if len(it.shape) > 1 else 1
+    step = max(1, _STEP_ELEMS // cols)
+    out = np.empty(it.shape, dt)
+    for r0 in range(0, n, step):
+        part = slice(r0, min(r0 + step, n))
+        a = it.rows(part)
+        if dt is np.float16 and a.dtype != np.float16:
+            big = max(float(np.max(a, initial=0.0)), -float(np.min(a, initial=0.0)))
+            if not big <= 65504.0:
+                raise InvalidArgumentError(f"tensor {it.name} has values up to {big:g}, beyond float16's "
+                                           "range; it cannot be written as F16")
+        out[part] = a
+    return out
+
+
 def cfg_arch(gf) -> str:
     return str(gf.metadata.get("general.architecture"))
 
@@ -159,8 +286,10 @@ def cfg_arch(gf) -> str:
 # -- the CLI subcommand -------------------------------------------------------------------
 
 def add_quantize_parser(sub) -> None:
-    q = sub.add_parser("quantize", help="quantize a GGUF file (llama.cpp's recipes and formats)")
-    q.add_argument("input", help="input .gguf file (F16/BF16/F32 for the best quality)")
+    q = sub.add_parser("quantize", help="quantize a GGUF file or a Hugging Face directory to a GGUF file "
+                                        "(llama.cpp's recipes and formats)")
+    q.add_argument("input", help="input .gguf file (F16/BF16/F32 for the best quality) or Hugging Face model "
+                                 "directory (safetensors F32/F16/BF16)")
     q.add_argument("output", help="output .gguf file")
     q.add_argument("--type", required=True, metavar="TYPE",
                    help=f"one of {', '.join(FILE_TYPES)} (llama-quantize's Q8_0, Q4_0, Q4_K_M, Q5_K_M, Q6_K)")
@@ -172,7 +301,7 @@ def add_quantize_parser(sub) -> None:
 def cmd_quantize(a) -> int:
     if a.threads is not None and a.threads < 1:
         raise InvalidArgumentError(f"--threads must be >= 1, got {a.threads}")
-    counts = quantize_gguf(a.input, a.output, a.type, overwrite=a.force, threads=a.threads)
+    counts = quantize(a.input, a.output, a.type, overwrite=a.force, threads=a.threads)
     size = Path(a.output).stat().st_size
     kinds = ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
     print(f"wrote {a.output} ({size / 2**20:.1f} MiB): {kinds}", file=sys.stderr)

@@ -10,11 +10,13 @@ types cyllm writes:
   format's block;
 - Q4_K_M / Q5_K_M: attn_v and ffn_down of "more bits" layers get Q6_K, where layer i of
   n is one when i < n/8, i >= 7n/8 or (i - n/8) % 3 == 2 (C integer division); a fused
-  attn_qkv gets Q5_K (Q4_K_M) / Q6_K (Q5_K_M);
+  attn_qkv counts as attn_v (llama.cpp 0.3.36's tensor categories put it with attn_v,
+  which shadows the older "attn_qkv gets Q5_K / Q6_K" rule: llama-quantize writes Q6_K on
+  the more-bits layers and the base type elsewhere);
 - a K-quant whose row is not a multiple of 256 falls back to Q5_0 (Q4_K), Q5_1 (Q5_K)
   or Q8_0 (Q6_K); a 32-block format whose row is not a multiple of 32 cannot be made
   (cyllm keeps such a matrix F16).
-tests/test_quantize.py checks these choices against the file llama-quantize writes.
+tests/test_quantize_tool.py checks these choices against the files llama-quantize writes.
 """
 
 from __future__ import annotations
@@ -56,16 +58,11 @@ class Recipe:
                 fmt = "q8_0"
             elif fmt != "q8_0":
                 fmt = "q6_k"
-        elif "attn_v.weight" in name:
+        elif "attn_v.weight" in name or "attn_qkv.weight" in name:
             if ft in ("q4_k_m", "q5_k_m") and use_more_bits(layer, self.n_layers):
                 fmt = "q6_k"
         elif "ffn_down" in name:
             if ft in ("q4_k_m", "q5_k_m") and use_more_bits(layer, self.n_layers):
-                fmt = "q6_k"
-        elif "attn_qkv.weight" in name:
-            if ft == "q4_k_m":
-                fmt = "q5_k"
-            elif ft == "q5_k_m":
                 fmt = "q6_k"
         if cols % BLOCK[fmt]:
             fmt = _FALLBACK.get(fmt)

@@ -1,0 +1,409 @@
+"""A Hugging Face model directory as GGUF content: metadata and tensors in llama.cpp's conventions.
+
+`cyllm quantize HF_DIR OUT.gguf --type T` writes these (quantize.py); this module says
+*what* a llama.cpp file of the model holds, read lazily from the safetensors so the
+writer streams one tensor (one row chunk) at a time.
+
+What llama.cpp's converter writes, and so what this writes (facts, checked against its
+output by tests/test_quantize_tool.py):
+- hyperparameters as ``{arch}.*`` keys; ``attention.key_length``/``value_length`` only
+  when config.json names a ``head_dim``; the llama-style architectures (llama, smollm3)
+  also carry ``vocab_size`` and ``rope.dimension_count``; Phi-3 its rotary dims,
+  ``rope.scaling.original_context_length`` and ``attention.sliding_window`` (0: none);
+  Gemma 3 ``rope.freq_base_swa`` and the global layers' linear scaling;
+- tensors under the family table's GGUF names (families.py); llama-style q/k rows
+  interleaved for llama.cpp's rope (``Family.permute_qk``); Gemma's (1+w) norms stored
+  as 1+w; vectors F32; Llama 3 rope scaling as a ``rope_freqs.weight`` tensor of
+  divisors, Phi-3 longrope as ``rope_factors_long/short.weight``;
+- the vocabulary as ``tokenizer.ggml.*``: "gpt2" (byte-level BPE: tokens, token types,
+  merges, ``pre`` naming the split regex) from tokenizer.json, or "llama" (SentencePiece:
+  tokens, scores, types) from tokenizer.model; added special tokens are CONTROL (3),
+  other added tokens USER_DEFINED (4), embedding rows past the vocabulary "[PAD<i>]"
+  UNUSED (5); bos/eos/unk/pad ids and add_bos/add_eos from tokenizer_config.json;
+  the chat template.
+Sliding windows of the llama architecture (Mistral) are not written: llama.cpp's
+converter writes none and llama.cpp applies none (a note says so).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import ModelLoadError, TokenizerError, UnsupportedModelError
+from .families import Family, config_from_hf, family
+from .oneline import one_line
+
+# tokenizer.ggml.token_type values (llama.cpp)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+
+@dataclass
+class SourceTensor:
+    """One tensor of the output: GGUF name, numpy shape, and its float32 rows on demand."""
+    name: str
+    shape: tuple[int, ...]
+    rows: Callable[[slice], np.ndarray]     # slice of the leading dim -> float32 (GGUF layout)
+
+    def all(self) -> np.ndarray:
+        return self.rows(slice(0, self.shape[0]))
+
+
+@dataclass
+class HFSource:
+    path: Path
+    config: ModelConfig
+    family: Family
+    hf: dict                          # config.json
+    metadata: list                    # [(key, value, GGUFValueType, sub type or None)]
+    tensors: list[SourceTensor]
+
+    @property
+    def arch(self) -> str:
+        return self.family.gguf_arch
+
+
+# ---------------------------------------------------------------------------------- tensors
+
+def _float32(f, tname: str, rows: slice | None) -> np.ndarray:
+    from .loading.safetensors import bf16_bits_to_f32
+    tag, raw = f.raw(tname)
+    if rows is not None:
+        raw = raw[rows]
+    if tag == "BF16":
+        return bf16_bits_to_f32(raw)
+    if tag in ("F32", "F16", "F64"):
+        return np.asarray(raw, np.float32)
+    raise UnsupportedModelError(f"{one_line(f.path)}: tensor {tname} has dtype {tag}; expected F16, BF16 or F32")
+
+
+def _permute_order(rows: int, heads: int) -> np.ndarray:
+    """GGUF row r of a llama-style q/k matrix is HF row order[r]: within each head, the
+    rotate-half pairs (i, i + d/2) become adjacent rows (2i, 2i + 1)."""
+    half = rows // heads // 2
+    return np.arange(rows).reshape(heads, 2, half).swapaxes(1, 2).reshape(-1)
+
+
+def _reader(f, tname: str, order: np.ndarray | None, plus_one: bool):
+    def rows(part: slice) -> np.ndarray:
+        if order is None:
+            a = _float32(f, tname, part)
+        else:
+            a = _take(f, tname, order[part])
+        if plus_one:
+            a = a + np.float32(1.0)
+        return np.ascontiguousarray(a, np.float32)
+    return rows
+
+
+def _take(f, tname: str, idx: np.ndarray) -> np.ndarray:
+    """Rows idx of a tensor as float32 without converting the rest of it."""
+    from .loading.safetensors import bf16_bits_to_f32
+    tag, raw = f.raw(tname)
+    sel = raw[idx]
+    return bf16_bits_to_f32(sel) if tag == "BF16" else np.asarray(sel, np.float32)
+
+
+def _const(a: np.ndarray):
+    a = np.ascontiguousarray(a, np.float32)
+    return lambda part: a[part]
+
+
+def _tensors(cfg: ModelConfig, fam: Family, d: Path) -> list[SourceTensor]:
+    from .loading.safetensors import open_checkpoint
+    index = open_checkpoint(d)
+    out: list[SourceTensor] = []
+    rot = cfg.rotary_dim or cfg.head_dim
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type")
+    if kind == "llama3":
+        from .rope import RopeSpec
+        div = RopeSpec(cfg.rope_theta, rot, scaling).divisors(cfg.max_seq_len)
+        out.append(SourceTensor("rope_freqs.weight", (rot // 2,), _const(div)))
+    elif kind == "longrope":
+        for which in ("long", "short"):
+            fac = np.asarray(scaling[f"{which}_factor"], np.float32)
+            if fac.shape != (rot // 2,):
+                raise ModelLoadError(f"{one_line(d)}: rope {which}_factor has {fac.size} entries, expected {rot // 2}")
+            out.append(SourceTensor(f"rope_factors_{which}.weight", fac.shape, _const(fac)))
+    for t, i in fam.expected(cfg):
+        name, shape = t.hf_name(i), t.shape(cfg)
+        if name not in index:
+            if t.optional and cfg.tie_word_embeddings:
+                continue
+            raise ModelLoadError(f"missing tensor {name} in the checkpoint in {one_line(d)}")
+        f, tname = index[name]
+        got = f.shape_of(tname)
+        if got != shape:
+            raise ModelLoadError(f"tensor {name} has shape {got}, expected {shape}")
+        order = None
+        if fam.permute_qk and t.permute:
+            heads = cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
+            order = _permute_order(shape[0], heads)
+        out.append(SourceTensor(t.gguf_name(i), shape, _reader(f, tname, order, t.hf_plus_one)))
+    return out
+
+
+# ---------------------------------------------------------------------------------- metadata
+
+def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
+    import gguf
+    T = gguf.GGUFValueType
+    a = fam.gguf_arch + "."
+    kv = [("general.architecture", fam.gguf_arch, T.STRING, None), ("general.name", name, T.STRING, None),
+          (a + "block_count", cfg.n_layers, T.UINT32, None),
+          (a + "context_length", cfg.max_seq_len, T.UINT32, None),
+          (a + "embedding_length", cfg.dim, T.UINT32, None),
+          (a + "feed_forward_length", cfg.ffn_dim, T.UINT32, None),
+          (a + "attention.head_count", cfg.n_heads, T.UINT32, None),
+          (a + "attention.head_count_kv", cfg.n_kv_heads, T.UINT32, None),
+          (a + "rope.freq_base", cfg.rope_theta, T.FLOAT32, None),
+          (a + "attention.layer_norm_rms_epsilon", cfg.norm_eps, T.FLOAT32, None)]
+    if hf.get("head_dim") is not None:
+        kv += [(a + "attention.key_length", cfg.head_dim, T.UINT32, None),
+               (a + "attention.value_length", cfg.head_dim, T.UINT32, None)]
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type")
+    if kind == "linear":
+        kv += [(a + "rope.scaling.type", "linear", T.STRING, None),
+               (a + "rope.scaling.factor", float(scaling["factor"]), T.FLOAT32, None)]
+    elif kind not in (None, "llama3", "longrope"):
+        raise UnsupportedModelError(f"rope scaling {kind!r} cannot be written to a GGUF by cyllm")
+    if fam.gguf_arch in ("llama", "smollm3"):
+        kv += [(a + "vocab_size", cfg.vocab_size, T.UINT32, None),
+               (a + "rope.dimension_count", cfg.rotary_dim or cfg.head_dim, T.UINT32, None)]
+    if fam.name == "mistral" and cfg.sliding_window and cfg.sliding_window < cfg.max_seq_len:
+        print(f"cyllm: note: the sliding window ({cfg.sliding_window}) is not written: llama.cpp applies "
+              "none to llama-architecture files", file=sys.stderr)
+    if fam.name == "gemma3":
+        kv += [(a + "rope.freq_base_swa", cfg.rope_local_theta or 10000.0, T.FLOAT32, None),
+               (a + "attention.sliding_window", cfg.sliding_window, T.UINT32, None)]
+    if fam.name == "phi3":
+        orig = scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") \
+            or cfg.max_seq_len
+        kv += [(a + "rope.dimension_count", cfg.rotary_dim or cfg.head_dim, T.UINT32, None),
+               (a + "rope.scaling.original_context_length", int(orig), T.UINT32, None),
+               (a + "attention.sliding_window", cfg.sliding_window or 0, T.UINT32, None)]
+        if kind == "longrope":
+            from .rope import RopeSpec
+            mag = RopeSpec(cfg.rope_theta, cfg.rotary_dim or cfg.head_dim, scaling).magnitude()
+            kv.append((a + "rope.scaling.attn_factor", mag, T.FLOAT32, None))
+    return kv
+
+
+# ---------------------------------------------------------------------------------- vocabulary
+
+# llama.cpp pre-tokenizer names by the split regex of tokenizer.json (the regexes are the
+# public ones of those tokenizers; gguf_tokenizer.py maps the names back to them)
+def _pre_by_regex() -> dict[str, str]:
+    from .loading import gguf_tokenizer as gt
+    return {gt._LLAMA3_SPLIT: "llama-bpe", gt._QWEN2_SPLIT: "qwen2", gt._TEKKEN_SPLIT: "tekken",
+            gt._GPT4O_SPLIT: "gpt-4o"}
+
+
+def _walk_pre(node, out: list) -> None:
+    if not isinstance(node, dict):
+        return
+    kind = node.get("type")
+    if kind == "Sequence":
+        for p in node.get("pretokenizers") or []:
+            _walk_pre(p, out)
+    else:
+        out.append(node)
+
+
+def _pre_name(tj: dict) -> str:
+    steps: list = []
+    _walk_pre(tj.get("pre_tokenizer"), steps)
+    table = _pre_by_regex()
+    for s in steps:
+        if s.get("type") == "Split":
+            pat = s.get("pattern") or {}
+            rx = pat.get("Regex") if isinstance(pat, dict) else None
+            if rx in table:
+                return table[rx]
+    types = [s.get("type") for s in steps]
+    if "Digits" in types and "ByteLevel" in types:
+        return "smollm"
+    if types == ["ByteLevel"]:
+        return "gpt-2"
+    print("cyllm: warning: the tokenizer's pre-tokenizer is none llama.cpp names by cyllm's table; "
+          "writing tokenizer.ggml.pre = \"default\" (llama.cpp may split text differently)", file=sys.stderr)
+    return "default"
+
+
+def _read_json(p: Path) -> dict:
+    if not p.is_file():
+        return {}
+    try:
+        v = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise TokenizerError(f"cannot read {one_line(p)} ({one_line(e, 120)})") from None
+    return v if isinstance(v, dict) else {}
+
+
+def _tok_text(v):
+    if isinstance(v, dict):
+        v = v.get("content")
+    return v if isinstance(v, str) else None
+
+
+def _added(tj: dict, tc: dict) -> dict[int, tuple[str, bool]]:
+    """id -> (content, special) of the added tokens (tokenizer.json, then tokenizer_config.json)."""
+    out: dict[int, tuple[str, bool]] = {}
+    for t in tj.get("added_tokens") or []:
+        if isinstance(t, dict) and isinstance(t.get("id"), int) and isinstance(t.get("content"), str):
+            out[t["id"]] = (t["content"], bool(t.get("special")))
+    for k, t in (tc.get("added_tokens_decoder") or {}).items():
+        if isinstance(t, dict) and str(k).isdigit() and isinstance(t.get("content"), str):
+            out[int(k)] = (t["content"], bool(t.get("special")))
+    return out
+
+
+def _vocab_gpt2(tj: dict, tc: dict, n_vocab: int):
+    model = tj.get("model") or {}
+    vocab = model.get("vocab")
+    if model.get("type") != "BPE" or not isinstance(vocab, dict):
+        raise UnsupportedModelError("tokenizer.json: only BPE vocabularies can be written to a GGUF")
+    added = _added(tj, tc)
+    by_id: dict[int, str] = {i: t for t, i in vocab.items() if isinstance(i, int)}
+    tokens, types = [], []
+    for i in range(n_vocab):
+        if i in added:
+            tokens.append(added[i][0])
+            types.append(CONTROL if added[i][1] else USER_DEFINED)
+        elif i in by_id:
+            tokens.append(by_id[i])
+            types.append(NORMAL)
+        else:
+            tokens.append(f"[PAD{i}]")
+            types.append(UNUSED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    return tokens, types, merges
+
+
+def _vocab_spm(d: Path, tc: dict, tj: dict, n_vocab: int):
+    try:
+        import sentencepiece
+    except ImportError:
+        raise UnsupportedModelError("writing a SentencePiece vocabulary needs the sentencepiece package "
+                                    "(pip install sentencepiece)") from None
+    sp = sentencepiece.SentencePieceProcessor()
+    try:
+        sp.Load(str(d / "tokenizer.model"))
+    except (OSError, RuntimeError) as e:
+        raise TokenizerError(f"cannot read {one_line(d / 'tokenizer.model')} ({one_line(e, 120)})") from None
+    n_sp = sp.GetPieceSize()
+    tokens, scores, types = [], [], []
+    for i in range(n_vocab):
+        if i < n_sp:
+            tokens.append(sp.IdToPiece(i))
+            scores.append(float(sp.GetScore(i)))
+            types.append(UNKNOWN if sp.IsUnknown(i) else CONTROL if sp.IsControl(i) else
+                         UNUSED if sp.IsUnused(i) else BYTE if sp.IsByte(i) else NORMAL)
+        else:
+            tokens.append(f"[PAD{i}]")
+            scores.append(-10000.0)
+            types.append(UNUSED)
+    for i, (text, special) in _added(tj, tc).items():
+        if 0 <= i < n_vocab:
+            tokens[i] = text
+            scores[i] = -1000.0
+            types[i] = CONTROL if special else USER_DEFINED
+    pieces = sp.EncodeAsPieces("a")
+    space_prefix = bool(pieces) and pieces[0].startswith("\u2581")
+    return tokens, scores, types, space_prefix
+
+
+def _add_bos(tc: dict, tj: dict, bos: str | None) -> bool | None:
+    if isinstance(tc.get("add_bos_token"), bool):
+        return tc["add_bos_token"]
+    steps = []
+    pp = tj.get("post_processor")
+    if isinstance(pp, dict):
+        steps = pp.get("processors") if pp.get("type") == "Sequence" else [pp]
+    for s in steps or []:
+        if isinstance(s, dict) and s.get("type") == "TemplateProcessing":
+            single = s.get("single") or []
+            first = single[0] if single else {}
+            return bool(bos) and isinstance(first, dict) and (first.get("SpecialToken") or {}).get("id") == bos
+    return None
+
+
+def _tokenizer_kv(d: Path, cfg: ModelConfig, hf: dict) -> list:
+    import gguf
+    T = gguf.GGUFValueType
+    tj = _read_json(d / "tokenizer.json")
+    tc = _read_json(d / "tokenizer_config.json")
+    if not tj and not (d / "tokenizer.model").is_file():
+        raise TokenizerError(f"{one_line(d)} has no tokenizer.json or tokenizer.model; a GGUF needs the vocabulary")
+    n = cfg.vocab_size
+    kv = []
+    if (d / "tokenizer.model").is_file():
+        tokens, scores, types, space_prefix = _vocab_spm(d, tc, tj, n)
+        kv += [("tokenizer.ggml.model", "llama", T.STRING, None), ("tokenizer.ggml.pre", "default", T.STRING, None),
+               ("tokenizer.ggml.tokens", tokens, T.ARRAY, T.STRING),
+               ("tokenizer.ggml.scores", scores, T.ARRAY, T.FLOAT32),
+               ("tokenizer.ggml.token_type", types, T.ARRAY, T.INT32)]
+        if not space_prefix:
+            kv.append(("tokenizer.ggml.add_space_prefix", False, T.BOOL, None))
+    else:
+        tokens, types, merges = _vocab_gpt2(tj, tc, n)
+        kv += [("tokenizer.ggml.model", "gpt2", T.STRING, None), ("tokenizer.ggml.pre", _pre_name(tj), T.STRING, None),
+               ("tokenizer.ggml.tokens", tokens, T.ARRAY, T.STRING),
+               ("tokenizer.ggml.token_type", types, T.ARRAY, T.INT32),
+               ("tokenizer.ggml.merges", merges, T.ARRAY, T.STRING)]
+    ids = {t: i for i, t in enumerate(tokens)}
+    special = {}
+    for key, gkey in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+        text = _tok_text(tc.get(key))
+        if text is not None and text in ids:
+            special[gkey] = ids[text]
+    if "bos" not in special and cfg.bos_token_id is not None:
+        special["bos"] = cfg.bos_token_id
+    if "eos" not in special and cfg.eos_token_ids:
+        special["eos"] = cfg.eos_token_ids[0]
+    for gkey in ("bos", "eos", "unknown", "padding"):
+        if gkey in special:
+            kv.append((f"tokenizer.ggml.{gkey}_token_id", int(special[gkey]), T.UINT32, None))
+    add_bos = _add_bos(tc, tj, _tok_text(tc.get("bos_token")))
+    if add_bos is not None:
+        kv.append(("tokenizer.ggml.add_bos_token", add_bos, T.BOOL, None))
+    kv.append(("tokenizer.ggml.add_eos_token", bool(tc.get("add_eos_token") is True), T.BOOL, None))
+    template = tc.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or (next(iter(named.values())) if len(named) == 1 else None)
+    jpath = d / "chat_template.jinja"
+    if jpath.is_file():
+        template = jpath.read_text(encoding="utf-8")
+    if isinstance(template, str) and template:
+        kv.append(("tokenizer.chat_template", template, T.STRING, None))
+    return kv
+
+
+# ---------------------------------------------------------------------------------- entry point
+
+def is_hf_dir(path) -> bool:
+    return Path(path).is_dir()
+
+
+def hf_source(path) -> HFSource:
+    """The GGUF content of the Hugging Face model directory `path` (nothing converted yet)."""
+    from .loading.hf import _merge_generation_config, read_json
+    d = Path(path)
+    cpath = d / "config.json"
+    if not cpath.is_file():
+        raise ModelLoadError(f"no config.json in {one_line(d)} (not a Hugging Face model directory)")
+    hf = read_json(cpath)
+    cfg = config_from_hf(hf, name=d.resolve().name)
+    _merge_generation_config(cfg, d)
+    fam = family(cfg.arch)
+    kv = _hparams(cfg, fam, dict(hf), cfg.name) + _tokenizer_kv(d, cfg, dict(hf))
+    return HFSource(d, cfg, fam, dict(hf), kv, _tensors(cfg, fam, d))

@@ -1,0 +1,258 @@
+"""`cyllm quantize` from a Hugging Face directory, checked against llama.cpp's own tools.
+
+The reference for every file is llama.cpp: its converter (convert_hf_to_gguf.py, F16)
+followed by llama-quantize makes the file a llama.cpp user would get; cyllm's file of
+the same HF directory must hold the same metadata, the same tensor names, shapes and
+types (llama.cpp's per-tensor recipe), and -- from a float16 directory, where both
+quantize the same values -- the very same blocks. From a float32 directory cyllm
+quantizes the original values (llama.cpp goes through F16 first), so the bytes differ:
+there llama-perplexity on both files must agree within 1%.
+
+Needs llama.cpp's converter (tests/llamacpp_tools.py) and built tools
+(tests/llamacpp_build.py); skips with the reason when either cannot be had.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llamacpp_tools import LlamaCppUnavailable, GGUF_KINDS, convert_many
+from tinymodels import GGUF_PRE, KIND_TOKENIZER, KINDS, make_tiny_model
+
+gguf = pytest.importorskip("gguf")
+
+# llama.cpp's pre-tokenizer names with the same split (llama.cpp treats them alike); the
+# converter names SmolLM3's by a hash of its token ids, cyllm by the split regex
+SAME_PRE = {"smaug-bpe": "llama-bpe"}
+# keys the converter derives from the directory name or the tokenizer's post-processor
+# (add_sep_token: false either way, llama.cpp's default)
+IGNORED_KEYS = {"general.name", "general.type", "general.size_label", "general.basename", "general.finetune",
+                "tokenizer.ggml.add_sep_token"}
+
+# a llama with rows that are multiples of 256, so the K-quant formats themselves are written
+# (the family kinds' rows of 64-232 columns all fall back to Q5_0/Q5_1/Q8_0); 8 layers, so
+# llama.cpp's "more bits" rule picks some layers and not others
+KINDS["llama_k256"] = ("llama", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                     head_dim=64, intermediate_size=768, num_hidden_layers=8,
+                                     rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
+                                     tie_word_embeddings=False))
+KIND_TOKENIZER["llama_k256"] = "llama3"
+
+
+def _tool(name: str) -> Path:
+    from llamacpp_build import llamacpp_tool
+    try:
+        return llamacpp_tool(name)
+    except LlamaCppUnavailable as e:
+        pytest.skip(f"llama.cpp's tools cannot be built here: {e}")
+
+
+class Material:
+    """HF directories, llama.cpp F16 GGUFs and llama-quantize outputs, made once per module."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.hf: dict[tuple[str, str], Path] = {}
+        self.f16: dict[tuple[str, str], Path] = {}
+
+    def hf_dir(self, kind: str, dtype: str) -> Path:
+        if (kind, dtype) not in self.hf:
+            self.hf[(kind, dtype)] = make_tiny_model(self.root / "hf", kind, dtype=dtype, seed=0)
+        return self.hf[(kind, dtype)]
+
+    def convert(self, pairs) -> None:
+        todo = [(k, d) for k, d in pairs if (k, d) not in self.f16]
+        jobs = [(self.hf_dir(k, d), self.root / f"{k}-{d}-F16.gguf", "f16", GGUF_PRE[KIND_TOKENIZER[k]])
+                for k, d in todo]
+        try:
+            outs = convert_many(jobs)
+        except LlamaCppUnavailable as e:
+            pytest.skip(f"llama.cpp's converter is unavailable: {e}")
+        self.f16.update(zip(todo, outs))
+
+    def llamacpp_quant(self, kind: str, dtype: str, qtype: str) -> Path:
+        self.convert([(kind, dtype)])
+        out = self.root / f"{kind}-{dtype}-lc-{qtype}.gguf"
+        if not out.is_file():
+            r = subprocess.run([str(_tool("llama-quantize")), str(self.f16[(kind, dtype)]), str(out), qtype, "2"],
+                               capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        return out
+
+    def cyllm_quant(self, kind: str, dtype: str, qtype: str) -> Path:
+        from cyllm.quantize import quantize
+        out = self.root / f"{kind}-{dtype}-cyllm-{qtype}.gguf"
+        if not out.is_file():
+            quantize(self.hf_dir(kind, dtype), out, qtype, threads=2)
+        return out
+
+
+@pytest.fixture(scope="module")
+def material(tmp_path_factory):
+    m = Material(tmp_path_factory.mktemp("quanttool"))
+    m.convert([(k, "float16") for k in GGUF_KINDS] + [("llama_k256", "float16"), ("llama_k256", "float32")])
+    return m
+
+
+def _fields(path: Path) -> dict:
+    r = gguf.GGUFReader(str(path))
+    return r, {k: f for k, f in r.fields.items() if not k.startswith("GGUF.") and k not in IGNORED_KEYS}
+
+
+def _assert_same_file(ours: Path, ref: Path, exact_vectors: bool = True) -> None:
+    ra, fa = _fields(ours)
+    rb, fb = _fields(ref)
+    assert sorted(fa) == sorted(fb), (sorted(set(fa) - set(fb)), sorted(set(fb) - set(fa)))
+    for k in fa:
+        assert fa[k].types == fb[k].types, (k, fa[k].types, fb[k].types)
+        va, vb = fa[k].contents(), fb[k].contents()
+        if k == "tokenizer.ggml.pre":
+            va, vb = SAME_PRE.get(va, va), SAME_PRE.get(vb, vb)
+        if k == "tokenizer.ggml.scores":
+            # llama.cpp's tokenizer reads the scores of normal pieces only
+            types = fb["tokenizer.ggml.token_type"].contents()
+            va = [s for s, t in zip(va, types) if t == 1]
+            vb = [s for s, t in zip(vb, types) if t == 1]
+        if isinstance(vb, float) or (isinstance(vb, list) and vb and isinstance(vb[0], float)):
+            np.testing.assert_allclose(va, vb, rtol=1e-6, err_msg=k)
+        else:
+            assert va == vb, (k, str(va)[:200], str(vb)[:200])
+    ta = {t.name: t for t in ra.tensors}
+    tb = {t.name: t for t in rb.tensors}
+    assert sorted(ta) == sorted(tb)
+    for name, b in tb.items():
+        a = ta[name]
+        assert (a.tensor_type.name, list(a.shape)) == (b.tensor_type.name, list(b.shape)), name
+        da, db = np.asarray(a.data), np.asarray(b.data)
+        if b.tensor_type == gguf.GGMLQuantizationType.F32:
+            # vectors: llama.cpp's converter adds Gemma's +1 in float16 (one f16 step at 1.0),
+            # rope_freqs are computed in float32 there, float64 here
+            np.testing.assert_allclose(da, db, rtol=1e-6 if exact_vectors else 0, atol=0 if exact_vectors else 1e-3,
+                                       err_msg=name)
+        else:
+            assert np.array_equal(da.view(np.uint8), db.view(np.uint8)), f"{name}: blocks differ"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k_m"])
+@pytest.mark.parametrize("kind", GGUF_KINDS)
+def test_families_match_llamacpp(material, kind, qtype):
+    """A float16 HF directory of every family: cyllm's file == converter + llama-quantize's file
+    (metadata, vocabulary, tensor names/shapes/types, blocks byte for byte)."""
+    ref = material.llamacpp_quant(kind, "float16", qtype)
+    ours = material.cyllm_quant(kind, "float16", qtype)
+    _assert_same_file(ours, ref, exact_vectors=kind != "gemma3")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"])
+def test_k_quant_rows_match_llamacpp(material, qtype):
+    """Rows that are multiples of 256: the K-quant blocks and the Q4_K_M / Q5_K_M per-layer
+    choices (Q6_K on some attn_v / ffn_down) are llama-quantize's."""
+    ref = material.llamacpp_quant("llama_k256", "float16", qtype)
+    ours = material.cyllm_quant("llama_k256", "float16", qtype)
+    _assert_same_file(ours, ref)
+    types = {t.tensor_type.name for t in gguf.GGUFReader(str(ours)).tensors}
+    want = {"q8_0": {"Q8_0"}, "q4_0": {"Q4_0", "Q6_K"}, "q4_k_m": {"Q4_K", "Q6_K"},
+            "q5_k_m": {"Q5_K", "Q6_K"}, "q6_k": {"Q6_K"}}[qtype]
+    assert want <= types, types
+
+
+def _text(tmp_path: Path) -> Path:
+    src = Path("/usr/share/common-licenses/GPL-3")
+    text = src.read_text(encoding="utf-8")[:6000] if src.is_file() else \
+        ("The quick brown fox jumps over the lazy dog. Hello world! How are you today? " * 80)
+    p = tmp_path / "ppl.txt"
+    p.write_text(text, encoding="utf-8")
+    return p
+
+
+def _llamacpp_ppl(model: Path, text: Path) -> dict[int, float]:
+    """llama-perplexity's running estimate after each chunk, {chunk: PPL} (stdout; its
+    "Final estimate" line goes through an asynchronous logger that may lose it at exit,
+    and so may the last chunk's value: callers compare at a chunk both runs reached)."""
+    r = subprocess.run([str(_tool("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", "128",
+                        "-b", "128", "-t", "2", "--chunks", "8"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    found = {int(k): float(v) for k, v in re.findall(r"\[(\d+)\]([0-9.]+),", r.stdout)}
+    assert len(found) >= 6, (r.stdout + r.stderr)[-3000:]
+    return found
+
+
+def _common(*runs: dict[int, float]) -> list[float]:
+    k = max(set.intersection(*(set(r) for r in runs)))
+    return [r[k] for r in runs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["q4_k_m", "q8_0"])
+def test_float32_dir_perplexity_within_1pct_of_llamacpp(material, tmp_path, qtype):
+    """From float32 weights cyllm quantizes the original values; llama.cpp's perplexity on
+    cyllm's file is within 1% of its perplexity on its own quantization of the same model."""
+    ref = material.llamacpp_quant("llama_k256", "float32", qtype)
+    ours = material.cyllm_quant("llama_k256", "float32", qtype)
+    text = _text(tmp_path)
+    p_ref, p_ours, p_f16 = _common(_llamacpp_ppl(ref, text), _llamacpp_ppl(ours, text),
+                                   _llamacpp_ppl(material.f16[("llama_k256", "float32")], text))
+    print(f"{qtype}: llama.cpp PPL on llama.cpp's file {p_ref:.4f}, on cyllm's {p_ours:.4f}, F16 {p_f16:.4f}")
+    assert abs(p_ours / p_ref - 1) < 0.01, (p_ours, p_ref)
+    # not the same bytes (the test would say nothing about quantizing from float32 otherwise)
+    a = {t.name: np.asarray(t.data).tobytes() for t in gguf.GGUFReader(str(ours)).tensors}
+    b = {t.name: np.asarray(t.data).tobytes() for t in gguf.GGUFReader(str(ref)).tensors}
+    assert any(a[n] != b[n] for n in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["f16", "native"])
+def test_cyllm_loads_its_file_like_llamacpps(material, monkeypatch, mode):
+    """cyllm reads the file it wrote as it reads llama-quantize's file of the same model
+    (float16 directory: the same blocks, so the same logits), on both weight paths."""
+    import cyllm
+    monkeypatch.setenv("CYLLM_QUANT", mode)
+    ids = [400, 17, 42, 99, 7, 123, 250, 3]
+    out = []
+    for path in (material.cyllm_quant("llama_k256", "float16", "q4_k_m"),
+                 material.llamacpp_quant("llama_k256", "float16", "q4_k_m")):
+        m = cyllm.load(path, backend="cpu")
+        out.append(np.array(m.logits(ids)))
+        assert isinstance("".join(m.generate("Hello world", max_tokens=8, temperature=0)), str)
+    np.testing.assert_array_equal(out[0], out[1])
+
+
+def test_cli_unknown_type_lists_supported(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "cyllm", "quantize", str(tmp_path), str(tmp_path / "o.gguf"),
+                        "--type", "q3_k_xl"], capture_output=True, text=True, timeout=60)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("cyllm: error:") and "q3_k_xl" in lines[0]
+    for t in ("q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"):
+        assert t in lines[0]
+
+
+def test_cli_directory_without_config(tmp_path):
+    d = tmp_path / "empty"
+    d.mkdir()
+    r = subprocess.run([sys.executable, "-m", "cyllm", "quantize", str(d), str(tmp_path / "o.gguf"),
+                        "--type", "q8_0"], capture_output=True, text=True, timeout=60)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "config.json" in lines[0], r.stderr
+    assert not (tmp_path / "o.gguf").exists() and not (tmp_path / "o.gguf.part").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["q4_k_m", "q6_k"])
+@pytest.mark.parametrize("kind", ["llama_k256", "phi3"])
+def test_gguf_input_matches_llamacpp(material, tmp_path, kind, qtype):
+    """The GGUF input path: llama.cpp's F16 file -> cyllm quantize == llama-quantize's file."""
+    from cyllm.quantize import quantize
+    material.convert([(kind, "float16")])
+    ours = tmp_path / "ours.gguf"
+    quantize(material.f16[(kind, "float16")], ours, qtype, threads=2)
+    _assert_same_file(ours, material.llamacpp_quant(kind, "float16", qtype))
