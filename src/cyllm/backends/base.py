@@ -89,6 +89,9 @@ class Backend:
     # True: the model uploads q/k/v as one (q+2kv, dim) matrix (one matvec instead of
     # three); backends that map weights without copying say False
     fuse_qkv: bool = False
+    # True: a row slice of an uploaded quantized matrix is a view the ops accept (fused
+    # q/k/v and gate/up tensors are cut after upload); False: the model cuts them on the host
+    quant_row_views: bool = True
 
     def upload(self, a: np.ndarray) -> Array:
         """Host array -> backend array (weights, once). May return a view (no copy)."""
