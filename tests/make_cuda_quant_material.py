@@ -306,8 +306,11 @@ def main(argv=None) -> int:
                 "quant_types": list(QUANT_TYPES), "converter_types": [t.upper() for t in CONVERTER_TYPES]}
     for f in files:
         manifest["families"][f.name] = {"bytes": f.stat().st_size, "sha256": sha256(f), "types": type_mix(f)}
+    old = mat / "manifest.json"
     if not a.skip_default:
         manifest["default"] = split_default(out, a.part_mb, a.force)
+    elif old.is_file():     # parts made by an earlier run stay described
+        manifest["default"] = json.loads(old.read_text()).get("default")
     if not a.skip_llamacpp_src:
         bench = out / "cuda_quant_bench"
         bench.mkdir(parents=True, exist_ok=True)
