@@ -246,8 +246,15 @@ class Model:
         self.layers: list[Layer] = []
         for i in range(c.n_layers):
             wqkv = bqkv = None
+            split_qkv = None
             if fam.fused_qkv:
-                wqkv = up(get("attn_qkv.weight", i))
+                h = get("attn_qkv.weight", i)
+                if isinstance(h, QuantMatrix) and not b.quant_row_views:
+                    # the backend's quantized layout has no row views (cuda): three matrices,
+                    # cut on the host where a QuantMatrix row slice is a zero-copy view
+                    split_qkv = (up(h[:qd]), up(h[qd:qd + kd]), up(h[qd + kd:]))
+                else:
+                    wqkv = up(h)
             elif b.fuse_qkv and all(isinstance(get(r, i), np.ndarray) for r in QKV):
                 # float16 only: quantized q/k/v often differ in format (Q4_K_M: v in Q6_K), and a
                 # fused copy of blocks would double their memory; they stay three matvecs
@@ -258,6 +265,8 @@ class Model:
                 wq, wk, wv = wqkv[:qd], wqkv[qd:qd + kd], wqkv[qd + kd:]
                 if has_bias:
                     bqkv = up(np.concatenate(biases))
+            elif split_qkv is not None:
+                wq, wk, wv = split_qkv
             else:
                 wq, wk, wv = (up(get(r, i)) for r in QKV)
             if bqkv is not None:
@@ -267,8 +276,12 @@ class Model:
             else:
                 bq = bk = bv = None
             if fam.fused_gate_up:
-                gu = up(get("ffn_gate_up.weight", i))                   # (2*ffn, dim): gate rows first
-                w_gate, w_up = gu[:f], gu[f:]
+                h = get("ffn_gate_up.weight", i)                        # (2*ffn, dim): gate rows first
+                if isinstance(h, QuantMatrix) and not b.quant_row_views:
+                    w_gate, w_up = up(h[:f]), up(h[f:])
+                else:
+                    gu = up(h)
+                    w_gate, w_up = gu[:f], gu[f:]
             else:
                 w_gate, w_up = up(get("ffn_gate.weight", i)), up(get("ffn_up.weight", i))
             spec = c.layer_rope(i)

@@ -94,6 +94,9 @@ class Backend:
     # activations to int8 blocks, where a last-bit difference between the prefill and
     # decode paths can flip a rounding and change the text a seed gives (host backends)
     batch_rows_exact: bool = False
+    # True: a row slice of an uploaded quantized matrix is a view the ops accept (fused
+    # q/k/v and gate/up tensors are cut after upload); False: the model cuts them on the host
+    quant_row_views: bool = True
 
     def upload(self, a: np.ndarray) -> Array:
         """Host array -> backend array (weights, once). May return a view (no copy)."""

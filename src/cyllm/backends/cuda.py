@@ -182,6 +182,7 @@ class _PdlLauncher:
 class CudaBackend(Backend):
     name = "cuda"
     fuse_qkv = True       # upload copies anyway: one (q+2kv, dim) matrix, one matvec
+    quant_row_views = False   # CudaQuantMatrix (tiled planes) has no row views: fused tensors are cut on the host
     kernel_variant = "cuda"
 
     def __init__(self, threads: int | None = None):
