@@ -162,7 +162,7 @@ def bench_attention(be, bw, lines):
 def bench_decode(be, bw, preset, depths, lines, n_tok=128, graphs=True):
     """Decode tokens/s of cyllm's own Model (model.py) on synthetic weights of a real shape."""
     from cyllm.model import Model
-    from cyllm.synthetic import build_synthetic
+    from cyllm.tools.synthetic import build_synthetic
 
     config, weights = build_synthetic(preset)
     ctx = max(depths) + n_tok + 8

@@ -14,7 +14,7 @@ import pytest
 
 import cyllm.template_sandbox as sandbox
 import gguf_raw as G
-from cyllm.cli import main
+from cyllm.tools.cli import main
 from cyllm.errors import TokenizerError
 from cyllm.tokenizer import _compile_template
 from tinymodels import make_tiny_model

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import InvalidArgumentError, ModelLoadError
-from .quant.recipe import FILE_TYPES, LLAMA_FTYPE, recipe
+from ..errors import InvalidArgumentError, ModelLoadError
+from ..quant.recipe import FILE_TYPES, LLAMA_FTYPE, recipe
 
 _SKIP_KEYS = {"general.architecture", "general.file_type", "general.quantization_version",
               "general.alignment"}
@@ -35,7 +35,7 @@ _FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 
 def _plan(gf, rec):
     """[(name, info, target format or None: copy)] in file order."""
-    from .quant.formats import format_by_ggml_type
+    from ..quant.formats import format_by_ggml_type
     out = []
     for name, info in gf.tensors.items():
         shape = info.shape
@@ -57,9 +57,9 @@ def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, ov
     Returns {format name: number of tensors} of what was written."""
     import gguf
 
-    from .loading.gguf import SUPPORTED_TENSOR_TYPES, _dequantize, config_from_gguf, read_gguf
-    from .quant.convert import quantize_rows_f32
-    from .quant.formats import format_by_name
+    from ..loading.gguf import SUPPORTED_TENSOR_TYPES, _dequantize, config_from_gguf, read_gguf
+    from ..quant.convert import quantize_rows_f32
+    from ..quant.formats import format_by_name
 
     key = qtype.strip().lower() if isinstance(qtype, str) else qtype
     if key not in FILE_TYPES:

@@ -15,9 +15,9 @@ import os
 import sys
 
 from .argparsing import EXIT_USAGE, Parser, llama_cpp_flag, nonneg_int, pos_int
-from .errors import CyllmError, InvalidArgumentError
-from .hub import model_path
-from .oneline import one_line
+from ..errors import CyllmError, InvalidArgumentError
+from ..hub import model_path
+from ..oneline import one_line
 from .textinput import (check_text_arg, read_stdin_text, read_text_file, strip_one_newline,
                         stdin_is_tty as _stdin_is_tty)
 
@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
     return __version__
 
 
@@ -166,7 +166,7 @@ def use_chat_template(model, spec: str | None) -> str | None:
     if tok is None:
         raise InvalidArgumentError("this model has no tokenizer, so no chat template can be used")
     if spec:
-        from .chat_templates import resolve_chat_template
+        from ..chat_templates import resolve_chat_template
         t = resolve_chat_template(spec)
         tok.set_chat_template(t.source)
         return t.end
@@ -236,9 +236,9 @@ def cmd_generate(a) -> int:
 
 
 def _generate_shifting(model, prompt: str, add_special: bool, stop: list[str], a):
-    from .context_shift import generate_shifting
-    from .errors import ContextFullError, TokenizerError
-    from .sampling import SamplingParams
+    from ..context_shift import generate_shifting
+    from ..errors import ContextFullError, TokenizerError
+    from ..sampling import SamplingParams
 
     if model.tokenizer is None:
         raise TokenizerError("this model has no tokenizer (no tokenizer.json)")
@@ -274,12 +274,12 @@ def cmd_info(a) -> int:
 
     import numpy as np
 
-    from .threads import logical_cpus, physical_cores, resolve_threads
+    from ..threads import logical_cpus, physical_cores, resolve_threads
 
     print(f"cyllm {_version()} (Python {platform.python_version()}, numpy {np.__version__})")
     print(f"cpu: {_cpu_model()} ({physical_cores()} physical cores, {logical_cpus()} logical CPUs)")
     try:
-        from .backends.cpu import kernel_info
+        from ..backends.cpu import kernel_info
         info = kernel_info()
         print(f"cpu features: {', '.join(info['cpu_features']) or 'none detected'}")
         print(f"kernel variant: {info['variant']}"
@@ -297,20 +297,20 @@ def cmd_info(a) -> int:
     except CyllmError as e:
         print(f"threads: {one_line(e)}")
     try:
-        from .saved_tuning import describe_saved_tuning
+        from ..saved_tuning import describe_saved_tuning
         for line in describe_saved_tuning():
             print(one_line(line))
     except ImportError:
         pass
-    from .default_model import describe_default_model
+    from ..default_model import describe_default_model
     print(one_line(describe_default_model()))
     print(f"cuda: {_cuda_status()}")
     return 0
 
 
 def cmd_models(a) -> int:
-    from .default_model import default_model_path
-    from .hub import cache_dir, cached_models
+    from ..default_model import default_model_path
+    from ..hub import cache_dir, cached_models
     from .modelinfo import fmt_bytes
 
     models = cached_models()
@@ -343,7 +343,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-from .errors import CUDA_INSTALL_HINT  # noqa: E402  (the engine's hint; the CLI repeats it)
+from ..errors import CUDA_INSTALL_HINT  # noqa: E402  (the engine's hint; the CLI repeats it)
 
 
 def _cuda_status() -> str:

@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CyllmError, InvalidArgumentError
+from ..errors import CyllmError, InvalidArgumentError
 
 
 def write_out(text: str) -> None:
@@ -51,7 +51,7 @@ ROLES = ("system", "user", "assistant")
 
 
 def notice(msg: str) -> None:
-    from .oneline import one_line
+    from ..oneline import one_line
     print(f"cyllm: {one_line(msg)}", file=sys.stderr, flush=True)
 
 
@@ -418,7 +418,7 @@ def read_conversation(path: Path) -> list[dict]:
 
 def run_chat(a) -> int:
     from .cli import _load, _stdin_is_tty, check_text_arg, use_chat_template
-    from .generate import Chat
+    from ..generate import Chat
 
     system = check_text_arg(a.system, "the system prompt (-s)")
     stop = [check_text_arg(s, "a --stop text") for s in a.stop]
