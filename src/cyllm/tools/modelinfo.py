@@ -1,6 +1,6 @@
 """`cyllm info -m MODEL`: what a model file is, from its headers alone (nothing is loaded or run).
 
-GGUF: the metadata and tensor table (loading/gguf.read_gguf, which maps the file
+GGUF: the metadata and tensor table (loading/gguf_file.read_gguf, which maps the file
 but reads no tensor data). Hugging Face directory: config.json, the safetensors
 headers, tokenizer.json / tokenizer_config.json. Values from the file are
 shown through ``_clip`` (printable, bounded), since a file can hold anything.
