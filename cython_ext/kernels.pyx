@@ -27,7 +27,7 @@ from libc.string cimport memset
 from libc.math cimport sqrt, expf
 
 from cyllm.errors import BackendUnavailableError, InvalidArgumentError
-from cyllm.quant.formats import QuantMatrix
+from cyllm.quant.matrix import QuantMatrix
 
 cnp.import_array()
 

@@ -25,7 +25,7 @@ import os
 import numpy as np
 
 from ..errors import CUDA_INSTALL_HINT, BackendUnavailableError, InvalidArgumentError, ModelLoadError
-from ..quant.formats import QuantMatrix
+from ..quant.matrix import QuantMatrix
 from . import cuda_quant
 from .base import ACTIVATIONS, Backend, check_token
 from .cuda_source import assemble

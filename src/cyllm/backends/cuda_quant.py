@@ -30,7 +30,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import BackendUnavailableError, InvalidArgumentError, ModelLoadError
-from ..quant.formats import FORMATS, QuantMatrix, WeightFormat
+from ..quant.formats import FORMATS, WeightFormat
+from ..quant.matrix import QuantMatrix
 from .cuda_source import assemble
 
 try:  # CuPy is optional: this module imports without it (the layout helpers use numpy)

@@ -292,7 +292,8 @@ def _quant_matrix(gf: GGUFFile, p: PlannedTensor):
     """A quantized matrix in its native format: a zero-copy view of the mapped blocks,
     or (a type without a native kernel) dequantized and requantized chunk by chunk."""
     from ..quant.convert import quantize_rows_f32
-    from ..quant.formats import QuantMatrix, format_by_name
+    from ..quant.formats import format_by_name
+    from ..quant.matrix import QuantMatrix
     fmt = format_by_name(p.fmt)
     info = p.info
     rows, cols = p.shape
