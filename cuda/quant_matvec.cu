@@ -6,7 +6,7 @@
 //   4 bytes of x per weight through L1; int8 activations (x quantized per 32 elements, the
 //   q8_0 activation format of the CPU kernels: d = amax/127, q = rint(x * 127/amax)) need
 //   one dp4a per 4 weights and 1 byte of x per weight.
-// * Layout ("lane = row"): the weights are repacked once at upload (backends/cuda_quant.py,
+// * Layout ("lane = row"): the weights are repacked once at upload (backends/cuda/quant.py,
 //   repack) so that lane l of a warp owns row 32*T + l of row tile T and a warp's 16-byte
 //   loads are 512 contiguous bytes. Each row is a sequence of items (one block for the
 //   32-element formats, one superblock for the K-quants); an item is UPI 16-byte units
@@ -432,7 +432,7 @@ __device__ __forceinline__ float qdot(const QItem<QF_q6_k>& it, const uint4* xq,
 }
 
 // ---- the matvec -------------------------------------------------------------------------
-#define QMV_MAX_WARPS 16    // warps per block (cuda_quant.MAX_WARPS)
+#define QMV_MAX_WARPS 16    // warps per block (backends/cuda/quant.py MAX_WARPS)
 
 template <class F, int MODE, bool NORM>
 __device__ __forceinline__ void qmv_body(

@@ -1,17 +1,19 @@
 """CUDA backend: the op interface of base.py on an NVIDIA GPU, through CuPy.
 
 Kernels live in cuda/*.cu (shipped as the package ``cyllm._cuda``) and are
-compiled once, at first use, by NVRTC through ``cupy.RawModule``. Weights are
-uploaded once as FP16, the KV cache is FP16, activations and accumulation are
-FP32, exactly as in the CPU backend.
+compiled once, at first use, by NVRTC through ``cupy.RawModule`` (nvrtc.py).
+Weights are uploaded once as FP16, the KV cache is FP16, activations and
+accumulation are FP32, exactly as in the CPU backend. Quantized weights stay in
+their block format on the device (quant.py).
 
-Per-step values (token id, position) can come from the host as kernel
-arguments (eager ops) or from a two-int device buffer: ``decode_step`` writes
-that buffer, then replays a CUDA graph of the whole forward pass captured once,
-so a token costs one graph launch instead of hundreds of Python-side launches.
-The same graph serves every position because no kernel's launch shape depends
-on the position (attention's grid is sized for the whole cache and blocks past
-the position leave at once). ``CYLLM_CUDA_GRAPHS=0`` turns graphs off.
+Per-step values (token id, position) can come from the host as kernel arguments
+(eager ops) or from a two-int device buffer, which ``decode_step`` writes before
+replaying a CUDA graph of the whole forward pass (graphs.py).
+
+The other concerns have their own modules: kernel_names.py (every kernel launched,
+named whole), shapes.py (launch-shape heuristics), norm_fold.py (rmsnorm folded into
+the next matvec), pdl.py (programmatic dependent launch through ctypes), cublas.py
+(the prefill GEMM).
 
 Importing this module never fails for want of CuPy or a GPU; constructing
 ``CudaBackend`` raises ``BackendUnavailableError`` with one clear line.
@@ -24,12 +26,20 @@ import os
 
 import numpy as np
 
-from ..errors import CUDA_INSTALL_HINT, BackendUnavailableError, InvalidArgumentError, ModelLoadError
-from ..quant.matrix import QuantMatrix
-from . import cuda_quant
-from .base import ACTIVATIONS, Backend, check_token
-from .cuda_source import assemble
-from .cuda_quant import CudaQuantMatrix
+from ...errors import CUDA_INSTALL_HINT, BackendUnavailableError, InvalidArgumentError, ModelLoadError
+from ...quant.matrix import QuantMatrix
+from ..base import ACTIVATIONS, Backend, check_token
+from . import quant as cuda_quant
+from .cublas import gemm_ex
+from .graphs import GraphDecode
+from .kernel_names import (ATTN_BATCH_KERNELS, ATTN_SPLIT_KERNELS, GATE_UP_OPS, GLU_KERNELS,
+                           MATVEC_KERNELS, MATVEC_SCALAR_KERNELS)
+from .norm_fold import NormFolding
+from .nvrtc import module_for
+from .pdl import PdlLauncher
+from .quant import CudaQuantMatrix
+from .shapes import ATT_THREADS, ATT_WARPS, MV_LARGE, SMEM_LIMIT, attn_chunk, attn_smem, matvec_shape
+from .shapes import blocks as _blocks
 
 try:  # CuPy is an optional extra; a broken CUDA install can raise more than ImportError
     import cupy as cp
@@ -38,70 +48,8 @@ except Exception as e:  # noqa: BLE001 - reported when the backend is constructe
     cp = None
     _CUPY_ERROR = e
 
-# concatenation order of the kernel sources (common.cuh is inlined once, first)
-KERNEL_FILES = ("common.cuh", "elementwise.cu", "matvec.cu", "attention.cu")
-# quant_matvec.cu is compiled separately, one module per weight format (cuda_quant.py)
-
 _NEG1 = np.int32(-1)          # "read the step buffer" (see step_value in common.cuh)
-_ATT_THREADS = 256            # ATT_THREADS in attention.cu
-_ATT_WARPS = _ATT_THREADS // 32
-_SMEM_LIMIT = 48 * 1024       # default dynamic shared memory limit per block
 _FIT_MARGIN = 512 << 20       # room left for scratch, cuBLAS workspace, the CUDA context
-
-
-def kernel_source() -> str:
-    """All the F16 backend's kernels as one source string (see cuda_source.assemble)."""
-    return assemble(KERNEL_FILES)
-
-
-# one compiled module per device, shared by every backend instance in the process
-_MODULES: dict = {}
-
-
-# Every kernel of cuda/*.cu this backend launches, named whole (grep finds each one):
-# matvec-like kernels by (op, rows per warp, 8 loads in flight, rmsnorm folded in)
-_MATVEC_KERNELS = {
-    ("matvec", 1, False, False): "matvec_r1", ("matvec", 1, True, False): "matvec_r1_u8",
-    ("matvec", 1, False, True): "matvec_r1_norm", ("matvec", 1, True, True): "matvec_r1_u8_norm",
-    ("matvec", 2, False, False): "matvec_r2", ("matvec", 2, True, False): "matvec_r2_u8",
-    ("matvec", 2, False, True): "matvec_r2_norm", ("matvec", 2, True, True): "matvec_r2_u8_norm",
-    ("matvec", 4, False, False): "matvec_r4", ("matvec", 4, True, False): "matvec_r4_u8",
-    ("matvec", 4, False, True): "matvec_r4_norm", ("matvec", 4, True, True): "matvec_r4_u8_norm",
-    ("matvec_add", 1, False, False): "matvec_add_r1", ("matvec_add", 1, True, False): "matvec_add_r1_u8",
-    ("matvec_add", 1, False, True): "matvec_add_r1_norm", ("matvec_add", 1, True, True): "matvec_add_r1_u8_norm",
-    ("matvec_add", 2, False, False): "matvec_add_r2", ("matvec_add", 2, True, False): "matvec_add_r2_u8",
-    ("matvec_add", 2, False, True): "matvec_add_r2_norm", ("matvec_add", 2, True, True): "matvec_add_r2_u8_norm",
-    ("matvec_add", 4, False, False): "matvec_add_r4", ("matvec_add", 4, True, False): "matvec_add_r4_u8",
-    ("matvec_add", 4, False, True): "matvec_add_r4_norm", ("matvec_add", 4, True, True): "matvec_add_r4_u8_norm",
-    ("gate_up_silu", 1, False, False): "gate_up_silu_r1", ("gate_up_silu", 1, True, False): "gate_up_silu_r1_u8",
-    ("gate_up_silu", 1, False, True): "gate_up_silu_r1_norm",
-    ("gate_up_silu", 1, True, True): "gate_up_silu_r1_u8_norm",
-    ("gate_up_silu", 2, False, False): "gate_up_silu_r2", ("gate_up_silu", 2, True, False): "gate_up_silu_r2_u8",
-    ("gate_up_silu", 2, False, True): "gate_up_silu_r2_norm",
-    ("gate_up_silu", 2, True, True): "gate_up_silu_r2_u8_norm",
-    ("gate_up_gelu", 1, False, False): "gate_up_gelu_r1", ("gate_up_gelu", 1, True, False): "gate_up_gelu_r1_u8",
-    ("gate_up_gelu", 1, False, True): "gate_up_gelu_r1_norm",
-    ("gate_up_gelu", 1, True, True): "gate_up_gelu_r1_u8_norm",
-    ("gate_up_gelu", 2, False, False): "gate_up_gelu_r2", ("gate_up_gelu", 2, True, False): "gate_up_gelu_r2_u8",
-    ("gate_up_gelu", 2, False, True): "gate_up_gelu_r2_norm",
-    ("gate_up_gelu", 2, True, True): "gate_up_gelu_r2_u8_norm",
-}
-# any n, any alignment
-_MATVEC_SCALAR_KERNELS = {"matvec": "matvec_scalar", "matvec_add": "matvec_add_scalar",
-                          "gate_up_silu": "gate_up_silu_scalar", "gate_up_gelu": "gate_up_gelu_scalar"}
-# decode attention by (query heads per tile, V loaded with K)
-_ATTN_SPLIT_KERNELS = {(1, False): "attn_split_g1", (1, True): "attn_split_g1_ve",
-                       (2, False): "attn_split_g2", (2, True): "attn_split_g2_ve",
-                       (4, False): "attn_split_g4", (4, True): "attn_split_g4_ve",
-                       (8, False): "attn_split_g8", (8, True): "attn_split_g8_ve"}
-# prefill attention by (columns per lane, float4 rows)
-_ATTN_BATCH_KERNELS = {(1, False): "attn_batch_c1", (1, True): "attn_batch_c1_v4",
-                       (2, False): "attn_batch_c2", (2, True): "attn_batch_c2_v4",
-                       (4, False): "attn_batch_c4", (4, True): "attn_batch_c4_v4",
-                       (8, False): "attn_batch_c8", (8, True): "attn_batch_c8_v4"}
-# the matvec-like op of each GLU activation, and the product pass of the batched one
-_GATE_UP_OPS = {"silu": "gate_up_silu", "gelu_tanh": "gate_up_gelu"}
-_GLU_KERNELS = {"silu": "swiglu_f32", "gelu_tanh": "geglu_f32"}
 
 
 def _check_act(act) -> str:
@@ -117,69 +65,7 @@ def _check_window(window) -> int:
     return min(w, 2**31 - 1)
 
 
-def _blocks(n: int, threads: int) -> int:
-    return (n + threads - 1) // threads
-
-
-class _PdlLauncher:
-    """Launches a kernel with programmatic dependent launch (cuLaunchKernelEx, through ctypes).
-
-    CuPy's RawKernel cannot set launch attributes, so the driver entry point is
-    called directly with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION:
-    the kernel may begin while the previous kernel on the stream still runs, and
-    its own ``griddepcontrol.wait`` (pdl_wait in common.cuh) orders it after that
-    kernel's completion. Works inside stream capture: the graph keeps the edge.
-    """
-
-    _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6      # CUlaunchAttributeID
-
-    def __init__(self):
-        import ctypes
-        self.ct = ctypes
-        lib = ctypes.CDLL("libcuda.so.1")
-        self.fn = lib.cuLaunchKernelEx
-        self.fn.restype = ctypes.c_int
-
-        class Attr(ctypes.Structure):          # CUlaunchAttribute: id, pad to 8, 64-byte value union
-            _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
-
-        class Config(ctypes.Structure):        # CUlaunchConfig
-            _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                        ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                        ("attrs", ctypes.POINTER(Attr)), ("n_attrs", ctypes.c_uint)]
-
-        self.attr = Attr()
-        self.attr.id = self._ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
-        self.attr.value[0] = 1
-        self.Config = Config
-
-    def _arg(self, a):
-        ct = self.ct
-        if isinstance(a, np.int32):
-            return ct.c_int32(int(a))
-        if isinstance(a, np.float32):
-            return ct.c_float(float(a))
-        if isinstance(a, np.int64):
-            return ct.c_int64(int(a))
-        return ct.c_void_p(int(a.data.ptr))     # a CuPy array
-
-    def launch(self, func_ptr: int, grid, block, args, smem: int, stream_ptr: int) -> int:
-        ct = self.ct
-        cfg = self.Config()
-        g = tuple(grid) + (1,) * (3 - len(grid))
-        b = tuple(block) + (1,) * (3 - len(block))
-        cfg.grid[:] = g
-        cfg.block[:] = b
-        cfg.smem = smem
-        cfg.stream = stream_ptr
-        cfg.attrs = ct.pointer(self.attr)
-        cfg.n_attrs = 1
-        vals = [self._arg(a) for a in args]
-        params = (ct.c_void_p * len(vals))(*[ct.addressof(v) for v in vals])
-        return self.fn(ct.byref(cfg), ct.c_void_p(func_ptr), params, None)
-
-
-class CudaBackend(Backend):
+class CudaBackend(NormFolding, GraphDecode, Backend):
     name = "cuda"
     fuse_qkv = True       # upload copies anyway: one (q+2kv, dim) matrix, one matvec
     kernel_variant = "cuda"
@@ -238,35 +124,18 @@ class CudaBackend(Backend):
         # loads in flight per lane for large matrices no taller than wide (wo, down) where
         # matvec_unroll is unset: under PDL the first batch streams before the wait, so the
         # short matvecs that follow attention start with more bytes in flight
-        self.matvec_unroll_wide = int(os.environ.get("CYLLM_CUDA_MV_WIDE_UNROLL", "8"))
-        self.matvec_shape_rule = os.environ.get("CYLLM_CUDA_MV_SHAPES", "large")    # or "old"
+        self.matvec_unroll_wide = 8
+        self.matvec_shape_rule = "large"    # or "old" (see shapes.matvec_shape)
+        # extra NVRTC options, e.g. ("-DMV_UNROLL=8",): experiments only (bench/cuda_switches.py);
+        # set before the first kernel is compiled
+        self.compile_defines: tuple[str, ...] = ()
 
     # -- kernels ----------------------------------------------------------------
-    def _compile(self):
-        src = kernel_source()
-        errors = []
-        # the PTX load hint (ld.global.nc.L1::no_allocate) is a nicety: fall back without it
-        extra = tuple(os.environ.get("CYLLM_CUDA_DEFINES", "").split())   # e.g. -DMV_UNROLL=8 (experiments)
-        for opts in ((), ("-DCYLLM_PLAIN_LOADS",)):
-            try:
-                mod = cp.RawModule(code=src, options=opts + extra)
-                mod.get_function("add_f32")      # forces the NVRTC compile now
-                self.plain_loads = bool(opts)
-                return mod
-            except Exception as e:  # noqa: BLE001 - CompileException, or a driver refusing the cubin
-                errors.append(e)
-        first = str(errors[0]).strip().splitlines()
-        raise BackendUnavailableError(
-            f"the cuda kernels failed to compile ({first[0] if first else type(errors[0]).__name__})")
-
     def _k(self, name: str):
         k = self._kernels.get(name)
         if k is None:
             if self._module is None:
-                cached = _MODULES.get(self.device.id)
-                if cached is None:
-                    cached = _MODULES[self.device.id] = (self._compile(), self.plain_loads)
-                self._module, self.plain_loads = cached
+                self._module, self.plain_loads = module_for(self.device.id, self.compile_defines)
             k = self._kernels[name] = self._module.get_function(name)
         return k
 
@@ -280,7 +149,7 @@ class CudaBackend(Backend):
         if self._device_mode and self.use_pdl:
             try:
                 if self._pdl is None:
-                    self._pdl = _PdlLauncher()
+                    self._pdl = PdlLauncher()
                 func = getattr(k, "kernel", k)      # RawKernel -> its cupy.cuda.Function (CUfunction)
                 rc = self._pdl.launch(func.ptr, grid, block, args, shared_mem,
                                       cp.cuda.get_current_stream().ptr)
@@ -381,90 +250,12 @@ class CudaBackend(Backend):
                              (out, table, self._step, tok, np.int32(vocab), np.int32(dim),
                               np.float32(scale)))
 
-    # -- rmsnorm, folded into the matvec that consumes it ------------------------------
-    # rmsnorm(xb, x, w) followed by matvec(out, W, xb) is the pattern of every
-    # sub-block. Instead of a one-block kernel (a few microseconds of latency and
-    # a launch) the norm is held back and the matvec computes it on the fly:
-    # each warp already walks all of x, so it also sums x^2 and scales by w;
-    # block 0 writes xb too, so the op's output still exists. Any other op, and
-    # to_host/synchronize, launches a held-back norm first, so the order of
-    # effects is the one the caller wrote.
-    def _flush(self) -> None:
-        p = self._pending_norm
-        if p is not None:
-            self._pending_norm = None
-            self._rmsnorm_now(*p)
-
-    def _rmsnorm_now(self, out, x, w, eps):
-        n = x.shape[0]
-        self._k("rmsnorm_f32")((1,), (512,), (out, x, w, np.int32(n), np.float32(eps)))
-
-    @staticmethod
-    def _overlap(a, b) -> bool:
-        a0, b0 = a.data.ptr, b.data.ptr
-        return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
-
-    def rmsnorm(self, out, x, w, eps):
-        self._flush()
-        n = x.shape[0]
-        if out.shape != x.shape or w.shape[0] != n:
-            raise InvalidArgumentError(f"rmsnorm: x {tuple(x.shape)}, w {tuple(w.shape)} -> out {tuple(out.shape)}")
-        if (self.fuse_norm and n % 8 == 0 and x.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
-                and x.flags.c_contiguous and out.flags.c_contiguous and w.flags.c_contiguous
-                and not self._overlap(out, x)):
-            self._pending_norm = (out, x, w, float(eps))
-            return
-        self._rmsnorm_now(out, x, w, eps)
-
-    def _take_norm(self, out, x):
-        """The held-back rmsnorm whose output is ``x``, if the matvec into ``out`` can fold it in."""
-        p = self._pending_norm
-        if p is None:
-            return None
-        if (p[0].data.ptr == x.data.ptr and p[0].shape == x.shape
-                and not self._overlap(out, p[1]) and not self._overlap(out, p[0])):
-            self._pending_norm = None
-            return p
-        self._flush()
-        return None
-
-    # a matrix of at least this many weights is "large": decode time is its streaming time,
-    # so its launch shape is picked for the tail of the kernel (see _matvec_shape)
-    _MV_LARGE = 1 << 23
+    _MV_LARGE = MV_LARGE          # matrices from this size get the "large" launch shapes
 
     def _matvec_shape(self, d: int, n: int, rmax: int) -> tuple[int, int, int]:
-        """(rows per warp, warps per block, loads in flight per lane) of a d x n matvec.
-
-        Measured on an H200 under PDL (bench/results/bench_cuda_h200.md, 7B decode):
-        large matrices want several rows per warp (more bytes in flight per warp);
-        tall ones (qkv, gate/up: many blocks, several waves) want small blocks, so
-        the last wave ends evenly; square/wide ones (wo, down: one wave) want 2 rows,
-        8 loads in flight and 16-warp blocks: one block per SM, every SM the same work
-        (4096 rows: 128 blocks on 132 SMs).
-        ``matvec_shape_rule = "old"`` (CYLLM_CUDA_MV_SHAPES=old) keeps the earlier rule.
-        """
-        tall = 2 * d >= 5 * n
-        large = self.matvec_shape_rule != "old" and d * n >= self._MV_LARGE
-        # measured on an H200: tall matrices (d >= 2.5 n) gain from 4 rows per warp
-        r = min(self.matvec_rows or (4 if tall else 2 if large else 1), rmax)
-        warps = self.matvec_warps
-        if warps is None:
-            if large:
-                warps = 2 if tall else 16
-            else:
-                # enough blocks to cover every SM twice, else thinner blocks
-                warps = 8
-                while warps > 2 and _blocks(d, warps * r) < 2 * self.sm_count:
-                    warps //= 2
-        # 1024 threads of a 4-row kernel would ask for more registers than an SM has
-        warps = max(1, min(warps, 16))
-        u = self.matvec_unroll
-        if u is None:
-            # 8 in flight measured no better on an H200 without PDL (bench/results/cuda_ops_h200.md);
-            # with it, the square/wide matrices (wo, down) gain
-            u = self.matvec_unroll_wide if (d <= n and large) else 4
-        u = 8 if (u >= 8 and r <= 2) else 4
-        return r, warps, u
+        """(rows per warp, warps per block, loads in flight per lane) of a d x n matvec."""
+        return matvec_shape(d, n, rmax, self.sm_count, self.matvec_rows, self.matvec_warps,
+                            self.matvec_unroll, self.matvec_unroll_wide, self.matvec_shape_rule)
 
     def _mv(self, base: str, out, w0, w1, x, rmax: int):
         d, n = w0.shape
@@ -475,7 +266,7 @@ class CudaBackend(Backend):
         if (n % 8 == 0 and w0.data.ptr % 16 == 0 and w1.data.ptr % 16 == 0 and x.data.ptr % 16 == 0
                 and w0.flags.c_contiguous and w1.flags.c_contiguous):
             r, warps, u = self._matvec_shape(d, n, rmax)
-            name = _MATVEC_KERNELS[(base, r, u == 8, norm is not None)]
+            name = MATVEC_KERNELS[(base, r, u == 8, norm is not None)]
             # the wide variants keep a whole batch of loads in registers: never ask for a
             # block larger than the compiled kernel can launch
             warps = max(1, min(warps, getattr(self._k(name), "max_threads_per_block", 1024) // 32))
@@ -491,7 +282,7 @@ class CudaBackend(Backend):
                 self._rmsnorm_now(*norm)
             if not (w0.flags.c_contiguous and w1.flags.c_contiguous):
                 raise InvalidArgumentError(f"{base}: the weight matrix must be C-contiguous")
-            self._k(_MATVEC_SCALAR_KERNELS[base])((_blocks(d, 8),), (256,),
+            self._k(MATVEC_SCALAR_KERNELS[base])((_blocks(d, 8),), (256,),
                                       (out, w0, w1, x, np.int32(d), np.int32(n)))
 
     def matvec(self, out, w, x):
@@ -513,7 +304,7 @@ class CudaBackend(Backend):
         if w_gate.shape != w_up.shape:
             self._flush()
             raise InvalidArgumentError(f"gate_up: gate {tuple(w_gate.shape)} and up {tuple(w_up.shape)} differ")
-        self._mv(_GATE_UP_OPS[_check_act(act)], out, w_gate, w_up, x, 2)
+        self._mv(GATE_UP_OPS[_check_act(act)], out, w_gate, w_up, x, 2)
 
     def rope(self, q, k, cos, sin, pos, head_dim=None):
         self._flush()
@@ -558,12 +349,7 @@ class CudaBackend(Backend):
                                     np.int32(max_ctx), np.int32(n_kv), np.int32(hd)))
 
     def _attn_chunk(self, n_kv: int, max_ctx: int) -> int:
-        # positions per block: large enough to amortise the block and keep the
-        # merge short, small enough that a full cache still spreads over the SMs
-        chunk = 256
-        while chunk > 64 and 2 * n_kv * _blocks(max_ctx, chunk) < self.sm_count:
-            chunk //= 2
-        return chunk
+        return attn_chunk(n_kv, max_ctx, self.sm_count)
 
     def _attn_buffers(self, n_heads: int, n_split: int, hd: int):
         key = (n_heads, n_split, hd)
@@ -580,7 +366,7 @@ class CudaBackend(Backend):
 
     @staticmethod
     def _attn_smem(gt: int, hd: int, chunk: int, n_split: int) -> int:
-        return 4 * (gt * hd + gt * chunk + _ATT_WARPS * gt * hd + 2 * gt + _ATT_WARPS * n_split)
+        return attn_smem(gt, hd, chunk, n_split)
 
     def attention(self, out, q, k_cache, v_cache, pos, window=0, scale=None):
         self._flush()
@@ -603,18 +389,18 @@ class CudaBackend(Backend):
         if (hd % 8 == 0 and 0 < hd8 <= 32 and hd8 & (hd8 - 1) == 0
                 and k_cache.data.ptr % 16 == 0 and v_cache.data.ptr % 16 == 0):
             gt = 1 if group == 1 else 2 if group == 2 else 4 if group <= 4 else 8
-            while gt and self._attn_smem(gt, hd, chunk, n_split) > _SMEM_LIMIT:
+            while gt and self._attn_smem(gt, hd, chunk, n_split) > SMEM_LIMIT:
                 gt //= 2
         if gt:
             ve = bool(self.attn_v_early)
-            self._launch(_ATTN_SPLIT_KERNELS[(gt, ve)], (n_kv, n_split), (_ATT_THREADS,),
+            self._launch(ATTN_SPLIT_KERNELS[(gt, ve)], (n_kv, n_split), (ATT_THREADS,),
                          (out, counters, o_part, m_part, l_part) + args_tail,
                          shared_mem=self._attn_smem(gt, hd, chunk, n_split))
         else:
-            smem = 4 * (hd + chunk + _ATT_WARPS + _ATT_WARPS * n_split)
-            if smem > _SMEM_LIMIT:
+            smem = 4 * (hd + chunk + ATT_WARPS + ATT_WARPS * n_split)
+            if smem > SMEM_LIMIT:
                 raise InvalidArgumentError(f"attention: head_dim {hd} is too large for the cuda backend")
-            self._k("attn_split_generic")((n_heads, n_split), (_ATT_THREADS,),
+            self._k("attn_split_generic")((n_heads, n_split), (ATT_THREADS,),
                                           (out, counters, o_part, m_part, l_part) + args_tail, shared_mem=smem)
 
     def swiglu(self, out, gate, up):
@@ -731,7 +517,7 @@ class CudaBackend(Backend):
             cuda_quant.qgate_up_batch(self, out, w_gate, w_up, x, _check_act(act))
             return
         self._flush()
-        product = _GLU_KERNELS[_check_act(act)]
+        product = GLU_KERNELS[_check_act(act)]
         if w_gate.shape != w_up.shape:
             raise InvalidArgumentError(f"gate_up_batch: gate {tuple(w_gate.shape)} and up {tuple(w_up.shape)} differ")
         t, f, n = self._check_mm("gate_up_batch", out, w_gate, x)
@@ -765,23 +551,7 @@ class CudaBackend(Backend):
         if getattr(self, "_gemm_broken", False):
             return False
         try:
-            from cupy_backends.cuda.libs import cublas
-            handle = self.device.cublas_handle
-            one = np.ones(1, dtype=np.float32)
-            b = np.full(1, beta, dtype=np.float32)
-            # the handle may still be bound to another stream: queue the GEMM after our kernels
-            cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
-            mode = cublas.getPointerMode(handle)
-            cublas.setPointerMode(handle, 0)            # CUBLAS_POINTER_MODE_HOST
-            try:
-                # column-major view: out^T (d, T) = w^T' (d, n) . x16^T (n, T)
-                cublas.gemmEx(handle, 1, 0, d, t, n,        # OP_T, OP_N, m, n, k
-                              one.ctypes.data, w.data.ptr, 2, n,      # A = w, CUDA_R_16F, lda
-                              x16.data.ptr, 2, n,                     # B = x16, CUDA_R_16F, ldb
-                              b.ctypes.data, out.data.ptr, 0, ldc,    # C = out, CUDA_R_32F, ldc
-                              68, -1)                                 # CUBLAS_COMPUTE_32F, GEMM_DEFAULT
-            finally:
-                cublas.setPointerMode(handle, mode)
+            gemm_ex(self.device, cp.cuda.get_current_stream().ptr, out, w, x16, t, d, n, ldc, beta)
             return True
         except Exception:  # noqa: BLE001 - older/newer CuPy without this binding: use cupy.matmul
             self._gemm_broken = True
@@ -858,78 +628,13 @@ class CudaBackend(Backend):
         vec = self.attn_batch_vec and hd % 4 == 0
         pad = 4 if vec else 1
         smem = 4 * ((bq + bk) * (hd + pad) + bq * (bk + pad))
-        self._k(_ATTN_BATCH_KERNELS[(nc, vec)])((n_heads, _blocks(t, bq)), (128,),
+        self._k(ATTN_BATCH_KERNELS[(nc, vec)])((n_heads, _blocks(t, bq)), (128,),
                                      (out, q, k_cache, v_cache, np.int32(t), np.int32(pos0), np.int32(max_ctx),
                                       np.int32(n_heads // n_kv), np.int32(hd),
                                       np.int32(self._rows(q, "attention_batch")),
                                       np.int32(self._rows(out, "attention_batch")),
                                       np.float32(1.0 / math.sqrt(hd) if scale is None else scale),
                                       np.int32(_check_window(window))), shared_mem=smem)
-
-    # -- CUDA-graph decode ----------------------------------------------------------
-    def reset_graph(self) -> None:
-        """Forget the captured graph (call after reallocating any run-state buffer)."""
-        self._graph = None
-        self._graph_key = None
-        self._vocab = None
-        self._max_pos = None
-
-    def decode_step(self, issue_ops, token: int, pos: int) -> None:
-        """Run ``issue_ops(token, pos)`` (one token's whole forward pass) for this token.
-
-        The first call runs it eagerly (compiling kernels, allocating scratch)
-        and captures it as a CUDA graph; later calls only write {token, pos}
-        to the device and replay the graph. Every op issued must take its
-        per-step values from the step buffer, which the ops of this backend do
-        while decode_step runs; ``issue_ops`` must not allocate or synchronise.
-        """
-        token = int(token)
-        pos = int(pos)
-        if self._vocab is not None:
-            check_token(token, self._vocab)
-        if self._max_pos is not None and not 0 <= pos < self._max_pos:
-            raise InvalidArgumentError(f"position {pos} is out of range [0, {self._max_pos})")
-        if pos < 0:
-            raise InvalidArgumentError(f"position {pos} is out of range")
-        self._step_host[0] = token
-        self._step_host[1] = pos
-        stream = self._stream
-        with stream:
-            # pageable source: the call returns once the 8 bytes are staged, so reuse is safe
-            cp.cuda.runtime.memcpyAsync(self._step.data.ptr, self._step_host.ctypes.data, 8,
-                                        cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
-            if self._graph is not None and self._graph_key == issue_ops:
-                self._graph.launch(stream=stream)
-                return
-            self._device_mode = True
-            try:
-                self._vocab = None
-                self._max_pos = None
-                issue_ops(token, pos)           # eager: computes this token, compiles, allocates
-                self._flush()
-                if self.use_graphs:
-                    self._capture(issue_ops, token, pos)
-            finally:
-                self._device_mode = False
-
-    def _capture(self, issue_ops, token: int, pos: int) -> None:
-        stream = self._stream
-        graph = None
-        try:
-            stream.begin_capture()
-            try:
-                issue_ops(token, pos)
-                self._flush()                   # a held-back rmsnorm belongs to this graph
-            finally:
-                graph = stream.end_capture()
-        except Exception as e:  # noqa: BLE001 - something in issue_ops cannot be captured
-            import warnings
-            warnings.warn(f"cyllm: CUDA graph capture failed ({e}); decoding without graphs", RuntimeWarning)
-            self.use_graphs = False
-            self.reset_graph()
-            return
-        self._graph = graph
-        self._graph_key = issue_ops
 
     # -- measurement ------------------------------------------------------------------
     @property
