@@ -310,7 +310,7 @@ class CudaBackend(NormFolding, GraphDecode, PrefillOps, Backend):
     def rope_store(self, q, k, v, cos, sin, k_cache, v_cache, pos):
         """*fused* rope(q, k, cos, sin, pos) then cache_store(k_cache, v_cache, k, v, pos).
 
-        Optional op (only this backend has it): one launch instead of two.
+        An op of the registry (base.OPS) every backend has; here one launch instead of two.
         """
         self._flush()
         n_pos, half = cos.shape
