@@ -25,6 +25,7 @@ Compiler flags, and why:
   bytes must be the NumPy reference's (llama.cpp's reference quantizers).
 """
 
+import glob
 import os
 import platform
 import shutil
@@ -222,7 +223,8 @@ def extensions():
         depends=HEADERS + QUANT_HEADERS + [AVX2_SOURCE, AVX512_SOURCE, QUANT_GENERIC_SOURCE,
                                            QUANT_QUANTIZE_SOURCE,
                                            QUANT_AVX2_SOURCE, QUANT_AVXVNNI_SOURCE,
-                                           QUANT_AVX512_SOURCE, os.path.join("cython_ext", "quant.pxi")],
+                                           QUANT_AVX512_SOURCE]
+                + sorted(glob.glob(os.path.join("cython_ext", "*.pxi"))),    # included by kernels.pyx
     )
     return cythonize([ext], language_level=3, quiet=True)
 

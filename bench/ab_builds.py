@@ -30,7 +30,7 @@ import cyllm
 path, p, n, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 if path.startswith("synthetic:"):                       # random weights of a preset's shapes
     from cyllm.model import Model
-    from cyllm.synthetic import build_synthetic
+    from cyllm.tools.synthetic import build_synthetic
     cfg, w = build_synthetic(path.split(":", 1)[1], 0)
     m = Model.from_weights(cfg, w, threads=threads, context=p + n + 8)
 else:
@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--b", required=True, help="checkout B (change)")
     ap.add_argument("--a-python", help="interpreter that imports build A (default: see above)")
     ap.add_argument("--b-python", help="interpreter that imports build B")
-    ap.add_argument("-m", "--model", required=True, help="a model path, or synthetic:PRESET (cyllm.synthetic)")
+    ap.add_argument("-m", "--model", required=True, help="a model path, or synthetic:PRESET (cyllm.tools.synthetic)")
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-t", "--threads", type=int, default=2)

@@ -32,6 +32,9 @@ import cupy as cp  # noqa: E402
 
 from cyllm.backends.cuda import CudaBackend  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # bench/ (python -P leaves it out)
+import cuda_switches  # noqa: E402
+
 
 
 def gpu_info() -> tuple[str, str]:
@@ -162,7 +165,7 @@ def bench_attention(be, bw, lines):
 def bench_decode(be, bw, preset, depths, lines, n_tok=128, graphs=True):
     """Decode tokens/s of cyllm's own Model (model.py) on synthetic weights of a real shape."""
     from cyllm.model import Model
-    from cyllm.synthetic import build_synthetic
+    from cyllm.tools.synthetic import build_synthetic
 
     config, weights = build_synthetic(preset)
     ctx = max(depths) + n_tok + 8
@@ -241,6 +244,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     be = CudaBackend()
+    for line in cuda_switches.apply(be):
+        print(f"experiment switch: {line}", file=sys.stderr)
     t_compile = time.perf_counter()
     be.warmup()
     t_compile = time.perf_counter() - t_compile

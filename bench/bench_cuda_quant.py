@@ -29,8 +29,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import cupy as cp  # noqa: E402
 
-from cyllm.backends import cuda_quant as CQ  # noqa: E402
+from cyllm.backends.cuda import quant as CQ  # noqa: E402
 from cyllm.backends.cuda import CudaBackend  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # bench/ (python -P leaves it out)
+import cuda_switches  # noqa: E402
 from cyllm.quant import QuantMatrix  # noqa: E402
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (32000, 4096)]
@@ -295,6 +298,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     fmts = [f for f in args.formats.split(",") if f]
     be = CudaBackend()
+    for line in cuda_switches.apply(be):
+        print(f"experiment switch: {line}", file=sys.stderr)
     name, driver = gpu_info()
     props = cp.cuda.runtime.getDeviceProperties(be.device.id)
     l2 = int(props.get("l2CacheSize", 50 << 20))

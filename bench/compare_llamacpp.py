@@ -42,7 +42,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))     # run from a checkout without installing
 
-from cyllm.bench import (BenchConfig, Test, load_source, needed_context, parse_int_list,  # noqa: E402
+from cyllm.tools.bench import (BenchConfig, Test, load_source, needed_context, parse_int_list,  # noqa: E402
                          plan_tests, run_bench)
 from cyllm.errors import CyllmError  # noqa: E402
 

@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))     # run from a checkout without installing
 
 import cyllm  # noqa: E402
-from cyllm.perplexity import _adds_bos, chunk_nll, format_ppl, ppl_from_sums, tokenize_for_perplexity  # noqa: E402
+from cyllm.tools.perplexity import _adds_bos, chunk_nll, format_ppl, ppl_from_sums, tokenize_for_perplexity  # noqa: E402
 
 
 def chunks_of(model, text: str, ctx: int) -> list[list[int]]:

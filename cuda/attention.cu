@@ -13,6 +13,10 @@
 //
 // The position comes from the host (eager) or from the device step buffer
 // (CUDA graph), so the grid is sized for max_ctx and blocks past pos leave.
+//
+// Reference: backends/numpy_ref.py. Tests: tests/test_cuda_ops.py (each kernel against the
+// reference), tests/test_backend_ops.py (the op table on every backend), tests/test_cuda_model.py.
+// Benchmark: bench/bench_cuda.py (per-op GB/s; results in bench/results/cuda_ops_*.md).
 #include "common.cuh"
 
 #define ATT_THREADS 256

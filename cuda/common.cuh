@@ -1,5 +1,5 @@
 // Shared helpers for cyllm's CUDA kernels (inlined into one NVRTC source by
-// backends/cuda.py, so no header lookup is needed at compile time).
+// backends/cuda/source.py, so no header lookup is needed at compile time).
 //
 // FP16 is kept as raw 16-bit words and converted with PTX `cvt`: NVRTC does not
 // always find cuda_fp16.h, and this header needs nothing from the toolkit.

@@ -2,6 +2,10 @@
 // SwiGLU, add, and the f32 -> f16 cast used by batched prefill. They move a
 // few KB each; what matters is that they are single launches that read the
 // step values (token, pos) from device memory when a CUDA graph replays them.
+//
+// Reference: backends/numpy_ref.py. Tests: tests/test_cuda_ops.py (each kernel against the
+// reference), tests/test_backend_ops.py (the op table on every backend), tests/test_cuda_model.py.
+// Benchmark: bench/bench_cuda.py (per-op GB/s; results in bench/results/cuda_ops_*.md).
 #include "common.cuh"
 
 // out (dim,) f32 = table[token] * scale ; table (vocab, dim) f16

@@ -18,6 +18,10 @@
 // rsqrt(mean(x^2) + eps) after the warp sum, and block 0 writes the normed vector).
 // The vector path needs n % 8 == 0 and 16-byte aligned W rows and x; the
 // scalar path (any n, any alignment) is there so odd shapes still work.
+//
+// Reference: backends/numpy_ref.py. Tests: tests/test_cuda_ops.py (each kernel against the
+// reference), tests/test_backend_ops.py (the op table on every backend), tests/test_cuda_model.py.
+// Benchmark: bench/bench_cuda.py (per-op GB/s; results in bench/results/cuda_ops_*.md).
 #include "common.cuh"
 
 #ifndef MV_UNROLL

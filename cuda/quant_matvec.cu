@@ -6,7 +6,7 @@
 //   4 bytes of x per weight through L1; int8 activations (x quantized per 32 elements, the
 //   q8_0 activation format of the CPU kernels: d = amax/127, q = rint(x * 127/amax)) need
 //   one dp4a per 4 weights and 1 byte of x per weight.
-// * Layout ("lane = row"): the weights are repacked once at upload (backends/cuda_quant.py,
+// * Layout ("lane = row"): the weights are repacked once at upload (backends/cuda/quant.py,
 //   repack) so that lane l of a warp owns row 32*T + l of row tile T and a warp's 16-byte
 //   loads are 512 contiguous bytes. Each row is a sequence of items (one block for the
 //   32-element formats, one superblock for the K-quants); an item is UPI 16-byte units
@@ -53,6 +53,9 @@
 //   q5_k | qmv_q5_k   | qmv_add_q5_k   | qmv_gate_up_silu_q5_k    | qmv_gate_up_gelu_q5_k    | qdeq_f16_q5_k | qrows_f32_q5_k
 //   q6_k | qmv_q6_k   | qmv_add_q6_k   | qmv_gate_up_silu_q6_k    | qmv_gate_up_gelu_q6_k    | qdeq_f16_q6_k | qrows_f32_q6_k
 //   plus qmv_xf32_q8_0 and qmv_xf32_q4_0 (the FP32-activation alternative, measured only).
+//
+// Reference: quant/reference.py (dequantize, quantize_act, the integer dot) through
+// backends/numpy_ref.py. Tests: tests/test_cuda_quant.py. Benchmark: bench/bench_cuda_quant.py.
 #include "common.cuh"
 
 #define QMV_TILE 32                 // rows per tile = lanes per warp
@@ -432,7 +435,7 @@ __device__ __forceinline__ float qdot(const QItem<QF_q6_k>& it, const uint4* xq,
 }
 
 // ---- the matvec -------------------------------------------------------------------------
-#define QMV_MAX_WARPS 16    // warps per block (cuda_quant.MAX_WARPS)
+#define QMV_MAX_WARPS 16    // warps per block (backends/cuda/quant.py MAX_WARPS)
 
 template <class F, int MODE, bool NORM>
 __device__ __forceinline__ void qmv_body(

@@ -3,7 +3,7 @@
     python tests/fuzz_worker.py CASES.json RESULTS.jsonl SECONDS
 
 CASES.json holds a list of argv lists. For each case the worker writes a
-``{"start": i}`` line to RESULTS.jsonl, runs ``cyllm.cli.main(argv)`` exactly as
+``{"start": i}`` line to RESULTS.jsonl, runs ``cyllm.tools.cli.main(argv)`` exactly as
 the ``cyllm`` console script does, with stdout and stderr sent to files, then
 writes ``{"i", "code", "stderr", "seconds"}``; ``code`` is the exit status, or
 "timeout" (the case ran past SECONDS), or "exception" (something escaped
@@ -35,7 +35,7 @@ def _alarm(signum, frame):
 
 
 def run_case(argv: list[str], seconds: float, scratch: str) -> dict:
-    from cyllm.cli import main
+    from cyllm.tools.cli import main
 
     out_path, err_path = os.path.join(scratch, "out"), os.path.join(scratch, "err")
     saved = sys.stdout, sys.stderr

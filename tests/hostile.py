@@ -41,7 +41,7 @@ def problem(code, stderr: str) -> str | None:
     if code == "timeout":
         return "ran past its time limit"
     if code == "exception":
-        return "an exception escaped cyllm.cli.main"
+        return "an exception escaped cyllm.tools.cli.main"
     if isinstance(code, int) and code < 0:
         return f"killed by signal {-code}"
     if "Traceback (most recent call last)" in stderr:

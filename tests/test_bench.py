@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from conftest import cpu_backend_available
-from cyllm import bench, saved_tuning, synthetic, tuning
-from cyllm.cli import main
+from cyllm import saved_tuning
+from cyllm.tools import bench, synthetic, tuning
+from cyllm.tools.cli import main
 from cyllm.errors import InvalidArgumentError, ModelLoadError
 from cyllm.threads import logical_cpus
 

@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from cyllm import cli
-from cyllm.argparsing import llama_cpp_flag
-from cyllm.cli import build_parser, main
+from cyllm.tools import cli
+from cyllm.tools.argparsing import llama_cpp_flag
+from cyllm.tools.cli import build_parser, main
 from tinymodels import make_tiny_model, write_tokenizer, make_tokenizer
 
 BACKEND = "numpy"       # float32 reference: greedy text that does not depend on the build
@@ -182,7 +182,7 @@ def test_info_of_a_hf_directory(capsys, tiny):
     assert info["chat template"] == "yes"
     assert info["tokenizer"].startswith("BPE")
     # K and V, float16, every layer: 2 * layers * kv_heads * head_dim * 2 bytes
-    from cyllm.modelinfo import fmt_bytes
+    from cyllm.tools.modelinfo import fmt_bytes
     kv = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
     assert info["KV cache"].startswith(f"{fmt_bytes(kv)} per token of context")
 
@@ -312,7 +312,7 @@ def test_generate_context_shift_flag(capsys, tiny):
 # -- bench output, tune noise, perplexity progress -------------------------------------------------
 def test_bench_names_the_weight_format_and_file_size(capsys, default_model_file, monkeypatch):
     import os
-    from cyllm import bench
+    from cyllm.tools import bench
     monkeypatch.setattr(bench, "read_bandwidth", lambda backend, threads, nbytes=None: (1e-3, "test"))
     code, out, _ = run(capsys, "bench", "-m", default_model_file, "-p", "8", "-n", "2", "-r", "1",
                        "-t", "1", "--no-progress", "-o", "jsonl")
@@ -331,7 +331,7 @@ def test_bench_names_the_weight_format_and_file_size(capsys, default_model_file,
 
 
 def test_bench_probe_is_sized_like_the_working_set(monkeypatch):
-    from cyllm import bench
+    from cyllm.tools import bench
     seen = []
 
     class FakeCpu:
@@ -349,7 +349,8 @@ def test_bench_probe_is_sized_like_the_working_set(monkeypatch):
 
 def test_tune_does_not_save_noise(capsys, monkeypatch, tmp_path):
     import itertools
-    from cyllm import bench, saved_tuning
+    from cyllm import saved_tuning
+    from cyllm.tools import bench
     monkeypatch.setenv("CYLLM_CONFIG_DIR", str(tmp_path))
     monkeypatch.setattr(bench, "read_bandwidth", lambda backend, threads, nbytes=None: (10.0, "test"))
     durations = itertools.cycle([0.01, 0.02])                     # every run alternates: a 67% spread

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from cyllm.convert import convert_gguf_to_hf
+from cyllm.tools.convert import convert_gguf_to_hf
 from cyllm.errors import InvalidArgumentError, ModelLoadError
 from conftest import HOST_BACKENDS
 

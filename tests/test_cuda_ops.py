@@ -371,7 +371,7 @@ def test_copy_bandwidth(be):
 def tiny_model(backend, context=70, fuse_qkv=True):
     """cyllm's Model on the synthetic 'tiny' preset (4 heads / 2 KV heads of 16, vocab 256)."""
     from cyllm.model import Model
-    from cyllm.synthetic import build_synthetic
+    from cyllm.tools.synthetic import build_synthetic
     config, weights = build_synthetic("tiny", seed=7)
     if backend.name == "cuda":
         backend.fuse_qkv = fuse_qkv

@@ -1,4 +1,4 @@
-"""Quantized weights on the CUDA backend (backends/cuda_quant.py, cuda/quant_matvec.cu).
+"""Quantized weights on the CUDA backend (backends/cuda/quant.py, cuda/quant_matvec.cu).
 
 Host-side (no GPU needed): the upload repack is a pure reordering (round trip), every
 byte sits where the kernels' address formulas read it, and the kernel table of the .cu
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cyllm.backends import cuda_quant as CQ
+from cyllm.backends.cuda import quant as CQ
 from cyllm.errors import InvalidArgumentError
 from cyllm.quant import FORMATS, QuantMatrix
 from cyllm.quant import reference as R

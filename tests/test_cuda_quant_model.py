@@ -169,7 +169,7 @@ def _reference_model(path, context=None):
 
 def _quant_bytes(model) -> int:
     """Bytes of the distinct CudaQuantMatrix weights the model holds (tied tables once)."""
-    from cyllm.backends.cuda_quant import CudaQuantMatrix
+    from cyllm.backends.cuda.quant import CudaQuantMatrix
     seen = {id(model.embedding): model.embedding, id(model.output): model.output}
     for L in model.layers:
         for a in (L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down, L.wqkv):
@@ -308,7 +308,7 @@ def test_default_model_greedy_text_matches_cpu(default_pair):
 @pytest.mark.cuda
 def test_default_model_perplexity_matches_cpu():
     _require_cuda()
-    from cyllm.perplexity import perplexity
+    from cyllm.tools.perplexity import perplexity
     path = _default_model()
     text = (_material() / "ppl_text.txt").read_text()
     ppl = {}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import cyllm
-from cyllm.cli import main
+from cyllm.tools.cli import main
 from cyllm.errors import (BackendUnavailableError, ContextFullError, CyllmError, InvalidArgumentError,
                           ModelLoadError, UnsupportedModelError)
 from tinymodels import make_tiny_model

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from cyllm import cli
-from cyllm.cli import main, one_line
+from cyllm.tools import cli
+from cyllm.tools.cli import main, one_line
 from tinymodels import make_tiny_model
 
 ENV = {**os.environ, "PYTHONIOENCODING": "utf-8"}
@@ -131,7 +131,7 @@ def test_numeric_flags_fail_fast(capsys, argv, needle):
 
 
 def test_int_list_parsing_is_linear():
-    from cyllm.bench import parse_int_list
+    from cyllm.tools.bench import parse_int_list
     t0 = time.monotonic()
     assert parse_int_list("1-1024", "p") == list(range(1, 1025))
     assert parse_int_list(",".join(["7"] * 1024), "p") == [7]

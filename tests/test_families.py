@@ -186,7 +186,7 @@ def test_real_chat_templates_render_like_transformers(family_material, name):
 def test_convert_gguf_back_to_a_directory_transformers_loads(family_material, reference, kind, tmp_path):
     """`cyllm convert` writes the family's config.json and tensor names (Gemma's norms back to w,
     Phi-3's fused tensors, llama3 rope parameters recovered from rope_freqs)."""
-    from cyllm.convert import convert_gguf_to_hf
+    from cyllm.tools.convert import convert_gguf_to_hf
     out = convert_gguf_to_hf(family_material.gguf(kind, "f32"), tmp_path / "hf")
     converted = load_reference(out)
     ids = np.random.default_rng(1).integers(3, converted.config.vocab_size - 8, SEQ).tolist()

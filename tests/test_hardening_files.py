@@ -1,4 +1,4 @@
-"""Hostile files (issue 13, classes 1, 2, 3 and 9): configs with values of the wrong type or
+"""Hostile files: configs with values of the wrong type or
 range, sizes that would allocate before they are checked, GGUF metadata of the wrong shape,
 and valid files with unusual alignment that must load.
 

@@ -1,4 +1,4 @@
-"""Hostile chat templates (issue 13, class 4): a template that raises, overflows, recurses or
+"""Hostile chat templates: a template that raises, overflows, recurses or
 runs for minutes is one TokenizerError line, from a Hugging Face directory, a chat_template.jinja
 file or a GGUF's metadata; rendering is bounded in time and in output size; and real template
 features still render exactly as transformers renders them.
@@ -14,7 +14,7 @@ import pytest
 
 import cyllm.template_sandbox as sandbox
 import gguf_raw as G
-from cyllm.cli import main
+from cyllm.tools.cli import main
 from cyllm.errors import TokenizerError
 from cyllm.tokenizer import _compile_template
 from tinymodels import make_tiny_model

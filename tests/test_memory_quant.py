@@ -31,7 +31,7 @@ CONTEXT = 1024
 # process image's peak, not the forking parent's, which ru_maxrss would carry over)
 CHILD = r"""
 import sys
-from cyllm.cli import main
+from cyllm.tools.cli import main
 try:
     rc = main(sys.argv[1:])
 except SystemExit as e:

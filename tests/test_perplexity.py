@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cyllm.errors import InvalidArgumentError
-from cyllm.perplexity import format_ppl, perplexity
+from cyllm.tools.perplexity import format_ppl, perplexity
 from conftest import HOST_BACKENDS
 
 TEXT = (

@@ -87,7 +87,7 @@ class Material:
         return out
 
     def cyllm_quant(self, kind: str, dtype: str, qtype: str) -> Path:
-        from cyllm.quantize import quantize
+        from cyllm.tools.quantize import quantize
         out = self.root / f"{kind}-{dtype}-cyllm-{qtype}.gguf"
         if not out.is_file():
             quantize(self.hf_dir(kind, dtype), out, qtype, threads=2)
@@ -251,7 +251,7 @@ def test_cli_directory_without_config(tmp_path):
 @pytest.mark.parametrize("kind", ["llama_k256", "phi3"])
 def test_gguf_input_matches_llamacpp(material, tmp_path, kind, qtype):
     """The GGUF input path: llama.cpp's F16 file -> cyllm quantize == llama-quantize's file."""
-    from cyllm.quantize import quantize
+    from cyllm.tools.quantize import quantize
     material.convert([(kind, "float16")])
     ours = tmp_path / "ours.gguf"
     quantize(material.f16[(kind, "float16")], ours, qtype, threads=2)

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from cyllm.errors import InvalidArgumentError
-from cyllm.repl import ChatRepl, read_conversation
+from cyllm.tools.repl import ChatRepl, read_conversation
 from ptyrun import CTRL_C, PASTE_END, PASTE_START, PtyProcess, cyllm_argv
 from tinymodels import make_tiny_model
 

@@ -21,9 +21,9 @@ httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 
 from cyllm.generate import Chat, GenerationStats, Session  # noqa: E402
-from cyllm.server.app import create_app  # noqa: E402
-from cyllm.server.cli import listen, server_for  # noqa: E402
-from cyllm.server.prompt_cache import PromptCache  # noqa: E402
+from cyllm.tools.server.app import create_app  # noqa: E402
+from cyllm.tools.server.cli import listen, server_for  # noqa: E402
+from cyllm.tools.server.prompt_cache import PromptCache  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is the capital of Japan?"}]
 

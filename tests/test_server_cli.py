@@ -35,7 +35,7 @@ def test_bad_port_and_taken_port_are_one_line_errors():
 
 
 def test_missing_server_extra_says_what_to_install():
-    code = ("import sys; sys.modules['fastapi'] = None; from cyllm.cli import main; "
+    code = ("import sys; sys.modules['fastapi'] = None; from cyllm.tools.cli import main; "
             "sys.exit(main(['serve']))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert 'pip install "cyllm[server]"' in one_error_line(r)

@@ -4,7 +4,8 @@
  * table with the AVX-512F prefill GEMM and attention of kernels_avx512.c) fills one
  * table; the Cython layer picks a table once and calls through it from inside its
  * OpenMP loops. The kernels here are single-threaded pieces of work (a range of
- * rows, one attention head): the threading lives in kernels.pyx.
+ * rows, one attention head): the threading lives in the Cython layer (cpu_ops.pxi,
+ * threading.pxi; program.c for the captured decode step).
  *
  * Conventions: float16 travels as uint16_t bit patterns; every pointer may be
  * unaligned beyond its element size (mmap'd safetensors data is only 8-byte

@@ -9,6 +9,11 @@
  *   ~95% of the plain-load read probe (bench/results/cpu_speed.md).
  * attention: 8 cached positions per step; 8 scores come out of one hadd tree,
  *   one vector exp per 8 positions, V accumulated into `out` in one pass.
+ *
+ * Reference: backends/numpy_ref.py (float32). Tests: tests/test_backend_ops.py (every op,
+ * every variant, against the reference), tests/test_ops.py, tests/test_cpu_fused.py (decode
+ * program bitwise equal to op by op). Benchmarks: bench/bench_matvec.py (matvec),
+ * bench/bench_gemm.py (prefill GEMM), bench/bench_attention.py, bench/bench_norm_rope.py.
  */
 #include <immintrin.h>
 #include <math.h>

@@ -8,6 +8,10 @@
  * 32 weight rows, micro-kernel of 12 tokens x 32 outputs in 24 zmm accumulators.
  * Every output element is one FMA chain over j = 0..n-1, exactly as in the AVX2
  * kernel, so both variants give the same bits.
+ *
+ * Reference: backends/numpy_ref.py (matmul, attention_batch). Tests:
+ * tests/test_backend_ops.py (every variant against the reference). Benchmarks:
+ * bench/bench_gemm.py, bench/bench_attention.py.
  */
 #include <immintrin.h>
 #include <math.h>

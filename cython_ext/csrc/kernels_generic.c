@@ -4,6 +4,11 @@
  * variant CYLLM_KERNELS=generic forces. Written so GCC/Clang can SLP-vectorize
  * the 8-lane accumulator loops at the baseline ISA; summation order is fixed per
  * row/head, so results do not depend on the thread count.
+ *
+ * Reference: backends/numpy_ref.py (float32). Tests: tests/test_backend_ops.py (every op,
+ * every variant, against the reference), tests/test_ops.py, tests/test_cpu_fused.py (decode
+ * program bitwise equal to op by op). Benchmarks: bench/bench_matvec.py (matvec),
+ * bench/bench_gemm.py (prefill GEMM), bench/bench_attention.py, bench/bench_norm_rope.py.
  */
 #include <math.h>
 #include "kernels.h"

@@ -4,7 +4,7 @@ They take the parameters of OpenAI's /v1/completions and /v1/chat/completions
 (the same names, so a request body can be passed as keyword arguments) and
 return the same dicts, or with ``stream=True`` an iterator of the same chunks,
 as llama-cpp-python's functions of these names do. The HTTP server
-(cyllm.server) is a thin layer over them.
+(cyllm.tools.server) is a thin layer over them.
 
 Sampling defaults are llama.cpp's (and the CLI's): temperature 0.8, top_k 40,
 top_p 0.95, min_p 0.05, no penalties. ``Model.generate`` is greedy instead.

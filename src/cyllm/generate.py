@@ -97,7 +97,7 @@ class Session:
                 f"the prompt has {len(ids)} tokens but the context window holds {model.context} "
                 f"(use a larger --context or a shorter prompt)")
         with model.lock:
-            prompt_cache = getattr(model, "prompt_cache", None)     # server/prompt_cache.py
+            prompt_cache = getattr(model, "prompt_cache", None)     # tools/server/prompt_cache.py
             if prompt_cache is not None:
                 prompt_cache.before_feed(ids)       # may copy a saved conversation back in
             owner = model.kv_owner

@@ -19,7 +19,7 @@ from .families import family
 from .errors import ContextFullError, InvalidArgumentError
 from .memory import check_model_fits
 from .oneline import one_line
-from .quant.formats import QuantMatrix
+from .quant.matrix import QuantMatrix
 
 DEFAULT_CONTEXT = 4096
 PREFILL_CHUNK = 256

@@ -1,7 +1,7 @@
 """The thread counts `cyllm tune` saved: where they live, how they are read and written.
 
 The best thread count depends on the machine and on the model size, and differs
-between prefill and decode. The tool (tools' `cyllm tune`, tuning.py) measures
+between prefill and decode. The tool (`cyllm tune`, tools/tuning.py) measures
 them; this module keeps them in ``<config dir>/tuning.json`` keyed by the CPU model
 name, so the file can be shared (a roaming home directory) without one machine's
 numbers steering another's. ``tuned_threads(weight_bytes)`` reads them back; it is

@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 from ..errors import BackendUnavailableError
-from ..quant.formats import QuantMatrix
+from ..quant.matrix import QuantMatrix
 from ..threads import resolve_threads
 from .base import DECODE_OPS, Backend, HostArrays
 

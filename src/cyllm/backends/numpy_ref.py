@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..quant.formats import QuantMatrix
+from ..quant.matrix import QuantMatrix
 from ..quant.reference import quantize_act
 from .base import ACTIVATIONS, Backend, HostArrays, check_token, window_start
 

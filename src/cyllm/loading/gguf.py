@@ -1,34 +1,21 @@
 """GGUF (llama.cpp's single-file format) -> ModelConfig, HF-named weights, Tokenizer.
 
-The header is parsed here rather than with ``gguf.GGUFReader``: the reader builds
-numpy views for every element of every metadata array (two per string), which
-costs ~3 s on the 100k vocabulary strings of a small model; this parser reads
-them in ~0.1 s, checks every length against the file size (so a truncated or
-hostile file is a clean ModelLoadError), and memory-maps the tensor data.
-Dequantization of the block formats is delegated to ``gguf.quants``.
+The container (header, metadata, tensor table, memory map) is read by gguf_file.py;
+this module turns it into a model. Dequantization of the block formats is delegated
+to ``gguf.quants``.
 
-Facts about the format this code relies on:
-- little-endian header: b"GGUF", uint32 version (2 or 3), uint64 tensor_count,
-  uint64 kv_count, then kv pairs, then tensor infos, then (aligned to
-  ``general.alignment``, default 32) the tensor data.
-- a tensor's dims are listed fastest-first (ne0 = columns), so a (out, in)
-  row-major matrix is stored with dims [in, out].
-- llama.cpp's HF->GGUF converter reorders the rows of attn_q / attn_k within
-  each head from the "rotate half" layout (pairs i, i + d/2) to the
-  interleaved layout (pairs 2i, 2i + 1). ``_unpermute_rows`` undoes it.
+A fact about llama.cpp's files this code relies on: its HF->GGUF converter reorders
+the rows of attn_q / attn_k within each head from the "rotate half" layout (pairs
+i, i + d/2) to the interleaved layout (pairs 2i, 2i + 1). ``_unpermute_rows`` undoes it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import re
-import struct
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -37,302 +24,12 @@ from ..families import family, family_for_gguf
 from ..errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
 from ..jsonio import JsonObject
 from ..oneline import one_line
-
-GGUF_MAGIC = b"GGUF"
-DEFAULT_ALIGNMENT = 32
-
-# metadata value types (GGUF spec)
-_UINT8, _INT8, _UINT16, _INT16, _UINT32, _INT32, _FLOAT32, _BOOL, _STRING, _ARRAY, \
-    _UINT64, _INT64, _FLOAT64 = range(13)
-_SCALAR_FMT = {_UINT8: "<B", _INT8: "<b", _UINT16: "<H", _INT16: "<h", _UINT32: "<I",
-               _INT32: "<i", _FLOAT32: "<f", _BOOL: "<?", _UINT64: "<Q", _INT64: "<q",
-               _FLOAT64: "<d"}
-_SCALAR_NP = {_UINT8: "<u1", _INT8: "<i1", _UINT16: "<u2", _INT16: "<i2", _UINT32: "<u4",
-              _INT32: "<i4", _FLOAT32: "<f4", _BOOL: "<u1", _UINT64: "<u8", _INT64: "<i8",
-              _FLOAT64: "<f8"}
-
-# ggml tensor types: id -> (name, elements per block, bytes per block).
-# Only the ones we accept need exact sizes; the rest are listed for naming.
-_F32, _F16, _Q4_0, _Q4_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K, _BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 30
-SUPPORTED_TENSOR_TYPES = {
-    _F32: ("F32", 1, 4), _F16: ("F16", 1, 2), _BF16: ("BF16", 1, 2),
-    _Q8_0: ("Q8_0", 32, 34), _Q4_0: ("Q4_0", 32, 18), _Q4_1: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
-    _Q4_K: ("Q4_K", 256, 144), _Q5_K: ("Q5_K", 256, 176), _Q6_K: ("Q6_K", 256, 210),
-    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136),
-}
-_OTHER_TYPE_NAMES = {9: "Q8_1", 15: "Q8_K",
-                     16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S",
-                     21: "IQ3_S", 22: "IQ2_S", 24: "I8", 25: "I16", 26: "I32",
-                     27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
+from .gguf_file import (BF16, F16, F32, SUPPORTED_TENSOR_TYPES, GGUFFile, GGUFTensorInfo, clip, meta_value,
+                        read_gguf)
 
 _FP16_MAX = 65504.0
-MAX_ARRAY_DEPTH = 16     # metadata arrays of arrays (real files: at most 2)
-
-
-def _clip(name, limit: int = 80) -> str:
-    """A name from the file, safe for a one-line message (a corrupt file can hold anything)."""
-    s = str(name)
-    if not s.isprintable():
-        s = repr(s)[1:-1]
-    return s if len(s) <= limit else s[:limit] + "..."
-
-
-def _type_name(t: int) -> str:
-    if t in SUPPORTED_TENSOR_TYPES:
-        return SUPPORTED_TENSOR_TYPES[t][0]
-    return _OTHER_TYPE_NAMES.get(t, f"type {t}")
-
-
-# ----------------------------------------------------------------------------- file parsing
-
-@dataclass
-class GGUFTensorInfo:
-    name: str
-    dims: tuple[int, ...]          # GGUF order: fastest-varying first
-    ggml_type: int
-    offset: int                    # absolute byte offset in the file
-    nbytes: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """numpy (row-major) shape: the GGUF dims reversed."""
-        return tuple(reversed(self.dims))
-
-    @property
-    def type_name(self) -> str:
-        return _type_name(self.ggml_type)
-
-
-@dataclass
-class GGUFFile:
-    path: Path
-    version: int
-    metadata: dict[str, Any]
-    tensors: dict[str, GGUFTensorInfo]
-    buf: Any = field(repr=False)   # the read-only mmap the tensors live in
-
-    def tensor_bytes(self, info: GGUFTensorInfo) -> np.ndarray:
-        """uint8 view of one tensor's raw data: zero-copy when it starts at a multiple of its
-        element size, else an aligned copy.
-
-        A file may use any ``general.alignment`` (1 is valid); the kernels need F32 at
-        4-byte and F16/BF16 (and the f16 scales of quantized blocks) at 2-byte addresses.
-        The mmap itself starts on a page, so the file offset decides the alignment.
-        """
-        raw = np.frombuffer(self.buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        need = 4 if info.ggml_type == _F32 else 2
-        return raw if info.offset % need == 0 else raw.copy()
-
-    def release(self, info: GGUFTensorInfo) -> None:
-        """Drop a tensor's file pages from this process once it has been converted.
-
-        Quantized data is read once; without this, the mapped file pages count
-        in the resident set next to the FP16 copy. Pages are only unmapped from
-        this process (the file is read-only), so a later read faults them back in:
-        safe even where the range touches a neighbour that is still used as a view.
-        """
-        advise = getattr(self.buf, "madvise", None)
-        if advise is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        start = info.offset - info.offset % mmap.PAGESIZE
-        try:
-            advise(mmap.MADV_DONTNEED, start, info.offset + info.nbytes - start)
-        except (OSError, ValueError):
-            pass   # advice only
-
-
-class _Cursor:
-    """Bounds-checked little-endian reader over a bytes-like object."""
-
-    def __init__(self, buf, path: Path):
-        self.buf = buf
-        self.size = len(buf)
-        self.pos = 0
-        self.path = one_line(path)     # for messages only
-
-    def need(self, n: int, what: str) -> None:
-        if n < 0 or self.pos + n > self.size:
-            raise ModelLoadError(
-                f"{self.path}: GGUF file is truncated or corrupt (reading {_clip(what)} at byte "
-                f"{self.pos} needs {n} bytes, file has {self.size})")
-
-    def scalar(self, vtype: int, what: str):
-        fmt = _SCALAR_FMT[vtype]
-        n = struct.calcsize(fmt)
-        self.need(n, what)
-        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += n
-        return v
-
-    def u32(self, what: str) -> int:
-        return self.scalar(_UINT32, what)
-
-    def u64(self, what: str) -> int:
-        return self.scalar(_UINT64, what)
-
-    def string(self, what: str) -> str:
-        n = self.u64(what)
-        self.need(n, what)
-        raw = bytes(self.buf[self.pos:self.pos + n])
-        self.pos += n
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            # llama.cpp vocabularies can hold invalid UTF-8 pieces; keep them readable
-            return raw.decode("utf-8", errors="replace")
-
-    def value(self, vtype: int, what: str):
-        if vtype in _SCALAR_FMT:
-            return self.scalar(vtype, what)
-        if vtype == _STRING:
-            return self.string(what)
-        if vtype != _ARRAY:
-            raise ModelLoadError(f"{self.path}: GGUF file is corrupt (metadata {_clip(what)} has an "
-                                 f"unknown value type {vtype})")
-        # arrays of arrays are read with an explicit stack, not recursion: a hostile file
-        # can nest them thousands deep; real files nest at most two
-        etype, count = self._array_header(what)
-        if etype != _ARRAY:
-            return self._flat_array(etype, count, what)
-        root: list = []
-        stack = [[root, count]]              # [list being filled, items still to read]
-        while stack:
-            top = stack[-1]
-            if top[1] == 0:
-                stack.pop()
-                continue
-            top[1] -= 1
-            etype, count = self._array_header(what)
-            if etype == _ARRAY:
-                if len(stack) >= MAX_ARRAY_DEPTH:
-                    raise ModelLoadError(f"{self.path}: GGUF metadata {_clip(what)} nests arrays more "
-                                         f"than {MAX_ARRAY_DEPTH} deep; not a real model file")
-                child: list = []
-                top[0].append(child)
-                stack.append([child, count])
-            else:
-                top[0].append(self._flat_array(etype, count, what))
-        return root
-
-    def _array_header(self, what: str) -> tuple[int, int]:
-        etype = self.u32(what)
-        count = self.u64(what)
-        # every element costs at least this many bytes of the file: absurd counts end here
-        least = 12 if etype == _ARRAY else 8 if etype == _STRING else (
-            np.dtype(_SCALAR_NP[etype]).itemsize if etype in _SCALAR_NP else 0)
-        if etype not in _SCALAR_NP and etype not in (_STRING, _ARRAY):
-            raise ModelLoadError(f"{self.path}: GGUF file is corrupt (metadata {_clip(what)} has an "
-                                 f"unknown array element type {etype})")
-        self.need(count * least, what)
-        return etype, count
-
-    def _flat_array(self, etype: int, count: int, what: str):
-        """An array of scalars (a numpy array) or of strings (a list of str)."""
-        if etype in _SCALAR_NP:
-            dt = np.dtype(_SCALAR_NP[etype])
-            arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos).copy()
-            self.pos += count * dt.itemsize
-            return arr.astype(bool) if etype == _BOOL else arr
-        out = []
-        buf, pos, size = self.buf, self.pos, self.size
-        unpack = struct.unpack_from
-        for _ in range(count):
-            if pos + 8 > size:
-                self.pos = pos
-                self.need(8, what)
-            (n,) = unpack("<Q", buf, pos)
-            pos += 8
-            if pos + n > size:
-                self.pos = pos
-                self.need(n, what)
-            raw = bytes(buf[pos:pos + n])
-            pos += n
-            try:
-                out.append(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                out.append(raw.decode("utf-8", errors="replace"))
-        self.pos = pos
-        return out
-
-
-def read_gguf(path: str | os.PathLike) -> GGUFFile:
-    """Parse a GGUF header and memory-map its tensor data (nothing is dequantized)."""
-    path = Path(path)
-    where = one_line(path)
-    try:
-        size = path.stat().st_size
-        if size < 24:
-            raise ModelLoadError(f"{where}: not a GGUF file (only {size} bytes)")
-        with open(path, "rb") as f:
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except OSError as e:
-        raise ModelLoadError(f"{where}: cannot read ({one_line(e.strerror or e)})") from None
-    if buf[:4] != GGUF_MAGIC:
-        raise ModelLoadError(f"{where}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
-    cur = _Cursor(buf, path)
-    cur.pos = 4
-    version = cur.u32("version")
-    if version not in (2, 3):
-        if version & 0xFFFF == 0 and version != 0:
-            raise ModelLoadError(f"{where}: big-endian GGUF files are not supported")
-        raise ModelLoadError(f"{where}: unsupported GGUF version {version} (supported: 2, 3)")
-    n_tensors = cur.u64("tensor count")
-    n_kv = cur.u64("metadata count")
-    # each kv pair needs at least 8 (key len) + 4 (type) + 1 bytes; each tensor info >= 8+4+4+8
-    if n_kv * 13 > size or n_tensors * 24 > size:
-        raise ModelLoadError(f"{where}: GGUF file is truncated or corrupt (implausible counts "
-                             f"{n_kv} metadata / {n_tensors} tensors for {size} bytes)")
-    metadata: dict[str, Any] = {}
-    for i in range(n_kv):
-        key = cur.string(f"metadata key #{i}")
-        vtype = cur.u32(f"type of {key}")
-        metadata[key] = cur.value(vtype, key)
-    infos = []
-    for i in range(n_tensors):
-        name = cur.string(f"tensor name #{i}")
-        n_dims = cur.u32(f"dims of {_clip(name)}")
-        if n_dims > 4:
-            raise ModelLoadError(f"{where}: tensor {_clip(name)} has {n_dims} dimensions (at most 4)")
-        dims = tuple(cur.u64(f"dims of {_clip(name)}") for _ in range(n_dims))
-        ttype = cur.u32(f"type of {name}")
-        offset = cur.u64(f"offset of {name}")
-        infos.append((name, dims, ttype, offset))
-    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise ModelLoadError(f"{where}: bad general.alignment {_clip(repr(alignment))}")
-    data_start = (cur.pos + alignment - 1) // alignment * alignment
-    tensors: dict[str, GGUFTensorInfo] = {}
-    for name, dims, ttype, offset in infos:
-        n_elems = math.prod(dims) if dims else 1
-        if ttype in SUPPORTED_TENSOR_TYPES:
-            _, block, bsize = SUPPORTED_TENSOR_TYPES[ttype]
-            if not dims or dims[0] % block:
-                raise ModelLoadError(f"{where}: tensor {_clip(name)} ({_type_name(ttype)}) has a row length "
-                                     f"{dims[0] if dims else 0} that is not a multiple of {block}")
-            nbytes = n_elems // block * bsize
-        else:
-            nbytes = 0   # refused by name when (if) the tensor is used
-        start = data_start + offset
-        if start + nbytes > size:
-            raise ModelLoadError(f"{where}: GGUF file is truncated (tensor {_clip(name)} ends at byte "
-                                 f"{start + nbytes}, file has {size})")
-        if name in tensors:
-            raise ModelLoadError(f"{where}: tensor {_clip(name)} appears twice")
-        tensors[name] = GGUFTensorInfo(name, dims, ttype, start, nbytes)
-    return GGUFFile(path, version, metadata, tensors, buf)
-
 
 # ----------------------------------------------------------------------------- config
-
-def _meta(md: dict, key: str, default=None, required=False):
-    if key in md:
-        v = md[key]
-        return v.item() if isinstance(v, np.generic) else v
-    if required:
-        raise ModelLoadError(f"GGUF metadata: missing required key {key!r}")
-    return default
-
 
 def config_from_gguf(gf: GGUFFile) -> ModelConfig:
     try:
@@ -340,7 +37,7 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
     except (TypeError, ValueError, ZeroDivisionError, OverflowError, KeyError) as e:
         # a guard: the typed reads below should leave little for this to catch
         raise ModelLoadError(f"{one_line(gf.path)}: bad GGUF hyperparameters ({type(e).__name__}: "
-                             f"{_clip(e, 200)})") from None
+                             f"{clip(e, 200)})") from None
 
 
 def _typed_metadata(gf: GGUFFile) -> JsonObject:
@@ -354,7 +51,7 @@ def _rope_scaling(gf: GGUFFile, m: JsonObject, p: str, rot_dim: int) -> dict | N
     if kind == "linear":
         return {"rope_type": "linear", "factor": m.number(p + "rope.scaling.factor", 1.0, positive=True)}
     if kind not in ("none", ""):
-        raise UnsupportedModelError(f"{one_line(gf.path)}: rope scaling {_clip(repr(kind))} is not supported")
+        raise UnsupportedModelError(f"{one_line(gf.path)}: rope scaling {clip(repr(kind))} is not supported")
     if "rope_freqs.weight" in gf.tensors:
         # Llama 3.x: the scaled frequencies' divisors, used as they are
         div = _tensor_float32(gf, gf.tensors["rope_freqs.weight"]).reshape(-1)
@@ -413,11 +110,11 @@ def _config_from_gguf(gf: GGUFFile) -> ModelConfig:
         raise UnsupportedModelError(f"{where}: mixture-of-experts GGUF files are not supported")
     eos_ids = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        v = _meta(md, key)
+        v = meta_value(md, key)
         if isinstance(v, int) and 0 <= v < vocab and v not in eos_ids:
             eos_ids.append(v)
-    bos = _meta(md, "tokenizer.ggml.bos_token_id")
-    name = _meta(md, "general.name")
+    bos = meta_value(md, "tokenizer.ggml.bos_token_id")
+    name = meta_value(md, "general.name")
     fields = dict(
         dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
         ffn_dim=m.int(p + "feed_forward_length", minimum=1), vocab_size=vocab,
@@ -438,7 +135,7 @@ def _config_from_gguf(gf: GGUFFile) -> ModelConfig:
     try:
         return ModelConfig(arch=fam.name, **fields)
     except TypeError as e:
-        raise ModelLoadError(f"{where}: bad GGUF hyperparameter ({_clip(e, 200)})") from None
+        raise ModelLoadError(f"{where}: bad GGUF hyperparameter ({clip(e, 200)})") from None
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -464,7 +161,7 @@ def _dequantize(gf: GGUFFile, info: GGUFTensorInfo, rows: slice | None = None) -
     t = info.ggml_type
     if t not in SUPPORTED_TENSOR_TYPES:
         raise UnsupportedModelError(
-            f"{gf.path}: tensor {_clip(info.name)} has type {info.type_name}, which is not supported "
+            f"{gf.path}: tensor {clip(info.name)} has type {info.type_name}, which is not supported "
             f"(supported: {', '.join(v[0] for v in SUPPORTED_TENSOR_TYPES.values())})")
     shape = info.shape
     n_rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
@@ -473,11 +170,11 @@ def _dequantize(gf: GGUFFile, info: GGUFTensorInfo, rows: slice | None = None) -
     if rows is not None:
         raw = raw[rows]
         shape = (raw.shape[0],) + tuple(shape[1:])
-    if t == _F16:
+    if t == F16:
         return raw.view(np.float16).reshape(shape)
-    if t == _F32:
+    if t == F32:
         return raw.view(np.float32).reshape(shape)
-    if t == _BF16:
+    if t == BF16:
         # bfloat16 is the top half of a float32
         return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
     from gguf import quants
@@ -485,7 +182,7 @@ def _dequantize(gf: GGUFFile, info: GGUFTensorInfo, rows: slice | None = None) -
     try:
         out = quants.dequantize(raw, GGMLQuantizationType(t))
     except Exception as e:   # the gguf package is third-party: never let its errors escape raw
-        raise ModelLoadError(f"{gf.path}: cannot dequantize tensor {_clip(info.name)} ({type(e).__name__}: {_clip(e, 200)})") from None
+        raise ModelLoadError(f"{gf.path}: cannot dequantize tensor {clip(info.name)} ({type(e).__name__}: {clip(e, 200)})") from None
     return out.reshape(shape)
 
 
@@ -495,7 +192,7 @@ _CHUNK_ELEMENTS = 1 << 22
 
 def _matrix_f16(gf: GGUFFile, info: GGUFTensorInfo, name: str) -> np.ndarray:
     """A matrix as float16: a zero-copy view for F16, else dequantized chunk by chunk."""
-    if info.ggml_type == _F16 or len(info.shape) < 2:
+    if info.ggml_type == F16 or len(info.shape) < 2:
         return _to_f16(_dequantize(gf, info), name, gf.path)
     out = np.empty(info.shape, dtype=np.float16)
     step = max(1, _CHUNK_ELEMENTS // info.shape[-1])
@@ -516,7 +213,7 @@ def _to_f16(a: np.ndarray, name: str, path) -> np.ndarray:
     big = max(float(a.max(initial=0.0)), -float(a.min(initial=0.0)))   # no |a| temporary
     if big > _FP16_MAX:
         raise UnsupportedModelError(
-            f"{path}: tensor {_clip(name)} has values up to {big:g}, beyond float16 range")
+            f"{path}: tensor {clip(name)} has values up to {big:g}, beyond float16 range")
     return a.astype(np.float16)
 
 
@@ -565,22 +262,22 @@ def plan_tensors(gf: GGUFFile, cfg: ModelConfig, native: bool = False) -> list[P
         if name not in by_gguf:
             m = _BLK_RE.match(name)
             if m and int(m.group(1)) >= cfg.n_layers:
-                raise ModelLoadError(f"{gf.path}: tensor {_clip(name)} is past block_count {cfg.n_layers}")
-            raise UnsupportedModelError(f"{gf.path}: unexpected tensor {_clip(name)} for a {fam.name} model")
+                raise ModelLoadError(f"{gf.path}: tensor {clip(name)} is past block_count {cfg.n_layers}")
+            raise UnsupportedModelError(f"{gf.path}: unexpected tensor {clip(name)} for a {fam.name} model")
         t, layer = by_gguf[name]
         if info.ggml_type not in SUPPORTED_TENSOR_TYPES:
             raise UnsupportedModelError(
-                f"{gf.path}: tensor {_clip(name)} has type {info.type_name}, which is not supported "
+                f"{gf.path}: tensor {clip(name)} has type {info.type_name}, which is not supported "
                 f"(supported: {', '.join(v[0] for v in SUPPORTED_TENSOR_TYPES.values())})")
         want = t.shape(cfg)
         if info.shape != want:
-            raise ModelLoadError(f"{gf.path}: tensor {_clip(name)} has shape {info.shape}, expected {want}")
+            raise ModelLoadError(f"{gf.path}: tensor {clip(name)} has shape {info.shape}, expected {want}")
         heads = 0
         if fam.permute_qk and t.permute:
             heads = cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
         dtype = np.dtype(np.float16 if len(want) == 2 else np.float32)
         fmt = None
-        if native and len(want) == 2 and info.ggml_type not in (_F32, _F16, _BF16):
+        if native and len(want) == 2 and info.ggml_type not in (F32, F16, BF16):
             fmt = CONVERT_TO_NATIVE.get(info.ggml_type) or format_by_ggml_type(info.ggml_type).name
         plan.append(PlannedTensor(t.hf_name(layer), info, want, dtype, heads, fmt))
         seen.add(name)
@@ -595,7 +292,8 @@ def _quant_matrix(gf: GGUFFile, p: PlannedTensor):
     """A quantized matrix in its native format: a zero-copy view of the mapped blocks,
     or (a type without a native kernel) dequantized and requantized chunk by chunk."""
     from ..quant.convert import quantize_rows_f32
-    from ..quant.formats import QuantMatrix, format_by_name
+    from ..quant.formats import format_by_name
+    from ..quant.matrix import QuantMatrix
     fmt = format_by_name(p.fmt)
     info = p.info
     rows, cols = p.shape
@@ -688,7 +386,7 @@ def load_gguf(path: str | os.PathLike):
     weights = {p.hf_name: materialize(gf, p) for p in plan}
     from .weights import validate_weights
     validate_weights(cfg, weights)
-    from .gguf_tokenizer import build_tokenizer, make_tokenizer   # after this module: no import cycle
+    from .gguf_tokenizer import build_tokenizer, make_tokenizer
 
     info = build_tokenizer(gf, cfg.vocab_size)
     tokenizer = make_tokenizer(info) if info is not None else None

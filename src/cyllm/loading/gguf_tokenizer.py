@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import TokenizerError, UnsupportedModelError
 from ..oneline import one_line
-from .gguf import GGUFFile, _clip, _meta
+from .gguf_file import GGUFFile, clip, meta_value
 
 # What the builder accepts. Real vocabularies: up to ~260k tokens, a few MB of text, tokens
 # of at most a few hundred characters, as many merges as tokens. Deriving SentencePiece
@@ -77,7 +77,7 @@ def _byte_level_pre_tokenizer(pre: str | None, path=None):
     if not known_pre_tokenizer(pre):
         # text still tokenizes, but maybe not as the model was trained: say so once
         import sys
-        print(f"cyllm: warning: {path}: unknown pre-tokenizer {_clip(repr(pre))}; splitting text "
+        print(f"cyllm: warning: {path}: unknown pre-tokenizer {clip(repr(pre))}; splitting text "
               "the GPT-2 way, which may differ from the model's training", file=sys.stderr)
     if pre in _PRE_SPLITS:
         return pre_tokenizers.Sequence([
@@ -181,17 +181,17 @@ def _array(md, where: str, key: str, n: int, kind: str):
 
 
 def _flag(md, where: str, key: str, default: bool) -> bool:
-    v = _meta(md, key, default)
+    v = meta_value(md, key, default)
     if isinstance(v, (bool, np.bool_)) or (isinstance(v, int) and v in (0, 1)):
         return bool(v)
-    raise TokenizerError(f"{where}: GGUF {key} must be true or false, got {_clip(repr(v), 40)}")
+    raise TokenizerError(f"{where}: GGUF {key} must be true or false, got {clip(repr(v), 40)}")
 
 
 def _text(md, where: str, key: str):
-    v = _meta(md, key)
+    v = meta_value(md, key)
     if v is None or isinstance(v, str):
         return v
-    raise TokenizerError(f"{where}: GGUF {key} must be a string, got {_clip(repr(v), 40)}")
+    raise TokenizerError(f"{where}: GGUF {key} must be a string, got {clip(repr(v), 40)}")
 
 
 def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenizerInfo | None:
@@ -209,7 +209,7 @@ def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenize
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
     def tok_id(key):
-        v = _meta(md, key)
+        v = meta_value(md, key)
         return v if isinstance(v, int) and 0 <= v < len(tokens) else None
 
     bos_id = tok_id("tokenizer.ggml.bos_token_id")
@@ -238,7 +238,7 @@ def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenize
             for m in merges_raw:
                 parts = m.split(" ")
                 if len(parts) != 2:
-                    raise TokenizerError(f"{where}: bad GGUF merge {_clip(repr(m))}")
+                    raise TokenizerError(f"{where}: bad GGUF merge {clip(repr(m))}")
                 merges.append((parts[0], parts[1]))
             # Llama 3's tokenizer takes a whole pre-token that is in the vocabulary as it is,
             # before any merge (llama.cpp and its tokenizer.json alike)
@@ -284,7 +284,7 @@ def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenize
             add_bos_default = True   # llama.cpp's default for SentencePiece vocabularies
         else:
             raise UnsupportedModelError(
-                f"{where}: GGUF tokenizer model {_clip(repr(kind))} is not supported (supported: 'gpt2', 'llama')")
+                f"{where}: GGUF tokenizer model {clip(repr(kind))} is not supported (supported: 'gpt2', 'llama')")
         control = [AddedToken(t, normalized=False, special=True)
                    for t, ty in zip(tokens, types) if ty == TOKEN_CONTROL and t and special_ok(t)]
         if control:
@@ -297,7 +297,7 @@ def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenize
         raise
     except BaseException as e:  # noqa: BLE001 - tokenizers raises plain Exceptions, or panics (pyo3's
         # PanicException is a BaseException), on bad vocabularies
-        raise TokenizerError(f"{where}: cannot build the GGUF tokenizer ({type(e).__name__}: {_clip(e, 200)})") from None
+        raise TokenizerError(f"{where}: cannot build the GGUF tokenizer ({type(e).__name__}: {clip(e, 200)})") from None
 
     def name(i):
         return tokens[i] if i is not None else None

@@ -24,7 +24,7 @@ def validate_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> Non
     weights contract). A tied checkpoint may still carry lm_head.weight; then it is
     checked too. Raises ModelLoadError naming the first offending tensor.
     """
-    from ..quant.formats import QuantMatrix
+    from ..quant.matrix import QuantMatrix
     fam = family(config.arch)
     for t, i in fam.expected(config):
         name, shape = t.hf_name(i), t.shape(config)

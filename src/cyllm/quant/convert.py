@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from .formats import QuantMatrix, WeightFormat, format_by_name
+from .formats import WeightFormat, format_by_name
+from .matrix import QuantMatrix
 
 # float32 elements converted per step: bounds the temporary whatever the matrix size
 _CHUNK = 1 << 22

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..generate import Session
+from ...generate import Session
 
 MIN_TOKENS = 32     # shorter conversations are cheaper to prefill again than to keep
 MIN_GAIN = 16       # restore only when it saves at least this many prompt tokens

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 MAX_PROMPT_BYTES = 16 << 20      # far beyond any context window; bounds `-f /dev/zero`
 

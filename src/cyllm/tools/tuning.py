@@ -17,8 +17,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .errors import InvalidArgumentError
-from .saved_tuning import TOLERANCE, _n_threads, config_dir, cpu_model_name, save_tuning, size_class
+from ..errors import InvalidArgumentError
+from ..saved_tuning import TOLERANCE, _n_threads, config_dir, cpu_model_name, save_tuning, size_class
 
 
 # -- the sweep ---------------------------------------------------------------------------
@@ -105,7 +105,7 @@ def add_tune_args(p) -> None:
 def cmd_tune(a) -> int:
     from .bench import (BenchConfig, Test, check_thread_counts, format_markdown, load_source,
                         parse_common, parse_int_list, run_bench)
-    from .threads import logical_cpus
+    from ..threads import logical_cpus
 
     backends, reps, seed = parse_common(a)
     if backends != ["cpu"]:
@@ -118,7 +118,7 @@ def cmd_tune(a) -> int:
     tg = parse_int_list(a.tg, "--tg", minimum=1)[0]
     check_thread_counts(threads)
     tests = [Test("pp", pp), Test("tg", tg)]
-    from .hub import model_path          # a Hugging Face name works here too
+    from ..hub import model_path          # a Hugging Face name works here too
     src = load_source(model_path(a.model), a.synthetic, seed, backends, max(pp, tg), getattr(a, "quantize", None))
     cfg = BenchConfig(backends=backends, threads=threads, tests=tests, repetitions=reps,
                       seed=seed, context=a.context or max(pp, tg), overhead=False,

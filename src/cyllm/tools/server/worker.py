@@ -15,8 +15,8 @@ import queue
 import threading
 import time
 
-from ..errors import CyllmError
-from ..generate import GenerationStats
+from ...errors import CyllmError
+from ...generate import GenerationStats
 
 log = logging.getLogger("cyllm.server")
 DONE = object()       # end-of-job marker in a job's queue

@@ -13,7 +13,7 @@ import argparse
 import difflib
 import re
 
-from .oneline import one_line
+from ..oneline import one_line
 
 EXIT_USAGE = 2
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import InvalidArgumentError, ModelLoadError
-from .families import family, hf_config_dict
-from .loading.gguf import config_from_gguf, materialize, plan_tensors, read_gguf
-from .loading.gguf_tokenizer import build_tokenizer
+from ..errors import InvalidArgumentError, ModelLoadError
+from ..families import family, hf_config_dict
+from ..loading.gguf import config_from_gguf, materialize, plan_tensors, read_gguf
+from ..loading.gguf_tokenizer import build_tokenizer
 
 OUT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
              "generation_config.json")
@@ -26,7 +26,7 @@ OUT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_co
 
 def _hf_config(cfg) -> dict:
     """config.json of the family; llama3 rope divisors from GGUF go back to their published parameters."""
-    from .rope import llama3_params_from_divisors
+    from ..rope import llama3_params_from_divisors
     scaling = cfg.rope_scaling
     if scaling and "divisors" in scaling:
         params = llama3_params_from_divisors(scaling["divisors"], cfg.rope_theta, cfg.rotary_dim or cfg.head_dim)

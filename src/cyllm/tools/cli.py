@@ -15,19 +15,15 @@ import os
 import sys
 
 from .argparsing import EXIT_USAGE, Parser, llama_cpp_flag, nonneg_int, pos_int
-from .errors import CyllmError, InvalidArgumentError
-from .hub import model_path
-from .oneline import one_line
+from ..errors import CyllmError, InvalidArgumentError
+from ..hub import model_path
+from ..oneline import one_line
+from .frontend import OutputError, load_model, sampling_kwargs, use_chat_template, write_out
 from .textinput import (check_text_arg, read_stdin_text, read_text_file, strip_one_newline,
                         stdin_is_tty as _stdin_is_tty)
 
 MAX_TEXT_BYTES = 64 << 20        # perplexity texts (wikitext-103's test set is 1.3 MB)
 EXIT_INTERNAL = 3
-
-
-# -- one-line messages ---------------------------------------------------------------
-def warn(msg: str) -> None:
-    print(f"cyllm: warning: {one_line(msg)}", file=sys.stderr)
 
 
 def _add_model_args(p: argparse.ArgumentParser, threads_batch: bool = True, context_help: str | None = None) -> None:
@@ -65,11 +61,6 @@ def _add_sampling_args(p: argparse.ArgumentParser, default_temp: float, default_
     g.add_argument("--stop", "-r", "--reverse-prompt", dest="stop", action="append", default=[],
                    help="stop when this text appears (repeatable)")
     g.add_argument("--no-stats", action="store_true", help="do not print the statistics")
-
-
-def _sampling_kwargs(a) -> dict:
-    return dict(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-                repetition_penalty=a.repeat_penalty, seed=a.seed)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,51 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
     return __version__
-
-
-# -- models ----------------------------------------------------------------------------
-def _load(a):
-    import cyllm
-    model = cyllm.load(model_path(a.model), backend=a.backend, threads=a.threads, context=a.context,
-                       threads_batch=getattr(a, "threads_batch", None), quantize=getattr(a, "quantize", None))
-    trained = model.config.max_seq_len
-    if a.context and a.context > trained:
-        warn(f"--context {a.context} is larger than the {trained} tokens the model was trained on; "
-             "text beyond that is usually garbage")
-    return model
-
-
-def use_chat_template(model, spec: str | None) -> str | None:
-    """Apply ``--chat-template`` (None or "": the model's own); returns a turn-end stop string or None."""
-    tok = model.tokenizer
-    if tok is None:
-        raise InvalidArgumentError("this model has no tokenizer, so no chat template can be used")
-    if spec:
-        from .chat_templates import resolve_chat_template
-        t = resolve_chat_template(spec)
-        tok.set_chat_template(t.source)
-        return t.end
-    if not tok.chat_template:
-        raise InvalidArgumentError("this model has no chat template; name one with --chat-template "
-                                   "chatml|llama3|gemma|phi3 or a jinja file")
-    return None
-
-
-class OutputError(CyllmError):
-    """Standard output cannot take the results (a full disk, a device error)."""
-
-
-def write_out(text: str) -> None:
-    """Results to stdout, at once (streaming); a failing stdout is one clear line, not a traceback."""
-    try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        raise
-    except OSError as e:
-        raise OutputError(f"cannot write to standard output: {e.strerror or e}") from None
 
 
 # -- commands ----------------------------------------------------------------------------
@@ -215,7 +163,7 @@ def _read_prompt(a) -> str:
 def cmd_generate(a) -> int:
     prompt = _read_prompt(a)
     stop = [check_text_arg(s, "a --stop text") for s in a.stop]
-    model = _load(a)
+    model = load_model(a)
     add_special = True
     if a.chat_template is not None:
         end = use_chat_template(model, a.chat_template)
@@ -227,7 +175,7 @@ def cmd_generate(a) -> int:
         pieces = _generate_shifting(model, prompt, add_special, stop, a)
     else:
         pieces = model.generate(prompt, max_tokens=a.max_tokens, stop=stop,
-                                add_special_tokens=add_special, **_sampling_kwargs(a))
+                                add_special_tokens=add_special, **sampling_kwargs(a))
     for piece in pieces:
         write_out(piece)
     write_out("\n")
@@ -236,9 +184,9 @@ def cmd_generate(a) -> int:
 
 
 def _generate_shifting(model, prompt: str, add_special: bool, stop: list[str], a):
-    from .context_shift import generate_shifting
-    from .errors import ContextFullError, TokenizerError
-    from .sampling import SamplingParams
+    from ..context_shift import generate_shifting
+    from ..errors import ContextFullError, TokenizerError
+    from ..sampling import SamplingParams
 
     if model.tokenizer is None:
         raise TokenizerError("this model has no tokenizer (no tokenizer.json)")
@@ -274,12 +222,12 @@ def cmd_info(a) -> int:
 
     import numpy as np
 
-    from .threads import logical_cpus, physical_cores, resolve_threads
+    from ..threads import logical_cpus, physical_cores, resolve_threads
 
     print(f"cyllm {_version()} (Python {platform.python_version()}, numpy {np.__version__})")
     print(f"cpu: {_cpu_model()} ({physical_cores()} physical cores, {logical_cpus()} logical CPUs)")
     try:
-        from .backends.cpu import kernel_info
+        from ..backends.cpu import kernel_info
         info = kernel_info()
         print(f"cpu features: {', '.join(info['cpu_features']) or 'none detected'}")
         print(f"kernel variant: {info['variant']}"
@@ -297,20 +245,20 @@ def cmd_info(a) -> int:
     except CyllmError as e:
         print(f"threads: {one_line(e)}")
     try:
-        from .saved_tuning import describe_saved_tuning
+        from ..saved_tuning import describe_saved_tuning
         for line in describe_saved_tuning():
             print(one_line(line))
     except ImportError:
         pass
-    from .default_model import describe_default_model
+    from ..default_model import describe_default_model
     print(one_line(describe_default_model()))
     print(f"cuda: {_cuda_status()}")
     return 0
 
 
 def cmd_models(a) -> int:
-    from .default_model import default_model_path
-    from .hub import cache_dir, cached_models
+    from ..default_model import default_model_path
+    from ..hub import cache_dir, cached_models
     from .modelinfo import fmt_bytes
 
     models = cached_models()
@@ -343,7 +291,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-from .errors import CUDA_INSTALL_HINT  # noqa: E402  (the engine's hint; the CLI repeats it)
+from ..errors import CUDA_INSTALL_HINT  # noqa: E402  (the engine's hint; the CLI repeats it)
 
 
 def _cuda_status() -> str:
@@ -367,7 +315,7 @@ def cmd_perplexity(a) -> int:
     text = read_text_file(a.file, "text file", MAX_TEXT_BYTES)
     ctx = a.context or 512
     a.context = max(ctx, 1)
-    model = _load(a)
+    model = load_model(a)
     ppl, err = perplexity(model, text, ctx, progress=not a.no_progress)
     print(format_ppl(ppl, err))
     return 0

@@ -35,10 +35,10 @@ from typing import Callable
 
 import numpy as np
 
-from .config import ModelConfig
-from .errors import ModelLoadError, TokenizerError, UnsupportedModelError
-from .families import Family, config_from_hf, family
-from .oneline import one_line
+from ..config import ModelConfig
+from ..errors import ModelLoadError, TokenizerError, UnsupportedModelError
+from ..families import Family, config_from_hf, family
+from ..oneline import one_line
 
 # tokenizer.ggml.token_type values (llama.cpp)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -72,7 +72,7 @@ class HFSource:
 # ---------------------------------------------------------------------------------- tensors
 
 def _float32(f, tname: str, rows: slice | None) -> np.ndarray:
-    from .loading.safetensors import bf16_bits_to_f32
+    from ..loading.safetensors import bf16_bits_to_f32
     tag, raw = f.raw(tname)
     if rows is not None:
         raw = raw[rows]
@@ -104,7 +104,7 @@ def _reader(f, tname: str, order: np.ndarray | None, plus_one: bool):
 
 def _take(f, tname: str, idx: np.ndarray) -> np.ndarray:
     """Rows idx of a tensor as float32 without converting the rest of it."""
-    from .loading.safetensors import bf16_bits_to_f32
+    from ..loading.safetensors import bf16_bits_to_f32
     tag, raw = f.raw(tname)
     sel = raw[idx]
     return bf16_bits_to_f32(sel) if tag == "BF16" else np.asarray(sel, np.float32)
@@ -116,7 +116,7 @@ def _const(a: np.ndarray):
 
 
 def _tensors(cfg: ModelConfig, fam: Family, d: Path) -> list[SourceTensor]:
-    from .loading.safetensors import open_checkpoint
+    from ..loading.safetensors import open_checkpoint
     index = open_checkpoint(d)
     out: list[SourceTensor] = []
     rot = cfg.rotary_dim or cfg.head_dim
@@ -396,7 +396,7 @@ def is_hf_dir(path) -> bool:
 
 def hf_source(path) -> HFSource:
     """The GGUF content of the Hugging Face model directory `path` (nothing converted yet)."""
-    from .loading.hf import _merge_generation_config, read_json
+    from ..loading.hf import _merge_generation_config, read_json
     d = Path(path)
     cpath = d / "config.json"
     if not cpath.is_file():

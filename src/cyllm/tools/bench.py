@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import BackendUnavailableError, CyllmError, InvalidArgumentError
-from .model import PREFILL_CHUNK
-from .backends.base import OP_NAMES, Backend, HostArrays
+from ..errors import BackendUnavailableError, CyllmError, InvalidArgumentError
+from ..model import PREFILL_CHUNK
+from ..backends.base import OP_NAMES, Backend, HostArrays
 
 OUTPUT_FORMATS = ("md", "json", "jsonl", "csv")
 # warm-up runs are shortened: their job is to fault pages in and wake threads
@@ -88,7 +88,7 @@ def parse_int_list(text, what: str, minimum: int = 0) -> list[int]:
 
 
 def parse_backends(text) -> list[str]:
-    from .backends import BACKENDS
+    from ..backends import BACKENDS
     names = [t.strip().lower() for t in str(text).split(",") if t.strip()]
     if not names:
         raise InvalidArgumentError("--backend: the list is empty")
@@ -113,7 +113,7 @@ def warn(msg: str) -> None:
 
 def check_thread_counts(threads: list[int]) -> None:
     """Warn (stderr) about counts above the logical CPUs: they still run, oversubscribed."""
-    from .threads import logical_cpus
+    from ..threads import logical_cpus
     n = logical_cpus()
     over = [t for t in threads if t > n]
     if over:
@@ -156,7 +156,7 @@ def weight_format_of(path) -> tuple[str, int]:
     from pathlib import Path
     p = Path(path)
     if p.is_file():
-        from .loading.gguf import read_gguf
+        from ..loading.gguf import read_gguf
         from .modelinfo import gguf_file_type_name
         gf = read_gguf(p)
         name = gguf_file_type_name(gf.metadata.get("general.file_type"))
@@ -167,7 +167,7 @@ def weight_format_of(path) -> tuple[str, int]:
     files = sorted(p.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in files)
     try:
-        from .loading.safetensors import open_checkpoint
+        from ..loading.safetensors import open_checkpoint
         kinds = Counter(f.dtype_of(t) for f, t in open_checkpoint(p).values())
         return (kinds.most_common(1)[0][0] if kinds else "?"), size
     except CyllmError:
@@ -179,10 +179,10 @@ def load_source(model=None, synthetic=None, seed: int = 0, backends=("cpu",), co
     """Weights from a path (HF dir / GGUF), a synthetic preset, or the default model;
     quantize: as cyllm.load's (float matrices quantized in memory)."""
     if quantize is not None:
-        from .quant.convert import check_quantize_type
+        from ..quant.convert import check_quantize_type
         quantize = check_quantize_type(quantize)
         src = load_source(model, synthetic, seed, backends, context)
-        from .quant.convert import quantize_weights
+        from ..quant.convert import quantize_weights
         quantize_weights(src.config, src.weights, quantize)
         src.label += f" --quantize {quantize}"
         return src
@@ -201,10 +201,10 @@ def load_source(model=None, synthetic=None, seed: int = 0, backends=("cpu",), co
                           weights=weights, preset=synthetic)
         src.file_bytes = src.weight_bytes            # nothing on disk: the float16 weights held
         return src
-    from .loading import load_path
+    from ..loading import load_path
     if model is None:
         try:
-            from .default_model import default_model_path
+            from ..default_model import default_model_path
         except ImportError:
             raise InvalidArgumentError("no model given: pass -m PATH or --synthetic PRESET") from None
         model = default_model_path()
@@ -216,7 +216,7 @@ def load_source(model=None, synthetic=None, seed: int = 0, backends=("cpu",), co
 
 
 def make_backend(name: str, threads: int):
-    from .backends import get_backend
+    from ..backends import get_backend
     try:
         return get_backend(name, threads)
     except ImportError as e:            # the compiled extension is missing
@@ -224,7 +224,7 @@ def make_backend(name: str, threads: int):
 
 
 def bind_model(src: ModelSource, backend, context: int):
-    from .model import Model
+    from ..model import Model
     return Model.from_weights(src.config, src.weights, src.tokenizer, backend=backend, context=context)
 
 
@@ -343,7 +343,7 @@ for _op in OP_NAMES:
 def issue_overhead_s(src: ModelSource, n: int = 20) -> float | None:
     """Seconds per token spent issuing ops in Python (no kernel work), best of n."""
     try:
-        from .model import Model
+        from ..model import Model
         m = Model.from_weights(src.config, src.weights, None, backend=_NullBackend(), context=2)
         best = float("inf")
         for _ in range(n):
@@ -457,7 +457,7 @@ def run_bench(src: ModelSource, cfg: BenchConfig) -> list[dict]:
             f"--context {context} is smaller than the largest test needs ({needed_context(cfg.tests)})")
     results: list[dict] = []
     overhead = issue_overhead_s(src) if cfg.overhead else None
-    from .threads import logical_cpus
+    from ..threads import logical_cpus
     for be_name in cfg.backends:
         backend = make_backend(be_name, cfg.threads[0])
         model = bind_model(src, backend, context)
@@ -673,7 +673,7 @@ def parse_common(a) -> tuple[list[str], int, int]:
 
 
 def default_thread_list(a) -> list[int]:
-    from .threads import resolve_threads
+    from ..threads import resolve_threads
     if a.threads is None:
         return [resolve_threads(None)]
     return parse_int_list(a.threads, "--threads", minimum=1)
@@ -689,7 +689,7 @@ def cmd_bench(a) -> int:
     tests = plan_tests(pp, tg, depths)
     check_thread_counts(threads)
     context = a.context or needed_context(tests)
-    from .hub import model_path          # a Hugging Face name works here too
+    from ..hub import model_path          # a Hugging Face name works here too
     src = load_source(model_path(a.model), a.synthetic, seed, backends, context, getattr(a, "quantize", None))
     cfg = BenchConfig(backends=backends, threads=threads, tests=tests, repetitions=reps,
                       seed=seed, context=context, progress=not a.no_progress)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import BackendUnavailableError
+from ...errors import BackendUnavailableError
 
 
 def kernel_dir():
@@ -16,7 +16,7 @@ def kernel_dir():
             return d
     except Exception:  # noqa: BLE001 - not installed as a package: running from a checkout
         pass
-    d = Path(__file__).resolve().parents[3] / "cuda"
+    d = Path(__file__).resolve().parents[4] / "cuda"     # src/cyllm/backends/cuda/source.py -> the repo
     if (d / "matvec.cu").is_file():
         return d
     raise BackendUnavailableError("the cuda backend's kernel sources (cuda/*.cu) are missing from the installation")

@@ -1,6 +1,6 @@
 """`cyllm info -m MODEL`: what a model file is, from its headers alone (nothing is loaded or run).
 
-GGUF: the metadata and tensor table (loading/gguf.read_gguf, which maps the file
+GGUF: the metadata and tensor table (loading/gguf_file.read_gguf, which maps the file
 but reads no tensor data). Hugging Face directory: config.json, the safetensors
 headers, tokenizer.json / tokenizer_config.json. Values from the file are
 shown through ``_clip`` (printable, bounded), since a file can hold anything.
@@ -13,7 +13,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from .errors import CyllmError, ModelLoadError
+from ..errors import CyllmError, ModelLoadError
 
 
 def _clip(value, limit: int = 80) -> str:
@@ -93,7 +93,7 @@ def _bytes_lines(config, file_sizes: dict[str, int], shapes: dict[str, tuple]) -
 
 # -- GGUF ---------------------------------------------------------------------------------
 def describe_gguf(path: Path) -> list[str]:
-    from .loading.gguf import config_from_gguf, read_gguf
+    from ..loading.gguf import config_from_gguf, read_gguf
 
     gf = read_gguf(path)
     md = gf.metadata
@@ -163,9 +163,9 @@ def _config_lines(c) -> list[str]:
 
 # -- Hugging Face directory ---------------------------------------------------------------
 def describe_hf_dir(d: Path) -> list[str]:
-    from .families import config_from_hf
-    from .loading.hf import read_json
-    from .loading.safetensors import open_checkpoint
+    from ..families import config_from_hf
+    from ..loading.hf import read_json
+    from ..loading.safetensors import open_checkpoint
 
     raw = read_json(d / "config.json") if (d / "config.json").is_file() else None
     if raw is None:

@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from ..errors import InvalidArgumentError
+from ...errors import InvalidArgumentError
 
 INSTALL_HINT = "`cyllm serve` needs the server extra: pip install \"cyllm[server]\""
 
@@ -44,7 +44,7 @@ def cmd_serve(a) -> int:
         import uvicorn  # noqa: F401
     except ImportError:
         raise InvalidArgumentError(INSTALL_HINT) from None
-    from .. import load
+    from ... import load
     from .app import create_app
 
     api_key = a.api_key if a.api_key is not None else (os.environ.get("CYLLM_API_KEY") or None)
@@ -60,7 +60,7 @@ def cmd_serve(a) -> int:
     if a.alias:
         name = a.alias
     else:
-        from ..default_model import default_model_path
+        from ...default_model import default_model_path
         name = Path(a.model).name if a.model else default_model_path(download=False).name
     if a.cache_ram < 0:
         raise InvalidArgumentError(f"--cache-ram must be >= 0, got {a.cache_ram}")

@@ -26,12 +26,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CyllmError, InvalidArgumentError
-
-
-def write_out(text: str) -> None:
-    from .cli import write_out as w
-    w(text)
+from ..errors import CyllmError, InvalidArgumentError
+from .frontend import load_model, sampling_kwargs, use_chat_template, write_out
+from .textinput import check_text_arg, stdin_is_tty
 
 HELP = """commands:
   /help             this list
@@ -51,7 +48,7 @@ ROLES = ("system", "user", "assistant")
 
 
 def notice(msg: str) -> None:
-    from .oneline import one_line
+    from ..oneline import one_line
     print(f"cyllm: {one_line(msg)}", file=sys.stderr, flush=True)
 
 
@@ -417,20 +414,19 @@ def read_conversation(path: Path) -> list[dict]:
 
 
 def run_chat(a) -> int:
-    from .cli import _load, _stdin_is_tty, check_text_arg, use_chat_template
-    from .generate import Chat
+    from ..generate import Chat
 
     system = check_text_arg(a.system, "the system prompt (-s)")
     stop = [check_text_arg(s, "a --stop text") for s in a.stop]
-    interactive = _stdin_is_tty()
-    model = _load(a)
+    interactive = stdin_is_tty()
+    model = load_model(a)
     end = use_chat_template(model, a.chat_template)
     if end and end not in stop:
         stop.append(end)
     # render once now: a template that rejects this conversation's shape fails before any typing
     probe = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "hi"}]
     model.tokenizer.apply_chat_template(probe, add_generation_prompt=True)
-    chat = Chat(model, system=system, **_sampling_kwargs(a))
+    chat = Chat(model, system=system, **sampling_kwargs(a))
     repl = ChatRepl(model, chat, a.max_tokens, stop, a.verbose, a.no_stats, interactive)
     if interactive:
         inp: _Lines = TerminalInput()
@@ -473,11 +469,6 @@ def run_chat(a) -> int:
         if not a.no_stats and repl.totals.answers:
             print(repl.totals.line(), file=sys.stderr)
     return 0
-
-
-def _sampling_kwargs(a) -> dict:
-    from .cli import _sampling_kwargs as kw
-    return kw(a)
 
 
 __all__ = ["run_chat", "ChatRepl", "read_conversation", "HELP", "Totals"]

@@ -32,8 +32,8 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import InvalidArgumentError, ModelLoadError
-from .quant.recipe import FILE_TYPES, LLAMA_FTYPE, recipe
+from ..errors import InvalidArgumentError, ModelLoadError
+from ..quant.recipe import FILE_TYPES, LLAMA_FTYPE, recipe
 
 _SKIP_KEYS = {"general.architecture", "general.file_type", "general.quantization_version",
               "general.alignment"}
@@ -42,7 +42,7 @@ _FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 
 def _plan(gf, rec):
     """[(name, info, target format or None: copy)] in file order."""
-    from .quant.formats import format_by_ggml_type
+    from ..quant.formats import format_by_ggml_type
     out = []
     for name, info in gf.tensors.items():
         shape = info.shape
@@ -80,8 +80,8 @@ class _Item:
 
 
 def _type_name(t: int) -> str:
-    from .loading.gguf import _type_name as name
-    return name(t)
+    from ..loading.gguf_file import ggml_type_name
+    return ggml_type_name(t)
 
 
 def _check_type(qtype) -> str:
@@ -147,7 +147,7 @@ def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, ov
     Returns {format name: number of tensors} of what was written."""
     import gguf
 
-    from .loading.gguf import SUPPORTED_TENSOR_TYPES, _dequantize, config_from_gguf, read_gguf
+    from ..loading.gguf import SUPPORTED_TENSOR_TYPES, _dequantize, config_from_gguf, read_gguf
 
     key = _check_type(qtype)
     src, dst = Path(src), Path(dst)
@@ -202,8 +202,8 @@ def _write(dst: Path, arch: str, kvs: list, items: list[_Item], threads: int | N
     near one row chunk of one tensor (plus one quantized matrix)."""
     import gguf
 
-    from .quant.convert import quantize_rows_f32
-    from .quant.formats import format_by_name
+    from ..quant.convert import quantize_rows_f32
+    from ..quant.formats import format_by_name
 
     w = gguf.GGUFWriter(None, arch)
     for k, v, vtype, sub in kvs:

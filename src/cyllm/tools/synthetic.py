@@ -18,8 +18,8 @@ import hashlib
 
 import numpy as np
 
-from .config import ModelConfig
-from .errors import InvalidArgumentError, ModelLoadError
+from ..config import ModelConfig
+from ..errors import InvalidArgumentError, ModelLoadError
 
 # Hyperparameters as published in each model's config.json.
 PRESETS: dict[str, dict] = {
@@ -78,7 +78,7 @@ def preset_config(preset: str) -> ModelConfig:
 
 def weight_bytes(config: ModelConfig) -> int:
     """Bytes of the float16 matrices + float32 vectors the preset allocates."""
-    from .loading import expected_shapes
+    from ..loading import expected_shapes
     total = 0
     for shape in expected_shapes(config).values():
         total += int(np.prod(shape)) * (2 if len(shape) == 2 else 4)
@@ -87,7 +87,7 @@ def weight_bytes(config: ModelConfig) -> int:
 
 def mem_available() -> int | None:
     """Host memory this process can still allocate, in bytes (None where unknown): memory.py."""
-    from .memory import host_available
+    from ..memory import host_available
     return host_available()
 
 
@@ -131,7 +131,7 @@ def build_synthetic(preset: str, seed: int = 0, check_memory: bool = True,
         check_fits(weight_bytes(config), f"synthetic preset {preset!r}", memory_factor)
     rng = np.random.default_rng(int(seed))
     block = rng.standard_normal(_BLOCK_LEN, dtype=np.float32).astype(np.float16)   # (L,) ~N(0,1)
-    from .loading import expected_shapes
+    from ..loading import expected_shapes
 
     scaled: dict[int, np.ndarray] = {}   # fan_in -> block * 1/sqrt(fan_in), scaled once
     weights: dict[str, np.ndarray] = {}

@@ -19,8 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import completions
-from ..errors import ContextFullError, CyllmError
+from ... import completions
+from ...errors import ContextFullError, CyllmError
 from .worker import DONE, Job, Worker
 
 log = logging.getLogger("cyllm.server")

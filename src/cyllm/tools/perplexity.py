@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 MIN_CTX = 4
 

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import BackendUnavailableError, InvalidArgumentError, ModelLoadError
-from ..quant.formats import FORMATS, QuantMatrix, WeightFormat
-from .cuda_source import assemble
+from ...errors import BackendUnavailableError, InvalidArgumentError, ModelLoadError
+from ...quant.formats import FORMATS, WeightFormat
+from ...quant.matrix import QuantMatrix
+from .source import assemble
 
 try:  # CuPy is optional: this module imports without it (the layout helpers use numpy)
     import cupy as cp

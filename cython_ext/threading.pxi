@@ -1,0 +1,25 @@
+# Threading policy of the CPU ops: below these sizes an op stays on the calling thread;
+# above them rows / heads / weight panels are split over `threads` OpenMP threads in a
+# fixed order (results do not depend on the thread count). The decode program's
+# barrier spin and software-prefetch knobs (benchmarks only). Included by kernels.pyx.
+
+# Below these sizes an op runs on the calling thread: the parallel-region wake-up
+# would cost more than the work (f16 matvec: 64K weights = 128 KiB, ~4 us).
+cdef enum:
+    MATVEC_PARALLEL_MIN = 65536      # weights read (d * n, both matrices for gate_up)
+    VECTOR_PARALLEL_MIN = 65536      # elements of add / swiglu
+    ROWS_PER_THREAD_MIN = 8
+
+
+def _set_spin(int polls):
+    """Polls a decode-program thread spins at a barrier before it sleeps (benchmarks only)."""
+    global cyllm_spin
+    cyllm_spin = polls
+
+
+def _set_prefetch(int groups, int across_ops=1):
+    """Tuning knobs of the decode matvec's software prefetch (benchmarks only): groups
+    of 4 rows ahead (0 = off), and whether the decode program prefetches across ops."""
+    global cyllm_pf_groups, cyllm_pf_next
+    cyllm_pf_groups = groups
+    cyllm_pf_next = across_ops

@@ -1,0 +1,90 @@
+"""Decode through CUDA graphs (a mixin of CudaBackend).
+
+Per-step values (token id, position) come from a two-int device buffer: ``decode_step``
+writes that buffer, then replays a CUDA graph of the whole forward pass captured once,
+so a token costs one graph launch instead of hundreds of Python-side launches. The
+same graph serves every position because no kernel's launch shape depends on the
+position (attention's grid is sized for the whole cache and blocks past the position
+leave at once). ``CYLLM_CUDA_GRAPHS=0`` turns graphs off (eager ops, still reading the
+step buffer).
+"""
+
+from __future__ import annotations
+
+from ...errors import InvalidArgumentError
+from ..base import check_token
+
+try:  # CuPy is optional: this module imports without it
+    import cupy as cp
+except Exception:  # noqa: BLE001 - reported by CudaBackend when it is constructed
+    cp = None
+
+
+class GraphDecode:
+    """Needs from the backend: ``_stream``, ``_step``/``_step_host`` (the step buffer and its
+    host copy), ``_flush()``, ``use_graphs``, and the ops reading the step buffer while
+    ``_device_mode`` is set (recording ``_vocab``/``_max_pos`` for the checks here)."""
+
+    def reset_graph(self) -> None:
+        """Forget the captured graph (call after reallocating any run-state buffer)."""
+        self._graph = None
+        self._graph_key = None
+        self._vocab = None
+        self._max_pos = None
+
+    def decode_step(self, issue_ops, token: int, pos: int) -> None:
+        """Run ``issue_ops(token, pos)`` (one token's whole forward pass) for this token.
+
+        The first call runs it eagerly (compiling kernels, allocating scratch)
+        and captures it as a CUDA graph; later calls only write {token, pos}
+        to the device and replay the graph. Every op issued must take its
+        per-step values from the step buffer, which the ops of this backend do
+        while decode_step runs; ``issue_ops`` must not allocate or synchronise.
+        """
+        token = int(token)
+        pos = int(pos)
+        if self._vocab is not None:
+            check_token(token, self._vocab)
+        if self._max_pos is not None and not 0 <= pos < self._max_pos:
+            raise InvalidArgumentError(f"position {pos} is out of range [0, {self._max_pos})")
+        if pos < 0:
+            raise InvalidArgumentError(f"position {pos} is out of range")
+        self._step_host[0] = token
+        self._step_host[1] = pos
+        stream = self._stream
+        with stream:
+            # pageable source: the call returns once the 8 bytes are staged, so reuse is safe
+            cp.cuda.runtime.memcpyAsync(self._step.data.ptr, self._step_host.ctypes.data, 8,
+                                        cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+            if self._graph is not None and self._graph_key == issue_ops:
+                self._graph.launch(stream=stream)
+                return
+            self._device_mode = True
+            try:
+                self._vocab = None
+                self._max_pos = None
+                issue_ops(token, pos)           # eager: computes this token, compiles, allocates
+                self._flush()
+                if self.use_graphs:
+                    self._capture(issue_ops, token, pos)
+            finally:
+                self._device_mode = False
+
+    def _capture(self, issue_ops, token: int, pos: int) -> None:
+        stream = self._stream
+        graph = None
+        try:
+            stream.begin_capture()
+            try:
+                issue_ops(token, pos)
+                self._flush()                   # a held-back rmsnorm belongs to this graph
+            finally:
+                graph = stream.end_capture()
+        except Exception as e:  # noqa: BLE001 - something in issue_ops cannot be captured
+            import warnings
+            warnings.warn(f"cyllm: CUDA graph capture failed ({e}); decoding without graphs", RuntimeWarning)
+            self.use_graphs = False
+            self.reset_graph()
+            return
+        self._graph = graph
+        self._graph_key = issue_ops
