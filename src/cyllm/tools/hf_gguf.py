@@ -123,7 +123,7 @@ def _tensors(cfg: ModelConfig, fam: Family, d: Path) -> list[SourceTensor]:
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type")
     if kind == "llama3":
-        from .rope import RopeSpec
+        from ..rope import RopeSpec
         div = RopeSpec(cfg.rope_theta, rot, scaling).divisors(cfg.max_seq_len)
         out.append(SourceTensor("rope_freqs.weight", (rot // 2,), _const(div)))
     elif kind == "longrope":
@@ -191,7 +191,7 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
                (a + "rope.scaling.original_context_length", int(orig), T.UINT32, None),
                (a + "attention.sliding_window", cfg.sliding_window or 0, T.UINT32, None)]
         if kind == "longrope":
-            from .rope import RopeSpec
+            from ..rope import RopeSpec
             mag = RopeSpec(cfg.rope_theta, cfg.rotary_dim or cfg.head_dim, scaling).magnitude()
             kv.append((a + "rope.scaling.attn_factor", mag, T.FLOAT32, None))
     return kv
@@ -202,7 +202,7 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
 # llama.cpp pre-tokenizer names by the split regex of tokenizer.json (the regexes are the
 # public ones of those tokenizers; gguf_tokenizer.py maps the names back to them)
 def _pre_by_regex() -> dict[str, str]:
-    from .loading import gguf_tokenizer as gt
+    from ..loading import gguf_tokenizer as gt
     return {gt._LLAMA3_SPLIT: "llama-bpe", gt._QWEN2_SPLIT: "qwen2", gt._TEKKEN_SPLIT: "tekken",
             gt._GPT4O_SPLIT: "gpt-4o"}
 
