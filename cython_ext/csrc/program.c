@@ -11,7 +11,7 @@
  * the op-by-op code does, so the logits are bitwise the same.
  *
  * Every pointer and size in the program was validated when it was captured
- * (kernels.pyx, DecodeProgram); the step's pos and token are range-checked by
+ * (program.pxi, DecodeProgram); the step's pos and token are range-checked by
  * the caller before this runs.
  */
 #include <math.h>

@@ -22,6 +22,11 @@
  *
  * Pointers may be unaligned beyond their element size; nothing here allocates; the
  * kernels are single-threaded pieces of work (threads live in quant.pxi / program.c).
+ *
+ * Reference: src/cyllm/quant/reference.py (NumPy block math, bit-exact with llama.cpp's
+ * quantizers). Tests: tests/test_quant_kernels.py (every kernel and variant, awkward shapes,
+ * bitwise across thread counts), tests/test_backend_ops.py (the ops), tests/test_quant_llamacpp.py
+ * (whole models against llama.cpp). Benchmark: bench/bench_quant.py.
  */
 #ifndef CYLLM_QUANT_H
 #define CYLLM_QUANT_H
