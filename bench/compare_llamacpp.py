@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))     # run from a checkout wi
 from cyllm.tools.bench import (BenchConfig, Test, load_source, needed_context, parse_int_list,  # noqa: E402
                          plan_tests, run_bench)
 from cyllm.errors import CyllmError  # noqa: E402
+from cyllm.quant import QuantMatrix  # noqa: E402
 
 WARMUP_PP = 32
 WARMUP_TG = 8
@@ -183,6 +184,8 @@ def write_f16_gguf(out: str, config, weights: dict, tokenizer_gguf: str | None, 
         _synthetic_spm_fields(w, c.vocab_size)
 
     def f16(a):
+        if isinstance(a, QuantMatrix):          # a quantized source: its dequantized values
+            a = a.dequantize()
         return np.ascontiguousarray(a, dtype=np.float16)
 
     def f32(a):
