@@ -188,64 +188,97 @@ ALWAYS void q5_bits(uint32_t h0, uint32_t h1, __m256i *lo, __m256i *hi) {
     *hi = _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), x10);
 }
 
+/* The activation side of block pair (b, b+1) of the nibble formats, as the dot product
+ * wants it: x's bytes in the nibbles' order (lo: elements 0-15 of both blocks, hi: 16-31),
+ * x's scale per block in lanes 0-3 / 4-7, and aux: the integer accumulator's start
+ * (q4_0/q5_0: -offset * sum(q_x) / 4 per lane) or the min term's x factor (q4_1/q5_1:
+ * d_x * sum(q_x) / 4, as float bits). The same for every row: decode prepares it once per
+ * call (qx_xprep), prefill per token and row; the arithmetic is the same either way. */
+typedef struct { __m256i lo, hi, aux; __m256 dx; } qx_xpair;
+
+ALWAYS qx_xpair x_pair(const int kind, const cyllm_qact_view *a, int64_t b, int two) {
+    const int has_min = kind == 1 || kind == 3;
+    const int shift = kind == 0 ? 1 : 2;             /* offset/4 = 2 (q4_0) or 4 (q5_0) */
+    const int8_t *xb = a->q + b * 32;
+    qx_xpair p;
+    __m256i s;
+    if (two) {
+        p.lo = load2x128((const uint8_t *)xb, (const uint8_t *)(xb + 32));
+        p.hi = load2x128((const uint8_t *)(xb + 16), (const uint8_t *)(xb + 48));
+        p.dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(
+                   _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(a->d + b)))), IDX01);
+        s = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(
+                _mm_loadl_epi64((const __m128i *)(a->sum + b))), IDX01);
+    } else {
+        p.lo = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)xb));
+        p.hi = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
+        p.dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_load_ss(a->d + b)), IDX01);
+        s = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(_mm_cvtsi32_si128(a->sum[b])), IDX01);
+    }
+    if (!has_min) p.aux = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s, shift));
+    else p.aux = _mm256_castps_si256(_mm256_mul_ps(p.dx, _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(0.25f))));
+    return p;
+}
+
+/* one row against C activations whose block pairs come from `pair(j, b, two)` */
+#define ROWS32_BODY(PAIR)                                                                    \
+    const int bb = kind == 0 ? QB_Q4_0 : kind == 1 ? QB_Q4_1 : kind == 2 ? QB_Q5_0 : QB_Q5_1; \
+    const int qs_off = kind == 0 ? 2 : kind == 1 ? 4 : kind == 2 ? 6 : 8;                   \
+    const int has_min = kind == 1 || kind == 3;                                              \
+    const int five = kind >= 2;                                                              \
+    const __m256i m15 = _mm256_set1_epi8(15);                                                \
+    __m256 acc[QX_C], accm[QX_C];                                                            \
+    _Pragma("GCC unroll 4")                                                                  \
+    for (int j = 0; j < C; j++) { acc[j] = _mm256_setzero_ps(); accm[j] = _mm256_setzero_ps(); } \
+    for (int64_t b = 0; b < nb; b += 2) {                                                    \
+        const int two = b + 1 < nb;                                                          \
+        const uint8_t *p0 = w0 + b * bb;                                                     \
+        const uint8_t *p1 = two ? p0 + bb : p0;                                              \
+        PREFETCH(pfp + b * bb);                                                              \
+        __m256i v = load2x128(p0 + qs_off, p1 + qs_off);                                     \
+        __m256i lo = _mm256_and_si256(v, m15);                                               \
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);                         \
+        if (five) {                                                                          \
+            __m256i hl, hh;                                                                  \
+            q5_bits(cyllm_rd32(p0 + (kind == 2 ? 2 : 4)), two ? cyllm_rd32(p1 + (kind == 2 ? 2 : 4)) : 0, \
+                    &hl, &hh);                                                               \
+            lo = _mm256_or_si256(lo, hl);                                                    \
+            hi = _mm256_or_si256(hi, hh);                                                    \
+        }                                                                                    \
+        const __m256 wd = h2x4(p0, two ? p1 : (const uint8_t *)&qx_zero_h);                  \
+        const __m256 wm = has_min ? h2x4(p0 + 2, two ? p1 + 2 : (const uint8_t *)&qx_zero_h) : wd; \
+        _Pragma("GCC unroll 4")                                                              \
+        for (int j = 0; j < C; j++) {                                                        \
+            const qx_xpair xp = PAIR;                                                        \
+            __m256i isum = DOT2(has_min ? _mm256_setzero_si256() : xp.aux, lo, xp.lo, hi, xp.hi); \
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(wd, xp.dx), acc[j]); \
+            if (has_min) accm[j] = _mm256_fmadd_ps(wm, _mm256_castsi256_ps(xp.aux), accm[j]);  \
+        }                                                                                    \
+    }                                                                                        \
+    _Pragma("GCC unroll 4")                                                                  \
+    for (int j = 0; j < C; j++) {                                                            \
+        float r = hsum8(has_min ? _mm256_add_ps(acc[j], accm[j]) : acc[j]);                  \
+        o[j * ldo] = add ? o[j * ldo] + r : r;                                               \
+    }
+
 ALWAYS void rows32(const int C, const int kind, float *o, int64_t ldo, const uint8_t *w0,
                    const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
-    const int bb = kind == 0 ? QB_Q4_0 : kind == 1 ? QB_Q4_1 : kind == 2 ? QB_Q5_0 : QB_Q5_1;
-    const int qs_off = kind == 0 ? 2 : kind == 1 ? 4 : kind == 2 ? 6 : 8;
-    const int has_min = kind == 1 || kind == 3;
-    const int five = kind >= 2;
-    const int shift = kind == 0 ? 1 : 2;             /* offset/4 = 2 (q4_0) or 4 (q5_0) */
-    const __m256i m15 = _mm256_set1_epi8(15);
-    __m256 acc[QX_C], accm[QX_C];
-    _Pragma("GCC unroll 4")
-    for (int j = 0; j < C; j++) { acc[j] = _mm256_setzero_ps(); accm[j] = _mm256_setzero_ps(); }
-    for (int64_t b = 0; b < nb; b += 2) {
-        const int two = b + 1 < nb;
-        const uint8_t *p0 = w0 + b * bb;
-        const uint8_t *p1 = two ? p0 + bb : p0;
-        PREFETCH(pfp + b * bb);
-        __m256i v = load2x128(p0 + qs_off, p1 + qs_off);
-        __m256i lo = _mm256_and_si256(v, m15);
-        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
-        if (five) {
-            __m256i hl, hh;
-            q5_bits(cyllm_rd32(p0 + (kind == 2 ? 2 : 4)), two ? cyllm_rd32(p1 + (kind == 2 ? 2 : 4)) : 0,
-                    &hl, &hh);
-            lo = _mm256_or_si256(lo, hl);
-            hi = _mm256_or_si256(hi, hh);
-        }
-        const __m256 wd = h2x4(p0, two ? p1 : (const uint8_t *)&qx_zero_h);
-        const __m256 wm = has_min ? h2x4(p0 + 2, two ? p1 + 2 : (const uint8_t *)&qx_zero_h) : wd;
-        _Pragma("GCC unroll 4")
-        for (int j = 0; j < C; j++) {
-            const int8_t *xb = a[j].q + b * 32;
-            __m256i xlo, xhi, off = _mm256_setzero_si256(), s;
-            __m256 dx, dxs = _mm256_setzero_ps();
-            if (two) {
-                xlo = load2x128((const uint8_t *)xb, (const uint8_t *)(xb + 32));
-                xhi = load2x128((const uint8_t *)(xb + 16), (const uint8_t *)(xb + 48));
-                dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(
-                         _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(a[j].d + b)))), IDX01);
-                s = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(
-                        _mm_loadl_epi64((const __m128i *)(a[j].sum + b))), IDX01);
-            } else {
-                xlo = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)xb));
-                xhi = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
-                dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_load_ss(a[j].d + b)), IDX01);
-                s = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(_mm_cvtsi32_si128(a[j].sum[b])), IDX01);
-            }
-            if (!has_min) off = _mm256_sub_epi32(off, _mm256_slli_epi32(s, shift));
-            else dxs = _mm256_mul_ps(dx, _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(0.25f)));
-            __m256i isum = DOT2(off, lo, xlo, hi, xhi);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(wd, dx), acc[j]);
-            if (has_min) accm[j] = _mm256_fmadd_ps(wm, dxs, accm[j]);
-        }
-    }
-    _Pragma("GCC unroll 4")
-    for (int j = 0; j < C; j++) {
-        float r = hsum8(has_min ? _mm256_add_ps(acc[j], accm[j]) : acc[j]);
-        o[j * ldo] = add ? o[j * ldo] + r : r;
-    }
+    ROWS32_BODY(x_pair(kind, &a[j], b, two))
+}
+
+/* decode: one row against the pairs qx_xprep prepared (C = 1) */
+ALWAYS void rows32p(const int kind, float *o, const uint8_t *w0, const qx_xpair *xps,
+                    int64_t nb, int add, const uint8_t *pfp) {
+    const int C = 1;
+    const int64_t ldo = 0;
+    ROWS32_BODY(xps[b >> 1])
+}
+
+/* the pairs of a whole activation, once per call: at most QX_XPAIRS of them (128 bytes
+ * each, on the stack); longer rows take the per-row path */
+#define QX_XPAIRS 256
+ALWAYS void qx_xprep(const int kind, qx_xpair *xp, const cyllm_qact_view *a, int64_t nb) {
+    for (int64_t b = 0; b < nb; b += 2) xp[b >> 1] = x_pair(kind, a, b, b + 1 < nb);
 }
 
 ALWAYS void k_q8_0(const int C, float *o, int64_t ldo, const uint8_t *w0,
@@ -420,21 +453,31 @@ ALWAYS void k_q6_k(const int C, float *o, int64_t ldo, const uint8_t *w0,
  * rows [r0, r1) of one activation (decode); the GEMM runs tokens in blocks of QX_TB (their
  * activations stay in L1/L2 while the thread's rows stream past), QX_C tokens per call. */
 
-#define QX_FORMAT(F, FMT, ACT, BLK, CALL)                                                       \
+#define QX_FORMAT(F, FMT, ACT, BLK, KIND, CALL)                                                 \
 ALWAYS void one_##F(const int C, float *o, int64_t ldo, const uint8_t *w0,                  \
                     const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {       \
     CALL;                                                                                     \
 }                                                                                             \
+/* rows [r0, r1) of one activation; xps: its prepared pairs (nibble formats, KIND >= 0) */    \
 static void range_##F(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a,     \
-                      int64_t n, int64_t r0, int64_t r1, int add, const qx_pf *pf) {         \
-    for (int64_t r = r0; r < r1; r++)                                                         \
-        one_##F(1, o + (r - r0), 0, w + r * rb, a, n / BLK, add, pf_base(w + r * rb, pf));  \
+                      const qx_xpair *xps, int64_t n, int64_t r0, int64_t r1, int add,        \
+                      const qx_pf *pf) {                                                      \
+    for (int64_t r = r0; r < r1; r++) {                                                       \
+        if (KIND >= 0 && xps)                                                                 \
+            rows32p(KIND < 0 ? 0 : KIND, o + (r - r0), w + r * rb, xps, n / BLK, add,        \
+                    pf_base(w + r * rb, pf));                                                 \
+        else                                                                                  \
+            one_##F(1, o + (r - r0), 0, w + r * rb, a, n / BLK, add, pf_base(w + r * rb, pf)); \
+    }                                                                                         \
 }                                                                                             \
 static void QF(matvec_##F)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n, \
                            int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {   \
     cyllm_qact_view a = cyllm_qact_split(xq, n, ACT);                                         \
     qx_pf pf = {w + r1 * rb, nx, nxb, cyllm_qpf_bytes};                                       \
-    range_##F(out + r0, w, rb, &a, n, r0, r1, add, &pf);                                      \
+    qx_xpair xps[KIND >= 0 ? QX_XPAIRS : 1];                                                  \
+    const int prep = KIND >= 0 && (n / BLK + 1) / 2 <= QX_XPAIRS;                             \
+    if (prep) qx_xprep(KIND < 0 ? 0 : KIND, xps, &a, n / BLK);                                \
+    range_##F(out + r0, w, rb, &a, prep ? xps : NULL, n, r0, r1, add, &pf);                   \
 }                                                                                             \
 static void QF(gate_up_##F)(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb,   \
                             const void *xq, int64_t n, int64_t r0, int64_t r1, int act,      \
@@ -442,11 +485,14 @@ static void QF(gate_up_##F)(float *out, const uint8_t *wg, const uint8_t *wu, in
     cyllm_qact_view a = cyllm_qact_split(xq, n, ACT);                                         \
     qx_pf pg = {wg + r1 * rb, 0, 0, cyllm_qpf_bytes};                                         \
     qx_pf pu = {wu + r1 * rb, nx, nxb, cyllm_qpf_bytes};                                      \
+    qx_xpair xps[KIND >= 0 ? QX_XPAIRS : 1];                                                  \
+    const int prep = KIND >= 0 && (n / BLK + 1) / 2 <= QX_XPAIRS;                             \
+    if (prep) qx_xprep(KIND < 0 ? 0 : KIND, xps, &a, n / BLK);                                \
     float g[16], u[16];                                                                       \
     for (int64_t r = r0; r < r1; r += 16) {                                                   \
         int64_t e = r + 16 < r1 ? r + 16 : r1;                                                \
-        range_##F(g, wg, rb, &a, n, r, e, 0, &pg);                                            \
-        range_##F(u, wu, rb, &a, n, r, e, 0, &pu);                                            \
+        range_##F(g, wg, rb, &a, prep ? xps : NULL, n, r, e, 0, &pg);                         \
+        range_##F(u, wu, rb, &a, prep ? xps : NULL, n, r, e, 0, &pu);                         \
         for (int64_t i = r; i < e; i++) out[i] = cyllm_qact_apply(act, g[i - r]) * u[i - r]; \
     }                                                                                         \
 }                                                                                             \
@@ -476,14 +522,14 @@ static void QF(deq32_##F)(float *out, const uint8_t *row, int64_t n) {          
     cyllm_qdequant_row_f32_generic(FMT, out, row, n);                                         \
 }
 
-QX_FORMAT(q8_0, CYLLM_QF_Q8_0, CYLLM_QA_Q8_0, 32, k_q8_0(C, o, ldo, w0, a, nb, add, pfp))
-QX_FORMAT(q4_0, CYLLM_QF_Q4_0, CYLLM_QA_Q8_0, 32, rows32(C, 0, o, ldo, w0, a, nb, add, pfp))
-QX_FORMAT(q4_1, CYLLM_QF_Q4_1, CYLLM_QA_Q8_0, 32, rows32(C, 1, o, ldo, w0, a, nb, add, pfp))
-QX_FORMAT(q5_0, CYLLM_QF_Q5_0, CYLLM_QA_Q8_0, 32, rows32(C, 2, o, ldo, w0, a, nb, add, pfp))
-QX_FORMAT(q5_1, CYLLM_QF_Q5_1, CYLLM_QA_Q8_0, 32, rows32(C, 3, o, ldo, w0, a, nb, add, pfp))
-QX_FORMAT(q4_k, CYLLM_QF_Q4_K, CYLLM_QA_Q8_K, QK_K, rows_k45(C, 0, o, ldo, w0, a, nb, add, pfp))
-QX_FORMAT(q5_k, CYLLM_QF_Q5_K, CYLLM_QA_Q8_K, QK_K, rows_k45(C, 1, o, ldo, w0, a, nb, add, pfp))
-QX_FORMAT(q6_k, CYLLM_QF_Q6_K, CYLLM_QA_Q8_K, QK_K, k_q6_k(C, o, ldo, w0, a, nb, add, pfp))
+QX_FORMAT(q8_0, CYLLM_QF_Q8_0, CYLLM_QA_Q8_0, 32, -1, k_q8_0(C, o, ldo, w0, a, nb, add, pfp))
+QX_FORMAT(q4_0, CYLLM_QF_Q4_0, CYLLM_QA_Q8_0, 32, 0, rows32(C, 0, o, ldo, w0, a, nb, add, pfp))
+QX_FORMAT(q4_1, CYLLM_QF_Q4_1, CYLLM_QA_Q8_0, 32, 1, rows32(C, 1, o, ldo, w0, a, nb, add, pfp))
+QX_FORMAT(q5_0, CYLLM_QF_Q5_0, CYLLM_QA_Q8_0, 32, 2, rows32(C, 2, o, ldo, w0, a, nb, add, pfp))
+QX_FORMAT(q5_1, CYLLM_QF_Q5_1, CYLLM_QA_Q8_0, 32, 3, rows32(C, 3, o, ldo, w0, a, nb, add, pfp))
+QX_FORMAT(q4_k, CYLLM_QF_Q4_K, CYLLM_QA_Q8_K, QK_K, -1, rows_k45(C, 0, o, ldo, w0, a, nb, add, pfp))
+QX_FORMAT(q5_k, CYLLM_QF_Q5_K, CYLLM_QA_Q8_K, QK_K, -1, rows_k45(C, 1, o, ldo, w0, a, nb, add, pfp))
+QX_FORMAT(q6_k, CYLLM_QF_Q6_K, CYLLM_QA_Q8_K, QK_K, -1, k_q6_k(C, o, ldo, w0, a, nb, add, pfp))
 
 #define QX_ENTRY(F) {QF(matvec_##F), QF(gate_up_##F), QF(gemm_##F), QF(deq16_##F), QF(deq32_##F)}
 
