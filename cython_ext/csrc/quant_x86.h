@@ -274,6 +274,13 @@ ALWAYS void rows32p(const int kind, float *o, const uint8_t *w0, const qx_xpair 
     ROWS32_BODY(xps[b >> 1])
 }
 
+/* prefill: one row against C activations, activation j's pairs at xps + j * np */
+ALWAYS void rows32pc(const int C, const int kind, float *o, int64_t ldo, const uint8_t *w0,
+                     const qx_xpair *xps, int64_t np, int64_t nb, int add) {
+    const uint8_t *pfp = w0;
+    ROWS32_BODY(xps[j * np + (b >> 1)])
+}
+
 /* the pairs of a whole activation, once per call: at most QX_XPAIRS of them (128 bytes
  * each, on the stack); longer rows take the per-row path */
 #define QX_XPAIRS 256
@@ -499,6 +506,28 @@ static void QF(gate_up_##F)(float *out, const uint8_t *wg, const uint8_t *wu, in
 static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
                          int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) { \
     cyllm_qact_view a[QX_TB];                                                                 \
+    const int64_t np = (n / BLK + 1) / 2;                                                     \
+    if (KIND >= 0 && np <= QX_XPAIRS) {                                                       \
+        /* nibble formats: QX_C tokens' pairs prepared once, then every row of the range */   \
+        qx_xpair xps[KIND >= 0 ? QX_C * QX_XPAIRS : 1];                                       \
+        for (int64_t t0 = 0; t0 < T; t0 += QX_C) {                                            \
+            const int64_t tn = T - t0 < QX_C ? T - t0 : QX_C;                                 \
+            for (int64_t t = 0; t < tn; t++) {                                                \
+                cyllm_qact_view v = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, ACT); \
+                qx_xprep(KIND < 0 ? 0 : KIND, xps + t * np, &v, n / BLK);                     \
+            }                                                                                 \
+            for (int64_t r = r0; r < r1; r++) {                                               \
+                float *o = out + t0 * ldo + r;                                                \
+                if (tn == QX_C)                                                               \
+                    rows32pc(QX_C, KIND < 0 ? 0 : KIND, o, ldo, w + r * rb, xps, np, n / BLK, add); \
+                else                                                                          \
+                    for (int64_t t = 0; t < tn; t++)                                          \
+                        rows32pc(1, KIND < 0 ? 0 : KIND, o + t * ldo, ldo, w + r * rb, xps + t * np, np, \
+                                 n / BLK, add);                                               \
+            }                                                                                 \
+        }                                                                                     \
+        return;                                                                               \
+    }                                                                                         \
     for (int64_t t0 = 0; t0 < T; t0 += QX_TB) {                                               \
         const int64_t tn = T - t0 < QX_TB ? T - t0 : QX_TB;                                   \
         for (int64_t t = 0; t < tn; t++)                                                      \
