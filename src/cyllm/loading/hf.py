@@ -78,12 +78,12 @@ def _to_f32(name: str, f: SafetensorsFile, tname: str) -> np.ndarray:
     raise UnsupportedModelError(f"tensor {name} in {f.path} has dtype {tag}; expected F16, BF16 or F32")
 
 
-def load_hf_weights(config: ModelConfig, d: Path) -> dict[str, np.ndarray]:
-    """The model's tensors from the directory's safetensors, normalized and validated."""
+def checkpoint_tensors(config: ModelConfig, d: Path):
+    """The family's expected tensors in the directory's safetensors, each checked for presence
+    and shape before anything is read: yields (table row, layer, HF name, shape, file, name in
+    the file). A tied output matrix the checkpoint leaves out is skipped."""
     index = open_checkpoint(d)
-    fam = family(config.arch)
-    weights: dict[str, np.ndarray] = {}
-    for t, i in fam.expected(config):
+    for t, i in family(config.arch).expected(config):
         name, shape = t.hf_name(i), t.shape(config)
         if name not in index:
             if t.optional and config.tie_word_embeddings:
@@ -94,6 +94,13 @@ def load_hf_weights(config: ModelConfig, d: Path) -> dict[str, np.ndarray]:
         if got != shape:
             # check before converting: a wrong shape must not cost a conversion
             raise ModelLoadError(f"tensor {name} has shape {got}, expected {shape}")
+        yield t, i, name, shape, f, tname
+
+
+def load_hf_weights(config: ModelConfig, d: Path) -> dict[str, np.ndarray]:
+    """The model's tensors from the directory's safetensors, normalized and validated."""
+    weights: dict[str, np.ndarray] = {}
+    for t, _, name, shape, f, tname in checkpoint_tensors(config, d):
         a = _to_f16(name, f, tname) if len(shape) == 2 else _to_f32(name, f, tname)
         if t.hf_plus_one:
             a = a + np.float32(1.0)      # the (1+w) norm stored as w: the model applies plain w

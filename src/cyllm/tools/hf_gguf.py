@@ -116,8 +116,7 @@ def _const(a: np.ndarray):
 
 
 def _tensors(cfg: ModelConfig, fam: Family, d: Path) -> list[SourceTensor]:
-    from ..loading.safetensors import open_checkpoint
-    index = open_checkpoint(d)
+    from ..loading.hf import checkpoint_tensors
     out: list[SourceTensor] = []
     rot = cfg.rotary_dim or cfg.head_dim
     scaling = cfg.rope_scaling or {}
@@ -132,16 +131,7 @@ def _tensors(cfg: ModelConfig, fam: Family, d: Path) -> list[SourceTensor]:
             if fac.shape != (rot // 2,):
                 raise ModelLoadError(f"{one_line(d)}: rope {which}_factor has {fac.size} entries, expected {rot // 2}")
             out.append(SourceTensor(f"rope_factors_{which}.weight", fac.shape, _const(fac)))
-    for t, i in fam.expected(cfg):
-        name, shape = t.hf_name(i), t.shape(cfg)
-        if name not in index:
-            if t.optional and cfg.tie_word_embeddings:
-                continue
-            raise ModelLoadError(f"missing tensor {name} in the checkpoint in {one_line(d)}")
-        f, tname = index[name]
-        got = f.shape_of(tname)
-        if got != shape:
-            raise ModelLoadError(f"tensor {name} has shape {got}, expected {shape}")
+    for t, i, _, shape, f, tname in checkpoint_tensors(cfg, d):
         order = None
         if fam.permute_qk and t.permute:
             heads = cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
