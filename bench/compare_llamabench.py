@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -33,20 +32,18 @@ HERE = Path(__file__).resolve().parent
 
 
 def cpu_model() -> str:
+    """The CPU model with its family/model numbers (hosts of one name differ)."""
+    from cyllm.saved_tuning import cpu_model_name
+    ids = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                fam = mod = ""
-                for ln in Path("/proc/cpuinfo").read_text().splitlines():
-                    if ln.startswith("cpu family") and not fam:
-                        fam = ln.split(":", 1)[1].strip()
-                    if ln.startswith("model\t") and not mod:
-                        mod = ln.split(":", 1)[1].strip()
-                return f"{name} (family {fam} model {mod})"
+            key = line.split(":", 1)[0].strip()
+            if key in ("cpu family", "model") and key not in ids:
+                ids[key] = line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "unknown CPU"
+    fam = f" (family {ids['cpu family']} model {ids['model']})" if len(ids) == 2 else ""
+    return cpu_model_name() + fam
 
 
 def llama_bench_path(arg: str | None, native: bool) -> str:

@@ -57,7 +57,6 @@ Steps whose outputs exist are skipped; ``--force`` rebuilds.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -110,11 +109,8 @@ PPL_BYTES = 8192
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    from cyllm.default_model import file_sha256     # the check the default model uses
+    return file_sha256(path)
 
 
 def type_mix(path: Path) -> dict:

@@ -65,7 +65,8 @@ def default_model_path(download: bool = True) -> Path:
     return target
 
 
-def _sha256(p: Path) -> str:
+def file_sha256(p: Path) -> str:
+    """Hex sha256 of a file, read in 4 MiB chunks."""
     h = hashlib.sha256()
     with open(p, "rb") as f:
         while True:
@@ -86,7 +87,7 @@ def cached_state(p: Path) -> str:
             return "missing"
         if p.stat().st_size != FILE_SIZE:
             return "damaged"
-        return "ok" if _sha256(p) == FILE_SHA256 else "damaged"
+        return "ok" if file_sha256(p) == FILE_SHA256 else "damaged"
     except OSError:
         return "damaged"
 

@@ -280,15 +280,8 @@ def cmd_models(a) -> int:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or platform.machine()
+    from ..saved_tuning import cpu_model_name
+    return cpu_model_name()
 
 
 from ..errors import CUDA_INSTALL_HINT  # noqa: E402  (the engine's hint; the CLI repeats it)
