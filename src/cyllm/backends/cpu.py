@@ -10,19 +10,23 @@ Kernel variant: "avx512" (the AVX2 kernels + AVX-512F prefill GEMM/attention) wh
 the CPU has it, else "avx2" (AVX2 + FMA + F16C), else "generic" (portable C).
 CYLLM_KERNELS=generic|avx2|avx512 or CpuBackend(variant=...) overrides; the choice
 is made once per backend and shown by kernel_info(). CYLLM_FUSED=0 turns the
-captured decode step off (the model then calls the ops one by one).
+captured decode step off (the model then calls the ops one by one). Unless the
+thread count was given, each captured step's team size adapts to what else runs on
+the cores (team.py).
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
-from ..errors import BackendUnavailableError
+from ..errors import BackendUnavailableError, InvalidArgumentError
 from ..quant.matrix import QuantMatrix
 from ..threads import resolve_threads
 from .base import DECODE_OPS, Backend, HostArrays
+from .team import TeamSizer
 
 try:
     from .._ext import kernels as _k
@@ -42,6 +46,15 @@ def _fused_default() -> bool:
     return os.environ.get("CYLLM_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _adaptive_default(threads) -> bool:
+    env = os.environ.get("CYLLM_ADAPTIVE_THREADS", "").strip().lower()
+    if env:
+        if env not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
+            raise InvalidArgumentError(f"CYLLM_ADAPTIVE_THREADS must be 0 or 1, got {env[:20]!r}")
+        return env in ("1", "true", "yes", "on")
+    return threads is None and not os.environ.get("OMP_NUM_THREADS", "").strip()
+
+
 class CpuBackend(HostArrays, _k.CpuKernels, Backend):
     name = "cpu"
     fuse_qkv = False      # weights stay memory-mapped: no concatenated copy
@@ -52,6 +65,10 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         fused: None -> $CYLLM_FUSED (default on): decode steps run as one captured program."""
         super().__init__(resolve_threads(threads), variant)
         self.fused = _fused_default() if fused is None else bool(fused)
+        # a count left to us (no flag, no OMP_NUM_THREADS) is an upper bound: each decode
+        # step's team size follows measured step times (team.py); CYLLM_ADAPTIVE_THREADS=0|1
+        # says no or yes whatever the count's origin
+        self._sizer = TeamSizer(self.threads) if _adaptive_default(threads) else None
         self._step_owner = None       # the issue_ops the program was captured from
         self._step_program = None     # its _k.DecodeProgram, or None when it cannot be captured
 
@@ -75,8 +92,13 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         if self._step_owner is not None and self._step_owner == issue_ops:
             if self._step_program is None:      # not capturable: op by op
                 issue_ops(token, pos)
-            else:
+            elif self._sizer is None:
                 self._step_program.run(token, pos, self.threads)
+            else:
+                n = self._sizer.next_size()
+                t0 = time.perf_counter()
+                self._step_program.run(token, pos, n)
+                self._sizer.record(n, time.perf_counter() - t0)
             return
         self._capture(issue_ops, token, pos)
 
@@ -122,6 +144,13 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
 
     def set_threads(self, n) -> None:
         self.threads = resolve_threads(n)
+        if self._sizer is not None:
+            self._sizer.set_max(self.threads)
+
+    @property
+    def decode_team(self) -> int:
+        """Threads the next decode step runs on (below `threads` when the sizer chose fewer)."""
+        return self.threads if self._sizer is None else min(self._sizer.size, self.threads)
 
     def rope_store(self, q, k, v, cos, sin, k_cache, v_cache, pos) -> None:
         self.rope(q, k, cos, sin, pos, k_cache.shape[2])

@@ -1,0 +1,157 @@
+"""The decode team size (backends/team.py): which size it settles on for given step
+times, how fast it answers a change, what probing costs on a quiet machine; and that
+changing the size between steps changes no bit of the logits (a quantized model, whose
+activations are rounded to int8 blocks, and a float one)."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from cyllm.backends.team import MAX_INTERVAL, TeamSizer  # noqa: E402
+
+
+def drive(sizer, step_time, steps, start=0):
+    """Run `steps` steps where a step on n threads takes step_time(n, step); the sizes used."""
+    used = []
+    for i in range(start, start + steps):
+        n = sizer.next_size()
+        assert 1 <= n <= sizer.max_threads
+        sizer.record(n, step_time(n, i))
+        used.append(n)
+    return used
+
+
+def noisy(table, seed=0, noise=0.03):
+    rng = np.random.default_rng(seed)
+    return lambda n, i: table[n] * (1.0 + noise * rng.standard_normal())
+
+
+def test_quiet_machine_keeps_all_threads_and_probes_rarely():
+    s = TeamSizer(2)
+    used = drive(s, noisy({1: 1.6, 2: 1.0}), 4000)
+    assert s.size == 2
+    assert used[-1] == 2
+    # probes back off to one every MAX_INTERVAL steps: ~3 of 512 steps after the first few hundred
+    assert used[1000:].count(1) / 3000 < 4 / MAX_INTERVAL
+
+
+def test_busy_core_moves_to_one_thread_within_a_few_steps():
+    s = TeamSizer(2)
+    used = drive(s, noisy({1: 1.0, 2: 2.5}), 1000)
+    assert 2 not in used[8:20]
+    assert s.size == 1
+    assert used[20:].count(2) / 980 < 0.05
+
+
+def test_contention_starting_mid_generation_is_answered():
+    s = TeamSizer(2)
+    quiet, busy = noisy({1: 1.6, 2: 1.0}), noisy({1: 1.0, 2: 3.0}, seed=1)
+    drive(s, quiet, 2000)
+    assert s.size == 2
+    used = drive(s, busy, 60, start=2000)
+    # the jump test probed at once, not after the 512 steps the quiet run had backed off to
+    assert used.index(1) < 8 and used[10:].count(1) >= 42
+    # and back when the busy process ends
+    used = drive(s, quiet, 200, start=2060)
+    assert used[-100:].count(2) >= 95
+
+
+def test_many_cores_climb_to_the_best_size():
+    table = {n: 10.0 / min(n, 5) + 0.8 * max(0, n - 5) for n in range(1, 9)}   # best at 5
+    s = TeamSizer(8)
+    drive(s, noisy(table, noise=0.01), 600)
+    assert s.size == 5
+
+
+def test_one_thread_never_probes():
+    s = TeamSizer(1)
+    assert drive(s, lambda n, i: 1.0, 50) == [1] * 50
+
+
+def test_set_max_starts_again():
+    s = TeamSizer(2)
+    drive(s, noisy({1: 1.0, 2: 2.5}), 100)
+    assert s.size == 1
+    s.set_max(4)
+    assert s.size == 4 and s.next_size() == 4
+
+
+# -- the backend: switching sizes between steps is bitwise invisible -----------------------
+try:
+    from cyllm.backends.cpu import CpuBackend
+    from cyllm.backends import cpu as cpu_mod
+except Exception as e:                      # extension not built
+    CpuBackend = None
+    _why = str(e)
+
+
+class Cycling:
+    """A stand-in sizer: sizes 1, 2, 2, 1, 2, ... whatever the times say."""
+
+    def __init__(self):
+        self.i = 0
+        self.size = 2
+
+    def next_size(self):
+        self.i += 1
+        return 1 if self.i % 3 == 1 else 2
+
+    def record(self, n, dt):
+        pass
+
+    def set_max(self, n):
+        pass
+
+
+def _decode(path, quantize, sizer, steps=40):
+    from cyllm.loading import load_path
+    from cyllm.model import Model
+    from cyllm.quant.convert import quantize_weights
+    config, weights, tok = load_path(path)
+    if quantize:
+        quantize_weights(config, weights, quantize)
+    m = Model.from_weights(config, weights, tok, backend=CpuBackend(2), context=128)
+    m.backend._sizer = sizer
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, m.config.vocab_size, 8 + steps).tolist()
+    m.prefill(ids[:8], 0)
+    return np.array([m.forward(ids[8 + i], 8 + i).copy() for i in range(steps)])
+
+
+@pytest.mark.parametrize("quantize", [None, "q8_0", "q4_k"])
+def test_changing_team_size_between_steps_is_bitwise_invisible(tmp_path, quantize):
+    if CpuBackend is None:
+        pytest.skip(f"cpu kernels not built: {_why}")
+    pytest.importorskip("torch")
+    from tinymodels import make_tiny_model
+    path = make_tiny_model(tmp_path, "mistral_gqa", seed=2)
+    fixed = _decode(path, quantize, None)
+    cycled = _decode(path, quantize, Cycling())
+    assert np.all(np.isfinite(fixed))
+    assert np.array_equal(fixed.view(np.uint32), cycled.view(np.uint32))
+
+
+def test_adaptive_only_when_the_count_is_ours(monkeypatch):
+    if CpuBackend is None:
+        pytest.skip(f"cpu kernels not built: {_why}")
+    from cyllm.errors import InvalidArgumentError
+    monkeypatch.delenv("CYLLM_ADAPTIVE_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert CpuBackend()._sizer is not None
+    assert CpuBackend(2)._sizer is None                 # -t given: exactly that many
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert CpuBackend()._sizer is None
+    monkeypatch.setenv("CYLLM_ADAPTIVE_THREADS", "1")
+    assert CpuBackend(2)._sizer is not None
+    monkeypatch.setenv("CYLLM_ADAPTIVE_THREADS", "0")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert CpuBackend()._sizer is None
+    monkeypatch.setenv("CYLLM_ADAPTIVE_THREADS", "maybe")
+    with pytest.raises(InvalidArgumentError):
+        CpuBackend()
+    assert cpu_mod is not None
