@@ -102,7 +102,7 @@ for step in $STEPS; do
   tests)
     # the default model's tests run once stash has joined it (they skip before)
     CYLLM_CUDA_MATERIAL="$STATE/material" timeout $(( $(left) > 30 ? $(left) - 10 : 20 )) \
-      $PY -P -m pytest -q -p no:cacheprovider -rfEsx --tb=short --timeout 300 -m cuda \
+      $PY -P -m pytest -q -p no:cacheprovider -rfEsx ${PYTEST_EXTRA:-} --tb=short --timeout 300 -m cuda \
       ${TESTS:-tests/test_backend_ops.py tests/test_cuda_ops.py tests/test_cuda_model.py tests/test_cuda_quant.py tests/test_cuda_quant_model.py tests/test_families.py} \
       2>&1 | tee -a "$OUT/test.log" | tail -n 40 ;;
   wait)

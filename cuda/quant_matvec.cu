@@ -191,12 +191,15 @@ __device__ __forceinline__ void qload_cached(QItem<F>& it, const QGeo& g, int s,
 // ---- activations in shared memory -----------------------------------------------------
 // x (n floats) -> int8 codes, 16 bytes per unit (xq: n/16 uint4), and one entry per
 // 32 elements: {d, d * sum(q), sum(q[0:16]) (int bits), sum(q[16:32]) (int bits)}.
-// The codes and d are the CPU kernels' q8_0 activation (reference.quantize_act) bit for bit.
-// A warp stages elements [e0, e1) (multiples of 32); 8 lanes share one 32-block.
+// The codes and d are the CPU kernels' activation (reference.quantize_act) bit for bit:
+// BLK = 32, q8_0 (the 32-element formats); BLK = 256, q8_k's codes and d (the K-quants: one
+// amax per 256 elements, so every 32-entry of a superblock carries the same d, and the
+// CPU and GPU round x alike). A warp stages elements [e0, e1) (multiples of BLK); 8 lanes
+// share one 32-block, two chunk rows of the warp one 256-block.
 // Returns this lane's share of sum(x^2) (for the folded rmsnorm).
 #define QS_CHUNKS 4   // float4 chunks per lane staged together: loads hoisted, shuffle chains interleaved
 
-template <bool NORM>
+template <bool NORM, int BLK>
 __device__ __forceinline__ float qstage(const float* __restrict__ x, const float* __restrict__ nw,
                                         int e0, int e1, u32* __restrict__ xw, float4* __restrict__ xs,
                                         int lane)
@@ -236,9 +239,13 @@ __device__ __forceinline__ float qstage(const float* __restrict__ x, const float
         for (int k = 0; k < QS_CHUNKS; ++k)
             a[k] = fmaxf(fmaxf(fabsf(v[k].x), fabsf(v[k].y)), fmaxf(fabsf(v[k].z), fabsf(v[k].w)));
 #pragma unroll
-        for (int off = 1; off < 8; off <<= 1)
+        for (int off = 1; off < BLK / 4 && off < 32; off <<= 1)
 #pragma unroll
             for (int k = 0; k < QS_CHUNKS; ++k) a[k] = fmaxf(a[k], __shfl_xor_sync(FULL_MASK, a[k], off));
+        if (BLK == 256) {       // a 256-block is chunks base + 64j .. +63: k = 2j and 2j + 1
+#pragma unroll
+            for (int k = 0; k < QS_CHUNKS; k += 2) a[k] = a[k + 1] = fmaxf(a[k], a[k + 1]);
+        }
         int q[QS_CHUNKS][4], sm[QS_CHUNKS];
         float dq[QS_CHUNKS];
 #pragma unroll
@@ -491,7 +498,7 @@ __device__ __forceinline__ void qmv_body(
     u32* xw = reinterpret_cast<u32*>(qmv_smem);
     float4* xs = reinterpret_cast<float4*>(xw + n / 4);
     float* red = reinterpret_cast<float*>(xs + n / 32);      // NM*S*32 partial sums, then S sums of x^2
-    const float ss = qstage<NORM>(x, nw, s0 * F::IE, s1 * F::IE, xw, xs, lane);
+    const float ss = qstage<NORM, F::IE>(x, nw, s0 * F::IE, s1 * F::IE, xw, xs, lane);
     __syncwarp();
 
     float acc[NM];
@@ -709,15 +716,24 @@ __device__ __forceinline__ void qgroup_values(const unsigned char* w, int d, int
     }
 }
 
-// rows [r0, r0 + nrows) -> out (nrows, n) FP16; one thread per 32 elements
+// rows [r0, r0 + nrows) -> out (nrows, n) FP16 (r0 a multiple of QMV_TILE); one thread
+// per 32 elements. Lane l of a warp takes row l of a tile, as the matvec does: the tile
+// stores each unit of its 32 rows side by side, so a warp's loads are one contiguous run
+// (consecutive threads on consecutive groups of one row read 16 bytes every 512 and ran
+// at about half the bandwidth); each thread still writes 64 contiguous bytes of its row.
 template <class F>
 __device__ __forceinline__ void qdeq_f16_body(f16_t* __restrict__ out, const unsigned char* __restrict__ w,
                                               int d, int nbi, int r0, int nrows)
 {
     const int groups = nbi * (F::IE / 32);
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)nrows * groups) return;
-    const int r = (int)(idx / groups), grp = (int)(idx % groups);
+    const long long tiles = (nrows + QMV_TILE - 1) / QMV_TILE;
+    if (idx >= tiles * groups * QMV_TILE) return;
+    const int l = (int)(idx % QMV_TILE);
+    const long long rest = idx / QMV_TILE;
+    const int grp = (int)(rest % groups);
+    const int r = (int)(rest / groups) * QMV_TILE + l;
+    if (r >= nrows) return;
     float v[32];
     qgroup_values<F>(w, d, nbi, r0 + r, grp, v);
     uint4* o = reinterpret_cast<uint4*>(out + (size_t)r * groups * 32 + (size_t)grp * 32);

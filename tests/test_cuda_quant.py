@@ -25,6 +25,7 @@ import pytest
 from cyllm.backends.cuda import quant as CQ
 from cyllm.errors import InvalidArgumentError
 from cyllm.quant import FORMATS, QuantMatrix
+from cyllm.quant.formats import ACT_FORMATS
 from cyllm.quant import reference as R
 
 FMTS = list(CQ.SUPPORTED)
@@ -70,10 +71,13 @@ def deq64(data: np.ndarray, fmt: str, cols: int) -> np.ndarray:
     return w.reshape(rows, cols)
 
 
-def xq64(x: np.ndarray) -> np.ndarray:
-    """x as the kernels see it: quantized per 32 (reference.quantize_act "q8_0"), float64."""
-    a = R.quantize_act(x, "q8_0")
-    return (a["q"].reshape(-1, 32).astype(np.float64) * a["d"].astype(np.float64)[:, None]).reshape(-1)
+def xq64(x: np.ndarray, fmt: str) -> np.ndarray:
+    """x as the kernels for weights of `fmt` see it: rounded to the format's int8 activation
+    blocks (reference.quantize_act: q8_0 per 32, q8_k per 256 for the K-quants), float64."""
+    act = FORMATS[fmt].act
+    a = R.quantize_act(x, act)
+    blk = ACT_FORMATS[act][0]
+    return (a["q"].reshape(-1, blk).astype(np.float64) * a["d"].astype(np.float64)[:, None]).reshape(-1)
 
 
 # -- host side ---------------------------------------------------------------------------------
@@ -237,7 +241,7 @@ def test_matvec_variants(be, cp, fmt):
                 xd = be.upload(np.concatenate([[0.0], x]).astype(np.float32))[1:]
             else:
                 xd = be.upload(x)
-            xq = xq64(x)
+            xq = xq64(x, fmt)
             want, mag = W @ xq, np.abs(W) @ np.abs(xq)
             out = poisoned(cp, d)
             be.matvec(out, w, xd)
@@ -276,7 +280,7 @@ def test_realistic_weights(be, cp, fmt):
     out = poisoned(cp, d)
     be.matvec(out, w, be.upload(x))
     W = deq64(raw, fmt, n)
-    xq = xq64(x)
+    xq = xq64(x, fmt)
     check_exact(be.to_host(out), W @ xq, np.abs(W) @ np.abs(xq), f"{fmt} realistic")
 
 
@@ -295,7 +299,7 @@ def test_norm_folded(be, cp, fmt):
         x = (rng.standard_normal(n) * 3).astype(np.float32)
         nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
         inv = 1.0 / np.sqrt(np.mean(x.astype(np.float64) ** 2) + eps)
-        xq = xq64(x * nw)                                   # the kernel quantizes x * nw
+        xq = xq64(x * nw, fmt)                                   # the kernel quantizes x * nw
         want, mag = inv * (W @ xq), inv * (np.abs(W) @ np.abs(xq))
         want2 = inv * (W2 @ xq)
         xd, nwd = be.upload(x), be.upload(nw)
@@ -354,10 +358,10 @@ def test_decode_graph(be, cp, fmt):
         if step:
             assert be._graph is not None
         inv = 1.0 / np.sqrt(np.mean(xv.astype(np.float64) ** 2) + eps)
-        xq = xq64(xv * nw)
+        xq = xq64(xv * nw, fmt)
         want = inv * (Ws["wo"] @ xq)
         hv = silu(inv * (Ws["wg"] @ xq)) * (inv * (Ws["wu"] @ xq))
-        hq = xq64(be.to_host(h).astype(np.float32))
+        hq = xq64(be.to_host(h).astype(np.float32), fmt)
         assert rel(be.to_host(h), hv) < 1e-4
         want = want + Ws["wd"] @ hq
         mag = inv * (np.abs(Ws["wo"]) @ np.abs(xq)) + np.abs(Ws["wd"]) @ np.abs(hq)
@@ -442,7 +446,7 @@ def test_mixed_gate_up(be, cp):
     wg = be.upload(QuantMatrix(rg, "q4_k", (d, n)))
     wu = be.upload(QuantMatrix(ru, "q6_k", (d, n)))
     x = rng.standard_normal(n).astype(np.float32)
-    xq = xq64(x)
+    xq = xq64(x, "q4_k")                    # both K-quants: x rounded per 256
     out = poisoned(cp, d)
     be.gate_up(out, wg, wu, be.upload(x), "silu")
     want = silu(deq64(rg, "q4_k", n) @ xq) * (deq64(ru, "q6_k", n) @ xq)

@@ -16,17 +16,16 @@ cyllm's own default-model cache. Tests skip with the reason when material is mis
 
 Checks (rel_err = max |a - b| / max |b|, over every position and the whole vocabulary):
 - against the CUDA path's own math computed by numpy_ref (``CudaMath`` below: the
-  dequantized weights; prefill products in float, decode products with x rounded to
-  int8 blocks of 32 as the CUDA kernels round it, for every format): prefill logits
-  rel_err < 1e-2 (the issue's bound), token-by-token decode logits (the captured CUDA
-  graph) < DECODE_RTOL on the tiny random models (see there), greedy text identical or different only after a near-tie of the reference's
-  logits (gap < 1% of the largest logit, the rule of tests/test_cuda_model.py; then xfail);
-- against the CPU backend on the same file: the default model's decode rel_err < 1e-2
-  (its Q4_1 and Q8_0 are rounded alike on both), the family files' within DECODE_RTOL
-  where both round x alike (every matrix a 32-element format), else CPU_RTOL (see there: the CPU rounds x to int8 in prefill too, and to 256-element
-  blocks for the K-quants, which moves these logits by up to ~5% of the largest one
-  against float math, measured); argmax agreement; the default model's perplexity
-  within 0.5% of the CPU's (the issue's criterion);
+  dequantized weights; prefill products in float, as cuBLAS on FP16 tiles computes them;
+  decode products with x rounded to int8 blocks as the CPU kernels round it -- q8_0 per 32
+  elements for the 32-element formats, q8_k's one scale per 256 for the K-quants): prefill
+  logits rel_err < 1e-2 (the issue's bound), token-by-token decode logits (the captured CUDA
+  graph) < DECODE_RTOL on the tiny random models (see there), greedy text identical or
+  different only after a near-tie of the reference's logits (then xfail);
+- against the CPU backend on the same file: decode within DECODE_RTOL (both round x alike
+  for every format), prefill within CPU_RTOL (the CPU rounds x to int8 in prefill too),
+  argmax agreement; the default model's perplexity within 0.5% of the CPU's (the issue's
+  criterion that holds: its logits criterion, < 1e-2 against the CPU, does not, see CPU_RTOL);
 - the quantized matrices of the file are on the GPU byte for byte (no dequantized copy),
   and GPU memory after load = the file's tensor bytes (the repack has the same size and
   replaces the raw upload) + KV cache + a small workspace.
@@ -48,18 +47,23 @@ from cyllm.loading import load_path
 
 MATERIAL = os.environ.get("CYLLM_CUDA_MATERIAL")
 RTOL = 1e-2                # the issue's logits criterion
-# CUDA vs CPU where they round activations differently (CUDA prefill: FP16 x for cuBLAS;
-# CPU prefill: int8 GEMM; K-quants: CUDA rounds x per 32 elements, the CPU per 256).
-# Measured on this material (numpy float vs CPU native, every file): 1.1e-2 .. 5.5e-2; on
-# the default model 5.1e-2. A kernel bug (a wrong scale, row or block) is O(1).
-CPU_RTOL = 1e-1
 # Decode on the tiny random family models: rounding x to int8 is discontinuous, and where two
 # implementations put one element on different sides of a rounding boundary (float order of
 # the norm before it) the logits move by ~1% from that position on, carried by the KV cache.
-# Measured with the CPU backend against CudaMath on Q8_0 files (same rounding rule): exact
-# (< 1e-5) until the first such flip, then 0.8-1.9e-2 (smollm3, phi3, qwen2). A kernel bug
-# (a wrong scale, row, block or bit) moves them by O(1).
+# Measured with the CPU backend against numpy_ref on Q8_0 files (same rounding rule): exact
+# (< 1e-5) until the first such flip, then 0.8-1.9e-2 (smollm3, phi3, qwen2); CUDA against
+# numpy_ref on every file (H100): 2e-7 .. 2.4e-2. A kernel bug (a wrong scale, row, block or
+# bit) moves them by O(1).
 DECODE_RTOL = 5e-2
+# CUDA vs CPU where more than float order differs. Prefill: CUDA multiplies float x (FP16
+# for cuBLAS), the CPU rounds x to int8 blocks; measured (numpy float vs CPU native, every
+# file) 1.1e-2 .. 5.5e-2. Decode of the default model (both sides the same integer math):
+# 4.8e-2 after 30 tokens on an H100 -- the flips above, in a real model over 30 layers. Making
+# CUDA's prefill round x too was measured: 6.2e-2, no closer (the FP16 rounding of weights
+# and x then flips a few percent of the codes). So the issue's 1e-2 between backends holds
+# only for float math; for int8 activations the perplexity criterion (0.5%) is the one kept.
+# A kernel bug is O(1).
+CPU_RTOL = 1e-1
 PPL_RTOL = 5e-3            # perplexity within 0.5%
 SEQ = 70                   # crosses the material's sliding windows (16) and rope contexts (32)
 PROMPT = 40
@@ -137,18 +141,11 @@ def _assert_same_greedy(gpu_ids, cpu_ids, cpu_model, prompt, what, tie=1e-2):
 
 def _cuda_math_backend():
     """numpy_ref computing what the CUDA backend computes: dequantized weights; products in
-    float in prefill (cuBLAS on FP16 tiles), with x rounded to q8_0 blocks (int8 per 32
-    elements, the CPU kernels' q8_0 activation bit for bit) in decode, for every format."""
+    float in prefill (cuBLAS on FP16 tiles); in decode with x rounded to the int8 blocks of
+    each weight's format (the CPU kernels' activations, bit for bit)."""
     from cyllm.backends.numpy_ref import NumpyBackend
-    from cyllm.quant import QuantMatrix
 
     class CudaMath(NumpyBackend):
-        def upload(self, a):
-            w = super().upload(a)
-            if isinstance(a, QuantMatrix):
-                w.act = "q8_0"
-            return w
-
         def matmul(self, out, w, x):
             super().matmul(out, np.asarray(w), x)          # a plain ndarray: float products
 
@@ -225,12 +222,6 @@ def _require_cuda():
     return require_cuda()
 
 
-def _all_32_blocks(path) -> bool:
-    from cyllm.loading.gguf import read_gguf
-    return all(t.type_name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
-               for t in read_gguf(path).tensors.values())
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", _family_files())
 def test_family_file_cuda_matches_reference_and_cpu(name):
@@ -252,14 +243,16 @@ def test_family_file_cuda_matches_reference_and_cpu(name):
     want, want_dec = ref.logits(ids), _decode_rows(ref, ids)
     errs = {"prefill": rel_err(got, want), "decode": rel_err(got_dec, want_dec)}
     lim = {"prefill": RTOL, "decode": DECODE_RTOL}
+    print(f"{name}: vs the CUDA math on numpy_ref {errs}")
     assert all(errs[k] < lim[k] for k in lim), f"{name}: vs the CUDA math on numpy_ref {errs} (limits {lim})"
-    # the CPU backend: argmax nearly everywhere, logits within what the rounding of x moves
+    # the CPU backend: the same decode math (up to float order), x rounded in its prefill too
     c_pre, c_dec = cpu.logits(ids), _decode_rows(cpu, ids)
     cpu_errs = {"prefill": rel_err(got, c_pre), "decode": rel_err(got_dec, c_dec)}
-    lim = {"prefill": CPU_RTOL, "decode": DECODE_RTOL if _all_32_blocks(path) else CPU_RTOL}
+    agree = float(np.mean(got_dec.argmax(-1) == c_dec.argmax(-1)))
+    print(f"{name}: vs the CPU backend {cpu_errs}, decode argmax agreement {agree:.3f}")
+    lim = {"prefill": CPU_RTOL, "decode": DECODE_RTOL}
     assert all(cpu_errs[k] < lim[k] for k in lim), f"{name}: vs the CPU backend {cpu_errs} (limits {lim})"
-    # measured on an H100: 0.86-1.0 (the two round x differently, see CPU_RTOL)
-    assert float(np.mean(got_dec.argmax(-1) == c_dec.argmax(-1))) >= 0.8
+    assert agree >= 0.8
     prompt = ids[:PROMPT]
     # a flip is accepted within the decode tolerance: where rounding x to int8 lands one
     # element on the other side of a boundary the logits move by up to DECODE_RTOL (mistral's
@@ -277,20 +270,18 @@ def default_pair():
 
 @pytest.mark.cuda
 def test_default_model_logits(default_pair):
-    """Prefill vs the CUDA math on numpy_ref; decode vs the CPU backend (the default model's
-    Q4_1 and Q8_0 round x to the same q8_0 blocks on both)."""
+    """Prefill vs the CUDA math on numpy_ref (< 1e-2); decode vs the CPU backend (the same
+    integer math on both, within CPU_RTOL: see there why not 1e-2)."""
     path, gpu, cpu = default_pair
     text = ("The quick brown fox jumps over the lazy dog. Once upon a time, in a small village "
             "by the sea, there lived an old fisherman who")
     ids = gpu.tokenizer.encode(text)
     assert len(ids) > 16
-    assert _all_32_blocks(path)
     e_prefill = rel_err(gpu.logits(ids), _reference_model(path, 256).logits(ids))
-    # decode: the same integer dots, but each side's KV cache comes from its own prefill
-    # (CUDA: float products of FP16 tiles; CPU: the int8 GEMM), 4.8e-2 apart on an H100
     e_decode = rel_err(_decode_rows(gpu, ids), _decode_rows(cpu, ids))
+    print(f"default model: prefill vs the CUDA math {e_prefill:.2e}; decode vs cpu {e_decode:.2e}")
     assert e_prefill < RTOL and e_decode < CPU_RTOL, (
-        f"rel err prefill vs numpy_ref {e_prefill:.2e}, decode vs cpu {e_decode:.2e}")
+        f"rel err prefill vs the CUDA math {e_prefill:.2e}, decode vs cpu {e_decode:.2e}")
 
 
 @pytest.mark.cuda

@@ -22,8 +22,7 @@ from .oneline import one_line
 from .quant.matrix import QuantMatrix
 
 DEFAULT_CONTEXT = 4096
-PREFILL_CHUNK = 256
-QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")       # prompt tokens per batched pass: weights are read once per chunk
+QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
 
 
 @dataclass
@@ -407,10 +406,15 @@ class Model:
         return self.prefill(ids, 0, all_logits=True)
 
     # -- batched prefill ------------------------------------------------------
+    @property
+    def prefill_chunk(self) -> int:
+        """Prompt tokens per batched pass (the backend's choice)."""
+        return int(self.backend.prefill_chunk)
+
     def _batch_state(self, all_logits: bool) -> BatchState:
         c, b = self.config, self.backend
         if self.batch is None:
-            n = min(PREFILL_CHUNK, self.context)
+            n = min(self.prefill_chunk, self.context)
             self.batch = BatchState(
                 tokens=np.zeros(n, np.int32), x=b.empty((n, c.dim)), xb=b.empty((n, c.dim)),
                 tmp=b.empty((n, c.dim)), q=b.empty((n, c.q_dim)), k=b.empty((n, c.kv_dim)),

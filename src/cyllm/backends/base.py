@@ -97,6 +97,10 @@ class Backend:
     # True: a row slice of an uploaded quantized matrix is a view the ops accept (fused
     # q/k/v and gate/up tensors are cut after upload); False: the model cuts them on the host
     quant_row_views: bool = True
+    # prompt tokens per batched prefill pass: the weights are read once per pass, the
+    # activations of the pass must stay in cache (CPU) -- a GPU wants far larger passes,
+    # where each op's launch and each weight read is shared by more tokens
+    prefill_chunk: int = 256
 
     def upload(self, a: np.ndarray) -> Array:
         """Host array -> backend array (weights, once). May return a view (no copy)."""

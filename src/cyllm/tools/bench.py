@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import BackendUnavailableError, CyllmError, InvalidArgumentError
-from ..model import PREFILL_CHUNK
 from ..backends.base import OP_NAMES, Backend, HostArrays
 
 OUTPUT_FORMATS = ("md", "json", "jsonl", "csv")
@@ -475,7 +474,7 @@ def run_bench(src: ModelSource, cfg: BenchConfig) -> list[dict]:
                         bar.set_postfix_str(f"t={t} {test.name}")
                     rng = np.random.default_rng([cfg.seed, ti, t])
                     # pp warms up with a full prefill chunk so GEMM shapes are planned before timing
-                    warm = min(test.n, PREFILL_CHUNK if test.kind == "pp" else WARMUP_TG)
+                    warm = min(test.n, model.prefill_chunk if test.kind == "pp" else WARMUP_TG)
                     time_test(model, test, warm, rng)
                     if bar is not None:
                         bar.update(1)

@@ -57,6 +57,7 @@ class CudaBackend(NormFolding, GraphDecode, PrefillOps, Backend):
     fuse_qkv = True       # upload copies anyway: one (q+2kv, dim) matrix, one matvec
     quant_row_views = False   # CudaQuantMatrix (tiled planes) has no row views: fused tensors are cut on the host
     kernel_variant = "cuda"
+    prefill_chunk = 512   # measured: bench/profile_cuda_prefill.py
 
     def __init__(self, threads: int | None = None):
         self.threads = 1

@@ -5,14 +5,18 @@ bytes, reordered once on the device into the "lane = row" layout of cuda/quant_m
 (the same number of bytes: no dequantized copy is kept), plus format and shape.
 
 Decode (one token): ``qmatvec`` runs one kernel per op -- out = W x, out += W x, or
-act(Wg x) * (Wu x) -- with the activation quantized to int8 per 32 elements inside the
-kernel (the CPU kernels' q8_0 activation format) and a held-back rmsnorm folded in, like
+act(Wg x) * (Wu x) -- with the activation quantized to int8 inside the kernel exactly as
+the CPU kernels quantize it (q8_0 blocks of 32 for the 32-element formats, q8_k's one scale
+per 256 for the K-quants) and a held-back rmsnorm folded in, like
 the F16 ``_norm`` kernels. Launched through ``CudaBackend._launch``, so inside
 ``decode_step`` they go out with programmatic dependent launch and are captured in the
 step's CUDA graph. Nothing here allocates on the decode path.
 
 Prefill (T tokens): ``qmatmul`` dequantizes row tiles of W to FP16 into one reused
-scratch tile and multiplies with cuBLAS, as the F16 path does.
+scratch tile and multiplies with cuBLAS, as the F16 path does. x stays float (FP16): rounding
+it to int8 blocks as decode does was measured (H100, tests/test_cuda_quant_model.py) to move
+the logits no closer to the CPU backend's -- the FP16 rounding of weights and x pushes a few
+percent of the int8 codes across a rounding boundary -- while losing accuracy.
 
 Kernels are compiled per format on first use (one NVRTC module per format and device).
 
@@ -345,7 +349,9 @@ def dequantize_rows(be, w: CudaQuantMatrix, r0: int, nrows: int, out16) -> None:
     """Rows [r0, r0 + nrows) of w -> out16 ((nrows, cols) float16, contiguous)."""
     fmt = w.fmt.name
     groups = w.cols // 32
-    total = nrows * groups
+    if r0 % TILE:
+        raise InvalidArgumentError(f"dequantize_rows: the first row {r0} is not a multiple of {TILE}")
+    total = -(-nrows // TILE) * TILE * groups       # one lane per row of each 32-row tile
     kernel(be, f"qdeq_f16_{fmt}", fmt)((-(-total // 256),), (256,),
                                        (out16, w.data, np.int32(w.rows), np.int32(w.nbi),
                                         np.int32(r0), np.int32(nrows)))
@@ -365,7 +371,8 @@ def _tile_rows(w: CudaQuantMatrix) -> int:
 
 def qmatmul(be, out, w: CudaQuantMatrix, x, beta: float = 0.0) -> None:
     """out (T, d) f32 = x (T, n) f32 @ W^T (+ beta * out): row tiles of W dequantized to FP16
-    into one scratch tile (reused), each multiplied by cuBLAS (FP16 in, FP32 accumulate)."""
+    into one scratch tile (reused, small enough to stay in L2 between its write and the GEMM's
+    read), each multiplied by cuBLAS (FP16 in, FP32 accumulate)."""
     be._flush()
     t, n = x.shape
     d = w.rows

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Where a CUDA prefill spends its time: per op, the GPU time (CUDA events around each
+call) and the host time of issuing it, for a few prefill chunk sizes.
+
+    python bench/profile_cuda_prefill.py (-m FILE | --synthetic PRESET) [--quantize TYPE]
+                                         [-p 512] [--chunks 256,512,1024] [-r 3]
+
+For each chunk size: the wall time of `model.prefill` of P random tokens without any
+instrumentation (median of -r runs), then one instrumented run: a table of every batched
+op with its calls, GPU ms (sum of event pairs) and host ms (time spent in the Python call).
+The instrumented run is queued behind a kernel that keeps the GPU busy for a second, so
+the event pairs time the GPU's work alone, not the gaps while the host issues it (as long
+as the launch queue does not fill). When the GPU ms of all ops add up to far less than
+the wall time, the prefill is bound by issuing work, not by the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+import numpy as np  # noqa: E402
+
+
+def instrument(backend, names):
+    """Wrap backend.<name> for every name: returns (records, restore)."""
+    import cupy as cp
+    records = defaultdict(list)     # name -> [(start event, end event, host s)]
+    saved = {}
+    depth = [0]
+    for name in names:
+        fn = getattr(backend, name, None)
+        if fn is None:
+            continue
+        saved[name] = fn
+
+        def wrapped(*a, _fn=fn, _name=name, **k):
+            if depth[0]:            # nested: the outer op's time holds it
+                return _fn(*a, **k)
+            depth[0] += 1
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            t0 = time.perf_counter()
+            e0.record()
+            try:
+                return _fn(*a, **k)
+            finally:
+                e1.record()
+                records[_name].append((e0, e1, time.perf_counter() - t0))
+                depth[0] -= 1
+        setattr(backend, name, wrapped)
+
+    def restore():
+        for name in saved:
+            delattr(backend, name)
+    return records, restore
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model")
+    ap.add_argument("--synthetic")
+    ap.add_argument("--quantize")
+    ap.add_argument("-p", type=int, default=512)
+    ap.add_argument("--chunks", default="256,512,1024")
+    ap.add_argument("-r", type=int, default=3)
+    a = ap.parse_args()
+    import cupy as cp
+    from cyllm.backends.base import BATCH_OPS
+    from cyllm.tools.bench import bind_model, load_source, make_backend
+    src = load_source(a.model, a.synthetic, 0, ("cuda",), 0, a.quantize)
+    backend = make_backend("cuda", 1)
+    model = bind_model(src, backend, max(a.p, 512) + 16)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, model.config.vocab_size, size=a.p).tolist()
+    sleeper = cp.RawKernel(r'''extern "C" __global__ void busy(long long cycles) {
+        long long t0 = clock64(); while (clock64() - t0 < cycles) { } }''', "busy")
+    clock_khz = cp.cuda.runtime.getDeviceProperties(0)["clockRate"]
+
+    def busy():
+        sleeper((1,), (1,), (np.int64(clock_khz * 1000),))     # ~1 s
+    names = list(BATCH_OPS) + ["rmsnorm", "matvec"]
+    print(f"# {src.label}: prefill of {a.p} tokens, {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    for chunk in [int(c) for c in a.chunks.split(",")]:
+        backend.prefill_chunk = chunk
+        model.batch = None
+        model.prefill(ids, 0)
+        walls = []
+        for _ in range(a.r):
+            t0 = time.perf_counter()
+            model.prefill(ids, 0)
+            walls.append(time.perf_counter() - t0)
+        wall = statistics.median(walls)
+        records, restore = instrument(backend, names)
+        busy()
+        t0 = time.perf_counter()
+        model.prefill(ids, 0)
+        inst_wall = time.perf_counter() - t0
+        restore()
+        cp.cuda.Device().synchronize()
+        print(f"\n## chunk {chunk}: {wall * 1e3:.2f} ms ({a.p / wall:.0f} tok/s); instrumented {inst_wall * 1e3:.2f} ms")
+        print("| op | calls | GPU ms | host ms |\n|---|---:|---:|---:|")
+        tot_g = tot_h = 0.0
+        for name, recs in sorted(records.items(), key=lambda kv: -sum(cp.cuda.get_elapsed_time(e0, e1) for e0, e1, _ in kv[1])):
+            g = sum(cp.cuda.get_elapsed_time(e0, e1) for e0, e1, _ in recs)
+            h = sum(r[2] for r in recs) * 1e3
+            tot_g += g
+            tot_h += h
+            print(f"| {name} | {len(recs)} | {g:.2f} | {h:.2f} |")
+        print(f"| all | | {tot_g:.2f} | {tot_h:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
