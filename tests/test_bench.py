@@ -66,6 +66,15 @@ def test_synthetic_model_runs():
     assert logits.shape == (c.vocab_size,) and np.isfinite(logits).all()
 
 
+def test_quantize_at_load_reports_what_is_held():
+    """--quantize: the model column names the recipe and the size is the quantized bytes."""
+    f16 = bench.load_source(synthetic="tiny")
+    q = bench.load_source(synthetic="tiny", quantize="q8_0")
+    assert f16.weight_format == "F16" and q.weight_format == "Q8_0"
+    assert q.model_type.endswith(" Q8_0") and "--quantize q8_0" in q.label
+    assert q.file_bytes == q.weight_bytes < f16.file_bytes
+
+
 def test_synthetic_refuses_what_does_not_fit(monkeypatch, capsys):
     monkeypatch.setattr(synthetic, "mem_available", lambda: 1 << 20)
     with pytest.raises(ModelLoadError, match="GB"):

@@ -182,8 +182,12 @@ def load_source(model=None, synthetic=None, seed: int = 0, backends=("cpu",), co
         quantize = check_quantize_type(quantize)
         src = load_source(model, synthetic, seed, backends, context)
         from ..quant.convert import quantize_weights
+        from ..quant.convert import QUANTIZE_AT_LOAD
         quantize_weights(src.config, src.weights, quantize)
         src.label += f" --quantize {quantize}"
+        # what is held now: the recipe's name and the quantized bytes (the file's are not read)
+        src.weight_format = QUANTIZE_AT_LOAD[quantize].upper()
+        src.file_bytes = src.weight_bytes
         return src
     if model and synthetic:
         raise InvalidArgumentError("pass either -m/--model or --synthetic, not both")
