@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One device call that says where the CUDA backend's time goes, with no llama.cpp and no
+# carried material (synthetic random-weight models, quantized at load):
+#   build    the Cython extension (the CPU side the model code imports)
+#   tests    the cuda kernel and op tests (quantized kernels, the op table, ops, small models)
+#   prefill  bench/profile_cuda_prefill.py: per-op GPU and host time of a 512-token prefill
+#   decode   cyllm bench --backend cuda on SmolLM2-135M (F16 and quantized) and the 7B shape
+#   models   the whole-model quantized tests (tests/test_cuda_quant_model.py) on the family
+#            files of tests/make_cuda_quant_material.py, carried in .carry/cuda_quant_material,
+#            and the family tests against transformers on cuda
+#   q7b      cyllm bench --backend cuda, Llama-2-7B shape quantized at load (q4_k = the Q4_K_M
+#            recipe, q8_0, q4_0) and F16: pp512, tg128, tg128 at depth 4096
+#   small    the same on SmolLM2-135M (untied: 163 M parameters), F16, q8_0, q4_0
+# Usage on the device machine (repo root): bash bench/device_profile.sh [STEP...]
+# Device call: command `bash bench/device_profile.sh [STEP...]`, timeout_s 590 (carry
+# .carry/cuda_quant_material and .whl, the gguf wheel, for `models`). Output under $OUT:
+# profile.log (everything) and summary.txt (the tables).
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/cyllm_out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+DEADLINE=$((T0 + ${DEADLINE_S:-560}))
+[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site
+export PYTHONUNBUFFERED=1 PYTHONPATH="$(pwd)/src${PYTHONPATH:+:$PYTHONPATH}" PIP_NO_INDEX=1
+PY=python3
+left() { echo $((DEADLINE - $(date +%s))); }
+say() { echo "=== $(date +%H:%M:%S) [$(( $(date +%s) - T0 ))s] $*"; }
+run() {   # run CMD... with the time left (at most $1 seconds)
+  local cap=$1; shift
+  local t=$(( $(left) < cap ? $(left) : cap ))
+  [ "$t" -gt 15 ] || { echo "skipped (deadline): $*"; return; }
+  timeout "$t" "$@"
+}
+bench() { run "$1" $PY -P -m cyllm.tools.cli bench --backend cuda --no-progress -r 3 "${@:2}" 2>&1 | grep -E '^\||bandwidth|error'; }
+
+{
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+for step in ${*:-build tests prefill decode}; do
+  say "$step"
+  case $step in
+  build)
+    MAX_JOBS=16 $PY -m pip install -q --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1 || tail -20 /tmp/build.log ;;
+  tests)
+    run 200 $PY -P -m pytest -q -p no:cacheprovider -x --tb=short -m cuda \
+      ${TESTS:-tests/test_cuda_quant.py tests/test_backend_ops.py tests/test_cuda_ops.py tests/test_cuda_model.py} 2>&1 | tail -n 15 ;;
+  prefill)
+    run 90 $PY -P bench/profile_cuda_prefill.py --synthetic llama2-7b -p 512 --chunks 256,512 -r 3
+    run 90 $PY -P bench/profile_cuda_prefill.py --synthetic tinyllama-1.1b --quantize q4_0 -p 512 --chunks 512 -r 3 ;;
+  decode)
+    bench 60 --synthetic smollm2-135m-untied -p 512 -n 128
+    for q in q8_0 q4_0; do bench 60 --synthetic smollm2-135m-untied --quantize $q -p 512 -n 128; done
+    CYLLM_CUDA_PDL=0 bench 60 --synthetic smollm2-135m-untied --quantize q4_0 -p 0 -n 128
+    bench 150 --synthetic llama2-7b --quantize q4_0 -p 512 -n 128 -d 0,4096 ;;
+  models)
+    CYLLM_CUDA_MATERIAL="$(pwd)/.carry/cuda_quant_material" run 240 $PY -P -m pytest -q -p no:cacheprovider \
+      -rfEx --tb=short -m cuda tests/test_cuda_quant_model.py tests/test_families.py 2>&1 | tail -n 25 ;;
+  q7b)
+    for q in q8_0 q4_0; do bench 100 --synthetic llama2-7b --quantize $q -p 512 -n 128 -d 0,4096; done
+    bench 60 --synthetic llama2-7b -p 512 -n 128
+    bench 330 --synthetic llama2-7b --quantize q4_k -p 512 -n 128 -d 0,4096 ;;
+  small)
+    bench 40 --synthetic smollm2-135m-untied -p 512 -n 128
+    for q in q8_0 q4_0; do bench 40 --synthetic smollm2-135m-untied --quantize $q -p 512 -n 128; done ;;
+  esac
+done
+say done
+} 2>&1 | tee "$OUT/profile.log"
+grep -E '^\||^#|^===|passed|failed|bandwidth' "$OUT/profile.log" > "$OUT/summary.txt"
