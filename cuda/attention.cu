@@ -93,8 +93,8 @@ __device__ __forceinline__ void attn_merge_heads(
 template <int GT, bool VE>
 __device__ __forceinline__ void attn_split_body(
     float* __restrict__ out, int* __restrict__ counters, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part,
-    const float* __restrict__ q, const f16_t* __restrict__ k_cache,
-    const f16_t* __restrict__ v_cache, const int* __restrict__ step, int pos_host,
+    const float* q, const f16_t* k_cache,        // written by rope_store just before: no
+    const f16_t* v_cache, const int* __restrict__ step, int pos_host,   // __restrict__, no nc loads
     int max_ctx, int n_kv, int group, int hd, int chunk, int n_split, float scale, int window)
 {
     extern __shared__ __align__(16) float smem[];

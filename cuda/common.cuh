@@ -31,6 +31,27 @@ __device__ __forceinline__ float2 h2x2f(u32 v) {
     return make_float2(lo, hi);
 }
 
+// Activation loads: x, the residual stream, anything a previous kernel of the step wrote.
+// Never __ldg / ld.global.nc for these: the non-coherent path is only for data that is
+// read-only for the kernel's whole lifetime, and under programmatic dependent launch a
+// kernel starts while its predecessor is still writing them; the compiler may also move
+// an nc load (or any load through a const __restrict__ pointer) above pdl_wait. A plain
+// ld.global in volatile asm stays after pdl_wait (asm volatile statements keep their
+// order) and reads what griddepcontrol.wait made visible. Captured whole-model decode on
+// q4_0/q4_1/q5_0/q5_1 weights read stale activations through __ldg (H100).
+__device__ __forceinline__ float4 ld_act4(const float4* p) {
+    float4 v;
+    asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ float ld_act(const float* p) {
+    float v;
+    asm volatile("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
+
 // Streamed weight loads: read once per token, so keep them out of L1 and leave
 // L1 to the activation vector that every warp re-reads.
 __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {

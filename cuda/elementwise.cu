@@ -63,7 +63,7 @@ extern "C" __global__ void rope_f32(float* __restrict__ q, float* __restrict__ k
 // and v to the cache row pos (one launch instead of two per layer). Thread i
 // owns the pair (j, j + half) of one head.
 extern "C" __global__ void rope_store_f32(float* __restrict__ q, float* __restrict__ k,
-                                          const float* __restrict__ v,
+                                          const float* v,     // no __restrict__: no nc loads (ld_act, common.cuh)
                                           const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                           f16_t* __restrict__ k_cache, f16_t* __restrict__ v_cache,
                                           const int* __restrict__ step, int pos_host, int n_pos,

@@ -200,7 +200,7 @@ __device__ __forceinline__ void qload_cached(QItem<F>& it, const QGeo& g, int s,
 #define QS_CHUNKS 4   // float4 chunks per lane staged together: loads hoisted, shuffle chains interleaved
 
 template <bool NORM, int BLK>
-__device__ __forceinline__ float qstage(const float* __restrict__ x, const float* __restrict__ nw,
+__device__ __forceinline__ float qstage(const float* x, const float* __restrict__ nw,
                                         int e0, int e1, u32* __restrict__ xw, float4* __restrict__ xs,
                                         int lane)
 {
@@ -216,8 +216,9 @@ __device__ __forceinline__ float qstage(const float* __restrict__ x, const float
             act[k] = c < c1;
             v[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (act[k]) {
-                if (vec) v[k] = __ldg(reinterpret_cast<const float4*>(x) + c);
-                else v[k] = make_float4(x[4 * c], x[4 * c + 1], x[4 * c + 2], x[4 * c + 3]);
+                if (vec) v[k] = ld_act4(reinterpret_cast<const float4*>(x) + c);
+                else v[k] = make_float4(ld_act(x + 4 * c), ld_act(x + 4 * c + 1), ld_act(x + 4 * c + 2),
+                                        ld_act(x + 4 * c + 3));
             }
         }
         if (NORM) {
@@ -447,8 +448,8 @@ __device__ __forceinline__ float qdot(const QItem<QF_q6_k>& it, const uint4* xq,
 template <class F, int MODE, bool NORM>
 __device__ __forceinline__ void qmv_body(
     float* __restrict__ out, const unsigned char* __restrict__ w0, const unsigned char* __restrict__ w1,
-    const float* __restrict__ x, int d, int nbi,
-    const float* __restrict__ nw, float eps, float* __restrict__ xn)
+    const float* x, int d, int nbi,
+    const float* __restrict__ nw, float eps, float* __restrict__ xn, int tile)
 {
     constexpr int NM = (MODE >= 2) ? 2 : 1;
     constexpr int B = (F::B / NM) > 0 ? F::B / NM : 1;          // items per batch
@@ -457,7 +458,6 @@ __device__ __forceinline__ void qmv_body(
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int S = blockDim.x >> 5;
-    const int tile = blockIdx.x;
     const int W = min(QMV_TILE, d - QMV_TILE * tile);
     const bool live = lane < W;
     const int s0 = (int)(((long long)nbi * warp) / S);
@@ -491,7 +491,7 @@ __device__ __forceinline__ void qmv_body(
     const int jn = blockIdx.x * blockDim.x + threadIdx.x;
     float xr = 0.0f, wr = 0.0f;
     if (NORM && xn != nullptr && jn < n) {
-        xr = __ldg(x + jn);
+        xr = ld_act(x + jn);
         wr = __ldg(nw + jn);
     }
 
@@ -570,7 +570,7 @@ __device__ __forceinline__ void qmv_body(
         // of dependent loads to the kernel's tail)
         const int step = gridDim.x * blockDim.x;
         if (jn < n) xn[jn] = xr * inv * wr;
-        for (int j = jn + step; j < n; j += step) xn[j] = x[j] * inv * nw[j];   // small grids only
+        for (int j = jn + step; j < n; j += step) xn[j] = ld_act(x + j) * inv * nw[j];   // small grids only
     }
 }
 
@@ -815,7 +815,7 @@ __device__ __forceinline__ float qdot_f32(const QItem<QF_q4_0>& it, const float4
 
 template <class F>
 __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const unsigned char* __restrict__ w0,
-                                              const float* __restrict__ x, int d, int nbi)
+                                              const float* x, int d, int nbi)
 {
     constexpr int U = 2 * F::B;       // the same bytes in flight as the int8 kernel's two batches
     pdl_trigger();
@@ -834,7 +834,7 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
     float4* xf = reinterpret_cast<float4*>(qmv_smem);
     float* red = reinterpret_cast<float*>(xf + n / 4);
     for (int c = s0 * F::IE / 4 + lane; c < s1 * F::IE / 4; c += 32)
-        xf[c] = make_float4(x[4 * c], x[4 * c + 1], x[4 * c + 2], x[4 * c + 3]);
+        xf[c] = make_float4(ld_act(x + 4 * c), ld_act(x + 4 * c + 1), ld_act(x + 4 * c + 2), ld_act(x + 4 * c + 3));
     __syncwarp();
     float acc = 0.0f;
     for (int sb = s0; sb < s1; sb += U) {
@@ -858,7 +858,7 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
 
 #define CYLLM_QMV_XF32(NAME, F)                                                                      \
     extern "C" __global__ void __launch_bounds__(QMV_MAX_WARPS * 32) NAME(float* __restrict__ out, const unsigned char* __restrict__ w0,   \
-                                    const float* __restrict__ x, int d, int nbi) {                   \
+                                    const float* x, int d, int nbi) {                                \
         qmv_xf32_body<F>(out, w0, x, d, nbi);                                                        \
     }
 
@@ -869,13 +869,30 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
 // gate+up of the K-quants: 150-200 registers).
 #define CYLLM_QMV_DEF(NAME, F, MODE, NORM, BOUNDS)                                                 \
     extern "C" __global__ void BOUNDS NAME(float* __restrict__ out, const unsigned char* __restrict__ w0, \
-                                    const unsigned char* __restrict__ w1, const float* __restrict__ x, \
+                                    const unsigned char* __restrict__ w1, const float* x,             \
                                     int d, int nbi, const float* __restrict__ nw, float eps,         \
                                     float* __restrict__ xn) {                                        \
-        qmv_body<F, MODE, NORM>(out, w0, w1, x, d, nbi, nw, eps, xn);                                \
+        qmv_body<F, MODE, NORM>(out, w0, w1, x, d, nbi, nw, eps, xn, blockIdx.x);                    \
+    }
+// q, k and v of one layer in one launch (three matrices of one format, one x): blocks
+// [0, tq) are q's row tiles, then k's, then v's; out is q | k | v side by side (dk = dv)
+#define CYLLM_QMV_QKV_DEF(NAME, F, NORM, BOUNDS)                                                   \
+    extern "C" __global__ void BOUNDS NAME(float* __restrict__ out, const unsigned char* __restrict__ wq, \
+                                    const unsigned char* __restrict__ wk,                            \
+                                    const unsigned char* __restrict__ wv, const float* x,            \
+                                    int dq, int dk, int nbi, const float* __restrict__ nw, float eps, \
+                                    float* __restrict__ xn) {                                        \
+        const int tq = (dq + QMV_TILE - 1) / QMV_TILE, tk = (dk + QMV_TILE - 1) / QMV_TILE;          \
+        const int t = blockIdx.x;                                                                    \
+        const int seg = t < tq ? 0 : t < tq + tk ? 1 : 2;                                            \
+        const unsigned char* w = seg == 0 ? wq : seg == 1 ? wk : wv;                                 \
+        qmv_body<F, 0, NORM>(out + (seg == 0 ? 0 : dq + (seg - 1) * dk), w, w, x, seg ? dk : dq, nbi, \
+                             nw, eps, xn, t - (seg == 0 ? 0 : tq + (seg - 1) * tk));                 \
     }
 #define CYLLM_QMV(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, __launch_bounds__(QMV_MAX_WARPS * 32))
 #define CYLLM_QMV_WIDE(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, )
+#define CYLLM_QMV_QKV(NAME, F, NORM) CYLLM_QMV_QKV_DEF(NAME, F, NORM, __launch_bounds__(QMV_MAX_WARPS * 32))
+#define CYLLM_QMV_QKV_WIDE(NAME, F, NORM) CYLLM_QMV_QKV_DEF(NAME, F, NORM, )
 #define CYLLM_QDEQ(NAME, F)                                                                          \
     extern "C" __global__ void NAME(f16_t* __restrict__ out, const unsigned char* __restrict__ w,     \
                                     int d, int nbi, int r0, int nrows) {                             \
@@ -896,6 +913,8 @@ CYLLM_QMV(qmv_gate_up_silu_q8_0,       QF_q8_0, 2, false)
 CYLLM_QMV(qmv_gate_up_silu_q8_0_norm,  QF_q8_0, 2, true)
 CYLLM_QMV(qmv_gate_up_gelu_q8_0,       QF_q8_0, 3, false)
 CYLLM_QMV(qmv_gate_up_gelu_q8_0_norm,  QF_q8_0, 3, true)
+CYLLM_QMV_QKV(qmv_qkv_q8_0,            QF_q8_0, false)
+CYLLM_QMV_QKV(qmv_qkv_q8_0_norm,       QF_q8_0, true)
 CYLLM_QDEQ(qdeq_f16_q8_0,              QF_q8_0)
 CYLLM_QROWS(qrows_f32_q8_0,            QF_q8_0)
 CYLLM_QMV_XF32(qmv_xf32_q8_0,          QF_q8_0)
@@ -909,6 +928,8 @@ CYLLM_QMV(qmv_gate_up_silu_q4_0,       QF_q4_0, 2, false)
 CYLLM_QMV(qmv_gate_up_silu_q4_0_norm,  QF_q4_0, 2, true)
 CYLLM_QMV(qmv_gate_up_gelu_q4_0,       QF_q4_0, 3, false)
 CYLLM_QMV(qmv_gate_up_gelu_q4_0_norm,  QF_q4_0, 3, true)
+CYLLM_QMV_QKV(qmv_qkv_q4_0,            QF_q4_0, false)
+CYLLM_QMV_QKV(qmv_qkv_q4_0_norm,       QF_q4_0, true)
 CYLLM_QDEQ(qdeq_f16_q4_0,              QF_q4_0)
 CYLLM_QROWS(qrows_f32_q4_0,            QF_q4_0)
 CYLLM_QMV_XF32(qmv_xf32_q4_0,          QF_q4_0)
@@ -922,6 +943,8 @@ CYLLM_QMV(qmv_gate_up_silu_q4_1,       QF_q4_1, 2, false)
 CYLLM_QMV(qmv_gate_up_silu_q4_1_norm,  QF_q4_1, 2, true)
 CYLLM_QMV(qmv_gate_up_gelu_q4_1,       QF_q4_1, 3, false)
 CYLLM_QMV(qmv_gate_up_gelu_q4_1_norm,  QF_q4_1, 3, true)
+CYLLM_QMV_QKV(qmv_qkv_q4_1,            QF_q4_1, false)
+CYLLM_QMV_QKV(qmv_qkv_q4_1_norm,       QF_q4_1, true)
 CYLLM_QDEQ(qdeq_f16_q4_1,              QF_q4_1)
 CYLLM_QROWS(qrows_f32_q4_1,            QF_q4_1)
 #endif
@@ -934,6 +957,8 @@ CYLLM_QMV(qmv_gate_up_silu_q5_0,       QF_q5_0, 2, false)
 CYLLM_QMV(qmv_gate_up_silu_q5_0_norm,  QF_q5_0, 2, true)
 CYLLM_QMV(qmv_gate_up_gelu_q5_0,       QF_q5_0, 3, false)
 CYLLM_QMV(qmv_gate_up_gelu_q5_0_norm,  QF_q5_0, 3, true)
+CYLLM_QMV_QKV(qmv_qkv_q5_0,            QF_q5_0, false)
+CYLLM_QMV_QKV(qmv_qkv_q5_0_norm,       QF_q5_0, true)
 CYLLM_QDEQ(qdeq_f16_q5_0,              QF_q5_0)
 CYLLM_QROWS(qrows_f32_q5_0,            QF_q5_0)
 #endif
@@ -946,6 +971,8 @@ CYLLM_QMV(qmv_gate_up_silu_q5_1,       QF_q5_1, 2, false)
 CYLLM_QMV(qmv_gate_up_silu_q5_1_norm,  QF_q5_1, 2, true)
 CYLLM_QMV(qmv_gate_up_gelu_q5_1,       QF_q5_1, 3, false)
 CYLLM_QMV(qmv_gate_up_gelu_q5_1_norm,  QF_q5_1, 3, true)
+CYLLM_QMV_QKV(qmv_qkv_q5_1,            QF_q5_1, false)
+CYLLM_QMV_QKV(qmv_qkv_q5_1_norm,       QF_q5_1, true)
 CYLLM_QDEQ(qdeq_f16_q5_1,              QF_q5_1)
 CYLLM_QROWS(qrows_f32_q5_1,            QF_q5_1)
 #endif
@@ -958,6 +985,8 @@ CYLLM_QMV_WIDE(qmv_gate_up_silu_q4_k,  QF_q4_k, 2, false)
 CYLLM_QMV_WIDE(qmv_gate_up_silu_q4_k_norm, QF_q4_k, 2, true)
 CYLLM_QMV_WIDE(qmv_gate_up_gelu_q4_k,  QF_q4_k, 3, false)
 CYLLM_QMV_WIDE(qmv_gate_up_gelu_q4_k_norm, QF_q4_k, 3, true)
+CYLLM_QMV_QKV(qmv_qkv_q4_k,            QF_q4_k, false)
+CYLLM_QMV_QKV(qmv_qkv_q4_k_norm,       QF_q4_k, true)
 CYLLM_QDEQ(qdeq_f16_q4_k,              QF_q4_k)
 CYLLM_QROWS(qrows_f32_q4_k,            QF_q4_k)
 #endif
@@ -970,6 +999,8 @@ CYLLM_QMV_WIDE(qmv_gate_up_silu_q5_k,  QF_q5_k, 2, false)
 CYLLM_QMV_WIDE(qmv_gate_up_silu_q5_k_norm, QF_q5_k, 2, true)
 CYLLM_QMV_WIDE(qmv_gate_up_gelu_q5_k,  QF_q5_k, 3, false)
 CYLLM_QMV_WIDE(qmv_gate_up_gelu_q5_k_norm, QF_q5_k, 3, true)
+CYLLM_QMV_QKV_WIDE(qmv_qkv_q5_k,       QF_q5_k, false)
+CYLLM_QMV_QKV_WIDE(qmv_qkv_q5_k_norm,  QF_q5_k, true)
 CYLLM_QDEQ(qdeq_f16_q5_k,              QF_q5_k)
 CYLLM_QROWS(qrows_f32_q5_k,            QF_q5_k)
 #endif
@@ -982,6 +1013,8 @@ CYLLM_QMV_WIDE(qmv_gate_up_silu_q6_k,  QF_q6_k, 2, false)
 CYLLM_QMV_WIDE(qmv_gate_up_silu_q6_k_norm, QF_q6_k, 2, true)
 CYLLM_QMV_WIDE(qmv_gate_up_gelu_q6_k,  QF_q6_k, 3, false)
 CYLLM_QMV_WIDE(qmv_gate_up_gelu_q6_k_norm, QF_q6_k, 3, true)
+CYLLM_QMV_QKV_WIDE(qmv_qkv_q6_k,       QF_q6_k, false)
+CYLLM_QMV_QKV_WIDE(qmv_qkv_q6_k_norm,  QF_q6_k, true)
 CYLLM_QDEQ(qdeq_f16_q6_k,              QF_q6_k)
 CYLLM_QROWS(qrows_f32_q6_k,            QF_q6_k)
 #endif

@@ -255,10 +255,11 @@ def test_family_file_cuda_matches_reference_and_cpu(name):
     assert agree >= 0.8
     prompt = ids[:PROMPT]
     # a flip is accepted within the decode tolerance: where rounding x to int8 lands one
-    # element on the other side of a boundary the logits move by up to DECODE_RTOL (mistral's
-    # sliding window, Q8_0: a 2.3% gap flipped on an H100)
+    # element on the other side of a boundary the logits move by up to DECODE_RTOL, and each of
+    # the two leading logits may move so, so their order can flip within twice that (H100:
+    # mistral's sliding window, Q8_0, a 2.3% gap; smollm3 Q6_K, a 5.7% gap)
     _assert_same_greedy(_greedy(gpu, prompt, N_GEN), _greedy(ref, prompt, N_GEN), ref, prompt, name,
-                        tie=DECODE_RTOL)
+                        tie=2 * DECODE_RTOL)
 
 
 @pytest.fixture(scope="module")

@@ -255,19 +255,20 @@ class Model:
                 else:
                     wqkv = up(h)
             elif b.fuse_qkv and all(isinstance(get(r, i), np.ndarray) for r in QKV):
-                # float16 only: quantized q/k/v often differ in format (Q4_K_M: v in Q6_K), and a
-                # fused copy of blocks would double their memory; they stay three matvecs
+                # float16: one concatenated matrix, q/k/v its row views
                 wqkv = up(np.concatenate([get(r, i) for r in QKV]))
             biases = [get(r, i) for r in ("attn_q.bias", "attn_k.bias", "attn_v.bias")]
             has_bias = all(x is not None for x in biases)
             if wqkv is not None:
                 wq, wk, wv = wqkv[:qd], wqkv[qd:qd + kd], wqkv[qd + kd:]
-                if has_bias:
-                    bqkv = up(np.concatenate(biases))
-            elif split_qkv is not None:
-                wq, wk, wv = split_qkv
             else:
-                wq, wk, wv = (up(get(r, i)) for r in QKV)
+                # quantized q/k/v stay three matrices (a concatenated copy of blocks would
+                # double their memory, and Q4_K_M often gives v its own format); the backend
+                # may stack them for decode (cuda: one launch when they share a format)
+                wq, wk, wv = split_qkv if split_qkv is not None else (up(get(r, i)) for r in QKV)
+                wqkv = b.stack_rows((wq, wk, wv)) if b.fuse_qkv else None
+            if wqkv is not None and has_bias:
+                bqkv = up(np.concatenate(biases))
             if bqkv is not None:
                 bq, bk, bv = bqkv[:qd], bqkv[qd:qd + kd], bqkv[qd + kd:]
             elif has_bias:

@@ -102,6 +102,13 @@ class Backend:
     # where each op's launch and each weight read is shared by more tokens
     prefill_chunk: int = 256
 
+    def stack_rows(self, mats: tuple) -> Array | None:
+        """Uploaded matrices of one width -> one matrix of their rows stacked that ``matvec``
+        takes (out = the parts' products side by side), holding no copy of their bytes; None
+        where this backend has no such stack for them (the model then runs one matvec each).
+        The cuda backend stacks a layer's quantized q, k, v of one format: one launch."""
+        return None
+
     def upload(self, a: np.ndarray) -> Array:
         """Host array -> backend array (weights, once). May return a view (no copy)."""
         raise NotImplementedError

@@ -37,7 +37,7 @@ from .norm_fold import NormFolding
 from .nvrtc import module_for
 from .pdl import PdlLauncher
 from .prefill import PrefillOps
-from .quant import CudaQuantMatrix
+from .quant import CudaQuantMatrix, CudaQuantStack
 from .shapes import ATT_THREADS, ATT_WARPS, MV_LARGE, SMEM_LIMIT, attn_chunk, attn_smem, matvec_shape
 from .shapes import blocks as _blocks
 
@@ -274,9 +274,16 @@ class CudaBackend(NormFolding, GraphDecode, PrefillOps, Backend):
             self._k(MATVEC_SCALAR_KERNELS[base])((_blocks(d, 8),), (256,),
                                       (out, w0, w1, x, np.int32(d), np.int32(n)))
 
+    def stack_rows(self, mats):
+        """Same-format quantized q, k, v as one decode launch (see Backend.stack_rows)."""
+        return cuda_quant.stack_rows(mats)
+
     def matvec(self, out, w, x):
         if isinstance(w, CudaQuantMatrix):
             cuda_quant.qmatvec(self, out, w, x, "matvec")
+            return
+        if isinstance(w, CudaQuantStack):
+            cuda_quant.qmatvec_qkv(self, out, w, x)
             return
         self._mv("matvec", out, w, w, x, 4)
 

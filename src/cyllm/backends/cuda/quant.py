@@ -160,6 +160,47 @@ class CudaQuantMatrix:
         return f"CudaQuantMatrix({self.fmt.name}, shape={self.shape}, {self.nbytes} bytes)"
 
 
+class CudaQuantStack:
+    """Quantized matrices of one format and width stacked by rows, for one decode launch
+    (a layer's q, k and v: ``qmv_qkv_<fmt>``). Holds the uploaded matrices themselves, no
+    bytes of its own; prefill keeps using each matrix on its own."""
+
+    __slots__ = ("parts", "fmt", "rows", "cols", "nbi")
+
+    def __init__(self, parts: tuple):
+        self.parts = parts
+        self.fmt = parts[0].fmt
+        self.rows = sum(p.rows for p in parts)
+        self.cols = parts[0].cols
+        self.nbi = parts[0].nbi
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def nbytes(self) -> int:
+        return 0        # the parts hold the bytes
+
+    def __repr__(self) -> str:
+        return f"CudaQuantStack({self.fmt.name}, {[p.shape for p in self.parts]})"
+
+
+def stack_rows(mats) -> CudaQuantStack | None:
+    """q, k, v -> one stack when the three are quantized matrices of one format and width
+    with k and v of one height (what qmv_qkv computes); None otherwise."""
+    if len(mats) != 3 or not all(isinstance(m, CudaQuantMatrix) for m in mats):
+        return None
+    q, k, v = mats
+    if not (k.fmt is q.fmt and v.fmt is q.fmt and k.cols == q.cols == v.cols and k.rows == v.rows):
+        return None
+    return CudaQuantStack(tuple(mats))
+
+
 def upload(be, qm: QuantMatrix) -> CudaQuantMatrix:
     """QuantMatrix (host block bytes) -> CudaQuantMatrix; reordered on the device."""
     _layout(qm.fmt)
@@ -243,15 +284,21 @@ def _shared_bytes(n: int, warps: int, nm: int) -> int:
     return n + 16 * (n // 32) + 4 * (nm * warps * TILE + warps)
 
 
-def matvec_warps(be, w: CudaQuantMatrix, nm: int) -> int:
-    """Warps per block: enough that each warp's item slice is about one batch of loads."""
+def matvec_warps(be, w, nm: int) -> int:
+    """Warps per block: enough that each warp's item slice is about one batch of loads.
+    w: a CudaQuantMatrix or CudaQuantStack (its tiles are launched as one grid)."""
     forced = getattr(be, "qmv_warps", None)
     if forced:
         return max(1, min(int(forced), MAX_WARPS))
     b = LAYOUTS[w.fmt.name][4]
     in_flight = 2 * max(1, b // nm) if (nm == 1 or b > 1) else 1
     warps = max(1, min(MAX_WARPS, -(-w.nbi // in_flight)))
-    if -(-w.rows // TILE) > be.sm_count:
+    if _tiles(w) <= be.sm_count:
+        # one wave with items to spare (short rows, small models): at least 8 warps, so each
+        # warp's chain of loads, staging and dots is short (SmolLM2-135M decode on an H100:
+        # q8_0 1314 -> 1421 tok/s, q4_0 1135 -> 1189; rows of 4096 already get 8 or more)
+        warps = max(warps, min(8, w.nbi))
+    else:
         # several waves of tiles: small blocks, several per SM, so one block's tail overlaps
         # the next one's loads (measured on an H100, bench/results/cuda_quant_h100.md)
         warps = min(warps, 8 if w.fmt.name == "q8_0" else 4)
@@ -259,6 +306,37 @@ def matvec_warps(be, w: CudaQuantMatrix, nm: int) -> int:
 
 
 _NULL = np.int64(0)       # a null pointer argument (kernels without the folded norm never read it)
+
+
+def _tiles(w) -> int:
+    parts = w.parts if isinstance(w, CudaQuantStack) else (w,)
+    return sum(-(-p.rows // TILE) for p in parts)
+
+
+def qmatvec_qkv(be, out, w: CudaQuantStack, x) -> None:
+    """out (dq + 2 dk,) = [Wq x | Wk x | Wv x] in one launch (a held-back rmsnorm whose
+    output is x folded in, as in qmatvec); the bits of three qmatvec calls."""
+    wq, wk, wv = w.parts
+    n = w.cols
+    if (x.shape != (n,) or out.shape != (w.rows,) or x.dtype != np.float32 or out.dtype != np.float32
+            or not (x.flags.c_contiguous and out.flags.c_contiguous)):
+        be._flush()
+        raise InvalidArgumentError(f"qmv_qkv_{w.fmt.name}: shapes {w.shape} @ {tuple(x.shape)} -> {tuple(out.shape)}")
+    norm = be._take_norm(out, x)
+    fmt = w.fmt.name
+    k = kernel(be, f"qmv_qkv_{fmt}_norm" if norm is not None else f"qmv_qkv_{fmt}", fmt)
+    warps = min(matvec_warps(be, w, 1), max(1, getattr(k, "max_threads_per_block", 1024) // 32))
+    smem = _shared_bytes(n, warps, 1)
+    _allow_smem(k, smem)
+    _carveout(be, k, fmt)
+    head = (out, wq.data, wk.data, wv.data)
+    dims = (np.int32(wq.rows), np.int32(wk.rows), np.int32(w.nbi))
+    if norm is not None:
+        xn, xin, nw, eps = norm
+        args = head + (xin,) + dims + (nw, np.float32(eps), xn)
+    else:
+        args = head + (x,) + dims + (_NULL, np.float32(0.0), _NULL)
+    be._launch(k, (_tiles(w),), (TILE * warps,), args, shared_mem=smem)
 
 
 def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None) -> None:
@@ -308,13 +386,8 @@ def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None) -> None
         args = (out, w0.data, w1.data, xin, np.int32(d), np.int32(w0.nbi), nw, np.float32(eps), xn)
     else:
         args = (out, w0.data, w1.data, x, np.int32(d), np.int32(w0.nbi), _NULL, np.float32(0.0), _NULL)
-    if norm is not None:
-        # A folded-norm kernel goes out as a plain launch: with programmatic dependent launch
-        # inside the captured step, whole-model decode on q4_0/q4_1/q5_0/q5_1 blocks gave wrong
-        # logits (relative error 0.3-0.9 against the same math on numpy_ref, H100; plain
-        # launches of these kernels alone fixed every case, see tests/test_cuda_quant_model.py)
-        k(grid, block, args, shared_mem=smem)
-        return
+    # every kernel, folded norm or not, goes out with programmatic dependent launch under
+    # decode_step: activations are read with ordered coherent loads (ld_act in common.cuh)
     be._launch(k, grid, block, args, shared_mem=smem)
 
 
@@ -438,5 +511,6 @@ def _rows_f32(be, out, w, ldo, ids, host_row, nrows, scale) -> None:
                                          ids, np.int32(host_row), np.float32(scale)))
 
 
-__all__ = ["CudaQuantMatrix", "LAYOUTS", "SUPPORTED", "dequantize", "dequantize_rows", "kernel",
-           "matvec_warps", "qembed", "qembed_batch", "qgate_up_batch", "qmatmul", "qmatvec", "repack", "unpack", "upload"]
+__all__ = ["CudaQuantMatrix", "CudaQuantStack", "LAYOUTS", "SUPPORTED", "dequantize", "dequantize_rows", "kernel",
+           "matvec_warps", "qembed", "qembed_batch", "qgate_up_batch", "qmatmul", "qmatvec", "qmatvec_qkv", "repack", "stack_rows", "unpack",
+           "upload"]
