@@ -455,6 +455,170 @@ ALWAYS void k_q6_k(const int C, float *o, int64_t ldo, const uint8_t *w0,
     }
 }
 
+#if QX_VNNI == 2
+/* ---- AVX512-VNNI (zmm) q8_0 -----------------------------------------------------------
+ * 512-bit: a pair of blocks (64 weights) per vpdpbusd. The weights go unsigned (w + 128,
+ * one xor per row and pair, shared by every token) against x's signed bytes, so no sign
+ * trick per (row, token); the +128 comes back from x's block sums: the integer accumulator
+ * starts at -16 * sum(q_x) in each of a block's 8 lanes (8 * 16 * sum = 128 * sum). The
+ * float work is then one cvt + one scale multiply + one FMA per (row, token, PAIR), half of
+ * the ymm kernel's per block. Float accumulation: 16 lanes (block b in lanes 0-7, b+1 in
+ * 8-15), reduced by _mm512_reduce_add_ps; the same for decode (R = C = 1) and the prefill
+ * tile (R rows x C tokens, each (row, token) running its own FMA chain in the same order),
+ * so a (row, token) has the same bits either way.
+ * Bounds: (w + 128) <= 255 times |x| <= 127, 4 per lane: no int32 overflow (no saturation
+ * in vpdpbusd). */
+#define QZ_PAIRS 256        /* token-side pairs prepared on the stack (n <= 16384) */
+#define QZ_R 4              /* prefill tile: rows */
+#define QZ_C 4              /* prefill tile: tokens */
+
+typedef struct { __m512i aux; __m512 dx; } qz_x;
+
+/* the token side of block pair (b, b+1) (two == 0: block b alone, upper lanes 0) */
+ALWAYS qz_x z8_tok(const cyllm_qact_view *a, int64_t b, int two) {
+    qz_x r;
+    __m512i s = _mm512_maskz_set1_epi32((__mmask16)0x00ff, a->sum[b]);
+    __m512 d = _mm512_maskz_broadcastss_ps((__mmask16)0x00ff, _mm_load_ss(a->d + b));
+    if (two) {
+        s = _mm512_mask_set1_epi32(s, (__mmask16)0xff00, a->sum[b + 1]);
+        d = _mm512_mask_broadcastss_ps(d, (__mmask16)0xff00, _mm_load_ss(a->d + b + 1));
+    }
+    r.aux = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, 4));
+    r.dx = d;
+    return r;
+}
+
+ALWAYS void z8_prep(qz_x *xp, const cyllm_qact_view *a, int64_t nb) {
+    for (int64_t b = 0; b < nb; b += 2) xp[b >> 1] = z8_tok(a, b, b + 1 < nb);
+}
+
+/* R rows (row i at w0 + i * rb) x C tokens (views a[j], prepared pairs xp + j * np, or
+ * xp == NULL: computed here, the same values); o[i + j * ldo] gets (row i, token j) */
+ALWAYS void z8_pair(const int R, const int C, __m512 (*acc)[QZ_C], const uint8_t *w0, int64_t rb,
+                    const cyllm_qact_view *a, const qz_x *xp, int64_t np, int64_t b, const int two) {
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m512i wu[QZ_R];
+    __m512 wd[QZ_R];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < R; i++) {
+        const uint8_t *p0 = w0 + i * rb + b * QB_Q8_0;
+        __m512i w = two ? _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p0 + 2))),
+                                             _mm256_loadu_si256((const __m256i *)(p0 + 2 + QB_Q8_0)), 1)
+                        : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(p0 + 2)));
+        wu[i] = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+        __m128i h = _mm_cvtsi32_si128(cyllm_rd16(p0));
+        if (two) h = _mm_insert_epi16(h, cyllm_rd16(p0 + QB_Q8_0), 1);
+        wd[i] = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_cvtph_ps(h)));
+    }
+    _Pragma("GCC unroll 4")
+    for (int j = 0; j < C; j++) {
+        const qz_x t = xp ? xp[j * np + (b >> 1)] : z8_tok(&a[j], b, two);
+        const int8_t *xb = a[j].q + b * 32;
+        const __m512i xv = two ? _mm512_loadu_si512((const void *)xb)
+                               : _mm512_maskz_loadu_epi8((__mmask64)0xffffffffULL, xb);
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < R; i++) {
+            const __m512i isum = _mm512_dpbusd_epi32(t.aux, wu[i], xv);
+            acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(wd[i], t.dx), acc[i][j]);
+        }
+    }
+}
+
+ALWAYS void z8_tile(const int R, const int C, float *o, int64_t ldo, const uint8_t *w0, int64_t rb,
+                    const cyllm_qact_view *a, const qz_x *xp, int64_t np, int64_t nb, int add,
+                    const uint8_t *pfp) {
+    __m512 acc[QZ_R][QZ_C];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < R; i++) {
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
+    }
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        if (pfp) PREFETCH(pfp + b * QB_Q8_0);
+        z8_pair(R, C, acc, w0, rb, a, xp, np, b, 1);
+    }
+    if (b < nb) z8_pair(R, C, acc, w0, rb, a, xp, np, b, 0);
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < R; i++) {
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < C; j++) {
+            const float r = _mm512_reduce_add_ps(acc[i][j]);
+            o[i + j * ldo] = add ? o[i + j * ldo] + r : r;
+        }
+    }
+}
+
+/* rows [r0, r1) of one activation: one row at a time, one linear stream (decode) */
+static void z8_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a, const qz_x *xp,
+                     int64_t n, int64_t r0, int64_t r1, int add, const qx_pf *pf) {
+    const int64_t nb = n / 32;
+    for (int64_t r = r0; r < r1; r++)
+        z8_tile(1, 1, o + (r - r0), 0, w + r * rb, rb, a, xp, 0, nb, add, pf_base(w + r * rb, pf));
+}
+
+static void QF(matvec_z8)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n,
+                          int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {
+    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);
+    qx_pf pf = {w + r1 * rb, nx, nxb, cyllm_qpf_bytes};
+    qz_x xp[QZ_PAIRS];
+    const int prep = (n / 32 + 1) / 2 <= QZ_PAIRS;
+    if (prep) z8_prep(xp, &a, n / 32);
+    z8_range(out + r0, w, rb, &a, prep ? xp : NULL, n, r0, r1, add, &pf);
+}
+
+static void QF(gate_up_z8)(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb,
+                           const void *xq, int64_t n, int64_t r0, int64_t r1, int act,
+                           const void *nx, int64_t nxb) {
+    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);
+    qx_pf pg = {wg + r1 * rb, 0, 0, cyllm_qpf_bytes};
+    qx_pf pu = {wu + r1 * rb, nx, nxb, cyllm_qpf_bytes};
+    qz_x xp[QZ_PAIRS];
+    const int prep = (n / 32 + 1) / 2 <= QZ_PAIRS;
+    if (prep) z8_prep(xp, &a, n / 32);
+    float g[16], u[16];
+    for (int64_t r = r0; r < r1; r += 16) {
+        int64_t e = r + 16 < r1 ? r + 16 : r1;
+        z8_range(g, wg, rb, &a, prep ? xp : NULL, n, r, e, 0, &pg);
+        z8_range(u, wu, rb, &a, prep ? xp : NULL, n, r, e, 0, &pu);
+        for (int64_t i = r; i < e; i++) out[i] = cyllm_qact_apply(act, g[i - r]) * u[i - r];
+    }
+}
+
+/* prefill: QZ_C tokens' pairs prepared once, then tiles of QZ_R rows x QZ_C tokens */
+static void QF(gemm_z8)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
+                        int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
+    const int64_t nb = n / 32, np = (nb + 1) / 2;
+    const int prep = np <= QZ_PAIRS;
+    qz_x xp[QZ_C * QZ_PAIRS];
+    cyllm_qact_view a[QZ_C];
+    for (int64_t t0 = 0; t0 < T; t0 += QZ_C) {
+        const int64_t tn = T - t0 < QZ_C ? T - t0 : QZ_C;
+        for (int64_t t = 0; t < tn; t++) {
+            a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_0);
+            if (prep) z8_prep(xp + t * np, &a[t], nb);
+        }
+        const qz_x *p = prep ? xp : NULL;
+        int64_t r = r0;
+        float *o = out + t0 * ldo;
+        if (tn == QZ_C) {
+            for (; r + QZ_R <= r1; r += QZ_R)
+                z8_tile(QZ_R, QZ_C, o + r, ldo, w + r * rb, rb, a, p, np, nb, add, NULL);
+            for (; r < r1; r++)
+                z8_tile(1, QZ_C, o + r, ldo, w + r * rb, rb, a, p, np, nb, add, NULL);
+        } else {
+            for (int64_t t = 0; t < tn; t++) {
+                const qz_x *pt = prep ? xp + t * np : NULL;
+                for (r = r0; r + QZ_R <= r1; r += QZ_R)
+                    z8_tile(QZ_R, 1, o + t * ldo + r, ldo, w + r * rb, rb, a + t, pt, np, nb, add, NULL);
+                for (; r < r1; r++)
+                    z8_tile(1, 1, o + t * ldo + r, ldo, w + r * rb, rb, a + t, pt, np, nb, add, NULL);
+            }
+        }
+    }
+}
+#endif
+
 /* ---- per-format entry points ---------------------------------------------------------
  * one_##F(C, o, ldo, w0, a, nb, add, pf) runs one row against C activations; RANGE_F runs
  * rows [r0, r1) of one activation (decode); the GEMM runs tokens in blocks of QX_TB (their
@@ -561,10 +725,15 @@ QX_FORMAT(q5_k, CYLLM_QF_Q5_K, CYLLM_QA_Q8_K, QK_K, -1, rows_k45(C, 1, o, ldo, w
 QX_FORMAT(q6_k, CYLLM_QF_Q6_K, CYLLM_QA_Q8_K, QK_K, -1, k_q6_k(C, o, ldo, w0, a, nb, add, pfp))
 
 #define QX_ENTRY(F) {QF(matvec_##F), QF(gate_up_##F), QF(gemm_##F), QF(deq16_##F), QF(deq32_##F)}
+#if QX_VNNI == 2
+#define QX_ENTRY_Q8_0 {QF(matvec_z8), QF(gate_up_z8), QF(gemm_z8), QF(deq16_q8_0), QF(deq32_q8_0)}
+#else
+#define QX_ENTRY_Q8_0 QX_ENTRY(q8_0)
+#endif
 
 const cyllm_qkernels QX_TABLE = {
     QX_NAME,
     QF(quantize_act_x86_),
-    {QX_ENTRY(q8_0), QX_ENTRY(q4_0), QX_ENTRY(q4_1), QX_ENTRY(q5_0), QX_ENTRY(q5_1),
+    {QX_ENTRY_Q8_0, QX_ENTRY(q4_0), QX_ENTRY(q4_1), QX_ENTRY(q5_0), QX_ENTRY(q5_1),
      QX_ENTRY(q4_k), QX_ENTRY(q5_k), QX_ENTRY(q6_k)},
 };
