@@ -619,6 +619,240 @@ static void QF(gemm_z8)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, c
 }
 #endif
 
+#if QX_VNNI == 2
+/* ---- AVX512-VNNI (zmm) q4_k and q6_k --------------------------------------------------
+ * 512-bit: 64 weights per vpmaddubsw + vpdpwssd (the sub-block scales as int16
+ * multipliers, as in the ymm kernels). q4_k: one 32-byte run of nibbles is broadcast to
+ * both halves and shifted by 0 / 4 bits, so a register holds sub-blocks 2c and 2c+1, i.e.
+ * 64 consecutive weights against 64 consecutive x bytes; q6_k: 64 bytes of ql with the
+ * matching qh bits (variable shifts per half) give weights 0-63 and 64-127 of each half.
+ * Float work per (row, token, superblock): one cvt + FMA, plus the min term (q4_k) folded
+ * into the same 16-lane accumulator (an FNMADD of its 4 lanes), reduced at the end by
+ * _mm512_reduce_add_ps. Tiles of R rows x C tokens share the row's unpacking across
+ * tokens and the x loads across rows; each (row, token) runs the same chain in the same
+ * order for every R, C, so decode (R = C = 1) and prefill give the same bits.
+ * q5_k keeps the ymm kernel (rows_k45) in decode and prefill alike. */
+#define QZK_R 2             /* prefill tile: rows */
+#define QZK_C 4             /* prefill tile: tokens */
+
+ALWAYS __m512i zidx16(int lo, int hi) {     /* int16 index lo in the low 256 bits, hi above */
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)lo)), _mm256_set1_epi16((short)hi), 1);
+}
+
+ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint8_t *w0, int64_t rb,
+                     const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
+    const __m512i m15 = _mm512_set1_epi8(15);
+    const __m512i sh = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+    __m512 acc[QZK_R][QZK_C];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < R; i++) {
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        if (pfp) {
+            const uint8_t *f = pfp + b * QB_Q4_K;
+            PREFETCH(f);
+            PREFETCH(f + 64);
+            PREFETCH(f + 128);
+        }
+        __m256i sc16[QZK_R];
+        __m128i m16[QZK_R];
+        __m512i isum[QZK_R][QZK_C];
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < R; i++) {
+            __m256i s;
+            k_scales16(w0 + i * rb + b * QB_Q4_K + 4, &s, &m16[i]);
+            sc16[i] = s;
+            _Pragma("GCC unroll 4")
+            for (int j = 0; j < C; j++) isum[i][j] = _mm512_setzero_si512();
+        }
+        _Pragma("GCC unroll 4")
+        for (int c = 0; c < 4; c++) {
+            __m512i nib[QZK_R], s[QZK_R];
+            _Pragma("GCC unroll 4")
+            for (int i = 0; i < R; i++) {
+                const uint8_t *q = w0 + i * rb + b * QB_Q4_K + 16 + 32 * c;
+                nib[i] = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(
+                             _mm256_loadu_si256((const __m256i *)q)), sh), m15);
+                s[i] = _mm512_permutexvar_epi16(zidx16(2 * c, 2 * c + 1), _mm512_castsi256_si512(sc16[i]));
+            }
+            _Pragma("GCC unroll 4")
+            for (int j = 0; j < C; j++) {
+                const __m512i xv = _mm512_loadu_si512((const void *)(a[j].q + b * QK_K + 64 * c));
+                /* pairs <= 2*15*127 = 3810, times a scale <= 63, pair-summed in int32 */
+                _Pragma("GCC unroll 4")
+                for (int i = 0; i < R; i++)
+                    isum[i][j] = _mm512_dpwssd_epi32(isum[i][j], _mm512_maddubs_epi16(nib[i], xv), s[i]);
+            }
+        }
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < C; j++) {
+            const __m128i bs32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(a[j].bsum + 16 * b)),
+                                                _mm_loadu_si128((const __m128i *)(a[j].bsum + 16 * b + 8)));
+            const __m128 dx = _mm_set1_ps(a[j].d[b]);
+            _Pragma("GCC unroll 4")
+            for (int i = 0; i < R; i++) {
+                const __m128 wdd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)cyllm_rd32(w0 + i * rb + b * QB_Q4_K)));
+                const __m128 dd = _mm_mul_ps(wdd, dx);                  /* d * dx, dmin * dx */
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][j]), _mm512_broadcastss_ps(dd), acc[i][j]);
+                const __m128 mn = _mm_cvtepi32_ps(_mm_madd_epi16(m16[i], bs32));
+                acc[i][j] = _mm512_fnmadd_ps(_mm512_zextps128_ps512(mn),
+                                             _mm512_broadcastss_ps(_mm_shuffle_ps(dd, dd, 0x55)), acc[i][j]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < R; i++) {
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < C; j++) {
+            const float r = _mm512_reduce_add_ps(acc[i][j]);
+            o[i + j * ldo] = add ? o[i + j * ldo] + r : r;
+        }
+    }
+}
+
+ALWAYS void k6z_tile(const int R, const int C, float *o, int64_t ldo, const uint8_t *w0, int64_t rb,
+                     const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
+    const __m512i m15 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    const __m512i shl = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2);
+    const __m512i shr = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
+    __m512 acc[QZK_R][QZK_C];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < R; i++) {
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        if (pfp) {
+            const uint8_t *f = pfp + b * QB_Q6_K;
+            PREFETCH(f);
+            PREFETCH(f + 64);
+            PREFETCH(f + 128);
+            PREFETCH(f + 192);
+        }
+        __m256i sc16[QZK_R];
+        __m512i isum[QZK_R][QZK_C];
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < R; i++) {
+            sc16[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w0 + i * rb + b * QB_Q6_K + 192)));
+            _Pragma("GCC unroll 4")
+            for (int j = 0; j < C; j++) {
+                const __m256i bs = _mm256_loadu_si256((const __m256i *)(a[j].bsum + 16 * b));
+                /* the -32 of every weight: 32 * sum_j sc_j * xsum_j */
+                isum[i][j] = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(),
+                                 _mm256_slli_epi32(_mm256_madd_epi16(sc16[i], bs), 5)));
+            }
+        }
+        _Pragma("GCC unroll 2")
+        for (int h = 0; h < 2; h++) {
+            __m512i g01[QZK_R], g23[QZK_R], s01[QZK_R], s23[QZK_R];
+            _Pragma("GCC unroll 4")
+            for (int i = 0; i < R; i++) {
+                const uint8_t *p = w0 + i * rb + b * QB_Q6_K;
+                const __m512i ql = _mm512_loadu_si512((const void *)(p + 64 * h));
+                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h)));
+                /* weights 128h + 0..63 and 128h + 64..127, values 0..63 */
+                g01[i] = _mm512_or_si512(_mm512_and_si512(ql, m15), _mm512_and_si512(_mm512_sllv_epi64(qh, shl), m30));
+                g23[i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi64(ql, 4), m15),
+                                         _mm512_and_si512(_mm512_srlv_epi64(qh, shr), m30));
+                const __m512i s = _mm512_castsi256_si512(sc16[i]);
+                const __m512i i01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_setr_epi16(
+                    8 * h, 8 * h, 8 * h, 8 * h, 8 * h, 8 * h, 8 * h, 8 * h,
+                    8 * h + 1, 8 * h + 1, 8 * h + 1, 8 * h + 1, 8 * h + 1, 8 * h + 1, 8 * h + 1, 8 * h + 1)),
+                    _mm256_setr_epi16(8 * h + 2, 8 * h + 2, 8 * h + 2, 8 * h + 2, 8 * h + 2, 8 * h + 2, 8 * h + 2, 8 * h + 2,
+                                      8 * h + 3, 8 * h + 3, 8 * h + 3, 8 * h + 3, 8 * h + 3, 8 * h + 3, 8 * h + 3, 8 * h + 3), 1);
+                s01[i] = _mm512_permutexvar_epi16(i01, s);
+                s23[i] = _mm512_permutexvar_epi16(_mm512_add_epi16(i01, _mm512_set1_epi16(4)), s);
+            }
+            _Pragma("GCC unroll 4")
+            for (int j = 0; j < C; j++) {
+                const int8_t *xb = a[j].q + b * QK_K + 128 * h;
+                const __m512i x01 = _mm512_loadu_si512((const void *)xb);
+                const __m512i x23 = _mm512_loadu_si512((const void *)(xb + 64));
+                /* q in 0..63 unsigned: pairs <= 2*63*127 = 16002 */
+                _Pragma("GCC unroll 4")
+                for (int i = 0; i < R; i++) {
+                    isum[i][j] = _mm512_dpwssd_epi32(isum[i][j], _mm512_maddubs_epi16(g01[i], x01), s01[i]);
+                    isum[i][j] = _mm512_dpwssd_epi32(isum[i][j], _mm512_maddubs_epi16(g23[i], x23), s23[i]);
+                }
+            }
+        }
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < R; i++) {
+            const float wd = _cvtsh_ss(cyllm_rd16(w0 + i * rb + b * QB_Q6_K + 208));
+            _Pragma("GCC unroll 4")
+            for (int j = 0; j < C; j++)
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][j]), _mm512_set1_ps(wd * a[j].d[b]), acc[i][j]);
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < R; i++) {
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < C; j++) {
+            const float r = _mm512_reduce_add_ps(acc[i][j]);
+            o[i + j * ldo] = add ? o[i + j * ldo] + r : r;
+        }
+    }
+}
+
+/* matvec / gate_up / gemm of a K-quant zmm tile (TILE(R, C, o, ldo, w0, rb, a, nb, add, pfp)) */
+#define QZK_FORMAT(F, TILE)                                                                     \
+static void F##_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a, int64_t n, \
+                      int64_t r0, int64_t r1, int add, const qx_pf *pf) {                      \
+    for (int64_t r = r0; r < r1; r++)                                                         \
+        TILE(1, 1, o + (r - r0), 0, w + r * rb, rb, a, n / QK_K, add, pf_base(w + r * rb, pf)); \
+}                                                                                             \
+static void QF(matvec_##F)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n, \
+                           int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {   \
+    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_K);                               \
+    qx_pf pf = {w + r1 * rb, nx, nxb, cyllm_qpf_bytes};                                       \
+    F##_range(out + r0, w, rb, &a, n, r0, r1, add, &pf);                                      \
+}                                                                                             \
+static void QF(gate_up_##F)(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb,   \
+                            const void *xq, int64_t n, int64_t r0, int64_t r1, int act,      \
+                            const void *nx, int64_t nxb) {                                    \
+    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_K);                               \
+    qx_pf pg = {wg + r1 * rb, 0, 0, cyllm_qpf_bytes};                                         \
+    qx_pf pu = {wu + r1 * rb, nx, nxb, cyllm_qpf_bytes};                                      \
+    float g[16], u[16];                                                                       \
+    for (int64_t r = r0; r < r1; r += 16) {                                                   \
+        int64_t e = r + 16 < r1 ? r + 16 : r1;                                                \
+        F##_range(g, wg, rb, &a, n, r, e, 0, &pg);                                            \
+        F##_range(u, wu, rb, &a, n, r, e, 0, &pu);                                            \
+        for (int64_t i = r; i < e; i++) out[i] = cyllm_qact_apply(act, g[i - r]) * u[i - r]; \
+    }                                                                                         \
+}                                                                                             \
+static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
+                         int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) { \
+    const int64_t nb = n / QK_K;                                                              \
+    cyllm_qact_view a[QZK_C];                                                                 \
+    for (int64_t t0 = 0; t0 < T; t0 += QZK_C) {                                               \
+        const int64_t tn = T - t0 < QZK_C ? T - t0 : QZK_C;                                   \
+        for (int64_t t = 0; t < tn; t++)                                                      \
+            a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_K);      \
+        float *o = out + t0 * ldo;                                                            \
+        int64_t r = r0;                                                                       \
+        if (tn == QZK_C) {                                                                    \
+            for (; r + QZK_R <= r1; r += QZK_R)                                               \
+                TILE(QZK_R, QZK_C, o + r, ldo, w + r * rb, rb, a, nb, add, NULL);             \
+            for (; r < r1; r++)                                                               \
+                TILE(1, QZK_C, o + r, ldo, w + r * rb, rb, a, nb, add, NULL);                 \
+        } else {                                                                              \
+            for (int64_t t = 0; t < tn; t++) {                                                \
+                for (r = r0; r + QZK_R <= r1; r += QZK_R)                                     \
+                    TILE(QZK_R, 1, o + t * ldo + r, ldo, w + r * rb, rb, a + t, nb, add, NULL); \
+                for (; r < r1; r++)                                                           \
+                    TILE(1, 1, o + t * ldo + r, ldo, w + r * rb, rb, a + t, nb, add, NULL);   \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+}
+
+QZK_FORMAT(k4z, k4z_tile)
+QZK_FORMAT(k6z, k6z_tile)
+#endif
+
 /* ---- per-format entry points ---------------------------------------------------------
  * one_##F(C, o, ldo, w0, a, nb, add, pf) runs one row against C activations; RANGE_F runs
  * rows [r0, r1) of one activation (decode); the GEMM runs tokens in blocks of QX_TB (their
@@ -727,13 +961,17 @@ QX_FORMAT(q6_k, CYLLM_QF_Q6_K, CYLLM_QA_Q8_K, QK_K, -1, k_q6_k(C, o, ldo, w0, a,
 #define QX_ENTRY(F) {QF(matvec_##F), QF(gate_up_##F), QF(gemm_##F), QF(deq16_##F), QF(deq32_##F)}
 #if QX_VNNI == 2
 #define QX_ENTRY_Q8_0 {QF(matvec_z8), QF(gate_up_z8), QF(gemm_z8), QF(deq16_q8_0), QF(deq32_q8_0)}
+#define QX_ENTRY_Q4_K {QF(matvec_k4z), QF(gate_up_k4z), QF(gemm_k4z), QF(deq16_q4_k), QF(deq32_q4_k)}
+#define QX_ENTRY_Q6_K {QF(matvec_k6z), QF(gate_up_k6z), QF(gemm_k6z), QF(deq16_q6_k), QF(deq32_q6_k)}
 #else
 #define QX_ENTRY_Q8_0 QX_ENTRY(q8_0)
+#define QX_ENTRY_Q4_K QX_ENTRY(q4_k)
+#define QX_ENTRY_Q6_K QX_ENTRY(q6_k)
 #endif
 
 const cyllm_qkernels QX_TABLE = {
     QX_NAME,
     QF(quantize_act_x86_),
     {QX_ENTRY_Q8_0, QX_ENTRY(q4_0), QX_ENTRY(q4_1), QX_ENTRY(q5_0), QX_ENTRY(q5_1),
-     QX_ENTRY(q4_k), QX_ENTRY(q5_k), QX_ENTRY(q6_k)},
+     QX_ENTRY_Q4_K, QX_ENTRY(q5_k), QX_ENTRY_Q6_K},
 };
