@@ -958,20 +958,241 @@ QX_FORMAT(q4_k, CYLLM_QF_Q4_K, CYLLM_QA_Q8_K, QK_K, -1, rows_k45(C, 0, o, ldo, w
 QX_FORMAT(q5_k, CYLLM_QF_Q5_K, CYLLM_QA_Q8_K, QK_K, -1, rows_k45(C, 1, o, ldo, w0, a, nb, add, pfp))
 QX_FORMAT(q6_k, CYLLM_QF_Q6_K, CYLLM_QA_Q8_K, QK_K, -1, k_q6_k(C, o, ldo, w0, a, nb, add, pfp))
 
+#if QX_VNNI == 2
+/* ---- AVX512-VNNI (zmm) nibble formats: block quads ------------------------------------
+ * q4_0/q4_1/q5_0/q5_1 four blocks (128 weights) per pair of vpdpbusd: the 16-byte nibble
+ * runs of 4 blocks fill one zmm (128-bit lane k = block b+k); low nibbles meet x[0:16] of
+ * each block, high nibbles x[16:32]. x's side of each quad (bytes in that order, scales,
+ * the offset's start / min term from the block sums, as in x_pair) is prepared once per
+ * call for decode and once per token group for prefill. One float accumulator of 16
+ * lanes per (row, token); q4_1/q5_1's min term is a second FMA into the same one. Decode
+ * (R = C = 1) and the prefill tiles run each (row, token)'s chain in the same order: same
+ * bits. A row's last quad may hold 1-3 blocks (zero lanes beyond). */
+typedef struct { __m512i lo, hi, aux; __m512 dx; } qz_xquad;
+#define QZ_QUADS 128        /* quads prepared on the stack (n <= 16384) */
+#define QZN_R 2             /* prefill tile: rows */
+#define QZN_C 4             /* prefill tile: tokens */
+
+ALWAYS __m512i zlane4(void) { return _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3); }
+
+ALWAYS qz_xquad zn_tok(const int kind, const cyllm_qact_view *a, int64_t b, int cnt) {
+    const int has_min = kind == 1 || kind == 3;
+    const int shift = kind == 0 ? 1 : 2;
+    const __mmask64 m8 = cnt >= 2 ? ~(__mmask64)0 : (__mmask64)0xffffffffULL;
+    const __mmask64 m8b = cnt >= 4 ? ~(__mmask64)0 : cnt == 3 ? (__mmask64)0xffffffffULL : 0;
+    const __mmask8 m4 = (__mmask8)((1u << cnt) - 1);
+    const int8_t *xb = a->q + b * 32;
+    const __m512i x0 = _mm512_maskz_loadu_epi8(m8, xb);
+    const __m512i x1 = _mm512_maskz_loadu_epi8(m8b, xb + 64);
+    qz_xquad r;
+    r.lo = _mm512_permutex2var_epi64(x0, _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13), x1);
+    r.hi = _mm512_permutex2var_epi64(x0, _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15), x1);
+    r.dx = _mm512_permutexvar_ps(zlane4(), _mm512_castps128_ps512(_mm_maskz_loadu_ps(m4, a->d + b)));
+    const __m512i s = _mm512_permutexvar_epi32(zlane4(), _mm512_castsi128_si512(_mm_maskz_loadu_epi32(m4, a->sum + b)));
+    if (!has_min) r.aux = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, shift));
+    else r.aux = _mm512_castps_si512(_mm512_mul_ps(r.dx, _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(0.25f))));
+    return r;
+}
+
+ALWAYS void zn_prep(const int kind, qz_xquad *xq, const cyllm_qact_view *a, int64_t nb) {
+    for (int64_t b = 0; b < nb; b += 4) xq[b >> 2] = zn_tok(kind, a, b, nb - b < 4 ? (int)(nb - b) : 4);
+}
+
+/* 4 f16 (blocks beyond cnt: 0) at p + k * bb -> lanes 4k..4k+3 */
+ALWAYS __m512 zn_h4(const uint8_t *p, int bb, int cnt) {
+    __m128i h = _mm_cvtsi32_si128(cyllm_rd16(p));
+    if (cnt > 1) h = _mm_insert_epi16(h, cyllm_rd16(p + bb), 1);
+    if (cnt > 2) h = _mm_insert_epi16(h, cyllm_rd16(p + 2 * bb), 2);
+    if (cnt > 3) h = _mm_insert_epi16(h, cyllm_rd16(p + 3 * bb), 3);
+    return _mm512_permutexvar_ps(zlane4(), _mm512_castps128_ps512(_mm_cvtph_ps(h)));
+}
+
+ALWAYS __m512i zn_ld16x4(const uint8_t *p, int bb, int cnt) {
+    __m512i v = _mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)p));
+    if (cnt > 1) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + bb)), 1);
+    if (cnt > 2) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + 2 * bb)), 2);
+    if (cnt > 3) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + 3 * bb)), 3);
+    return v;
+}
+
+/* one quad (cnt blocks from b) of R rows x C tokens */
+ALWAYS void zn_quad(const int R, const int C, const int kind, __m512 (*acc)[QZN_C], const uint8_t *w0,
+                    int64_t rb, const qz_xquad *xq, int64_t nq, int64_t b, const int cnt) {
+    const int bb = kind == 0 ? QB_Q4_0 : kind == 1 ? QB_Q4_1 : kind == 2 ? QB_Q5_0 : QB_Q5_1;
+    const int qs_off = kind == 0 ? 2 : kind == 1 ? 4 : kind == 2 ? 6 : 8;
+    const int has_min = kind == 1 || kind == 3;
+    const int five = kind >= 2;
+    const __m512i m15 = _mm512_set1_epi8(15);
+    __m512i lo[QZN_R], hi[QZN_R];
+    __m512 wd[QZN_R], wm[QZN_R];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < R; i++) {
+        const uint8_t *p0 = w0 + i * rb + b * bb;
+        const __m512i v = zn_ld16x4(p0 + qs_off, bb, cnt);
+        lo[i] = _mm512_and_si512(v, m15);
+        hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+        if (five) {
+            const int ho = kind == 2 ? 2 : 4;
+            __m128i h = _mm_cvtsi32_si128((int)cyllm_rd32(p0 + ho));
+            if (cnt > 1) h = _mm_insert_epi32(h, (int)cyllm_rd32(p0 + bb + ho), 1);
+            if (cnt > 2) h = _mm_insert_epi32(h, (int)cyllm_rd32(p0 + 2 * bb + ho), 2);
+            if (cnt > 3) h = _mm_insert_epi32(h, (int)cyllm_rd32(p0 + 3 * bb + ho), 3);
+            const __m512i hv = _mm512_permutexvar_epi32(zlane4(), _mm512_castsi128_si512(h));
+            const __m512i bit = _mm512_set1_epi64((long long)0x8040201008040201ULL);
+            const __m512i sel_lo = _mm512_set4_epi32(0x01010101, 0x01010101, 0, 0);
+            const __m512i sel_hi = _mm512_set4_epi32(0x03030303, 0x03030303, 0x02020202, 0x02020202);
+            const __m512i x10 = _mm512_set1_epi8(0x10);
+            lo[i] = _mm512_mask_add_epi8(lo[i], _mm512_test_epi8_mask(_mm512_shuffle_epi8(hv, sel_lo), bit), lo[i], x10);
+            hi[i] = _mm512_mask_add_epi8(hi[i], _mm512_test_epi8_mask(_mm512_shuffle_epi8(hv, sel_hi), bit), hi[i], x10);
+        }
+        wd[i] = zn_h4(p0, bb, cnt);
+        wm[i] = has_min ? zn_h4(p0 + 2, bb, cnt) : wd[i];
+    }
+    _Pragma("GCC unroll 8")
+    for (int j = 0; j < C; j++) {
+        const qz_xquad *t = xq + j * nq + (b >> 2);
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < R; i++) {
+            /* lanes: u <= 31 times |x| <= 127, 8 products per lane: no overflow */
+            __m512i isum = _mm512_dpbusd_epi32(has_min ? _mm512_setzero_si512() : t->aux, lo[i], t->lo);
+            isum = _mm512_dpbusd_epi32(isum, hi[i], t->hi);
+            acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(wd[i], t->dx), acc[i][j]);
+            if (has_min) acc[i][j] = _mm512_fmadd_ps(wm[i], _mm512_castsi512_ps(t->aux), acc[i][j]);
+        }
+    }
+}
+
+ALWAYS void zn_tile(const int R, const int C, const int kind, float *o, int64_t ldo, const uint8_t *w0,
+                    int64_t rb, const qz_xquad *xq, int64_t nq, int64_t nb, int add, const uint8_t *pfp) {
+    const int bb = kind == 0 ? QB_Q4_0 : kind == 1 ? QB_Q4_1 : kind == 2 ? QB_Q5_0 : QB_Q5_1;
+    __m512 acc[QZN_R][QZN_C];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < R; i++) {
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
+    }
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        if (pfp) {
+            PREFETCH(pfp + b * bb);
+            PREFETCH(pfp + b * bb + 64);
+        }
+        zn_quad(R, C, kind, acc, w0, rb, xq, nq, b, 4);
+    }
+    if (b < nb) {
+        const int cnt = (int)(nb - b);
+        if (cnt == 1) zn_quad(R, C, kind, acc, w0, rb, xq, nq, b, 1);
+        else if (cnt == 2) zn_quad(R, C, kind, acc, w0, rb, xq, nq, b, 2);
+        else zn_quad(R, C, kind, acc, w0, rb, xq, nq, b, 3);
+    }
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < R; i++) {
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < C; j++) {
+            const float r = _mm512_reduce_add_ps(acc[i][j]);
+            o[i + j * ldo] = add ? o[i + j * ldo] + r : r;
+        }
+    }
+}
+
+/* rows [r0, r1) of one activation, xq: its quads (decode: one row at a time) */
+ALWAYS void zn_range(const int kind, float *o, const uint8_t *w, int64_t rb, const qz_xquad *xq,
+                     int64_t n, int64_t r0, int64_t r1, int add, const qx_pf *pf) {
+    for (int64_t r = r0; r < r1; r++)
+        zn_tile(1, 1, kind, o + (r - r0), 0, w + r * rb, rb, xq, 0, n / 32, add, pf_base(w + r * rb, pf));
+}
+
+/* decode and prefill of a nibble format; rows of more than QZ_QUADS quads take the ymm
+ * kernels (QX_FORMAT's) in decode and prefill alike */
+#define QZN_FORMAT(F, KIND)                                                                     \
+static void QF(matvec_##F##z)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n, \
+                              int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) { \
+    if ((n / 32 + 3) / 4 > QZ_QUADS) {                                                        \
+        QF(matvec_##F)(out, w, rb, xq, n, r0, r1, add, nx, nxb);                              \
+        return;                                                                               \
+    }                                                                                         \
+    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);                               \
+    qx_pf pf = {w + r1 * rb, nx, nxb, cyllm_qpf_bytes};                                       \
+    qz_xquad xp[QZ_QUADS];                                                                    \
+    zn_prep(KIND, xp, &a, n / 32);                                                            \
+    zn_range(KIND, out + r0, w, rb, xp, n, r0, r1, add, &pf);                                 \
+}                                                                                             \
+static void QF(gate_up_##F##z)(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb, \
+                               const void *xq, int64_t n, int64_t r0, int64_t r1, int act,   \
+                               const void *nx, int64_t nxb) {                                 \
+    if ((n / 32 + 3) / 4 > QZ_QUADS) {                                                        \
+        QF(gate_up_##F)(out, wg, wu, rb, xq, n, r0, r1, act, nx, nxb);                        \
+        return;                                                                               \
+    }                                                                                         \
+    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);                               \
+    qx_pf pg = {wg + r1 * rb, 0, 0, cyllm_qpf_bytes};                                         \
+    qx_pf pu = {wu + r1 * rb, nx, nxb, cyllm_qpf_bytes};                                      \
+    qz_xquad xp[QZ_QUADS];                                                                    \
+    zn_prep(KIND, xp, &a, n / 32);                                                            \
+    float g[16], u[16];                                                                       \
+    for (int64_t r = r0; r < r1; r += 16) {                                                   \
+        int64_t e = r + 16 < r1 ? r + 16 : r1;                                                \
+        zn_range(KIND, g, wg, rb, xp, n, r, e, 0, &pg);                                       \
+        zn_range(KIND, u, wu, rb, xp, n, r, e, 0, &pu);                                       \
+        for (int64_t i = r; i < e; i++) out[i] = cyllm_qact_apply(act, g[i - r]) * u[i - r]; \
+    }                                                                                         \
+}                                                                                             \
+static void QF(gemm_##F##z)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
+                            int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) { \
+    const int64_t nb = n / 32, nq = (nb + 3) / 4;                                             \
+    if (nq > QZ_QUADS) {                                                                      \
+        QF(gemm_##F)(out, ldo, w, rb, xq, xs, T, n, r0, r1, add);                             \
+        return;                                                                               \
+    }                                                                                         \
+    qz_xquad xp[QZN_C * QZ_QUADS];                                                            \
+    for (int64_t t0 = 0; t0 < T; t0 += QZN_C) {                                               \
+        const int64_t tn = T - t0 < QZN_C ? T - t0 : QZN_C;                                   \
+        for (int64_t t = 0; t < tn; t++) {                                                    \
+            cyllm_qact_view v = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_0); \
+            zn_prep(KIND, xp + t * nq, &v, nb);                                               \
+        }                                                                                     \
+        float *o = out + t0 * ldo;                                                            \
+        int64_t r = r0;                                                                       \
+        if (tn == QZN_C) {                                                                    \
+            for (; r + QZN_R <= r1; r += QZN_R)                                               \
+                zn_tile(QZN_R, QZN_C, KIND, o + r, ldo, w + r * rb, rb, xp, nq, nb, add, NULL); \
+            for (; r < r1; r++)                                                               \
+                zn_tile(1, QZN_C, KIND, o + r, ldo, w + r * rb, rb, xp, nq, nb, add, NULL);   \
+        } else {                                                                              \
+            for (int64_t t = 0; t < tn; t++) {                                                \
+                for (r = r0; r + QZN_R <= r1; r += QZN_R)                                     \
+                    zn_tile(QZN_R, 1, KIND, o + t * ldo + r, ldo, w + r * rb, rb, xp + t * nq, nq, nb, \
+                            add, NULL);                                                       \
+                for (; r < r1; r++)                                                           \
+                    zn_tile(1, 1, KIND, o + t * ldo + r, ldo, w + r * rb, rb, xp + t * nq, nq, nb, add, \
+                            NULL);                                                            \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+}
+
+QZN_FORMAT(q4_0, 0)
+QZN_FORMAT(q4_1, 1)
+QZN_FORMAT(q5_0, 2)
+QZN_FORMAT(q5_1, 3)
+#endif
+
 #define QX_ENTRY(F) {QF(matvec_##F), QF(gate_up_##F), QF(gemm_##F), QF(deq16_##F), QF(deq32_##F)}
 #if QX_VNNI == 2
 #define QX_ENTRY_Q8_0 {QF(matvec_z8), QF(gate_up_z8), QF(gemm_z8), QF(deq16_q8_0), QF(deq32_q8_0)}
+#define QX_ENTRY_NIB(F) {QF(matvec_##F##z), QF(gate_up_##F##z), QF(gemm_##F##z), QF(deq16_##F), QF(deq32_##F)}
 #define QX_ENTRY_Q4_K {QF(matvec_k4z), QF(gate_up_k4z), QF(gemm_k4z), QF(deq16_q4_k), QF(deq32_q4_k)}
 #define QX_ENTRY_Q6_K {QF(matvec_k6z), QF(gate_up_k6z), QF(gemm_k6z), QF(deq16_q6_k), QF(deq32_q6_k)}
 #else
 #define QX_ENTRY_Q8_0 QX_ENTRY(q8_0)
 #define QX_ENTRY_Q4_K QX_ENTRY(q4_k)
+#define QX_ENTRY_NIB(F) QX_ENTRY(F)
 #define QX_ENTRY_Q6_K QX_ENTRY(q6_k)
 #endif
 
 const cyllm_qkernels QX_TABLE = {
     QX_NAME,
     QF(quantize_act_x86_),
-    {QX_ENTRY_Q8_0, QX_ENTRY(q4_0), QX_ENTRY(q4_1), QX_ENTRY(q5_0), QX_ENTRY(q5_1),
+    {QX_ENTRY_Q8_0, QX_ENTRY_NIB(q4_0), QX_ENTRY_NIB(q4_1), QX_ENTRY_NIB(q5_0), QX_ENTRY_NIB(q5_1),
      QX_ENTRY_Q4_K, QX_ENTRY(q5_k), QX_ENTRY_Q6_K},
 };
