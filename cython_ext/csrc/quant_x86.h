@@ -469,8 +469,12 @@ ALWAYS void k_q6_k(const int C, float *o, int64_t ldo, const uint8_t *w0,
  * Bounds: (w + 128) <= 255 times |x| <= 127, 4 per lane: no int32 overflow (no saturation
  * in vpdpbusd). */
 #define QZ_PAIRS 256        /* token-side pairs prepared on the stack (n <= 16384) */
+#ifndef QZ_R
 #define QZ_R 4              /* prefill tile: rows */
+#endif
+#ifndef QZ_C
 #define QZ_C 4              /* prefill tile: tokens */
+#endif
 
 typedef struct { __m512i aux; __m512 dx; } qz_x;
 
@@ -499,7 +503,7 @@ ALWAYS void z8_pair(const int R, const int C, __m512 (*acc)[QZ_C], const uint8_t
     const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     __m512i wu[QZ_R];
     __m512 wd[QZ_R];
-    _Pragma("GCC unroll 4")
+    _Pragma("GCC unroll 8")
     for (int i = 0; i < R; i++) {
         const uint8_t *p0 = w0 + i * rb + b * QB_Q8_0;
         __m512i w = two ? _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p0 + 2))),
@@ -510,13 +514,13 @@ ALWAYS void z8_pair(const int R, const int C, __m512 (*acc)[QZ_C], const uint8_t
         if (two) h = _mm_insert_epi16(h, cyllm_rd16(p0 + QB_Q8_0), 1);
         wd[i] = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_cvtph_ps(h)));
     }
-    _Pragma("GCC unroll 4")
+    _Pragma("GCC unroll 8")
     for (int j = 0; j < C; j++) {
         const qz_x t = xp ? xp[j * np + (b >> 1)] : z8_tok(&a[j], b, two);
         const int8_t *xb = a[j].q + b * 32;
         const __m512i xv = two ? _mm512_loadu_si512((const void *)xb)
                                : _mm512_maskz_loadu_epi8((__mmask64)0xffffffffULL, xb);
-        _Pragma("GCC unroll 4")
+        _Pragma("GCC unroll 8")
         for (int i = 0; i < R; i++) {
             const __m512i isum = _mm512_dpbusd_epi32(t.aux, wu[i], xv);
             acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(wd[i], t.dx), acc[i][j]);
@@ -528,9 +532,9 @@ ALWAYS void z8_tile(const int R, const int C, float *o, int64_t ldo, const uint8
                     const cyllm_qact_view *a, const qz_x *xp, int64_t np, int64_t nb, int add,
                     const uint8_t *pfp) {
     __m512 acc[QZ_R][QZ_C];
-    _Pragma("GCC unroll 4")
+    _Pragma("GCC unroll 8")
     for (int i = 0; i < R; i++) {
-        _Pragma("GCC unroll 4")
+        _Pragma("GCC unroll 8")
         for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
     }
     int64_t b = 0;
@@ -539,9 +543,9 @@ ALWAYS void z8_tile(const int R, const int C, float *o, int64_t ldo, const uint8
         z8_pair(R, C, acc, w0, rb, a, xp, np, b, 1);
     }
     if (b < nb) z8_pair(R, C, acc, w0, rb, a, xp, np, b, 0);
-    _Pragma("GCC unroll 4")
+    _Pragma("GCC unroll 8")
     for (int i = 0; i < R; i++) {
-        _Pragma("GCC unroll 4")
+        _Pragma("GCC unroll 8")
         for (int j = 0; j < C; j++) {
             const float r = _mm512_reduce_add_ps(acc[i][j]);
             o[i + j * ldo] = add ? o[i + j * ldo] + r : r;
@@ -632,8 +636,20 @@ static void QF(gemm_z8)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, c
  * tokens and the x loads across rows; each (row, token) runs the same chain in the same
  * order for every R, C, so decode (R = C = 1) and prefill give the same bits.
  * q5_k keeps the ymm kernel (rows_k45) in decode and prefill alike. */
+#ifndef QZK_R
 #define QZK_R 2             /* prefill tile: rows */
-#define QZK_C 4             /* prefill tile: tokens */
+#endif
+#ifndef QZK_C
+#define QZK_C 6             /* prefill tile: tokens (2 x 6 beat 2 x 4, 3 x 4, 1 x 8 on Zen 5) */
+#endif
+#ifndef QZ6_R
+#define QZ6_R 1             /* q6_k prefill tile: rows (measured: 1 x 6 beat 2 x 4 on Zen 5) */
+#endif
+#ifndef QZ6_C
+#define QZ6_C 6             /* q6_k prefill tile: tokens */
+#endif
+#define QZK_MR 4            /* array bounds of the tiles (any R <= 4, C <= 8) */
+#define QZK_MC 8
 
 ALWAYS __m512i zidx16(int lo, int hi) {     /* int16 index lo in the low 256 bits, hi above */
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)lo)), _mm256_set1_epi16((short)hi), 1);
@@ -643,10 +659,10 @@ ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint
                      const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
     const __m512i m15 = _mm512_set1_epi8(15);
     const __m512i sh = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
-    __m512 acc[QZK_R][QZK_C];
-    _Pragma("GCC unroll 4")
+    __m512 acc[QZK_MR][QZK_MC];
+    _Pragma("GCC unroll 8")
     for (int i = 0; i < R; i++) {
-        _Pragma("GCC unroll 4")
+        _Pragma("GCC unroll 8")
         for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
     }
     for (int64_t b = 0; b < nb; b++) {
@@ -656,42 +672,42 @@ ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint
             PREFETCH(f + 64);
             PREFETCH(f + 128);
         }
-        __m256i sc16[QZK_R];
-        __m128i m16[QZK_R];
-        __m512i isum[QZK_R][QZK_C];
-        _Pragma("GCC unroll 4")
+        __m256i sc16[QZK_MR];
+        __m128i m16[QZK_MR];
+        __m512i isum[QZK_MR][QZK_MC];
+        _Pragma("GCC unroll 8")
         for (int i = 0; i < R; i++) {
             __m256i s;
             k_scales16(w0 + i * rb + b * QB_Q4_K + 4, &s, &m16[i]);
             sc16[i] = s;
-            _Pragma("GCC unroll 4")
+            _Pragma("GCC unroll 8")
             for (int j = 0; j < C; j++) isum[i][j] = _mm512_setzero_si512();
         }
-        _Pragma("GCC unroll 4")
+        _Pragma("GCC unroll 8")
         for (int c = 0; c < 4; c++) {
-            __m512i nib[QZK_R], s[QZK_R];
-            _Pragma("GCC unroll 4")
+            __m512i nib[QZK_MR], s[QZK_MR];
+            _Pragma("GCC unroll 8")
             for (int i = 0; i < R; i++) {
                 const uint8_t *q = w0 + i * rb + b * QB_Q4_K + 16 + 32 * c;
                 nib[i] = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(
                              _mm256_loadu_si256((const __m256i *)q)), sh), m15);
                 s[i] = _mm512_permutexvar_epi16(zidx16(2 * c, 2 * c + 1), _mm512_castsi256_si512(sc16[i]));
             }
-            _Pragma("GCC unroll 4")
+            _Pragma("GCC unroll 8")
             for (int j = 0; j < C; j++) {
                 const __m512i xv = _mm512_loadu_si512((const void *)(a[j].q + b * QK_K + 64 * c));
                 /* pairs <= 2*15*127 = 3810, times a scale <= 63, pair-summed in int32 */
-                _Pragma("GCC unroll 4")
+                _Pragma("GCC unroll 8")
                 for (int i = 0; i < R; i++)
                     isum[i][j] = _mm512_dpwssd_epi32(isum[i][j], _mm512_maddubs_epi16(nib[i], xv), s[i]);
             }
         }
-        _Pragma("GCC unroll 4")
+        _Pragma("GCC unroll 8")
         for (int j = 0; j < C; j++) {
             const __m128i bs32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(a[j].bsum + 16 * b)),
                                                 _mm_loadu_si128((const __m128i *)(a[j].bsum + 16 * b + 8)));
             const __m128 dx = _mm_set1_ps(a[j].d[b]);
-            _Pragma("GCC unroll 4")
+            _Pragma("GCC unroll 8")
             for (int i = 0; i < R; i++) {
                 const __m128 wdd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)cyllm_rd32(w0 + i * rb + b * QB_Q4_K)));
                 const __m128 dd = _mm_mul_ps(wdd, dx);                  /* d * dx, dmin * dx */
@@ -702,9 +718,9 @@ ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint
             }
         }
     }
-    _Pragma("GCC unroll 4")
+    _Pragma("GCC unroll 8")
     for (int i = 0; i < R; i++) {
-        _Pragma("GCC unroll 4")
+        _Pragma("GCC unroll 8")
         for (int j = 0; j < C; j++) {
             const float r = _mm512_reduce_add_ps(acc[i][j]);
             o[i + j * ldo] = add ? o[i + j * ldo] + r : r;
@@ -717,10 +733,10 @@ ALWAYS void k6z_tile(const int R, const int C, float *o, int64_t ldo, const uint
     const __m512i m15 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
     const __m512i shl = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2);
     const __m512i shr = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
-    __m512 acc[QZK_R][QZK_C];
-    _Pragma("GCC unroll 4")
+    __m512 acc[QZK_MR][QZK_MC];
+    _Pragma("GCC unroll 8")
     for (int i = 0; i < R; i++) {
-        _Pragma("GCC unroll 4")
+        _Pragma("GCC unroll 8")
         for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
     }
     for (int64_t b = 0; b < nb; b++) {
@@ -731,12 +747,12 @@ ALWAYS void k6z_tile(const int R, const int C, float *o, int64_t ldo, const uint
             PREFETCH(f + 128);
             PREFETCH(f + 192);
         }
-        __m256i sc16[QZK_R];
-        __m512i isum[QZK_R][QZK_C];
-        _Pragma("GCC unroll 4")
+        __m256i sc16[QZK_MR];
+        __m512i isum[QZK_MR][QZK_MC];
+        _Pragma("GCC unroll 8")
         for (int i = 0; i < R; i++) {
             sc16[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w0 + i * rb + b * QB_Q6_K + 192)));
-            _Pragma("GCC unroll 4")
+            _Pragma("GCC unroll 8")
             for (int j = 0; j < C; j++) {
                 const __m256i bs = _mm256_loadu_si256((const __m256i *)(a[j].bsum + 16 * b));
                 /* the -32 of every weight: 32 * sum_j sc_j * xsum_j */
@@ -746,8 +762,8 @@ ALWAYS void k6z_tile(const int R, const int C, float *o, int64_t ldo, const uint
         }
         _Pragma("GCC unroll 2")
         for (int h = 0; h < 2; h++) {
-            __m512i g01[QZK_R], g23[QZK_R], s01[QZK_R], s23[QZK_R];
-            _Pragma("GCC unroll 4")
+            __m512i g01[QZK_MR], g23[QZK_MR], s01[QZK_MR], s23[QZK_MR];
+            _Pragma("GCC unroll 8")
             for (int i = 0; i < R; i++) {
                 const uint8_t *p = w0 + i * rb + b * QB_Q6_K;
                 const __m512i ql = _mm512_loadu_si512((const void *)(p + 64 * h));
@@ -765,30 +781,30 @@ ALWAYS void k6z_tile(const int R, const int C, float *o, int64_t ldo, const uint
                 s01[i] = _mm512_permutexvar_epi16(i01, s);
                 s23[i] = _mm512_permutexvar_epi16(_mm512_add_epi16(i01, _mm512_set1_epi16(4)), s);
             }
-            _Pragma("GCC unroll 4")
+            _Pragma("GCC unroll 8")
             for (int j = 0; j < C; j++) {
                 const int8_t *xb = a[j].q + b * QK_K + 128 * h;
                 const __m512i x01 = _mm512_loadu_si512((const void *)xb);
                 const __m512i x23 = _mm512_loadu_si512((const void *)(xb + 64));
                 /* q in 0..63 unsigned: pairs <= 2*63*127 = 16002 */
-                _Pragma("GCC unroll 4")
+                _Pragma("GCC unroll 8")
                 for (int i = 0; i < R; i++) {
                     isum[i][j] = _mm512_dpwssd_epi32(isum[i][j], _mm512_maddubs_epi16(g01[i], x01), s01[i]);
                     isum[i][j] = _mm512_dpwssd_epi32(isum[i][j], _mm512_maddubs_epi16(g23[i], x23), s23[i]);
                 }
             }
         }
-        _Pragma("GCC unroll 4")
+        _Pragma("GCC unroll 8")
         for (int i = 0; i < R; i++) {
             const float wd = _cvtsh_ss(cyllm_rd16(w0 + i * rb + b * QB_Q6_K + 208));
-            _Pragma("GCC unroll 4")
+            _Pragma("GCC unroll 8")
             for (int j = 0; j < C; j++)
                 acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][j]), _mm512_set1_ps(wd * a[j].d[b]), acc[i][j]);
         }
     }
-    _Pragma("GCC unroll 4")
+    _Pragma("GCC unroll 8")
     for (int i = 0; i < R; i++) {
-        _Pragma("GCC unroll 4")
+        _Pragma("GCC unroll 8")
         for (int j = 0; j < C; j++) {
             const float r = _mm512_reduce_add_ps(acc[i][j]);
             o[i + j * ldo] = add ? o[i + j * ldo] + r : r;
@@ -797,7 +813,7 @@ ALWAYS void k6z_tile(const int R, const int C, float *o, int64_t ldo, const uint
 }
 
 /* matvec / gate_up / gemm of a K-quant zmm tile (TILE(R, C, o, ldo, w0, rb, a, nb, add, pfp)) */
-#define QZK_FORMAT(F, TILE)                                                                     \
+#define QZK_FORMAT(F, TILE, TR, TC)                                                                   \
 static void F##_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a, int64_t n, \
                       int64_t r0, int64_t r1, int add, const qx_pf *pf) {                      \
     for (int64_t r = r0; r < r1; r++)                                                         \
@@ -826,22 +842,22 @@ static void QF(gate_up_##F)(float *out, const uint8_t *wg, const uint8_t *wu, in
 static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
                          int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) { \
     const int64_t nb = n / QK_K;                                                              \
-    cyllm_qact_view a[QZK_C];                                                                 \
-    for (int64_t t0 = 0; t0 < T; t0 += QZK_C) {                                               \
-        const int64_t tn = T - t0 < QZK_C ? T - t0 : QZK_C;                                   \
+    cyllm_qact_view a[TC];                                                                 \
+    for (int64_t t0 = 0; t0 < T; t0 += TC) {                                               \
+        const int64_t tn = T - t0 < TC ? T - t0 : TC;                                   \
         for (int64_t t = 0; t < tn; t++)                                                      \
             a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_K);      \
         float *o = out + t0 * ldo;                                                            \
         int64_t r = r0;                                                                       \
-        if (tn == QZK_C) {                                                                    \
-            for (; r + QZK_R <= r1; r += QZK_R)                                               \
-                TILE(QZK_R, QZK_C, o + r, ldo, w + r * rb, rb, a, nb, add, NULL);             \
+        if (tn == TC) {                                                                    \
+            for (; r + TR <= r1; r += TR)                                               \
+                TILE(TR, TC, o + r, ldo, w + r * rb, rb, a, nb, add, NULL);             \
             for (; r < r1; r++)                                                               \
-                TILE(1, QZK_C, o + r, ldo, w + r * rb, rb, a, nb, add, NULL);                 \
+                TILE(1, TC, o + r, ldo, w + r * rb, rb, a, nb, add, NULL);                 \
         } else {                                                                              \
             for (int64_t t = 0; t < tn; t++) {                                                \
-                for (r = r0; r + QZK_R <= r1; r += QZK_R)                                     \
-                    TILE(QZK_R, 1, o + t * ldo + r, ldo, w + r * rb, rb, a + t, nb, add, NULL); \
+                for (r = r0; r + TR <= r1; r += TR)                                     \
+                    TILE(TR, 1, o + t * ldo + r, ldo, w + r * rb, rb, a + t, nb, add, NULL); \
                 for (; r < r1; r++)                                                           \
                     TILE(1, 1, o + t * ldo + r, ldo, w + r * rb, rb, a + t, nb, add, NULL);   \
             }                                                                                 \
@@ -849,8 +865,8 @@ static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
     }                                                                                         \
 }
 
-QZK_FORMAT(k4z, k4z_tile)
-QZK_FORMAT(k6z, k6z_tile)
+QZK_FORMAT(k4z, k4z_tile, QZK_R, QZK_C)
+QZK_FORMAT(k6z, k6z_tile, QZ6_R, QZ6_C)
 #endif
 
 /* ---- per-format entry points ---------------------------------------------------------
@@ -970,8 +986,19 @@ QX_FORMAT(q6_k, CYLLM_QF_Q6_K, CYLLM_QA_Q8_K, QK_K, -1, k_q6_k(C, o, ldo, w0, a,
  * bits. A row's last quad may hold 1-3 blocks (zero lanes beyond). */
 typedef struct { __m512i lo, hi, aux; __m512 dx; } qz_xquad;
 #define QZ_QUADS 128        /* quads prepared on the stack (n <= 16384) */
+#ifndef QZN_R
 #define QZN_R 2             /* prefill tile: rows */
+#endif
+#ifndef QZN_C
 #define QZN_C 4             /* prefill tile: tokens */
+#endif
+#ifndef QZN_CW
+#define QZN_CW 8            /* ... for rows of at most QZN_WIDE_QUADS quads (their 8 tokens' */
+#endif                      /* quads, <= 48 KiB, stay in L1; longer rows were slower with 8) */
+#ifndef QZN_WIDE_QUADS
+#define QZN_WIDE_QUADS 24
+#endif
+#define QZN_MC 8            /* array bound of the tiles' tokens */
 
 ALWAYS __m512i zlane4(void) { return _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3); }
 
@@ -1016,7 +1043,7 @@ ALWAYS __m512i zn_ld16x4(const uint8_t *p, int bb, int cnt) {
 }
 
 /* one quad (cnt blocks from b) of R rows x C tokens */
-ALWAYS void zn_quad(const int R, const int C, const int kind, __m512 (*acc)[QZN_C], const uint8_t *w0,
+ALWAYS void zn_quad(const int R, const int C, const int kind, __m512 (*acc)[QZN_MC], const uint8_t *w0,
                     int64_t rb, const qz_xquad *xq, int64_t nq, int64_t b, const int cnt) {
     const int bb = kind == 0 ? QB_Q4_0 : kind == 1 ? QB_Q4_1 : kind == 2 ? QB_Q5_0 : QB_Q5_1;
     const int qs_off = kind == 0 ? 2 : kind == 1 ? 4 : kind == 2 ? 6 : 8;
@@ -1025,7 +1052,7 @@ ALWAYS void zn_quad(const int R, const int C, const int kind, __m512 (*acc)[QZN_
     const __m512i m15 = _mm512_set1_epi8(15);
     __m512i lo[QZN_R], hi[QZN_R];
     __m512 wd[QZN_R], wm[QZN_R];
-    _Pragma("GCC unroll 4")
+    _Pragma("GCC unroll 8")
     for (int i = 0; i < R; i++) {
         const uint8_t *p0 = w0 + i * rb + b * bb;
         const __m512i v = zn_ld16x4(p0 + qs_off, bb, cnt);
@@ -1051,7 +1078,7 @@ ALWAYS void zn_quad(const int R, const int C, const int kind, __m512 (*acc)[QZN_
     _Pragma("GCC unroll 8")
     for (int j = 0; j < C; j++) {
         const qz_xquad *t = xq + j * nq + (b >> 2);
-        _Pragma("GCC unroll 4")
+        _Pragma("GCC unroll 8")
         for (int i = 0; i < R; i++) {
             /* lanes: u <= 31 times |x| <= 127, 8 products per lane: no overflow */
             __m512i isum = _mm512_dpbusd_epi32(has_min ? _mm512_setzero_si512() : t->aux, lo[i], t->lo);
@@ -1065,8 +1092,8 @@ ALWAYS void zn_quad(const int R, const int C, const int kind, __m512 (*acc)[QZN_
 ALWAYS void zn_tile(const int R, const int C, const int kind, float *o, int64_t ldo, const uint8_t *w0,
                     int64_t rb, const qz_xquad *xq, int64_t nq, int64_t nb, int add, const uint8_t *pfp) {
     const int bb = kind == 0 ? QB_Q4_0 : kind == 1 ? QB_Q4_1 : kind == 2 ? QB_Q5_0 : QB_Q5_1;
-    __m512 acc[QZN_R][QZN_C];
-    _Pragma("GCC unroll 4")
+    __m512 acc[QZN_R][QZN_MC];
+    _Pragma("GCC unroll 8")
     for (int i = 0; i < R; i++) {
         _Pragma("GCC unroll 8")
         for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
@@ -1085,7 +1112,7 @@ ALWAYS void zn_tile(const int R, const int C, const int kind, float *o, int64_t 
         else if (cnt == 2) zn_quad(R, C, kind, acc, w0, rb, xq, nq, b, 2);
         else zn_quad(R, C, kind, acc, w0, rb, xq, nq, b, 3);
     }
-    _Pragma("GCC unroll 4")
+    _Pragma("GCC unroll 8")
     for (int i = 0; i < R; i++) {
         _Pragma("GCC unroll 8")
         for (int j = 0; j < C; j++) {
@@ -1100,6 +1127,36 @@ ALWAYS void zn_range(const int kind, float *o, const uint8_t *w, int64_t rb, con
                      int64_t n, int64_t r0, int64_t r1, int add, const qx_pf *pf) {
     for (int64_t r = r0; r < r1; r++)
         zn_tile(1, 1, kind, o + (r - r0), 0, w + r * rb, rb, xq, 0, n / 32, add, pf_base(w + r * rb, pf));
+}
+
+/* prefill of a nibble format: CG tokens' quads prepared (xp holds CG * nq), then tiles of
+ * R rows x CG tokens */
+ALWAYS void zn_gemm(const int R, const int CG, const int kind, qz_xquad *xp, float *out, int64_t ldo,
+                    const uint8_t *w, int64_t rb, const void *xq, int64_t xs, int64_t T, int64_t n,
+                    int64_t r0, int64_t r1, int add) {
+    const int64_t nb = n / 32, nq = (nb + 3) / 4;
+    for (int64_t t0 = 0; t0 < T; t0 += CG) {
+        const int64_t tn = T - t0 < CG ? T - t0 : CG;
+        for (int64_t t = 0; t < tn; t++) {
+            cyllm_qact_view v = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_0);
+            zn_prep(kind, xp + t * nq, &v, nb);
+        }
+        float *o = out + t0 * ldo;
+        int64_t r = r0;
+        if (tn == CG) {
+            for (; r + R <= r1; r += R)
+                zn_tile(R, CG, kind, o + r, ldo, w + r * rb, rb, xp, nq, nb, add, NULL);
+            for (; r < r1; r++)
+                zn_tile(1, CG, kind, o + r, ldo, w + r * rb, rb, xp, nq, nb, add, NULL);
+        } else {
+            for (int64_t t = 0; t < tn; t++) {
+                for (r = r0; r + R <= r1; r += R)
+                    zn_tile(R, 1, kind, o + t * ldo + r, ldo, w + r * rb, rb, xp + t * nq, nq, nb, add, NULL);
+                for (; r < r1; r++)
+                    zn_tile(1, 1, kind, o + t * ldo + r, ldo, w + r * rb, rb, xp + t * nq, nq, nb, add, NULL);
+            }
+        }
+    }
 }
 
 /* decode and prefill of a nibble format; rows of more than QZ_QUADS quads take the ymm
@@ -1144,31 +1201,11 @@ static void QF(gemm_##F##z)(float *out, int64_t ldo, const uint8_t *w, int64_t r
         QF(gemm_##F)(out, ldo, w, rb, xq, xs, T, n, r0, r1, add);                             \
         return;                                                                               \
     }                                                                                         \
-    qz_xquad xp[QZN_C * QZ_QUADS];                                                            \
-    for (int64_t t0 = 0; t0 < T; t0 += QZN_C) {                                               \
-        const int64_t tn = T - t0 < QZN_C ? T - t0 : QZN_C;                                   \
-        for (int64_t t = 0; t < tn; t++) {                                                    \
-            cyllm_qact_view v = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_0); \
-            zn_prep(KIND, xp + t * nq, &v, nb);                                               \
-        }                                                                                     \
-        float *o = out + t0 * ldo;                                                            \
-        int64_t r = r0;                                                                       \
-        if (tn == QZN_C) {                                                                    \
-            for (; r + QZN_R <= r1; r += QZN_R)                                               \
-                zn_tile(QZN_R, QZN_C, KIND, o + r, ldo, w + r * rb, rb, xp, nq, nb, add, NULL); \
-            for (; r < r1; r++)                                                               \
-                zn_tile(1, QZN_C, KIND, o + r, ldo, w + r * rb, rb, xp, nq, nb, add, NULL);   \
-        } else {                                                                              \
-            for (int64_t t = 0; t < tn; t++) {                                                \
-                for (r = r0; r + QZN_R <= r1; r += QZN_R)                                     \
-                    zn_tile(QZN_R, 1, KIND, o + t * ldo + r, ldo, w + r * rb, rb, xp + t * nq, nq, nb, \
-                            add, NULL);                                                       \
-                for (; r < r1; r++)                                                           \
-                    zn_tile(1, 1, KIND, o + t * ldo + r, ldo, w + r * rb, rb, xp + t * nq, nq, nb, add, \
-                            NULL);                                                            \
-            }                                                                                 \
-        }                                                                                     \
-    }                                                                                         \
+    qz_xquad xp[4 * QZ_QUADS];                                                                \
+    if (nq <= QZN_WIDE_QUADS)                                                                 \
+        zn_gemm(QZN_R, QZN_CW, KIND, xp, out, ldo, w, rb, xq, xs, T, n, r0, r1, add);         \
+    else                                                                                      \
+        zn_gemm(QZN_R, QZN_C, KIND, xp, out, ldo, w, rb, xq, xs, T, n, r0, r1, add);          \
 }
 
 QZN_FORMAT(q4_0, 0)
