@@ -1,7 +1,11 @@
-/* Body of the x86 quantized kernels, compiled three times (256-bit vectors each time):
- *   quant_avx2.c     QX_VNNI 0: u8 x s8 products by vpmaddubsw + vpmaddwd (AVX2)
- *   quant_avxvnni.c  QX_VNNI 1: vpdpbusd / vpdpwssd, VEX encoding (AVX-VNNI)
- *   quant_avx512.c   QX_VNNI 2: vpdpbusd / vpdpwssd, EVEX on ymm (AVX512_VNNI + VL)
+/* Body of the x86 quantized kernels, compiled three times:
+ *   quant_avx2.c     QX_VNNI 0: u8 x s8 products by vpmaddubsw + vpmaddwd (AVX2), ymm
+ *   quant_avxvnni.c  QX_VNNI 1: vpdpbusd / vpdpwssd, VEX encoding (AVX-VNNI), ymm
+ *   quant_avx512.c   QX_VNNI 2: vpdpbusd / vpdpwssd, EVEX (AVX512_VNNI + BW + VL): zmm
+ *                    kernels for q8_0, q4_0/q4_1/q5_0/q5_1, q4_k and q6_k (the "zmm"
+ *                    sections below: register tiles of rows x tokens in prefill); q5_k
+ *                    and rows past the zmm kernels' stack-prepared activations take the
+ *                    ymm kernels, in decode and prefill alike.
  * The including file defines QX_VNNI, QX_NAME and QX_TABLE. All three compute the
  * same integers (no int16 saturation is reachable: see the bounds next to DOT2).
  *
@@ -28,7 +32,8 @@
  * slower for every format (AMD EPYC family 25 model 17, 1 thread, 5632x2048 rotated over
  * 300 MB: q4_k 10.5 -> 15.5 GB/s one row at a time, q8_0 10.4 -> 16.7, q4_0 8.6 -> 12.9;
  * TinyLlama-shape Q4_K_M decode 25 -> 35 tok/s at 2 threads).
- * Prefill shares the other way: one row's unpacked weights serve QX_C tokens at once. */
+ * Prefill shares the other way: one row's unpacked weights serve QX_C tokens at once (the
+ * zmm kernels: tiles of R rows x C tokens, where x's loads serve R rows as well). */
 #define QX_C 4              /* tokens per kernel call in the prefill GEMM */
 #define QX_TB 32            /* tokens per block of the GEMM (their activations stay cached) */
 
