@@ -645,7 +645,7 @@ static void QF(gemm_z8)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, c
 #define QZK_R 2             /* prefill tile: rows */
 #endif
 #ifndef QZK_C
-#define QZK_C 6             /* prefill tile: tokens (2 x 6 beat 2 x 4, 3 x 4, 1 x 8 on Zen 5) */
+#define QZK_C 4             /* prefill tile: tokens (2 x 4 beat 2 x 6, 3 x 4, 1 x 8 on Zen 5) */
 #endif
 #ifndef QZ6_R
 #define QZ6_R 1             /* q6_k prefill tile: rows (measured: 1 x 6 beat 2 x 4 on Zen 5) */
@@ -656,6 +656,8 @@ static void QF(gemm_z8)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, c
 #define QZK_MR 4            /* array bounds of the tiles (any R <= 4, C <= 8) */
 #define QZK_MC 8
 
+ALWAYS __m512i zlane4(void) { return _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3); }
+
 ALWAYS __m512i zidx16(int lo, int hi) {     /* int16 index lo in the low 256 bits, hi above */
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)lo)), _mm256_set1_epi16((short)hi), 1);
 }
@@ -664,11 +666,17 @@ ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint
                      const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
     const __m512i m15 = _mm512_set1_epi8(15);
     const __m512i sh = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+    const int G = (C + 3) / 4;                  /* token groups of the min term */
     __m512 acc[QZK_MR][QZK_MC];
+    /* min term: lanes 4k..4k+3 of accm[i][g] belong to token 4g + k (the 4 int32 of
+     * m . bsum32 per superblock), so one madd/cvt/mul/FMA serves 4 tokens */
+    __m512 accm[QZK_MR][(QZK_MC + 3) / 4];
     _Pragma("GCC unroll 8")
     for (int i = 0; i < R; i++) {
         _Pragma("GCC unroll 8")
         for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
+        _Pragma("GCC unroll 2")
+        for (int g = 0; g < G; g++) accm[i][g] = _mm512_setzero_ps();
     }
     for (int64_t b = 0; b < nb; b++) {
         if (pfp) {
@@ -707,27 +715,51 @@ ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint
                     isum[i][j] = _mm512_dpwssd_epi32(isum[i][j], _mm512_maddubs_epi16(nib[i], xv), s[i]);
             }
         }
+        __m512 wd[QZK_MR], wm[QZK_MR];
+        __m512i mm[QZK_MR];
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < R; i++) {
+            const __m128 wdd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)cyllm_rd32(w0 + i * rb + b * QB_Q4_K)));
+            wd[i] = _mm512_broadcastss_ps(wdd);                                  /* d */
+            wm[i] = _mm512_broadcastss_ps(_mm_movehdup_ps(wdd));                 /* dmin */
+            mm[i] = _mm512_broadcast_i32x4(m16[i]);
+        }
         _Pragma("GCC unroll 8")
         for (int j = 0; j < C; j++) {
-            const __m128i bs32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(a[j].bsum + 16 * b)),
-                                                _mm_loadu_si128((const __m128i *)(a[j].bsum + 16 * b + 8)));
-            const __m128 dx = _mm_set1_ps(a[j].d[b]);
+            const __m512 dx = _mm512_set1_ps(a[j].d[b]);
             _Pragma("GCC unroll 8")
-            for (int i = 0; i < R; i++) {
-                const __m128 wdd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)cyllm_rd32(w0 + i * rb + b * QB_Q4_K)));
-                const __m128 dd = _mm_mul_ps(wdd, dx);                  /* d * dx, dmin * dx */
-                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][j]), _mm512_broadcastss_ps(dd), acc[i][j]);
-                const __m128 mn = _mm_cvtepi32_ps(_mm_madd_epi16(m16[i], bs32));
-                acc[i][j] = _mm512_fnmadd_ps(_mm512_zextps128_ps512(mn),
-                                             _mm512_broadcastss_ps(_mm_shuffle_ps(dd, dd, 0x55)), acc[i][j]);
+            for (int i = 0; i < R; i++)
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][j]), _mm512_mul_ps(wd[i], dx), acc[i][j]);
+        }
+        _Pragma("GCC unroll 2")
+        for (int g = 0; g < G; g++) {
+            /* x sums per 32 (8 int16, from the 16 per-16 sums) and d_x of tokens 4g.. */
+            __m512i bs = _mm512_setzero_si512();
+            __m128 dx4 = _mm_setzero_ps();
+            _Pragma("GCC unroll 4")
+            for (int k = 0; k < 4 && 4 * g + k < C; k++) {
+                const cyllm_qact_view *v = &a[4 * g + k];
+                const __m128i b32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(v->bsum + 16 * b)),
+                                                   _mm_loadu_si128((const __m128i *)(v->bsum + 16 * b + 8)));
+                bs = _mm512_inserti32x4(bs, b32, k);
+                dx4 = _mm_insert_ps(dx4, _mm_load_ss(v->d + b), k << 4);
             }
+            const __m512 dxl = _mm512_permutexvar_ps(zlane4(), _mm512_castps128_ps512(dx4));
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < R; i++)
+                accm[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(mm[i], bs)),
+                                             _mm512_mul_ps(wm[i], dxl), accm[i][g]);
         }
     }
     _Pragma("GCC unroll 8")
     for (int i = 0; i < R; i++) {
+        float mt[(QZK_MC + 3) / 4][16];
+        _Pragma("GCC unroll 2")
+        for (int g = 0; g < G; g++) _mm512_storeu_ps(mt[g], accm[i][g]);
         _Pragma("GCC unroll 8")
         for (int j = 0; j < C; j++) {
-            const float r = _mm512_reduce_add_ps(acc[i][j]);
+            const __m128 m4 = _mm_loadu_ps(&mt[j >> 2][4 * (j & 3)]);
+            const float r = _mm512_reduce_add_ps(acc[i][j]) - hsum4(m4);
             o[i + j * ldo] = add ? o[i + j * ldo] + r : r;
         }
     }
@@ -1005,7 +1037,6 @@ typedef struct { __m512i lo, hi, aux; __m512 dx; } qz_xquad;
 #endif
 #define QZN_MC 8            /* array bound of the tiles' tokens */
 
-ALWAYS __m512i zlane4(void) { return _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3); }
 
 ALWAYS qz_xquad zn_tok(const int kind, const cyllm_qact_view *a, int64_t b, int cnt) {
     const int has_min = kind == 1 || kind == 3;
