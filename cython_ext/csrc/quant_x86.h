@@ -1029,13 +1029,17 @@ typedef struct { __m512i lo, hi, aux; __m512 dx; } qz_xquad;
 #ifndef QZN_C
 #define QZN_C 4             /* prefill tile: tokens */
 #endif
+#ifndef QZN_RN
+#define QZN_RN 3            /* ... rows of the 4-token tiles (longer rows) */
+#endif
+#define QZN_MR (QZN_RN > QZN_R ? QZN_RN : QZN_R)
 #ifndef QZN_CW
 #define QZN_CW 8            /* ... for rows of at most QZN_WIDE_QUADS quads (their 8 tokens' */
 #endif                      /* quads, <= 48 KiB, stay in L1; longer rows were slower with 8) */
 #ifndef QZN_WIDE_QUADS
 #define QZN_WIDE_QUADS 24
 #endif
-#define QZN_MC 8            /* array bound of the tiles' tokens */
+#define QZN_MC (QZN_CW > QZN_C ? QZN_CW : QZN_C)   /* array bound of the tiles' tokens */
 
 
 ALWAYS qz_xquad zn_tok(const int kind, const cyllm_qact_view *a, int64_t b, int cnt) {
@@ -1086,8 +1090,8 @@ ALWAYS void zn_quad(const int R, const int C, const int kind, __m512 (*acc)[QZN_
     const int has_min = kind == 1 || kind == 3;
     const int five = kind >= 2;
     const __m512i m15 = _mm512_set1_epi8(15);
-    __m512i lo[QZN_R], hi[QZN_R];
-    __m512 wd[QZN_R], wm[QZN_R];
+    __m512i lo[QZN_MR], hi[QZN_MR];
+    __m512 wd[QZN_MR], wm[QZN_MR];
     _Pragma("GCC unroll 8")
     for (int i = 0; i < R; i++) {
         const uint8_t *p0 = w0 + i * rb + b * bb;
@@ -1128,7 +1132,7 @@ ALWAYS void zn_quad(const int R, const int C, const int kind, __m512 (*acc)[QZN_
 ALWAYS void zn_tile(const int R, const int C, const int kind, float *o, int64_t ldo, const uint8_t *w0,
                     int64_t rb, const qz_xquad *xq, int64_t nq, int64_t nb, int add, const uint8_t *pfp) {
     const int bb = kind == 0 ? QB_Q4_0 : kind == 1 ? QB_Q4_1 : kind == 2 ? QB_Q5_0 : QB_Q5_1;
-    __m512 acc[QZN_R][QZN_MC];
+    __m512 acc[QZN_MR][QZN_MC];
     _Pragma("GCC unroll 8")
     for (int i = 0; i < R; i++) {
         _Pragma("GCC unroll 8")
@@ -1241,7 +1245,7 @@ static void QF(gemm_##F##z)(float *out, int64_t ldo, const uint8_t *w, int64_t r
     if (nq <= QZN_WIDE_QUADS)                                                                 \
         zn_gemm(QZN_R, QZN_CW, KIND, xp, out, ldo, w, rb, xq, xs, T, n, r0, r1, add);         \
     else                                                                                      \
-        zn_gemm(QZN_R, QZN_C, KIND, xp, out, ldo, w, rb, xq, xs, T, n, r0, r1, add);          \
+        zn_gemm(QZN_RN, QZN_C, KIND, xp, out, ldo, w, rb, xq, xs, T, n, r0, r1, add);         \
 }
 
 QZN_FORMAT(q4_0, 0)
