@@ -493,8 +493,14 @@ cdef class QuantKernels:
             groups = (d + 3) // 4
             nt = self._threads_for(d, d * rb * T)
             with nogil:
-                for t in range(T):
-                    qk.quantize_act(xq + t * stride, px + t * n, n, act, 0, nbx)
+                # each token's activation by one thread (the same bytes for any split)
+                if nt == 1 or T < 2:
+                    for t in range(T):
+                        qk.quantize_act(xq + t * stride, px + t * n, n, act, 0, nbx)
+                else:
+                    for i in prange(nt, num_threads=nt, schedule="static", chunksize=1):
+                        for t in range(T * i // nt, T * (i + 1) // nt):
+                            qk.quantize_act(xq + t * stride, px + t * n, n, act, 0, nbx)
                 if nt == 1:
                     k.gemm_rows(po, d, pw, rb, xq, stride, T, n, 0, d, add)
                 else:

@@ -200,6 +200,30 @@ def test_qmatmul(variant, fmt):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fmt", QUANTIZED)
+def test_qmatmul_tiles_and_long_rows(variant, fmt):
+    """Every prefill tile shape and tail (T = 19: full token groups of 4, 6 and 8 plus a
+    rest; 13 rows: row tiles plus a rest), every row length of cols_for, and rows longer
+    than the kernels' stack-prepared activations (n > 16384): each (t, row) has qmatvec's
+    bits, and qmatvec stays within the reference's tolerance."""
+    rng = np.random.default_rng(53)
+    b = FORMATS[fmt].block
+    qk = K.QuantKernels(threads=1, variant=variant)
+    rows, T = 13, 19
+    for cols in cols_for(fmt) + [b * (16384 // b + (3 if b == 32 else 1))]:
+        wq = make(fmt, rows, cols, rng)
+        xb = rng.standard_normal((T, cols)).astype(np.float32)
+        out = np.zeros((T, rows), np.float32)
+        qk.qmatmul(out, wq, fmt, xb, method="int8")
+        for t in range(T):
+            o = np.zeros(rows, np.float32)
+            qk.qmatvec(o, wq, fmt, xb[t])
+            np.testing.assert_array_equal(out[t], o, err_msg=f"cols {cols} token {t}")
+        want, _ = R.qdot(wq, fmt, xb[T - 1])
+        assert np.all(np.abs(out[T - 1] - want) <= ref_tol(wq, fmt, xb[T - 1])), cols
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt", QUANTIZED)
 def test_dequantize_rows(variant, fmt):
     rng = np.random.default_rng(61)
     cols = cols_for(fmt)[1]

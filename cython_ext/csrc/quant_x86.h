@@ -1,7 +1,11 @@
-/* Body of the x86 quantized kernels, compiled three times (256-bit vectors each time):
- *   quant_avx2.c     QX_VNNI 0: u8 x s8 products by vpmaddubsw + vpmaddwd (AVX2)
- *   quant_avxvnni.c  QX_VNNI 1: vpdpbusd / vpdpwssd, VEX encoding (AVX-VNNI)
- *   quant_avx512.c   QX_VNNI 2: vpdpbusd / vpdpwssd, EVEX on ymm (AVX512_VNNI + VL)
+/* Body of the x86 quantized kernels, compiled three times:
+ *   quant_avx2.c     QX_VNNI 0: u8 x s8 products by vpmaddubsw + vpmaddwd (AVX2), ymm
+ *   quant_avxvnni.c  QX_VNNI 1: vpdpbusd / vpdpwssd, VEX encoding (AVX-VNNI), ymm
+ *   quant_avx512.c   QX_VNNI 2: vpdpbusd / vpdpwssd, EVEX (AVX512_VNNI + BW + VL): zmm
+ *                    kernels for q8_0, q4_0/q4_1/q5_0/q5_1, q4_k and q6_k (the "zmm"
+ *                    sections below: register tiles of rows x tokens in prefill); q5_k
+ *                    and rows past the zmm kernels' stack-prepared activations take the
+ *                    ymm kernels, in decode and prefill alike.
  * The including file defines QX_VNNI, QX_NAME and QX_TABLE. All three compute the
  * same integers (no int16 saturation is reachable: see the bounds next to DOT2).
  *
@@ -28,7 +32,8 @@
  * slower for every format (AMD EPYC family 25 model 17, 1 thread, 5632x2048 rotated over
  * 300 MB: q4_k 10.5 -> 15.5 GB/s one row at a time, q8_0 10.4 -> 16.7, q4_0 8.6 -> 12.9;
  * TinyLlama-shape Q4_K_M decode 25 -> 35 tok/s at 2 threads).
- * Prefill shares the other way: one row's unpacked weights serve QX_C tokens at once. */
+ * Prefill shares the other way: one row's unpacked weights serve QX_C tokens at once (the
+ * zmm kernels: tiles of R rows x C tokens, where x's loads serve R rows as well). */
 #define QX_C 4              /* tokens per kernel call in the prefill GEMM */
 #define QX_TB 32            /* tokens per block of the GEMM (their activations stay cached) */
 
@@ -455,6 +460,452 @@ ALWAYS void k_q6_k(const int C, float *o, int64_t ldo, const uint8_t *w0,
     }
 }
 
+#if QX_VNNI == 2
+/* ---- AVX512-VNNI (zmm) q8_0 -----------------------------------------------------------
+ * 512-bit: a pair of blocks (64 weights) per vpdpbusd. The weights go unsigned (w + 128,
+ * one xor per row and pair, shared by every token) against x's signed bytes, so no sign
+ * trick per (row, token); the +128 comes back from x's block sums: the integer accumulator
+ * starts at -16 * sum(q_x) in each of a block's 8 lanes (8 * 16 * sum = 128 * sum). The
+ * float work is then one cvt + one scale multiply + one FMA per (row, token, PAIR), half of
+ * the ymm kernel's per block. Float accumulation: 16 lanes (block b in lanes 0-7, b+1 in
+ * 8-15), reduced by _mm512_reduce_add_ps; the same for decode (R = C = 1) and the prefill
+ * tile (R rows x C tokens, each (row, token) running its own FMA chain in the same order),
+ * so a (row, token) has the same bits either way.
+ * Bounds: (w + 128) <= 255 times |x| <= 127, 4 per lane: no int32 overflow (no saturation
+ * in vpdpbusd). */
+#define QZ_PAIRS 256        /* token-side pairs prepared on the stack (n <= 16384) */
+#ifndef QZ_R
+#define QZ_R 4              /* prefill tile: rows */
+#endif
+#ifndef QZ_C
+#define QZ_C 4              /* prefill tile: tokens */
+#endif
+
+typedef struct { __m512i aux; __m512 dx; } qz_x;
+
+/* the token side of block pair (b, b+1) (two == 0: block b alone, upper lanes 0) */
+ALWAYS qz_x z8_tok(const cyllm_qact_view *a, int64_t b, int two) {
+    qz_x r;
+    __m512i s = _mm512_maskz_set1_epi32((__mmask16)0x00ff, a->sum[b]);
+    __m512 d = _mm512_maskz_broadcastss_ps((__mmask16)0x00ff, _mm_load_ss(a->d + b));
+    if (two) {
+        s = _mm512_mask_set1_epi32(s, (__mmask16)0xff00, a->sum[b + 1]);
+        d = _mm512_mask_broadcastss_ps(d, (__mmask16)0xff00, _mm_load_ss(a->d + b + 1));
+    }
+    r.aux = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, 4));
+    r.dx = d;
+    return r;
+}
+
+ALWAYS void z8_prep(qz_x *xp, const cyllm_qact_view *a, int64_t nb) {
+    for (int64_t b = 0; b < nb; b += 2) xp[b >> 1] = z8_tok(a, b, b + 1 < nb);
+}
+
+/* R rows (row i at w0 + i * rb) x C tokens (views a[j], prepared pairs xp + j * np, or
+ * xp == NULL: computed here, the same values); o[i + j * ldo] gets (row i, token j) */
+ALWAYS void z8_pair(const int R, const int C, __m512 (*acc)[QZ_C], const uint8_t *w0, int64_t rb,
+                    const cyllm_qact_view *a, const qz_x *xp, int64_t np, int64_t b, const int two) {
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m512i wu[QZ_R];
+    __m512 wd[QZ_R];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < R; i++) {
+        const uint8_t *p0 = w0 + i * rb + b * QB_Q8_0;
+        __m512i w = two ? _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p0 + 2))),
+                                             _mm256_loadu_si256((const __m256i *)(p0 + 2 + QB_Q8_0)), 1)
+                        : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(p0 + 2)));
+        wu[i] = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+        __m128i h = _mm_cvtsi32_si128(cyllm_rd16(p0));
+        if (two) h = _mm_insert_epi16(h, cyllm_rd16(p0 + QB_Q8_0), 1);
+        wd[i] = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_cvtph_ps(h)));
+    }
+    _Pragma("GCC unroll 8")
+    for (int j = 0; j < C; j++) {
+        const qz_x t = xp ? xp[j * np + (b >> 1)] : z8_tok(&a[j], b, two);
+        const int8_t *xb = a[j].q + b * 32;
+        const __m512i xv = two ? _mm512_loadu_si512((const void *)xb)
+                               : _mm512_maskz_loadu_epi8((__mmask64)0xffffffffULL, xb);
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < R; i++) {
+            const __m512i isum = _mm512_dpbusd_epi32(t.aux, wu[i], xv);
+            acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(wd[i], t.dx), acc[i][j]);
+        }
+    }
+}
+
+ALWAYS void z8_tile(const int R, const int C, float *o, int64_t ldo, const uint8_t *w0, int64_t rb,
+                    const cyllm_qact_view *a, const qz_x *xp, int64_t np, int64_t nb, int add,
+                    const uint8_t *pfp) {
+    __m512 acc[QZ_R][QZ_C];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < R; i++) {
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
+    }
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        if (pfp) PREFETCH(pfp + b * QB_Q8_0);
+        z8_pair(R, C, acc, w0, rb, a, xp, np, b, 1);
+    }
+    if (b < nb) z8_pair(R, C, acc, w0, rb, a, xp, np, b, 0);
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < R; i++) {
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < C; j++) {
+            const float r = _mm512_reduce_add_ps(acc[i][j]);
+            o[i + j * ldo] = add ? o[i + j * ldo] + r : r;
+        }
+    }
+}
+
+/* rows [r0, r1) of one activation: one row at a time, one linear stream (decode) */
+static void z8_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a, const qz_x *xp,
+                     int64_t n, int64_t r0, int64_t r1, int add, const qx_pf *pf) {
+    const int64_t nb = n / 32;
+    for (int64_t r = r0; r < r1; r++)
+        z8_tile(1, 1, o + (r - r0), 0, w + r * rb, rb, a, xp, 0, nb, add, pf_base(w + r * rb, pf));
+}
+
+static void QF(matvec_z8)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n,
+                          int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {
+    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);
+    qx_pf pf = {w + r1 * rb, nx, nxb, cyllm_qpf_bytes};
+    qz_x xp[QZ_PAIRS];
+    const int prep = (n / 32 + 1) / 2 <= QZ_PAIRS;
+    if (prep) z8_prep(xp, &a, n / 32);
+    z8_range(out + r0, w, rb, &a, prep ? xp : NULL, n, r0, r1, add, &pf);
+}
+
+static void QF(gate_up_z8)(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb,
+                           const void *xq, int64_t n, int64_t r0, int64_t r1, int act,
+                           const void *nx, int64_t nxb) {
+    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);
+    qx_pf pg = {wg + r1 * rb, 0, 0, cyllm_qpf_bytes};
+    qx_pf pu = {wu + r1 * rb, nx, nxb, cyllm_qpf_bytes};
+    qz_x xp[QZ_PAIRS];
+    const int prep = (n / 32 + 1) / 2 <= QZ_PAIRS;
+    if (prep) z8_prep(xp, &a, n / 32);
+    float g[16], u[16];
+    for (int64_t r = r0; r < r1; r += 16) {
+        int64_t e = r + 16 < r1 ? r + 16 : r1;
+        z8_range(g, wg, rb, &a, prep ? xp : NULL, n, r, e, 0, &pg);
+        z8_range(u, wu, rb, &a, prep ? xp : NULL, n, r, e, 0, &pu);
+        for (int64_t i = r; i < e; i++) out[i] = cyllm_qact_apply(act, g[i - r]) * u[i - r];
+    }
+}
+
+/* prefill: QZ_C tokens' pairs prepared once, then tiles of QZ_R rows x QZ_C tokens */
+static void QF(gemm_z8)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
+                        int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
+    const int64_t nb = n / 32, np = (nb + 1) / 2;
+    const int prep = np <= QZ_PAIRS;
+    qz_x xp[QZ_C * QZ_PAIRS];
+    cyllm_qact_view a[QZ_C];
+    for (int64_t t0 = 0; t0 < T; t0 += QZ_C) {
+        const int64_t tn = T - t0 < QZ_C ? T - t0 : QZ_C;
+        for (int64_t t = 0; t < tn; t++) {
+            a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_0);
+            if (prep) z8_prep(xp + t * np, &a[t], nb);
+        }
+        const qz_x *p = prep ? xp : NULL;
+        int64_t r = r0;
+        float *o = out + t0 * ldo;
+        if (tn == QZ_C) {
+            for (; r + QZ_R <= r1; r += QZ_R)
+                z8_tile(QZ_R, QZ_C, o + r, ldo, w + r * rb, rb, a, p, np, nb, add, NULL);
+            for (; r < r1; r++)
+                z8_tile(1, QZ_C, o + r, ldo, w + r * rb, rb, a, p, np, nb, add, NULL);
+        } else {
+            for (int64_t t = 0; t < tn; t++) {
+                const qz_x *pt = prep ? xp + t * np : NULL;
+                for (r = r0; r + QZ_R <= r1; r += QZ_R)
+                    z8_tile(QZ_R, 1, o + t * ldo + r, ldo, w + r * rb, rb, a + t, pt, np, nb, add, NULL);
+                for (; r < r1; r++)
+                    z8_tile(1, 1, o + t * ldo + r, ldo, w + r * rb, rb, a + t, pt, np, nb, add, NULL);
+            }
+        }
+    }
+}
+#endif
+
+#if QX_VNNI == 2
+/* ---- AVX512-VNNI (zmm) q4_k and q6_k --------------------------------------------------
+ * 512-bit: 64 weights per vpmaddubsw + vpdpwssd (the sub-block scales as int16
+ * multipliers, as in the ymm kernels). q4_k: one 32-byte run of nibbles is broadcast to
+ * both halves and shifted by 0 / 4 bits, so a register holds sub-blocks 2c and 2c+1, i.e.
+ * 64 consecutive weights against 64 consecutive x bytes; q6_k: 64 bytes of ql with the
+ * matching qh bits (variable shifts per half) give weights 0-63 and 64-127 of each half.
+ * Float work per (row, token, superblock): one cvt + FMA, plus the min term (q4_k) folded
+ * into the same 16-lane accumulator (an FNMADD of its 4 lanes), reduced at the end by
+ * _mm512_reduce_add_ps. Tiles of R rows x C tokens share the row's unpacking across
+ * tokens and the x loads across rows; each (row, token) runs the same chain in the same
+ * order for every R, C, so decode (R = C = 1) and prefill give the same bits.
+ * q5_k keeps the ymm kernel (rows_k45) in decode and prefill alike. */
+#ifndef QZK_R
+#define QZK_R 2             /* prefill tile: rows */
+#endif
+#ifndef QZK_C
+#define QZK_C 4             /* prefill tile: tokens (2 x 4 beat 2 x 6, 3 x 4, 1 x 8 on Zen 5) */
+#endif
+#ifndef QZ6_R
+#define QZ6_R 1             /* q6_k prefill tile: rows (measured: 1 x 6 beat 2 x 4 on Zen 5) */
+#endif
+#ifndef QZ6_C
+#define QZ6_C 6             /* q6_k prefill tile: tokens */
+#endif
+#define QZK_MR 4            /* array bounds of the tiles (any R <= 4, C <= 8) */
+#define QZK_MC 8
+
+ALWAYS __m512i zlane4(void) { return _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3); }
+
+ALWAYS __m512i zidx16(int lo, int hi) {     /* int16 index lo in the low 256 bits, hi above */
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)lo)), _mm256_set1_epi16((short)hi), 1);
+}
+
+ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint8_t *w0, int64_t rb,
+                     const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
+    const __m512i m15 = _mm512_set1_epi8(15);
+    const __m512i sh = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+    const int G = (C + 3) / 4;                  /* token groups of the min term */
+    __m512 acc[QZK_MR][QZK_MC];
+    /* min term: lanes 4k..4k+3 of accm[i][g] belong to token 4g + k (the 4 int32 of
+     * m . bsum32 per superblock), so one madd/cvt/mul/FMA serves 4 tokens */
+    __m512 accm[QZK_MR][(QZK_MC + 3) / 4];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < R; i++) {
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
+        _Pragma("GCC unroll 2")
+        for (int g = 0; g < G; g++) accm[i][g] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        if (pfp) {
+            const uint8_t *f = pfp + b * QB_Q4_K;
+            PREFETCH(f);
+            PREFETCH(f + 64);
+            PREFETCH(f + 128);
+        }
+        __m256i sc16[QZK_MR];
+        __m128i m16[QZK_MR];
+        __m512i isum[QZK_MR][QZK_MC];
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < R; i++) {
+            __m256i s;
+            k_scales16(w0 + i * rb + b * QB_Q4_K + 4, &s, &m16[i]);
+            sc16[i] = s;
+            _Pragma("GCC unroll 8")
+            for (int j = 0; j < C; j++) isum[i][j] = _mm512_setzero_si512();
+        }
+        _Pragma("GCC unroll 8")
+        for (int c = 0; c < 4; c++) {
+            __m512i nib[QZK_MR], s[QZK_MR];
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < R; i++) {
+                const uint8_t *q = w0 + i * rb + b * QB_Q4_K + 16 + 32 * c;
+                nib[i] = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(
+                             _mm256_loadu_si256((const __m256i *)q)), sh), m15);
+                s[i] = _mm512_permutexvar_epi16(zidx16(2 * c, 2 * c + 1), _mm512_castsi256_si512(sc16[i]));
+            }
+            _Pragma("GCC unroll 8")
+            for (int j = 0; j < C; j++) {
+                const __m512i xv = _mm512_loadu_si512((const void *)(a[j].q + b * QK_K + 64 * c));
+                /* pairs <= 2*15*127 = 3810, times a scale <= 63, pair-summed in int32 */
+                _Pragma("GCC unroll 8")
+                for (int i = 0; i < R; i++)
+                    isum[i][j] = _mm512_dpwssd_epi32(isum[i][j], _mm512_maddubs_epi16(nib[i], xv), s[i]);
+            }
+        }
+        __m512 wd[QZK_MR], wm[QZK_MR];
+        __m512i mm[QZK_MR];
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < R; i++) {
+            const __m128 wdd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)cyllm_rd32(w0 + i * rb + b * QB_Q4_K)));
+            wd[i] = _mm512_broadcastss_ps(wdd);                                  /* d */
+            wm[i] = _mm512_broadcastss_ps(_mm_movehdup_ps(wdd));                 /* dmin */
+            mm[i] = _mm512_broadcast_i32x4(m16[i]);
+        }
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < C; j++) {
+            const __m512 dx = _mm512_set1_ps(a[j].d[b]);
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < R; i++)
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][j]), _mm512_mul_ps(wd[i], dx), acc[i][j]);
+        }
+        _Pragma("GCC unroll 2")
+        for (int g = 0; g < G; g++) {
+            /* x sums per 32 (8 int16, from the 16 per-16 sums) and d_x of tokens 4g.. */
+            __m512i bs = _mm512_setzero_si512();
+            __m128 dx4 = _mm_setzero_ps();
+            _Pragma("GCC unroll 4")
+            for (int k = 0; k < 4 && 4 * g + k < C; k++) {
+                const cyllm_qact_view *v = &a[4 * g + k];
+                const __m128i b32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(v->bsum + 16 * b)),
+                                                   _mm_loadu_si128((const __m128i *)(v->bsum + 16 * b + 8)));
+                bs = _mm512_inserti32x4(bs, b32, k);
+                dx4 = _mm_insert_ps(dx4, _mm_load_ss(v->d + b), k << 4);
+            }
+            const __m512 dxl = _mm512_permutexvar_ps(zlane4(), _mm512_castps128_ps512(dx4));
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < R; i++)
+                accm[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(mm[i], bs)),
+                                             _mm512_mul_ps(wm[i], dxl), accm[i][g]);
+        }
+    }
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < R; i++) {
+        float mt[(QZK_MC + 3) / 4][16];
+        _Pragma("GCC unroll 2")
+        for (int g = 0; g < G; g++) _mm512_storeu_ps(mt[g], accm[i][g]);
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < C; j++) {
+            const __m128 m4 = _mm_loadu_ps(&mt[j >> 2][4 * (j & 3)]);
+            const float r = _mm512_reduce_add_ps(acc[i][j]) - hsum4(m4);
+            o[i + j * ldo] = add ? o[i + j * ldo] + r : r;
+        }
+    }
+}
+
+ALWAYS void k6z_tile(const int R, const int C, float *o, int64_t ldo, const uint8_t *w0, int64_t rb,
+                     const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
+    const __m512i m15 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    const __m512i shl = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2);
+    const __m512i shr = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
+    __m512 acc[QZK_MR][QZK_MC];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < R; i++) {
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        if (pfp) {
+            const uint8_t *f = pfp + b * QB_Q6_K;
+            PREFETCH(f);
+            PREFETCH(f + 64);
+            PREFETCH(f + 128);
+            PREFETCH(f + 192);
+        }
+        __m256i sc16[QZK_MR];
+        __m512i isum[QZK_MR][QZK_MC];
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < R; i++) {
+            sc16[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w0 + i * rb + b * QB_Q6_K + 192)));
+            _Pragma("GCC unroll 8")
+            for (int j = 0; j < C; j++) {
+                const __m256i bs = _mm256_loadu_si256((const __m256i *)(a[j].bsum + 16 * b));
+                /* the -32 of every weight: 32 * sum_j sc_j * xsum_j */
+                isum[i][j] = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(),
+                                 _mm256_slli_epi32(_mm256_madd_epi16(sc16[i], bs), 5)));
+            }
+        }
+        _Pragma("GCC unroll 2")
+        for (int h = 0; h < 2; h++) {
+            __m512i g01[QZK_MR], g23[QZK_MR], s01[QZK_MR], s23[QZK_MR];
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < R; i++) {
+                const uint8_t *p = w0 + i * rb + b * QB_Q6_K;
+                const __m512i ql = _mm512_loadu_si512((const void *)(p + 64 * h));
+                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h)));
+                /* weights 128h + 0..63 and 128h + 64..127, values 0..63 */
+                g01[i] = _mm512_or_si512(_mm512_and_si512(ql, m15), _mm512_and_si512(_mm512_sllv_epi64(qh, shl), m30));
+                g23[i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi64(ql, 4), m15),
+                                         _mm512_and_si512(_mm512_srlv_epi64(qh, shr), m30));
+                const __m512i s = _mm512_castsi256_si512(sc16[i]);
+                const __m512i i01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_setr_epi16(
+                    8 * h, 8 * h, 8 * h, 8 * h, 8 * h, 8 * h, 8 * h, 8 * h,
+                    8 * h + 1, 8 * h + 1, 8 * h + 1, 8 * h + 1, 8 * h + 1, 8 * h + 1, 8 * h + 1, 8 * h + 1)),
+                    _mm256_setr_epi16(8 * h + 2, 8 * h + 2, 8 * h + 2, 8 * h + 2, 8 * h + 2, 8 * h + 2, 8 * h + 2, 8 * h + 2,
+                                      8 * h + 3, 8 * h + 3, 8 * h + 3, 8 * h + 3, 8 * h + 3, 8 * h + 3, 8 * h + 3, 8 * h + 3), 1);
+                s01[i] = _mm512_permutexvar_epi16(i01, s);
+                s23[i] = _mm512_permutexvar_epi16(_mm512_add_epi16(i01, _mm512_set1_epi16(4)), s);
+            }
+            _Pragma("GCC unroll 8")
+            for (int j = 0; j < C; j++) {
+                const int8_t *xb = a[j].q + b * QK_K + 128 * h;
+                const __m512i x01 = _mm512_loadu_si512((const void *)xb);
+                const __m512i x23 = _mm512_loadu_si512((const void *)(xb + 64));
+                /* q in 0..63 unsigned: pairs <= 2*63*127 = 16002 */
+                _Pragma("GCC unroll 8")
+                for (int i = 0; i < R; i++) {
+                    isum[i][j] = _mm512_dpwssd_epi32(isum[i][j], _mm512_maddubs_epi16(g01[i], x01), s01[i]);
+                    isum[i][j] = _mm512_dpwssd_epi32(isum[i][j], _mm512_maddubs_epi16(g23[i], x23), s23[i]);
+                }
+            }
+        }
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < R; i++) {
+            const float wd = _cvtsh_ss(cyllm_rd16(w0 + i * rb + b * QB_Q6_K + 208));
+            _Pragma("GCC unroll 8")
+            for (int j = 0; j < C; j++)
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][j]), _mm512_set1_ps(wd * a[j].d[b]), acc[i][j]);
+        }
+    }
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < R; i++) {
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < C; j++) {
+            const float r = _mm512_reduce_add_ps(acc[i][j]);
+            o[i + j * ldo] = add ? o[i + j * ldo] + r : r;
+        }
+    }
+}
+
+/* matvec / gate_up / gemm of a K-quant zmm tile (TILE(R, C, o, ldo, w0, rb, a, nb, add, pfp)) */
+#define QZK_FORMAT(F, TILE, TR, TC)                                                                   \
+static void F##_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a, int64_t n, \
+                      int64_t r0, int64_t r1, int add, const qx_pf *pf) {                      \
+    for (int64_t r = r0; r < r1; r++)                                                         \
+        TILE(1, 1, o + (r - r0), 0, w + r * rb, rb, a, n / QK_K, add, pf_base(w + r * rb, pf)); \
+}                                                                                             \
+static void QF(matvec_##F)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n, \
+                           int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {   \
+    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_K);                               \
+    qx_pf pf = {w + r1 * rb, nx, nxb, cyllm_qpf_bytes};                                       \
+    F##_range(out + r0, w, rb, &a, n, r0, r1, add, &pf);                                      \
+}                                                                                             \
+static void QF(gate_up_##F)(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb,   \
+                            const void *xq, int64_t n, int64_t r0, int64_t r1, int act,      \
+                            const void *nx, int64_t nxb) {                                    \
+    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_K);                               \
+    qx_pf pg = {wg + r1 * rb, 0, 0, cyllm_qpf_bytes};                                         \
+    qx_pf pu = {wu + r1 * rb, nx, nxb, cyllm_qpf_bytes};                                      \
+    float g[16], u[16];                                                                       \
+    for (int64_t r = r0; r < r1; r += 16) {                                                   \
+        int64_t e = r + 16 < r1 ? r + 16 : r1;                                                \
+        F##_range(g, wg, rb, &a, n, r, e, 0, &pg);                                            \
+        F##_range(u, wu, rb, &a, n, r, e, 0, &pu);                                            \
+        for (int64_t i = r; i < e; i++) out[i] = cyllm_qact_apply(act, g[i - r]) * u[i - r]; \
+    }                                                                                         \
+}                                                                                             \
+static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
+                         int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) { \
+    const int64_t nb = n / QK_K;                                                              \
+    cyllm_qact_view a[TC];                                                                 \
+    for (int64_t t0 = 0; t0 < T; t0 += TC) {                                               \
+        const int64_t tn = T - t0 < TC ? T - t0 : TC;                                   \
+        for (int64_t t = 0; t < tn; t++)                                                      \
+            a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_K);      \
+        float *o = out + t0 * ldo;                                                            \
+        int64_t r = r0;                                                                       \
+        if (tn == TC) {                                                                    \
+            for (; r + TR <= r1; r += TR)                                               \
+                TILE(TR, TC, o + r, ldo, w + r * rb, rb, a, nb, add, NULL);             \
+            for (; r < r1; r++)                                                               \
+                TILE(1, TC, o + r, ldo, w + r * rb, rb, a, nb, add, NULL);                 \
+        } else {                                                                              \
+            for (int64_t t = 0; t < tn; t++) {                                                \
+                for (r = r0; r + TR <= r1; r += TR)                                     \
+                    TILE(TR, 1, o + t * ldo + r, ldo, w + r * rb, rb, a + t, nb, add, NULL); \
+                for (; r < r1; r++)                                                           \
+                    TILE(1, 1, o + t * ldo + r, ldo, w + r * rb, rb, a + t, nb, add, NULL);   \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+}
+
+QZK_FORMAT(k4z, k4z_tile, QZK_R, QZK_C)
+QZK_FORMAT(k6z, k6z_tile, QZ6_R, QZ6_C)
+#endif
+
 /* ---- per-format entry points ---------------------------------------------------------
  * one_##F(C, o, ldo, w0, a, nb, add, pf) runs one row against C activations; RANGE_F runs
  * rows [r0, r1) of one activation (decode); the GEMM runs tokens in blocks of QX_TB (their
@@ -560,11 +1011,265 @@ QX_FORMAT(q4_k, CYLLM_QF_Q4_K, CYLLM_QA_Q8_K, QK_K, -1, rows_k45(C, 0, o, ldo, w
 QX_FORMAT(q5_k, CYLLM_QF_Q5_K, CYLLM_QA_Q8_K, QK_K, -1, rows_k45(C, 1, o, ldo, w0, a, nb, add, pfp))
 QX_FORMAT(q6_k, CYLLM_QF_Q6_K, CYLLM_QA_Q8_K, QK_K, -1, k_q6_k(C, o, ldo, w0, a, nb, add, pfp))
 
+#if QX_VNNI == 2
+/* ---- AVX512-VNNI (zmm) nibble formats: block quads ------------------------------------
+ * q4_0/q4_1/q5_0/q5_1 four blocks (128 weights) per pair of vpdpbusd: the 16-byte nibble
+ * runs of 4 blocks fill one zmm (128-bit lane k = block b+k); low nibbles meet x[0:16] of
+ * each block, high nibbles x[16:32]. x's side of each quad (bytes in that order, scales,
+ * the offset's start / min term from the block sums, as in x_pair) is prepared once per
+ * call for decode and once per token group for prefill. One float accumulator of 16
+ * lanes per (row, token); q4_1/q5_1's min term is a second FMA into the same one. Decode
+ * (R = C = 1) and the prefill tiles run each (row, token)'s chain in the same order: same
+ * bits. A row's last quad may hold 1-3 blocks (zero lanes beyond). */
+typedef struct { __m512i lo, hi, aux; __m512 dx; } qz_xquad;
+#define QZ_QUADS 128        /* quads prepared on the stack (n <= 16384) */
+#ifndef QZN_R
+#define QZN_R 2             /* prefill tile: rows */
+#endif
+#ifndef QZN_C
+#define QZN_C 4             /* prefill tile: tokens */
+#endif
+#ifndef QZN_RN
+#define QZN_RN 3            /* ... rows of the 4-token tiles (longer rows) */
+#endif
+#define QZN_MR (QZN_RN > QZN_R ? QZN_RN : QZN_R)
+#ifndef QZN_CW
+#define QZN_CW 8            /* ... for rows of at most QZN_WIDE_QUADS quads (their 8 tokens' */
+#endif                      /* quads, <= 48 KiB, stay in L1; longer rows were slower with 8) */
+#ifndef QZN_WIDE_QUADS
+#define QZN_WIDE_QUADS 24
+#endif
+#define QZN_MC (QZN_CW > QZN_C ? QZN_CW : QZN_C)   /* array bound of the tiles' tokens */
+
+
+ALWAYS qz_xquad zn_tok(const int kind, const cyllm_qact_view *a, int64_t b, int cnt) {
+    const int has_min = kind == 1 || kind == 3;
+    const int shift = kind == 0 ? 1 : 2;
+    const __mmask64 m8 = cnt >= 2 ? ~(__mmask64)0 : (__mmask64)0xffffffffULL;
+    const __mmask64 m8b = cnt >= 4 ? ~(__mmask64)0 : cnt == 3 ? (__mmask64)0xffffffffULL : 0;
+    const __mmask8 m4 = (__mmask8)((1u << cnt) - 1);
+    const int8_t *xb = a->q + b * 32;
+    const __m512i x0 = _mm512_maskz_loadu_epi8(m8, xb);
+    const __m512i x1 = _mm512_maskz_loadu_epi8(m8b, xb + 64);
+    qz_xquad r;
+    r.lo = _mm512_permutex2var_epi64(x0, _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13), x1);
+    r.hi = _mm512_permutex2var_epi64(x0, _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15), x1);
+    r.dx = _mm512_permutexvar_ps(zlane4(), _mm512_castps128_ps512(_mm_maskz_loadu_ps(m4, a->d + b)));
+    const __m512i s = _mm512_permutexvar_epi32(zlane4(), _mm512_castsi128_si512(_mm_maskz_loadu_epi32(m4, a->sum + b)));
+    if (!has_min) r.aux = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, shift));
+    else r.aux = _mm512_castps_si512(_mm512_mul_ps(r.dx, _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(0.25f))));
+    return r;
+}
+
+ALWAYS void zn_prep(const int kind, qz_xquad *xq, const cyllm_qact_view *a, int64_t nb) {
+    for (int64_t b = 0; b < nb; b += 4) xq[b >> 2] = zn_tok(kind, a, b, nb - b < 4 ? (int)(nb - b) : 4);
+}
+
+/* 4 f16 (blocks beyond cnt: 0) at p + k * bb -> lanes 4k..4k+3 */
+ALWAYS __m512 zn_h4(const uint8_t *p, int bb, int cnt) {
+    __m128i h = _mm_cvtsi32_si128(cyllm_rd16(p));
+    if (cnt > 1) h = _mm_insert_epi16(h, cyllm_rd16(p + bb), 1);
+    if (cnt > 2) h = _mm_insert_epi16(h, cyllm_rd16(p + 2 * bb), 2);
+    if (cnt > 3) h = _mm_insert_epi16(h, cyllm_rd16(p + 3 * bb), 3);
+    return _mm512_permutexvar_ps(zlane4(), _mm512_castps128_ps512(_mm_cvtph_ps(h)));
+}
+
+ALWAYS __m512i zn_ld16x4(const uint8_t *p, int bb, int cnt) {
+    __m512i v = _mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)p));
+    if (cnt > 1) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + bb)), 1);
+    if (cnt > 2) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + 2 * bb)), 2);
+    if (cnt > 3) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + 3 * bb)), 3);
+    return v;
+}
+
+/* one quad (cnt blocks from b) of R rows x C tokens */
+ALWAYS void zn_quad(const int R, const int C, const int kind, __m512 (*acc)[QZN_MC], const uint8_t *w0,
+                    int64_t rb, const qz_xquad *xq, int64_t nq, int64_t b, const int cnt) {
+    const int bb = kind == 0 ? QB_Q4_0 : kind == 1 ? QB_Q4_1 : kind == 2 ? QB_Q5_0 : QB_Q5_1;
+    const int qs_off = kind == 0 ? 2 : kind == 1 ? 4 : kind == 2 ? 6 : 8;
+    const int has_min = kind == 1 || kind == 3;
+    const int five = kind >= 2;
+    const __m512i m15 = _mm512_set1_epi8(15);
+    __m512i lo[QZN_MR], hi[QZN_MR];
+    __m512 wd[QZN_MR], wm[QZN_MR];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < R; i++) {
+        const uint8_t *p0 = w0 + i * rb + b * bb;
+        const __m512i v = zn_ld16x4(p0 + qs_off, bb, cnt);
+        lo[i] = _mm512_and_si512(v, m15);
+        hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+        if (five) {
+            const int ho = kind == 2 ? 2 : 4;
+            __m128i h = _mm_cvtsi32_si128((int)cyllm_rd32(p0 + ho));
+            if (cnt > 1) h = _mm_insert_epi32(h, (int)cyllm_rd32(p0 + bb + ho), 1);
+            if (cnt > 2) h = _mm_insert_epi32(h, (int)cyllm_rd32(p0 + 2 * bb + ho), 2);
+            if (cnt > 3) h = _mm_insert_epi32(h, (int)cyllm_rd32(p0 + 3 * bb + ho), 3);
+            const __m512i hv = _mm512_permutexvar_epi32(zlane4(), _mm512_castsi128_si512(h));
+            const __m512i bit = _mm512_set1_epi64((long long)0x8040201008040201ULL);
+            const __m512i sel_lo = _mm512_set4_epi32(0x01010101, 0x01010101, 0, 0);
+            const __m512i sel_hi = _mm512_set4_epi32(0x03030303, 0x03030303, 0x02020202, 0x02020202);
+            const __m512i x10 = _mm512_set1_epi8(0x10);
+            lo[i] = _mm512_mask_add_epi8(lo[i], _mm512_test_epi8_mask(_mm512_shuffle_epi8(hv, sel_lo), bit), lo[i], x10);
+            hi[i] = _mm512_mask_add_epi8(hi[i], _mm512_test_epi8_mask(_mm512_shuffle_epi8(hv, sel_hi), bit), hi[i], x10);
+        }
+        wd[i] = zn_h4(p0, bb, cnt);
+        wm[i] = has_min ? zn_h4(p0 + 2, bb, cnt) : wd[i];
+    }
+    _Pragma("GCC unroll 8")
+    for (int j = 0; j < C; j++) {
+        const qz_xquad *t = xq + j * nq + (b >> 2);
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < R; i++) {
+            /* lanes: u <= 31 times |x| <= 127, 8 products per lane: no overflow */
+            __m512i isum = _mm512_dpbusd_epi32(has_min ? _mm512_setzero_si512() : t->aux, lo[i], t->lo);
+            isum = _mm512_dpbusd_epi32(isum, hi[i], t->hi);
+            acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(wd[i], t->dx), acc[i][j]);
+            if (has_min) acc[i][j] = _mm512_fmadd_ps(wm[i], _mm512_castsi512_ps(t->aux), acc[i][j]);
+        }
+    }
+}
+
+ALWAYS void zn_tile(const int R, const int C, const int kind, float *o, int64_t ldo, const uint8_t *w0,
+                    int64_t rb, const qz_xquad *xq, int64_t nq, int64_t nb, int add, const uint8_t *pfp) {
+    const int bb = kind == 0 ? QB_Q4_0 : kind == 1 ? QB_Q4_1 : kind == 2 ? QB_Q5_0 : QB_Q5_1;
+    __m512 acc[QZN_MR][QZN_MC];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < R; i++) {
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
+    }
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        if (pfp) {
+            PREFETCH(pfp + b * bb);
+            PREFETCH(pfp + b * bb + 64);
+        }
+        zn_quad(R, C, kind, acc, w0, rb, xq, nq, b, 4);
+    }
+    if (b < nb) {
+        const int cnt = (int)(nb - b);
+        if (cnt == 1) zn_quad(R, C, kind, acc, w0, rb, xq, nq, b, 1);
+        else if (cnt == 2) zn_quad(R, C, kind, acc, w0, rb, xq, nq, b, 2);
+        else zn_quad(R, C, kind, acc, w0, rb, xq, nq, b, 3);
+    }
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < R; i++) {
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < C; j++) {
+            const float r = _mm512_reduce_add_ps(acc[i][j]);
+            o[i + j * ldo] = add ? o[i + j * ldo] + r : r;
+        }
+    }
+}
+
+/* rows [r0, r1) of one activation, xq: its quads (decode: one row at a time) */
+ALWAYS void zn_range(const int kind, float *o, const uint8_t *w, int64_t rb, const qz_xquad *xq,
+                     int64_t n, int64_t r0, int64_t r1, int add, const qx_pf *pf) {
+    for (int64_t r = r0; r < r1; r++)
+        zn_tile(1, 1, kind, o + (r - r0), 0, w + r * rb, rb, xq, 0, n / 32, add, pf_base(w + r * rb, pf));
+}
+
+/* prefill of a nibble format: CG tokens' quads prepared (xp holds CG * nq), then tiles of
+ * R rows x CG tokens */
+ALWAYS void zn_gemm(const int R, const int CG, const int kind, qz_xquad *xp, float *out, int64_t ldo,
+                    const uint8_t *w, int64_t rb, const void *xq, int64_t xs, int64_t T, int64_t n,
+                    int64_t r0, int64_t r1, int add) {
+    const int64_t nb = n / 32, nq = (nb + 3) / 4;
+    for (int64_t t0 = 0; t0 < T; t0 += CG) {
+        const int64_t tn = T - t0 < CG ? T - t0 : CG;
+        for (int64_t t = 0; t < tn; t++) {
+            cyllm_qact_view v = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_0);
+            zn_prep(kind, xp + t * nq, &v, nb);
+        }
+        float *o = out + t0 * ldo;
+        int64_t r = r0;
+        if (tn == CG) {
+            for (; r + R <= r1; r += R)
+                zn_tile(R, CG, kind, o + r, ldo, w + r * rb, rb, xp, nq, nb, add, NULL);
+            for (; r < r1; r++)
+                zn_tile(1, CG, kind, o + r, ldo, w + r * rb, rb, xp, nq, nb, add, NULL);
+        } else {
+            for (int64_t t = 0; t < tn; t++) {
+                for (r = r0; r + R <= r1; r += R)
+                    zn_tile(R, 1, kind, o + t * ldo + r, ldo, w + r * rb, rb, xp + t * nq, nq, nb, add, NULL);
+                for (; r < r1; r++)
+                    zn_tile(1, 1, kind, o + t * ldo + r, ldo, w + r * rb, rb, xp + t * nq, nq, nb, add, NULL);
+            }
+        }
+    }
+}
+
+/* decode and prefill of a nibble format; rows of more than QZ_QUADS quads take the ymm
+ * kernels (QX_FORMAT's) in decode and prefill alike */
+#define QZN_FORMAT(F, KIND)                                                                     \
+static void QF(matvec_##F##z)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n, \
+                              int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) { \
+    if ((n / 32 + 3) / 4 > QZ_QUADS) {                                                        \
+        QF(matvec_##F)(out, w, rb, xq, n, r0, r1, add, nx, nxb);                              \
+        return;                                                                               \
+    }                                                                                         \
+    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);                               \
+    qx_pf pf = {w + r1 * rb, nx, nxb, cyllm_qpf_bytes};                                       \
+    qz_xquad xp[QZ_QUADS];                                                                    \
+    zn_prep(KIND, xp, &a, n / 32);                                                            \
+    zn_range(KIND, out + r0, w, rb, xp, n, r0, r1, add, &pf);                                 \
+}                                                                                             \
+static void QF(gate_up_##F##z)(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb, \
+                               const void *xq, int64_t n, int64_t r0, int64_t r1, int act,   \
+                               const void *nx, int64_t nxb) {                                 \
+    if ((n / 32 + 3) / 4 > QZ_QUADS) {                                                        \
+        QF(gate_up_##F)(out, wg, wu, rb, xq, n, r0, r1, act, nx, nxb);                        \
+        return;                                                                               \
+    }                                                                                         \
+    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);                               \
+    qx_pf pg = {wg + r1 * rb, 0, 0, cyllm_qpf_bytes};                                         \
+    qx_pf pu = {wu + r1 * rb, nx, nxb, cyllm_qpf_bytes};                                      \
+    qz_xquad xp[QZ_QUADS];                                                                    \
+    zn_prep(KIND, xp, &a, n / 32);                                                            \
+    float g[16], u[16];                                                                       \
+    for (int64_t r = r0; r < r1; r += 16) {                                                   \
+        int64_t e = r + 16 < r1 ? r + 16 : r1;                                                \
+        zn_range(KIND, g, wg, rb, xp, n, r, e, 0, &pg);                                       \
+        zn_range(KIND, u, wu, rb, xp, n, r, e, 0, &pu);                                       \
+        for (int64_t i = r; i < e; i++) out[i] = cyllm_qact_apply(act, g[i - r]) * u[i - r]; \
+    }                                                                                         \
+}                                                                                             \
+static void QF(gemm_##F##z)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
+                            int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) { \
+    const int64_t nb = n / 32, nq = (nb + 3) / 4;                                             \
+    if (nq > QZ_QUADS) {                                                                      \
+        QF(gemm_##F)(out, ldo, w, rb, xq, xs, T, n, r0, r1, add);                             \
+        return;                                                                               \
+    }                                                                                         \
+    qz_xquad xp[4 * QZ_QUADS];                                                                \
+    if (nq <= QZN_WIDE_QUADS)                                                                 \
+        zn_gemm(QZN_R, QZN_CW, KIND, xp, out, ldo, w, rb, xq, xs, T, n, r0, r1, add);         \
+    else                                                                                      \
+        zn_gemm(QZN_RN, QZN_C, KIND, xp, out, ldo, w, rb, xq, xs, T, n, r0, r1, add);         \
+}
+
+QZN_FORMAT(q4_0, 0)
+QZN_FORMAT(q4_1, 1)
+QZN_FORMAT(q5_0, 2)
+QZN_FORMAT(q5_1, 3)
+#endif
+
 #define QX_ENTRY(F) {QF(matvec_##F), QF(gate_up_##F), QF(gemm_##F), QF(deq16_##F), QF(deq32_##F)}
+#if QX_VNNI == 2
+#define QX_ENTRY_Q8_0 {QF(matvec_z8), QF(gate_up_z8), QF(gemm_z8), QF(deq16_q8_0), QF(deq32_q8_0)}
+#define QX_ENTRY_NIB(F) {QF(matvec_##F##z), QF(gate_up_##F##z), QF(gemm_##F##z), QF(deq16_##F), QF(deq32_##F)}
+#define QX_ENTRY_Q4_K {QF(matvec_k4z), QF(gate_up_k4z), QF(gemm_k4z), QF(deq16_q4_k), QF(deq32_q4_k)}
+#define QX_ENTRY_Q6_K {QF(matvec_k6z), QF(gate_up_k6z), QF(gemm_k6z), QF(deq16_q6_k), QF(deq32_q6_k)}
+#else
+#define QX_ENTRY_Q8_0 QX_ENTRY(q8_0)
+#define QX_ENTRY_Q4_K QX_ENTRY(q4_k)
+#define QX_ENTRY_NIB(F) QX_ENTRY(F)
+#define QX_ENTRY_Q6_K QX_ENTRY(q6_k)
+#endif
 
 const cyllm_qkernels QX_TABLE = {
     QX_NAME,
     QF(quantize_act_x86_),
-    {QX_ENTRY(q8_0), QX_ENTRY(q4_0), QX_ENTRY(q4_1), QX_ENTRY(q5_0), QX_ENTRY(q5_1),
-     QX_ENTRY(q4_k), QX_ENTRY(q5_k), QX_ENTRY(q6_k)},
+    {QX_ENTRY_Q8_0, QX_ENTRY_NIB(q4_0), QX_ENTRY_NIB(q4_1), QX_ENTRY_NIB(q5_0), QX_ENTRY_NIB(q5_1),
+     QX_ENTRY_Q4_K, QX_ENTRY(q5_k), QX_ENTRY_Q6_K},
 };
