@@ -50,7 +50,11 @@ def test_generic_kernels_run_on_a_cpu_without_avx2(tmp_path):
                 kc=rng.standard_normal((n_kv, ctx, hd)).astype(np.float16),
                 vc=rng.standard_normal((n_kv, ctx, hd)).astype(np.float16), pos=np.int64(29))
     np.savez(tmp_path / "in.npz", **data)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    # the child must import the cyllm this test imported (with its compiled _ext), not
+    # a source tree that some other test module put on sys.path
+    import cyllm
+    paths = [str(Path(cyllm.__file__).resolve().parents[1])] + [p for p in sys.path if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     env.pop("CYLLM_KERNELS", None)
     r = subprocess.run([QEMU, "-cpu", "SandyBridge-v1", os.path.realpath(sys.executable), "-c", CHILD,
                         str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],

@@ -3,16 +3,10 @@ times, how fast it answers a change, what probing costs on a quiet machine; and 
 changing the size between steps changes no bit of the logits (a quantized model, whose
 activations are rounded to int8 blocks, and a float one)."""
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-sys.path.insert(0, os.path.dirname(__file__))
-
-from cyllm.backends.team import MAX_INTERVAL, TeamSizer  # noqa: E402
+from cyllm.backends.team import MAX_INTERVAL, TeamSizer
 
 
 def drive(sizer, step_time, steps, start=0):
