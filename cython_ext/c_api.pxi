@@ -53,7 +53,7 @@ cdef extern from "csrc/kernels.h" nogil:
     int cyllm_cpu_features() noexcept
     int cyllm_avx2_compiled() noexcept
     int cyllm_avx512_compiled() noexcept
-    int cyllm_pf_groups
+    int64_t cyllm_pf_bytes
     int cyllm_pf_next
     int cyllm_spin
     void cyllm_rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps) noexcept

@@ -416,8 +416,15 @@ cdef class DecodeProgram:
     def n_ops(self):
         return self.n_ops
 
-    def run(self, token, pos, threads):
-        """One decode step: token and pos checked, then every op in one parallel region."""
+    def run(self, token, pos, threads, prefetch=None):
+        """One decode step: token and pos checked, then every op in one parallel region.
+        prefetch: True / False turns the matvecs' software prefetch on (the distances of
+        _set_prefetch / _set_qprefetch) or off for this and later steps (no bit of any
+        result depends on it; backends/step_tuner.py picks it); None leaves it as it is."""
+        global cyllm_pf_bytes, cyllm_qpf_bytes
+        if prefetch is not None:
+            cyllm_pf_bytes = _pf_on_bytes if prefetch else 0
+            cyllm_qpf_bytes = _qpf_on_bytes if prefetch else 0
         cdef Py_ssize_t tok = _index(token, "token"), p = _index(pos, "pos")
         cdef Py_ssize_t nt = _index(threads, "threads")
         if tok < 0 or tok >= self.vocab:

@@ -59,10 +59,14 @@ cdef enum:
     QPANEL_ROWS = 64
 
 
+# the quantized matvecs' prefetch distance when prefetch is on (DecodeProgram.run's switch)
+_qpf_on_bytes = cyllm_qpf_bytes
+
+
 def _set_qprefetch(nbytes):
     """Software prefetch distance of the quantized matvecs in bytes (0 = off; benchmarks)."""
-    global cyllm_qpf_bytes
-    cyllm_qpf_bytes = _index(nbytes, "nbytes")
+    global cyllm_qpf_bytes, _qpf_on_bytes
+    cyllm_qpf_bytes = _qpf_on_bytes = _index(nbytes, "nbytes")
 
 
 def quant_cpu_features():

@@ -17,9 +17,14 @@ def _set_spin(int polls):
     cyllm_spin = polls
 
 
-def _set_prefetch(int groups, int across_ops=1):
-    """Tuning knobs of the decode matvec's software prefetch (benchmarks only): groups
-    of 4 rows ahead (0 = off), and whether the decode program prefetches across ops."""
-    global cyllm_pf_groups, cyllm_pf_next
-    cyllm_pf_groups = groups
+# the F16 matvecs' prefetch distance when prefetch is on (DecodeProgram.run's switch)
+_pf_on_bytes = cyllm_pf_bytes
+
+
+def _set_prefetch(int64_t nbytes, int across_ops=1):
+    """Tuning knobs of the F16 decode matvec's software prefetch (benchmarks only): bytes
+    ahead in the weight stream (0 = off), and whether the decode program prefetches
+    across ops."""
+    global cyllm_pf_bytes, cyllm_pf_next, _pf_on_bytes
+    cyllm_pf_bytes = _pf_on_bytes = nbytes
     cyllm_pf_next = across_ops

@@ -98,8 +98,9 @@ const cyllm_kernels *cyllm_kernels_by_name(const char *name);
 float cyllm_silu(float x);
 /* the gate activation of a GLU: silu(x) or gelu with the tanh approximation */
 float cyllm_act(float x, int act);
-/* matvec software prefetch distance in units of 4 rows (0 = off); see kernels_avx2.c */
-extern int cyllm_pf_groups;
+/* F16 matvec software prefetch distance in bytes ahead of the weight stream (0 = off);
+ * see kernels_avx2.c */
+extern int64_t cyllm_pf_bytes;
 extern int cyllm_pf_next;       /* program.c: 1 = decode program prefetches across ops */
 extern int cyllm_spin;          /* program.c: polls at a barrier before a waiter sleeps */
 /* out (n,) = x / sqrt(mean(x^2) + eps) * w: sum of squares in double, one f32 scale.

@@ -3,8 +3,9 @@
  *
  * matvec: row by row (one linear stream through the weights, which the hardware
  *   prefetcher follows best), 4 x 8-lane FMA accumulators over 32 columns per step,
- *   F16C widens 8 halfs per vcvtph2ps, and a software prefetch cyllm_pf_groups*4
- *   rows ahead that continues into the next op's weights near the end of the rows.
+ *   F16C widens 8 halfs per vcvtph2ps, and a software prefetch cyllm_pf_bytes ahead
+ *   that continues into the next op's weights near the end of the rows (on or off per
+ *   decode step: backends/step_tuner.py).
  *   Measured +23% over the former 4-rows-at-once kernel on SmolLM2's matrices and
  *   ~95% of the plain-load read probe (bench/results/cpu_speed.md).
  * attention: 8 cached positions per step; 8 scores come out of one hadd tree,
@@ -82,7 +83,7 @@ static inline const char *pf_at(const char *p, int64_t dist, const char *end, co
 
 static void matvec_rows_avx2(float *out, const uint16_t *w, const float *x, int64_t n,
                              int64_t r0, int64_t r1, int add, const void *nx, int64_t nx_bytes) {
-    const int64_t dist = (int64_t)cyllm_pf_groups * 4 * n * 2;      /* bytes ahead */
+    const int64_t dist = cyllm_pf_bytes;
     const char *end = (const char *)(w + r1 * n);
     for (int64_t r = r0; r < r1; r++) {
         const uint16_t *wr = w + r * n;
@@ -93,7 +94,7 @@ static void matvec_rows_avx2(float *out, const uint16_t *w, const float *x, int6
 
 static void gate_up_rows_avx2(float *out, const uint16_t *wg, const uint16_t *wu, const float *x,
                              int64_t n, int64_t r0, int64_t r1, int act, const void *nx, int64_t nx_bytes) {
-    const int64_t dist = (int64_t)cyllm_pf_groups * 4 * n * 2;
+    const int64_t dist = cyllm_pf_bytes;
     const char *eg = (const char *)(wg + r1 * n), *eu = (const char *)(wu + r1 * n);
     for (int64_t r = r0; r < r1; r++) {
         const uint16_t *g = wg + r * n, *u = wu + r * n;

@@ -17,7 +17,10 @@
 #define LANES 8
 
 
-int cyllm_pf_groups = 2;
+/* 8 KiB as the quantized matvecs (quant_generic.c); whether it pays depends on the CPU
+ * (Zen 5: +40-70% on single F16 matrices, Zen 4: -10-25% on F16 decode), so the decode
+ * steps measure it (backends/step_tuner.py) */
+int64_t cyllm_pf_bytes = 8192;
 
 float cyllm_silu(float x) { return x / (1.0f + expf(-x)); }
 

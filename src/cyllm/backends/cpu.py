@@ -10,9 +10,10 @@ Kernel variant: "avx512" (the AVX2 kernels + AVX-512F prefill GEMM/attention) wh
 the CPU has it, else "avx2" (AVX2 + FMA + F16C), else "generic" (portable C).
 CYLLM_KERNELS=generic|avx2|avx512 or CpuBackend(variant=...) overrides; the choice
 is made once per backend and shown by kernel_info(). CYLLM_FUSED=0 turns the
-captured decode step off (the model then calls the ops one by one). Unless the
-thread count was given, each captured step's team size adapts to what else runs on
-the cores (team.py).
+captured decode step off (the model then calls the ops one by one). Each captured
+step's setting follows measured step times (step_tuner.py): unless the thread count was
+given, its team size adapts to what else runs on the cores, and its matvecs' software
+prefetch is kept on or off, whichever this CPU runs faster (CYLLM_PREFETCH=on|off fixes it).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ..errors import BackendUnavailableError, InvalidArgumentError
 from ..quant.matrix import QuantMatrix
 from ..threads import resolve_threads
 from .base import DECODE_OPS, Backend, HostArrays
-from .team import TeamSizer
+from .step_tuner import StepTuner
 
 try:
     from .._ext import kernels as _k
@@ -55,6 +56,14 @@ def _adaptive_default(threads) -> bool:
     return threads is None and not os.environ.get("OMP_NUM_THREADS", "").strip()
 
 
+def _prefetch_default() -> str:
+    """CYLLM_PREFETCH: "auto" (default: measured per step), "on" or "off"."""
+    env = os.environ.get("CYLLM_PREFETCH", "").strip().lower() or "auto"
+    if env not in ("auto", "on", "off"):
+        raise InvalidArgumentError(f"CYLLM_PREFETCH must be auto, on or off, got {env[:20]!r}")
+    return env
+
+
 class CpuBackend(HostArrays, _k.CpuKernels, Backend):
     name = "cpu"
     fuse_qkv = False      # weights stay memory-mapped: no concatenated copy
@@ -66,9 +75,12 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         super().__init__(resolve_threads(threads), variant)
         self.fused = _fused_default() if fused is None else bool(fused)
         # a count left to us (no flag, no OMP_NUM_THREADS) is an upper bound: each decode
-        # step's team size follows measured step times (team.py); CYLLM_ADAPTIVE_THREADS=0|1
-        # says no or yes whatever the count's origin
-        self._sizer = TeamSizer(self.threads) if _adaptive_default(threads) else None
+        # step's team size follows measured step times (step_tuner.py); CYLLM_ADAPTIVE_THREADS=0|1
+        # says no or yes whatever the count's origin. The software prefetch is measured
+        # the same way unless CYLLM_PREFETCH fixes it.
+        pf = _prefetch_default()
+        self._tuner = StepTuner(self.threads, threads=_adaptive_default(threads),
+                                prefetch=pf != "off", tune_prefetch=pf == "auto")
         self._step_owner = None       # the issue_ops the program was captured from
         self._step_program = None     # its _k.DecodeProgram, or None when it cannot be captured
 
@@ -92,13 +104,11 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         if self._step_owner is not None and self._step_owner == issue_ops:
             if self._step_program is None:      # not capturable: op by op
                 issue_ops(token, pos)
-            elif self._sizer is None:
-                self._step_program.run(token, pos, self.threads)
             else:
-                n = self._sizer.next_size()
+                setting = self._tuner.next()
                 t0 = time.perf_counter()
-                self._step_program.run(token, pos, n)
-                self._sizer.record(n, time.perf_counter() - t0)
+                self._step_program.run(token, pos, min(setting[0], self.threads), setting[1])
+                self._tuner.record(setting, time.perf_counter() - t0)
             return
         self._capture(issue_ops, token, pos)
 
@@ -144,13 +154,12 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
 
     def set_threads(self, n) -> None:
         self.threads = resolve_threads(n)
-        if self._sizer is not None:
-            self._sizer.set_max(self.threads)
+        self._tuner.set_max(self.threads)
 
     @property
     def decode_team(self) -> int:
-        """Threads the next decode step runs on (below `threads` when the sizer chose fewer)."""
-        return self.threads if self._sizer is None else min(self._sizer.size, self.threads)
+        """Threads the next decode step runs on (below `threads` when the tuner chose fewer)."""
+        return min(self._tuner.size, self.threads)
 
     def rope_store(self, q, k, v, cos, sin, k_cache, v_cache, pos) -> None:
         self.rope(q, k, cos, sin, pos, k_cache.shape[2])

@@ -1,0 +1,152 @@
+"""How each decode step runs, chosen step by step from measured step times: how many
+threads it runs on, and whether its matvecs prefetch their weights in software.
+
+Why threads: a decode step splits every matvec's rows among its threads and waits at
+~10 barriers per layer. When another process keeps one of the cores busy, the thread
+that shares that core runs only part of the time and every barrier waits for it: on a
+2-core laptop, 2-thread decode then runs 2-5x slower than 1 thread (llama.cpp
+collapses the same way). Which count is best depends on what else runs, and that
+changes while a model generates, so no count fixed in advance is right.
+
+Why prefetch: whether a software prefetch a few KiB ahead of the weight stream helps
+depends on the CPU's own prefetchers. On Zen 5 it raised the F16 matvec from 24-31 to
+40-60 GB/s; on Zen 4 the same prefetch costs F16 decode 10-25% (TinyLlama shape,
+2 threads) while it still gains the quantized kernels 10-15%. No default is right on
+every CPU and file, so it is measured here too.
+
+Neither choice changes a bit of the logits: the rows a thread computes do not depend
+on the team size (each row, head and block is computed the same way whoever computes
+it), and a prefetch only moves data earlier. So the setting may change between any
+two steps.
+
+The policy: run at the current setting and keep its recent step times; now and then run
+a few steps with one neighbouring setting (a probe: prefetch toggled, one thread fewer,
+one thread more, in turn) and move there when it is faster by a margin. A probe that
+loses quadruples the wait before the next one (up to MAX_INTERVAL steps), so on a quiet
+machine probing costs well under 1% of the steps; a step time that jumps well above what
+the current setting had been giving probes at once, so a busy process that starts
+mid-generation is answered within a few steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+FIRST = 4              # steps before the first probe (a one-shot generation learns early)
+INTERVAL = 16          # steps between probes after a change
+MAX_INTERVAL = 512     # ... growing to this while the current setting keeps winning
+PROBE_STEPS = 3        # steps per probe (their median is compared)
+WINDOW = 3             # recent steps kept per setting
+MARGIN = 0.05          # a probe must be this much faster to win
+JUMP = 1.5             # current median over its best median since the last change: probe now
+
+# the neighbours a probe tries, in turn (prefetch first: on a quiet machine it is the
+# likelier win, and a busy core makes the step time jump, which probes at once anyway)
+_MOVES = ("prefetch", "fewer", "more")
+
+
+class StepTuner:
+    """Picks the setting (threads, prefetch) of each decode step: ``setting = next()``,
+    run the step with it, ``record(setting, seconds)``.
+
+    max_threads: the most threads a step may use. threads: False keeps the count at
+    max_threads (given by the user). prefetch: the starting choice; tune_prefetch: False
+    keeps it."""
+
+    def __init__(self, max_threads: int, threads: bool = True, prefetch: bool = True,
+                 tune_prefetch: bool = True):
+        self.max_threads = max(1, int(max_threads))
+        self._threads_wanted = bool(threads)
+        self._tune_threads = self._threads_wanted and self.max_threads > 1
+        self._tune_prefetch = bool(tune_prefetch)
+        self._start_prefetch = bool(prefetch)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.size = self.max_threads
+        self.prefetch = self._start_prefetch
+        self._times: dict[tuple[int, bool], deque] = {}
+        self._interval = INTERVAL
+        self._countdown = FIRST
+        self._probe: tuple[int, bool] | None = None      # the setting being probed
+        self._probe_left = 0
+        self._move = 0                                    # index into _MOVES of the next probe
+        self._best: float | None = None   # the current setting's best median since the last change
+
+    @property
+    def setting(self) -> tuple[int, bool]:
+        return self.size, self.prefetch
+
+    @property
+    def adapts_threads(self) -> bool:
+        """Whether the team size may change (given more than one thread)."""
+        return self._threads_wanted
+
+    @property
+    def adapts(self) -> bool:
+        return self._tune_threads or self._tune_prefetch
+
+    def _neighbour(self) -> tuple[int, bool] | None:
+        """The next probe in turn, skipping moves that are off or out of range."""
+        for _ in range(len(_MOVES)):
+            move = _MOVES[self._move]
+            self._move = (self._move + 1) % len(_MOVES)
+            if move == "prefetch" and self._tune_prefetch:
+                return self.size, not self.prefetch
+            if move == "fewer" and self._tune_threads and self.size > 1:
+                return self.size - 1, self.prefetch
+            if move == "more" and self._tune_threads and self.size < self.max_threads:
+                return self.size + 1, self.prefetch
+        return None
+
+    def next(self) -> tuple[int, bool]:
+        if not self.adapts:
+            return self.setting
+        if self._probe is not None:
+            return self._probe
+        self._countdown -= 1
+        if self._countdown > 0:
+            return self.setting
+        probe = self._neighbour()
+        if probe is None:
+            self._countdown = MAX_INTERVAL
+            return self.setting
+        self._probe, self._probe_left = probe, PROBE_STEPS
+        self._times.pop(probe, None)          # a probe is judged on its own steps only
+        return probe
+
+    def record(self, setting: tuple[int, bool], seconds: float) -> None:
+        if not self.adapts:
+            return
+        setting = (int(setting[0]), bool(setting[1]))
+        self._times.setdefault(setting, deque(maxlen=WINDOW)).append(seconds)
+        if self._probe is None:
+            if setting == self.setting and len(self._times[setting]) == WINDOW:
+                med = statistics.median(self._times[setting])
+                if self._best is None or med < self._best:
+                    self._best = med
+                elif med > JUMP * self._best:
+                    self._countdown = 0      # slower than it was: look around now
+            return
+        if setting != self._probe:
+            return
+        self._probe_left -= 1
+        if self._probe_left > 0:
+            return
+        probe = statistics.median(self._times[setting])
+        current = self._times.get(self.setting)
+        if not current or probe < (1.0 - MARGIN) * statistics.median(current):
+            self.size, self.prefetch = self._probe
+            self._interval = INTERVAL
+        else:
+            self._interval = min(4 * self._interval, MAX_INTERVAL)
+        self._countdown = self._interval
+        self._probe = None
+        self._best = None                    # the baseline of the jump test starts again
+
+    def set_max(self, max_threads: int) -> None:
+        """A new upper bound (set_threads): start again from it."""
+        self.max_threads = max(1, int(max_threads))
+        self._tune_threads = self._threads_wanted and self.max_threads > 1
+        self._reset()
