@@ -98,7 +98,7 @@ def main() -> int:
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     base["CYLLM_QUANT"] = a.quant
     # cyllm's default (no -t): at most 2 threads, each step's team size adapting
-    # (src/cyllm/backends/team.py); the other rows pin the count (CYLLM_ADAPTIVE_THREADS=0)
+    # (src/cyllm/backends/step_tuner.py); the other rows pin the count (CYLLM_ADAPTIVE_THREADS=0)
     configs = [("cyllm", 2, "adaptive"), ("cyllm", 2, "fixed"), ("cyllm", 1, "fixed"), ("cyllm", 2, "passive")]
     if tool:
         configs += [("llama.cpp", 2, "default"), ("llama.cpp", 1, "default"), ("llama.cpp", 2, "passive")]

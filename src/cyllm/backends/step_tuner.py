@@ -20,9 +20,9 @@ it), and a prefetch only moves data earlier. So the setting may change between a
 two steps.
 
 The policy: run at the current setting and keep its recent step times; now and then run
-a few steps with one neighbouring setting (a probe: prefetch toggled, one thread fewer,
-one thread more, in turn) and move there when it is faster by a margin. A probe that
-loses quadruples the wait before the next one (up to MAX_INTERVAL steps), so on a quiet
+a few steps with one neighbouring setting (a probe: one thread fewer, prefetch toggled,
+one thread more, in turn) and move there when it is faster by a margin. A round of probes
+that all lose quadruples the wait before the next one (up to MAX_INTERVAL steps), so on a quiet
 machine probing costs well under 1% of the steps; a step time that jumps well above what
 the current setting had been giving probes at once, so a busy process that starts
 mid-generation is answered within a few steps.
@@ -41,9 +41,9 @@ WINDOW = 3             # recent steps kept per setting
 MARGIN = 0.05          # a probe must be this much faster to win
 JUMP = 1.5             # current median over its best median since the last change: probe now
 
-# the neighbours a probe tries, in turn (prefetch first: on a quiet machine it is the
-# likelier win, and a busy core makes the step time jump, which probes at once anyway)
-_MOVES = ("prefetch", "fewer", "more")
+# the neighbours a probe tries, in turn (fewer threads first: a core busy from the start
+# gives no jump in step time to react to, and it is the costliest thing to miss)
+_MOVES = ("fewer", "prefetch", "more")
 
 
 class StepTuner:
@@ -71,7 +71,8 @@ class StepTuner:
         self._countdown = FIRST
         self._probe: tuple[int, bool] | None = None      # the setting being probed
         self._probe_left = 0
-        self._move = 0                                    # index into _MOVES of the next probe
+        self._turn = 0            # which neighbour the next probe tries (round robin)
+        self._losses = 0          # probes lost since the last move or wait increase
         self._best: float | None = None   # the current setting's best median since the last change
 
     @property
@@ -87,18 +88,17 @@ class StepTuner:
     def adapts(self) -> bool:
         return self._tune_threads or self._tune_prefetch
 
-    def _neighbour(self) -> tuple[int, bool] | None:
-        """The next probe in turn, skipping moves that are off or out of range."""
-        for _ in range(len(_MOVES)):
-            move = _MOVES[self._move]
-            self._move = (self._move + 1) % len(_MOVES)
+    def _neighbours(self) -> list[tuple[int, bool]]:
+        """The settings a probe may try now, in the order of _MOVES."""
+        out = []
+        for move in _MOVES:
             if move == "prefetch" and self._tune_prefetch:
-                return self.size, not self.prefetch
-            if move == "fewer" and self._tune_threads and self.size > 1:
-                return self.size - 1, self.prefetch
-            if move == "more" and self._tune_threads and self.size < self.max_threads:
-                return self.size + 1, self.prefetch
-        return None
+                out.append((self.size, not self.prefetch))
+            elif move == "fewer" and self._tune_threads and self.size > 1:
+                out.append((self.size - 1, self.prefetch))
+            elif move == "more" and self._tune_threads and self.size < self.max_threads:
+                out.append((self.size + 1, self.prefetch))
+        return out
 
     def next(self) -> tuple[int, bool]:
         if not self.adapts:
@@ -108,10 +108,12 @@ class StepTuner:
         self._countdown -= 1
         if self._countdown > 0:
             return self.setting
-        probe = self._neighbour()
-        if probe is None:
+        options = self._neighbours()
+        if not options:
             self._countdown = MAX_INTERVAL
             return self.setting
+        probe = options[self._turn % len(options)]
+        self._turn += 1
         self._probe, self._probe_left = probe, PROBE_STEPS
         self._times.pop(probe, None)          # a probe is judged on its own steps only
         return probe
@@ -139,8 +141,12 @@ class StepTuner:
         if not current or probe < (1.0 - MARGIN) * statistics.median(current):
             self.size, self.prefetch = self._probe
             self._interval = INTERVAL
+            self._losses = self._turn = 0
         else:
-            self._interval = min(4 * self._interval, MAX_INTERVAL)
+            self._losses += 1
+            if self._losses >= len(self._neighbours()):    # every neighbour lost: wait longer
+                self._interval = min(4 * self._interval, MAX_INTERVAL)
+                self._losses = 0
         self._countdown = self._interval
         self._probe = None
         self._best = None                    # the baseline of the jump test starts again
