@@ -658,12 +658,53 @@ static void QF(gemm_z8)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, c
 
 ALWAYS __m512i zlane4(void) { return _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3); }
 
+/* byte shuffle that spreads int16 scale lo over the low 256 bits and hi over the high 256
+ * bits of a register holding the 8 scales in each 128-bit lane (in-lane vpshufb: cheaper
+ * than a cross-lane vpermw on Zen 4) */
+ALWAYS __m512i zspread16(int lo, int hi) {
+    const __m256i l = _mm256_set1_epi16((short)((2 * lo) | ((2 * lo + 1) << 8)));
+    const __m256i h = _mm256_set1_epi16((short)((2 * hi) | ((2 * hi + 1) << 8)));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(l), h, 1);
+}
+
 ALWAYS __m512i zidx16(int lo, int hi) {     /* int16 index lo in the low 256 bits, hi above */
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)lo)), _mm256_set1_epi16((short)hi), 1);
 }
 
+/* The x side of q4_k's min term for tokens 4g.. of a (C of them) and superblock b: the
+ * tokens' sums per 32 (8 int16 each, lanes 4k..4k+3 as int32 pairs) and their d_x on the
+ * matching lanes. It does not depend on the row, so a matvec / GEMM tile prepares it once
+ * per call / token group (k4z_mx_prep) instead of once per row: on Zen 4 it was ~20% of
+ * a decode row's instructions. Prepared or not, the vectors are the same bits. */
+typedef struct { __m512i bs; __m512 dxl; } k4z_mx;
+#define QZK_MXB 64          /* superblocks prepared (n <= 16384); longer rows compute inline */
+
+ALWAYS void k4z_mx_one(const cyllm_qact_view *a, const int C, const int g, int64_t b, __m512i *bs_out,
+                       __m512 *dxl_out) {
+    __m512i bs = _mm512_setzero_si512();
+    __m128 dx4 = _mm_setzero_ps();
+    _Pragma("GCC unroll 4")
+    for (int k = 0; k < 4 && 4 * g + k < C; k++) {
+        const cyllm_qact_view *v = &a[4 * g + k];
+        const __m128i b32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(v->bsum + 16 * b)),
+                                           _mm_loadu_si128((const __m128i *)(v->bsum + 16 * b + 8)));
+        bs = _mm512_inserti32x4(bs, b32, k);
+        dx4 = _mm_insert_ps(dx4, _mm_load_ss(v->d + b), k << 4);
+    }
+    *bs_out = bs;
+    *dxl_out = _mm512_permutexvar_ps(zlane4(), _mm512_castps128_ps512(dx4));
+}
+
+/* mx[g * nb + b] for the (C + 3) / 4 token groups of a; NULL when the rows are too long */
+ALWAYS const k4z_mx *k4z_mx_prep(k4z_mx *mx, const cyllm_qact_view *a, const int C, int64_t nb) {
+    if (nb > QZK_MXB) return NULL;
+    for (int g = 0; g < (C + 3) / 4; g++)
+        for (int64_t b = 0; b < nb; b++) k4z_mx_one(a, C, g, b, &mx[g * nb + b].bs, &mx[g * nb + b].dxl);
+    return mx;
+}
+
 ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint8_t *w0, int64_t rb,
-                     const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
+                     const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp, const k4z_mx *mx) {
     const __m512i m15 = _mm512_set1_epi8(15);
     const __m512i sh = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
     const int G = (C + 3) / 4;                  /* token groups of the min term */
@@ -671,12 +712,16 @@ ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint
     /* min term: lanes 4k..4k+3 of accm[i][g] belong to token 4g + k (the 4 int32 of
      * m . bsum32 per superblock), so one madd/cvt/mul/FMA serves 4 tokens */
     __m512 accm[QZK_MR][(QZK_MC + 3) / 4];
+    /* one token (decode): its lanes 0..3 alone, in xmm registers; every lane sees the
+     * same operations as in the 512-bit form, so the bits are the same */
+    __m128 accm1[QZK_MR];
     _Pragma("GCC unroll 8")
     for (int i = 0; i < R; i++) {
         _Pragma("GCC unroll 8")
         for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
         _Pragma("GCC unroll 2")
         for (int g = 0; g < G; g++) accm[i][g] = _mm512_setzero_ps();
+        accm1[i] = _mm_setzero_ps();
     }
     for (int64_t b = 0; b < nb; b++) {
         if (pfp) {
@@ -704,7 +749,7 @@ ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint
                 const uint8_t *q = w0 + i * rb + b * QB_Q4_K + 16 + 32 * c;
                 nib[i] = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(
                              _mm256_loadu_si256((const __m256i *)q)), sh), m15);
-                s[i] = _mm512_permutexvar_epi16(zidx16(2 * c, 2 * c + 1), _mm512_castsi256_si512(sc16[i]));
+                s[i] = _mm512_shuffle_epi8(_mm512_broadcast_i64x4(sc16[i]), zspread16(2 * c, 2 * c + 1));
             }
             _Pragma("GCC unroll 8")
             for (int j = 0; j < C; j++) {
@@ -731,20 +776,33 @@ ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint
             for (int i = 0; i < R; i++)
                 acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][j]), _mm512_mul_ps(wd[i], dx), acc[i][j]);
         }
-        _Pragma("GCC unroll 2")
-        for (int g = 0; g < G; g++) {
-            /* x sums per 32 (8 int16, from the 16 per-16 sums) and d_x of tokens 4g.. */
-            __m512i bs = _mm512_setzero_si512();
-            __m128 dx4 = _mm_setzero_ps();
-            _Pragma("GCC unroll 4")
-            for (int k = 0; k < 4 && 4 * g + k < C; k++) {
-                const cyllm_qact_view *v = &a[4 * g + k];
-                const __m128i b32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(v->bsum + 16 * b)),
-                                                   _mm_loadu_si128((const __m128i *)(v->bsum + 16 * b + 8)));
-                bs = _mm512_inserti32x4(bs, b32, k);
-                dx4 = _mm_insert_ps(dx4, _mm_load_ss(v->d + b), k << 4);
+        if (C == 1) {
+            __m128i b32;
+            __m128 dx;
+            if (mx) {
+                b32 = _mm512_castsi512_si128(mx[b].bs);
+                dx = _mm512_castps512_ps128(mx[b].dxl);
+            } else {
+                b32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(a[0].bsum + 16 * b)),
+                                     _mm_loadu_si128((const __m128i *)(a[0].bsum + 16 * b + 8)));
+                dx = _mm_set1_ps(a[0].d[b]);
             }
-            const __m512 dxl = _mm512_permutexvar_ps(zlane4(), _mm512_castps128_ps512(dx4));
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < R; i++)
+                accm1[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(m16[i], b32)),
+                                        _mm_mul_ps(_mm512_castps512_ps128(wm[i]), dx), accm1[i]);
+        }
+        _Pragma("GCC unroll 2")
+        for (int g = 0; g < (C == 1 ? 0 : G); g++) {
+            /* x sums per 32 (8 int16, from the 16 per-16 sums) and d_x of tokens 4g.. */
+            __m512i bs;
+            __m512 dxl;
+            if (mx) {
+                bs = mx[g * nb + b].bs;
+                dxl = mx[g * nb + b].dxl;
+            } else {
+                k4z_mx_one(a, C, g, b, &bs, &dxl);
+            }
             _Pragma("GCC unroll 8")
             for (int i = 0; i < R; i++)
                 accm[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(mm[i], bs)),
@@ -755,10 +813,10 @@ ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint
     for (int i = 0; i < R; i++) {
         float mt[(QZK_MC + 3) / 4][16];
         _Pragma("GCC unroll 2")
-        for (int g = 0; g < G; g++) _mm512_storeu_ps(mt[g], accm[i][g]);
+        for (int g = 0; g < (C == 1 ? 0 : G); g++) _mm512_storeu_ps(mt[g], accm[i][g]);
         _Pragma("GCC unroll 8")
         for (int j = 0; j < C; j++) {
-            const __m128 m4 = _mm_loadu_ps(&mt[j >> 2][4 * (j & 3)]);
+            const __m128 m4 = C == 1 ? accm1[i] : _mm_loadu_ps(&mt[j >> 2][4 * (j & 3)]);
             const float r = _mm512_reduce_add_ps(acc[i][j]) - hsum4(m4);
             o[i + j * ldo] = add ? o[i + j * ldo] + r : r;
         }
@@ -766,7 +824,8 @@ ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint
 }
 
 ALWAYS void k6z_tile(const int R, const int C, float *o, int64_t ldo, const uint8_t *w0, int64_t rb,
-                     const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
+                     const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp, const k4z_mx *mx) {
+    (void)mx;                               /* q6_k has no min term */
     const __m512i m15 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
     const __m512i shl = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2);
     const __m512i shr = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
@@ -849,18 +908,21 @@ ALWAYS void k6z_tile(const int R, const int C, float *o, int64_t ldo, const uint
     }
 }
 
-/* matvec / gate_up / gemm of a K-quant zmm tile (TILE(R, C, o, ldo, w0, rb, a, nb, add, pfp)) */
-#define QZK_FORMAT(F, TILE, TR, TC)                                                                   \
+/* matvec / gate_up / gemm of a K-quant zmm tile (TILE(R, C, o, ldo, w0, rb, a, nb, add, pfp,
+ * mx)); MX: the tile takes the min term's x side prepared per call / token group (q4_k) */
+#define QZK_FORMAT(F, TILE, TR, TC, MX)                                                       \
 static void F##_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a, int64_t n, \
-                      int64_t r0, int64_t r1, int add, const qx_pf *pf) {                      \
+                      int64_t r0, int64_t r1, int add, const qx_pf *pf, const k4z_mx *mx) {   \
     for (int64_t r = r0; r < r1; r++)                                                         \
-        TILE(1, 1, o + (r - r0), 0, w + r * rb, rb, a, n / QK_K, add, pf_base(w + r * rb, pf)); \
+        TILE(1, 1, o + (r - r0), 0, w + r * rb, rb, a, n / QK_K, add, pf_base(w + r * rb, pf), mx); \
 }                                                                                             \
 static void QF(matvec_##F)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n, \
                            int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {   \
     cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_K);                               \
     qx_pf pf = {w + r1 * rb, nx, nxb, cyllm_qpf_bytes};                                       \
-    F##_range(out + r0, w, rb, &a, n, r0, r1, add, &pf);                                      \
+    k4z_mx mxb[MX ? QZK_MXB : 1];                                                             \
+    const k4z_mx *mx = MX ? k4z_mx_prep(mxb, &a, 1, n / QK_K) : NULL;                         \
+    F##_range(out + r0, w, rb, &a, n, r0, r1, add, &pf, mx);                                  \
 }                                                                                             \
 static void QF(gate_up_##F)(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb,   \
                             const void *xq, int64_t n, int64_t r0, int64_t r1, int act,      \
@@ -868,11 +930,13 @@ static void QF(gate_up_##F)(float *out, const uint8_t *wg, const uint8_t *wu, in
     cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_K);                               \
     qx_pf pg = {wg + r1 * rb, 0, 0, cyllm_qpf_bytes};                                         \
     qx_pf pu = {wu + r1 * rb, nx, nxb, cyllm_qpf_bytes};                                      \
+    k4z_mx mxb[MX ? QZK_MXB : 1];                                                             \
+    const k4z_mx *mx = MX ? k4z_mx_prep(mxb, &a, 1, n / QK_K) : NULL;                         \
     float g[16], u[16];                                                                       \
     for (int64_t r = r0; r < r1; r += 16) {                                                   \
         int64_t e = r + 16 < r1 ? r + 16 : r1;                                                \
-        F##_range(g, wg, rb, &a, n, r, e, 0, &pg);                                            \
-        F##_range(u, wu, rb, &a, n, r, e, 0, &pu);                                            \
+        F##_range(g, wg, rb, &a, n, r, e, 0, &pg, mx);                                        \
+        F##_range(u, wu, rb, &a, n, r, e, 0, &pu, mx);                                        \
         for (int64_t i = r; i < e; i++) out[i] = cyllm_qact_apply(act, g[i - r]) * u[i - r]; \
     }                                                                                         \
 }                                                                                             \
@@ -880,6 +944,7 @@ static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
                          int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) { \
     const int64_t nb = n / QK_K;                                                              \
     cyllm_qact_view a[TC];                                                                 \
+    k4z_mx mxb[MX ? (TC + 3) / 4 * QZK_MXB : 1];                                              \
     for (int64_t t0 = 0; t0 < T; t0 += TC) {                                               \
         const int64_t tn = T - t0 < TC ? T - t0 : TC;                                   \
         for (int64_t t = 0; t < tn; t++)                                                      \
@@ -887,23 +952,25 @@ static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
         float *o = out + t0 * ldo;                                                            \
         int64_t r = r0;                                                                       \
         if (tn == TC) {                                                                    \
+            const k4z_mx *mx = MX ? k4z_mx_prep(mxb, a, TC, nb) : NULL;                       \
             for (; r + TR <= r1; r += TR)                                               \
-                TILE(TR, TC, o + r, ldo, w + r * rb, rb, a, nb, add, NULL);             \
+                TILE(TR, TC, o + r, ldo, w + r * rb, rb, a, nb, add, NULL, mx);         \
             for (; r < r1; r++)                                                               \
-                TILE(1, TC, o + r, ldo, w + r * rb, rb, a, nb, add, NULL);                 \
+                TILE(1, TC, o + r, ldo, w + r * rb, rb, a, nb, add, NULL, mx);             \
         } else {                                                                              \
             for (int64_t t = 0; t < tn; t++) {                                                \
+                const k4z_mx *mx = MX ? k4z_mx_prep(mxb, a + t, 1, nb) : NULL;                \
                 for (r = r0; r + TR <= r1; r += TR)                                     \
-                    TILE(TR, 1, o + t * ldo + r, ldo, w + r * rb, rb, a + t, nb, add, NULL); \
+                    TILE(TR, 1, o + t * ldo + r, ldo, w + r * rb, rb, a + t, nb, add, NULL, mx); \
                 for (; r < r1; r++)                                                           \
-                    TILE(1, 1, o + t * ldo + r, ldo, w + r * rb, rb, a + t, nb, add, NULL);   \
+                    TILE(1, 1, o + t * ldo + r, ldo, w + r * rb, rb, a + t, nb, add, NULL, mx); \
             }                                                                                 \
         }                                                                                     \
     }                                                                                         \
 }
 
-QZK_FORMAT(k4z, k4z_tile, QZK_R, QZK_C)
-QZK_FORMAT(k6z, k6z_tile, QZ6_R, QZ6_C)
+QZK_FORMAT(k4z, k4z_tile, QZK_R, QZK_C, 1)
+QZK_FORMAT(k6z, k6z_tile, QZ6_R, QZ6_C, 0)
 #endif
 
 /* ---- per-format entry points ---------------------------------------------------------
