@@ -33,7 +33,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-FIRST = 4              # steps before the first probe (a one-shot generation learns early)
+FIRST = 4              # steps before the first probe, and between the probes of one round
+                       # (a one-shot generation learns early)
 INTERVAL = 16          # steps between probes after a change
 MAX_INTERVAL = 512     # ... growing to this while the current setting keeps winning
 PROBE_STEPS = 3        # steps per probe (their median is compared)
@@ -147,6 +148,11 @@ class StepTuner:
             if self._losses >= len(self._neighbours()):    # every neighbour lost: wait longer
                 self._interval = min(4 * self._interval, MAX_INTERVAL)
                 self._losses = 0
+            else:                            # the round goes on: the next neighbour soon
+                self._countdown = FIRST
+                self._probe = None
+                self._best = None
+                return
         self._countdown = self._interval
         self._probe = None
         self._best = None                    # the baseline of the jump test starts again
