@@ -210,3 +210,13 @@ def test_threads_and_prefetch_both_found():
     s = StepTuner(2)
     drive(s, noisy(table), 300)
     assert s.setting == (1, False)
+
+
+def test_short_noisy_steps_probe_longer():
+    # a 5 ms step with other processes' time slices in it (30% noise): probes of a few
+    # steps would move to the slower size often; probes of >= PROBE_SECONDS rarely do
+    from cyllm.backends import step_tuner
+    s = threads_only(2)
+    used = drive(s, noisy({1: 0.0075, 2: 0.005}, seed=4, noise=0.3), 3000)
+    assert s._probe_steps() >= int(step_tuner.PROBE_SECONDS / 0.005)
+    assert used[500:].count(2) / 2500 > 0.95

@@ -37,8 +37,12 @@ FIRST = 4              # steps before the first probe, and between the probes of
                        # (a one-shot generation learns early)
 INTERVAL = 16          # steps between probes after a change
 MAX_INTERVAL = 512     # ... growing to this while the current setting keeps winning
-PROBE_STEPS = 3        # steps per probe (their median is compared)
-WINDOW = 3             # recent steps kept per setting
+PROBE_STEPS = 3        # steps per probe at least (their median is compared) ...
+PROBE_SECONDS = 0.05   # ... and at least this long: a small model's 5 ms steps are at the
+                       # mercy of other processes' time slices, 3 of them decide nothing
+MAX_PROBE_STEPS = 16
+WINDOW = 3             # latest steps of the current setting watched for a jump (or half
+                       # a probe's steps when steps are short)
 MARGIN = 0.05          # a probe must be this much faster to win
 JUMP = 1.5             # current median over its best median since the last change: probe now
 
@@ -74,7 +78,6 @@ class StepTuner:
         self._probe_left = 0
         self._turn = 0            # which neighbour the next probe tries (round robin)
         self._losses = 0          # probes lost since the last move or wait increase
-        self._best: float | None = None   # the current setting's best median since the last change
 
     @property
     def setting(self) -> tuple[int, bool]:
@@ -101,6 +104,15 @@ class StepTuner:
                 out.append((self.size + 1, self.prefetch))
         return out
 
+    def _probe_steps(self) -> int:
+        """Steps of the next probe: PROBE_STEPS, more when steps are short."""
+        recent = self._times.get(self.setting)
+        if not recent:
+            return PROBE_STEPS
+        step = statistics.median(recent)
+        want = int(PROBE_SECONDS / step) + 1 if step > 0 else MAX_PROBE_STEPS
+        return max(PROBE_STEPS, min(MAX_PROBE_STEPS, want))
+
     def next(self) -> tuple[int, bool]:
         if not self.adapts:
             return self.setting
@@ -115,7 +127,7 @@ class StepTuner:
             return self.setting
         probe = options[self._turn % len(options)]
         self._turn += 1
-        self._probe, self._probe_left = probe, PROBE_STEPS
+        self._probe, self._probe_left = probe, self._probe_steps()
         self._times.pop(probe, None)          # a probe is judged on its own steps only
         return probe
 
@@ -123,13 +135,14 @@ class StepTuner:
         if not self.adapts:
             return
         setting = (int(setting[0]), bool(setting[1]))
-        self._times.setdefault(setting, deque(maxlen=WINDOW)).append(seconds)
+        self._times.setdefault(setting, deque(maxlen=MAX_PROBE_STEPS)).append(seconds)
         if self._probe is None:
-            if setting == self.setting and len(self._times[setting]) == WINDOW:
-                med = statistics.median(self._times[setting])
-                if self._best is None or med < self._best:
-                    self._best = med
-                elif med > JUMP * self._best:
+            recent = self._times[setting]
+            if setting == self.setting and len(recent) == MAX_PROBE_STEPS:
+                # the latest steps against the longer span: a busy process that starts
+                # shows at once, one slow step among noisy ones does not
+                latest = list(recent)[-max(WINDOW, self._probe_steps() // 2):]
+                if statistics.median(latest) > JUMP * statistics.median(recent):
                     self._countdown = 0      # slower than it was: look around now
             return
         if setting != self._probe:
@@ -137,8 +150,10 @@ class StepTuner:
         self._probe_left -= 1
         if self._probe_left > 0:
             return
-        probe = statistics.median(self._times[setting])
-        current = self._times.get(self.setting)
+        probe_times = self._times[setting]
+        probe = statistics.median(probe_times)
+        # against the current setting's latest steps, as many as the probe ran
+        current = list(self._times.get(self.setting, ()))[-len(probe_times):]
         if not current or probe < (1.0 - MARGIN) * statistics.median(current):
             self.size, self.prefetch = self._probe
             self._interval = INTERVAL
@@ -151,11 +166,9 @@ class StepTuner:
             else:                            # the round goes on: the next neighbour soon
                 self._countdown = FIRST
                 self._probe = None
-                self._best = None
                 return
         self._countdown = self._interval
         self._probe = None
-        self._best = None                    # the baseline of the jump test starts again
 
     def set_max(self, max_threads: int) -> None:
         """A new upper bound (set_threads): start again from it."""
