@@ -367,6 +367,8 @@ cdef class CpuKernels:
             if cnp.PyArray_DIM(ao, 0) != T or cnp.PyArray_DIM(ao, 1) != f:
                 raise InvalidArgumentError(f"out has shape {out.shape}, expected ({T}, {f}) (rows of x, rows of w_gate)")
             au = self._scratch_vec("up_batch", T * f).reshape(T, f)
+            if self._fused_qgate_up(ao, au, w, wu, x, mode - 2):
+                return 0
             self._gemm(out, w, None, x, 0)
             self._gemm(au, wu, None, x, 0)
             # element-wise, so any split gives the same bits; one thread did 18% of a
@@ -394,6 +396,29 @@ cdef class CpuKernels:
                       w.row_bytes, kid, <const float *>cnp.PyArray_DATA(ax), T, n, d, mode,
                       self.q.prefill_method[kid])
         return 0
+
+    cdef bint _fused_qgate_up(self, cnp.ndarray ao, cnp.ndarray au, object w, object wu, object x,
+                              int glu) except -1:
+        """gate_up_batch in one pass when gate and up are quantized alike and prefill by
+        int8 GEMM (QuantKernels._qgate_up); False: the caller runs the two GEMMs and the GLU."""
+        if type(w) is not QuantMatrix or type(wu) is not QuantMatrix:
+            return False
+        gd, gk = _qm(w, "w_gate")
+        ud, uk = _qm(wu, "w_up")
+        if gk != uk or w.row_bytes != wu.row_bytes or self.q.prefill_method[gk] != QPREFILL_INT8:
+            return False
+        cdef cnp.ndarray ax = _arr(x, "x", cnp.NPY_FLOAT32, 2, False)
+        cdef Py_ssize_t T = cnp.PyArray_DIM(ax, 0)
+        if cnp.PyArray_DIM(ax, 1) != w.cols:
+            raise InvalidArgumentError(f"x has shape {x.shape}: expected {w.cols} columns (columns of w_gate)")
+        _no_overlap(ao, ax, "out", "x")
+        _no_overlap(ao, gd, "out", "w_gate")
+        _no_overlap(ao, ud, "out", "w_up")
+        self.q._qgate_up(<float *>cnp.PyArray_DATA(ao), <float *>cnp.PyArray_DATA(au),
+                         <const uint8_t *>cnp.PyArray_DATA(<cnp.ndarray>gd),
+                         <const uint8_t *>cnp.PyArray_DATA(<cnp.ndarray>ud), w.row_bytes, gk,
+                         <const float *>cnp.PyArray_DATA(ax), T, w.cols, w.rows, glu)
+        return True
 
     cdef int _gemm(self, object out, object w, object wu, object x, int mode) except -1:
         if not cnp.PyArray_Check(w) or (mode >= 2 and not cnp.PyArray_Check(wu)):

@@ -303,3 +303,30 @@ def test_bad_input():
         qk.qmatvec(buf[:4], w, "q8_0", buf)
     with pytest.raises(InvalidArgumentError, match="threads"):
         K.QuantKernels(threads=0)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gate_up_batch_gives_decode_bits(fmt, threads):
+    # prefill's fused gate+up (both matrices by int8 GEMM in one pass, the GLU per thread's
+    # columns) against the decode op token by token: the same bits, including row counts
+    # that leave a thread a partial group of 4 and a T that leaves a partial token tile
+    try:
+        from cyllm.backends.cpu import CpuBackend
+    except Exception as e:                              # noqa: BLE001  (extension not built)
+        pytest.skip(str(e))
+    from cyllm.quant import QuantMatrix
+    rng = np.random.default_rng(hash((fmt, threads)) % 2**32)
+    be = CpuBackend(threads)
+    cols = 2 * FORMATS[fmt].block if FORMATS[fmt].block == 256 else 9 * FORMATS[fmt].block
+    for rows, T in ((13, 7), (70, 19)):
+        wg = QuantMatrix(make(fmt, rows, cols, rng), FORMATS[fmt], (rows, cols))
+        wu = QuantMatrix(make(fmt, rows, cols, rng), FORMATS[fmt], (rows, cols))
+        x = rng.standard_normal((T, cols)).astype(np.float32)
+        for act in ("silu", "gelu_tanh"):
+            out = np.full((T, rows), np.nan, np.float32)
+            be.gate_up_batch(out, wg, wu, x, act)
+            for t in range(T):
+                one = np.full(rows, np.nan, np.float32)
+                be.gate_up(one, wg, wu, x[t], act)
+                np.testing.assert_array_equal(out[t], one, err_msg=f"{fmt} rows={rows} T={T} t={t} {act}")
