@@ -132,7 +132,21 @@ def unpack(xp, flat, fmt, rows: int, cols: int):
     return out.reshape(rows, nbi * fmt.block_bytes)
 
 
-class CudaQuantMatrix:
+class _RowsCols:
+    """What the model and the op checks ask of any weight: its 2-d shape."""
+
+    __slots__ = ()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+
+class CudaQuantMatrix(_RowsCols):
     """A quantized (rows, cols) weight on the GPU: repacked block bytes + format + shape."""
 
     __slots__ = ("data", "fmt", "rows", "cols", "nbi")
@@ -145,14 +159,6 @@ class CudaQuantMatrix:
         self.nbi = self.cols // fmt.block      # items per row: blocks, or superblocks of the K-quants
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return (self.rows, self.cols)
-
-    @property
-    def ndim(self) -> int:
-        return 2
-
-    @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
 
@@ -160,7 +166,7 @@ class CudaQuantMatrix:
         return f"CudaQuantMatrix({self.fmt.name}, shape={self.shape}, {self.nbytes} bytes)"
 
 
-class CudaQuantStack:
+class CudaQuantStack(_RowsCols):
     """Quantized matrices of one format and width stacked by rows, for one decode launch
     (a layer's q, k and v: ``qmv_qkv_<fmt>``). Holds the uploaded matrices themselves, no
     bytes of its own; prefill keeps using each matrix on its own."""
@@ -173,14 +179,6 @@ class CudaQuantStack:
         self.rows = sum(p.rows for p in parts)
         self.cols = parts[0].cols
         self.nbi = parts[0].nbi
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.rows, self.cols)
-
-    @property
-    def ndim(self) -> int:
-        return 2
 
     @property
     def nbytes(self) -> int:
