@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shlex
 import subprocess
@@ -29,16 +28,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BUSY = "while True: pass"
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def cpu_tag(name: str) -> str:
@@ -89,9 +78,11 @@ def main() -> int:
     ap.add_argument("--out", help="markdown output (default bench/results/contention_<cpu>.md)")
     a = ap.parse_args()
 
+    sys.path.insert(0, str(HERE.parent / "src"))      # cyllm from this checkout when not installed
+    from cyllm.hostinfo import cpu_model_name
+
     model = a.model
     if model is None:
-        sys.path.insert(0, str(HERE.parent / "src"))
         from cyllm.default_model import default_model_path
         model = str(default_model_path())
     tool = None if a.no_llama else find_llama_bench(a.llama_bench)
@@ -130,7 +121,7 @@ def main() -> int:
 
     lines = []
     cmd = "python bench/bench_contention.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
-    lines.append(f"# Decode under contention: {cpu_name()}, {os.cpu_count()} logical CPUs\n")
+    lines.append(f"# Decode under contention: {cpu_model_name()}, {os.cpu_count()} logical CPUs\n")
     lines.append(f"`{cmd}` (model {Path(model).name}, CYLLM_QUANT={a.quant}, tg{a.n}, {a.r} runs, median; "
                  f"busy process: `python -c '{BUSY}'`, pinned nowhere)\n")
     load1 = os.getloadavg()
@@ -155,7 +146,7 @@ def main() -> int:
                      f"{ratio:.2f}x {'slower' if ratio >= 1 else 'faster'} ({verdict} the 1.5x target)")
     text = "\n".join(lines) + "\n"
     print(text)
-    out = Path(a.out) if a.out else HERE / "results" / f"contention_{cpu_tag(cpu_name())}.md"
+    out = Path(a.out) if a.out else HERE / "results" / f"contention_{cpu_tag(cpu_model_name())}.md"
     out.write_text(text, encoding="utf-8")
     print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -17,26 +17,15 @@ import argparse
 import datetime
 import os
 import platform
-import subprocess
 import sys
 import time
 
 import numpy as np
 
 from cyllm.backends.cpu import CpuBackend, kernel_info, measure_read_bandwidth
+from cyllm.hostinfo import cpu_description
 
 DEFAULT_SHAPES = ["4096x4096", "576x576", "1536x576", "576x1536", "49152x576"]
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def time_calls(fn, iters: int, min_time: float = 0.3) -> np.ndarray:
@@ -122,7 +111,7 @@ def main(argv=None) -> int:
         with open(args.markdown, "w") as f:
             f.write("# FP16 matvec bandwidth, CPU kernels\n\n")
             f.write(f"- command: `python3 bench/bench_matvec.py {' '.join(argv or sys.argv[1:])}`\n")
-            f.write(f"- machine: {cpu_model()}, {os.cpu_count()} logical CPUs ({platform.machine()})\n")
+            f.write(f"- machine: {cpu_description()}, {os.cpu_count()} logical CPUs ({platform.machine()})\n")
             f.write(f"- date: {datetime.date.today().isoformat()}\n")
             f.write(f"- kernels: {info}\n")
             f.write("- GB/s = (f16 weights + x + out bytes) / time; read BW = `measure_read_bandwidth(threads)`; "

@@ -16,7 +16,6 @@ not values.
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 
@@ -24,25 +23,12 @@ import numpy as np
 
 from cyllm._ext import kernels as K
 from cyllm.backends.cpu import CpuBackend, measure_read_bandwidth
+from cyllm.hostinfo import cpu_description
 from cyllm.quant import FORMATS
 from cyllm.quant.reference import quantize
 
 SHAPES = {"qo": (2048, 2048), "gate_up": (5632, 2048), "down": (2048, 5632), "output": (32000, 2048)}
 QFORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = {}
-            for line in f:
-                if ":" in line:
-                    k, v = line.split(":", 1)
-                    info.setdefault(k.strip(), v.strip())
-        return (f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model "
-                f"{info.get('model', '?')}), {K.omp_max_threads()} threads available")
-    except OSError:
-        return platform.processor() or platform.machine()
 
 
 def timeit(fn, min_time: float, reps_min: int = 5) -> float:
@@ -91,7 +77,7 @@ def main(argv=None) -> int:
         lines.append(s)
 
     qk0 = K.QuantKernels(threads=1, variant=args.variant)
-    emit(f"machine: {cpu_name()}; quantized kernels: {qk0.quant_variant} "
+    emit(f"machine: {cpu_description()}, {K.omp_max_threads()} threads available; quantized kernels: {qk0.quant_variant} "
          f"(available: {', '.join(K.quant_available_variants())}), f16 kernels: {qk0.base_variant}")
     emit(f"command: python {' '.join(['bench/bench_quant.py'] + (argv if argv is not None else sys.argv[1:]))}")
     emit()

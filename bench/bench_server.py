@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import socket
 import statistics
@@ -194,17 +193,6 @@ def overhead(url, model_path, threads, context, max_tokens, pairs) -> dict:
             "tps_change": statistics.median(h[1] / a[1] - 1 for h, a in zip(http, api))}
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def bench_server(server: Server, args) -> dict:
     stream_chat(server.url, [{"role": "user", "content": "Hello"}], 8, 0)          # warm-up
     out = {"name": server.name, "concurrency": [], "conversation": None}
@@ -219,8 +207,9 @@ def bench_server(server: Server, args) -> dict:
 
 
 def markdown(results, inproc, args, cmd) -> str:
+    from cyllm.hostinfo import cpu_description
     lines = [f"Command: `{cmd}`", "",
-             f"Machine: {cpu_name()}, {os.cpu_count()} logical CPUs; threads {args.threads or 'default'}; "
+             f"Machine: {cpu_description()}, {os.cpu_count()} logical CPUs; threads {args.threads or 'default'}; "
              f"model {os.path.basename(args.model)}; context {args.context}; {args.max_tokens} tokens per "
              f"request, temperature 0.8, {args.rounds} round(s) per row", "",
              "| server | clients | TTFT median (ms) | TTFT max (ms) | decode tok/s per client | aggregate tok/s "

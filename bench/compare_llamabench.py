@@ -31,21 +31,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def cpu_model() -> str:
-    """The CPU model with its family/model numbers (hosts of one name differ)."""
-    from cyllm.saved_tuning import cpu_model_name
-    ids = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key = line.split(":", 1)[0].strip()
-            if key in ("cpu family", "model") and key not in ids:
-                ids[key] = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    fam = f" (family {ids['cpu family']} model {ids['model']})" if len(ids) == 2 else ""
-    return cpu_model_name() + fam
-
-
 def llama_bench_path(arg: str | None, native: bool) -> str:
     if arg:
         return arg
@@ -84,6 +69,7 @@ def run_llama(bench: str, model: str, threads: int, p: int, n: int) -> dict:
 
 
 def main(argv=None) -> int:
+    from cyllm.hostinfo import cpu_description
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--models", required=True, help="comma list of GGUF files")
     ap.add_argument("-t", "--threads", type=int, default=2)
@@ -119,7 +105,7 @@ def main(argv=None) -> int:
             print(f"rep {rep + 1}/{a.repetitions} {os.path.basename(m)}: "
                   + ", ".join(f"{t} {got['cyllm'][t][0]:.1f} vs {got['llama'][t][0]:.1f}" for t in tests),
                   file=sys.stderr, flush=True)
-    lines = [f"{cpu_model()}, {a.threads} threads, {a.repetitions} interleaved reps, llama-bench {bench}",
+    lines = [f"{cpu_description()}, {a.threads} threads, {a.repetitions} interleaved reps, llama-bench {bench}",
              f"command: python bench/compare_llamabench.py -m ... -t {a.threads} -p {a.n_prompt} -n {a.n_gen} "
              f"-r {a.repetitions}" + (f" --cyllm-args '{a.cyllm_args}'" if a.cyllm_args else "")
              + (" --native-build" if a.native_build else ""),

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from .errors import InvalidArgumentError
+from .hostinfo import cpu_model_name
 
 FILE_NAME = "tuning.json"
 FORMAT_VERSION = 1
@@ -41,19 +42,6 @@ def config_dir() -> Path:
 
 def tuning_path() -> Path:
     return config_dir() / FILE_NAME
-
-
-def cpu_model_name() -> str:
-    """The CPU model string (/proc/cpuinfo 'model name'; platform info elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") or line.startswith("Model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or platform.machine() or "unknown"
 
 
 def size_class(weight_bytes: int) -> str:

@@ -280,7 +280,7 @@ def cmd_models(a) -> int:
 
 
 def _cpu_model() -> str:
-    from ..saved_tuning import cpu_model_name
+    from ..hostinfo import cpu_model_name
     return cpu_model_name()
 
 

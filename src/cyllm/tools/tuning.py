@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 from ..errors import InvalidArgumentError
-from ..saved_tuning import TOLERANCE, _n_threads, config_dir, cpu_model_name, save_tuning, size_class
+from ..hostinfo import cpu_model_name
+from ..saved_tuning import TOLERANCE, _n_threads, config_dir, save_tuning, size_class
 
 
 # -- the sweep ---------------------------------------------------------------------------
