@@ -20,11 +20,12 @@ import argparse
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from shown_paths import shown_argv
 
 HERE = Path(__file__).resolve().parent
 BUSY = "while True: pass"
@@ -120,7 +121,7 @@ def main() -> int:
                 proc.wait()
 
     lines = []
-    cmd = "python bench/bench_contention.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    cmd = shown_argv("bench/bench_contention.py", sys.argv[1:])
     lines.append(f"# Decode under contention: {cpu_model_name()}, {os.cpu_count()} logical CPUs\n")
     lines.append(f"`{cmd}` (model {Path(model).name}, CYLLM_QUANT={a.quant}, tg{a.n}, {a.r} runs, median; "
                  f"busy process: `python -c '{BUSY}'`, pinned nowhere)\n")

@@ -34,6 +34,7 @@ from cyllm.backends.cuda import CudaBackend  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # bench/ (python -P leaves it out)
 import cuda_switches  # noqa: E402
+from shown_paths import shown  # noqa: E402
 
 
 
@@ -257,7 +258,7 @@ def main(argv=None):
              f"- GPU: {name}, driver {driver}, {be.sm_count} SMs, L2 {l2 / 2**20:.0f} MiB",
              f"- CuPy {cp.__version__}, CUDA runtime {cp.cuda.runtime.runtimeGetVersion()}, "
              f"kernel compile {t_compile:.1f} s, plain loads fallback: {be.plain_loads}",
-             f"- command: `PYTHONPATH=src python3 bench/bench_cuda.py {' '.join(argv or sys.argv[1:])}`",
+             f"- command: `PYTHONPATH=src python3 bench/bench_cuda.py {shown(' '.join(argv or sys.argv[1:]))}`",
              f"- device-to-device copy bandwidth (read + write): **{bw / 1e9:.0f} GB/s**"]
     print("\n".join(lines), flush=True)
     n0 = len(lines)

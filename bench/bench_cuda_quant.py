@@ -34,6 +34,7 @@ from cyllm.backends.cuda import CudaBackend  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # bench/ (python -P leaves it out)
 import cuda_switches  # noqa: E402
+from shown_paths import shown  # noqa: E402
 from cyllm.quant import QuantMatrix  # noqa: E402
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (32000, 4096)]
@@ -312,7 +313,7 @@ def main(argv=None):
              f"- GPU: {name}, driver {driver}, {be.sm_count} SMs, L2 {l2 >> 20} MiB",
              f"- CuPy {cp.__version__}, CUDA runtime {cp.cuda.runtime.runtimeGetVersion()}, "
              f"NVRTC compile of {len(fmts)} format modules: {compile_s:.1f} s",
-             f"- command: `PYTHONPATH=src python3 bench/bench_cuda_quant.py {' '.join(argv or sys.argv[1:])}`",
+             f"- command: `PYTHONPATH=src python3 bench/bench_cuda_quant.py {shown(' '.join(argv or sys.argv[1:]))}`",
              f"- device-to-device copy bandwidth (read + write): **{bw:.0f} GB/s**",
              "- weights: random block bytes with finite scales (speed depends on bytes, not values)"]
     print("\n".join(lines), flush=True)

@@ -24,6 +24,7 @@ import numpy as np
 from cyllm._ext import kernels as K
 from cyllm.backends.cpu import CpuBackend, measure_read_bandwidth
 from cyllm.hostinfo import cpu_description
+from shown_paths import shown_argv
 from cyllm.quant import FORMATS
 from cyllm.quant.reference import quantize
 
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     qk0 = K.QuantKernels(threads=1, variant=args.variant)
     emit(f"machine: {cpu_description()}, {K.omp_max_threads()} threads available; quantized kernels: {qk0.quant_variant} "
          f"(available: {', '.join(K.quant_available_variants())}), f16 kernels: {qk0.base_variant}")
-    emit(f"command: python {' '.join(['bench/bench_quant.py'] + (argv if argv is not None else sys.argv[1:]))}")
+    emit(f"command: {shown_argv('bench/bench_quant.py', argv if argv is not None else sys.argv[1:])}")
     emit()
     bw = {t: measure_read_bandwidth(t) for t in threads}
     emit("read bandwidth (GB/s): " + ", ".join(f"{t} thread(s) {bw[t]:.1f}" for t in threads))

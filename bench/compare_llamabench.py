@@ -28,6 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from shown_paths import shown
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -105,7 +107,7 @@ def main(argv=None) -> int:
             print(f"rep {rep + 1}/{a.repetitions} {os.path.basename(m)}: "
                   + ", ".join(f"{t} {got['cyllm'][t][0]:.1f} vs {got['llama'][t][0]:.1f}" for t in tests),
                   file=sys.stderr, flush=True)
-    lines = [f"{cpu_description()}, {a.threads} threads, {a.repetitions} interleaved reps, llama-bench {bench}",
+    lines = [f"{cpu_description()}, {a.threads} threads, {a.repetitions} interleaved reps, llama-bench {shown(bench)}",
              f"command: python bench/compare_llamabench.py -m ... -t {a.threads} -p {a.n_prompt} -n {a.n_gen} "
              f"-r {a.repetitions}" + (f" --cyllm-args '{a.cyllm_args}'" if a.cyllm_args else "")
              + (" --native-build" if a.native_build else ""),
