@@ -670,10 +670,6 @@ ALWAYS __m512i zspread16(int lo, int hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(l), h, 1);
 }
 
-ALWAYS __m512i zidx16(int lo, int hi) {     /* int16 index lo in the low 256 bits, hi above */
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)lo)), _mm256_set1_epi16((short)hi), 1);
-}
-
 /* The sum of 16 float lanes given as halves lo (lanes 0-7) and hi (8-15), in a fixed tree:
  * the two halves, then the two quarters, then pairs (2, 3, 0, 1), then the last two. The
  * zmm tile and the ymm decode row of q4_k both end with it, so they give the same bits
@@ -721,6 +717,12 @@ ALWAYS const k4z_mx *k4z_mx_prep(k4z_mx *mx, const cyllm_qact_view *a, const int
     return mx;
 }
 
+ALWAYS void k4z_prefetch(const uint8_t *f) {      /* one q4_k superblock (144 bytes) */
+    PREFETCH(f);
+    PREFETCH(f + 64);
+    PREFETCH(f + 128);
+}
+
 ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint8_t *w0, int64_t rb,
                      const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp, const k4z_mx *mx) {
     const __m512i m15 = _mm512_set1_epi8(15);
@@ -730,24 +732,15 @@ ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint
     /* min term: lanes 4k..4k+3 of accm[i][g] belong to token 4g + k (the 4 int32 of
      * m . bsum32 per superblock), so one madd/cvt/mul/FMA serves 4 tokens */
     __m512 accm[QZK_MR][(QZK_MC + 3) / 4];
-    /* one token (decode): its lanes 0..3 alone, in xmm registers; every lane sees the
-     * same operations as in the 512-bit form, so the bits are the same */
-    __m128 accm1[QZK_MR];
     _Pragma("GCC unroll 8")
     for (int i = 0; i < R; i++) {
         _Pragma("GCC unroll 8")
         for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
         _Pragma("GCC unroll 2")
         for (int g = 0; g < G; g++) accm[i][g] = _mm512_setzero_ps();
-        accm1[i] = _mm_setzero_ps();
     }
     for (int64_t b = 0; b < nb; b++) {
-        if (pfp) {
-            const uint8_t *f = pfp + b * QB_Q4_K;
-            PREFETCH(f);
-            PREFETCH(f + 64);
-            PREFETCH(f + 128);
-        }
+        if (pfp) k4z_prefetch(pfp + b * QB_Q4_K);
         __m256i sc16[QZK_MR];
         __m128i m16[QZK_MR];
         __m512i isum[QZK_MR][QZK_MC];
@@ -794,24 +787,8 @@ ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint
             for (int i = 0; i < R; i++)
                 acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][j]), _mm512_mul_ps(wd[i], dx), acc[i][j]);
         }
-        if (C == 1) {
-            __m128i b32;
-            __m128 dx;
-            if (mx) {
-                b32 = _mm512_castsi512_si128(mx[b].bs);
-                dx = _mm512_castps512_ps128(mx[b].dxl);
-            } else {
-                b32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(a[0].bsum + 16 * b)),
-                                     _mm_loadu_si128((const __m128i *)(a[0].bsum + 16 * b + 8)));
-                dx = _mm_set1_ps(a[0].d[b]);
-            }
-            _Pragma("GCC unroll 8")
-            for (int i = 0; i < R; i++)
-                accm1[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(m16[i], b32)),
-                                        _mm_mul_ps(_mm512_castps512_ps128(wm[i]), dx), accm1[i]);
-        }
         _Pragma("GCC unroll 2")
-        for (int g = 0; g < (C == 1 ? 0 : G); g++) {
+        for (int g = 0; g < G; g++) {
             /* x sums per 32 (8 int16, from the 16 per-16 sums) and d_x of tokens 4g.. */
             __m512i bs;
             __m512 dxl;
@@ -831,10 +808,10 @@ ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint
     for (int i = 0; i < R; i++) {
         float mt[(QZK_MC + 3) / 4][16];
         _Pragma("GCC unroll 2")
-        for (int g = 0; g < (C == 1 ? 0 : G); g++) _mm512_storeu_ps(mt[g], accm[i][g]);
+        for (int g = 0; g < G; g++) _mm512_storeu_ps(mt[g], accm[i][g]);
         _Pragma("GCC unroll 8")
         for (int j = 0; j < C; j++) {
-            const __m128 m4 = C == 1 ? accm1[i] : _mm_loadu_ps(&mt[j >> 2][4 * (j & 3)]);
+            const __m128 m4 = _mm_loadu_ps(&mt[j >> 2][4 * (j & 3)]);
             const float r = zsum16z(acc[i][j]) - hsum4(m4);
             o[i + j * ldo] = add ? o[i + j * ldo] + r : r;
         }
@@ -843,7 +820,8 @@ ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint
 
 /* One row, one token of q4_k in 256-bit registers with k4z_tile(1, 1)'s bits: the low and
  * high nibble halves of each 32-byte run keep their own integer and float accumulators
- * (lanes 0-7 and 8-15 of the zmm tile's), the min term is the tile's xmm one, and the end
+ * (lanes 0-7 and 8-15 of the zmm tile's), the min term is lanes 0-3 of the tile's in xmm
+ * registers (the same operations on each lane), and the end
  * is the same zsum16. Decode runs it: on Zen 4, which splits 512-bit instructions in two,
  * it is ~10% faster than the zmm tile for one row; prefill keeps the zmm tiles. */
 ALWAYS void k4z_row_ymm(float *o, const uint8_t *w0, const cyllm_qact_view *a, int64_t nb, int add,
@@ -852,12 +830,7 @@ ALWAYS void k4z_row_ymm(float *o, const uint8_t *w0, const cyllm_qact_view *a, i
     __m256 acc_lo = _mm256_setzero_ps(), acc_hi = _mm256_setzero_ps();
     __m128 accm = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        if (pfp) {
-            const uint8_t *f = pfp + b * QB_Q4_K;
-            PREFETCH(f);
-            PREFETCH(f + 64);
-            PREFETCH(f + 128);
-        }
+        if (pfp) k4z_prefetch(pfp + b * QB_Q4_K);
         const uint8_t *p = w0 + b * QB_Q4_K;
         __m256i sc16;
         __m128i m16;
@@ -878,16 +851,16 @@ ALWAYS void k4z_row_ymm(float *o, const uint8_t *w0, const cyllm_qact_view *a, i
         const __m256 wdx = _mm256_mul_ps(_mm256_broadcastss_ps(wdd), _mm256_set1_ps(a->d[b]));
         acc_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ilo), wdx, acc_lo);
         acc_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ihi), wdx, acc_hi);
-        __m128i b32;
-        __m128 dx;
+        __m512i bs;
+        __m512 dxl;
         if (mx) {
-            b32 = _mm512_castsi512_si128(mx[b].bs);
-            dx = _mm512_castps512_ps128(mx[b].dxl);
+            bs = mx[b].bs;
+            dxl = mx[b].dxl;
         } else {
-            b32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(a->bsum + 16 * b)),
-                                 _mm_loadu_si128((const __m128i *)(a->bsum + 16 * b + 8)));
-            dx = _mm_set1_ps(a->d[b]);
+            k4z_mx_one(a, 1, 0, b, &bs, &dxl);
         }
+        const __m128i b32 = _mm512_castsi512_si128(bs);
+        const __m128 dx = _mm512_castps512_ps128(dxl);
         accm = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(m16, b32)),
                             _mm_mul_ps(_mm_broadcastss_ps(_mm_movehdup_ps(wdd)), dx), accm);
     }

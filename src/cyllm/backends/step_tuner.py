@@ -78,6 +78,7 @@ class StepTuner:
         self._probe_left = 0
         self._turn = 0            # which neighbour the next probe tries (round robin)
         self._losses = 0          # probes lost since the last move or wait increase
+        self._unchecked = 0       # steps since the last jump test
 
     @property
     def setting(self) -> tuple[int, bool]:
@@ -134,15 +135,20 @@ class StepTuner:
     def record(self, setting: tuple[int, bool], seconds: float) -> None:
         if not self.adapts:
             return
-        setting = (int(setting[0]), bool(setting[1]))
-        self._times.setdefault(setting, deque(maxlen=MAX_PROBE_STEPS)).append(seconds)
+        times = self._times.get(setting)
+        if times is None:
+            times = self._times[setting] = deque(maxlen=MAX_PROBE_STEPS)
+        times.append(seconds)
         if self._probe is None:
-            recent = self._times[setting]
-            if setting == self.setting and len(recent) == MAX_PROBE_STEPS:
-                # the latest steps against the longer span: a busy process that starts
-                # shows at once, one slow step among noisy ones does not
-                latest = list(recent)[-max(WINDOW, self._probe_steps() // 2):]
-                if statistics.median(latest) > JUMP * statistics.median(recent):
+            # the jump test, every WINDOW steps (it sorts: not on every token): the latest
+            # steps against the longer span, so a busy process that starts shows within a
+            # few steps and one slow step among noisy ones does not
+            self._unchecked += 1
+            if (self._unchecked >= WINDOW and len(times) == MAX_PROBE_STEPS
+                    and setting[0] == self.size and setting[1] == self.prefetch):
+                self._unchecked = 0
+                latest = list(times)[-max(WINDOW, self._probe_steps() // 2):]
+                if statistics.median(latest) > JUMP * statistics.median(times):
                     self._countdown = 0      # slower than it was: look around now
             return
         if setting != self._probe:
