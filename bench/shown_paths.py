@@ -1,7 +1,7 @@
 """Command lines as the results files show them: no paths of the machine that ran them.
 
-A results file keeps the command that reproduces its numbers, but `/root/.cache/...` or
-`/work/files/x.gguf` mean nothing on another machine (and name this one). Absolute
+A results file keeps the command that reproduces its numbers, but a path into the home
+directory or a scratch folder of the machine that ran it means nothing elsewhere. Absolute
 paths under the home directory become `~/...`; other absolute paths become their file
 name (the results file says how each file was made)."""
 
