@@ -60,10 +60,8 @@ def time_graph(be, fns, pdl: bool, reps: int = 15) -> float:
     """Median seconds per call of fns, replayed as one CUDA graph (PDL launches if pdl)."""
     s = be._stream
     with s:
-        be.l2_prefetch.record()         # as decode_step: the eager pass learns the weight order
         for f in fns:
             f()
-        be.l2_prefetch.capture()
         be._device_mode = pdl           # _launch uses programmatic dependent launch only then
         try:
             s.begin_capture()
@@ -72,7 +70,6 @@ def time_graph(be, fns, pdl: bool, reps: int = 15) -> float:
             g = s.end_capture()
         finally:
             be._device_mode = False
-            be.l2_prefetch.stop()
         g.launch(stream=s)
         s.synchronize()
         times = []
@@ -99,18 +96,15 @@ def cell(gbs, bw):
     return f"{gbs:.0f} ({100 * gbs / bw:.0f}%)"
 
 
-def bench_matvec(be, bw, l2, lines, fmts, quick, pf_caps=()):
+def bench_matvec(be, bw, l2, lines, fmts, quick):
     lines.append("\n## matvec (GB/s of weight bytes, % of copy bandwidth; graph of launches over > 4x L2)\n")
     lines.append("auto = cuda_quant's warps per block; wN = N warps; pdl = programmatic dependent launch "
-                 "(as in decode_step), plain = without; pfM = each launch prefetches up to M MiB of the "
-                 "next one's weights into L2 (CYLLM_CUDA_L2_PREFETCH; the other columns use the default, "
-                 f"{be.l2_prefetch.cap >> 20} MiB). F16 row: the backend's F16 matvec on the same shape.\n")
+                 "(as in decode_step), plain = without. F16 row: the backend's F16 matvec on the same shape.\n")
     warp_opts = [None] if quick else [None, 4, 8, 16]
-    cap0 = be.l2_prefetch.cap
     head = "| format | d x n | MiB | auto plain | " + " | ".join(
-        [f"{'auto' if w is None else f'w{w}'} pdl" for w in warp_opts] + [f"pf{c:g} pdl" for c in pf_caps]) + " |"
+        [f"{'auto' if w is None else f'w{w}'} pdl" for w in warp_opts]) + " |"
     lines.append(head)
-    lines.append("|" + "---|" * (len(warp_opts) + len(pf_caps) + 4))
+    lines.append("|" + "---|" * (len(warp_opts) + 4))
     summary = {}
     x = {n: cp.random.standard_normal(n, dtype=cp.float32) for _, n in SHAPES}
     out = cp.zeros(32000, dtype=cp.float32)
@@ -136,10 +130,6 @@ def bench_matvec(be, bw, l2, lines, fmts, quick, pf_caps=()):
             be.qmv_warps = None
             if fmt == "f16":
                 row += ["-"] * (len(warp_opts) - 1)
-            for c in pf_caps:
-                be.l2_prefetch.cap = int(c * (1 << 20))
-                row.append(cell(size / time_graph(be, fns, True) / 1e9, bw) if fmt != "f16" else "-")
-            be.l2_prefetch.cap = cap0
             lines.append(f"| {fmt} | {d}x{n} | {size / 2**20:.1f} | " + " | ".join(row) + " |")
             print(lines[-1], flush=True)
             del ws, fns
@@ -306,8 +296,6 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="markdown file for the results")
     ap.add_argument("--quick", action="store_true", help="auto warps only, fewer formats")
     ap.add_argument("--formats", default=",".join(BENCH_FMTS))
-    ap.add_argument("--l2-prefetch", default="", metavar="MIB,...",
-                    help="extra matvec columns, one per L2 prefetch cap (MiB per launch; 0 = off)")
     args = ap.parse_args(argv)
     fmts = [f for f in args.formats.split(",") if f]
     be = CudaBackend()
@@ -329,8 +317,7 @@ def main(argv=None):
              f"- device-to-device copy bandwidth (read + write): **{bw:.0f} GB/s**",
              "- weights: random block bytes with finite scales (speed depends on bytes, not values)"]
     print("\n".join(lines), flush=True)
-    pf_caps = [float(c) for c in args.l2_prefetch.split(",") if c.strip()]
-    summary = bench_matvec(be, bw, l2, lines, fmts, args.quick, pf_caps)
+    summary = bench_matvec(be, bw, l2, lines, fmts, args.quick)
     if not args.quick:
         for section in (lambda: bench_residency(be, bw, l2, lines),
                         lambda: bench_floor(be, lines, ["q4_k", "q4_0", "q8_0", "q6_k"]),

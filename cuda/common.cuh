@@ -86,44 +86,6 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-// L2 prefetch of the next op's weights (captured decode steps; backends/cuda/l2_prefetch.py).
-// A small kernel's bytes take ~3 us at copy speed while its start (pdl_wait, staging x) and its
-// end (the cross-warp sum) leave DRAM idle; the next op's weights do not depend on anything,
-// so they can stream into L2 during those gaps. pf: null, or QPF_RANGES pairs {address, bytes}
-// (bytes 0: unused; addresses 16-byte aligned, bytes multiples of 16, as the host builds them).
-// Block b of G issues bytes [b*T/G, (b+1)*T/G) of their concatenation (T = the sum) as bulk
-// prefetches: one thread, a few instructions, nothing waits for them.
-#define QPF_RANGES 4
-#define QPF_CHUNK (1 << 16)
-
-__device__ __forceinline__ void l2_prefetch_share(const long long* pf) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (pf == nullptr || threadIdx.x != 0) return;
-    long long addr[QPF_RANGES], len[QPF_RANGES], total = 0;
-#pragma unroll
-    for (int r = 0; r < QPF_RANGES; ++r) {
-        addr[r] = __ldg(pf + 2 * r);
-        len[r] = __ldg(pf + 2 * r + 1);
-        total += len[r];
-    }
-    const long long g = gridDim.x, b = blockIdx.x;
-    const long long lo = (total * b / g) & ~15LL;
-    const long long hi = b + 1 == g ? total : (total * (b + 1) / g) & ~15LL;
-    long long base = 0;
-#pragma unroll
-    for (int r = 0; r < QPF_RANGES; ++r) {
-        long long s = lo > base ? lo : base;
-        const long long e = hi < base + len[r] ? hi : base + len[r];
-        for (; s < e; s += QPF_CHUNK) {
-            const unsigned size = (unsigned)(e - s < QPF_CHUNK ? e - s : QPF_CHUNK);
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                         :: "l"(addr[r] + (s - base)), "r"(size) : "memory");
-        }
-        base += len[r];
-    }
-#endif
-}
-
 // dot of 8 halves (one 16-byte word) with 8 floats (two float4)
 __device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b, float acc) {
     float2 p;

@@ -23,9 +23,6 @@
 //   dots); the S partial sums per row meet in shared memory at the end.
 // * Programmatic dependent launch: the first batch of U items (weights only) is loaded
 //   before pdl_wait, so it streams while the previous kernel finishes.
-// * The last argument, pf, names the next quantized launch's weights in a captured decode
-//   step (null otherwise); the blocks prefetch them into L2 behind their own loads
-//   (l2_prefetch_share in common.cuh, backends/cuda/l2_prefetch.py).
 //
 // Variants (MODE as in matvec.cu; every kernel takes the same arguments):
 //   qmv_<fmt>                 out  = W x
@@ -452,7 +449,7 @@ template <class F, int MODE, bool NORM>
 __device__ __forceinline__ void qmv_body(
     float* __restrict__ out, const unsigned char* __restrict__ w0, const unsigned char* __restrict__ w1,
     const float* x, int d, int nbi,
-    const float* __restrict__ nw, float eps, float* __restrict__ xn, int tile, const long long* pf)
+    const float* __restrict__ nw, float eps, float* __restrict__ xn, int tile)
 {
     constexpr int NM = (MODE >= 2) ? 2 : 1;
     constexpr int B = (F::B / NM) > 0 ? F::B / NM : 1;          // items per batch
@@ -487,7 +484,6 @@ __device__ __forceinline__ void qmv_body(
                 it[p][u][m].b = 0;
                 if (live && s0 + p * B + u < s1) qload<F>(it[p][u][m], g[m], s0 + p * B + u, W, lane);
             }
-    l2_prefetch_share(pf);      // the next op's weights, behind this block's own loads
     pdl_wait();
 
     // the folded norm's output: this thread's first element is loaded now, with the staging
@@ -875,8 +871,8 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
     extern "C" __global__ void BOUNDS NAME(float* __restrict__ out, const unsigned char* __restrict__ w0, \
                                     const unsigned char* __restrict__ w1, const float* x,             \
                                     int d, int nbi, const float* __restrict__ nw, float eps,         \
-                                    float* __restrict__ xn, const long long* __restrict__ pf) {      \
-        qmv_body<F, MODE, NORM>(out, w0, w1, x, d, nbi, nw, eps, xn, blockIdx.x, pf);                \
+                                    float* __restrict__ xn) {                                        \
+        qmv_body<F, MODE, NORM>(out, w0, w1, x, d, nbi, nw, eps, xn, blockIdx.x);                    \
     }
 // q, k and v of one layer in one launch (three matrices of one format, one x): blocks
 // [0, tq) are q's row tiles, then k's, then v's; out is q | k | v side by side (dk = dv)
@@ -885,13 +881,13 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
                                     const unsigned char* __restrict__ wk,                            \
                                     const unsigned char* __restrict__ wv, const float* x,            \
                                     int dq, int dk, int nbi, const float* __restrict__ nw, float eps, \
-                                    float* __restrict__ xn, const long long* __restrict__ pf) {      \
+                                    float* __restrict__ xn) {                                        \
         const int tq = (dq + QMV_TILE - 1) / QMV_TILE, tk = (dk + QMV_TILE - 1) / QMV_TILE;          \
         const int t = blockIdx.x;                                                                    \
         const int seg = t < tq ? 0 : t < tq + tk ? 1 : 2;                                            \
         const unsigned char* w = seg == 0 ? wq : seg == 1 ? wk : wv;                                 \
         qmv_body<F, 0, NORM>(out + (seg == 0 ? 0 : dq + (seg - 1) * dk), w, w, x, seg ? dk : dq, nbi, \
-                             nw, eps, xn, t - (seg == 0 ? 0 : tq + (seg - 1) * tk), pf);             \
+                             nw, eps, xn, t - (seg == 0 ? 0 : tq + (seg - 1) * tk));                 \
     }
 #define CYLLM_QMV(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, __launch_bounds__(QMV_MAX_WARPS * 32))
 #define CYLLM_QMV_WIDE(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, )

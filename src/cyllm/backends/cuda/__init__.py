@@ -8,7 +8,6 @@
 - norm_fold.py     rmsnorm held back and folded into the next matvec
 - graphs.py        decode_step: one CUDA graph replay per token
 - pdl.py           programmatic dependent launch through ctypes (cuLaunchKernelEx)
-- l2_prefetch.py   a captured step's quantized matvecs prefetch the next one's weights into L2
 - prefill.py       the batched ops of prompt processing (T tokens at once)
 - cublas.py        the prefill GEMM (cublasGemmEx: FP16 in, FP32 out)
 - checks.py        argument checks shared by decode and prefill ops

@@ -33,7 +33,6 @@ from . import quant as cuda_quant
 from .checks import check_act as _check_act, check_window as _check_window
 from .graphs import GraphDecode
 from .kernel_names import ATTN_SPLIT_KERNELS, GATE_UP_OPS, MATVEC_KERNELS, MATVEC_SCALAR_KERNELS
-from .l2_prefetch import WeightPrefetch, cap_from_env
 from .norm_fold import NormFolding
 from .nvrtc import module_for
 from .pdl import PdlLauncher
@@ -111,9 +110,6 @@ class CudaBackend(NormFolding, GraphDecode, PrefillOps, Backend):
         self.use_pdl = (os.environ.get("CYLLM_CUDA_PDL", "1") != "0"
                         and int(props.get("major", 0)) >= 9)
         self._pdl = None
-        # quantized matvecs of a captured step prefetch the next one's weights into L2
-        # (l2_prefetch.py; CYLLM_CUDA_L2_PREFETCH=MiB per launch, 0 = off)
-        self.l2_prefetch = WeightPrefetch(cap_from_env(), upload=cp.asarray)
         # loads in flight per lane for large matrices no taller than wide (wo, down) where
         # matvec_unroll is unset: under PDL the first batch streams before the wait, so the
         # short matvecs that follow attention start with more bytes in flight

@@ -22,8 +22,7 @@ except Exception:  # noqa: BLE001 - reported by CudaBackend when it is construct
 
 class GraphDecode:
     """Needs from the backend: ``_stream``, ``_step``/``_step_host`` (the step buffer and its
-    host copy), ``_flush()``, ``use_graphs``, ``l2_prefetch`` (l2_prefetch.WeightPrefetch: the
-    quantized matvecs learn their order in the eager pass), and the ops reading the step buffer while
+    host copy), ``_flush()``, ``use_graphs``, and the ops reading the step buffer while
     ``_device_mode`` is set (recording ``_vocab``/``_max_pos`` for the checks here)."""
 
     def reset_graph(self) -> None:
@@ -64,15 +63,12 @@ class GraphDecode:
             try:
                 self._vocab = None
                 self._max_pos = None
-                self.l2_prefetch.record()       # the order of the quantized matvecs' weights
                 issue_ops(token, pos)           # eager: computes this token, compiles, allocates
                 self._flush()
                 if self.use_graphs:
-                    self.l2_prefetch.capture()
                     self._capture(issue_ops, token, pos)
             finally:
                 self._device_mode = False
-                self.l2_prefetch.stop()
 
     def _capture(self, issue_ops, token: int, pos: int) -> None:
         stream = self._stream

@@ -329,12 +329,11 @@ def qmatvec_qkv(be, out, w: CudaQuantStack, x) -> None:
     _carveout(be, k, fmt)
     head = (out, wq.data, wk.data, wv.data)
     dims = (np.int32(wq.rows), np.int32(wk.rows), np.int32(w.nbi))
-    pf = be.l2_prefetch.arg((wq.data, wk.data, wv.data))
     if norm is not None:
         xn, xin, nw, eps = norm
-        args = head + (xin,) + dims + (nw, np.float32(eps), xn, pf)
+        args = head + (xin,) + dims + (nw, np.float32(eps), xn)
     else:
-        args = head + (x,) + dims + (_NULL, np.float32(0.0), _NULL, pf)
+        args = head + (x,) + dims + (_NULL, np.float32(0.0), _NULL)
     be._launch(k, (_tiles(w),), (TILE * warps,), args, shared_mem=smem)
 
 
@@ -380,12 +379,11 @@ def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None) -> None
     _allow_smem(k, smem)
     _carveout(be, k, fmt)
     grid, block = (-(-d // TILE),), (TILE * warps,)
-    pf = be.l2_prefetch.arg((w0.data, w1.data) if nm == 2 else (w0.data,))
     if norm is not None:
         xn, xin, nw, eps = norm
-        args = (out, w0.data, w1.data, xin, np.int32(d), np.int32(w0.nbi), nw, np.float32(eps), xn, pf)
+        args = (out, w0.data, w1.data, xin, np.int32(d), np.int32(w0.nbi), nw, np.float32(eps), xn)
     else:
-        args = (out, w0.data, w1.data, x, np.int32(d), np.int32(w0.nbi), _NULL, np.float32(0.0), _NULL, pf)
+        args = (out, w0.data, w1.data, x, np.int32(d), np.int32(w0.nbi), _NULL, np.float32(0.0), _NULL)
     # every kernel, folded norm or not, goes out with programmatic dependent launch under
     # decode_step: activations are read with ordered coherent loads (ld_act in common.cuh)
     be._launch(k, grid, block, args, shared_mem=smem)
