@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Whole-model CUDA decode under several backend settings, one model load, interleaved.
+
+    python bench/sweep_cuda_decode.py --synthetic llama2-7b --quantize q4_k,q4_0,q8_0 \
+        [--vary fuse_norm=1,0 --vary qmv_warps=none,8] [-n 128] [-d 0,4096] [-r 3]
+        [--profile] [--out FILE.md]
+
+For each quantize type (the synthetic F16 weights are built once and quantized per type;
+or -m FILE for one file), the model is bound on the CUDA backend once; then for every
+depth, rounds of -r: each round times -n decode tokens for every setting in turn (each
+combination of the --vary backend attributes, re-capturing the step's graph), so a drift
+of the GPU's clocks or of the host touches all settings alike. --profile: afterwards one
+more token (default settings) between cudaProfilerStart/Stop, for
+`ncu --profile-from-start off` (one result per kernel of the step's graph). Reports the median tok/s and % of roofline (weight and KV bytes of a token / the
+device copy bandwidth measured in the same run), as `cyllm bench` computes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+
+from shown_paths import shown_argv  # noqa: E402
+
+
+def _value(text: str):
+    t = text.strip().lower()
+    if t == "none":
+        return None
+    try:
+        return int(t)
+    except ValueError:
+        return float(t)
+
+
+def decode_tok_s(model, n: int, depth: int, rng) -> float:
+    ids = rng.integers(0, model.config.vocab_size, size=n).tolist()
+    t0 = time.perf_counter()
+    for i, tok in enumerate(ids):
+        model.forward(tok, depth + i)          # host logits: synchronised
+    return n / (time.perf_counter() - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model")
+    ap.add_argument("--synthetic")
+    ap.add_argument("--quantize", default="", help="comma-separated --quantize types (empty: as loaded)")
+    ap.add_argument("--vary", action="append", default=[], metavar="ATTR=V1,V2",
+                    help="a backend attribute and its values (int, float or none); repeatable")
+    ap.add_argument("--profile", action="store_true", help="one token under cudaProfilerStart/Stop at the end")
+    ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("-d", default="0", help="depths, comma-separated")
+    ap.add_argument("-r", type=int, default=3)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    import copy
+
+    from cyllm.quant.convert import quantize_weights
+    from cyllm.tools.bench import (bind_model, fill_cache_to_depth, kv_bytes_read, load_source, make_backend,
+                                   weight_bytes_read_per_token)
+    axes = []
+    for v in a.vary:
+        attr, _, vals = v.partition("=")
+        axes.append((attr, [_value(x) for x in vals.split(",")]))
+    settings = [()]
+    for attr, vals in axes:
+        settings = [s + ((attr, v),) for s in settings for v in vals]
+    depths = [int(d) for d in a.d.split(",")]
+    qtypes = [q for q in a.quantize.split(",") if q] or [None]
+    base = load_source(a.model, a.synthetic, 0, ("cuda",), max(depths) + a.n)
+    backend = make_backend("cuda", 1)
+    bw = backend.measure_copy_bandwidth()
+    import cupy as cp
+    name = cp.cuda.runtime.getDeviceProperties(backend.device.id)["name"].decode()
+    lines = [f"# CUDA decode sweep: {base.label}, {name}", "",
+             f"command: `{shown_argv('bench/sweep_cuda_decode.py', sys.argv[1:])}`; "
+             f"copy bandwidth {bw:.0f} GB/s; -n {a.n}, median of {a.r} interleaved rounds", "",
+             "| weights | depth | setting | tok/s | % of roofline |", "|---|---:|---|---:|---:|"]
+    print("\n".join(lines), flush=True)
+    for q in qtypes:
+        weights = dict(base.weights)
+        if q is not None:
+            t0 = time.perf_counter()
+            quantize_weights(base.config, weights, q)
+            print(f"quantized to {q} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        src = copy.copy(base)
+        src.weights = weights
+        model = bind_model(src, backend, max(depths) + a.n + 1)
+        wbytes = weight_bytes_read_per_token(model)
+        rng = np.random.default_rng(0)
+        for depth in depths:
+            fill_cache_to_depth(model, depth, 0)
+            defaults = {attr: getattr(backend, attr, None) for attr, _ in axes}
+            res: dict = {st: [] for st in settings}
+            for _ in range(a.r):
+                for st in settings:
+                    for attr, v in st:
+                        setattr(backend, attr, v)
+                    backend.reset_graph()
+                    decode_tok_s(model, 4, depth, rng)          # eager pass + capture
+                    res[st].append(decode_tok_s(model, a.n, depth, rng))
+            for attr, v in defaults.items():
+                setattr(backend, attr, v)
+            for st in settings:
+                t = statistics.median(res[st])
+                roof = bw * 1e9 / (wbytes + kv_bytes_read(model, depth, a.n))
+                label = " ".join(f"{k}={v}" for k, v in st) or "default"
+                lines.append(f"| {q or base.label} | {depth} | {label} | {t:.1f} | {100 * t / roof:.1f}% |")
+                print(lines[-1], flush=True)
+        if a.profile:
+            backend.reset_graph()
+            decode_tok_s(model, 4, 0, rng)
+            cp.cuda.Device().synchronize()
+            cp.cuda.profiler.start()
+            decode_tok_s(model, 1, 8, rng)
+            cp.cuda.profiler.stop()
+        del model, weights, src
+        cp.get_default_memory_pool().free_all_blocks()
+    if a.out:
+        Path(a.out).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
