@@ -52,9 +52,7 @@
 //   q4_k | qmv_q4_k   | qmv_add_q4_k   | qmv_gate_up_silu_q4_k    | qmv_gate_up_gelu_q4_k    | qdeq_f16_q4_k | qrows_f32_q4_k
 //   q5_k | qmv_q5_k   | qmv_add_q5_k   | qmv_gate_up_silu_q5_k    | qmv_gate_up_gelu_q5_k    | qdeq_f16_q5_k | qrows_f32_q5_k
 //   q6_k | qmv_q6_k   | qmv_add_q6_k   | qmv_gate_up_silu_q6_k    | qmv_gate_up_gelu_q6_k    | qdeq_f16_q6_k | qrows_f32_q6_k
-//   plus qmv_qkv_<fmt> (q, k, v of one format in one launch), qmv_xf32_q8_0 and qmv_xf32_q4_0
-//   (the FP32-activation alternative, measured only), and in a pair module (-DQMV_PAIR_QK,
-//   -DQMV_PAIR_V) qmv_qkv_pair: q and k of one format, v of another, in one launch.
+//   plus qmv_xf32_q8_0 and qmv_xf32_q4_0 (the FP32-activation alternative, measured only).
 //
 // Reference: quant/reference.py (dequantize, quantize_act, the integer dot) through
 // backends/numpy_ref.py. Tests: tests/test_cuda_quant.py. Benchmark: bench/bench_cuda_quant.py.
@@ -891,25 +889,6 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
         qmv_body<F, 0, NORM>(out + (seg == 0 ? 0 : dq + (seg - 1) * dk), w, w, x, seg ? dk : dq, nbi, \
                              nw, eps, xn, t - (seg == 0 ? 0 : tq + (seg - 1) * tk));                 \
     }
-// q and k of one format, v of another (Q4_K_M and Q5_K_M give half the layers a q6_k v):
-// still one launch. Each block runs the body of its own segment's format (a branch uniform
-// per block); the registers are those of the larger body.
-#define CYLLM_QMV_QKV_PAIR_DEF(NAME, FQ, FV, NORM)                                                 \
-    extern "C" __global__ void NAME(float* __restrict__ out, const unsigned char* __restrict__ wq,   \
-                                    const unsigned char* __restrict__ wk,                            \
-                                    const unsigned char* __restrict__ wv, const float* x,            \
-                                    int dq, int dk, int nbi_qk, int nbi_v,                           \
-                                    const float* __restrict__ nw, float eps, float* __restrict__ xn) { \
-        const int tq = (dq + QMV_TILE - 1) / QMV_TILE, tk = (dk + QMV_TILE - 1) / QMV_TILE;          \
-        const int t = blockIdx.x;                                                                    \
-        if (t < tq + tk) {                                                                           \
-            const bool isq = t < tq;                                                                 \
-            qmv_body<FQ, 0, NORM>(out + (isq ? 0 : dq), isq ? wq : wk, isq ? wq : wk, x, isq ? dq : dk, \
-                                  nbi_qk, nw, eps, xn, isq ? t : t - tq);                            \
-        } else {                                                                                     \
-            qmv_body<FV, 0, NORM>(out + dq + dk, wv, wv, x, dk, nbi_v, nw, eps, xn, t - tq - tk);   \
-        }                                                                                            \
-    }
 #define CYLLM_QMV(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, __launch_bounds__(QMV_MAX_WARPS * 32))
 #define CYLLM_QMV_WIDE(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, )
 #define CYLLM_QMV_QKV(NAME, F, NORM) CYLLM_QMV_QKV_DEF(NAME, F, NORM, __launch_bounds__(QMV_MAX_WARPS * 32))
@@ -925,12 +904,6 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
         qrows_f32_body<F>(out, ldo, w, d, nbi, ids, host, scale);                                    \
     }
 
-// the pair module (backends/cuda/quant.py compiles one per format pair it meets):
-// -DQMV_PAIR_QK=QF_<fmt> -DQMV_PAIR_V=QF_<fmt>
-#if defined(QMV_PAIR_QK) && defined(QMV_PAIR_V)
-CYLLM_QMV_QKV_PAIR_DEF(qmv_qkv_pair,        QMV_PAIR_QK, QMV_PAIR_V, false)
-CYLLM_QMV_QKV_PAIR_DEF(qmv_qkv_pair_norm,   QMV_PAIR_QK, QMV_PAIR_V, true)
-#endif
 #if defined(QMV_ALL) || defined(QMV_q8_0)
 CYLLM_QMV(qmv_q8_0,                    QF_q8_0, 0, false)
 CYLLM_QMV(qmv_q8_0_norm,               QF_q8_0, 0, true)

@@ -325,56 +325,40 @@ def test_norm_folded(be, cp, fmt):
             np.testing.assert_allclose(be.to_host(xb), x * inv * nw, rtol=2e-6, atol=1e-6)
 
 
-# v of its own format: Q4_K_M's and Q5_K_M's q6_k v, and mixes of block sizes
-QKV_PAIRS = [(f, f) for f in FMTS] + [("q4_k", "q6_k"), ("q5_k", "q6_k"), ("q4_0", "q8_0"),
-                                      ("q4_k", "q8_0"), ("q6_k", "q4_0")]
-
-
 @pytest.mark.cuda
-@pytest.mark.parametrize("fmt,fmt_v", QKV_PAIRS)
-@pytest.mark.parametrize("pair", [True, False])
-def test_qkv_stack(be, cp, fmt, fmt_v, pair):
-    """q, k, v stacked (one qmv_qkv launch, or qmv_qkv_pair when v has its own format; three
-    launches with be.qkv_pair off): out = [Wq x | Wk x | Wv x], with and without the folded
-    norm; q's height not a multiple of the tile, k/v a few tiles; q and k of two formats, or
-    k and v of two heights, give no stack."""
-    if not pair and fmt_v == fmt:
-        pytest.skip("one format: always one launch")
+@pytest.mark.parametrize("fmt", FMTS)
+def test_qkv_stack(be, cp, fmt):
+    """q, k, v of one format stacked (one qmv_qkv launch): out = [Wq x | Wk x | Wv x], with and
+    without the folded norm; q's height not a multiple of the tile, k/v a few tiles; other
+    formats or heights give no stack."""
     rng = np.random.default_rng(29)
-    n = 768 if 256 in (FORMATS[fmt].block, FORMATS[fmt_v].block) else 576
-    dq, dk = 70, 40
+    b = FORMATS[fmt].block
+    n, dq, dk = 3 * b if b == 256 else 576, 70, 40
     eps = 1e-5
-    fmts = (fmt, fmt, fmt_v)
-    raws = [random_blocks(f, d, n, rng) for f, d in zip(fmts, (dq, dk, dk))]
-    mats = tuple(be.upload(QuantMatrix(r, f, (r.shape[0], n))) for f, r in zip(fmts, raws))
+    raws = [random_blocks(fmt, d, n, rng) for d in (dq, dk, dk)]
+    mats = tuple(be.upload(QuantMatrix(r, fmt, (r.shape[0], n))) for r in raws)
     stack = be.stack_rows(mats)
     assert stack is not None and stack.shape == (dq + 2 * dk, n) and stack.nbytes == 0
-    be.qkv_pair = pair
-    try:
-        Ws = [deq64(r, f, n) for f, r in zip(fmts, raws)]
-        x = (rng.standard_normal(n) * 3).astype(np.float32)
-        nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
-        xd, nwd = be.upload(x), be.upload(nw)
-        out = poisoned(cp, dq + 2 * dk)
-        be.matvec(out, stack, xd)
-        want = np.concatenate([W @ xq64(x, f) for W, f in zip(Ws, fmts)])
-        mag = np.concatenate([np.abs(W) @ np.abs(xq64(x, f)) for W, f in zip(Ws, fmts)])
-        check_exact(be.to_host(out), want, mag, f"{fmt}/{fmt_v} qkv")
-        inv = 1.0 / np.sqrt(np.mean(x.astype(np.float64) ** 2) + eps)
-        want = np.concatenate([W @ xq64(x * nw, f) for W, f in zip(Ws, fmts)])
-        mag = np.concatenate([np.abs(W) @ np.abs(xq64(x * nw, f)) for W, f in zip(Ws, fmts)])
-        xb, out = poisoned(cp, n), poisoned(cp, dq + 2 * dk)
-        be.rmsnorm(xb, xd, nwd, eps)
-        be.matvec(out, stack, xb)
-        assert be._pending_norm is None
-        check_exact(be.to_host(out), inv * want, inv * mag, f"{fmt}/{fmt_v} norm+qkv")
-        np.testing.assert_allclose(be.to_host(xb), x * inv * nw, rtol=2e-6, atol=1e-6)
-    finally:
-        be.qkv_pair = True
+    W = np.concatenate([deq64(r, fmt, n) for r in raws])
+    x = (rng.standard_normal(n) * 3).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    xd, nwd = be.upload(x), be.upload(nw)
+    out = poisoned(cp, dq + 2 * dk)
+    be.matvec(out, stack, xd)
+    xq = xq64(x, fmt)
+    check_exact(be.to_host(out), W @ xq, np.abs(W) @ np.abs(xq), f"{fmt} qkv")
+    inv = 1.0 / np.sqrt(np.mean(x.astype(np.float64) ** 2) + eps)
+    xq = xq64(x * nw, fmt)
+    xb, out = poisoned(cp, n), poisoned(cp, dq + 2 * dk)
+    be.rmsnorm(xb, xd, nwd, eps)
+    be.matvec(out, stack, xb)
+    assert be._pending_norm is None
+    check_exact(be.to_host(out), inv * (W @ xq), inv * (np.abs(W) @ np.abs(xq)), f"{fmt} norm+qkv")
+    np.testing.assert_allclose(be.to_host(xb), x * inv * nw, rtol=2e-6, atol=1e-6)
     other = "q8_0" if fmt != "q8_0" else "q4_0"
     odd = be.upload(QuantMatrix(random_blocks(other, dk, n, rng), other, (dk, n)))
-    assert be.stack_rows((mats[0], odd, mats[2])) is None              # q and k of two formats
-    assert be.stack_rows((mats[0], mats[1], mats[0])) is None          # v taller than k
+    assert be.stack_rows((mats[0], mats[1], odd)) is None
+    assert be.stack_rows((mats[0], mats[1], mats[0])) is None        # v taller than k
 
 
 @pytest.mark.cuda

@@ -75,7 +75,6 @@ class CudaBackend(NormFolding, GraphDecode, PrefillOps, Backend):
         name = props.get("name", b"GPU")
         self.device_name = name.decode() if isinstance(name, bytes) else str(name)
         self.sm_count = int(props.get("multiProcessorCount", 1))
-        self.regs_per_sm = int(props.get("regsPerMultiprocessor", 65536))
 
         self._module = None
         self._kernels: dict = {}
@@ -111,11 +110,6 @@ class CudaBackend(NormFolding, GraphDecode, PrefillOps, Backend):
         self.use_pdl = (os.environ.get("CYLLM_CUDA_PDL", "1") != "0"
                         and int(props.get("major", 0)) >= 9)
         self._pdl = None
-        # quantized decode matvecs (quant.py): q/k/v with a v of its own format in one launch
-        # (qmv_qkv_pair; False: three launches), and how many blocks of a kernel must fit one
-        # SM's registers side by side (1: no limit on warps per block beyond the kernel's own)
-        self.qkv_pair = True
-        self.qmv_fit = 1
         # loads in flight per lane for large matrices no taller than wide (wo, down) where
         # matvec_unroll is unset: under PDL the first batch streams before the wait, so the
         # short matvecs that follow attention start with more bytes in flight

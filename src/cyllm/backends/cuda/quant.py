@@ -167,17 +167,15 @@ class CudaQuantMatrix(_RowsCols):
 
 
 class CudaQuantStack(_RowsCols):
-    """A layer's quantized q, k and v stacked by rows for one decode launch: ``qmv_qkv_<fmt>``
-    when the three share a format, ``qmv_qkv_pair`` (a module per format pair) when v has
-    its own (Q4_K_M's q6_k v). Holds the uploaded matrices themselves, no bytes of its own;
-    prefill keeps using each matrix on its own."""
+    """Quantized matrices of one format and width stacked by rows, for one decode launch
+    (a layer's q, k and v: ``qmv_qkv_<fmt>``). Holds the uploaded matrices themselves, no
+    bytes of its own; prefill keeps using each matrix on its own."""
 
-    __slots__ = ("parts", "fmt", "fmt_v", "rows", "cols", "nbi")
+    __slots__ = ("parts", "fmt", "rows", "cols", "nbi")
 
     def __init__(self, parts: tuple):
         self.parts = parts
-        self.fmt = parts[0].fmt           # q's and k's
-        self.fmt_v = parts[2].fmt
+        self.fmt = parts[0].fmt
         self.rows = sum(p.rows for p in parts)
         self.cols = parts[0].cols
         self.nbi = parts[0].nbi
@@ -191,12 +189,12 @@ class CudaQuantStack(_RowsCols):
 
 
 def stack_rows(mats) -> CudaQuantStack | None:
-    """q, k, v -> one stack when the three are quantized matrices of one width, q and k of
-    one format, k and v of one height (what qmv_qkv computes); None otherwise."""
+    """q, k, v -> one stack when the three are quantized matrices of one format and width
+    with k and v of one height (what qmv_qkv computes); None otherwise."""
     if len(mats) != 3 or not all(isinstance(m, CudaQuantMatrix) for m in mats):
         return None
     q, k, v = mats
-    if not (k.fmt is q.fmt and k.cols == q.cols == v.cols and k.rows == v.rows):
+    if not (k.fmt is q.fmt and v.fmt is q.fmt and k.cols == q.cols == v.cols and k.rows == v.rows):
         return None
     return CudaQuantStack(tuple(mats))
 
@@ -225,21 +223,15 @@ def _source() -> str:
 
 
 def _module(be, fmt: str):
-    """The compiled kernels of one format, or of a pair "qk+v" (qmv_qkv_pair only)."""
     key = (be.device.id, fmt)
     mod = _MODULES.get(key)
     if mod is None:
         src = _source()
-        qk, plus, v = fmt.partition("+")
-        if plus:
-            defines, first = (f"-DQMV_PAIR_QK=QF_{qk}", f"-DQMV_PAIR_V=QF_{v}"), "qmv_qkv_pair"
-        else:
-            defines, first = (f"-DQMV_{fmt}",), f"qmv_{fmt}"
         errors = []
         for opts in ((), ("-DCYLLM_PLAIN_LOADS",)):
             try:
-                mod = cp.RawModule(code=src, options=defines + opts)
-                mod.get_function(first)                # forces the NVRTC compile now
+                mod = cp.RawModule(code=src, options=(f"-DQMV_{fmt}",) + opts)
+                mod.get_function(f"qmv_{fmt}")         # forces the NVRTC compile now
                 break
             except Exception as e:  # noqa: BLE001 - CompileException, or a driver refusing the cubin
                 errors.append(e)
@@ -253,24 +245,12 @@ def _module(be, fmt: str):
 
 
 def kernel(be, name: str, fmt: str):
-    """The compiled kernel ``name`` of format (or pair) ``fmt`` (cached on the backend)."""
+    """The compiled kernel ``name`` of format ``fmt`` (cached on the backend)."""
     cache = be.__dict__.setdefault("_qkernels", {})
-    k = cache.get((name, fmt))
+    k = cache.get(name)
     if k is None:
-        k = cache[(name, fmt)] = _module(be, fmt).get_function(name)
+        k = cache[name] = _module(be, fmt).get_function(name)
     return k
-
-
-def _block_warps(be, k, warps: int) -> int:
-    """Warps per block within what the kernel allows, and (``be.qmv_fit`` > 1) few enough
-    that that many blocks of it fit one SM's registers side by side: under programmatic
-    dependent launch the next kernel's blocks load their weights only once resident."""
-    warps = min(warps, max(1, getattr(k, "max_threads_per_block", 1024) // 32))
-    fit = int(getattr(be, "qmv_fit", 1) or 1)
-    regs = int(getattr(k, "num_regs", 0) or 0)
-    if fit > 1 and regs:
-        warps = min(warps, max(1, be.regs_per_sm // (fit * regs * 32)))
-    return warps
 
 
 _CARVEOUT: dict = {}      # id(kernel) -> shared-memory carveout (%) set on it
@@ -340,25 +320,15 @@ def qmatvec_qkv(be, out, w: CudaQuantStack, x) -> None:
             or not (x.flags.c_contiguous and out.flags.c_contiguous)):
         be._flush()
         raise InvalidArgumentError(f"qmv_qkv_{w.fmt.name}: shapes {w.shape} @ {tuple(x.shape)} -> {tuple(out.shape)}")
-    fmt = w.fmt.name
-    pair = w.fmt_v is not w.fmt
-    if pair and not be.qkv_pair:
-        # three launches (the measured alternative): a held-back norm folds into q's
-        dq, dk = wq.rows, wk.rows
-        for o, m in ((out[:dq], wq), (out[dq:dq + dk], wk), (out[dq + dk:], wv)):
-            qmatvec(be, o, m, x)
-        return
     norm = be._take_norm(out, x)
-    name = "qmv_qkv_pair" if pair else f"qmv_qkv_{fmt}"
-    k = kernel(be, name + ("_norm" if norm is not None else ""), f"{fmt}+{w.fmt_v.name}" if pair else fmt)
-    warps = _block_warps(be, k, matvec_warps(be, w, 1))
+    fmt = w.fmt.name
+    k = kernel(be, f"qmv_qkv_{fmt}_norm" if norm is not None else f"qmv_qkv_{fmt}", fmt)
+    warps = min(matvec_warps(be, w, 1), max(1, getattr(k, "max_threads_per_block", 1024) // 32))
     smem = _shared_bytes(n, warps, 1)
     _allow_smem(k, smem)
     _carveout(be, k, fmt)
     head = (out, wq.data, wk.data, wv.data)
     dims = (np.int32(wq.rows), np.int32(wk.rows), np.int32(w.nbi))
-    if pair:
-        dims += (np.int32(wv.nbi),)
     if norm is not None:
         xn, xin, nw, eps = norm
         args = head + (xin,) + dims + (nw, np.float32(eps), xn)
@@ -404,7 +374,7 @@ def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None) -> None
     fmt = w0.fmt.name
     name = f"{prefix}{fmt}" + ("_norm" if norm is not None else "")
     k = kernel(be, name, fmt)
-    warps = _block_warps(be, k, matvec_warps(be, w0, nm))
+    warps = min(matvec_warps(be, w0, nm), max(1, getattr(k, "max_threads_per_block", 1024) // 32))
     smem = _shared_bytes(n, warps, nm)
     _allow_smem(k, smem)
     _carveout(be, k, fmt)
