@@ -14,7 +14,7 @@ from libc.stdint cimport uintptr_t
 
 cdef extern from "csrc/quant.h" nogil:
     enum:
-        CYLLM_QF_COUNT, CYLLM_QA_Q8_0, CYLLM_QA_Q8_K
+        CYLLM_QF_COUNT, CYLLM_QF_Q4_K, CYLLM_QF_Q4_K_R16, CYLLM_R16, CYLLM_QA_Q8_0, CYLLM_QA_Q8_K
         CYLLM_QCPU_AVX2, CYLLM_QCPU_AVXVNNI, CYLLM_QCPU_AVX512VNNI
     ctypedef struct cyllm_qformat_info:
         const char *name
@@ -31,7 +31,7 @@ cdef extern from "csrc/quant.h" nogil:
                           int64_t r0, int64_t r1, int add) noexcept nogil
         void (*dequant_rows_f16)(uint16_t *out, const uint8_t *w, int64_t row_bytes, int64_t n,
                                  int64_t r0, int64_t r1) noexcept nogil
-        void (*dequant_row_f32)(float *out, const uint8_t *row, int64_t n) noexcept nogil
+        void (*dequant_row_f32)(float *out, const uint8_t *w, int64_t row_bytes, int64_t r, int64_t n) noexcept nogil
     ctypedef struct cyllm_qkernels:
         const char *name
         void (*quantize_act)(void *xq, const float *x, int64_t n, int act, int64_t b0,
@@ -45,6 +45,7 @@ cdef extern from "csrc/quant.h" nogil:
     const cyllm_qkernels *cyllm_qkernels_for_variant(const char *variant) noexcept
     int64_t cyllm_qpf_bytes
     void cyllm_quantize_row(int fmt, uint8_t *out, const float *x, int64_t n) noexcept nogil
+    void cyllm_q4k_r16_repack(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t g0, int64_t g1) noexcept nogil
     void cyllm_qglu(float *out, const float *g, const float *u, int64_t r0, int64_t r1,
                     int act) noexcept nogil
 
@@ -153,8 +154,38 @@ cdef inline cnp.ndarray _qweights(object w, str name, int fmt, Py_ssize_t *cols)
         raise InvalidArgumentError(
             f"{name}: a row of {rb} bytes is not a whole number of {fi.name.decode()} blocks "
             f"({fi.block_bytes} bytes)")
+    if fmt == CYLLM_QF_Q4_K_R16 and cnp.PyArray_DIM(a, 0) % CYLLM_R16:
+        # the kernels read whole groups of 16 rows
+        raise InvalidArgumentError(
+            f"{name}: a q4_k_r16 matrix has a multiple of {CYLLM_R16} rows, got {cnp.PyArray_DIM(a, 0)}")
     cols[0] = (rb // fi.block_bytes) * fi.block
     return a
+
+
+def repack_q4k_r16(out, w, threads=1):
+    """out (rows, row_bytes) uint8 = the q4_k matrix w (the same shape, rows a multiple of 16)
+    with its rows interleaved by 16 (the q4_k_r16 layout of csrc/quant.h: the same bytes,
+    reordered); groups of rows split over `threads`."""
+    cdef Py_ssize_t n, n2
+    cdef cnp.ndarray aw = _qweights(w, "w", CYLLM_QF_Q4_K, &n)
+    if not cnp.PyArray_Check(out) or not cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out):
+        raise InvalidArgumentError("out must be a writable uint8 array")
+    cdef cnp.ndarray ao = _qweights(out, "out", CYLLM_QF_Q4_K_R16, &n2)
+    if cnp.PyArray_DIM(ao, 0) != cnp.PyArray_DIM(aw, 0) or n2 != n:
+        raise InvalidArgumentError(f"out has shape {out.shape}, expected {w.shape}")
+    _no_overlap(ao, aw, "out", "w")
+    cdef Py_ssize_t groups = cnp.PyArray_DIM(aw, 0) // CYLLM_R16, rb = cnp.PyArray_DIM(aw, 1), g
+    cdef Py_ssize_t nt = _index(threads, "threads")
+    if nt < 1 or nt > 4096:
+        raise InvalidArgumentError(f"threads must be in [1, 4096], got {nt}")
+    cdef uint8_t *po = <uint8_t *>cnp.PyArray_DATA(ao)
+    cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
+    with nogil:
+        if nt <= 1 or groups < 2:
+            cyllm_q4k_r16_repack(po, pw, rb, 0, groups)
+        else:
+            for g in prange(groups, num_threads=nt, schedule="static"):
+                cyllm_q4k_r16_repack(po, pw, rb, g, g + 1)
 
 
 def quantize_rows(out, x, fmt, threads=1):
@@ -162,6 +193,8 @@ def quantize_rows(out, x, fmt, threads=1):
     quantizers, the bytes of cyllm.quant.reference.quantize); rows split over `threads`.
     x must be finite (checked) and cols a multiple of the format's block."""
     cdef int f = _qfmt(fmt)
+    if f == CYLLM_QF_Q4_K_R16:
+        raise InvalidArgumentError("quantize to q4_k, then repack_q4k_r16: q4_k_r16 is a layout, not a quantizer")
     cdef cnp.ndarray ax = _arr(x, "x", cnp.NPY_FLOAT32, 2, False)
     cdef Py_ssize_t rows = cnp.PyArray_DIM(ax, 0), cols = cnp.PyArray_DIM(ax, 1), n
     cdef const cyllm_qformat_info *fi = cyllm_qformat(f)
@@ -219,7 +252,7 @@ cdef class QuantKernels:
     cdef char *pan_raw           # f16 panels of the prefill path, one per thread
     cdef uint16_t *pan
     cdef Py_ssize_t pan_cap      # uint16 elements
-    cdef int prefill_method[8]   # per kernel id: QPREFILL_INT8 | QPREFILL_F16
+    cdef int prefill_method[16]  # per kernel id (< CYLLM_QF_COUNT): QPREFILL_INT8 | QPREFILL_F16
 
     def __cinit__(self):
         self.act_raw = NULL
@@ -461,8 +494,7 @@ cdef class QuantKernels:
         cdef const cyllm_qfmt_kernels *k = &self.qk.fmt[f]
         cdef Py_ssize_t rb = cnp.PyArray_DIM(aw, 1)
         with nogil:
-            k.dequant_row_f32(<float *>cnp.PyArray_DATA(ao),
-                              <const uint8_t *>cnp.PyArray_DATA(aw) + r * rb, n)
+            k.dequant_row_f32(<float *>cnp.PyArray_DATA(ao), <const uint8_t *>cnp.PyArray_DATA(aw), rb, r, n)
 
     # -- embedding rows ---------------------------------------------------------------
     cdef int _embed_rows(self, float *po, object w, int f, const int32_t *tok, Py_ssize_t T,
@@ -474,7 +506,7 @@ cdef class QuantKernels:
         cdef const cyllm_qfmt_kernels *k = &self.qk.fmt[f]
         with nogil:
             for t in range(T):
-                k.dequant_row_f32(po + t * cols, pw + <Py_ssize_t>tok[t] * rb, cols)
+                k.dequant_row_f32(po + t * cols, pw, rb, <Py_ssize_t>tok[t], cols)
             if sc != 1.0:
                 for i in range(T * cols):
                     po[i] *= sc

@@ -261,7 +261,7 @@ static void run_op(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyll
         qk->quantize_act(o->xq, (const float *)o->c, o->n, o->act, 0, o->n / cyllm_qact_block(o->act));
         break;
     case CYLLM_OP_QEMBED:
-        qk->fmt[o->qfmt].dequant_row_f32(o->out, (const uint8_t *)o->a + (o->dyn ? token : o->fixed) * o->rb,
+        qk->fmt[o->qfmt].dequant_row_f32(o->out, (const uint8_t *)o->a, o->rb, o->dyn ? token : o->fixed,
                                          o->n);
         if (o->scale != 1.0f)
             for (int64_t i = 0; i < o->n; i++) o->out[i] *= o->scale;

@@ -38,11 +38,19 @@
 extern "C" {
 #endif
 
-/* weight formats: the kernel_id of cyllm.quant.formats (KERNEL_IDS order) */
+/* weight formats: the kernel_id of cyllm.quant.formats (KERNEL_IDS order). The last one is
+ * no file's: q4_k with rows interleaved by 16 (cyllm_q4k_r16_repack; the CPU backend makes it
+ * at load where the AVX512-VNNI kernels run). Per superblock b, a group of 16 rows g stores
+ * 2304 bytes at w + 16 g row_bytes + 2304 b: d[16] (f16), dmin[16] (f16), scales[12][16]
+ * (byte k of row i's packed scales at 64 + 16 k + i), then qs as 32 chunks of 64 bytes
+ * (chunk c: bytes 4c..4c+3 of each row's qs, row i at 4i): the same bytes as the file's,
+ * reordered so that one 512-bit load holds 4 nibble-pairs of 16 rows. */
 enum {
     CYLLM_QF_Q8_0 = 0, CYLLM_QF_Q4_0, CYLLM_QF_Q4_1, CYLLM_QF_Q5_0, CYLLM_QF_Q5_1,
-    CYLLM_QF_Q4_K, CYLLM_QF_Q5_K, CYLLM_QF_Q6_K, CYLLM_QF_COUNT
+    CYLLM_QF_Q4_K, CYLLM_QF_Q5_K, CYLLM_QF_Q6_K, CYLLM_QF_Q4_K_R16, CYLLM_QF_COUNT
 };
+#define CYLLM_R16 16                    /* rows per group of the interleaved layout */
+#define CYLLM_R16_SB (16 * 144)         /* bytes of one superblock of a group */
 /* activation formats */
 enum { CYLLM_QA_Q8_0 = 0, CYLLM_QA_Q8_K = 1 };
 
@@ -86,8 +94,8 @@ typedef struct cyllm_qfmt_kernels {
      * of kernels.h. Values beyond the f16 range become +-inf. */
     void (*dequant_rows_f16)(uint16_t *out, const uint8_t *w, int64_t row_bytes, int64_t n,
                              int64_t r0, int64_t r1);
-    /* one row to f32 (quantized embedding rows): out (n,) */
-    void (*dequant_row_f32)(float *out, const uint8_t *row, int64_t n);
+    /* row r of w to f32 (quantized embedding rows): out (n,) */
+    void (*dequant_row_f32)(float *out, const uint8_t *w, int64_t row_bytes, int64_t r, int64_t n);
 } cyllm_qfmt_kernels;
 
 typedef struct cyllm_qkernels {
@@ -121,6 +129,12 @@ const cyllm_qkernels *cyllm_qkernels_by_name(const char *name);
 /* The best table runnable here, at most as wide as the main variant (kernels.h names:
  * "generic" -> generic; "avx2" -> avxvnni or avx2; "avx512" -> avx512vnni, avxvnni or avx2). */
 const cyllm_qkernels *cyllm_qkernels_for_variant(const char *variant);
+
+/* rows [g0, g1) * 16 of a q4_k matrix (rows, row_bytes) -> the same rows of the r16 layout
+ * (rows a multiple of 16); quant_generic.c */
+void cyllm_q4k_r16_repack(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t g0, int64_t g1);
+/* the file's bytes of superblock b of row r of an r16 matrix -> out (144 bytes) */
+void cyllm_q4k_r16_gather(uint8_t *out, const uint8_t *w, int64_t row_bytes, int64_t r, int64_t b);
 
 /* quant_quantize.c: one row of n float32 (n a multiple of the block, finite values)
  * -> out (row_bytes) in format fmt; the bytes of cyllm.quant.reference.quantize

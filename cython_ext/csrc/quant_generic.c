@@ -23,6 +23,7 @@ static const cyllm_qformat_info INFO[CYLLM_QF_COUNT] = {
     {"q4_k", 12, QK_K, QB_Q4_K, CYLLM_QA_Q8_K},
     {"q5_k", 13, QK_K, QB_Q5_K, CYLLM_QA_Q8_K},
     {"q6_k", 14, QK_K, QB_Q6_K, CYLLM_QA_Q8_K},
+    {"q4_k_r16", -1, QK_K, QB_Q4_K, CYLLM_QA_Q8_K},
 };
 
 const cyllm_qformat_info *cyllm_qformat(int fmt) {
@@ -300,6 +301,98 @@ void cyllm_qdequant_rows_f16_generic(int fmt, uint16_t *out, const uint8_t *w, i
     }
 }
 
+/* ---- q4_k with rows interleaved by 16 (quant.h) --------------------------------------- */
+
+void cyllm_q4k_r16_repack(uint8_t *dst, const uint8_t *src, int64_t rb, int64_t g0, int64_t g1) {
+    const int64_t nb = rb / QB_Q4_K;
+    for (int64_t g = g0; g < g1; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = dst + g * CYLLM_R16 * rb + b * CYLLM_R16_SB;
+            for (int i = 0; i < CYLLM_R16; i++) {
+                const uint8_t *s = src + (g * CYLLM_R16 + i) * rb + b * QB_Q4_K;
+                memcpy(o + 2 * i, s, 2);                               /* d */
+                memcpy(o + 32 + 2 * i, s + 2, 2);                      /* dmin */
+                for (int k = 0; k < 12; k++) o[64 + 16 * k + i] = s[4 + k];
+                for (int c = 0; c < 32; c++) memcpy(o + 256 + 64 * c + 4 * i, s + 16 + 4 * c, 4);
+            }
+        }
+}
+
+void cyllm_q4k_r16_gather(uint8_t *out, const uint8_t *w, int64_t rb, int64_t r, int64_t b) {
+    const uint8_t *p = w + (r / CYLLM_R16) * CYLLM_R16 * rb + b * CYLLM_R16_SB;
+    const int i = (int)(r % CYLLM_R16);
+    memcpy(out, p + 2 * i, 2);
+    memcpy(out + 2, p + 32 + 2 * i, 2);
+    for (int k = 0; k < 12; k++) out[4 + k] = p[64 + 16 * k + i];
+    for (int c = 0; c < 32; c++) memcpy(out + 16 + 4 * c, p + 256 + 64 * c + 4 * i, 4);
+}
+
+/* the generic variant's r16 dot: row r's superblocks gathered back to the file's bytes,
+ * then q4_k's own dot (the bits of q4_k on the file layout, for every variant but the
+ * AVX512-VNNI one, which has its own kernels; the backend repacks only for that one) */
+static float dot_r16(const uint8_t *w, int64_t rb, int64_t r, const cyllm_qact_view *a, int64_t nb) {
+    uint8_t blk[QB_Q4_K];
+    float s = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        cyllm_q4k_r16_gather(blk, w, rb, r, b);
+        cyllm_qact_view ab = *a;
+        ab.q += b * QK_K;
+        ab.d += b;
+        ab.bsum += 16 * b;
+        s += dot_q4_k(blk, &ab, 1);
+    }
+    return s;
+}
+
+void cyllm_r16_deq16(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n, int64_t r0, int64_t r1) {
+    uint8_t blk[QB_Q4_K];
+    float y[QK_K];
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t b = 0; b < n / QK_K; b++) {
+            cyllm_q4k_r16_gather(blk, w, rb, r, b);
+            dequant_block(CYLLM_QF_Q4_K, y, blk);
+            for (int i = 0; i < QK_K; i++) out[(r - r0) * n + b * QK_K + i] = cyllm_f2h(y[i]);
+        }
+}
+
+void cyllm_r16_deq32(float *out, const uint8_t *w, int64_t rb, int64_t r, int64_t n) {
+    uint8_t blk[QB_Q4_K];
+    for (int64_t b = 0; b < n / QK_K; b++) {
+        cyllm_q4k_r16_gather(blk, w, rb, r, b);
+        dequant_block(CYLLM_QF_Q4_K, out + b * QK_K, blk);
+    }
+}
+
+void cyllm_r16_matvec_generic(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n,
+                       int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {
+    (void)nx; (void)nxb;
+    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_K);
+    for (int64_t r = r0; r < r1; r++) {
+        float s = dot_r16(w, rb, r, &a, n / QK_K);
+        out[r] = add ? out[r] + s : s;
+    }
+}
+
+void cyllm_r16_gate_up_generic(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb, const void *xq,
+                        int64_t n, int64_t r0, int64_t r1, int act, const void *nx, int64_t nxb) {
+    (void)nx; (void)nxb;
+    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_K);
+    for (int64_t r = r0; r < r1; r++)
+        out[r] = cyllm_qact_apply(act, dot_r16(wg, rb, r, &a, n / QK_K)) * dot_r16(wu, rb, r, &a, n / QK_K);
+}
+
+void cyllm_r16_gemm_generic(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
+                     int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
+    for (int64_t t = 0; t < T; t++) {
+        cyllm_qact_view a = cyllm_qact_split((const char *)xq + t * xs, n, CYLLM_QA_Q8_K);
+        float *o = out + t * ldo;
+        for (int64_t r = r0; r < r1; r++) {
+            float s = dot_r16(w, rb, r, &a, n / QK_K);
+            o[r] = add ? o[r] + s : s;
+        }
+    }
+}
+
 /* ---- the table: five functions per format from its dot ----------------------------- */
 
 #define QFUNCS(F, FMT, ACT, BLK)                                                            \
@@ -338,8 +431,8 @@ static void deq16_##F(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n, in
                       int64_t r1) {                                                           \
     cyllm_qdequant_rows_f16_generic(FMT, out, w, rb, n, r0, r1);                              \
 }                                                                                             \
-static void deq32_##F(float *out, const uint8_t *row, int64_t n) {                           \
-    cyllm_qdequant_row_f32_generic(FMT, out, row, n);                                         \
+static void deq32_##F(float *out, const uint8_t *w, int64_t rb, int64_t r, int64_t n) {     \
+    cyllm_qdequant_row_f32_generic(FMT, out, w + r * rb, n);                                  \
 }
 
 QFUNCS(q8_0, CYLLM_QF_Q8_0, CYLLM_QA_Q8_0, 32)
@@ -357,5 +450,7 @@ const cyllm_qkernels cyllm_qkernels_generic = {
     "generic",
     quantize_act_generic,
     {QENTRY(q8_0), QENTRY(q4_0), QENTRY(q4_1), QENTRY(q5_0), QENTRY(q5_1),
-     QENTRY(q4_k), QENTRY(q5_k), QENTRY(q6_k)},
+     QENTRY(q4_k), QENTRY(q5_k), QENTRY(q6_k),
+     {cyllm_r16_matvec_generic, cyllm_r16_gate_up_generic, cyllm_r16_gemm_generic, cyllm_r16_deq16,
+      cyllm_r16_deq32}},
 };

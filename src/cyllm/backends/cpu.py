@@ -18,12 +18,14 @@ prefetch is kept on or off, whichever this CPU runs faster (CYLLM_PREFETCH=on|of
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 
 import numpy as np
 
 from ..errors import BackendUnavailableError, InvalidArgumentError
+from ..quant.formats import Q4_K_R16, R16_ROWS
 from ..quant.matrix import QuantMatrix
 from ..threads import resolve_threads
 from .base import DECODE_OPS, Backend, HostArrays
@@ -172,7 +174,7 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         float32 and a 1-D float16 vector float32 (every vector op reads f32). A QuantMatrix
         is used as it is (its blocks, usually in the file's memory map)."""
         if isinstance(a, QuantMatrix):
-            return a
+            return self._native_layout(a)
         a = np.asarray(a)
         if a.dtype == np.float64 or (a.dtype == np.float16 and a.ndim == 1):
             a = a.astype(np.float32)
@@ -181,6 +183,25 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         if a.flags.c_contiguous and a.flags.aligned:
             return a
         return np.ascontiguousarray(a)
+
+    def _native_layout(self, qm: QuantMatrix) -> QuantMatrix:
+        """q4_k with rows in groups of 16 becomes the q4_k_r16 layout where the AVX512-VNNI
+        kernels run (its kernels are 2x the row kernels' speed on Zen 4, matvec and prefill:
+        bench/results/cpu_quant_epyc_zen4.md); the same bytes, reordered once at load (a
+        copy; the file's pages of the tensor are dropped after). CYLLM_Q4K_REPACK=0 keeps
+        the file's layout. Any other matrix is used as it is."""
+        if not (qm.fmt.name == "q4_k" and qm.rows % R16_ROWS == 0 and self._repack_q4k()):
+            return qm
+        out = np.empty_like(qm.data)
+        _k.repack_q4k_r16(out, qm.data, self.threads)
+        _drop_file_pages(qm.data)
+        return QuantMatrix(out, Q4_K_R16, qm.shape)
+
+    def _repack_q4k(self) -> bool:
+        env = os.environ.get("CYLLM_Q4K_REPACK", "").strip()
+        if env not in ("", "0", "1"):
+            raise InvalidArgumentError(f"CYLLM_Q4K_REPACK must be 0 or 1, got {env[:20]!r}")
+        return env != "0" and self.quant_variant == "avx512vnni"
 
     thread_team = True
 
@@ -199,6 +220,29 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
 
     def __repr__(self) -> str:
         return f"CpuBackend(threads={self.threads}, variant={self.kernel_variant!r})"
+
+
+def _drop_file_pages(a: np.ndarray) -> None:
+    """Drop the pages of ``a`` from this process when it is a view of a read-only file
+    mapping (a GGUF tensor converted to another layout is not read again; a later read
+    would fault the pages back in from the file, so this is safe for neighbours too).
+    Anything else (anonymous or writable memory) is left alone."""
+    base = a
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = getattr(base, "base", None) if not isinstance(base, memoryview) else base.obj
+    if base is None or not hasattr(mmap, "MADV_DONTNEED") or base.closed:
+        return
+    start_of_map = np.frombuffer(base, np.uint8, count=1)
+    if start_of_map.flags.writeable:
+        return
+    off = a.ctypes.data - start_of_map.ctypes.data
+    if off < 0 or off + a.nbytes > len(base):
+        return
+    start = off - off % mmap.PAGESIZE
+    try:
+        base.madvise(mmap.MADV_DONTNEED, start, off + a.nbytes - start)
+    except (OSError, ValueError):
+        pass    # advice only
 
 
 def measure_read_bandwidth(threads: int = 1, nbytes: int = 512 << 20, reps: int = 5,

@@ -75,6 +75,13 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     _fmt("q6_k", 14, 256, 210, "q8_k"),
 )}
 _BY_GGML = {f.ggml_type: f for f in FORMATS.values()}
+
+# A layout, not a file format (no GGML type, not in FORMATS): q4_k with the rows of each group
+# of 16 interleaved so that one 512-bit load serves 16 rows (cython_ext/csrc/quant.h has the
+# byte order). The CPU backend makes it at load where its AVX512-VNNI kernels run; the bytes
+# are the file's, reordered, and reference.dequantize reads it back.
+Q4_K_R16 = WeightFormat("q4_k_r16", -1, 256, 144, "q8_k", len(KERNEL_IDS))
+R16_ROWS = 16
 QUANTIZED = tuple(f.name for f in FORMATS.values() if f.quantized)
 
 # activation formats: name -> (block, bytes per block in cyllm's layout)
