@@ -69,6 +69,10 @@ def _prefetch_default() -> str:
 class CpuBackend(HostArrays, _k.CpuKernels, Backend):
     name = "cpu"
     fuse_qkv = False      # weights stay memory-mapped: no concatenated copy
+    # fused quantized tensors (phi3's qkv, gate_up) are cut on the host, where a row slice is
+    # a view of the file, and each part uploaded: q4_k parts may be reordered in groups of
+    # 16 rows (q4_k_r16), whose row views exist only at multiples of 16
+    quant_row_views = False
 
     def __init__(self, threads=None, variant: str | None = None, fused: bool | None = None):
         """threads: None -> OMP_NUM_THREADS or physical cores (cyllm.threads);
