@@ -192,7 +192,7 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         """q4_k with rows in groups of 16 becomes the q4_k_r16 layout where the AVX512-VNNI
         kernels run (its kernels are 2x the row kernels' speed on Zen 4, matvec and prefill:
         bench/results/cpu_quant_epyc_zen4.md); the same bytes, reordered once at load (a
-        copy; the file's pages of the tensor are dropped after). CYLLM_Q4K_REPACK=0 keeps
+        copy; the file's pages of the tensor are dropped after). CYLLM_REPACK=0 keeps
         the file's layout. Any other matrix is used as it is."""
         if not (qm.fmt.name == "q4_k" and qm.rows % R16_ROWS == 0 and self._repack_q4k()):
             return qm
@@ -202,9 +202,9 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         return QuantMatrix(out, Q4_K_R16, qm.shape)
 
     def _repack_q4k(self) -> bool:
-        env = os.environ.get("CYLLM_Q4K_REPACK", "").strip()
+        env = os.environ.get("CYLLM_REPACK", "").strip()
         if env not in ("", "0", "1"):
-            raise InvalidArgumentError(f"CYLLM_Q4K_REPACK must be 0 or 1, got {env[:20]!r}")
+            raise InvalidArgumentError(f"CYLLM_REPACK must be 0 or 1, got {env[:20]!r}")
         return env != "0" and self.quant_variant in R16_VARIANTS
 
     thread_team = True
@@ -304,6 +304,6 @@ def weight_format_kernels(q=None) -> dict:
             continue
         out[f.name] = (f"{q.quant_variant}: {dot} integer dot, x as {f.act} blocks; prefill "
                        + ("int8 GEMM" if q.prefill_method_of(f.name) == "int8" else "f16 panels + f16 GEMM"))
-    if q.quant_variant in R16_VARIANTS and os.environ.get("CYLLM_Q4K_REPACK", "").strip() != "0":
+    if q.quant_variant in R16_VARIANTS and os.environ.get("CYLLM_REPACK", "").strip() != "0":
         out["q4_k"] += "; rows in groups of 16 interleaved at load (q4_k_r16), 16 rows per instruction"
     return out

@@ -142,8 +142,8 @@ def test_cpu_backend_repacks_q4_k_where_avx512vnni_runs(monkeypatch):
     else:
         assert up is qm
     assert be.upload(QuantMatrix(make(20, 256, rng), "q4_k", (20, 256))).fmt.name == "q4_k"   # rows % 16
-    monkeypatch.setenv("CYLLM_Q4K_REPACK", "0")
+    monkeypatch.setenv("CYLLM_REPACK", "0")
     assert be.upload(qm) is qm
-    monkeypatch.setenv("CYLLM_Q4K_REPACK", "yes")
-    with pytest.raises(InvalidArgumentError, match="CYLLM_Q4K_REPACK"):
+    monkeypatch.setenv("CYLLM_REPACK", "yes")
+    with pytest.raises(InvalidArgumentError, match="CYLLM_REPACK"):
         be.upload(qm)
