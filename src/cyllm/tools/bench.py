@@ -575,13 +575,14 @@ def format_markdown(results: list[dict]) -> str:
             r["kernel_variant"], str(r["threads"]), r["test"],
             f"{r['tokens_per_s']:.2f} ± {r['tokens_per_s_stdev']:.2f}", gb, rf]) + " |")
     notes = []
-    for name, mtype, held, synth in dict.fromkeys(
-            (r["model"], r.get("model_type"), r["model_bytes"], r.get("synthetic")) for r in results):
+    for name, mtype, held, synth, fmt in dict.fromkeys(
+            (r["model"], r.get("model_type"), r["model_bytes"], r.get("synthetic"), r.get("weight_format"))
+            for r in results):
         if synth:
-            notes.append(f"{mtype}: {name}, random float16 weights; size = the weights held")
+            notes.append(f"{mtype}: {name}, random {fmt or 'F16'} weights; size = the weights held")
         else:
-            notes.append(f"{mtype}: {name}; size = the file on disk; held in memory as float16 "
-                         f"matrices: {_fmt_bytes(held)}")
+            notes.append(f"{mtype}: {name}; size = the file on disk; weights held in memory "
+                         f"({fmt or 'as loaded'}): {_fmt_bytes(held)}")
     if clamped:
         notes.append("* measured above the probed bandwidth (shown as 100%): the probe "
                      "underestimated what this working set can stream")
