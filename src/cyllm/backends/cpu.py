@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from ..errors import BackendUnavailableError, InvalidArgumentError
-from ..quant.formats import Q4_K_R16, R16_ROWS
+from ..quant.formats import R16_OF, R16_ROWS
 from ..quant.matrix import QuantMatrix
 from ..threads import resolve_threads
 from .base import DECODE_OPS, Backend, HostArrays
@@ -189,19 +189,20 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         return np.ascontiguousarray(a)
 
     def _native_layout(self, qm: QuantMatrix) -> QuantMatrix:
-        """q4_k with rows in groups of 16 becomes the q4_k_r16 layout where the AVX512-VNNI
-        kernels run (its kernels are 2x the row kernels' speed on Zen 4, matvec and prefill:
-        bench/results/cpu_quant_epyc_zen4.md); the same bytes, reordered once at load (a
-        copy; the file's pages of the tensor are dropped after). CYLLM_REPACK=0 keeps
+        """q4_k and q4_0 with rows in groups of 16 become the q4_k_r16 / q4_0_r16 layouts where
+        the AVX512-VNNI kernels run (on Zen 4 their kernels are up to 2x the row kernels' speed,
+        decode and prefill: bench/results/cpu_quant_epyc_zen4.md); the same bytes, reordered once
+        at load (a copy; the file's pages of the tensor are dropped after). CYLLM_REPACK=0 keeps
         the file's layout. Any other matrix is used as it is."""
-        if not (qm.fmt.name == "q4_k" and qm.rows % R16_ROWS == 0 and self._repack_q4k()):
+        r16 = R16_OF.get(qm.fmt.name)
+        if r16 is None or qm.rows % R16_ROWS or not self._repack_r16():
             return qm
         out = np.empty_like(qm.data)
-        _k.repack_q4k_r16(out, qm.data, self.threads)
+        _k.repack_r16(out, qm.data, qm.fmt.name, self.threads)
         _drop_file_pages(qm.data)
-        return QuantMatrix(out, Q4_K_R16, qm.shape)
+        return QuantMatrix(out, r16, qm.shape)
 
-    def _repack_q4k(self) -> bool:
+    def _repack_r16(self) -> bool:
         env = os.environ.get("CYLLM_REPACK", "").strip()
         if env not in ("", "0", "1"):
             raise InvalidArgumentError(f"CYLLM_REPACK must be 0 or 1, got {env[:20]!r}")
@@ -226,11 +227,12 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         return f"CpuBackend(threads={self.threads}, variant={self.kernel_variant!r})"
 
 
-# quantized tables whose q4_k kernels on the r16 layout beat their row kernels, so the backend
-# repacks q4_k at load for them. Zen 4 (bench/results/cpu_quant_epyc_zen4.md): avx512vnni 2x
-# per matvec and GEMM, TinyLlama Q4_K_M decode +30%, prefill +60%. The same algorithm in
-# 256-bit registers for the avx2 table gained 1.1-1.3x per kernel but nothing in the model's
-# decode, so the other tables keep the file's layout (their r16 entries are the portable ones).
+# quantized tables whose kernels on the r16 layouts beat their row kernels, so the backend
+# repacks q4_k and q4_0 at load for them. Zen 4 (bench/results/cpu_quant_epyc_zen4.md),
+# avx512vnni: TinyLlama Q4_K_M decode +30% and prefill +60%, Q4_0 decode +25% and prefill
+# +50%. The q4_k algorithm in 256-bit registers for the avx2 table gained 1.1-1.3x per kernel
+# but nothing in the model's decode, so the other tables keep the file's layout (their r16
+# entries are the portable ones).
 R16_VARIANTS = ("avx512vnni",)
 
 
@@ -305,5 +307,6 @@ def weight_format_kernels(q=None) -> dict:
         out[f.name] = (f"{q.quant_variant}: {dot} integer dot, x as {f.act} blocks; prefill "
                        + ("int8 GEMM" if q.prefill_method_of(f.name) == "int8" else "f16 panels + f16 GEMM"))
     if q.quant_variant in R16_VARIANTS and os.environ.get("CYLLM_REPACK", "").strip() != "0":
-        out["q4_k"] += "; rows in groups of 16 interleaved at load (q4_k_r16), 16 rows per instruction"
+        for name, lay in R16_OF.items():
+            out[name] += f"; rows in groups of 16 interleaved at load ({lay.name}), 16 rows per instruction"
     return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InvalidArgumentError, ModelLoadError
-from .formats import Q4_K_R16, R16_ROWS, WeightFormat, format_by_name
+from .formats import R16_FORMATS, R16_ROWS, WeightFormat, format_by_name
 from .reference import dequantize
 
 
@@ -47,7 +47,7 @@ class QuantMatrix:
                 f"({rows} rows x {rb}), the data has {data.size}")
         if data.ndim == 1:
             data = data.reshape(rows, rb)      # a view: never copies a contiguous buffer
-        if fmt is Q4_K_R16 and rows % R16_ROWS:
+        if fmt in R16_FORMATS and rows % R16_ROWS:
             raise ModelLoadError(f"{name}: a {fmt.name} matrix has a multiple of {R16_ROWS} rows, got {rows}")
         if data.shape != (rows, rb) or not data.flags.c_contiguous:
             raise ModelLoadError(
@@ -85,7 +85,7 @@ class QuantMatrix:
         if not isinstance(rows, slice) or rows.step not in (None, 1):
             raise InvalidArgumentError("a QuantMatrix is indexed by a slice of whole rows only")
         a, b, _ = rows.indices(self.rows)
-        if self.fmt is Q4_K_R16 and (a % R16_ROWS or max(a, b) % R16_ROWS):
+        if self.fmt in R16_FORMATS and (a % R16_ROWS or max(a, b) % R16_ROWS):
             # the layout's byte rows are groups of 16 interleaved rows: only whole groups cut
             raise InvalidArgumentError(
                 f"rows [{a}, {b}) of a {self.fmt.name} matrix: the cut must fall on a multiple of {R16_ROWS}")
@@ -94,7 +94,7 @@ class QuantMatrix:
     def take_rows(self, order: np.ndarray) -> "QuantMatrix":
         """A new QuantMatrix whose row i is row order[i] of this one: whole block rows move
         (a copy of the matrix: (rows, row_bytes) bytes)."""
-        if self.fmt is Q4_K_R16:
+        if self.fmt in R16_FORMATS:
             raise InvalidArgumentError(f"take_rows of a {self.fmt.name} matrix (its byte rows are not rows)")
         return QuantMatrix(np.ascontiguousarray(self.data[np.asarray(order)]), self.fmt, self.shape)
 

@@ -120,9 +120,16 @@ def decode(data: np.ndarray, fmt) -> dict:
     raise InvalidArgumentError(f"decode: {name} is not a block format")
 
 
-def unpack_q4k_r16(data: np.ndarray, cols: int) -> np.ndarray:
-    """The q4_k_r16 layout (rows interleaved by 16, cython_ext/csrc/quant.h) -> the file's
-    q4_k rows, (rows, row_bytes) uint8."""
+def unpack_r16(data: np.ndarray, fmt, cols: int) -> np.ndarray:
+    """The q4_k_r16 / q4_0_r16 layout (rows interleaved by 16, cython_ext/csrc/quant.h) -> the
+    file's q4_k / q4_0 rows, (rows, row_bytes) uint8."""
+    if _fmt(fmt).name == "q4_0_r16":
+        nb = cols // 32
+        g = np.ascontiguousarray(data).view(np.uint8).reshape(-1, nb, 16 * 18)   # (groups, nb, 288)
+        d = g[:, :, 0:32].reshape(-1, nb, 16, 2)
+        qs = g[:, :, 32:].reshape(-1, nb, 4, 16, 4).transpose(0, 1, 3, 2, 4).reshape(-1, nb, 16, 16)
+        blocks = np.concatenate([d, qs], axis=3)                                 # (groups, nb, 16, 18)
+        return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(-1, nb * 18)
     nb = cols // 256
     g = np.ascontiguousarray(data).view(np.uint8).reshape(-1, nb, 16 * 144)     # (groups, nb, 2304)
     d = g[:, :, 0:32].reshape(-1, nb, 16, 2)
@@ -137,12 +144,12 @@ def dequantize(data: np.ndarray, fmt, cols: int | None = None) -> np.ndarray:
     """Block data -> float32, shape (rows, cols) when cols is given, else flat.
 
     Float formats (f32, f16, bf16) are accepted too (raw little-endian bytes), and the
-    q4_k_r16 layout (cols required)."""
+    q4_k_r16 / q4_0_r16 layouts (cols required)."""
     fmt = _fmt(fmt)
-    if fmt.name == "q4_k_r16":
+    if fmt.name in ("q4_k_r16", "q4_0_r16"):
         if cols is None:
-            raise InvalidArgumentError("dequantize of the q4_k_r16 layout needs cols")
-        data, fmt = unpack_q4k_r16(data, cols), FORMATS["q4_k"]
+            raise InvalidArgumentError(f"dequantize of the {fmt.name} layout needs cols")
+        data, fmt = unpack_r16(data, fmt, cols), FORMATS[fmt.name[:4]]
     raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
     if fmt.name == "f32":
         y = raw.view("<f4").astype(F32)
@@ -517,4 +524,4 @@ def matvec(data: np.ndarray, fmt, x: np.ndarray, cols: int) -> np.ndarray:
 
 
 __all__ = ["decode", "dequantize", "quantize", "quantize_act", "pack_act", "qdot", "matvec",
-           "k_scale_min", "unpack_q4k_r16", "FORMATS"]
+           "k_scale_min", "unpack_r16", "FORMATS"]
