@@ -47,11 +47,12 @@ extern "C" {
  * reordered so that one 512-bit load holds 4 nibble-pairs of 16 rows. */
 enum {
     CYLLM_QF_Q8_0 = 0, CYLLM_QF_Q4_0, CYLLM_QF_Q4_1, CYLLM_QF_Q5_0, CYLLM_QF_Q5_1,
-    CYLLM_QF_Q4_K, CYLLM_QF_Q5_K, CYLLM_QF_Q6_K, CYLLM_QF_Q4_K_R16, CYLLM_QF_Q4_0_R16, CYLLM_QF_COUNT
+    CYLLM_QF_Q4_K, CYLLM_QF_Q5_K, CYLLM_QF_Q6_K, CYLLM_QF_Q4_K_R16, CYLLM_QF_Q4_0_R16, CYLLM_QF_Q8_0_R16,
+    CYLLM_QF_COUNT
 };
-/* q4_0_r16: the same for q4_0, per block b (32 elements) of a group: d[16] (f16), then qs as
- * 4 chunks of 64 bytes (chunk c: bytes 4c..4c+3 of each row's qs, row i at 4i): 288 bytes. */
-#define CYLLM_R16_Q40_SB (16 * 18)
+/* q4_0_r16 / q8_0_r16: the same for the 32-element blocks, per block b of a group: d[16] (f16),
+ * then the quant bytes as 4 (q4_0) or 8 (q8_0) chunks of 64 bytes (chunk c: bytes 4c..4c+3 of
+ * each row's qs, row i at 4i): 16 blocks' bytes. */
 #define CYLLM_R16 16                    /* rows per group of the interleaved layout */
 #define CYLLM_R16_SB (16 * 144)         /* bytes of one superblock of a group */
 /* activation formats */
@@ -138,9 +139,9 @@ const cyllm_qkernels *cyllm_qkernels_for_variant(const char *variant);
 void cyllm_q4k_r16_repack(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t g0, int64_t g1);
 /* the file's bytes of superblock b of row r of an r16 matrix -> out (144 bytes) */
 void cyllm_q4k_r16_gather(uint8_t *out, const uint8_t *w, int64_t row_bytes, int64_t r, int64_t b);
-/* the same two for q4_0 (blocks of 18 bytes) */
-void cyllm_q40_r16_repack(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t g0, int64_t g1);
-void cyllm_q40_r16_gather(uint8_t *out, const uint8_t *w, int64_t row_bytes, int64_t r, int64_t b);
+/* the same two for q4_0 and q8_0 (fmt: CYLLM_QF_Q4_0 | CYLLM_QF_Q8_0) */
+void cyllm_b32_r16_repack(int fmt, uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t g0, int64_t g1);
+void cyllm_b32_r16_gather(int fmt, uint8_t *out, const uint8_t *w, int64_t row_bytes, int64_t r, int64_t b);
 
 /* quant_quantize.c: one row of n float32 (n a multiple of the block, finite values)
  * -> out (row_bytes) in format fmt; the bytes of cyllm.quant.reference.quantize

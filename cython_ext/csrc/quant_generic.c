@@ -25,6 +25,7 @@ static const cyllm_qformat_info INFO[CYLLM_QF_COUNT] = {
     {"q6_k", 14, QK_K, QB_Q6_K, CYLLM_QA_Q8_K},
     {"q4_k_r16", -1, QK_K, QB_Q4_K, CYLLM_QA_Q8_K},
     {"q4_0_r16", -1, 32, QB_Q4_0, CYLLM_QA_Q8_0},
+    {"q8_0_r16", -1, 32, QB_Q8_0, CYLLM_QA_Q8_0},
 };
 
 const cyllm_qformat_info *cyllm_qformat(int fmt) {
@@ -394,90 +395,98 @@ void cyllm_r16_gemm_generic(float *out, int64_t ldo, const uint8_t *w, int64_t r
     }
 }
 
-/* ---- q4_0 with rows interleaved by 16 (quant.h) ------------------------------------- */
+/* ---- q4_0 and q8_0 with rows interleaved by 16 (quant.h) ---------------------------- */
 
-void cyllm_q40_r16_repack(uint8_t *dst, const uint8_t *src, int64_t rb, int64_t g0, int64_t g1) {
-    const int64_t nb = rb / QB_Q4_0;
+/* a 32-element block's quant bytes come in 4-byte chunks: 4 (q4_0) or 8 (q8_0) */
+static int b32_chunks(int fmt) { return fmt == CYLLM_QF_Q8_0 ? 8 : 4; }
+
+void cyllm_b32_r16_repack(int fmt, uint8_t *dst, const uint8_t *src, int64_t rb, int64_t g0, int64_t g1) {
+    const int bb = INFO[fmt].block_bytes, nc = b32_chunks(fmt);
+    const int64_t nb = rb / bb;
     for (int64_t g = g0; g < g1; g++)
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t *o = dst + g * CYLLM_R16 * rb + b * CYLLM_R16_Q40_SB;
+            uint8_t *o = dst + g * CYLLM_R16 * rb + b * CYLLM_R16 * bb;
             for (int i = 0; i < CYLLM_R16; i++) {
-                const uint8_t *s = src + (g * CYLLM_R16 + i) * rb + b * QB_Q4_0;
+                const uint8_t *s = src + (g * CYLLM_R16 + i) * rb + b * bb;
                 memcpy(o + 2 * i, s, 2);
-                for (int c = 0; c < 4; c++) memcpy(o + 32 + 64 * c + 4 * i, s + 2 + 4 * c, 4);
+                for (int c = 0; c < nc; c++) memcpy(o + 32 + 64 * c + 4 * i, s + 2 + 4 * c, 4);
             }
         }
 }
 
-void cyllm_q40_r16_gather(uint8_t *out, const uint8_t *w, int64_t rb, int64_t r, int64_t b) {
-    const uint8_t *p = w + (r / CYLLM_R16) * CYLLM_R16 * rb + b * CYLLM_R16_Q40_SB;
+void cyllm_b32_r16_gather(int fmt, uint8_t *out, const uint8_t *w, int64_t rb, int64_t r, int64_t b) {
+    const int bb = INFO[fmt].block_bytes, nc = b32_chunks(fmt);
+    const uint8_t *p = w + (r / CYLLM_R16) * CYLLM_R16 * rb + b * CYLLM_R16 * bb;
     const int i = (int)(r % CYLLM_R16);
     memcpy(out, p + 2 * i, 2);
-    for (int c = 0; c < 4; c++) memcpy(out + 2 + 4 * c, p + 32 + 64 * c + 4 * i, 4);
+    for (int c = 0; c < nc; c++) memcpy(out + 2 + 4 * c, p + 32 + 64 * c + 4 * i, 4);
 }
 
-static float dot_q40_r16(const uint8_t *w, int64_t rb, int64_t r, const cyllm_qact_view *a, int64_t nb) {
-    uint8_t blk[QB_Q4_0];
+/* the generic r16 dot: each block gathered back to the file's bytes, then the format's dot */
+static float dot_b32_r16(int fmt, const uint8_t *w, int64_t rb, int64_t r, const cyllm_qact_view *a, int64_t nb) {
+    uint8_t blk[QB_Q8_0];
     float s = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
-        cyllm_q40_r16_gather(blk, w, rb, r, b);
+        cyllm_b32_r16_gather(fmt, blk, w, rb, r, b);
         cyllm_qact_view ab = *a;
         ab.q += b * 32;
         ab.d += b;
         ab.sum += b;
-        s += dot_q4_0(blk, &ab, 1);
+        s += fmt == CYLLM_QF_Q8_0 ? dot_q8_0(blk, &ab, 1) : dot_q4_0(blk, &ab, 1);
     }
     return s;
 }
 
-void cyllm_q40_r16_deq16(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n, int64_t r0, int64_t r1) {
-    uint8_t blk[QB_Q4_0];
-    float y[32];
-    for (int64_t r = r0; r < r1; r++)
-        for (int64_t b = 0; b < n / 32; b++) {
-            cyllm_q40_r16_gather(blk, w, rb, r, b);
-            dequant_block(CYLLM_QF_Q4_0, y, blk);
-            for (int i = 0; i < 32; i++) out[(r - r0) * n + b * 32 + i] = cyllm_f2h(y[i]);
-        }
+#define B32_R16_FUNCS(F, FMT)                                                                   \
+void cyllm_##F##_r16_deq16(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n, int64_t r0, int64_t r1) { \
+    uint8_t blk[QB_Q8_0];                                                                     \
+    float y[32];                                                                              \
+    for (int64_t r = r0; r < r1; r++)                                                         \
+        for (int64_t b = 0; b < n / 32; b++) {                                                \
+            cyllm_b32_r16_gather(FMT, blk, w, rb, r, b);                                      \
+            dequant_block(FMT, y, blk);                                                       \
+            for (int i = 0; i < 32; i++) out[(r - r0) * n + b * 32 + i] = cyllm_f2h(y[i]);    \
+        }                                                                                     \
+}                                                                                             \
+void cyllm_##F##_r16_deq32(float *out, const uint8_t *w, int64_t rb, int64_t r, int64_t n) { \
+    uint8_t blk[QB_Q8_0];                                                                     \
+    for (int64_t b = 0; b < n / 32; b++) {                                                    \
+        cyllm_b32_r16_gather(FMT, blk, w, rb, r, b);                                          \
+        dequant_block(FMT, out + b * 32, blk);                                                \
+    }                                                                                         \
+}                                                                                             \
+void cyllm_##F##_r16_matvec_generic(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n, \
+                                    int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) { \
+    (void)nx; (void)nxb;                                                                      \
+    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);                               \
+    for (int64_t r = r0; r < r1; r++) {                                                       \
+        float s = dot_b32_r16(FMT, w, rb, r, &a, n / 32);                                     \
+        out[r] = add ? out[r] + s : s;                                                        \
+    }                                                                                         \
+}                                                                                             \
+void cyllm_##F##_r16_gate_up_generic(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb, \
+                                     const void *xq, int64_t n, int64_t r0, int64_t r1, int act, \
+                                     const void *nx, int64_t nxb) {                           \
+    (void)nx; (void)nxb;                                                                      \
+    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);                               \
+    for (int64_t r = r0; r < r1; r++)                                                         \
+        out[r] = cyllm_qact_apply(act, dot_b32_r16(FMT, wg, rb, r, &a, n / 32))               \
+                 * dot_b32_r16(FMT, wu, rb, r, &a, n / 32);                                   \
+}                                                                                             \
+void cyllm_##F##_r16_gemm_generic(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
+                                  int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) { \
+    for (int64_t t = 0; t < T; t++) {                                                         \
+        cyllm_qact_view a = cyllm_qact_split((const char *)xq + t * xs, n, CYLLM_QA_Q8_0);    \
+        float *o = out + t * ldo;                                                             \
+        for (int64_t r = r0; r < r1; r++) {                                                   \
+            float s = dot_b32_r16(FMT, w, rb, r, &a, n / 32);                                 \
+            o[r] = add ? o[r] + s : s;                                                        \
+        }                                                                                     \
+    }                                                                                         \
 }
 
-void cyllm_q40_r16_deq32(float *out, const uint8_t *w, int64_t rb, int64_t r, int64_t n) {
-    uint8_t blk[QB_Q4_0];
-    for (int64_t b = 0; b < n / 32; b++) {
-        cyllm_q40_r16_gather(blk, w, rb, r, b);
-        dequant_block(CYLLM_QF_Q4_0, out + b * 32, blk);
-    }
-}
-
-void cyllm_q40_r16_matvec_generic(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n,
-                                  int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {
-    (void)nx; (void)nxb;
-    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);
-    for (int64_t r = r0; r < r1; r++) {
-        float s = dot_q40_r16(w, rb, r, &a, n / 32);
-        out[r] = add ? out[r] + s : s;
-    }
-}
-
-void cyllm_q40_r16_gate_up_generic(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb, const void *xq,
-                                   int64_t n, int64_t r0, int64_t r1, int act, const void *nx, int64_t nxb) {
-    (void)nx; (void)nxb;
-    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);
-    for (int64_t r = r0; r < r1; r++)
-        out[r] = cyllm_qact_apply(act, dot_q40_r16(wg, rb, r, &a, n / 32)) * dot_q40_r16(wu, rb, r, &a, n / 32);
-}
-
-void cyllm_q40_r16_gemm_generic(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
-                                int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
-    for (int64_t t = 0; t < T; t++) {
-        cyllm_qact_view a = cyllm_qact_split((const char *)xq + t * xs, n, CYLLM_QA_Q8_0);
-        float *o = out + t * ldo;
-        for (int64_t r = r0; r < r1; r++) {
-            float s = dot_q40_r16(w, rb, r, &a, n / 32);
-            o[r] = add ? o[r] + s : s;
-        }
-    }
-}
+B32_R16_FUNCS(q40, CYLLM_QF_Q4_0)
+B32_R16_FUNCS(q80, CYLLM_QF_Q8_0)
 
 /* ---- the table: five functions per format from its dot ----------------------------- */
 
@@ -539,6 +548,5 @@ const cyllm_qkernels cyllm_qkernels_generic = {
      QENTRY(q4_k), QENTRY(q5_k), QENTRY(q6_k),
      {cyllm_r16_matvec_generic, cyllm_r16_gate_up_generic, cyllm_r16_gemm_generic, cyllm_r16_deq16,
       cyllm_r16_deq32},
-     {cyllm_q40_r16_matvec_generic, cyllm_q40_r16_gate_up_generic, cyllm_q40_r16_gemm_generic,
-      cyllm_q40_r16_deq16, cyllm_q40_r16_deq32}},
+     B32_R16_ENTRY_GENERIC(q40), B32_R16_ENTRY_GENERIC(q80)},
 };

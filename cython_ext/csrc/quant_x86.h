@@ -1510,38 +1510,52 @@ static void QF(gemm_r16)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
 }
 #define QX_ENTRY_R16 {QF(matvec_r16), QF(gate_up_r16), QF(gemm_r16), cyllm_r16_deq16, cyllm_r16_deq32}
 
-/* q4_0 on its r16 layout: per 32-element block, 4 loads of 16 rows x 4 bytes, two vpdpbusd
- * each (low nibbles against x[4c..], high against x[16 + 4c..]), the -8 offset from x's block
- * sum, one FMA per block into the row's float accumulator: the same chain for any number of
- * tokens and any split of rows */
-ALWAYS void r16_q40_group(const int C, float *o, int64_t ldo, const uint8_t *g, int64_t nb,
+/* q4_0 and q8_0 on their r16 layouts: per 32-element block, 4 (q4_0) or 8 (q8_0) loads of
+ * 16 rows x 4 bytes. q4_0: two vpdpbusd per load (low nibbles against x[4c..], high against
+ * x[16 + 4c..]), the -8 offset from x's block sum; q8_0: the signed bytes made unsigned
+ * (w + 128, one xor) for one vpdpbusd, 128 x's block sum taken off. Then one FMA per block
+ * into the row's float accumulator: the same chain for any number of tokens and any split of
+ * rows. */
+ALWAYS void r16_b32_group(const int q8, const int C, float *o, int64_t ldo, const uint8_t *g, int64_t nb,
                           const cyllm_qact_view *a, int add, __mmask16 keep) {
-    const __m512i m4 = _mm512_set1_epi8(15);
+    const __m512i m4 = _mm512_set1_epi8(15), sign = _mm512_set1_epi8((char)0x80);
+    const int64_t sb = CYLLM_R16 * (q8 ? QB_Q8_0 : QB_Q4_0);
     __m512 acc[4];
     _Pragma("GCC unroll 4")
     for (int t = 0; t < C; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *p = g + b * CYLLM_R16_Q40_SB;
+        const uint8_t *p = g + b * sb;
         __m512i isum[4];
         _Pragma("GCC unroll 4")
         for (int t = 0; t < C; t++) isum[t] = _mm512_setzero_si512();
-        _Pragma("GCC unroll 4")
-        for (int c = 0; c < 4; c++) {
-            const __m512i v = _mm512_loadu_si512((const void *)(p + 32 + 64 * c));
-            const __m512i vl = _mm512_and_si512(v, m4);
-            const __m512i vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        if (q8) {
+            _Pragma("GCC unroll 8")
+            for (int c = 0; c < 8; c++) {
+                const __m512i v = _mm512_xor_si512(_mm512_loadu_si512((const void *)(p + 32 + 64 * c)), sign);
+                _Pragma("GCC unroll 4")
+                for (int t = 0; t < C; t++)
+                    isum[t] = _mm512_dpbusd_epi32(isum[t], v,
+                                                  _mm512_set1_epi32((int)cyllm_rd32(a[t].q + 32 * b + 4 * c)));
+            }
+        } else {
             _Pragma("GCC unroll 4")
-            for (int t = 0; t < C; t++) {
-                const int8_t *x = a[t].q + 32 * b + 4 * c;
-                isum[t] = _mm512_dpbusd_epi32(isum[t], vl, _mm512_set1_epi32((int)cyllm_rd32(x)));
-                isum[t] = _mm512_dpbusd_epi32(isum[t], vh, _mm512_set1_epi32((int)cyllm_rd32(x + 16)));
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(p + 32 + 64 * c));
+                const __m512i vl = _mm512_and_si512(v, m4);
+                const __m512i vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                _Pragma("GCC unroll 4")
+                for (int t = 0; t < C; t++) {
+                    const int8_t *x = a[t].q + 32 * b + 4 * c;
+                    isum[t] = _mm512_dpbusd_epi32(isum[t], vl, _mm512_set1_epi32((int)cyllm_rd32(x)));
+                    isum[t] = _mm512_dpbusd_epi32(isum[t], vh, _mm512_set1_epi32((int)cyllm_rd32(x + 16)));
+                }
             }
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
         _Pragma("GCC unroll 4")
         for (int t = 0; t < C; t++) {
-            /* sum (q - 8) x = sum q x - 8 sum x, |.| <= 32 * 15 * 127: exact */
-            const __m512i s = _mm512_sub_epi32(isum[t], _mm512_set1_epi32(8 * a[t].sum[b]));
+            /* q4_0: sum (q - 8) x; q8_0: sum (w + 128) x - 128 sum x; both exact in int32 */
+            const __m512i s = _mm512_sub_epi32(isum[t], _mm512_set1_epi32((q8 ? 128 : 8) * a[t].sum[b]));
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(a[t].d[b])), acc[t]);
         }
     }
@@ -1553,52 +1567,53 @@ ALWAYS void r16_q40_group(const int C, float *o, int64_t ldo, const uint8_t *g, 
     }
 }
 
-static void QF(matvec_q40r16)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n,
-                              int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {
-    (void)nx; (void)nxb;
-    const cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);
-    for (int64_t g = r0 / 16; 16 * g < r1; g++)
-        r16_q40_group(1, out + 16 * g, 0, w + 16 * g * rb, n / 32, &a, add, r16_keep(g, r0, r1));
+#define B32_R16_ENTRIES(F, Q8)                                                                  \
+static void QF(matvec_##F##r16)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n, \
+                                int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) { \
+    (void)nx; (void)nxb;                                                                      \
+    const cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);                         \
+    for (int64_t g = r0 / 16; 16 * g < r1; g++)                                               \
+        r16_b32_group(Q8, 1, out + 16 * g, 0, w + 16 * g * rb, n / 32, &a, add, r16_keep(g, r0, r1)); \
+}                                                                                             \
+static void QF(gate_up_##F##r16)(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb, \
+                                 const void *xq, int64_t n, int64_t r0, int64_t r1, int act, \
+                                 const void *nx, int64_t nxb) {                               \
+    (void)nx; (void)nxb;                                                                      \
+    const cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);                         \
+    float gv[16], uv[16];                                                                     \
+    for (int64_t g = r0 / 16; 16 * g < r1; g++) {                                             \
+        r16_b32_group(Q8, 1, gv, 0, wg + 16 * g * rb, n / 32, &a, 0, 0xFFFF);                 \
+        r16_b32_group(Q8, 1, uv, 0, wu + 16 * g * rb, n / 32, &a, 0, 0xFFFF);                 \
+        const int64_t e = 16 * g + 16 < r1 ? 16 * g + 16 : r1;                                \
+        for (int64_t r = 16 * g > r0 ? 16 * g : r0; r < e; r++)                               \
+            out[r] = cyllm_qact_apply(act, gv[r - 16 * g]) * uv[r - 16 * g];                  \
+    }                                                                                         \
+}                                                                                             \
+static void QF(gemm_##F##r16)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
+                              int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) { \
+    cyllm_qact_view a[R16_TB];                                                                \
+    for (int64_t t0 = 0; t0 < T; t0 += R16_TB) {                                              \
+        const int64_t tn = T - t0 < R16_TB ? T - t0 : R16_TB;                                 \
+        for (int64_t t = 0; t < tn; t++)                                                      \
+            a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_0);      \
+        for (int64_t g = r0 / 16; 16 * g < r1; g++) {                                         \
+            const __mmask16 keep = r16_keep(g, r0, r1);                                       \
+            const uint8_t *wg = w + 16 * g * rb;                                              \
+            float *o = out + t0 * ldo + 16 * g;                                               \
+            int64_t t = 0;                                                                    \
+            for (; t + 4 <= tn; t += 4) r16_b32_group(Q8, 4, o + t * ldo, ldo, wg, n / 32, a + t, add, keep); \
+            for (; t < tn; t++) r16_b32_group(Q8, 1, o + t * ldo, ldo, wg, n / 32, a + t, add, keep); \
+        }                                                                                     \
+    }                                                                                         \
 }
-
-static void QF(gate_up_q40r16)(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb, const void *xq,
-                               int64_t n, int64_t r0, int64_t r1, int act, const void *nx, int64_t nxb) {
-    (void)nx; (void)nxb;
-    const cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);
-    float gv[16], uv[16];
-    for (int64_t g = r0 / 16; 16 * g < r1; g++) {
-        r16_q40_group(1, gv, 0, wg + 16 * g * rb, n / 32, &a, 0, 0xFFFF);
-        r16_q40_group(1, uv, 0, wu + 16 * g * rb, n / 32, &a, 0, 0xFFFF);
-        const int64_t e = 16 * g + 16 < r1 ? 16 * g + 16 : r1;
-        for (int64_t r = 16 * g > r0 ? 16 * g : r0; r < e; r++)
-            out[r] = cyllm_qact_apply(act, gv[r - 16 * g]) * uv[r - 16 * g];
-    }
-}
-
-static void QF(gemm_q40r16)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, int64_t xs,
-                            int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
-    cyllm_qact_view a[R16_TB];
-    for (int64_t t0 = 0; t0 < T; t0 += R16_TB) {
-        const int64_t tn = T - t0 < R16_TB ? T - t0 : R16_TB;
-        for (int64_t t = 0; t < tn; t++)
-            a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_0);
-        for (int64_t g = r0 / 16; 16 * g < r1; g++) {
-            const __mmask16 keep = r16_keep(g, r0, r1);
-            const uint8_t *wg = w + 16 * g * rb;
-            float *o = out + t0 * ldo + 16 * g;
-            int64_t t = 0;
-            for (; t + 4 <= tn; t += 4) r16_q40_group(4, o + t * ldo, ldo, wg, n / 32, a + t, add, keep);
-            for (; t < tn; t++) r16_q40_group(1, o + t * ldo, ldo, wg, n / 32, a + t, add, keep);
-        }
-    }
-}
-#define QX_ENTRY_Q40R16 {QF(matvec_q40r16), QF(gate_up_q40r16), QF(gemm_q40r16), cyllm_q40_r16_deq16, \
-                         cyllm_q40_r16_deq32}
+B32_R16_ENTRIES(q40, 0)
+B32_R16_ENTRIES(q80, 1)
+#define QX_ENTRY_B32R16(F) {QF(matvec_##F##r16), QF(gate_up_##F##r16), QF(gemm_##F##r16), cyllm_##F##_r16_deq16, \
+                            cyllm_##F##_r16_deq32}
 #else
 #define QX_ENTRY_R16 {cyllm_r16_matvec_generic, cyllm_r16_gate_up_generic, cyllm_r16_gemm_generic, \
                       cyllm_r16_deq16, cyllm_r16_deq32}
-#define QX_ENTRY_Q40R16 {cyllm_q40_r16_matvec_generic, cyllm_q40_r16_gate_up_generic, cyllm_q40_r16_gemm_generic, \
-                         cyllm_q40_r16_deq16, cyllm_q40_r16_deq32}
+#define QX_ENTRY_B32R16(F) B32_R16_ENTRY_GENERIC(F)
 #endif
 
 #define QX_ENTRY(F) {QF(matvec_##F), QF(gate_up_##F), QF(gemm_##F), QF(deq16_##F), QF(deq32_##F)}
@@ -1618,5 +1633,5 @@ const cyllm_qkernels QX_TABLE = {
     QX_NAME,
     QF(quantize_act_x86_),
     {QX_ENTRY_Q8_0, QX_ENTRY_NIB(q4_0), QX_ENTRY_NIB(q4_1), QX_ENTRY_NIB(q5_0), QX_ENTRY_NIB(q5_1),
-     QX_ENTRY_Q4_K, QX_ENTRY(q5_k), QX_ENTRY_Q6_K, QX_ENTRY_R16, QX_ENTRY_Q40R16},
+     QX_ENTRY_Q4_K, QX_ENTRY(q5_k), QX_ENTRY_Q6_K, QX_ENTRY_R16, QX_ENTRY_B32R16(q40), QX_ENTRY_B32R16(q80)},
 };
