@@ -198,8 +198,13 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         if r16 is None or qm.rows % R16_ROWS or not self._repack_r16():
             return qm
         out = np.empty_like(qm.data)
-        _k.repack_r16(out, qm.data, qm.fmt.name, self.threads)
-        _drop_file_pages(qm.data)
+        # in slices of whole groups, each slice's file pages dropped once copied: the resident
+        # set grows by one slice, not by the tensor (a 128k-vocab embedding is ~300 MB)
+        step = max(R16_ROWS, (_REPACK_SLICE // qm.row_bytes) // R16_ROWS * R16_ROWS)
+        for a in range(0, qm.rows, step):
+            b = min(qm.rows, a + step)
+            _k.repack_r16(out[a:b], qm.data[a:b], qm.fmt.name, self.threads)
+            _drop_file_pages(qm.data[a:b])
         return QuantMatrix(out, r16, qm.shape)
 
     def _repack_r16(self) -> bool:
@@ -234,6 +239,9 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
 # but nothing in the model's decode, so the other tables keep the file's layout (their r16
 # entries are the portable ones).
 R16_VARIANTS = ("avx512vnni",)
+
+
+_REPACK_SLICE = 16 << 20        # bytes of a tensor reordered between two drops of its file pages
 
 
 def _drop_file_pages(a: np.ndarray) -> None:
