@@ -38,9 +38,10 @@
 extern "C" {
 #endif
 
-/* weight formats: the kernel_id of cyllm.quant.formats (KERNEL_IDS order). The last one is
- * no file's: q4_k with rows interleaved by 16 (cyllm_q4k_r16_repack; the CPU backend makes it
- * at load where the AVX512-VNNI kernels run). Per superblock b, a group of 16 rows g stores
+/* weight formats: the kernel_id of cyllm.quant.formats (KERNEL_IDS order). The last three are
+ * no file's: q4_k, q4_0 and q8_0 with rows interleaved by 16 (cyllm_q4k_r16_repack,
+ * cyllm_b32_r16_repack; the CPU backend makes them at load where the AVX512-VNNI kernels run).
+ * q4_k_r16: per superblock b, a group of 16 rows g stores
  * 2304 bytes at w + 16 g row_bytes + 2304 b: d[16] (f16), dmin[16] (f16), scales[12][16]
  * (byte k of row i's packed scales at 64 + 16 k + i), then qs as 32 chunks of 64 bytes
  * (chunk c: bytes 4c..4c+3 of each row's qs, row i at 4i): the same bytes as the file's,
