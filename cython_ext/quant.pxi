@@ -14,8 +14,8 @@ from libc.stdint cimport uintptr_t
 
 cdef extern from "csrc/quant.h" nogil:
     enum:
-        CYLLM_QF_COUNT, CYLLM_QF_Q8_0, CYLLM_QF_Q4_0, CYLLM_QF_Q4_K, CYLLM_QF_Q4_K_R16, CYLLM_QF_Q4_0_R16
-        CYLLM_QF_Q8_0_R16, CYLLM_R16
+        CYLLM_QF_COUNT, CYLLM_QF_Q8_0, CYLLM_QF_Q4_0, CYLLM_QF_Q4_1, CYLLM_QF_Q4_K, CYLLM_QF_Q4_K_R16
+        CYLLM_QF_Q4_0_R16, CYLLM_QF_Q8_0_R16, CYLLM_QF_Q4_1_R16, CYLLM_R16
         CYLLM_QA_Q8_0, CYLLM_QA_Q8_K
         CYLLM_QCPU_AVX2, CYLLM_QCPU_AVXVNNI, CYLLM_QCPU_AVX512VNNI
     ctypedef struct cyllm_qformat_info:
@@ -158,8 +158,8 @@ cdef inline cnp.ndarray _qweights(object w, str name, int fmt, Py_ssize_t *cols)
         raise InvalidArgumentError(
             f"{name}: a row of {rb} bytes is not a whole number of {fi.name.decode()} blocks "
             f"({fi.block_bytes} bytes)")
-    if (fmt == CYLLM_QF_Q4_K_R16 or fmt == CYLLM_QF_Q4_0_R16 or fmt == CYLLM_QF_Q8_0_R16) \
-            and cnp.PyArray_DIM(a, 0) % CYLLM_R16:
+    if (fmt == CYLLM_QF_Q4_K_R16 or fmt == CYLLM_QF_Q4_0_R16 or fmt == CYLLM_QF_Q8_0_R16
+            or fmt == CYLLM_QF_Q4_1_R16) and cnp.PyArray_DIM(a, 0) % CYLLM_R16:
         # the kernels read whole groups of 16 rows
         raise InvalidArgumentError(
             f"{name}: a {fi.name.decode()} matrix has a multiple of {CYLLM_R16} rows, got {cnp.PyArray_DIM(a, 0)}")
@@ -168,14 +168,22 @@ cdef inline cnp.ndarray _qweights(object w, str name, int fmt, Py_ssize_t *cols)
 
 
 def repack_r16(out, w, fmt, threads=1):
-    """out (rows, row_bytes) uint8 = the q4_k, q4_0 or q8_0 (fmt) matrix w (the same shape, rows
+    """out (rows, row_bytes) uint8 = the q4_k, q4_0, q8_0 or q4_1 (fmt) matrix w (the same shape, rows
     a multiple of 16) with its rows interleaved by 16 (the r16 layouts of csrc/quant.h: the same
     bytes, reordered); groups of rows split over `threads`."""
     cdef int f = _qfmt(fmt)
-    if f != CYLLM_QF_Q4_K and f != CYLLM_QF_Q4_0 and f != CYLLM_QF_Q8_0:
-        raise InvalidArgumentError(f"repack_r16: q4_k, q4_0 or q8_0 only, got {fmt!r}")
     cdef int k = 1 if f == CYLLM_QF_Q4_K else 0
-    cdef int lay = CYLLM_QF_Q4_K_R16 if k else (CYLLM_QF_Q4_0_R16 if f == CYLLM_QF_Q4_0 else CYLLM_QF_Q8_0_R16)
+    cdef int lay
+    if f == CYLLM_QF_Q4_K:
+        lay = CYLLM_QF_Q4_K_R16
+    elif f == CYLLM_QF_Q4_0:
+        lay = CYLLM_QF_Q4_0_R16
+    elif f == CYLLM_QF_Q8_0:
+        lay = CYLLM_QF_Q8_0_R16
+    elif f == CYLLM_QF_Q4_1:
+        lay = CYLLM_QF_Q4_1_R16
+    else:
+        raise InvalidArgumentError(f"repack_r16: q4_k, q4_0, q8_0 or q4_1 only, got {fmt!r}")
     cdef Py_ssize_t n, n2
     cdef cnp.ndarray aw = _qweights(w, "w", f, &n)
     if not cnp.PyArray_Check(out) or not cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out):
@@ -209,7 +217,7 @@ def quantize_rows(out, x, fmt, threads=1):
     quantizers, the bytes of cyllm.quant.reference.quantize); rows split over `threads`.
     x must be finite (checked) and cols a multiple of the format's block."""
     cdef int f = _qfmt(fmt)
-    if f == CYLLM_QF_Q4_K_R16 or f == CYLLM_QF_Q4_0_R16 or f == CYLLM_QF_Q8_0_R16:
+    if f == CYLLM_QF_Q4_K_R16 or f == CYLLM_QF_Q4_0_R16 or f == CYLLM_QF_Q8_0_R16 or f == CYLLM_QF_Q4_1_R16:
         raise InvalidArgumentError("quantize to the file format, then repack_r16: the r16 formats are layouts, not quantizers")
     cdef cnp.ndarray ax = _arr(x, "x", cnp.NPY_FLOAT32, 2, False)
     cdef Py_ssize_t rows = cnp.PyArray_DIM(ax, 0), cols = cnp.PyArray_DIM(ax, 1), n

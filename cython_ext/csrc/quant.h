@@ -38,8 +38,8 @@
 extern "C" {
 #endif
 
-/* weight formats: the kernel_id of cyllm.quant.formats (KERNEL_IDS order). The last three are
- * no file's: q4_k, q4_0 and q8_0 with rows interleaved by 16 (cyllm_q4k_r16_repack,
+/* weight formats: the kernel_id of cyllm.quant.formats (KERNEL_IDS order). The last four are
+ * no file's: q4_k, q4_0, q8_0 and q4_1 with rows interleaved by 16 (cyllm_q4k_r16_repack,
  * cyllm_b32_r16_repack; the CPU backend makes them at load where the AVX512-VNNI kernels run).
  * q4_k_r16: per superblock b, a group of 16 rows g stores
  * 2304 bytes at w + 16 g row_bytes + 2304 b: d[16] (f16), dmin[16] (f16), scales[12][16]
@@ -49,11 +49,11 @@ extern "C" {
 enum {
     CYLLM_QF_Q8_0 = 0, CYLLM_QF_Q4_0, CYLLM_QF_Q4_1, CYLLM_QF_Q5_0, CYLLM_QF_Q5_1,
     CYLLM_QF_Q4_K, CYLLM_QF_Q5_K, CYLLM_QF_Q6_K, CYLLM_QF_Q4_K_R16, CYLLM_QF_Q4_0_R16, CYLLM_QF_Q8_0_R16,
-    CYLLM_QF_COUNT
+    CYLLM_QF_Q4_1_R16, CYLLM_QF_COUNT
 };
-/* q4_0_r16 / q8_0_r16: the same for the 32-element blocks, per block b of a group: d[16] (f16),
- * then the quant bytes as 4 (q4_0) or 8 (q8_0) chunks of 64 bytes (chunk c: bytes 4c..4c+3 of
- * each row's qs, row i at 4i): 16 blocks' bytes. */
+/* q4_0_r16 / q8_0_r16 / q4_1_r16: the same for the 32-element blocks, per block b of a group:
+ * d[16] (f16) (q4_1: then m[16]), then the quant bytes as 4 (q4_0, q4_1) or 8 (q8_0) chunks
+ * of 64 bytes (chunk c: bytes 4c..4c+3 of each row's qs, row i at 4i): 16 blocks' bytes. */
 #define CYLLM_R16 16                    /* rows per group of the interleaved layout */
 #define CYLLM_R16_SB (16 * 144)         /* bytes of one superblock of a group */
 /* activation formats */
@@ -140,7 +140,7 @@ const cyllm_qkernels *cyllm_qkernels_for_variant(const char *variant);
 void cyllm_q4k_r16_repack(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t g0, int64_t g1);
 /* the file's bytes of superblock b of row r of an r16 matrix -> out (144 bytes) */
 void cyllm_q4k_r16_gather(uint8_t *out, const uint8_t *w, int64_t row_bytes, int64_t r, int64_t b);
-/* the same two for q4_0 and q8_0 (fmt: CYLLM_QF_Q4_0 | CYLLM_QF_Q8_0) */
+/* the same two for q4_0, q8_0 and q4_1 (fmt: CYLLM_QF_Q4_0 | CYLLM_QF_Q8_0 | CYLLM_QF_Q4_1) */
 void cyllm_b32_r16_repack(int fmt, uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t g0, int64_t g1);
 void cyllm_b32_r16_gather(int fmt, uint8_t *out, const uint8_t *w, int64_t row_bytes, int64_t r, int64_t b);
 

@@ -26,6 +26,7 @@ static const cyllm_qformat_info INFO[CYLLM_QF_COUNT] = {
     {"q4_k_r16", -1, QK_K, QB_Q4_K, CYLLM_QA_Q8_K},
     {"q4_0_r16", -1, 32, QB_Q4_0, CYLLM_QA_Q8_0},
     {"q8_0_r16", -1, 32, QB_Q8_0, CYLLM_QA_Q8_0},
+    {"q4_1_r16", -1, 32, QB_Q4_1, CYLLM_QA_Q8_0},
 };
 
 const cyllm_qformat_info *cyllm_qformat(int fmt) {
@@ -397,29 +398,31 @@ void cyllm_r16_gemm_generic(float *out, int64_t ldo, const uint8_t *w, int64_t r
 
 /* ---- q4_0 and q8_0 with rows interleaved by 16 (quant.h) ---------------------------- */
 
-/* a 32-element block's quant bytes come in 4-byte chunks: 4 (q4_0) or 8 (q8_0) */
+/* a 32-element block's quant bytes come in 4-byte chunks: 4 (q4_0, q4_1) or 8 (q8_0), after
+ * a header of f16 fields: d (q4_1: d, m), each stored as a plane of 16 */
 static int b32_chunks(int fmt) { return fmt == CYLLM_QF_Q8_0 ? 8 : 4; }
+static int b32_fields(int fmt) { return fmt == CYLLM_QF_Q4_1 ? 2 : 1; }
 
 void cyllm_b32_r16_repack(int fmt, uint8_t *dst, const uint8_t *src, int64_t rb, int64_t g0, int64_t g1) {
-    const int bb = INFO[fmt].block_bytes, nc = b32_chunks(fmt);
+    const int bb = INFO[fmt].block_bytes, nc = b32_chunks(fmt), nf = b32_fields(fmt);
     const int64_t nb = rb / bb;
     for (int64_t g = g0; g < g1; g++)
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *o = dst + g * CYLLM_R16 * rb + b * CYLLM_R16 * bb;
             for (int i = 0; i < CYLLM_R16; i++) {
                 const uint8_t *s = src + (g * CYLLM_R16 + i) * rb + b * bb;
-                memcpy(o + 2 * i, s, 2);
-                for (int c = 0; c < nc; c++) memcpy(o + 32 + 64 * c + 4 * i, s + 2 + 4 * c, 4);
+                for (int f = 0; f < nf; f++) memcpy(o + 32 * f + 2 * i, s + 2 * f, 2);
+                for (int c = 0; c < nc; c++) memcpy(o + 32 * nf + 64 * c + 4 * i, s + 2 * nf + 4 * c, 4);
             }
         }
 }
 
 void cyllm_b32_r16_gather(int fmt, uint8_t *out, const uint8_t *w, int64_t rb, int64_t r, int64_t b) {
-    const int bb = INFO[fmt].block_bytes, nc = b32_chunks(fmt);
+    const int bb = INFO[fmt].block_bytes, nc = b32_chunks(fmt), nf = b32_fields(fmt);
     const uint8_t *p = w + (r / CYLLM_R16) * CYLLM_R16 * rb + b * CYLLM_R16 * bb;
     const int i = (int)(r % CYLLM_R16);
-    memcpy(out, p + 2 * i, 2);
-    for (int c = 0; c < nc; c++) memcpy(out + 2 + 4 * c, p + 32 + 64 * c + 4 * i, 4);
+    for (int f = 0; f < nf; f++) memcpy(out + 2 * f, p + 32 * f + 2 * i, 2);
+    for (int c = 0; c < nc; c++) memcpy(out + 2 * nf + 4 * c, p + 32 * nf + 64 * c + 4 * i, 4);
 }
 
 /* the generic r16 dot: each block gathered back to the file's bytes, then the format's dot */
@@ -432,7 +435,8 @@ static float dot_b32_r16(int fmt, const uint8_t *w, int64_t rb, int64_t r, const
         ab.q += b * 32;
         ab.d += b;
         ab.sum += b;
-        s += fmt == CYLLM_QF_Q8_0 ? dot_q8_0(blk, &ab, 1) : dot_q4_0(blk, &ab, 1);
+        s += fmt == CYLLM_QF_Q8_0 ? dot_q8_0(blk, &ab, 1) : fmt == CYLLM_QF_Q4_1 ? dot_q4_1(blk, &ab, 1)
+                                                                              : dot_q4_0(blk, &ab, 1);
     }
     return s;
 }
@@ -487,6 +491,7 @@ void cyllm_##F##_r16_gemm_generic(float *out, int64_t ldo, const uint8_t *w, int
 
 B32_R16_FUNCS(q40, CYLLM_QF_Q4_0)
 B32_R16_FUNCS(q80, CYLLM_QF_Q8_0)
+B32_R16_FUNCS(q41, CYLLM_QF_Q4_1)
 
 /* ---- the table: five functions per format from its dot ----------------------------- */
 
@@ -548,5 +553,5 @@ const cyllm_qkernels cyllm_qkernels_generic = {
      QENTRY(q4_k), QENTRY(q5_k), QENTRY(q6_k),
      {cyllm_r16_matvec_generic, cyllm_r16_gate_up_generic, cyllm_r16_gemm_generic, cyllm_r16_deq16,
       cyllm_r16_deq32},
-     B32_R16_ENTRY_GENERIC(q40), B32_R16_ENTRY_GENERIC(q80)},
+     B32_R16_ENTRY_GENERIC(q40), B32_R16_ENTRY_GENERIC(q80), B32_R16_ENTRY_GENERIC(q41)},
 };

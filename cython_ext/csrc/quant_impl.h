@@ -65,7 +65,7 @@ void cyllm_r16_gate_up_generic(float *out, const uint8_t *wg, const uint8_t *wu,
                                int64_t n, int64_t r0, int64_t r1, int act, const void *nx, int64_t nxb);
 void cyllm_r16_gemm_generic(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
                             int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add);
-/* q4_0 / q8_0 r16 portable entries (quant_generic.c): F = q40 | q80 */
+/* q4_0 / q8_0 / q4_1 r16 portable entries (quant_generic.c): F = q40 | q80 | q41 */
 #define B32_R16_DECL(F)                                                                          \
 void cyllm_##F##_r16_deq16(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n, int64_t r0, int64_t r1); \
 void cyllm_##F##_r16_deq32(float *out, const uint8_t *w, int64_t rb, int64_t r, int64_t n);  \
@@ -78,6 +78,7 @@ void cyllm_##F##_r16_gemm_generic(float *out, int64_t ldo, const uint8_t *w, int
                                   int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add);
 B32_R16_DECL(q40)
 B32_R16_DECL(q80)
+B32_R16_DECL(q41)
 #define B32_R16_ENTRY_GENERIC(F) {cyllm_##F##_r16_matvec_generic, cyllm_##F##_r16_gate_up_generic, \
                                   cyllm_##F##_r16_gemm_generic, cyllm_##F##_r16_deq16, cyllm_##F##_r16_deq32}
 

@@ -1510,16 +1510,19 @@ static void QF(gemm_r16)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
 }
 #define QX_ENTRY_R16 {QF(matvec_r16), QF(gate_up_r16), QF(gemm_r16), cyllm_r16_deq16, cyllm_r16_deq32}
 
-/* q4_0 and q8_0 on their r16 layouts: per 32-element block, 4 (q4_0) or 8 (q8_0) loads of
+/* q4_0, q8_0 and q4_1 on their r16 layouts: per 32-element block, 4 (q4_0, q4_1) or 8 (q8_0) loads of
  * 16 rows x 4 bytes. q4_0: two vpdpbusd per load (low nibbles against x[4c..], high against
  * x[16 + 4c..]), the -8 offset from x's block sum; q8_0: the signed bytes made unsigned
  * (w + 128, one xor) for one vpdpbusd, 128 x's block sum taken off. Then one FMA per block
  * into the row's float accumulator: the same chain for any number of tokens and any split of
  * rows. */
-ALWAYS void r16_b32_group(const int q8, const int C, float *o, int64_t ldo, const uint8_t *g, int64_t nb,
+ALWAYS void r16_b32_group(const int kind, const int C, float *o, int64_t ldo, const uint8_t *g, int64_t nb,
                           const cyllm_qact_view *a, int add, __mmask16 keep) {
+    /* kind: 0 q4_0, 1 q8_0, 2 q4_1 (q4_0's nibbles with a min: d q + m, the m plane after d's) */
+    const int q8 = kind == 1, q41 = kind == 2;
+    const int hdr = q41 ? 64 : 32;                  /* the f16 planes before the chunks */
     const __m512i m4 = _mm512_set1_epi8(15), sign = _mm512_set1_epi8((char)0x80);
-    const int64_t sb = CYLLM_R16 * (q8 ? QB_Q8_0 : QB_Q4_0);
+    const int64_t sb = CYLLM_R16 * (q8 ? QB_Q8_0 : q41 ? QB_Q4_1 : QB_Q4_0);
     __m512 acc[4];
     _Pragma("GCC unroll 4")
     for (int t = 0; t < C; t++) acc[t] = _mm512_setzero_ps();
@@ -1531,7 +1534,7 @@ ALWAYS void r16_b32_group(const int q8, const int C, float *o, int64_t ldo, cons
         if (q8) {
             _Pragma("GCC unroll 8")
             for (int c = 0; c < 8; c++) {
-                const __m512i v = _mm512_xor_si512(_mm512_loadu_si512((const void *)(p + 32 + 64 * c)), sign);
+                const __m512i v = _mm512_xor_si512(_mm512_loadu_si512((const void *)(p + hdr + 64 * c)), sign);
                 _Pragma("GCC unroll 4")
                 for (int t = 0; t < C; t++)
                     isum[t] = _mm512_dpbusd_epi32(isum[t], v,
@@ -1540,7 +1543,7 @@ ALWAYS void r16_b32_group(const int q8, const int C, float *o, int64_t ldo, cons
         } else {
             _Pragma("GCC unroll 4")
             for (int c = 0; c < 4; c++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(p + 32 + 64 * c));
+                const __m512i v = _mm512_loadu_si512((const void *)(p + hdr + 64 * c));
                 const __m512i vl = _mm512_and_si512(v, m4);
                 const __m512i vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
                 _Pragma("GCC unroll 4")
@@ -1552,11 +1555,17 @@ ALWAYS void r16_b32_group(const int q8, const int C, float *o, int64_t ldo, cons
             }
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        const __m512 m = q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32))) : d;
         _Pragma("GCC unroll 4")
         for (int t = 0; t < C; t++) {
-            /* q4_0: sum (q - 8) x; q8_0: sum (w + 128) x - 128 sum x; both exact in int32 */
-            const __m512i s = _mm512_sub_epi32(isum[t], _mm512_set1_epi32((q8 ? 128 : 8) * a[t].sum[b]));
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(a[t].d[b])), acc[t]);
+            /* q4_0: sum (q - 8) x; q8_0: sum (w + 128) x - 128 sum x; q4_1: sum q x (its min
+             * below); exact in int32 */
+            const int off = q8 ? 128 : q41 ? 0 : 8;
+            const __m512i s = _mm512_sub_epi32(isum[t], _mm512_set1_epi32(off * a[t].sum[b]));
+            const __m512 dx = _mm512_set1_ps(a[t].d[b]);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, dx), acc[t]);
+            if (q41)                        /* + m * (d_x sum x) */
+                acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a[t].d[b] * (float)a[t].sum[b]), acc[t]);
         }
     }
     _Pragma("GCC unroll 4")
@@ -1608,6 +1617,7 @@ static void QF(gemm_##F##r16)(float *out, int64_t ldo, const uint8_t *w, int64_t
 }
 B32_R16_ENTRIES(q40, 0)
 B32_R16_ENTRIES(q80, 1)
+B32_R16_ENTRIES(q41, 2)
 #define QX_ENTRY_B32R16(F) {QF(matvec_##F##r16), QF(gate_up_##F##r16), QF(gemm_##F##r16), cyllm_##F##_r16_deq16, \
                             cyllm_##F##_r16_deq32}
 #else
@@ -1633,5 +1643,5 @@ const cyllm_qkernels QX_TABLE = {
     QX_NAME,
     QF(quantize_act_x86_),
     {QX_ENTRY_Q8_0, QX_ENTRY_NIB(q4_0), QX_ENTRY_NIB(q4_1), QX_ENTRY_NIB(q5_0), QX_ENTRY_NIB(q5_1),
-     QX_ENTRY_Q4_K, QX_ENTRY(q5_k), QX_ENTRY_Q6_K, QX_ENTRY_R16, QX_ENTRY_B32R16(q40), QX_ENTRY_B32R16(q80)},
+     QX_ENTRY_Q4_K, QX_ENTRY(q5_k), QX_ENTRY_Q6_K, QX_ENTRY_R16, QX_ENTRY_B32R16(q40), QX_ENTRY_B32R16(q80), QX_ENTRY_B32R16(q41)},
 };

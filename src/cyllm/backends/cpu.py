@@ -189,7 +189,7 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         return np.ascontiguousarray(a)
 
     def _native_layout(self, qm: QuantMatrix) -> QuantMatrix:
-        """q4_k, q4_0 and q8_0 with rows in groups of 16 become their r16 layouts where
+        """q4_k, q4_0, q8_0 and q4_1 with rows in groups of 16 become their r16 layouts where
         the AVX512-VNNI kernels run (on Zen 4 their kernels are up to 2x the row kernels' speed,
         decode and prefill: bench/results/cpu_quant_epyc_zen4.md); the same bytes, reordered once
         at load (a copy; the file's pages of the tensor are dropped after). CYLLM_REPACK=0 keeps
@@ -233,9 +233,10 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
 
 
 # quantized tables whose kernels on the r16 layouts beat their row kernels, so the backend
-# repacks q4_k, q4_0 and q8_0 at load for them. Zen 4 (bench/results/cpu_quant_epyc_zen4.md),
+# repacks q4_k, q4_0, q8_0 and q4_1 at load for them. Zen 4 (bench/results/cpu_quant_epyc_zen4.md),
 # avx512vnni: TinyLlama Q4_K_M decode +30% and prefill +60%, Q4_0 decode +25% and prefill
-# +50%, Q8_0 decode +10% and prefill +90%. The q4_k algorithm in 256-bit registers for the avx2 table gained 1.1-1.3x per kernel
+# +50%, Q8_0 decode +10% and prefill +90%; the default model (SmolLM2-135M Q4_1) decode +30%
+# and prefill +65%. The q4_k algorithm in 256-bit registers for the avx2 table gained 1.1-1.3x per kernel
 # but nothing in the model's decode, so the other tables keep the file's layout (their r16
 # entries are the portable ones).
 R16_VARIANTS = ("avx512vnni",)

@@ -122,15 +122,16 @@ def decode(data: np.ndarray, fmt) -> dict:
 
 def unpack_r16(data: np.ndarray, fmt, cols: int) -> np.ndarray:
     """An r16 layout (rows interleaved by 16, cython_ext/csrc/quant.h: q4_k_r16, q4_0_r16,
-    q8_0_r16) -> the file format's rows, (rows, row_bytes) uint8."""
+    q8_0_r16, q4_1_r16) -> the file format's rows, (rows, row_bytes) uint8."""
     f = _fmt(fmt)
     if f.block == 32:
         nb, bb = cols // 32, f.block_bytes
-        nc = (bb - 2) // 4                                                       # 4-byte chunks
+        nf = 2 if f.name == "q4_1_r16" else 1                                    # f16 fields: d (, m)
+        nc = (bb - 2 * nf) // 4                                                  # 4-byte chunks
         g = np.ascontiguousarray(data).view(np.uint8).reshape(-1, nb, 16 * bb)   # (groups, nb, 16 bb)
-        d = g[:, :, 0:32].reshape(-1, nb, 16, 2)
-        qs = g[:, :, 32:].reshape(-1, nb, nc, 16, 4).transpose(0, 1, 3, 2, 4).reshape(-1, nb, 16, 4 * nc)
-        blocks = np.concatenate([d, qs], axis=3)                                 # (groups, nb, 16, bb)
+        fields = [g[:, :, 32 * k:32 * k + 32].reshape(-1, nb, 16, 2) for k in range(nf)]
+        qs = g[:, :, 32 * nf:].reshape(-1, nb, nc, 16, 4).transpose(0, 1, 3, 2, 4).reshape(-1, nb, 16, 4 * nc)
+        blocks = np.concatenate(fields + [qs], axis=3)                           # (groups, nb, 16, bb)
         return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(-1, nb * bb)
     nb = cols // 256
     g = np.ascontiguousarray(data).view(np.uint8).reshape(-1, nb, 16 * 144)     # (groups, nb, 2304)
@@ -148,7 +149,7 @@ def dequantize(data: np.ndarray, fmt, cols: int | None = None) -> np.ndarray:
     Float formats (f32, f16, bf16) are accepted too (raw little-endian bytes), and the
     r16 layouts (cols required)."""
     fmt = _fmt(fmt)
-    if fmt.name in ("q4_k_r16", "q4_0_r16", "q8_0_r16"):
+    if fmt.name in ("q4_k_r16", "q4_0_r16", "q8_0_r16", "q4_1_r16"):
         if cols is None:
             raise InvalidArgumentError(f"dequantize of the {fmt.name} layout needs cols")
         data, fmt = unpack_r16(data, fmt, cols), FORMATS[fmt.name[:4]]
