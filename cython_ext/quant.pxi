@@ -6,7 +6,8 @@
 # the format is a kernel id (cyllm.quant.FORMATS[name].kernel_id) or its name. x is
 # quantized once per call into the format's activation blocks (an internal buffer that
 # grows once and is kept: nothing allocates per token), then the rows are split over
-# `threads` OpenMP threads in contiguous runs of whole 4-row groups. Each row is one
+# `threads` OpenMP threads in contiguous runs of whole 4-row groups (16 for the r16 layouts:
+# _row_at). Each row is one
 # C call's fixed-order work, so the bits do not depend on the thread count.
 
 from libc.stdint cimport uint8_t, int8_t
@@ -18,6 +19,7 @@ cdef extern from "csrc/quant.h" nogil:
         CYLLM_QF_Q4_0_R16, CYLLM_QF_Q8_0_R16, CYLLM_QF_Q4_1_R16, CYLLM_R16
         CYLLM_QA_Q8_0, CYLLM_QA_Q8_K
         CYLLM_QCPU_AVX2, CYLLM_QCPU_AVXVNNI, CYLLM_QCPU_AVX512VNNI
+    int cyllm_qf_is_r16(int fmt) noexcept
     ctypedef struct cyllm_qformat_info:
         const char *name
         int ggml_type, block, block_bytes, act
@@ -38,7 +40,7 @@ cdef extern from "csrc/quant.h" nogil:
         const char *name
         void (*quantize_act)(void *xq, const float *x, int64_t n, int act, int64_t b0,
                              int64_t b1) noexcept nogil
-        cyllm_qfmt_kernels fmt[8]
+        cyllm_qfmt_kernels fmt[CYLLM_QF_COUNT]
     const cyllm_qformat_info *cyllm_qformat(int fmt) noexcept
     int cyllm_qact_block(int act) noexcept
     int64_t cyllm_qact_bytes(int act, int64_t n) noexcept
@@ -52,6 +54,15 @@ cdef extern from "csrc/quant.h" nogil:
                               int64_t g1) noexcept nogil
     void cyllm_qglu(float *out, const float *g, const float *u, int64_t r0, int64_t r1,
                     int act) noexcept nogil
+
+
+cdef inline Py_ssize_t _row_at(Py_ssize_t d, Py_ssize_t i, Py_ssize_t nt, int f) noexcept nogil:
+    """The first row of thread i of nt over d rows of format f (row i = nt: d): whole groups
+    of 4 rows, of 16 for the r16 layouts (whose kernels compute whole groups), so the split
+    gives each row to one thread and decode_step's program (program.c) splits alike."""
+    cdef Py_ssize_t u = CYLLM_R16 if cyllm_qf_is_r16(f) else 4
+    cdef Py_ssize_t r = (((d + u - 1) // u) * i // nt) * u
+    return r if r < d else d
 
 
 cdef inline void _gate_up_rows(const cyllm_qfmt_kernels *k, float *po, float *pu_out,
@@ -158,8 +169,7 @@ cdef inline cnp.ndarray _qweights(object w, str name, int fmt, Py_ssize_t *cols)
         raise InvalidArgumentError(
             f"{name}: a row of {rb} bytes is not a whole number of {fi.name.decode()} blocks "
             f"({fi.block_bytes} bytes)")
-    if (fmt == CYLLM_QF_Q4_K_R16 or fmt == CYLLM_QF_Q4_0_R16 or fmt == CYLLM_QF_Q8_0_R16
-            or fmt == CYLLM_QF_Q4_1_R16) and cnp.PyArray_DIM(a, 0) % CYLLM_R16:
+    if cyllm_qf_is_r16(fmt) and cnp.PyArray_DIM(a, 0) % CYLLM_R16:
         # the kernels read whole groups of 16 rows
         raise InvalidArgumentError(
             f"{name}: a {fi.name.decode()} matrix has a multiple of {CYLLM_R16} rows, got {cnp.PyArray_DIM(a, 0)}")
@@ -217,7 +227,7 @@ def quantize_rows(out, x, fmt, threads=1):
     quantizers, the bytes of cyllm.quant.reference.quantize); rows split over `threads`.
     x must be finite (checked) and cols a multiple of the format's block."""
     cdef int f = _qfmt(fmt)
-    if f == CYLLM_QF_Q4_K_R16 or f == CYLLM_QF_Q4_0_R16 or f == CYLLM_QF_Q8_0_R16 or f == CYLLM_QF_Q4_1_R16:
+    if cyllm_qf_is_r16(f):
         raise InvalidArgumentError("quantize to the file format, then repack_r16: the r16 formats are layouts, not quantizers")
     cdef cnp.ndarray ax = _arr(x, "x", cnp.NPY_FLOAT32, 2, False)
     cdef Py_ssize_t rows = cnp.PyArray_DIM(ax, 0), cols = cnp.PyArray_DIM(ax, 1), n
@@ -431,7 +441,7 @@ cdef class QuantKernels:
         cdef float *po = <float *>cnp.PyArray_DATA(ao)
         cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
         cdef const uint8_t *pu = <const uint8_t *>cnp.PyArray_DATA(au) if au is not None else NULL
-        cdef Py_ssize_t groups = (d + 3) // 4, t, r0, r1
+        cdef Py_ssize_t t, r0, r1
         cdef int nt = self._threads_for(d, d * rb * (2 if pu != NULL else 1))
         with nogil:
             if nt == 1:
@@ -441,10 +451,8 @@ cdef class QuantKernels:
                     k.matvec_rows(po, pw, rb, xq, n, 0, d, add, NULL, 0)
             else:
                 for t in prange(nt, num_threads=nt, schedule="static", chunksize=1):
-                    r0 = (groups * t // nt) * 4
-                    r1 = (groups * (t + 1) // nt) * 4
-                    if r1 > d:
-                        r1 = d
+                    r0 = _row_at(d, t, nt, f)
+                    r1 = _row_at(d, t + 1, nt, f)
                     if pu != NULL:
                         k.gate_up_rows(po, pw, pu, rb, xq, n, r0, r1, act, NULL, 0)
                     else:
@@ -558,13 +566,12 @@ cdef class QuantKernels:
         cdef int act = cyllm_qformat(f).act
         cdef Py_ssize_t stride = ((cyllm_qact_bytes(act, n) + 63) // 64) * 64
         cdef Py_ssize_t nbx = n // cyllm_qact_block(act)
-        cdef Py_ssize_t groups, panels, t, i, r0, r1, p0, rows
+        cdef Py_ssize_t panels, t, i, r0, r1, p0, rows
         cdef char *xq
         cdef uint16_t *pan
         cdef int nt
         if method == QPREFILL_INT8:
             xq = self._act_for(T * stride)
-            groups = (d + 3) // 4
             nt = self._threads_for(d, d * rb * T)
             with nogil:
                 # each token's activation by one thread (the same bytes for any split)
@@ -579,10 +586,8 @@ cdef class QuantKernels:
                     k.gemm_rows(po, d, pw, rb, xq, stride, T, n, 0, d, add)
                 else:
                     for i in prange(nt, num_threads=nt, schedule="static", chunksize=1):
-                        r0 = (groups * i // nt) * 4
-                        r1 = (groups * (i + 1) // nt) * 4
-                        if r1 > d:
-                            r1 = d
+                        r0 = _row_at(d, i, nt, f)
+                        r1 = _row_at(d, i + 1, nt, f)
                         k.gemm_rows(po, d, pw, rb, xq, stride, T, n, r0, r1, add)
             return 0
         # f16 panels: each thread dequantizes its runs of QPANEL_ROWS rows, then the f16 GEMM
@@ -618,7 +623,7 @@ cdef class QuantKernels:
         cdef int act = cyllm_qformat(f).act
         cdef Py_ssize_t stride = ((cyllm_qact_bytes(act, n) + 63) // 64) * 64
         cdef Py_ssize_t nbx = n // cyllm_qact_block(act)
-        cdef Py_ssize_t groups = (d + 3) // 4, t, r0, r1
+        cdef Py_ssize_t t, r0, r1
         cdef char *xq = self._act_for(T * stride)
         cdef int nt = self._threads_for(d, 2 * d * rb * T), i
         with nogil:
@@ -633,10 +638,8 @@ cdef class QuantKernels:
                 _gate_up_rows(k, po, pu_out, pg, pu, rb, xq, stride, T, n, d, 0, d, glu)
             else:
                 for i in prange(nt, num_threads=nt, schedule="static", chunksize=1):
-                    r0 = (groups * i // nt) * 4
-                    r1 = (groups * (i + 1) // nt) * 4
-                    if r1 > d:
-                        r1 = d
+                    r0 = _row_at(d, i, nt, f)
+                    r1 = _row_at(d, i + 1, nt, f)
                     _gate_up_rows(k, po, pu_out, pg, pu, rb, xq, stride, T, n, d, r0, r1, glu)
         return 0
 

@@ -2,9 +2,9 @@
 cython_ext/csrc/quant.h, made by the CPU backend at load where the AVX512-VNNI kernels run).
 
 The layout is checked against the NumPy reference's own reading of it (reference.unpack_r16
-gives the file's rows back), its kernels against the reference block math on row ranges
-that cut groups of 16 (thread splits), decode against prefill bitwise, the generic table
-against the plain format bitwise, and the backend's repack switch.
+gives the file's rows back), its kernels against the reference block math for 1-3 threads,
+decode against prefill bitwise, the generic table against the plain format bitwise, and the
+backend's repack switch.
 """
 
 import numpy as np
@@ -77,7 +77,7 @@ def test_matvec_on_cut_groups_matches_reference(variant, fmt):
             acc = base.copy()
             qk.qmatvec(acc, r16, lay, x, add=True)
             np.testing.assert_array_equal(acc, base + out)
-        # (3 threads split 32 and 64 rows at multiples of 4 that cut groups of 16)
+        # (any split of 1-3 threads: whole groups of 16, each row computed once)
         qk = K.QuantKernels(threads=1, variant=variant)
         if variant == "generic":
             plain = np.zeros(rows, np.float32)

@@ -178,15 +178,20 @@ void cyllm_attention_run(const cyllm_kernels *kt, float *out, const float *q,
 #endif
 }
 
-/* rows [r0, r1) of a matvec-like op for thread tid: contiguous runs of whole 4-row
- * groups, as CpuKernels._rows splits them */
+/* rows [r0, r1) of a matvec-like op for thread tid: contiguous runs of whole groups of
+ * `unit` rows (4; 16 for the r16 layouts), as CpuKernels and QuantKernels split them */
 int cyllm_pf_next = 1;     /* 0: no prefetch across ops (for A/B measurements) */
 
-static inline void row_split(int64_t d, int tid, int nth, int64_t *r0, int64_t *r1) {
-    int64_t groups = (d + 3) / 4;
-    *r0 = (groups * tid / nth) * 4;
-    *r1 = (groups * (tid + 1) / nth) * 4;
+static inline void row_split(int64_t d, int64_t unit, int tid, int nth, int64_t *r0, int64_t *r1) {
+    int64_t groups = (d + unit - 1) / unit;
+    *r0 = (groups * tid / nth) * unit;
+    *r1 = (groups * (tid + 1) / nth) * unit;
     if (*r1 > d) *r1 = d;
+}
+
+static inline int64_t op_unit(const cyllm_op *o) {
+    return (o->kind == CYLLM_OP_QMATVEC || o->kind == CYLLM_OP_QGATE_UP) && cyllm_qf_is_r16(o->qfmt)
+           ? CYLLM_R16 : 4;
 }
 
 static void run_op(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyllm_op *ops, int i,
@@ -199,7 +204,7 @@ static void run_op(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyll
     case CYLLM_OP_QMATVEC:
     case CYLLM_OP_QGATE_UP: {
         int64_t r0, r1;
-        row_split(o->d, tid, nth, &r0, &r1);
+        row_split(o->d, op_unit(o), tid, nth, &r0, &r1);
         if (r0 >= r1) return;
         /* the weights this thread reads next: its rows of the next matvec-like op */
         const void *nx = NULL;
@@ -207,7 +212,7 @@ static void run_op(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyll
         if (o->next_w >= 0 && cyllm_pf_next) {
             const cyllm_op *nw = &ops[o->next_w];
             int64_t q0, q1;
-            row_split(nw->d, tid, nth, &q0, &q1);
+            row_split(nw->d, op_unit(nw), tid, nth, &q0, &q1);
             if (q0 < q1) {
                 nx = (const char *)nw->a + q0 * nw->rb;
                 nx_bytes = (q1 - q0) * nw->rb;
@@ -242,7 +247,7 @@ static void run_op(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyll
         break;
     case CYLLM_OP_GLU: {
         int64_t r0, r1;
-        row_split(o->n, tid, nth, &r0, &r1);
+        row_split(o->n, 4, tid, nth, &r0, &r1);
         cyllm_qglu(o->out, (const float *)o->a, (const float *)o->b, r0, r1, o->mode);
         return;
     }

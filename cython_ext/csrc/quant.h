@@ -55,7 +55,10 @@ enum {
  * d[16] (f16) (q4_1: then m[16]), then the quant bytes as 4 (q4_0, q4_1) or 8 (q8_0) chunks
  * of 64 bytes (chunk c: bytes 4c..4c+3 of each row's qs, row i at 4i): 16 blocks' bytes. */
 #define CYLLM_R16 16                    /* rows per group of the interleaved layout */
-#define CYLLM_R16_SB (16 * 144)         /* bytes of one superblock of a group */
+/* whether fmt is an r16 layout (its kernels compute whole groups of 16 rows, so a split of
+ * rows over threads falls on multiples of 16: a group cut in two would be computed twice) */
+static inline int cyllm_qf_is_r16(int fmt) { return fmt >= CYLLM_QF_Q4_K_R16 && fmt < CYLLM_QF_COUNT; }
+#define CYLLM_R16_SB (16 * 144)         /* bytes of one superblock of a q4_k_r16 group */
 /* activation formats */
 enum { CYLLM_QA_Q8_0 = 0, CYLLM_QA_Q8_K = 1 };
 

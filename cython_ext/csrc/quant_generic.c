@@ -330,73 +330,7 @@ void cyllm_q4k_r16_gather(uint8_t *out, const uint8_t *w, int64_t rb, int64_t r,
     for (int c = 0; c < 32; c++) memcpy(out + 16 + 4 * c, p + 256 + 64 * c + 4 * i, 4);
 }
 
-/* the generic variant's r16 dot: row r's superblocks gathered back to the file's bytes,
- * then q4_k's own dot (the bits of q4_k on the file layout, for every variant but the
- * AVX512-VNNI one, which has its own kernels; the backend repacks only for that one) */
-static float dot_r16(const uint8_t *w, int64_t rb, int64_t r, const cyllm_qact_view *a, int64_t nb) {
-    uint8_t blk[QB_Q4_K];
-    float s = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        cyllm_q4k_r16_gather(blk, w, rb, r, b);
-        cyllm_qact_view ab = *a;
-        ab.q += b * QK_K;
-        ab.d += b;
-        ab.bsum += 16 * b;
-        s += dot_q4_k(blk, &ab, 1);
-    }
-    return s;
-}
-
-void cyllm_r16_deq16(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n, int64_t r0, int64_t r1) {
-    uint8_t blk[QB_Q4_K];
-    float y[QK_K];
-    for (int64_t r = r0; r < r1; r++)
-        for (int64_t b = 0; b < n / QK_K; b++) {
-            cyllm_q4k_r16_gather(blk, w, rb, r, b);
-            dequant_block(CYLLM_QF_Q4_K, y, blk);
-            for (int i = 0; i < QK_K; i++) out[(r - r0) * n + b * QK_K + i] = cyllm_f2h(y[i]);
-        }
-}
-
-void cyllm_r16_deq32(float *out, const uint8_t *w, int64_t rb, int64_t r, int64_t n) {
-    uint8_t blk[QB_Q4_K];
-    for (int64_t b = 0; b < n / QK_K; b++) {
-        cyllm_q4k_r16_gather(blk, w, rb, r, b);
-        dequant_block(CYLLM_QF_Q4_K, out + b * QK_K, blk);
-    }
-}
-
-void cyllm_r16_matvec_generic(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n,
-                       int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {
-    (void)nx; (void)nxb;
-    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_K);
-    for (int64_t r = r0; r < r1; r++) {
-        float s = dot_r16(w, rb, r, &a, n / QK_K);
-        out[r] = add ? out[r] + s : s;
-    }
-}
-
-void cyllm_r16_gate_up_generic(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb, const void *xq,
-                        int64_t n, int64_t r0, int64_t r1, int act, const void *nx, int64_t nxb) {
-    (void)nx; (void)nxb;
-    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_K);
-    for (int64_t r = r0; r < r1; r++)
-        out[r] = cyllm_qact_apply(act, dot_r16(wg, rb, r, &a, n / QK_K)) * dot_r16(wu, rb, r, &a, n / QK_K);
-}
-
-void cyllm_r16_gemm_generic(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
-                     int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
-    for (int64_t t = 0; t < T; t++) {
-        cyllm_qact_view a = cyllm_qact_split((const char *)xq + t * xs, n, CYLLM_QA_Q8_K);
-        float *o = out + t * ldo;
-        for (int64_t r = r0; r < r1; r++) {
-            float s = dot_r16(w, rb, r, &a, n / QK_K);
-            o[r] = add ? o[r] + s : s;
-        }
-    }
-}
-
-/* ---- q4_0 and q8_0 with rows interleaved by 16 (quant.h) ---------------------------- */
+/* ---- q4_0, q8_0 and q4_1 with rows interleaved by 16 (quant.h) --------------------- */
 
 /* a 32-element block's quant bytes come in 4-byte chunks: 4 (q4_0, q4_1) or 8 (q8_0), after
  * a header of f16 fields: d (q4_1: d, m), each stored as a plane of 16 */
@@ -425,46 +359,60 @@ void cyllm_b32_r16_gather(int fmt, uint8_t *out, const uint8_t *w, int64_t rb, i
     for (int c = 0; c < nc; c++) memcpy(out + 2 * nf + 4 * c, p + 32 * nf + 64 * c + 4 * i, 4);
 }
 
-/* the generic r16 dot: each block gathered back to the file's bytes, then the format's dot */
-static float dot_b32_r16(int fmt, const uint8_t *w, int64_t rb, int64_t r, const cyllm_qact_view *a, int64_t nb) {
-    uint8_t blk[QB_Q8_0];
+/* ---- the r16 layouts' portable entries (every table's but the AVX512-VNNI one's, which has
+ * its own kernels; the backend repacks only for that one) ----------------------------- */
+
+/* block b of row r back to the file's bytes (out: one block of the file format fmt) */
+static void r16_gather(int fmt, uint8_t *out, const uint8_t *w, int64_t rb, int64_t r, int64_t b) {
+    if (fmt == CYLLM_QF_Q4_K) cyllm_q4k_r16_gather(out, w, rb, r, b);
+    else cyllm_b32_r16_gather(fmt, out, w, rb, r, b);
+}
+
+/* a row's dot product: each block gathered back, then the file format's own dot (its bits) */
+static float dot_r16(int fmt, const uint8_t *w, int64_t rb, int64_t r, const cyllm_qact_view *a, int64_t nb) {
+    uint8_t blk[QB_Q4_K];                   /* the largest block of the four formats */
+    const int blen = INFO[fmt].block;
     float s = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
-        cyllm_b32_r16_gather(fmt, blk, w, rb, r, b);
+        r16_gather(fmt, blk, w, rb, r, b);
         cyllm_qact_view ab = *a;
-        ab.q += b * 32;
+        ab.q += b * blen;
         ab.d += b;
-        ab.sum += b;
-        s += fmt == CYLLM_QF_Q8_0 ? dot_q8_0(blk, &ab, 1) : fmt == CYLLM_QF_Q4_1 ? dot_q4_1(blk, &ab, 1)
-                                                                              : dot_q4_0(blk, &ab, 1);
+        if (fmt == CYLLM_QF_Q4_K) ab.bsum += 16 * b;
+        else ab.sum += b;
+        s += fmt == CYLLM_QF_Q4_K ? dot_q4_k(blk, &ab, 1) : fmt == CYLLM_QF_Q8_0 ? dot_q8_0(blk, &ab, 1)
+           : fmt == CYLLM_QF_Q4_1 ? dot_q4_1(blk, &ab, 1) : dot_q4_0(blk, &ab, 1);
     }
     return s;
 }
 
-#define B32_R16_FUNCS(F, FMT)                                                                   \
+/* the five entries of the r16 layout of file format FMT (F: q4k, q40, q80, q41) */
+#define R16_FUNCS(F, FMT)                                                                       \
 void cyllm_##F##_r16_deq16(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n, int64_t r0, int64_t r1) { \
-    uint8_t blk[QB_Q8_0];                                                                     \
-    float y[32];                                                                              \
+    const int blen = INFO[FMT].block;                                                         \
+    uint8_t blk[QB_Q4_K];                                                                     \
+    float y[QK_K];                                                                            \
     for (int64_t r = r0; r < r1; r++)                                                         \
-        for (int64_t b = 0; b < n / 32; b++) {                                                \
-            cyllm_b32_r16_gather(FMT, blk, w, rb, r, b);                                      \
+        for (int64_t b = 0; b < n / blen; b++) {                                              \
+            r16_gather(FMT, blk, w, rb, r, b);                                                \
             dequant_block(FMT, y, blk);                                                       \
-            for (int i = 0; i < 32; i++) out[(r - r0) * n + b * 32 + i] = cyllm_f2h(y[i]);    \
+            for (int i = 0; i < blen; i++) out[(r - r0) * n + b * blen + i] = cyllm_f2h(y[i]); \
         }                                                                                     \
 }                                                                                             \
 void cyllm_##F##_r16_deq32(float *out, const uint8_t *w, int64_t rb, int64_t r, int64_t n) { \
-    uint8_t blk[QB_Q8_0];                                                                     \
-    for (int64_t b = 0; b < n / 32; b++) {                                                    \
-        cyllm_b32_r16_gather(FMT, blk, w, rb, r, b);                                          \
-        dequant_block(FMT, out + b * 32, blk);                                                \
+    const int blen = INFO[FMT].block;                                                         \
+    uint8_t blk[QB_Q4_K];                                                                     \
+    for (int64_t b = 0; b < n / blen; b++) {                                                  \
+        r16_gather(FMT, blk, w, rb, r, b);                                                    \
+        dequant_block(FMT, out + b * blen, blk);                                              \
     }                                                                                         \
 }                                                                                             \
 void cyllm_##F##_r16_matvec_generic(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n, \
                                     int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) { \
     (void)nx; (void)nxb;                                                                      \
-    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);                               \
+    cyllm_qact_view a = cyllm_qact_split(xq, n, INFO[FMT].act);                               \
     for (int64_t r = r0; r < r1; r++) {                                                       \
-        float s = dot_b32_r16(FMT, w, rb, r, &a, n / 32);                                     \
+        float s = dot_r16(FMT, w, rb, r, &a, n / INFO[FMT].block);                            \
         out[r] = add ? out[r] + s : s;                                                        \
     }                                                                                         \
 }                                                                                             \
@@ -472,26 +420,27 @@ void cyllm_##F##_r16_gate_up_generic(float *out, const uint8_t *wg, const uint8_
                                      const void *xq, int64_t n, int64_t r0, int64_t r1, int act, \
                                      const void *nx, int64_t nxb) {                           \
     (void)nx; (void)nxb;                                                                      \
-    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);                               \
+    cyllm_qact_view a = cyllm_qact_split(xq, n, INFO[FMT].act);                               \
     for (int64_t r = r0; r < r1; r++)                                                         \
-        out[r] = cyllm_qact_apply(act, dot_b32_r16(FMT, wg, rb, r, &a, n / 32))               \
-                 * dot_b32_r16(FMT, wu, rb, r, &a, n / 32);                                   \
+        out[r] = cyllm_qact_apply(act, dot_r16(FMT, wg, rb, r, &a, n / INFO[FMT].block))      \
+                 * dot_r16(FMT, wu, rb, r, &a, n / INFO[FMT].block);                          \
 }                                                                                             \
 void cyllm_##F##_r16_gemm_generic(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
                                   int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) { \
     for (int64_t t = 0; t < T; t++) {                                                         \
-        cyllm_qact_view a = cyllm_qact_split((const char *)xq + t * xs, n, CYLLM_QA_Q8_0);    \
+        cyllm_qact_view a = cyllm_qact_split((const char *)xq + t * xs, n, INFO[FMT].act);    \
         float *o = out + t * ldo;                                                             \
         for (int64_t r = r0; r < r1; r++) {                                                   \
-            float s = dot_b32_r16(FMT, w, rb, r, &a, n / 32);                                 \
+            float s = dot_r16(FMT, w, rb, r, &a, n / INFO[FMT].block);                        \
             o[r] = add ? o[r] + s : s;                                                        \
         }                                                                                     \
     }                                                                                         \
 }
 
-B32_R16_FUNCS(q40, CYLLM_QF_Q4_0)
-B32_R16_FUNCS(q80, CYLLM_QF_Q8_0)
-B32_R16_FUNCS(q41, CYLLM_QF_Q4_1)
+R16_FUNCS(q4k, CYLLM_QF_Q4_K)
+R16_FUNCS(q40, CYLLM_QF_Q4_0)
+R16_FUNCS(q80, CYLLM_QF_Q8_0)
+R16_FUNCS(q41, CYLLM_QF_Q4_1)
 
 /* ---- the table: five functions per format from its dot ----------------------------- */
 
@@ -551,7 +500,5 @@ const cyllm_qkernels cyllm_qkernels_generic = {
     quantize_act_generic,
     {QENTRY(q8_0), QENTRY(q4_0), QENTRY(q4_1), QENTRY(q5_0), QENTRY(q5_1),
      QENTRY(q4_k), QENTRY(q5_k), QENTRY(q6_k),
-     {cyllm_r16_matvec_generic, cyllm_r16_gate_up_generic, cyllm_r16_gemm_generic, cyllm_r16_deq16,
-      cyllm_r16_deq32},
-     B32_R16_ENTRY_GENERIC(q40), B32_R16_ENTRY_GENERIC(q80), B32_R16_ENTRY_GENERIC(q41)},
+     R16_ENTRY_GENERIC(q4k), R16_ENTRY_GENERIC(q40), R16_ENTRY_GENERIC(q80), R16_ENTRY_GENERIC(q41)},
 };

@@ -56,17 +56,8 @@ static inline void cyllm_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t m[8])
 void cyllm_qdequant_rows_f16_generic(int fmt, uint16_t *out, const uint8_t *w, int64_t row_bytes,
                                      int64_t n, int64_t r0, int64_t r1);
 void cyllm_qdequant_row_f32_generic(int fmt, float *out, const uint8_t *row, int64_t n);
-/* the r16 layout's row dequantization (through cyllm_q4k_r16_gather), every variant's */
-void cyllm_r16_deq16(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n, int64_t r0, int64_t r1);
-void cyllm_r16_deq32(float *out, const uint8_t *w, int64_t rb, int64_t r, int64_t n);
-void cyllm_r16_matvec_generic(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n,
-                              int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb);
-void cyllm_r16_gate_up_generic(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb, const void *xq,
-                               int64_t n, int64_t r0, int64_t r1, int act, const void *nx, int64_t nxb);
-void cyllm_r16_gemm_generic(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
-                            int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add);
-/* q4_0 / q8_0 / q4_1 r16 portable entries (quant_generic.c): F = q40 | q80 | q41 */
-#define B32_R16_DECL(F)                                                                          \
+/* the r16 layouts' portable entries (quant_generic.c), F = q4k | q40 | q80 | q41 */
+#define R16_DECL(F)                                                                              \
 void cyllm_##F##_r16_deq16(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n, int64_t r0, int64_t r1); \
 void cyllm_##F##_r16_deq32(float *out, const uint8_t *w, int64_t rb, int64_t r, int64_t n);  \
 void cyllm_##F##_r16_matvec_generic(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n, \
@@ -76,10 +67,11 @@ void cyllm_##F##_r16_gate_up_generic(float *out, const uint8_t *wg, const uint8_
                                      const void *nx, int64_t nxb);                            \
 void cyllm_##F##_r16_gemm_generic(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
                                   int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add);
-B32_R16_DECL(q40)
-B32_R16_DECL(q80)
-B32_R16_DECL(q41)
-#define B32_R16_ENTRY_GENERIC(F) {cyllm_##F##_r16_matvec_generic, cyllm_##F##_r16_gate_up_generic, \
-                                  cyllm_##F##_r16_gemm_generic, cyllm_##F##_r16_deq16, cyllm_##F##_r16_deq32}
+R16_DECL(q4k)
+R16_DECL(q40)
+R16_DECL(q80)
+R16_DECL(q41)
+#define R16_ENTRY_GENERIC(F) {cyllm_##F##_r16_matvec_generic, cyllm_##F##_r16_gate_up_generic, \
+                              cyllm_##F##_r16_gemm_generic, cyllm_##F##_r16_deq16, cyllm_##F##_r16_deq32}
 
 #endif

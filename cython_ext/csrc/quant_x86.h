@@ -1378,8 +1378,8 @@ QZN_FORMAT(q5_1, 3)
  * one row: per superblock, the sub-block sums (exact int32) times the 6-bit scales, the
  * min term as int16 pairs (vpdpwssd), then two FMAs into the row's float accumulator, so
  * a (row, token) chain is the same for any number of tokens (decode = prefill bits) and
- * any split of rows (a group that straddles two threads' ranges is computed by both,
- * each storing its own lanes). */
+ * any split of rows (the callers split rows in whole groups, cyllm_qf_is_r16; a range that
+ * cuts a group is still computed right, each call storing only its own lanes). */
 #ifndef R16_TB
 #define R16_TB 16           /* prefill: tokens whose activations are split together */
 #endif
@@ -1420,7 +1420,7 @@ ALWAYS void r16_group(const int C, float *o, int64_t ldo, const uint8_t *g, int6
                 const __m512i vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
                 _Pragma("GCC unroll 4")
                 for (int t = 0; t < C; t++) {
-                    const int8_t *x = a[t].q + b * QK_K + 64 * c + 4 * l;
+                    const uint8_t *x = (const uint8_t *)a[t].q + b * QK_K + 64 * c + 4 * l;
                     lo[t] = _mm512_dpbusd_epi32(lo[t], vl, _mm512_set1_epi32((int)cyllm_rd32(x)));
                     hi[t] = _mm512_dpbusd_epi32(hi[t], vh, _mm512_set1_epi32((int)cyllm_rd32(x + 32)));
                 }
@@ -1469,46 +1469,6 @@ ALWAYS __mmask16 r16_keep(int64_t g, int64_t r0, int64_t r1) {
     return (__mmask16)((0xFFFFu >> (16 - hi)) & ~((1u << lo) - 1u));
 }
 
-static void QF(matvec_r16)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n,
-                           int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {
-    (void)nx; (void)nxb;
-    const cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_K);
-    for (int64_t g = r0 / 16; 16 * g < r1; g++)
-        r16_group(1, out + 16 * g, 0, w + 16 * g * rb, n / QK_K, &a, add, r16_keep(g, r0, r1));
-}
-
-static void QF(gate_up_r16)(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb, const void *xq,
-                            int64_t n, int64_t r0, int64_t r1, int act, const void *nx, int64_t nxb) {
-    (void)nx; (void)nxb;
-    const cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_K);
-    float gv[16], uv[16];
-    for (int64_t g = r0 / 16; 16 * g < r1; g++) {
-        r16_group(1, gv, 0, wg + 16 * g * rb, n / QK_K, &a, 0, 0xFFFF);
-        r16_group(1, uv, 0, wu + 16 * g * rb, n / QK_K, &a, 0, 0xFFFF);
-        const int64_t e = 16 * g + 16 < r1 ? 16 * g + 16 : r1;
-        for (int64_t r = 16 * g > r0 ? 16 * g : r0; r < e; r++)
-            out[r] = cyllm_qact_apply(act, gv[r - 16 * g]) * uv[r - 16 * g];
-    }
-}
-
-static void QF(gemm_r16)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, int64_t xs,
-                         int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
-    cyllm_qact_view a[R16_TB];
-    for (int64_t t0 = 0; t0 < T; t0 += R16_TB) {
-        const int64_t tn = T - t0 < R16_TB ? T - t0 : R16_TB;
-        for (int64_t t = 0; t < tn; t++)
-            a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_K);
-        for (int64_t g = r0 / 16; 16 * g < r1; g++) {
-            const __mmask16 keep = r16_keep(g, r0, r1);
-            const uint8_t *wg = w + 16 * g * rb;
-            float *o = out + t0 * ldo + 16 * g;
-            int64_t t = 0;
-            for (; t + 4 <= tn; t += 4) r16_group(4, o + t * ldo, ldo, wg, n / QK_K, a + t, add, keep);
-            for (; t < tn; t++) r16_group(1, o + t * ldo, ldo, wg, n / QK_K, a + t, add, keep);
-        }
-    }
-}
-#define QX_ENTRY_R16 {QF(matvec_r16), QF(gate_up_r16), QF(gemm_r16), cyllm_r16_deq16, cyllm_r16_deq32}
 
 /* q4_0, q8_0 and q4_1 on their r16 layouts: per 32-element block, 4 (q4_0, q4_1) or 8 (q8_0) loads of
  * 16 rows x 4 bytes. q4_0: two vpdpbusd per load (low nibbles against x[4c..], high against
@@ -1538,7 +1498,7 @@ ALWAYS void r16_b32_group(const int kind, const int C, float *o, int64_t ldo, co
                 _Pragma("GCC unroll 4")
                 for (int t = 0; t < C; t++)
                     isum[t] = _mm512_dpbusd_epi32(isum[t], v,
-                                                  _mm512_set1_epi32((int)cyllm_rd32(a[t].q + 32 * b + 4 * c)));
+                                                  _mm512_set1_epi32((int)cyllm_rd32((const uint8_t *)a[t].q + 32 * b + 4 * c)));
             }
         } else {
             _Pragma("GCC unroll 4")
@@ -1548,7 +1508,7 @@ ALWAYS void r16_b32_group(const int kind, const int C, float *o, int64_t ldo, co
                 const __m512i vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
                 _Pragma("GCC unroll 4")
                 for (int t = 0; t < C; t++) {
-                    const int8_t *x = a[t].q + 32 * b + 4 * c;
+                    const uint8_t *x = (const uint8_t *)a[t].q + 32 * b + 4 * c;
                     isum[t] = _mm512_dpbusd_epi32(isum[t], vl, _mm512_set1_epi32((int)cyllm_rd32(x)));
                     isum[t] = _mm512_dpbusd_epi32(isum[t], vh, _mm512_set1_epi32((int)cyllm_rd32(x + 16)));
                 }
@@ -1576,54 +1536,60 @@ ALWAYS void r16_b32_group(const int kind, const int C, float *o, int64_t ldo, co
     }
 }
 
-#define B32_R16_ENTRIES(F, Q8)                                                                  \
-static void QF(matvec_##F##r16)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n, \
-                                int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) { \
+/* the three entry points of an r16 layout from its group kernel GROUP(C, o, ldo, g, nb, a, add,
+ * keep): decode one group after another, gate+up group by group, and the GEMM in tiles of 4
+ * tokens (the activations of R16_TB tokens split at a time) */
+#define R16_ENTRIES(F, GROUP, ACT, BLK)                                                         \
+static void QF(matvec_##F)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n, \
+                           int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {    \
     (void)nx; (void)nxb;                                                                      \
-    const cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);                         \
+    const cyllm_qact_view a = cyllm_qact_split(xq, n, ACT);                                   \
     for (int64_t g = r0 / 16; 16 * g < r1; g++)                                               \
-        r16_b32_group(Q8, 1, out + 16 * g, 0, w + 16 * g * rb, n / 32, &a, add, r16_keep(g, r0, r1)); \
+        GROUP(1, out + 16 * g, 0, w + 16 * g * rb, n / BLK, &a, add, r16_keep(g, r0, r1));    \
 }                                                                                             \
-static void QF(gate_up_##F##r16)(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb, \
-                                 const void *xq, int64_t n, int64_t r0, int64_t r1, int act, \
-                                 const void *nx, int64_t nxb) {                               \
+static void QF(gate_up_##F)(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb,    \
+                            const void *xq, int64_t n, int64_t r0, int64_t r1, int act,      \
+                            const void *nx, int64_t nxb) {                                    \
     (void)nx; (void)nxb;                                                                      \
-    const cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);                         \
+    const cyllm_qact_view a = cyllm_qact_split(xq, n, ACT);                                   \
     float gv[16], uv[16];                                                                     \
     for (int64_t g = r0 / 16; 16 * g < r1; g++) {                                             \
-        r16_b32_group(Q8, 1, gv, 0, wg + 16 * g * rb, n / 32, &a, 0, 0xFFFF);                 \
-        r16_b32_group(Q8, 1, uv, 0, wu + 16 * g * rb, n / 32, &a, 0, 0xFFFF);                 \
+        GROUP(1, gv, 0, wg + 16 * g * rb, n / BLK, &a, 0, 0xFFFF);                            \
+        GROUP(1, uv, 0, wu + 16 * g * rb, n / BLK, &a, 0, 0xFFFF);                            \
         const int64_t e = 16 * g + 16 < r1 ? 16 * g + 16 : r1;                                \
         for (int64_t r = 16 * g > r0 ? 16 * g : r0; r < e; r++)                               \
             out[r] = cyllm_qact_apply(act, gv[r - 16 * g]) * uv[r - 16 * g];                  \
     }                                                                                         \
 }                                                                                             \
-static void QF(gemm_##F##r16)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
-                              int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) { \
+static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
+                         int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) { \
     cyllm_qact_view a[R16_TB];                                                                \
     for (int64_t t0 = 0; t0 < T; t0 += R16_TB) {                                              \
         const int64_t tn = T - t0 < R16_TB ? T - t0 : R16_TB;                                 \
         for (int64_t t = 0; t < tn; t++)                                                      \
-            a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_0);      \
+            a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, ACT);                \
         for (int64_t g = r0 / 16; 16 * g < r1; g++) {                                         \
             const __mmask16 keep = r16_keep(g, r0, r1);                                       \
             const uint8_t *wg = w + 16 * g * rb;                                              \
             float *o = out + t0 * ldo + 16 * g;                                               \
             int64_t t = 0;                                                                    \
-            for (; t + 4 <= tn; t += 4) r16_b32_group(Q8, 4, o + t * ldo, ldo, wg, n / 32, a + t, add, keep); \
-            for (; t < tn; t++) r16_b32_group(Q8, 1, o + t * ldo, ldo, wg, n / 32, a + t, add, keep); \
+            for (; t + 4 <= tn; t += 4) GROUP(4, o + t * ldo, ldo, wg, n / BLK, a + t, add, keep); \
+            for (; t < tn; t++) GROUP(1, o + t * ldo, ldo, wg, n / BLK, a + t, add, keep);    \
         }                                                                                     \
     }                                                                                         \
 }
-B32_R16_ENTRIES(q40, 0)
-B32_R16_ENTRIES(q80, 1)
-B32_R16_ENTRIES(q41, 2)
-#define QX_ENTRY_B32R16(F) {QF(matvec_##F##r16), QF(gate_up_##F##r16), QF(gemm_##F##r16), cyllm_##F##_r16_deq16, \
-                            cyllm_##F##_r16_deq32}
+#define R16_Q4K_GROUP(C, ...) r16_group(C, __VA_ARGS__)
+#define R16_Q40_GROUP(C, ...) r16_b32_group(0, C, __VA_ARGS__)
+#define R16_Q80_GROUP(C, ...) r16_b32_group(1, C, __VA_ARGS__)
+#define R16_Q41_GROUP(C, ...) r16_b32_group(2, C, __VA_ARGS__)
+R16_ENTRIES(q4kr16, R16_Q4K_GROUP, CYLLM_QA_Q8_K, QK_K)
+R16_ENTRIES(q40r16, R16_Q40_GROUP, CYLLM_QA_Q8_0, 32)
+R16_ENTRIES(q80r16, R16_Q80_GROUP, CYLLM_QA_Q8_0, 32)
+R16_ENTRIES(q41r16, R16_Q41_GROUP, CYLLM_QA_Q8_0, 32)
+#define QX_ENTRY_R16(F) {QF(matvec_##F##r16), QF(gate_up_##F##r16), QF(gemm_##F##r16), cyllm_##F##_r16_deq16, \
+                         cyllm_##F##_r16_deq32}
 #else
-#define QX_ENTRY_R16 {cyllm_r16_matvec_generic, cyllm_r16_gate_up_generic, cyllm_r16_gemm_generic, \
-                      cyllm_r16_deq16, cyllm_r16_deq32}
-#define QX_ENTRY_B32R16(F) B32_R16_ENTRY_GENERIC(F)
+#define QX_ENTRY_R16(F) R16_ENTRY_GENERIC(F)
 #endif
 
 #define QX_ENTRY(F) {QF(matvec_##F), QF(gate_up_##F), QF(gemm_##F), QF(deq16_##F), QF(deq32_##F)}
@@ -1643,5 +1609,6 @@ const cyllm_qkernels QX_TABLE = {
     QX_NAME,
     QF(quantize_act_x86_),
     {QX_ENTRY_Q8_0, QX_ENTRY_NIB(q4_0), QX_ENTRY_NIB(q4_1), QX_ENTRY_NIB(q5_0), QX_ENTRY_NIB(q5_1),
-     QX_ENTRY_Q4_K, QX_ENTRY(q5_k), QX_ENTRY_Q6_K, QX_ENTRY_R16, QX_ENTRY_B32R16(q40), QX_ENTRY_B32R16(q80), QX_ENTRY_B32R16(q41)},
+     QX_ENTRY_Q4_K, QX_ENTRY(q5_k), QX_ENTRY_Q6_K,
+     QX_ENTRY_R16(q4k), QX_ENTRY_R16(q40), QX_ENTRY_R16(q80), QX_ENTRY_R16(q41)},
 };

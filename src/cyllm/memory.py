@@ -14,6 +14,7 @@ device's free memory. Where none is known the check passes.
 
 from __future__ import annotations
 
+import mmap
 import resource
 
 import numpy as np
@@ -154,3 +155,20 @@ def check_model_fits(backend, config, context: int, weights: dict, explicit: boo
     raise ModelLoadError(
         f"this model's run state for {context} tokens needs {fmt_bytes(need)} but only {fmt_bytes(avail)} of "
         f"{where} is available" + (f"; choose a smaller context (at most about {fits} tokens fit)" if fits else ""))
+
+
+def drop_mapped_pages(buf, offset: int, nbytes: int) -> None:
+    """Drop bytes [offset, offset + nbytes) of the read-only file mapping ``buf`` (an mmap)
+    from this process's resident set, from the page that holds ``offset`` on.
+
+    For data that has been converted or copied and is not read again; a later read faults
+    the pages back in from the file, so a neighbour that shares the first page is safe.
+    Only advice: where the platform has no MADV_DONTNEED nothing happens."""
+    advise = getattr(buf, "madvise", None)
+    if advise is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = offset - offset % mmap.PAGESIZE
+    try:
+        advise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
+    except (OSError, ValueError):
+        pass

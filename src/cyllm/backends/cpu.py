@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from ..errors import BackendUnavailableError, InvalidArgumentError
+from ..memory import drop_mapped_pages
 from ..quant.formats import R16_OF, R16_ROWS
 from ..quant.matrix import QuantMatrix
 from ..threads import resolve_threads
@@ -70,8 +71,8 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
     name = "cpu"
     fuse_qkv = False      # weights stay memory-mapped: no concatenated copy
     # fused quantized tensors (phi3's qkv, gate_up) are cut on the host, where a row slice is
-    # a view of the file, and each part uploaded: q4_k parts may be reordered in groups of
-    # 16 rows (q4_k_r16), whose row views exist only at multiples of 16
+    # a view of the file, and each part uploaded: a part may be reordered in groups of 16
+    # rows (an r16 layout), whose row views exist only at multiples of 16
     quant_row_views = False
 
     def __init__(self, threads=None, variant: str | None = None, fused: bool | None = None):
@@ -176,7 +177,8 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         """The array itself when already usable: no copy of mmapped f16 weights or f32
         vectors. Otherwise a C-contiguous, aligned, native-order copy; float64 becomes
         float32 and a 1-D float16 vector float32 (every vector op reads f32). A QuantMatrix
-        is used as it is (its blocks, usually in the file's memory map)."""
+        keeps its blocks (usually in the file's memory map), reordered by _native_layout
+        where an r16 layout applies."""
         if isinstance(a, QuantMatrix):
             return self._native_layout(a)
         a = np.asarray(a)
@@ -195,7 +197,7 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         at load (a copy; the file's pages of the tensor are dropped after). CYLLM_REPACK=0 keeps
         the file's layout. Any other matrix is used as it is."""
         r16 = R16_OF.get(qm.fmt.name)
-        if r16 is None or qm.rows % R16_ROWS or not self._repack_r16():
+        if r16 is None or qm.rows % R16_ROWS or not repack_enabled(self.quant_variant):
             return qm
         out = np.empty_like(qm.data)
         # in slices of whole groups, each slice's file pages dropped once copied: the resident
@@ -206,12 +208,6 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
             _k.repack_r16(out[a:b], qm.data[a:b], qm.fmt.name, self.threads)
             _drop_file_pages(qm.data[a:b])
         return QuantMatrix(out, r16, qm.shape)
-
-    def _repack_r16(self) -> bool:
-        env = os.environ.get("CYLLM_REPACK", "").strip()
-        if env not in ("", "0", "1"):
-            raise InvalidArgumentError(f"CYLLM_REPACK must be 0 or 1, got {env[:20]!r}")
-        return env != "0" and self.quant_variant in R16_VARIANTS
 
     thread_team = True
 
@@ -246,26 +242,29 @@ _REPACK_SLICE = 16 << 20        # bytes of a tensor reordered between two drops 
 
 
 def _drop_file_pages(a: np.ndarray) -> None:
-    """Drop the pages of ``a`` from this process when it is a view of a read-only file
-    mapping (a GGUF tensor converted to another layout is not read again; a later read
-    would fault the pages back in from the file, so this is safe for neighbours too).
-    Anything else (anonymous or writable memory) is left alone."""
+    """memory.drop_mapped_pages for ``a`` when it is a view of a read-only file mapping (a
+    GGUF tensor reordered at load is not read again); anonymous or writable memory is left
+    alone (dropping it would lose its contents)."""
     base = a
     while base is not None and not isinstance(base, mmap.mmap):
         base = getattr(base, "base", None) if not isinstance(base, memoryview) else base.obj
-    if base is None or not hasattr(mmap, "MADV_DONTNEED") or base.closed:
+    if base is None or base.closed:
         return
     start_of_map = np.frombuffer(base, np.uint8, count=1)
     if start_of_map.flags.writeable:
         return
     off = a.ctypes.data - start_of_map.ctypes.data
-    if off < 0 or off + a.nbytes > len(base):
-        return
-    start = off - off % mmap.PAGESIZE
-    try:
-        base.madvise(mmap.MADV_DONTNEED, start, off + a.nbytes - start)
-    except (OSError, ValueError):
-        pass    # advice only
+    if 0 <= off and off + a.nbytes <= len(base):
+        drop_mapped_pages(base, off, a.nbytes)
+
+
+def repack_enabled(quant_variant: str) -> bool:
+    """Whether the CPU backend reorders q4_k/q4_0/q8_0/q4_1 into their r16 layouts at load:
+    for the tables in R16_VARIANTS, unless CYLLM_REPACK=0."""
+    env = os.environ.get("CYLLM_REPACK", "").strip()
+    if env not in ("", "0", "1"):
+        raise InvalidArgumentError(f"CYLLM_REPACK must be 0 or 1, got {env[:20]!r}")
+    return env != "0" and quant_variant in R16_VARIANTS
 
 
 def measure_read_bandwidth(threads: int = 1, nbytes: int = 512 << 20, reps: int = 5,
@@ -315,7 +314,7 @@ def weight_format_kernels(q=None) -> dict:
             continue
         out[f.name] = (f"{q.quant_variant}: {dot} integer dot, x as {f.act} blocks; prefill "
                        + ("int8 GEMM" if q.prefill_method_of(f.name) == "int8" else "f16 panels + f16 GEMM"))
-    if q.quant_variant in R16_VARIANTS and os.environ.get("CYLLM_REPACK", "").strip() != "0":
+    if repack_enabled(q.quant_variant):
         for name, lay in R16_OF.items():
             out[name] += f"; rows in groups of 16 interleaved at load ({lay.name}), 16 rows per instruction"
     return out

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ModelLoadError
+from ..memory import drop_mapped_pages
 from ..oneline import one_line
 
 GGUF_MAGIC = b"GGUF"
@@ -126,14 +127,7 @@ class GGUFFile:
         this process (the file is read-only), so a later read faults them back in:
         safe even where the range touches a neighbour that is still used as a view.
         """
-        advise = getattr(self.buf, "madvise", None)
-        if advise is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        start = info.offset - info.offset % mmap.PAGESIZE
-        try:
-            advise(mmap.MADV_DONTNEED, start, info.offset + info.nbytes - start)
-        except (OSError, ValueError):
-            pass   # advice only
+        drop_mapped_pages(self.buf, info.offset, info.nbytes)
 
 
 class _Cursor:
