@@ -230,11 +230,11 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
 
 # quantized tables whose kernels on the r16 layouts beat their row kernels, so the backend
 # repacks q4_k, q4_0, q8_0 and q4_1 at load for them. Zen 4 (bench/results/cpu_quant_epyc_zen4.md),
-# avx512vnni: TinyLlama Q4_K_M decode +30% and prefill +60%, Q4_0 decode +25% and prefill
-# +50%, Q8_0 decode +10% and prefill +90%; the default model (SmolLM2-135M Q4_1) decode +30%
-# and prefill +65%. The q4_k algorithm in 256-bit registers for the avx2 table gained 1.1-1.3x per kernel
-# but nothing in the model's decode, so the other tables keep the file's layout (their r16
-# entries are the portable ones).
+# avx512vnni, `cyllm bench` A/B: TinyLlama Q4_K_M prefill +78% and decode +22%, Q4_0 +51% and
+# +15%, Q8_0 +93% and +20%; the default model (SmolLM2-135M Q4_1) +51% and +46%. The q4_k
+# algorithm in 256-bit registers for the avx2 table gained 1.1-1.3x per kernel but nothing in
+# the model's decode, so the other tables keep the file's layout (their r16 entries are the
+# portable ones).
 R16_VARIANTS = ("avx512vnni",)
 
 
