@@ -10,7 +10,9 @@ reports the median of the per-repetition ratios next to the medians of each engi
 Both engines run as subprocesses with the same thread count: `cyllm bench -o json` and
 `llama-bench -o json`, one repetition each (after their own warm-up), so neither keeps a
 warm cache the other lacks. The roofline is cyllm bench's: bytes read per token (weights
-as stored + KV) over the read bandwidth measured in the same run.
+as stored + KV) over the read bandwidth measured in the same run; llama.cpp's is the same
+bytes at its own speed in the same repetition (cyllm's roofline x llama.cpp t/s / cyllm t/s),
+so a decode that is already near the limit shows how much any engine could still gain.
 
 llama-bench: --llama-bench PATH, else $LLAMA_BENCH, else the one tests/llamacpp_build.py
 builds (``python tests/llamacpp_build.py --with-bench``; GGML_NATIVE=OFF with the AVX2
@@ -87,7 +89,8 @@ def main(argv=None) -> int:
     extra = a.cyllm_args.split()
     models = [m for m in a.models.split(",") if m]
     tests = [t for t in (f"pp{a.n_prompt}" if a.n_prompt else None, f"tg{a.n_gen}" if a.n_gen else None) if t]
-    samples = {(m, t): {"cyllm": [], "llama": [], "ratio": [], "roof": []} for m in models for t in tests}
+    samples = {(m, t): {"cyllm": [], "llama": [], "ratio": [], "roof": [], "lroof": []}
+               for m in models for t in tests}
     for rep in range(a.repetitions):
         for m in models:
             order = ("cyllm", "llama") if rep % 2 == 0 else ("llama", "cyllm")
@@ -104,6 +107,7 @@ def main(argv=None) -> int:
                 s["ratio"].append(c / ll)
                 if roof is not None:
                     s["roof"].append(roof)
+                    s["lroof"].append(roof * ll / c)
             print(f"rep {rep + 1}/{a.repetitions} {os.path.basename(m)}: "
                   + ", ".join(f"{t} {got['cyllm'][t][0]:.1f} vs {got['llama'][t][0]:.1f}" for t in tests),
                   file=sys.stderr, flush=True)
@@ -113,16 +117,17 @@ def main(argv=None) -> int:
              + (" --native-build" if a.native_build else ""),
              "",
              "| file | MiB | test | cyllm t/s | llama.cpp t/s | cyllm / llama.cpp (median of per-rep ratios, range) "
-             "| cyllm roofline |",
-             "|---|---:|---|---:|---:|---|---:|"]
+             "| cyllm roofline | llama.cpp roofline |",
+             "|---|---:|---|---:|---:|---|---:|---:|"]
     for m in models:
         mib = os.path.getsize(m) / 2**20
         for t in tests:
             s = samples[(m, t)]
             roof = f"{statistics.median(s['roof']):.0f}%" if s["roof"] else ""
+            lroof = f"{statistics.median(s['lroof']):.0f}%" if s["lroof"] else ""
             lines.append(f"| {os.path.basename(m)} | {mib:.0f} | {t} | {statistics.median(s['cyllm']):.1f} | "
                          f"{statistics.median(s['llama']):.1f} | {statistics.median(s['ratio']):.2f} "
-                         f"({min(s['ratio']):.2f}-{max(s['ratio']):.2f}) | {roof} |")
+                         f"({min(s['ratio']):.2f}-{max(s['ratio']):.2f}) | {roof} | {lroof} |")
     text = "\n".join(lines)
     print(text)
     if a.out:
