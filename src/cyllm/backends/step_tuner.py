@@ -21,7 +21,12 @@ two steps.
 
 The policy: run at the current setting and keep its recent step times; now and then run
 a few steps with one neighbouring setting (a probe: one thread fewer, prefetch toggled,
-one thread more, in turn) and move there when it is faster by a margin. A round of probes
+one thread more, in turn) and move there when it is faster by a margin. A probe alternates
+with the current setting step by step and is judged against those interleaved steps, not
+against steps run before it: on a shared host the memory bandwidth moves between levels
+within seconds (35 and 52-62 GB/s on the 2-core Zen 4 VM), so steps a second apart can
+differ by more than the settings do, while neighbouring steps share the conditions
+(bench/results/cpu_quant_epyc_zen4.md). A round of probes
 that all lose quadruples the wait before the next one (up to MAX_INTERVAL steps), so on a quiet
 machine probing costs well under 1% of the steps; a step time that jumps well above what
 the current setting had been giving probes at once, so a busy process that starts
@@ -43,7 +48,7 @@ PROBE_SECONDS = 0.05   # ... and at least this long: a small model's 5 ms steps 
 MAX_PROBE_STEPS = 16
 WINDOW = 3             # latest steps of the current setting watched for a jump (or half
                        # a probe's steps when steps are short)
-MARGIN = 0.05          # a probe must be this much faster to win
+MARGIN = 0.03          # a probe must be this much faster than the interleaved current steps
 JUMP = 1.5             # current median over its best median since the last change: probe now
 
 # the neighbours a probe tries, in turn (fewer threads first: a core busy from the start
@@ -75,7 +80,9 @@ class StepTuner:
         self._interval = INTERVAL
         self._countdown = FIRST
         self._probe: tuple[int, bool] | None = None      # the setting being probed
-        self._probe_left = 0
+        self._probe_left = 0      # probe steps still to run
+        self._probe_turn = True   # whether the next step of the probe runs the probe setting
+        self._paired: list[float] = []   # the current setting's steps interleaved with the probe's
         self._turn = 0            # which neighbour the next probe tries (round robin)
         self._losses = 0          # probes lost since the last move or wait increase
         self._unchecked = 0       # steps since the last jump test
@@ -118,7 +125,9 @@ class StepTuner:
         if not self.adapts:
             return self.setting
         if self._probe is not None:
-            return self._probe
+            turn = self._probe_turn
+            self._probe_turn = not turn
+            return self._probe if turn else self.setting
         self._countdown -= 1
         if self._countdown > 0:
             return self.setting
@@ -130,6 +139,8 @@ class StepTuner:
         self._turn += 1
         self._probe, self._probe_left = probe, self._probe_steps()
         self._times.pop(probe, None)          # a probe is judged on its own steps only
+        self._paired = []
+        self._probe_turn = False              # this step runs it, the next the current setting
         return probe
 
     def record(self, setting: tuple[int, bool], seconds: float) -> None:
@@ -151,16 +162,17 @@ class StepTuner:
                 if statistics.median(latest) > JUMP * statistics.median(times):
                     self._countdown = 0      # slower than it was: look around now
             return
-        if setting != self._probe:
+        if setting == self.setting:
+            self._paired.append(seconds)
+        elif setting == self._probe:
+            self._probe_left -= 1
+        else:
             return
-        self._probe_left -= 1
-        if self._probe_left > 0:
+        if self._probe_left > 0 or len(self._paired) < len(self._times[self._probe]):
             return
-        probe_times = self._times[setting]
-        probe = statistics.median(probe_times)
-        # against the current setting's latest steps, as many as the probe ran
-        current = list(self._times.get(self.setting, ()))[-len(probe_times):]
-        if not current or probe < (1.0 - MARGIN) * statistics.median(current):
+        # the probe's steps against the current setting's steps interleaved with them
+        probe = statistics.median(self._times[self._probe])
+        if probe < (1.0 - MARGIN) * statistics.median(self._paired):
             self.size, self.prefetch = self._probe
             self._interval = INTERVAL
             self._losses = self._turn = 0
