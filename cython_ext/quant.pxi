@@ -266,14 +266,11 @@ def quantize_rows(out, x, fmt, threads=1):
 QPREFILL_INT8 = 0
 QPREFILL_F16 = 1
 
-# formats whose prefill goes through f16 panels by default, per quantized table: where the
-# int8 GEMM is slower than the f16 GEMM on the dequantized weights. q8_0 in the avx2 table
-# pays the sign trick, two multiply-add steps, a convert and two float operations per 32
-# weights and token: T = 128 on 2048x2048, 1 thread, 14.5 ms int8 against 11.4 ms panels
-# (AMD EPYC family 25 model 17 running the avx2 table; bench/bench_quant.py --variant avx2
-# --prefill 128; bench/results/cpu_quant_epyc_zen4.md). The other formats' int8 GEMMs are
-# faster than the f16 GEMM there (8.4-10.5 ms); the AVX-512 tables' much more so.
-_PANEL_PREFILL = {"avx2": ("q8_0",)}
+# The default is int8 for every format and table, so that a token's bits do not depend on
+# whether prefill or decode computed it (a cached prefix then gives the same text as a
+# recomputed one). f16 panels can be faster: q8_0 in the avx2 table, T = 128 on 2048x2048,
+# 1 thread, 14.5 ms int8 against 11.4 ms (bench/results/cpu_quant_epyc_zen4.md);
+# CYLLM_QPREFILL=f16 chooses them for every format, at the cost of that property.
 
 
 cdef class QuantKernels:
@@ -320,10 +317,8 @@ cdef class QuantKernels:
         forced = os.environ.get("CYLLM_QPREFILL", "").strip().lower()
         if forced not in ("", "int8", "f16"):
             raise InvalidArgumentError(f"CYLLM_QPREFILL must be int8 or f16, got {forced[:20]!r}")
-        panels = {_qfmt(f) for f in _PANEL_PREFILL.get(v, ())}
         for i in range(CYLLM_QF_COUNT):
-            f16 = forced == "f16" or (not forced and i in panels)
-            self.prefill_method[i] = QPREFILL_F16 if f16 else QPREFILL_INT8
+            self.prefill_method[i] = QPREFILL_F16 if forced == "f16" else QPREFILL_INT8
         cdef Py_ssize_t n = _index(threads, "threads")
         if n < 1 or n > 4096:
             raise InvalidArgumentError(f"threads must be in [1, 4096], got {n}")
@@ -560,7 +555,7 @@ cdef class QuantKernels:
     # -- prefill ----------------------------------------------------------------------
     def set_prefill_method(self, fmt, method):
         """The prefill path of format fmt: "int8" or "f16" (benchmarks; the default is
-        _PANEL_PREFILL's, or CYLLM_QPREFILL=int8|f16 for every format)."""
+        int8, or CYLLM_QPREFILL=int8|f16's for every format)."""
         cdef int f = _qfmt(fmt)
         if method not in ("int8", "f16"):
             raise InvalidArgumentError(f"method must be 'int8' or 'f16', got {method!r}")

@@ -239,19 +239,16 @@ def test_dequantize_rows(variant, fmt):
 
 
 def test_prefill_method_defaults(monkeypatch):
-    """f16 panels by default only where the table's int8 GEMM is the slower one (q8_0 in
-    avx2); CYLLM_QPREFILL=int8|f16 sets every format; anything else is one clear error."""
+    """int8 prefill by default on every table (a token's bits then do not depend on prefill
+    or decode); CYLLM_QPREFILL=int8|f16 sets every format; anything else is one clear error."""
     monkeypatch.delenv("CYLLM_QPREFILL", raising=False)
-    if "avx2" in K.quant_available_variants():
-        qk = K.QuantKernels(variant="avx2")
-        assert qk.prefill_method_of("q8_0") == "f16"
-        assert qk.prefill_method_of("q4_k") == "int8"
-        monkeypatch.setenv("CYLLM_QPREFILL", "int8")
-        assert K.QuantKernels(variant="avx2").prefill_method_of("q8_0") == "int8"
-    monkeypatch.delenv("CYLLM_QPREFILL", raising=False)
-    assert K.QuantKernels(variant="generic").prefill_method_of("q8_0") == "int8"
+    for v in VARIANTS:
+        qk = K.QuantKernels(variant=v)
+        assert all(qk.prefill_method_of(f) == "int8" for f in QUANTIZED)
     monkeypatch.setenv("CYLLM_QPREFILL", "f16")
     assert K.QuantKernels(variant="generic").prefill_method_of("q4_k") == "f16"
+    monkeypatch.setenv("CYLLM_QPREFILL", "int8")
+    assert K.QuantKernels(variant="generic").prefill_method_of("q8_0") == "int8"
     monkeypatch.setenv("CYLLM_QPREFILL", "fastest")
     with pytest.raises(InvalidArgumentError, match="CYLLM_QPREFILL"):
         K.QuantKernels(variant="generic")

@@ -1021,11 +1021,12 @@ QZK_FORMAT(k4z, k4z_tile, QZK_R, QZK_C, 1, K4Z_ROW1)
 QZK_FORMAT(k6z, k6z_tile, QZ6_R, QZ6_C, 0, K6Z_ROW1)
 #endif
 
-/* q8_0 rows [r0, r1) -> f16 (the prefill's f16 panels): d * q in float, rounded to f16 to
- * nearest even by F16C, the generic dequantizer's bits 8 elements at a time. Where the int8
- * GEMM costs more than the f16 GEMM (q8_0 in the avx2 table: the sign trick, two multiply-add
- * steps, a convert and two float operations per 32 weights and token), prefill goes through
- * these panels, and the generic per-element conversion took a third of that path's time. */
+/* q8_0 rows [r0, r1) -> f16 (the prefill's f16 panels, CYLLM_QPREFILL=f16): d * q in float,
+ * rounded to f16 to nearest even by F16C, the generic dequantizer's bits 8 elements at a
+ * time. The generic per-element conversion took a third of the panel path's time; with this
+ * one the panels run at the f16 GEMM's speed, which in the avx2 table beats q8_0's int8 GEMM
+ * (the sign trick, two multiply-add steps, a convert and two float operations per 32 weights
+ * and token). */
 static inline void deq16_rows_q8_0(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n,
                                    int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
