@@ -124,7 +124,7 @@ __device__ __forceinline__ int byte_s(u32 v, int k) { return (int)(signed char)(
 // batch). Two batches are in flight (one computed while the next loads): about 260-420
 // bytes per lane for one matrix; gate+up halves B (q4_k/q5_k/q6_k: one batch instead).
 struct QF_q8_0 { enum { UPI = 2,  EA = 0, EB = 2, IE = 32,  B = 4 }; };   // units: q[0:16], q[16:32]; B: d
-struct QF_q4_0 { enum { UPI = 1,  EA = 0, EB = 2, IE = 32,  B = 8 }; };   // unit: qs; B: d
+struct QF_q4_0 { enum { UPI = 1,  EA = 0, EB = 2, IE = 32,  B = 4 }; };   // unit: qs; B: d
 struct QF_q4_1 { enum { UPI = 1,  EA = 4, EB = 0, IE = 32,  B = 8 }; };   // unit: qs; A: d, m
 struct QF_q5_0 { enum { UPI = 1,  EA = 4, EB = 2, IE = 32,  B = 6 }; };   // unit: qs; A: qh; B: d
 struct QF_q5_1 { enum { UPI = 1,  EA = 8, EB = 0, IE = 32,  B = 6 }; };   // unit: qs; A: (d, m), qh
