@@ -27,13 +27,11 @@ from cyllm.backends.cpu import CpuBackend, measure_read_bandwidth
 from cyllm.hostinfo import cpu_description
 from shown_paths import shown_argv
 from cyllm.quant import FORMATS
-from cyllm.quant.formats import R16_OF
+from cyllm.quant.formats import R16_BASE
 from cyllm.quant.reference import quantize
 
 SHAPES = {"qo": (2048, 2048), "gate_up": (5632, 2048), "down": (2048, 5632), "output": (32000, 2048)}
 QFORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
-# the r16 layouts (rows interleaved by 16, made at load where the AVX512-VNNI table runs)
-R16_NAMES = {lay.name: name for name, lay in R16_OF.items()}
 
 
 def timeit(fn, min_time: float, reps_min: int = 5) -> float:
@@ -54,10 +52,10 @@ def timeit(fn, min_time: float, reps_min: int = 5) -> float:
 def random_quant(fmt: str, rows: int, cols: int, rng) -> np.ndarray:
     """Blocks of `fmt` with realistic scales: quantize a small random matrix and tile it
     (quantizing 65M weights with the NumPy reference would take minutes)."""
-    if fmt in R16_NAMES:                # the file format's blocks, reordered as the backend does
-        blocks = random_quant(R16_NAMES[fmt], rows, cols, rng)
+    if fmt in R16_BASE:                # an r16 layout: the file format's blocks, reordered as the backend does
+        blocks = random_quant(R16_BASE[fmt], rows, cols, rng)
         out = np.empty_like(blocks)
-        K.repack_r16(out, blocks, R16_NAMES[fmt], 2)
+        K.repack_r16(out, blocks, R16_BASE[fmt], 2)
         return out
     f = FORMATS[fmt]
     base = quantize((rng.standard_normal((64, cols)) * 0.02).astype(np.float32), f)

@@ -266,12 +266,6 @@ def quantize_rows(out, x, fmt, threads=1):
 QPREFILL_INT8 = 0
 QPREFILL_F16 = 1
 
-# The default is int8 for every format and table, so that a token's bits do not depend on
-# whether prefill or decode computed it (a cached prefix then gives the same text as a
-# recomputed one). f16 panels can be faster: q8_0 in the avx2 table, T = 128 on 2048x2048,
-# 1 thread, 14.5 ms int8 against 11.4 ms (bench/results/cpu_quant_epyc_zen4.md);
-# CYLLM_QPREFILL=f16 chooses them for every format, at the cost of that property.
-
 
 cdef class QuantKernels:
     """The quantized-weight ops on the CPU.
@@ -314,6 +308,11 @@ cdef class QuantKernels:
         self._variant = v
         self._base = b
         cdef int i
+        # int8 by default for every format and table, so that a token's bits do not depend on
+        # whether prefill or decode computed it (a cached prefix then gives the same text as a
+        # recomputed one). f16 panels can be faster: q8_0 in the avx2 table, T = 128 on 2048x2048,
+        # 1 thread, 14.8 ms int8 against 12.0 ms (bench/results/cpu_quant_epyc_zen4.md);
+        # CYLLM_QPREFILL=f16 chooses them for every format, at the cost of that property.
         forced = os.environ.get("CYLLM_QPREFILL", "").strip().lower()
         if forced not in ("", "int8", "f16"):
             raise InvalidArgumentError(f"CYLLM_QPREFILL must be int8 or f16, got {forced[:20]!r}")

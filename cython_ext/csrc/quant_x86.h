@@ -1021,26 +1021,25 @@ QZK_FORMAT(k4z, k4z_tile, QZK_R, QZK_C, 1, K4Z_ROW1)
 QZK_FORMAT(k6z, k6z_tile, QZ6_R, QZ6_C, 0, K6Z_ROW1)
 #endif
 
-/* q8_0 rows [r0, r1) -> f16 (the prefill's f16 panels, CYLLM_QPREFILL=f16): d * q in float,
- * rounded to f16 to nearest even by F16C, the generic dequantizer's bits 8 elements at a
- * time. The generic per-element conversion took a third of the panel path's time; with this
- * one the panels run at the f16 GEMM's speed, which in the avx2 table beats q8_0's int8 GEMM
- * (the sign trick, two multiply-add steps, a convert and two float operations per 32 weights
- * and token). */
-static inline void deq16_rows_q8_0(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n,
-                                   int64_t r0, int64_t r1) {
+/* rows [r0, r1) -> f16 (the prefill's f16 panels, CYLLM_QPREFILL=f16): each block
+ * dequantized by the generic code, the floats rounded to f16 (nearest even) 8 at a time by
+ * F16C: the generic dequantizer's bits. Its per-element software conversion took a third of
+ * the panel path's time (q8_0, T = 128); without it the panels run at the f16 GEMM's speed,
+ * which in the avx2 table beats q8_0's int8 GEMM. */
+static inline void deq16_rows_x86(int fmt, uint16_t *out, const uint8_t *w, int64_t rb, int64_t n,
+                                  int64_t r0, int64_t r1) {
+    const cyllm_qformat_info *fi = cyllm_qformat(fmt);
+    const int64_t chunk_bytes = QK_K / fi->block * fi->block_bytes;   /* QK_K elements a call */
+    float y[QK_K];
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * rb;
         uint16_t *o = out + (r - r0) * n;
-        for (int64_t b = 0; b < n / 32; b++) {
-            const uint8_t *p = row + b * QB_Q8_0;
-            const __m256 d = _mm256_set1_ps(_cvtsh_ss(cyllm_rd16(p)));
-            for (int k = 0; k < 4; k++) {
-                const __m128i q8 = _mm_loadl_epi64((const __m128i *)(p + 2 + 8 * k));
-                const __m256 v = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
-                _mm_storeu_si128((__m128i *)(o + b * 32 + 8 * k),
-                                 _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            }
+        for (int64_t e = 0; e < n; e += QK_K) {
+            const int64_t m = n - e < QK_K ? n - e : QK_K;       /* a multiple of the block, of 8 */
+            cyllm_qdequant_row_f32_generic(fmt, y, row + e / QK_K * chunk_bytes, m);
+            for (int64_t k = 0; k < m; k += 8)
+                _mm_storeu_si128((__m128i *)(o + e + k),
+                                 _mm256_cvtps_ph(_mm256_loadu_ps(y + k), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         }
     }
 }
@@ -1135,8 +1134,7 @@ static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
 }                                                                                             \
 static void QF(deq16_##F)(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n, int64_t r0, \
                           int64_t r1) {                                                       \
-    if (FMT == CYLLM_QF_Q8_0) deq16_rows_q8_0(out, w, rb, n, r0, r1);                        \
-    else cyllm_qdequant_rows_f16_generic(FMT, out, w, rb, n, r0, r1);                         \
+    deq16_rows_x86(FMT, out, w, rb, n, r0, r1);                                               \
 }                                                                                             \
 static void QF(deq32_##F)(float *out, const uint8_t *w, int64_t rb, int64_t r, int64_t n) { \
     cyllm_qdequant_row_f32_generic(FMT, out, w + r * rb, n);                                  \

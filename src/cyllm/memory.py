@@ -172,3 +172,20 @@ def drop_mapped_pages(buf, offset: int, nbytes: int) -> None:
         advise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
     except (OSError, ValueError):
         pass
+
+
+def drop_array_file_pages(a: np.ndarray) -> None:
+    """drop_mapped_pages for ``a`` when it is a view of a read-only file mapping (a GGUF
+    tensor reordered at load is not read again); anonymous or writable memory is left alone
+    (dropping it would lose its contents)."""
+    base = a
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = getattr(base, "base", None) if not isinstance(base, memoryview) else base.obj
+    if base is None or base.closed:
+        return
+    start_of_map = np.frombuffer(base, np.uint8, count=1)
+    if start_of_map.flags.writeable:
+        return
+    off = a.ctypes.data - start_of_map.ctypes.data
+    if 0 <= off and off + a.nbytes <= len(base):
+        drop_mapped_pages(base, off, a.nbytes)

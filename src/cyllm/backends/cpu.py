@@ -18,14 +18,13 @@ prefetch is kept on or off, whichever this CPU runs faster (CYLLM_PREFETCH=on|of
 
 from __future__ import annotations
 
-import mmap
 import os
 import time
 
 import numpy as np
 
 from ..errors import BackendUnavailableError, InvalidArgumentError
-from ..memory import drop_mapped_pages
+from ..memory import drop_array_file_pages
 from ..quant.formats import R16_OF, R16_ROWS
 from ..quant.matrix import QuantMatrix
 from ..threads import resolve_threads
@@ -206,7 +205,7 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         for a in range(0, qm.rows, step):
             b = min(qm.rows, a + step)
             _k.repack_r16(out[a:b], qm.data[a:b], qm.fmt.name, self.threads)
-            _drop_file_pages(qm.data[a:b])
+            drop_array_file_pages(qm.data[a:b])
         return QuantMatrix(out, r16, qm.shape)
 
     thread_team = True
@@ -239,23 +238,6 @@ R16_VARIANTS = ("avx512vnni",)
 
 
 _REPACK_SLICE = 16 << 20        # bytes of a tensor reordered between two drops of its file pages
-
-
-def _drop_file_pages(a: np.ndarray) -> None:
-    """memory.drop_mapped_pages for ``a`` when it is a view of a read-only file mapping (a
-    GGUF tensor reordered at load is not read again); anonymous or writable memory is left
-    alone (dropping it would lose its contents)."""
-    base = a
-    while base is not None and not isinstance(base, mmap.mmap):
-        base = getattr(base, "base", None) if not isinstance(base, memoryview) else base.obj
-    if base is None or base.closed:
-        return
-    start_of_map = np.frombuffer(base, np.uint8, count=1)
-    if start_of_map.flags.writeable:
-        return
-    off = a.ctypes.data - start_of_map.ctypes.data
-    if 0 <= off and off + a.nbytes <= len(base):
-        drop_mapped_pages(base, off, a.nbytes)
 
 
 def repack_enabled(quant_variant: str) -> bool:

@@ -82,7 +82,7 @@ class StepTuner:
         self._probe: tuple[int, bool] | None = None      # the setting being probed
         self._probe_left = 0      # probe steps still to run
         self._probe_turn = True   # whether the next step of the probe runs the probe setting
-        self._paired: list[float] = []   # the current setting's steps interleaved with the probe's
+        self._paired: deque = deque(maxlen=MAX_PROBE_STEPS)   # the current setting's steps interleaved with the probe's
         self._turn = 0            # which neighbour the next probe tries (round robin)
         self._losses = 0          # probes lost since the last move or wait increase
         self._unchecked = 0       # steps since the last jump test
@@ -139,7 +139,7 @@ class StepTuner:
         self._turn += 1
         self._probe, self._probe_left = probe, self._probe_steps()
         self._times.pop(probe, None)          # a probe is judged on its own steps only
-        self._paired = []
+        self._paired.clear()
         self._probe_turn = False              # this step runs it, the next the current setting
         return probe
 

@@ -85,6 +85,7 @@ Q4_0_R16 = WeightFormat("q4_0_r16", -1, 32, 18, "q8_0", len(KERNEL_IDS) + 1)
 Q8_0_R16 = WeightFormat("q8_0_r16", -1, 32, 34, "q8_0", len(KERNEL_IDS) + 2)
 Q4_1_R16 = WeightFormat("q4_1_r16", -1, 32, 20, "q8_0", len(KERNEL_IDS) + 3)
 R16_OF = {"q4_k": Q4_K_R16, "q4_0": Q4_0_R16, "q8_0": Q8_0_R16, "q4_1": Q4_1_R16}    # file format -> its r16 layout
+R16_BASE = {lay.name: name for name, lay in R16_OF.items()}                               # layout name -> file format
 R16_FORMATS = tuple(R16_OF.values())
 R16_ROWS = 16
 QUANTIZED = tuple(f.name for f in FORMATS.values() if f.quantized)

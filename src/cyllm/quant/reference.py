@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from .formats import ACT_FORMATS, FORMATS, WeightFormat, format_by_name
+from .formats import ACT_FORMATS, FORMATS, R16_BASE, WeightFormat, format_by_name
 
 F32 = np.float32
 GROUP_MAX_EPS = F32(1e-15)
@@ -149,10 +149,10 @@ def dequantize(data: np.ndarray, fmt, cols: int | None = None) -> np.ndarray:
     Float formats (f32, f16, bf16) are accepted too (raw little-endian bytes), and the
     r16 layouts (cols required)."""
     fmt = _fmt(fmt)
-    if fmt.name in ("q4_k_r16", "q4_0_r16", "q8_0_r16", "q4_1_r16"):
+    if fmt.name in R16_BASE:
         if cols is None:
             raise InvalidArgumentError(f"dequantize of the {fmt.name} layout needs cols")
-        data, fmt = unpack_r16(data, fmt, cols), FORMATS[fmt.name[:4]]
+        data, fmt = unpack_r16(data, fmt, cols), FORMATS[R16_BASE[fmt.name]]
     raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
     if fmt.name == "f32":
         y = raw.view("<f4").astype(F32)
