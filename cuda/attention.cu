@@ -111,7 +111,6 @@ __device__ __forceinline__ void attn_split_body(
     if (t0 > pos || t0 + chunk <= start || kvh >= n_kv) return;          // uniform over the block
     const int n_valid = min(chunk, pos + 1 - t0);
     const int t_first = max(0, start - t0);       // rows before it are masked out
-    pdl_wait();                                   // q and cache row pos come from rope_store
 
     const int hd8 = hd >> 3;
     const int rpw = 32 / hd8;                     // rows per warp per pass
@@ -129,16 +128,30 @@ __device__ __forceinline__ void attn_split_body(
     const uint4* K = reinterpret_cast<const uint4*>(k_cache + ((size_t)kvh * max_ctx + t0) * hd);
     const uint4* V = reinterpret_cast<const uint4*>(v_cache + ((size_t)kvh * max_ctx + t0) * hd);
 
-    // short chunks (the whole of it in one pass of U loads): fetch V together with K
-    // instead of after the softmax, one memory round trip less on the critical path
-    const bool v_early = VE && n_valid <= rp * U;
-    uint4 vpre[U];
-    if (v_early) {
+    // VE: the first pass of K and V rows goes out before pdl_wait. Rows before pos were
+    // written by earlier tokens' launches (stream-ordered before this graph), so only row
+    // pos, which rope_store writes now, waits; at short contexts the kernel then has one
+    // memory round trip after the wait (q and row pos) instead of three (q, K, V), and
+    // those loads overlap the qkv matvec and rope_store. The cost: 2U more registers.
+    const int t_new = pos - t0;                   // this split's row written by rope_store
+    uint4 kpre[VE ? U : 1], vpre[VE ? U : 1];
+    if (VE) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int t = u * rp + row_in_pass;
-            vpre[u] = t < n_valid ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+            const bool old = t < n_valid && t != t_new;
+            kpre[u] = old ? K[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+            vpre[u] = old ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
         }
+    }
+    pdl_wait();                                   // q and cache row pos come from rope_store
+    if (VE) {
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (u * rp + row_in_pass == t_new) {
+                kpre[u] = K[(size_t)t_new * hd8 + e8];
+                vpre[u] = V[(size_t)t_new * hd8 + e8];
+            }
     }
     // splits s0 .. n_used-1 take part; one alone writes the final output, no merge
     const int n_used = min(n_split, pos / chunk + 1);
@@ -160,7 +173,7 @@ __device__ __forceinline__ void attn_split_body(
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int t = base + u * rp + row_in_pass;
-                kv[u] = t < n_valid ? K[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+                kv[u] = (VE && base == 0) ? kpre[u] : t < n_valid ? K[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -204,7 +217,7 @@ __device__ __forceinline__ void attn_split_body(
             for (int u = 0; u < U; ++u) {
                 const int t = base + u * rp + row_in_pass;
                 // rows past pos may hold garbage (even NaN): never load them
-                vv[u] = v_early ? vpre[u] : t < n_valid ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+                vv[u] = (VE && base == 0) ? vpre[u] : t < n_valid ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -268,11 +281,13 @@ __device__ __forceinline__ void attn_split_body(
         const float* q, const f16_t* k_cache,                                                \
         const f16_t* v_cache, const int* step, int pos_host, int max_ctx, int n_kv,          \
         int group, int hd, int chunk, int n_split, float scale, int window) {                \
-        attn_split_body<GT, VE>(out, counters, o_part, m_part, l_part, q, k_cache, v_cache,  \
+        TRACE_BEGIN(); attn_split_body<GT, VE>(out, counters, o_part, m_part, l_part, q, k_cache, v_cache,  \
                                 step, pos_host,                                              \
                                 max_ctx, n_kv, group, hd, chunk, n_split, scale, window);    \
+        TRACE_END(0x1000);                                                                   \
     }
-// NAME_ve: V of a short chunk loaded together with K (fewer round trips, more registers)
+// NAME_ve: the first pass of K and V rows loaded before pdl_wait (short contexts: one round
+// trip after the wait instead of three; more registers; CudaBackend._attn_early picks it)
 #define CYLLM_ATTN_SPLIT(NAME, GT) CYLLM_ATTN_SPLIT1(NAME, GT, false) CYLLM_ATTN_SPLIT1(NAME##_ve, GT, true)
 
 CYLLM_ATTN_SPLIT(attn_split_g1, 1)

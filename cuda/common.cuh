@@ -80,9 +80,38 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+#ifdef CYLLM_TRACE
+__device__ unsigned long long* cyllm_trace_buf;
+__device__ unsigned int cyllm_trace_cnt;
+__device__ __forceinline__ unsigned long long trace_now() {
+    unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t;
+}
+__device__ __forceinline__ unsigned long long* trace_slots() { __shared__ unsigned long long s[2]; return s; }
+__device__ __forceinline__ void trace_begin() { if (threadIdx.x == 0) { trace_slots()[0] = trace_now(); trace_slots()[1] = 0; } }
+__device__ __forceinline__ void trace_end(unsigned tag) {
+    if (threadIdx.x == 0 && cyllm_trace_buf != nullptr) {
+        unsigned smid; asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        const unsigned i = atomicAdd(&cyllm_trace_cnt, 1u);
+        if (i < (1u << 18)) {
+            unsigned long long* e = cyllm_trace_buf + 4ull * i;
+            e[0] = ((unsigned long long)tag << 40) | ((unsigned long long)smid << 32) | (blockIdx.y << 16) | blockIdx.x;
+            e[1] = trace_slots()[0]; e[2] = trace_slots()[1]; e[3] = trace_now();
+        }
+    }
+}
+#define TRACE_BEGIN() trace_begin()
+#define TRACE_END(tag) trace_end(tag)
+#else
+#define TRACE_BEGIN()
+#define TRACE_END(tag)
+#endif
+
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#ifdef CYLLM_TRACE
+    if (threadIdx.x == 0) trace_slots()[1] = trace_now();
 #endif
 }
 

@@ -69,16 +69,18 @@ extern "C" __global__ void rope_store_f32(float* __restrict__ q, float* __restri
                                           const int* __restrict__ step, int pos_host, int n_pos,
                                           int max_ctx, int nq, int nk, int half)
 {
+    TRACE_BEGIN();
     pdl_trigger();      // attention's blocks may be scheduled now
     const int pos = step_value(step, 1, pos_host);
     if (pos < 0 || pos >= n_pos || pos >= max_ctx) return;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (nq + nk) * half) return;
-    pdl_wait();         // q, k, v come from the qkv matvec
     const int head = i / half, j = i - head * half;
+    // the rotation table is constant: read it while the qkv matvec still runs
+    const float c = cos_t[(size_t)pos * half + j], s = sin_t[(size_t)pos * half + j];
+    pdl_wait();         // q, k, v come from the qkv matvec
     const bool is_k = head >= nq;
     float* x = is_k ? k + (size_t)(head - nq) * 2 * half : q + (size_t)head * 2 * half;
-    const float c = cos_t[(size_t)pos * half + j], s = sin_t[(size_t)pos * half + j];
     const float x1 = x[j], x2 = x[j + half];
     const float y1 = x1 * c - x2 * s, y2 = x2 * c + x1 * s;
     x[j] = y1;
@@ -92,6 +94,7 @@ extern "C" __global__ void rope_store_f32(float* __restrict__ q, float* __restri
         v_cache[row + j] = f2h(vh[j]);
         v_cache[row + j + half] = f2h(vh[j + half]);
     }
+    TRACE_END(0x1001);
 }
 
 // k_cache[:, pos, :] = k ; v_cache[:, pos, :] = v  (f32 -> f16, round to nearest)

@@ -874,7 +874,8 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
                                     const unsigned char* __restrict__ w1, const float* x,             \
                                     int d, int nbi, const float* __restrict__ nw, float eps,         \
                                     float* __restrict__ xn) {                                        \
-        qmv_body<F, MODE, NORM>(out, w0, w1, x, d, nbi, nw, eps, xn, blockIdx.x);                    \
+        TRACE_BEGIN(); qmv_body<F, MODE, NORM>(out, w0, w1, x, d, nbi, nw, eps, xn, blockIdx.x);    \
+        TRACE_END((F::UPI << 8) | (F::EA << 4) | (MODE << 2) | (NORM << 1));                     \
     }
 // q, k and v of one layer in one launch (three matrices of one format, one x): blocks
 // [0, tq) are q's row tiles, then k's, then v's; out is q | k | v side by side (dk = dv)
@@ -888,8 +889,9 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
         const int t = blockIdx.x;                                                                    \
         const int seg = t < tq ? 0 : t < tq + tk ? 1 : 2;                                            \
         const unsigned char* w = seg == 0 ? wq : seg == 1 ? wk : wv;                                 \
-        qmv_body<F, 0, NORM>(out + (seg == 0 ? 0 : dq + (seg - 1) * dk), w, w, x, seg ? dk : dq, nbi, \
+        TRACE_BEGIN(); qmv_body<F, 0, NORM>(out + (seg == 0 ? 0 : dq + (seg - 1) * dk), w, w, x, seg ? dk : dq, nbi, \
                              nw, eps, xn, t - (seg == 0 ? 0 : tq + (seg - 1) * tk));                 \
+        TRACE_END((F::UPI << 8) | (F::EA << 4) | (NORM << 1) | 1);                               \
     }
 #define CYLLM_QMV(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, __launch_bounds__(QMV_MAX_WARPS * 32))
 #define CYLLM_QMV_WIDE(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, )

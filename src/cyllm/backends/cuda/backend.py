@@ -84,8 +84,7 @@ class CudaBackend(NormFolding, GraphDecode, PrefillOps, Backend):
         self._step_host = np.zeros(2, dtype=np.int32)
         self._stream = cp.cuda.Stream(non_blocking=False)   # blocking: ordered with the null stream
         self.use_graphs = os.environ.get("CYLLM_CUDA_GRAPHS", "1") != "0"
-        self._graph = None
-        self._graph_key = None
+        self.reset_graph()
         self._device_mode = False       # ops read token/pos from self._step
         self._vocab: int | None = None
         self._max_pos: int | None = None
@@ -101,8 +100,8 @@ class CudaBackend(NormFolding, GraphDecode, PrefillOps, Backend):
         self.fuse_norm = os.environ.get("CYLLM_CUDA_FUSE_NORM", "1") != "0"
         self._pending_norm = None       # (out, x, w, eps) of an rmsnorm not launched yet
         self._scratch: dict = {}        # name -> device buffer reused by the batched ops
-        # decode attention: load V with K for short chunks (None = off: measured no faster on an H200,
-        # and slower at long contexts, its registers cost resident blocks)
+        # decode attention: the first K/V rows loaded before pdl_wait (None = at short contexts,
+        # see _attn_early; True/False forces it)
         self.attn_v_early: bool | None = None
         self.attn_batch_vec = True      # float4 variant of attention_batch where head_dim % 4 == 0
         # programmatic dependent launch of the decode kernels inside decode_step (sm_90+);
@@ -360,6 +359,20 @@ class CudaBackend(NormFolding, GraphDecode, PrefillOps, Backend):
                                       cp.empty(n_heads * n_split, dtype=cp.float32))
         return s[1:]
 
+    def _attn_early(self, pos: int, n_kv: int, chunk: int) -> bool:
+        """Whether attention at pos runs the variant that loads its first K/V rows before
+        pdl_wait: while the blocks holding positions 0..pos fit in one wave of the SMs.
+        Past that its extra registers (128 against 63 for one head per block) halve the
+        resident blocks of a long cache. Llama-2-7B on an H100 (32 KV heads, chunks of 256):
+        up to position 1023; tg128 Q4_K_M +3.8%, Q8_0 +2.0%, at depth 4096 Q8_0 -1.2% had it
+        stayed on (bench/results/cuda_quant_model_h100.md)."""
+        if self.attn_v_early is not None:
+            return bool(self.attn_v_early)
+        short = chunk * max(1, self.sm_count // n_kv)
+        if self._attn_short_pos is None or short < self._attn_short_pos:
+            self._attn_short_pos = short        # the step's graphs are chosen by it (_regime)
+        return pos < self._attn_short_pos
+
     @staticmethod
     def _attn_smem(gt: int, hd: int, chunk: int, n_split: int) -> int:
         return attn_smem(gt, hd, chunk, n_split)
@@ -388,7 +401,7 @@ class CudaBackend(NormFolding, GraphDecode, PrefillOps, Backend):
             while gt and self._attn_smem(gt, hd, chunk, n_split) > SMEM_LIMIT:
                 gt //= 2
         if gt:
-            ve = bool(self.attn_v_early)
+            ve = self._attn_early(int(pos), n_kv, chunk)
             self._launch(ATTN_SPLIT_KERNELS[(gt, ve)], (n_kv, n_split), (ATT_THREADS,),
                          (out, counters, o_part, m_part, l_part) + args_tail,
                          shared_mem=self._attn_smem(gt, hd, chunk, n_split))

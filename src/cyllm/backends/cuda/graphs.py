@@ -26,9 +26,11 @@ class GraphDecode:
     ``_device_mode`` is set (recording ``_vocab``/``_max_pos`` for the checks here)."""
 
     def reset_graph(self) -> None:
-        """Forget the captured graph (call after reallocating any run-state buffer)."""
-        self._graph = None
-        self._graph_key = None
+        """Forget the captured graphs (call after reallocating any run-state buffer)."""
+        self._graph = None              # the graph of the last step
+        self._graph_key = None          # the issue_ops the graphs were captured from
+        self._graphs = {}               # regime (_regime) -> graph
+        self._attn_short_pos = None     # set by the attention op: see _regime
         self._vocab = None
         self._max_pos = None
 
@@ -56,8 +58,13 @@ class GraphDecode:
             # pageable source: the call returns once the 8 bytes are staged, so reuse is safe
             cp.cuda.runtime.memcpyAsync(self._step.data.ptr, self._step_host.ctypes.data, 8,
                                         cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
-            if self._graph is not None and self._graph_key == issue_ops:
-                self._graph.launch(stream=stream)
+            if self._graph_key != issue_ops:
+                self._graphs = {}
+                self._graph_key = issue_ops
+            graph = self._graphs.get(self._regime(pos))
+            if graph is not None:
+                self._graph = graph
+                graph.launch(stream=stream)
                 return
             self._device_mode = True
             try:
@@ -86,5 +93,12 @@ class GraphDecode:
             self.use_graphs = False
             self.reset_graph()
             return
-        self._graph = graph
-        self._graph_key = issue_ops
+        self._graph = self._graphs[self._regime(pos)] = graph
+
+    def _regime(self, pos: int):
+        """Which of the step's graphs serves position pos. Decode attention has a variant
+        for short contexts (the first K/V rows loaded before pdl_wait, attention.cu) whose
+        extra registers cost resident blocks once a long cache spreads over many blocks,
+        so below the attention op's _attn_short_pos the step runs a graph captured with
+        it and above one captured without: two graphs at most, each captured on first use."""
+        return None if self._attn_short_pos is None else pos < self._attn_short_pos

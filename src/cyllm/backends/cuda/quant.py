@@ -219,7 +219,7 @@ def upload(be, qm: QuantMatrix) -> CudaQuantMatrix:
 
 
 # -- kernels --------------------------------------------------------------------------------
-_MODULES: dict = {}       # (device id, fmt) -> RawModule
+_MODULES: dict = {}       # (device id, fmt, extra defines) -> RawModule
 
 
 def _source() -> str:
@@ -227,14 +227,15 @@ def _source() -> str:
 
 
 def _module(be, fmt: str):
-    key = (be.device.id, fmt)
+    defines = tuple(be.compile_defines)         # experiments and tracing (bench/trace_cuda_decode.py)
+    key = (be.device.id, fmt, defines)
     mod = _MODULES.get(key)
     if mod is None:
         src = _source()
         errors = []
         for opts in ((), ("-DCYLLM_PLAIN_LOADS",)):
             try:
-                mod = cp.RawModule(code=src, options=(f"-DQMV_{fmt}",) + opts)
+                mod = cp.RawModule(code=src, options=(f"-DQMV_{fmt}",) + opts + defines)
                 mod.get_function(f"qmv_{fmt}")         # forces the NVRTC compile now
                 break
             except Exception as e:  # noqa: BLE001 - CompileException, or a driver refusing the cubin

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Where one captured CUDA decode token spends its time, kernel by kernel, in the model.
+
+    python bench/trace_cuda_decode.py --synthetic llama2-7b --quantize q4_k [-c 4736] [--pos 64] [--tokens 5]
+
+The kernels are compiled with -DCYLLM_TRACE (cuda/common.cuh): thread 0 of every block of
+the quantized matvecs, rope_store and attention records the global timer when the block
+starts, when its pdl_wait returns and when it ends (plus its SM). One token's graph is
+replayed with the records on; the blocks are grouped into launches (one kernel tag, each
+block index once) and each launch is shown with
+
+  exposed   its last block's end minus the previous launch's last end: the time the token
+            would lose without it, if nothing else moved
+  lag       its first pdl_wait return minus the previous launch's last end (the cost of
+            the kernel boundary under programmatic dependent launch)
+  after     its last end minus its first pdl_wait return (work on the critical path)
+  pre       its first block start before the previous launch's last end (overlap bought by
+            the early launch)
+
+then the same averaged per position in a layer. No nsys on the device machines; this is
+the timeline the profiler would give, at the granularity of %globaltimer (printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+import numpy as np  # noqa: E402
+
+CAP = 1 << 18       # records (cuda/common.cuh trace_end)
+_FMT = {(2, 0): "q8_0", (1, 0): "q4_0", (1, 4): "q4_1/q5_0", (1, 8): "q5_1", (9, 0): "q4_k",
+        (11, 0): "q5_k", (13, 0): "q6_k"}
+_MODE = {0: "matvec", 1: "add", 2: "gate_up", 3: "gate_up_gelu"}
+
+
+def tag_name(tag: int) -> str:
+    if tag == 0x1000:
+        return "attention"
+    if tag == 0x1001:
+        return "rope_store"
+    fmt = _FMT.get((tag >> 8, (tag >> 4) & 15), f"fmt{tag >> 8}")
+    name = "qkv" if tag & 1 else _MODE[(tag >> 2) & 3]
+    return f"{name}{'+norm' if tag & 2 else ''} {fmt}"
+
+
+def launches(rec: np.ndarray) -> list[dict]:
+    """Records (n, 4) -> launches. A launch holds each block index once and launches of one
+    kernel never overlap, so a block (in order of start) joins the first launch of its tag
+    that lacks its index."""
+    tags = (rec[:, 0] >> 40).astype(np.int64)
+    out = []
+    for tag in np.unique(tags):
+        r = rec[tags == tag]
+        r = r[np.argsort(r[:, 1])]
+        groups: list[tuple[set, list]] = []
+        for row in r:
+            bid = int(row[0] & 0xFFFFFFFF)
+            for seen, rows in groups:
+                if bid not in seen:
+                    break
+            else:
+                seen, rows = set(), []
+                groups.append((seen, rows))
+            seen.add(bid)
+            rows.append(row)
+        for _, rows in groups:
+            g = np.array(rows)
+            waits = g[:, 2][g[:, 2] > 0]
+            out.append({"tag": int(tag), "name": tag_name(int(tag)), "blocks": len(g),
+                        "sms": len(np.unique((g[:, 0] >> 32) & 0xFF)),
+                        "start": int(g[:, 1].min()), "wait": int(waits.min()) if len(waits) else None,
+                        "end": int(g[:, 3].max())})
+    out.sort(key=lambda x: x["end"])
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model")
+    ap.add_argument("--synthetic")
+    ap.add_argument("--quantize", default="")
+    ap.add_argument("-c", "--context", type=int, default=4736, help="KV cache positions (the bench's -d 4096 -p 512 -n 128)")
+    ap.add_argument("--pos", type=int, default=64, help="position of the traced tokens")
+    ap.add_argument("--tokens", type=int, default=5, help="tokens traced (the per-layer table is their median)")
+    ap.add_argument("--show", type=int, default=24, help="launches of the last token printed one by one")
+    a = ap.parse_args()
+
+    import cupy as cp
+
+    from cyllm.backends.cuda import quant as cuda_quant
+    from cyllm.quant.convert import quantize_weights
+    from cyllm.tools.bench import bind_model, load_source, make_backend
+    src = load_source(a.model, a.synthetic, 0, ("cuda",), a.context)
+    if a.quantize:
+        quantize_weights(src.config, src.weights, a.quantize)
+    be = make_backend("cuda", 1)
+    be.compile_defines = tuple(be.compile_defines) + ("-DCYLLM_TRACE",)
+    model = bind_model(src, be, a.context)
+    rng = np.random.default_rng(0)
+    for i in range(4):                          # eager pass + capture: every module compiled
+        model.forward(int(rng.integers(0, model.config.vocab_size)), a.pos - 4 + i)
+    modules = [be._module] + list(cuda_quant._MODULES.values())
+    bufs = [cp.zeros(4 * CAP, dtype=cp.uint64) for _ in modules]    # one per module: each has its own counter
+    zero = np.zeros(1, dtype=np.uint32)
+
+    def set_globals(on: bool) -> None:
+        for mod, buf in zip(modules, bufs):
+            p = np.array([buf.data.ptr if on else 0], dtype=np.uint64)
+            mod.get_global("cyllm_trace_buf").copy_from_host(p.ctypes.data, 8)
+            mod.get_global("cyllm_trace_cnt").copy_from_host(zero.ctypes.data, 4)
+
+    name = cp.cuda.runtime.getDeviceProperties(be.device.id)["name"].decode()
+    print(f"# decode timeline: {src.label} {a.quantize or ''}, {name}, pos {a.pos}, context {a.context}\n")
+    per_kind: dict = {}
+    totals = []
+    grain = None
+    for t in range(a.tokens):
+        set_globals(True)
+        cp.cuda.Device().synchronize()
+        model.forward(int(rng.integers(0, model.config.vocab_size)), a.pos + t)
+        cp.cuda.Device().synchronize()
+        set_globals(False)
+        rec = np.concatenate([b.get().reshape(CAP, 4) for b in bufs])
+        rec = rec[rec[:, 3] > 0]
+        for b in bufs:
+            b.fill(0)
+        ts = np.unique(np.concatenate([rec[:, 1], rec[:, 3]]))
+        d = np.diff(ts)
+        grain = int(d[d > 0].min()) if len(d) else None
+        ls = launches(rec)
+        t0 = min(x["start"] for x in ls)
+        totals.append((ls[-1]["end"] - t0) / 1000)
+        prev_end = None
+        seq = []
+        for x in ls:
+            x["exposed"] = (x["end"] - prev_end) / 1000 if prev_end is not None else None
+            x["lag"] = (x["wait"] - prev_end) / 1000 if (prev_end is not None and x["wait"]) else None
+            x["after"] = (x["end"] - x["wait"]) / 1000 if x["wait"] else None
+            x["pre"] = (prev_end - x["start"]) / 1000 if prev_end is not None else None
+            prev_end = x["end"]
+            seq.append(x)
+        for x in seq[1:]:
+            per_kind.setdefault(x["name"], []).append(x)
+        if t == a.tokens - 1:
+            print("| # | kernel | blocks | SMs | start us | exposed us | lag us | after us | pre us |")
+            print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+            for i, x in enumerate(seq[:a.show]):
+                f = lambda v: "" if v is None else f"{v:.2f}"     # noqa: E731
+                print(f"| {i} | {x['name']} | {x['blocks']} | {x['sms']} | {(x['start'] - t0) / 1000:.2f} | "
+                      f"{f(x['exposed'])} | {f(x['lag'])} | {f(x['after'])} | {f(x['pre'])} |")
+    print(f"\nglobaltimer step seen: {grain} ns; traced span of a token (first block start to last end): "
+          f"{statistics.median(totals):.1f} us (median of {len(totals)})\n")
+    print("| kernel | launches | exposed us (median) | sum us per token | lag us | after us | pre us |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for k, xs in sorted(per_kind.items(), key=lambda kv: -sum(x["exposed"] for x in kv[1])):
+        med = lambda key: statistics.median([x[key] for x in xs if x[key] is not None] or [0])  # noqa: E731
+        print(f"| {k} | {len(xs) // a.tokens} | {med('exposed'):.2f} | {sum(x['exposed'] for x in xs) / a.tokens:.1f} | "
+              f"{med('lag'):.2f} | {med('after'):.2f} | {med('pre'):.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
