@@ -140,7 +140,7 @@ def bench_matvec(be, bw, l2_bytes, lines, quick):
 
 def bench_attention(be, bw, lines):
     lines.append("\n## attention, context 4096 (GB/s of K+V bytes read; % of copy bandwidth)\n")
-    lines.append("| heads / kv heads / head_dim | pos | V with K: us, GB/s, % | V after softmax: us, GB/s, % |")
+    lines.append("| heads / kv heads / head_dim | pos | K, V before the wait: us, GB/s, % | K, V in their passes: us, GB/s, % |")
     lines.append("|---|---|---|---|")
     for nh, nkv, hd in [(32, 32, 128), (32, 8, 128), (9, 3, 64)]:
         ctx = 4096

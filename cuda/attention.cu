@@ -14,6 +14,10 @@
 // The position comes from the host (eager) or from the device step buffer
 // (CUDA graph), so the grid is sized for max_ctx and blocks past pos leave.
 //
+// The _ve variants read the first pass of cache rows before pdl_wait: they rely on
+// a decode step writing no cache row but pos (rope_store / cache_store). A step that
+// wrote several rows (batched or speculative decode) would have to use the others.
+//
 // Reference: backends/numpy_ref.py. Tests: tests/test_cuda_ops.py (each kernel against the
 // reference), tests/test_backend_ops.py (the op table on every backend), tests/test_cuda_model.py.
 // Benchmark: bench/bench_cuda.py (per-op GB/s; results in bench/results/cuda_ops_*.md).
@@ -132,7 +136,8 @@ __device__ __forceinline__ void attn_split_body(
     // written by earlier tokens' launches (stream-ordered before this graph), so only row
     // pos, which rope_store writes now, waits; at short contexts the kernel then has one
     // memory round trip after the wait (q and row pos) instead of three (q, K, V), and
-    // those loads overlap the qkv matvec and rope_store. The cost: 2U more registers.
+    // those loads overlap the qkv matvec and rope_store. The cost: 2U more 16-byte values
+    // per thread (one head per block: 63 -> 128 registers).
     const int t_new = pos - t0;                   // this split's row written by rope_store
     uint4 kpre[VE ? U : 1], vpre[VE ? U : 1];
     if (VE) {
@@ -148,9 +153,11 @@ __device__ __forceinline__ void attn_split_body(
     if (VE) {
 #pragma unroll
         for (int u = 0; u < U; ++u)
-            if (u * rp + row_in_pass == t_new) {
-                kpre[u] = K[(size_t)t_new * hd8 + e8];
-                vpre[u] = V[(size_t)t_new * hd8 + e8];
+            if (u * rp + row_in_pass == t_new && t_new < n_valid) {
+                // from L2: with 16-byte rows (head_dim 8) row pos shares a 32-byte sector
+                // with the row before it, which the early loads may have put in L1
+                kpre[u] = __ldcg(K + (size_t)t_new * hd8 + e8);
+                vpre[u] = __ldcg(V + (size_t)t_new * hd8 + e8);
             }
     }
     // splits s0 .. n_used-1 take part; one alone writes the final output, no merge

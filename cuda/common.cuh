@@ -69,9 +69,10 @@ __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {
 // the decode kernels with the programmatic-stream-serialization attribute, so a
 // kernel's blocks may start while the previous kernel still runs: each such kernel
 // lets its successor launch as soon as it starts (pdl_trigger), does only work
-// that depends on nothing the previous kernels write (weight loads)
-// and then waits (pdl_wait) for the previous grid to complete and flush before it
-// touches activations, the KV cache or any output. Every kernel launched with the
+// that depends on nothing the previous kernels write (weight loads; attention's
+// cache rows before pos, which no kernel of a step writes: a step writes row pos
+// only) and then waits (pdl_wait) for the previous grid to complete and flush
+// before it touches activations, the cache row pos or any output. Every kernel launched with the
 // attribute calls pdl_wait before its first dependent access, so completion still
 // chains kernel to kernel. Launched without the attribute both are no-ops.
 __device__ __forceinline__ void pdl_trigger() {

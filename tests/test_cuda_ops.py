@@ -204,8 +204,10 @@ ATT_CASES = [(4, 4, 64, 50), (8, 2, 128, 300), (9, 3, 64, 1000), (6, 1, 32, 70),
 @pytest.mark.parametrize("nh,nkv,hd,max_ctx", ATT_CASES)
 def test_attention_splits(ref, nh, nkv, hd, max_ctx, v_early, window):
     """Decode attention over caches of up to 4096 positions (the split count and chunk
-    depend on max_ctx and the SM count), with V loaded together with K or after the
-    softmax (attn_v_early; the default is off)."""
+    depend on max_ctx and the SM count), in both variants: the first K/V rows loaded
+    before pdl_wait or each pass's rows when it runs (attn_v_early; by default chosen by
+    position). Eager calls: the ordering against rope_store under PDL is exercised by
+    the graph tests of test_cuda_model.py."""
     be = CudaBackend()
     be.attn_v_early = v_early
     kc = f16(nkv, max_ctx, hd)

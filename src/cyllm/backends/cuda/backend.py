@@ -101,7 +101,8 @@ class CudaBackend(NormFolding, GraphDecode, PrefillOps, Backend):
         self._pending_norm = None       # (out, x, w, eps) of an rmsnorm not launched yet
         self._scratch: dict = {}        # name -> device buffer reused by the batched ops
         # decode attention: the first K/V rows loaded before pdl_wait (None = at short contexts,
-        # see _attn_early; True/False forces it)
+        # see _attn_early; True/False forces it; captured graphs keep their choice until
+        # reset_graph)
         self.attn_v_early: bool | None = None
         self.attn_batch_vec = True      # float4 variant of attention_batch where head_dim % 4 == 0
         # programmatic dependent launch of the decode kernels inside decode_step (sm_90+);
@@ -369,9 +370,11 @@ class CudaBackend(NormFolding, GraphDecode, PrefillOps, Backend):
         if self.attn_v_early is not None:
             return bool(self.attn_v_early)
         short = chunk * max(1, self.sm_count // n_kv)
-        if self._attn_short_pos is None or short < self._attn_short_pos:
-            self._attn_short_pos = short        # the step's graphs are chosen by it (_regime)
-        return pos < self._attn_short_pos
+        if self._device_mode:                   # the step's graphs are chosen by it (_regime)
+            if self._attn_short_pos is None or short < self._attn_short_pos:
+                self._attn_short_pos = short
+            short = self._attn_short_pos
+        return pos < short
 
     @staticmethod
     def _attn_smem(gt: int, hd: int, chunk: int, n_split: int) -> int:

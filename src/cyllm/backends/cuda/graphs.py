@@ -1,12 +1,14 @@
 """Decode through CUDA graphs (a mixin of CudaBackend).
 
 Per-step values (token id, position) come from a two-int device buffer: ``decode_step``
-writes that buffer, then replays a CUDA graph of the whole forward pass captured once,
-so a token costs one graph launch instead of hundreds of Python-side launches. The
-same graph serves every position because no kernel's launch shape depends on the
-position (attention's grid is sized for the whole cache and blocks past the position
-leave at once). ``CYLLM_CUDA_GRAPHS=0`` turns graphs off (eager ops, still reading the
-step buffer).
+writes that buffer, then replays a CUDA graph of the whole forward pass, so a token
+costs one graph launch instead of hundreds of Python-side launches. One graph serves a
+whole range of positions because no kernel's launch shape depends on the position
+(attention's grid is sized for the whole cache and blocks past the position leave at
+once); there are two ranges, short and long contexts, which differ in the attention
+kernel variant (_regime), so at most two graphs are captured per forward pass, each on
+first use. ``CYLLM_CUDA_GRAPHS=0`` turns graphs off (eager ops, still reading the step
+buffer).
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ class GraphDecode:
     def decode_step(self, issue_ops, token: int, pos: int) -> None:
         """Run ``issue_ops(token, pos)`` (one token's whole forward pass) for this token.
 
-        The first call runs it eagerly (compiling kernels, allocating scratch)
-        and captures it as a CUDA graph; later calls only write {token, pos}
-        to the device and replay the graph. Every op issued must take its
+        The first call of a regime (_regime) runs it eagerly (compiling kernels,
+        allocating scratch) and captures it as a CUDA graph; later calls only write
+        {token, pos} to the device and replay that graph. Every op issued must take its
         per-step values from the step buffer, which the ops of this backend do
         while decode_step runs; ``issue_ops`` must not allocate or synchronise.
         """
@@ -59,6 +61,7 @@ class GraphDecode:
             cp.cuda.runtime.memcpyAsync(self._step.data.ptr, self._step_host.ctypes.data, 8,
                                         cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
             if self._graph_key != issue_ops:     # another model's forward pass: start over
+                self._graph = None
                 self._graphs = {}
                 self._graph_key = issue_ops
                 self._attn_short_pos = None
@@ -101,5 +104,6 @@ class GraphDecode:
         for short contexts (the first K/V rows loaded before pdl_wait, attention.cu) whose
         extra registers cost resident blocks once a long cache spreads over many blocks,
         so below the attention op's _attn_short_pos the step runs a graph captured with
-        it and above one captured without: two graphs at most, each captured on first use."""
+        it and above one captured without, each captured on first use (None: the first
+        step, or no attention op that has the variant)."""
         return None if self._attn_short_pos is None else pos < self._attn_short_pos
