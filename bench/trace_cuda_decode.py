@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import numpy as np  # noqa: E402
 
+from cyllm.errors import CyllmError  # noqa: E402
+
 CAP = 1 << 18       # records (cuda/common.cuh trace_end)
 _FMT = {(2, 0): "q8_0", (1, 0): "q4_0", (1, 4): "q4_1/q5_0", (1, 8): "q5_1", (9, 0): "q4_k",
         (11, 0): "q5_k", (13, 0): "q6_k"}
@@ -89,16 +91,24 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=5, help="tokens traced (the per-layer table is their median)")
     ap.add_argument("--show", type=int, default=24, help="launches of the last token printed one by one")
     a = ap.parse_args()
+    if a.tokens < 1 or a.pos < 4 or a.pos + a.tokens > a.context:
+        ap.error(f"need --tokens >= 1 and 4 <= --pos, --pos + --tokens <= --context ({a.context})")
+    try:
+        return trace(a)
+    except CyllmError as e:
+        print(f"trace_cuda_decode: {e}", file=sys.stderr)
+        return 2
 
-    import cupy as cp
 
+def trace(a) -> int:
     from cyllm.backends.cuda import quant as cuda_quant
     from cyllm.quant.convert import quantize_weights
     from cyllm.tools.bench import bind_model, load_source, make_backend
+    be = make_backend("cuda", 1)                # no GPU or no CuPy: one clear error, before any loading
+    import cupy as cp
     src = load_source(a.model, a.synthetic, 0, ("cuda",), a.context)
     if a.quantize:
         quantize_weights(src.config, src.weights, a.quantize)
-    be = make_backend("cuda", 1)
     be.compile_defines = tuple(be.compile_defines) + ("-DCYLLM_TRACE",)
     be._module, be._kernels = None, {}          # anything compiled already: again, with the records
     be.__dict__.pop("_qkernels", None)

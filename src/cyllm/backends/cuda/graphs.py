@@ -61,10 +61,8 @@ class GraphDecode:
             cp.cuda.runtime.memcpyAsync(self._step.data.ptr, self._step_host.ctypes.data, 8,
                                         cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
             if self._graph_key != issue_ops:     # another model's forward pass: start over
-                self._graph = None
-                self._graphs = {}
+                self.reset_graph()
                 self._graph_key = issue_ops
-                self._attn_short_pos = None
             graph = self._graphs.get(self._regime(pos))
             if graph is not None:
                 self._graph = graph
