@@ -52,7 +52,9 @@
 //   q4_k | qmv_q4_k   | qmv_add_q4_k   | qmv_gate_up_silu_q4_k    | qmv_gate_up_gelu_q4_k    | qdeq_f16_q4_k | qrows_f32_q4_k
 //   q5_k | qmv_q5_k   | qmv_add_q5_k   | qmv_gate_up_silu_q5_k    | qmv_gate_up_gelu_q5_k    | qdeq_f16_q5_k | qrows_f32_q5_k
 //   q6_k | qmv_q6_k   | qmv_add_q6_k   | qmv_gate_up_silu_q6_k    | qmv_gate_up_gelu_q6_k    | qdeq_f16_q6_k | qrows_f32_q6_k
-//   plus qmv_xf32_q8_0 and qmv_xf32_q4_0 (the FP32-activation alternative, measured only).
+//   plus, per format, qmv_qkv_<fmt> (q, k and v of a layer in one launch) and qmv_qkv_rope_<fmt>
+//   (the same with rope and the KV-cache store folded into the tail), each with its _norm
+//   twin, and qmv_xf32_q8_0 and qmv_xf32_q4_0 (the FP32-activation alternative, measured only).
 //
 // Reference: quant/reference.py (dequantize, quantize_act, the integer dot) through
 // backends/numpy_ref.py. Tests: tests/test_cuda_quant.py. Benchmark: bench/bench_cuda_quant.py.
@@ -447,19 +449,21 @@ __device__ __forceinline__ float qdot(const QItem<QF_q6_k>& it, const uint4* xq,
 // ---- the matvec -------------------------------------------------------------------------
 #define QMV_MAX_WARPS 16    // warps per block (backends/cuda/quant.py MAX_WARPS)
 
+// One row tile by S warps (warp: 0..S-1 of them), staging in smem (qmv_smem_bytes(n, S)).
+// Returns the tile's row 32*tile + lane in warp 0 (lane < the tile's width); the other
+// warps' values are meaningless. Every thread of the block must call it (block barrier).
 template <class F, int MODE, bool NORM>
-__device__ __forceinline__ void qmv_body(
-    float* __restrict__ out, const unsigned char* __restrict__ w0, const unsigned char* __restrict__ w1,
+__device__ __forceinline__ float qmv_tile(
+    const unsigned char* __restrict__ w0, const unsigned char* __restrict__ w1,
     const float* x, int d, int nbi,
-    const float* __restrict__ nw, float eps, float* __restrict__ xn, int tile)
+    const float* __restrict__ nw, float eps, float* __restrict__ xn, int tile,
+    int warp, int S, uint4* __restrict__ smem)
 {
     constexpr int NM = (MODE >= 2) ? 2 : 1;
     constexpr int B = (F::B / NM) > 0 ? F::B / NM : 1;          // items per batch
     constexpr int P = (NM == 2 && F::B == 1) ? 1 : 2;           // batches in flight
     pdl_trigger();      // the next kernel may start loading its weights now
     const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int S = blockDim.x >> 5;
     const int W = min(QMV_TILE, d - QMV_TILE * tile);
     const bool live = lane < W;
     const int s0 = (int)(((long long)nbi * warp) / S);
@@ -497,7 +501,7 @@ __device__ __forceinline__ void qmv_body(
         wr = __ldg(nw + jn);
     }
 
-    u32* xw = reinterpret_cast<u32*>(qmv_smem);
+    u32* xw = reinterpret_cast<u32*>(smem);
     float4* xs = reinterpret_cast<float4*>(xw + n / 4);
     float* red = reinterpret_cast<float*>(xs + n / 32);      // NM*S*32 partial sums, then S sums of x^2
     const float ss = qstage<NORM, F::IE>(x, nw, s0 * F::IE, s1 * F::IE, xw, xs, lane);
@@ -550,6 +554,7 @@ __device__ __forceinline__ void qmv_body(
             if (w < S) t += red[NM * S * 32 + w];
         inv = rsqrtf(t / (float)n + eps);
     }
+    float res = 0.0f;
     if (warp == 0 && live) {
         float r[NM];
 #pragma unroll
@@ -560,11 +565,8 @@ __device__ __forceinline__ void qmv_body(
                 if (w < S) t += red[(m * S + w) * 32 + lane];
             r[m] = t * inv;
         }
-        const float res = (MODE == 2) ? silu_f(r[0]) * r[NM - 1]
-                        : (MODE == 3) ? gelu_tanh_f(r[0]) * r[NM - 1] : r[0];
-        const int row = QMV_TILE * tile + lane;
-        if (MODE == 1) out[row] += res;
-        else out[row] = res;
+        res = (MODE == 2) ? silu_f(r[0]) * r[NM - 1]
+            : (MODE == 3) ? gelu_tanh_f(r[0]) * r[NM - 1] : r[0];
     }
     if (NORM && xn != nullptr) {
         // the normed vector is written too, so the rmsnorm op's output exists as asked; every
@@ -573,6 +575,93 @@ __device__ __forceinline__ void qmv_body(
         const int step = gridDim.x * blockDim.x;
         if (jn < n) xn[jn] = xr * inv * wr;
         for (int j = jn + step; j < n; j += step) xn[j] = ld_act(x + j) * inv * nw[j];   // small grids only
+    }
+    return res;
+}
+
+// Bytes of shared memory qmv_tile stages in (the host's _shared_bytes, rounded to 16).
+__host__ __device__ constexpr int qmv_smem_bytes(int n, int S, int NM) {
+    return (n + 16 * (n / 32) + 4 * (NM * S * QMV_TILE + S) + 15) & ~15;
+}
+
+template <class F, int MODE, bool NORM>
+__device__ __forceinline__ void qmv_body(
+    float* __restrict__ out, const unsigned char* __restrict__ w0, const unsigned char* __restrict__ w1,
+    const float* x, int d, int nbi,
+    const float* __restrict__ nw, float eps, float* __restrict__ xn, int tile)
+{
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float res = qmv_tile<F, MODE, NORM>(w0, w1, x, d, nbi, nw, eps, xn, tile, warp, blockDim.x >> 5, qmv_smem);
+    if (warp == 0 && lane < min(QMV_TILE, d - QMV_TILE * tile)) {
+        const int row = QMV_TILE * tile + lane;
+        if (MODE == 1) out[row] += res;
+        else out[row] = res;
+    }
+}
+
+// q, k and v of one layer with rope and the cache store folded into the tail (decode):
+// out = [rope(Wq x) | rope(Wk x) | Wv x] and row pos of k_cache / v_cache = the k and v
+// parts (f16), the results of the qkv matvec followed by rope_store. A block computes the
+// two row tiles that hold the halves of 32 rope pairs -- rows j and j + hd/2 of one head
+// (j = 32p + lane) -- with S warps each (warps [0, S) the first tile, [S, 2S) the second,
+// each with its own staging; the blocks of v pair their tiles the same way and do not
+// rotate). Needs hd % 64 == 0, dq and dk multiples of hd, every dimension rotated. The
+// rotation table is read before pdl_wait (it is constant; pos comes from the step buffer,
+// written before the graph runs).
+template <class F, bool NORM>
+__device__ __forceinline__ void qkv_rope_body(
+    float* __restrict__ out, const unsigned char* __restrict__ wq, const unsigned char* __restrict__ wk,
+    const unsigned char* __restrict__ wv, const float* x, int dq, int dk, int nbi,
+    const float* __restrict__ nw, float eps, float* __restrict__ xn,
+    const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+    f16_t* __restrict__ k_cache, f16_t* __restrict__ v_cache,
+    const int* __restrict__ step, int pos_host, int n_pos, int max_ctx, int hd)
+{
+    // which pair of tiles: recomputed from blockIdx where needed, so nothing but the matvec's
+    // own state lives in registers across it
+    const int half = hd >> 1, ppt = half / QMV_TILE;            // tile pairs per head
+    const int pq = dq / (2 * QMV_TILE), pk = dk / (2 * QMV_TILE);
+    const int seg = blockIdx.x < pq ? 0 : blockIdx.x < pq + pk ? 1 : 2;   // q, k or v
+    const int pb = blockIdx.x - (seg == 0 ? 0 : pq + (seg - 1) * pk);
+    const int head = pb / ppt, j = QMV_TILE * (pb - head * ppt) + (threadIdx.x & 31);
+    const int S = blockDim.x >> 6;                              // warps per tile
+    const int grp = (threadIdx.x >> 5) >= S ? 1 : 0;
+    const int warp = (threadIdx.x >> 5) - grp * S;
+    const int lane = threadIdx.x & 31;
+    const int n = nbi * F::IE;
+    const int g_units = qmv_smem_bytes(n, S, 1) / 16;
+    // after both groups' staging: the second tile's rows, cos, sin, the position (or -1)
+    float* tail = reinterpret_cast<float*>(qmv_smem + 2 * g_units);
+    if (grp == 0 && warp == 0) {        // read before pdl_wait: the table is constant, pos comes
+        const int pos = step_value(step, 1, pos_host);      // from the step buffer, set before the graph
+        const bool valid = pos >= 0 && pos < n_pos && pos < max_ctx;   // else no rotation, no store (as rope_store)
+        tail[32 + lane] = valid && seg < 2 ? cos_t[(size_t)pos * half + j] : 1.0f;
+        tail[64 + lane] = valid && seg < 2 ? sin_t[(size_t)pos * half + j] : 0.0f;
+        reinterpret_cast<int*>(tail)[96 + lane] = valid ? pos : -1;
+    }
+    const unsigned char* w = seg == 0 ? wq : seg == 1 ? wk : wv;
+    const int tile = (head * hd + grp * half) / QMV_TILE + (j >> 5);
+    const float r = qmv_tile<F, 0, NORM>(w, w, x, seg ? dk : dq, nbi, nw, eps, xn, tile, warp, S,
+                                         qmv_smem + grp * g_units);
+    if (grp == 1 && warp == 0) tail[lane] = r;
+    __syncthreads();
+    if (threadIdx.x < 32) {             // group 0's warp 0: both halves of its 32 pairs
+        const int sg = blockIdx.x < pq ? 0 : blockIdx.x < pq + pk ? 1 : 2;
+        const int p2 = blockIdx.x - (sg == 0 ? 0 : pq + (sg - 1) * pk);
+        const int h2 = p2 / ppt, j2 = QMV_TILE * (p2 - h2 * ppt) + lane;
+        const float x1 = r, x2 = tail[lane], c = tail[32 + lane], s = tail[64 + lane];
+        const float y1 = x1 * c - x2 * s;           // v: c = 1, s = 0
+        const float y2 = x2 * c + x1 * s;
+        float* o = out + (sg == 0 ? 0 : dq + (sg - 1) * dk) + (size_t)h2 * hd + j2;
+        o[0] = y1;
+        o[half] = y2;
+        const int pos = reinterpret_cast<const int*>(tail)[96 + lane];
+        if (sg > 0 && pos >= 0) {
+            f16_t* cache = sg == 1 ? k_cache : v_cache;
+            const size_t row = ((size_t)h2 * max_ctx + pos) * hd + j2;
+            cache[row] = f2h(y1);
+            cache[row + half] = f2h(y2);
+        }
     }
 }
 
@@ -893,10 +982,27 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
                              nw, eps, xn, t - (seg == 0 ? 0 : tq + (seg - 1) * tk));                 \
         TRACE_END((F::UPI << 8) | (F::EA << 4) | (NORM << 1) | 1);                               \
     }
+// the same three with rope and the cache store of row pos folded in (qkv_rope_body)
+#define CYLLM_QMV_QKV_ROPE_DEF(NAME, F, NORM, BOUNDS)                                              \
+    extern "C" __global__ void BOUNDS NAME(float* __restrict__ out, const unsigned char* __restrict__ wq, \
+                                    const unsigned char* __restrict__ wk,                            \
+                                    const unsigned char* __restrict__ wv, const float* x,            \
+                                    int dq, int dk, int nbi, const float* __restrict__ nw, float eps, \
+                                    float* __restrict__ xn, const float* __restrict__ cos_t,         \
+                                    const float* __restrict__ sin_t, f16_t* __restrict__ k_cache,    \
+                                    f16_t* __restrict__ v_cache, const int* __restrict__ step,       \
+                                    int pos_host, int n_pos, int max_ctx, int hd) {                  \
+        TRACE_BEGIN();                                                                               \
+        qkv_rope_body<F, NORM>(out, wq, wk, wv, x, dq, dk, nbi, nw, eps, xn, cos_t, sin_t,           \
+                               k_cache, v_cache, step, pos_host, n_pos, max_ctx, hd);                \
+        TRACE_END((F::UPI << 8) | (F::EA << 4) | (NORM << 1) | 1);                               \
+    }
 #define CYLLM_QMV(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, __launch_bounds__(QMV_MAX_WARPS * 32))
 #define CYLLM_QMV_WIDE(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, )
 #define CYLLM_QMV_QKV(NAME, F, NORM) CYLLM_QMV_QKV_DEF(NAME, F, NORM, __launch_bounds__(QMV_MAX_WARPS * 32))
 #define CYLLM_QMV_QKV_WIDE(NAME, F, NORM) CYLLM_QMV_QKV_DEF(NAME, F, NORM, )
+#define CYLLM_QMV_QKV_ROPE(NAME, F, NORM) CYLLM_QMV_QKV_ROPE_DEF(NAME, F, NORM, __launch_bounds__(QMV_MAX_WARPS * 32))
+#define CYLLM_QMV_QKV_ROPE_WIDE(NAME, F, NORM) CYLLM_QMV_QKV_ROPE_DEF(NAME, F, NORM, )
 #define CYLLM_QDEQ(NAME, F)                                                                          \
     extern "C" __global__ void NAME(f16_t* __restrict__ out, const unsigned char* __restrict__ w,     \
                                     int d, int nbi, int r0, int nrows) {                             \
@@ -918,7 +1024,9 @@ CYLLM_QMV(qmv_gate_up_silu_q8_0_norm,  QF_q8_0, 2, true)
 CYLLM_QMV(qmv_gate_up_gelu_q8_0,       QF_q8_0, 3, false)
 CYLLM_QMV(qmv_gate_up_gelu_q8_0_norm,  QF_q8_0, 3, true)
 CYLLM_QMV_QKV(qmv_qkv_q8_0,            QF_q8_0, false)
+CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q8_0,   QF_q8_0, false)
 CYLLM_QMV_QKV(qmv_qkv_q8_0_norm,       QF_q8_0, true)
+CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q8_0_norm, QF_q8_0, true)
 CYLLM_QDEQ(qdeq_f16_q8_0,              QF_q8_0)
 CYLLM_QROWS(qrows_f32_q8_0,            QF_q8_0)
 CYLLM_QMV_XF32(qmv_xf32_q8_0,          QF_q8_0)
@@ -933,7 +1041,9 @@ CYLLM_QMV(qmv_gate_up_silu_q4_0_norm,  QF_q4_0, 2, true)
 CYLLM_QMV(qmv_gate_up_gelu_q4_0,       QF_q4_0, 3, false)
 CYLLM_QMV(qmv_gate_up_gelu_q4_0_norm,  QF_q4_0, 3, true)
 CYLLM_QMV_QKV(qmv_qkv_q4_0,            QF_q4_0, false)
+CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q4_0,   QF_q4_0, false)
 CYLLM_QMV_QKV(qmv_qkv_q4_0_norm,       QF_q4_0, true)
+CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q4_0_norm, QF_q4_0, true)
 CYLLM_QDEQ(qdeq_f16_q4_0,              QF_q4_0)
 CYLLM_QROWS(qrows_f32_q4_0,            QF_q4_0)
 CYLLM_QMV_XF32(qmv_xf32_q4_0,          QF_q4_0)
@@ -948,7 +1058,9 @@ CYLLM_QMV(qmv_gate_up_silu_q4_1_norm,  QF_q4_1, 2, true)
 CYLLM_QMV(qmv_gate_up_gelu_q4_1,       QF_q4_1, 3, false)
 CYLLM_QMV(qmv_gate_up_gelu_q4_1_norm,  QF_q4_1, 3, true)
 CYLLM_QMV_QKV(qmv_qkv_q4_1,            QF_q4_1, false)
+CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q4_1,   QF_q4_1, false)
 CYLLM_QMV_QKV(qmv_qkv_q4_1_norm,       QF_q4_1, true)
+CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q4_1_norm, QF_q4_1, true)
 CYLLM_QDEQ(qdeq_f16_q4_1,              QF_q4_1)
 CYLLM_QROWS(qrows_f32_q4_1,            QF_q4_1)
 #endif
@@ -962,7 +1074,9 @@ CYLLM_QMV(qmv_gate_up_silu_q5_0_norm,  QF_q5_0, 2, true)
 CYLLM_QMV(qmv_gate_up_gelu_q5_0,       QF_q5_0, 3, false)
 CYLLM_QMV(qmv_gate_up_gelu_q5_0_norm,  QF_q5_0, 3, true)
 CYLLM_QMV_QKV(qmv_qkv_q5_0,            QF_q5_0, false)
+CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q5_0,   QF_q5_0, false)
 CYLLM_QMV_QKV(qmv_qkv_q5_0_norm,       QF_q5_0, true)
+CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q5_0_norm, QF_q5_0, true)
 CYLLM_QDEQ(qdeq_f16_q5_0,              QF_q5_0)
 CYLLM_QROWS(qrows_f32_q5_0,            QF_q5_0)
 #endif
@@ -976,7 +1090,9 @@ CYLLM_QMV(qmv_gate_up_silu_q5_1_norm,  QF_q5_1, 2, true)
 CYLLM_QMV(qmv_gate_up_gelu_q5_1,       QF_q5_1, 3, false)
 CYLLM_QMV(qmv_gate_up_gelu_q5_1_norm,  QF_q5_1, 3, true)
 CYLLM_QMV_QKV(qmv_qkv_q5_1,            QF_q5_1, false)
+CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q5_1,   QF_q5_1, false)
 CYLLM_QMV_QKV(qmv_qkv_q5_1_norm,       QF_q5_1, true)
+CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q5_1_norm, QF_q5_1, true)
 CYLLM_QDEQ(qdeq_f16_q5_1,              QF_q5_1)
 CYLLM_QROWS(qrows_f32_q5_1,            QF_q5_1)
 #endif
@@ -990,7 +1106,9 @@ CYLLM_QMV_WIDE(qmv_gate_up_silu_q4_k_norm, QF_q4_k, 2, true)
 CYLLM_QMV_WIDE(qmv_gate_up_gelu_q4_k,  QF_q4_k, 3, false)
 CYLLM_QMV_WIDE(qmv_gate_up_gelu_q4_k_norm, QF_q4_k, 3, true)
 CYLLM_QMV_QKV(qmv_qkv_q4_k,            QF_q4_k, false)
+CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q4_k,   QF_q4_k, false)
 CYLLM_QMV_QKV(qmv_qkv_q4_k_norm,       QF_q4_k, true)
+CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q4_k_norm, QF_q4_k, true)
 CYLLM_QDEQ(qdeq_f16_q4_k,              QF_q4_k)
 CYLLM_QROWS(qrows_f32_q4_k,            QF_q4_k)
 #endif
@@ -1004,7 +1122,9 @@ CYLLM_QMV_WIDE(qmv_gate_up_silu_q5_k_norm, QF_q5_k, 2, true)
 CYLLM_QMV_WIDE(qmv_gate_up_gelu_q5_k,  QF_q5_k, 3, false)
 CYLLM_QMV_WIDE(qmv_gate_up_gelu_q5_k_norm, QF_q5_k, 3, true)
 CYLLM_QMV_QKV_WIDE(qmv_qkv_q5_k,       QF_q5_k, false)
+CYLLM_QMV_QKV_ROPE_WIDE(qmv_qkv_rope_q5_k, QF_q5_k, false)
 CYLLM_QMV_QKV_WIDE(qmv_qkv_q5_k_norm,  QF_q5_k, true)
+CYLLM_QMV_QKV_ROPE_WIDE(qmv_qkv_rope_q5_k_norm, QF_q5_k, true)
 CYLLM_QDEQ(qdeq_f16_q5_k,              QF_q5_k)
 CYLLM_QROWS(qrows_f32_q5_k,            QF_q5_k)
 #endif
@@ -1018,7 +1138,9 @@ CYLLM_QMV_WIDE(qmv_gate_up_silu_q6_k_norm, QF_q6_k, 2, true)
 CYLLM_QMV_WIDE(qmv_gate_up_gelu_q6_k,  QF_q6_k, 3, false)
 CYLLM_QMV_WIDE(qmv_gate_up_gelu_q6_k_norm, QF_q6_k, 3, true)
 CYLLM_QMV_QKV_WIDE(qmv_qkv_q6_k,       QF_q6_k, false)
+CYLLM_QMV_QKV_ROPE_WIDE(qmv_qkv_rope_q6_k, QF_q6_k, false)
 CYLLM_QMV_QKV_WIDE(qmv_qkv_q6_k_norm,  QF_q6_k, true)
+CYLLM_QMV_QKV_ROPE_WIDE(qmv_qkv_rope_q6_k_norm, QF_q6_k, true)
 CYLLM_QDEQ(qdeq_f16_q6_k,              QF_q6_k)
 CYLLM_QROWS(qrows_f32_q6_k,            QF_q6_k)
 #endif

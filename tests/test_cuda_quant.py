@@ -361,6 +361,115 @@ def test_qkv_stack(be, cp, fmt):
     assert be.stack_rows((mats[0], mats[1], mats[0])) is None        # v taller than k
 
 
+def _rope64(v, n_heads, hd, c, s):
+    """NumPy rope of the (n_heads * hd,) float64 vector v: pairs (j, j + hd/2) of each head."""
+    h = v.reshape(n_heads, hd)
+    a, b = h[:, :hd // 2], h[:, hd // 2:]
+    return np.concatenate([a * c - b * s, b * c + a * s], axis=1).reshape(-1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("nq,nkv,hd", [(3, 1, 64), (2, 2, 128)])
+def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, monkeypatch):
+    """matvec(qkv, stack, x) then rope_store on its q/k/v views run as one qmv_qkv_rope launch:
+    q and k rotated, k and v in cache row pos (f16 of the same values), every other cache row
+    untouched -- eager, with the norm folded in too, and replayed in a decode_step graph at two
+    positions. Partial rotary, and any op in between, take the matvec and rope_store apart."""
+    calls = []
+    real = CQ.qmatvec_qkv_rope
+    monkeypatch.setattr(CQ, "qmatvec_qkv_rope", lambda *a: (calls.append(1), real(*a))[1])
+    rng = np.random.default_rng(31)
+    b = FORMATS[fmt].block
+    n, dq, dk, half, max_ctx, eps = (2 * b if b == 256 else 320), nq * hd, nkv * hd, hd // 2, 9, 1e-5
+    raws = [random_blocks(fmt, d, n, rng) for d in (dq, dk, dk)]
+    stack = be.stack_rows(tuple(be.upload(QuantMatrix(r, fmt, (r.shape[0], n))) for r in raws))
+    W = np.concatenate([deq64(r, fmt, n) for r in raws])
+    ang = rng.uniform(-np.pi, np.pi, (max_ctx, half))
+    cos, sin = be.upload(np.cos(ang).astype(np.float32)), be.upload(np.sin(ang).astype(np.float32))
+    nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    nwd = be.upload(nw)
+    fill = np.full((nkv, max_ctx, hd), 0.25, np.float16)
+    kc, vc = be.upload(fill), be.upload(fill)
+    out, xd, xb = poisoned(cp, dq + 2 * dk), be.upload(np.zeros(n, np.float32)), be.empty(n)
+    q, k, v = out[:dq], out[dq:dq + dk], out[dq + dk:]
+
+    def want(xv, norm, pos):
+        if norm:
+            inv = 1.0 / np.sqrt(np.mean(xv.astype(np.float64) ** 2) + eps)
+            xq, scale = xq64(xv * nw, fmt), inv
+        else:
+            xq, scale = xq64(xv, fmt), 1.0
+        y, mag = scale * (W @ xq), scale * (np.abs(W) @ np.abs(xq))
+        c, s = np.cos(ang[pos]).astype(np.float32), np.sin(ang[pos]).astype(np.float32)
+        y[:dq] = _rope64(y[:dq], nq, hd, c, s)
+        y[dq:dq + dk] = _rope64(y[dq:dq + dk], nkv, hd, c, s)
+        for lo, hi, nh in ((0, dq, nq), (dq, dq + dk, nkv)):    # a pair's error mixes both halves
+            m = mag[lo:hi].reshape(nh, 2, half)
+            mag[lo:hi] = np.repeat(m.sum(axis=1, keepdims=True), 2, axis=1).reshape(-1)
+        return y, mag
+
+    def check(y, mag, pos, what):
+        got = be.to_host(out)
+        check_exact(got, y, mag, what)
+        kh, vh = be.to_host(kc), be.to_host(vc)
+        np.testing.assert_array_equal(kh[:, pos], got[dq:dq + dk].reshape(nkv, hd).astype(np.float16))
+        np.testing.assert_array_equal(vh[:, pos], got[dq + dk:].reshape(nkv, hd).astype(np.float16))
+        others = np.arange(max_ctx) != pos
+        assert (kh[:, others] == 0.25).all() and (vh[:, others] == 0.25).all(), f"{what}: another cache row written"
+
+    for norm, pos in ((False, 4), (True, 8)):
+        xv = (rng.standard_normal(n) * 2).astype(np.float32)
+        xd.set(xv)
+        if norm:
+            be.rmsnorm(xb, xd, nwd, eps)
+        be.matvec(out, stack, xb if norm else xd)
+        assert be._pending_qkv is not None
+        be.rope_store(q, k, v, cos, sin, kc, vc, pos)
+        assert be._pending_qkv is None and len(calls) == 1 + norm
+        check(*want(xv, norm, pos), pos, f"{fmt} folded rope, norm={norm}")
+        kc.set(fill)
+        vc.set(fill)
+
+    def issue(token, pos):
+        be.rmsnorm(xb, xd, nwd, eps)
+        be.matvec(out, stack, xb)
+        be.rope_store(q, k, v, cos, sin, kc, vc, pos)
+
+    for pos in (2, 5):
+        xv = (rng.standard_normal(n) * 2).astype(np.float32)
+        xd.set(xv)
+        be.decode_step(issue, 1, pos)
+        check(*want(xv, True, pos), pos, f"{fmt} folded rope in a graph at {pos}")
+        kc.set(fill)
+        vc.set(fill)
+    be.reset_graph()
+    assert len(calls) == 4                  # the first step runs eagerly and is captured; then replayed
+
+    # an op in between: the held matvec goes out first, unrotated
+    xv = (rng.standard_normal(n) * 2).astype(np.float32)
+    xd.set(xv)
+    be.matvec(out, stack, xd)
+    xq = xq64(xv, fmt)
+    check_exact(be.to_host(out), W @ xq, np.abs(W) @ np.abs(xq), f"{fmt} held qkv read back")
+    # partial rotary (the fused kernel rotates whole heads): matvec, then rope_store's own path
+    rot = half // 2
+    cos_p, sin_p = cp.ascontiguousarray(cos[:, :rot]), cp.ascontiguousarray(sin[:, :rot])
+    be.matvec(out, stack, xd)
+    be.rope_store(q, k, v, cos_p, sin_p, kc, vc, 3)
+    assert len(calls) == 4
+    got = be.to_host(out)
+    y = W @ xq
+    c, s = np.cos(ang[3, :rot]).astype(np.float32), np.sin(ang[3, :rot]).astype(np.float32)
+    for lo, nh in ((0, nq), (dq, nkv)):
+        h = y[lo:lo + nh * hd].reshape(nh, hd).copy()
+        a, bb = h[:, :rot].copy(), h[:, rot:2 * rot].copy()
+        h[:, :rot], h[:, rot:2 * rot] = a * c - bb * s, bb * c + a * s
+        y[lo:lo + nh * hd] = h.reshape(-1)
+    assert rel(got, y) < 1e-4
+    np.testing.assert_array_equal(be.to_host(kc)[:, 3], got[dq:dq + dk].reshape(nkv, hd).astype(np.float16))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q8_0", "q4_0", "q5_0"])
 def test_decode_graph(be, cp, fmt):

@@ -12,7 +12,8 @@ replaying a CUDA graph of the whole forward pass (graphs.py).
 
 The other concerns have their own modules: kernel_names.py (every kernel launched,
 named whole), shapes.py (launch-shape heuristics), norm_fold.py (rmsnorm folded into
-the next matvec), pdl.py (programmatic dependent launch through ctypes), cublas.py
+the next matvec), rope_fold.py (rope and the cache store folded into the q/k/v matvec),
+pdl.py (programmatic dependent launch through ctypes), cublas.py
 (the prefill GEMM), prefill.py (the batched ops of prompt processing), checks.py.
 
 Importing this module never fails for want of CuPy or a GPU; constructing
@@ -37,6 +38,7 @@ from .norm_fold import NormFolding
 from .nvrtc import module_for
 from .pdl import PdlLauncher
 from .prefill import PrefillOps
+from .rope_fold import RopeFolding
 from .quant import CudaQuantMatrix, CudaQuantStack
 from .shapes import ATT_THREADS, ATT_WARPS, MV_LARGE, SMEM_LIMIT, attn_chunk, attn_smem, matvec_shape
 from .shapes import blocks as _blocks
@@ -52,7 +54,7 @@ _NEG1 = np.int32(-1)          # "read the step buffer" (see step_value in common
 _FIT_MARGIN = 512 << 20       # room left for scratch, cuBLAS workspace, the CUDA context
 
 
-class CudaBackend(NormFolding, GraphDecode, PrefillOps, Backend):
+class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
     name = "cuda"
     fuse_qkv = True       # upload copies anyway: one (q+2kv, dim) matrix, one matvec
     quant_row_views = False   # CudaQuantMatrix (tiled planes) has no row views: fused tensors are cut on the host
@@ -99,6 +101,10 @@ class CudaBackend(NormFolding, GraphDecode, PrefillOps, Backend):
         # rmsnorm folded into the next matvec that reads its output (see rmsnorm); CYLLM_CUDA_FUSE_NORM=0 turns it off
         self.fuse_norm = os.environ.get("CYLLM_CUDA_FUSE_NORM", "1") != "0"
         self._pending_norm = None       # (out, x, w, eps) of an rmsnorm not launched yet
+        # rope_store folded into the stacked quantized q/k/v matvec (rope_fold.py);
+        # CYLLM_CUDA_FOLD_ROPE=0 keeps two launches
+        self.fold_rope = os.environ.get("CYLLM_CUDA_FOLD_ROPE", "1") != "0"
+        self._pending_qkv = None        # (out, w, x, norm) of a q/k/v matvec not launched yet
         self._scratch: dict = {}        # name -> device buffer reused by the batched ops
         # decode attention: the first K/V rows loaded before pdl_wait (None = at short contexts,
         # see _attn_early; True/False forces it; captured graphs keep their choice until
@@ -283,7 +289,8 @@ class CudaBackend(NormFolding, GraphDecode, PrefillOps, Backend):
             cuda_quant.qmatvec(self, out, w, x, "matvec")
             return
         if isinstance(w, CudaQuantStack):
-            cuda_quant.qmatvec_qkv(self, out, w, x)
+            if not self._hold_qkv(out, w, x):
+                cuda_quant.qmatvec_qkv(self, out, w, x)
             return
         self._mv("matvec", out, w, w, x, 4)
 
@@ -319,8 +326,11 @@ class CudaBackend(NormFolding, GraphDecode, PrefillOps, Backend):
     def rope_store(self, q, k, v, cos, sin, k_cache, v_cache, pos):
         """*fused* rope(q, k, cos, sin, pos) then cache_store(k_cache, v_cache, k, v, pos).
 
-        An op of the registry (base.OPS) every backend has; here one launch instead of two.
+        An op of the registry (base.OPS) every backend has; here one launch instead of two,
+        or none when it folds into the q/k/v matvec held back just before (rope_fold.py).
         """
+        if self._fold_rope_store(q, k, v, cos, sin, k_cache, v_cache, pos):
+            return
         self._flush()
         n_pos, half = cos.shape
         n_kv, max_ctx, hd = k_cache.shape

@@ -316,30 +316,71 @@ def _tiles(w) -> int:
     return sum(-(-p.rows // TILE) for p in parts)
 
 
-def qmatvec_qkv(be, out, w: CudaQuantStack, x) -> None:
-    """out (dq + 2 dk,) = [Wq x | Wk x | Wv x] in one launch (a held-back rmsnorm whose
-    output is x folded in, as in qmatvec); the bits of three qmatvec calls."""
+def qkv_args_ok(out, w: CudaQuantStack, x) -> bool:
+    """Shapes, dtypes and layout qmv_qkv takes: x (cols,), out (rows,), float32, contiguous."""
+    return (x.shape == (w.cols,) and out.shape == (w.rows,) and x.dtype == np.float32
+            and out.dtype == np.float32 and x.flags.c_contiguous and out.flags.c_contiguous)
+
+
+_TAKE = object()          # qmatvec_qkv's default: take a held-back rmsnorm from the backend
+
+
+def _qkv_launch(be, out, w: CudaQuantStack, x, norm, name: str, warps_per_tile: int, extra: tuple) -> None:
+    """One launch of a qmv_qkv kernel: ``warps_per_tile`` warps per row tile, tiles per block
+    = 1 (qmv_qkv) or 2 (qmv_qkv_rope, ``extra`` its rope and cache arguments)."""
     wq, wk, wv = w.parts
-    n = w.cols
-    if (x.shape != (n,) or out.shape != (w.rows,) or x.dtype != np.float32 or out.dtype != np.float32
-            or not (x.flags.c_contiguous and out.flags.c_contiguous)):
-        be._flush()
-        raise InvalidArgumentError(f"qmv_qkv_{w.fmt.name}: shapes {w.shape} @ {tuple(x.shape)} -> {tuple(out.shape)}")
-    norm = be._take_norm(out, x)
-    fmt = w.fmt.name
-    k = kernel(be, f"qmv_qkv_{fmt}_norm" if norm is not None else f"qmv_qkv_{fmt}", fmt)
-    warps = min(matvec_warps(be, w, 1), max(1, getattr(k, "max_threads_per_block", 1024) // 32))
-    smem = _shared_bytes(n, warps, 1)
+    n, fmt = w.cols, w.fmt.name
+    k = kernel(be, f"{name}_norm" if norm is not None else name, fmt)
+    per_block = 1 if not extra else 2
+    cap = max(1, getattr(k, "max_threads_per_block", 1024) // (32 * per_block))
+    warps = min(warps_per_tile, cap)
+    one = (_shared_bytes(n, warps, 1) + 15) & ~15
+    smem = per_block * one + (4 * 4 * TILE if extra else 0)      # + the second tile's rows, cos, sin, pos
     _allow_smem(k, smem)
     _carveout(be, k, fmt)
     head = (out, wq.data, wk.data, wv.data)
     dims = (np.int32(wq.rows), np.int32(wk.rows), np.int32(w.nbi))
     if norm is not None:
         xn, xin, nw, eps = norm
-        args = head + (xin,) + dims + (nw, np.float32(eps), xn)
+        args = head + (xin,) + dims + (nw, np.float32(eps), xn) + extra
     else:
-        args = head + (x,) + dims + (_NULL, np.float32(0.0), _NULL)
-    be._launch(k, (_tiles(w),), (TILE * warps,), args, shared_mem=smem)
+        args = head + (x,) + dims + (_NULL, np.float32(0.0), _NULL) + extra
+    be._launch(k, (_tiles(w) // per_block,), (TILE * warps * per_block,), args, shared_mem=smem)
+
+
+def qmatvec_qkv(be, out, w: CudaQuantStack, x, norm=_TAKE) -> None:
+    """out (dq + 2 dk,) = [Wq x | Wk x | Wv x] in one launch (a held-back rmsnorm whose
+    output is x folded in, as in qmatvec; ``norm``: one taken already); the bits of three
+    qmatvec calls."""
+    if not qkv_args_ok(out, w, x):
+        be._flush()
+        raise InvalidArgumentError(f"qmv_qkv_{w.fmt.name}: shapes {w.shape} @ {tuple(x.shape)} -> {tuple(out.shape)}")
+    if norm is _TAKE:
+        norm = be._take_norm(out, x)
+    _qkv_launch(be, out, w, x, norm, f"qmv_qkv_{w.fmt.name}", matvec_warps(be, w, 1), ())
+
+
+def rope_fold_pays(be, w: CudaQuantStack) -> bool:
+    """Whether qmv_qkv_rope beats qmv_qkv + rope_store for this stack. Its blocks hold two
+    tiles, each with qmv_qkv's warps: where the grid is more than one wave and a tile has
+    more than 4 warps (q8_0 on rows of 4096: 16-warp blocks, a register file each) it does
+    not. Measured on an H100 (bench/results/cuda_quant_model_h100.md), Llama-2-7B decode:
+    Q4_0 +1.7 to 2.1%, Q4_K_M +0.9% (4 warps a tile; 2 or 8 instead: -8% and -2%), Q8_0 -0.9%
+    at 8 warps a tile and -6% at 4; SmolLM2-135M (one wave): Q4_0 and Q8_0 +3%."""
+    return _tiles(w) // 2 <= be.sm_count or matvec_warps(be, w, 1) <= 4
+
+
+def qmatvec_qkv_rope(be, out, w: CudaQuantStack, x, norm, cos, sin, k_cache, v_cache, pos) -> None:
+    """qmatvec_qkv then rope_store(q, k, v, cos, sin, k_cache, v_cache, pos) on its output, as
+    one launch (qmv_qkv_rope_<fmt>; the caller, RopeFolding, checked the shapes: head_dim %
+    64 == 0, every dimension rotated). ``pos``: the kernel's position argument (-1: the step
+    buffer)."""
+    n_pos = cos.shape[0]
+    n_kv, max_ctx, hd = k_cache.shape
+    extra = (cos, sin, k_cache, v_cache, be._step, pos, np.int32(n_pos), np.int32(max_ctx), np.int32(hd))
+    forced = getattr(be, "qkv_rope_warps", None)        # experiments (bench/sweep_cuda_decode.py --vary)
+    warps = int(forced) if forced else matvec_warps(be, w, 1)
+    _qkv_launch(be, out, w, x, norm, f"qmv_qkv_rope_{w.fmt.name}", warps, extra)
 
 
 def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None) -> None:
