@@ -62,22 +62,45 @@ def main() -> int:
     ap.add_argument("-r", type=int, default=3)
     ap.add_argument("--out")
     a = ap.parse_args()
+    axes = []
+    for v in a.vary:
+        attr, eq, vals = v.partition("=")
+        try:
+            axes.append((attr, [_value(x) for x in vals.split(",")]))
+        except ValueError:
+            eq = ""
+        if not (attr and eq):
+            ap.error(f"--vary {v!r}: expected ATTR=V1,V2 with int, float or none values")
+    try:
+        depths = [int(d) for d in a.d.split(",")]
+    except ValueError:
+        ap.error(f"-d {a.d!r}: expected comma-separated integers")
+    if a.n < 1 or a.r < 1 or min(depths) < 0:
+        ap.error("need -n >= 1, -r >= 1 and depths >= 0")
+    from cyllm.errors import CyllmError
+    from cyllm.quant.convert import check_quantize_type
+    try:
+        qtypes = [q for q in a.quantize.split(",") if q] or [None]
+        for q in qtypes:
+            if q is not None:
+                check_quantize_type(q)          # before minutes of loading, not after
+        return sweep(a, axes, depths, qtypes)
+    except CyllmError as e:
+        print(f"sweep_cuda_decode: {e}", file=sys.stderr)
+        return 2
+
+
+def sweep(a, axes, depths, qtypes) -> int:
     import copy
 
     from cyllm.quant.convert import quantize_weights
     from cyllm.tools.bench import (bind_model, fill_cache_to_depth, kv_bytes_read, load_source, make_backend,
                                    weight_bytes_read_per_token)
-    axes = []
-    for v in a.vary:
-        attr, _, vals = v.partition("=")
-        axes.append((attr, [_value(x) for x in vals.split(",")]))
     settings = [()]
     for attr, vals in axes:
         settings = [s + ((attr, v),) for s in settings for v in vals]
-    depths = [int(d) for d in a.d.split(",")]
-    qtypes = [q for q in a.quantize.split(",") if q] or [None]
+    backend = make_backend("cuda", 1)           # no GPU or no CuPy: one clear error, before any loading
     base = load_source(a.model, a.synthetic, 0, ("cuda",), max(depths) + a.n)
-    backend = make_backend("cuda", 1)
     bw = backend.measure_copy_bandwidth()
     import cupy as cp
     name = cp.cuda.runtime.getDeviceProperties(backend.device.id)["name"].decode()

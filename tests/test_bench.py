@@ -189,3 +189,23 @@ def test_best_threads_prefers_fewer_within_tolerance():
     assert tuning.size_class(269_000_000) == "<500MB"
     assert tuning.size_class(2_200_000_000) == "2GB-8GB"
     assert tuning.size_class(14_000_000_000) == ">=8GB"
+
+
+@pytest.mark.parametrize("script,args", [
+    ("sweep_cuda_decode.py", ["--synthetic", "tiny", "--quantize", "q4_1"]),
+    ("sweep_cuda_decode.py", ["--synthetic", "tiny", "--vary", "qmv_warps"]),
+    ("sweep_cuda_decode.py", ["--synthetic", "tiny", "-d", "0,x"]),
+    ("sweep_cuda_decode.py", ["--synthetic", "tiny", "-n", "0"]),
+    ("trace_cuda_decode.py", ["--synthetic", "tiny", "--tokens", "0"]),
+])
+def test_gpu_bench_scripts_bad_input_exit_2(script, args):
+    """The device-only bench scripts refuse bad arguments (and, here, a machine without a GPU
+    or CuPy) with one line and status 2, before loading anything."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / script
+    r = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=120)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and err and err[-1].startswith(script.replace(".py", ""))
