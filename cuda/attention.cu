@@ -15,7 +15,8 @@
 // (CUDA graph), so the grid is sized for max_ctx and blocks past pos leave.
 //
 // The _ve variants read the first pass of cache rows before pdl_wait: they rely on
-// a decode step writing no cache row but pos (rope_store / cache_store). A step that
+// a decode step writing no cache row but pos (rope_store, cache_store, or qmv_qkv_rope_*
+// of quant_matvec.cu, which folds rope_store into the q/k/v matvec). A step that
 // wrote several rows (batched or speculative decode) would have to use the others.
 //
 // Reference: backends/numpy_ref.py. Tests: tests/test_cuda_ops.py (each kernel against the
@@ -97,7 +98,7 @@ __device__ __forceinline__ void attn_merge_heads(
 template <int GT, bool VE>
 __device__ __forceinline__ void attn_split_body(
     float* __restrict__ out, int* __restrict__ counters, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part,
-    const float* q, const f16_t* k_cache,        // written by rope_store just before: no
+    const float* q, const f16_t* k_cache,        // written by rope_store (or qmv_qkv_rope) just before: no
     const f16_t* v_cache, const int* __restrict__ step, int pos_host,   // __restrict__, no nc loads
     int max_ctx, int n_kv, int group, int hd, int chunk, int n_split, float scale, int window)
 {
@@ -149,7 +150,7 @@ __device__ __forceinline__ void attn_split_body(
             vpre[u] = old ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
         }
     }
-    pdl_wait();                                   // q and cache row pos come from rope_store
+    pdl_wait();                                   // q and cache row pos come from rope_store (or qmv_qkv_rope)
     if (VE) {
 #pragma unroll
         for (int u = 0; u < U; ++u)

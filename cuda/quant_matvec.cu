@@ -607,7 +607,7 @@ __device__ __forceinline__ void qmv_body(
 // each with its own staging; the blocks of v pair their tiles the same way and do not
 // rotate). Needs hd % 64 == 0, dq and dk multiples of hd, every dimension rotated. The
 // rotation table is read before pdl_wait (it is constant; pos comes from the step buffer,
-// written before the graph runs).
+// written before the graph runs, or the host's argument in eager calls).
 template <class F, bool NORM>
 __device__ __forceinline__ void qkv_rope_body(
     float* __restrict__ out, const unsigned char* __restrict__ wq, const unsigned char* __restrict__ wk,
@@ -640,7 +640,7 @@ __device__ __forceinline__ void qkv_rope_body(
         reinterpret_cast<int*>(tail)[96 + lane] = valid ? pos : -1;
     }
     const unsigned char* w = seg == 0 ? wq : seg == 1 ? wk : wv;
-    const int tile = (head * hd + grp * half) / QMV_TILE + (j >> 5);
+    const int tile = (head * hd + grp * half) / QMV_TILE + (pb - head * ppt);
     const float r = qmv_tile<F, 0, NORM>(w, w, x, seg ? dk : dq, nbi, nw, eps, xn, tile, warp, S,
                                          qmv_smem + grp * g_units);
     if (grp == 1 && warp == 0) tail[lane] = r;
@@ -649,13 +649,16 @@ __device__ __forceinline__ void qkv_rope_body(
         const int sg = blockIdx.x < pq ? 0 : blockIdx.x < pq + pk ? 1 : 2;
         const int p2 = blockIdx.x - (sg == 0 ? 0 : pq + (sg - 1) * pk);
         const int h2 = p2 / ppt, j2 = QMV_TILE * (p2 - h2 * ppt) + lane;
-        const float x1 = r, x2 = tail[lane], c = tail[32 + lane], s = tail[64 + lane];
-        const float y1 = x1 * c - x2 * s;           // v: c = 1, s = 0
-        const float y2 = x2 * c + x1 * s;
+        const int pos = reinterpret_cast<const int*>(tail)[96 + lane];
+        float y1 = r, y2 = tail[lane];
+        if (sg < 2 && pos >= 0) {       // v, and q/k at a position rope_store would refuse, as they are
+            const float x1 = y1, x2 = y2, c = tail[32 + lane], s = tail[64 + lane];
+            y1 = x1 * c - x2 * s;
+            y2 = x2 * c + x1 * s;
+        }
         float* o = out + (sg == 0 ? 0 : dq + (sg - 1) * dk) + (size_t)h2 * hd + j2;
         o[0] = y1;
         o[half] = y2;
-        const int pos = reinterpret_cast<const int*>(tail)[96 + lane];
         if (sg > 0 && pos >= 0) {
             f16_t* cache = sg == 1 ? k_cache : v_cache;
             const size_t row = ((size_t)h2 * max_ctx + pos) * hd + j2;

@@ -379,6 +379,7 @@ def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, monkeypatch):
     calls = []
     real = CQ.qmatvec_qkv_rope
     monkeypatch.setattr(CQ, "qmatvec_qkv_rope", lambda *a: (calls.append(1), real(*a))[1])
+    monkeypatch.setattr(be, "fold_rope", True)      # whatever CYLLM_CUDA_FOLD_ROPE says
     rng = np.random.default_rng(31)
     b = FORMATS[fmt].block
     n, dq, dk, half, max_ctx, eps = (2 * b if b == 256 else 320), nq * hd, nkv * hd, hd // 2, 9, 1e-5
@@ -428,6 +429,9 @@ def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, monkeypatch):
         be.rope_store(q, k, v, cos, sin, kc, vc, pos)
         assert be._pending_qkv is None and len(calls) == 1 + norm
         check(*want(xv, norm, pos), pos, f"{fmt} folded rope, norm={norm}")
+        if norm:            # the folded norm's output exists as the rmsnorm op would leave it
+            inv = 1.0 / np.sqrt(np.mean(xv.astype(np.float64) ** 2) + eps)
+            np.testing.assert_allclose(be.to_host(xb), xv * inv * nw, rtol=2e-6, atol=1e-6)
         kc.set(fill)
         vc.set(fill)
 
@@ -446,12 +450,23 @@ def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, monkeypatch):
     be.reset_graph()
     assert len(calls) == 4                  # the first step runs eagerly and is captured; then replayed
 
-    # an op in between: the held matvec goes out first, unrotated
+    # an op in between: the held matvec goes out first, unrotated, and before that op
     xv = (rng.standard_normal(n) * 2).astype(np.float32)
     xd.set(xv)
-    be.matvec(out, stack, xd)
     xq = xq64(xv, fmt)
+    be.matvec(out, stack, xd)
     check_exact(be.to_host(out), W @ xq, np.abs(W) @ np.abs(xq), f"{fmt} held qkv read back")
+    twice = be.empty(dq + 2 * dk)
+    be.matvec(out, stack, xd)
+    be.add(twice, out, out)                 # reads the held matvec's output
+    check_exact(be.to_host(twice), 2 * (W @ xq), 2 * (np.abs(W) @ np.abs(xq)), f"{fmt} add after held qkv")
+    # a position rope_store refuses: the matvec still goes out, the error is raised, no cache row moves
+    be.matvec(out, stack, xd)
+    with pytest.raises(InvalidArgumentError):
+        be.rope_store(q, k, v, cos, sin, kc, vc, max_ctx)
+    assert be._pending_qkv is None and len(calls) == 4
+    check_exact(be.to_host(out), W @ xq, np.abs(W) @ np.abs(xq), f"{fmt} held qkv, refused position")
+    assert (be.to_host(kc) == 0.25).all() and (be.to_host(vc) == 0.25).all()
     # partial rotary (the fused kernel rotates whole heads): matvec, then rope_store's own path
     rot = half // 2
     cos_p, sin_p = cp.ascontiguousarray(cos[:, :rot]), cp.ascontiguousarray(sin[:, :rot])

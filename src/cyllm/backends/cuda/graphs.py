@@ -45,6 +45,7 @@ class GraphDecode:
         per-step values from the step buffer, which the ops of this backend do
         while decode_step runs; ``issue_ops`` must not allocate or synchronise.
         """
+        self._flush()                       # an op held back by eager calls goes before this step
         token = int(token)
         pos = int(pos)
         if self._vocab is not None:
@@ -86,12 +87,13 @@ class GraphDecode:
             stream.begin_capture()
             try:
                 issue_ops(token, pos)
-                self._flush()                   # a held-back rmsnorm belongs to this graph
+                self._flush()                   # a held-back rmsnorm or matvec belongs to this graph
             finally:
                 graph = stream.end_capture()
         except Exception as e:  # noqa: BLE001 - something in issue_ops cannot be captured
             import warnings
             warnings.warn(f"cyllm: CUDA graph capture failed ({e}); decoding without graphs", RuntimeWarning)
+            self._pending_norm = self._pending_qkv = None      # ops of the aborted pass: never launched
             self.use_graphs = False
             self.reset_graph()
             return

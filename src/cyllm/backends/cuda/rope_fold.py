@@ -24,7 +24,8 @@ from .quant import TILE, CudaQuantStack
 class RopeFolding:
     """Needs from the backend: ``fold_rope`` (bool), ``_pending_qkv`` (None, or the
     (out, w, x, norm) of a q/k/v matvec held back), ``_take_norm``/``_flush`` of
-    NormFolding (next in the MRO), ``_pos`` and ``_launch``."""
+    NormFolding (next in the MRO), ``_device_mode``, ``_pos``, ``_step``, ``sm_count`` and
+    ``_launch``."""
 
     def _flush(self) -> None:
         self._launch_held_qkv()
@@ -73,6 +74,10 @@ class RopeFolding:
                 and v.data.ptr == base + f32 * (wq.rows + wk.rows) and v.size == wv.rows):
             return False
         self._pending_qkv = None
-        cuda_quant.qmatvec_qkv_rope(self, out, w, x, norm, cos, sin, k_cache, v_cache,
-                                    self._pos(pos, limit))
+        try:
+            cuda_quant.qmatvec_qkv_rope(self, out, w, x, norm, cos, sin, k_cache, v_cache,
+                                        self._pos(pos, limit))
+        except Exception:  # noqa: BLE001 - e.g. the two tiles' shared memory refused: not launched
+            self._pending_qkv = p           # the two ops as they were (rope_store's path)
+            return False
         return True
