@@ -151,6 +151,29 @@ def test_kernel_table_agrees():
         assert main[1] - main[0] == 16 * units
 
 
+def test_rope_fold_rule():
+    """Where the q/k/v matvec takes rope in its tail (quant.rope_fold_pays), on an H100's 132
+    SMs: the 7B shape's Q4_0 and Q4_K_M (4 warps a tile: measured faster), not its Q8_0 (8
+    warps a tile: 16-warp blocks in two waves, measured slower); every format of a small
+    model (one wave); and the qkv_rope kernels are written whole in the .cu file."""
+    from types import SimpleNamespace
+    be = SimpleNamespace(sm_count=132, qmv_warps=None)
+
+    def stack(fmt, dim, q_rows, kv_rows):
+        mk = lambda rows: CQ.CudaQuantMatrix(None, FORMATS[fmt], rows, dim)   # noqa: E731
+        return CQ.CudaQuantStack((mk(q_rows), mk(kv_rows), mk(kv_rows)))
+
+    assert CQ.rope_fold_pays(be, stack("q4_0", 4096, 4096, 4096))
+    assert CQ.rope_fold_pays(be, stack("q4_k", 4096, 4096, 4096))
+    assert not CQ.rope_fold_pays(be, stack("q8_0", 4096, 4096, 4096))
+    for fmt in ("q8_0", "q4_0", "q4_1", "q5_0"):
+        assert CQ.rope_fold_pays(be, stack(fmt, 576, 576, 192))      # SmolLM2-135M
+    src = CU.read_text()
+    for fmt in FMTS:
+        for name in (f"qmv_qkv_{fmt}", f"qmv_qkv_{fmt}_norm", f"qmv_qkv_rope_{fmt}", f"qmv_qkv_rope_{fmt}_norm"):
+            assert re.search(rf"\({name},", src), name
+
+
 def test_references_agree():
     """deq64 (the tests' float64 weights) matches reference.dequantize for every format."""
     rng = np.random.default_rng(3)
