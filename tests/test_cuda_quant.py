@@ -93,6 +93,20 @@ def test_repack_round_trip(fmt):
             np.testing.assert_array_equal(CQ.unpack(np, flat, fmt, rows, nbi * b), raw)
 
 
+def test_repack_into_given_buffer():
+    """repack writes into the buffer it is given (the upload's pool array) and returns it;
+    a buffer of the wrong size or type is refused before anything is written."""
+    rng = np.random.default_rng(5)
+    raw = random_blocks("q4_k", 40, 512, rng)
+    want = CQ.repack(np, raw, "q4_k")
+    buf = np.full(raw.size, 7, np.uint8)
+    assert CQ.repack(np, raw, "q4_k", out=buf) is buf
+    np.testing.assert_array_equal(buf, want)
+    for bad in (np.zeros(raw.size - 1, np.uint8), np.zeros(raw.size, np.int8)):
+        with pytest.raises(InvalidArgumentError):
+            CQ.repack(np, raw, "q4_k", out=bad)
+
+
 def _kernel_reads(fmt, d, nbi, row, s):
     """Byte ranges the kernels read for item s of `row` (qgeo / qload of quant_matvec.cu), in the
     order of the block fields they stand for: units, plane A, plane B."""

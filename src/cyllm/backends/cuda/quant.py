@@ -89,28 +89,38 @@ def _planes(fmt: WeightFormat):
     return out
 
 
-def repack(xp, blocks, fmt) -> object:
+def repack(xp, blocks, fmt, out=None) -> object:
     """(rows, row_bytes) uint8 block rows -> the flat kernel layout (same byte count).
 
     ``xp`` is numpy or cupy: the same reordering runs on the host (tests) or on the device
     (upload). Shapes: raw (rows, nbi, block_bytes); each plane (rows, NU, E) with NU units
-    of E bytes per row; tile T of width W stored as (NU, W, E).
+    of E bytes per row; tile T of width W stored as (NU, W, E). Each plane is copied
+    straight from its strided view into its place in ``out`` (allocated when None), so
+    the reordering itself allocates nothing.
     """
     fmt = FORMATS[fmt] if isinstance(fmt, str) else fmt
     rows, rb = blocks.shape
     nbi = rb // fmt.block_bytes
     raw = blocks.reshape(rows, nbi, fmt.block_bytes)
+    if out is None:
+        out = xp.empty(rows * rb, dtype=xp.uint8)
+    if out.shape != (rows * rb,) or out.dtype != np.uint8:
+        raise InvalidArgumentError(f"repack: out must be ({rows * rb},) uint8, got {out.shape} {out.dtype}")
     full = rows // TILE * TILE
-    parts = []
+    off = 0
     for (lo, hi), e in _planes(fmt):
         p = raw[:, :, lo:hi].reshape(rows, -1, e)                 # (rows, NU, E)
         nu = p.shape[1]
         if full:
-            t = p[:full].reshape(full // TILE, TILE, nu, e).transpose(0, 2, 1, 3)
-            parts.append(xp.ascontiguousarray(t).reshape(-1))
+            size = full * nu * e
+            out[off:off + size].reshape(full // TILE, nu, TILE, e)[...] = \
+                p[:full].reshape(full // TILE, TILE, nu, e).transpose(0, 2, 1, 3)
+            off += size
         if rows > full:
-            parts.append(xp.ascontiguousarray(p[full:].transpose(1, 0, 2)).reshape(-1))
-    return xp.concatenate(parts)
+            size = (rows - full) * nu * e
+            out[off:off + size].reshape(nu, rows - full, e)[...] = p[full:].transpose(1, 0, 2)
+            off += size
+    return out
 
 
 def unpack(xp, flat, fmt, rows: int, cols: int):
@@ -204,16 +214,27 @@ def stack_rows(mats) -> CudaQuantStack | None:
 
 
 def upload(be, qm: QuantMatrix) -> CudaQuantMatrix:
-    """QuantMatrix (host block bytes) -> CudaQuantMatrix; reordered on the device."""
+    """QuantMatrix (host block bytes) -> CudaQuantMatrix; reordered on the device.
+
+    The result comes from CuPy's pool, where it stays for the model's life; the raw copy it
+    is reordered from is allocated outside the pool and freed at once. Freed back into the
+    pool, such transients were carved up by the next tensors' arrays, and the pieces left
+    free could never be returned: 1.1 GiB over the file's tensors and the KV cache on a
+    Llama-2-7B Q8_0 (bench/results/cuda_quant_model_h100.md)."""
     _layout(qm.fmt)
     be.check_fits(2 * qm.nbytes)        # the raw copy lives until the repacked one exists
     try:
-        raw = cp.asarray(np.ascontiguousarray(qm.data))
-        flat = repack(cp, raw, qm.fmt)
-        del raw
-    except cp.cuda.memory.OutOfMemoryError:
+        flat = cp.empty(qm.nbytes, dtype=cp.uint8)
+        with cp.cuda.using_allocator(None):         # cudaMalloc / cudaFree, no pool
+            raw = cp.asarray(np.ascontiguousarray(qm.data))
+            repack(cp, raw, qm.fmt, out=flat)
+            del raw
+    except (cp.cuda.memory.OutOfMemoryError, cp.cuda.runtime.CUDARuntimeError) as e:
+        # the pool reports OutOfMemoryError; cudaMalloc outside it, a CUDARuntimeError
+        oom = isinstance(e, cp.cuda.memory.OutOfMemoryError) or "memory" in str(e).lower()
+        what = "out of GPU memory" if oom else f"a CUDA error ({str(e).strip()})"
         raise ModelLoadError(
-            f"out of GPU memory uploading a {qm.nbytes / 2**20:.1f} MiB {qm.fmt.name} tensor "
+            f"{what} uploading a {qm.nbytes / 2**20:.1f} MiB {qm.fmt.name} tensor "
             f"to {be.device_name}") from None
     return CudaQuantMatrix(flat, qm.fmt, qm.rows, qm.cols)
 
