@@ -386,9 +386,10 @@ def rope_fold_pays(be, w: CudaQuantStack) -> bool:
     tiles, each with qmv_qkv's warps (at most 8: 512 threads a block, so where qmv_qkv would
     give a tile more, the two kernels' sums split differently): where the grid is more than
     one wave and a tile has more than 4 warps (q8_0 on rows of 4096: 16-warp blocks, a
-    register file each) it does not. Measured on an H100 (bench/results/cuda_quant_model_h100.md), Llama-2-7B decode:
-    Q4_0 +1.7 to 2.1%, Q4_K_M +0.9% (4 warps a tile; 2 or 8 instead: -8% and -2%), Q8_0 -0.9%
-    at 8 warps a tile and -6% at 4; SmolLM2-135M (one wave): Q4_0 and Q8_0 +3%."""
+    register file each) it does not. Measured on an H100 (bench/results/cuda_quant_model_h100.md),
+    Llama-2-7B decode: Q4_0 +1.7 to 2.1%, Q4_K_M +0.9% (4 warps a tile; 2 or 8 instead: -8%
+    and -2%), Q8_0 -0.9% at 8 warps a tile and -6% at 4; SmolLM2-135M (one wave): Q4_0 and
+    Q8_0 +3%."""
     return _tiles(w) // 2 <= be.sm_count or matvec_warps(be, w, 1) <= 4
 
 
