@@ -94,9 +94,10 @@ def repack(xp, blocks, fmt, out=None) -> object:
 
     ``xp`` is numpy or cupy: the same reordering runs on the host (tests) or on the device
     (upload). Shapes: raw (rows, nbi, block_bytes); each plane (rows, NU, E) with NU units
-    of E bytes per row; tile T of width W stored as (NU, W, E). Each plane is copied
-    straight from its strided view into its place in ``out`` (allocated when None), so
-    the reordering itself allocates nothing.
+    of E bytes per row; tile T of width W stored as (NU, W, E). Each plane is copied from
+    its strided view into its place in ``out`` (allocated when None); the only temporary is
+    the plane itself where its bytes cannot be viewed as E-byte units (q8_0's and q6_k's
+    16-byte units start off the block's alignment: a copy of about the whole tensor).
     """
     fmt = FORMATS[fmt] if isinstance(fmt, str) else fmt
     rows, rb = blocks.shape
@@ -225,13 +226,17 @@ def upload(be, qm: QuantMatrix) -> CudaQuantMatrix:
     be.check_fits(2 * qm.nbytes)        # the raw copy lives until the repacked one exists
     try:
         flat = cp.empty(qm.nbytes, dtype=cp.uint8)
+        pool = cp.get_default_memory_pool()
+        if pool.free_bytes():
+            pool.free_all_blocks()      # check_fits counted them, and cudaMalloc cannot use them
         with cp.cuda.using_allocator(None):         # cudaMalloc / cudaFree, no pool
             raw = cp.asarray(np.ascontiguousarray(qm.data))
             repack(cp, raw, qm.fmt, out=flat)
             del raw
     except (cp.cuda.memory.OutOfMemoryError, cp.cuda.runtime.CUDARuntimeError) as e:
         # the pool reports OutOfMemoryError; cudaMalloc outside it, a CUDARuntimeError
-        oom = isinstance(e, cp.cuda.memory.OutOfMemoryError) or "memory" in str(e).lower()
+        oom = (isinstance(e, cp.cuda.memory.OutOfMemoryError)
+               or getattr(e, "status", None) == cp.cuda.runtime.errorMemoryAllocation)
         what = "out of GPU memory" if oom else f"a CUDA error ({str(e).strip()})"
         raise ModelLoadError(
             f"{what} uploading a {qm.nbytes / 2**20:.1f} MiB {qm.fmt.name} tensor "
