@@ -24,7 +24,8 @@ except Exception:  # noqa: BLE001 - reported by CudaBackend when it is construct
 
 class GraphDecode:
     """Needs from the backend: ``_stream``, ``_step``/``_step_host`` (the step buffer and its
-    host copy), ``_flush()``, ``use_graphs``, and the ops reading the step buffer while
+    host copy), ``_flush()`` and ``_drop_held()`` (ops held back to fold into the next one:
+    launched, or forgotten), ``use_graphs``, and the ops reading the step buffer while
     ``_device_mode`` is set (recording ``_vocab``/``_max_pos`` for the checks here)."""
 
     def reset_graph(self) -> None:
@@ -93,7 +94,7 @@ class GraphDecode:
         except Exception as e:  # noqa: BLE001 - something in issue_ops cannot be captured
             import warnings
             warnings.warn(f"cyllm: CUDA graph capture failed ({e}); decoding without graphs", RuntimeWarning)
-            self._pending_norm = self._pending_qkv = None      # ops of the aborted pass: never launched
+            self._drop_held()                   # ops of the aborted pass: never launched
             self.use_graphs = False
             self.reset_graph()
             return

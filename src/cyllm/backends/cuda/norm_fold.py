@@ -25,6 +25,10 @@ class NormFolding:
             self._pending_norm = None
             self._rmsnorm_now(*p)
 
+    def _drop_held(self) -> None:
+        """Forget a held-back norm without launching it (its pass was abandoned)."""
+        self._pending_norm = None
+
     def _rmsnorm_now(self, out, x, w, eps):
         n = x.shape[0]
         self._k("rmsnorm_f32")((1,), (512,), (out, x, w, np.int32(n), np.float32(eps)))

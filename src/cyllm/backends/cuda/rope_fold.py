@@ -31,6 +31,10 @@ class RopeFolding:
         self._launch_held_qkv()
         super()._flush()
 
+    def _drop_held(self) -> None:
+        self._pending_qkv = None
+        super()._drop_held()
+
     def _take_norm(self, out, x):
         self._launch_held_qkv()         # the held matvec comes before whatever asks
         return super()._take_norm(out, x)
