@@ -119,6 +119,11 @@ def sweep(a, axes, depths, qtypes) -> int:
         src.weights = weights
         model = bind_model(src, backend, max(depths) + a.n + 1)
         wbytes = weight_bytes_read_per_token(model)
+        pool = cp.get_default_memory_pool()
+        free, total = cp.cuda.runtime.memGetInfo()
+        print(f"{q or base.label}: after the load, CuPy's pool holds {pool.total_bytes() / 2**30:.3f} GiB "
+              f"({pool.used_bytes() / 2**30:.3f} in use), the device {(total - free) / 2**30:.3f} GiB",
+              file=sys.stderr, flush=True)
         rng = np.random.default_rng(0)
         for depth in depths:
             fill_cache_to_depth(model, depth, 0)
@@ -146,6 +151,7 @@ def sweep(a, axes, depths, qtypes) -> int:
             cp.cuda.profiler.start()
             decode_tok_s(model, 1, 8, rng)
             cp.cuda.profiler.stop()
+        backend.reset_graph()           # the graphs (and their prefetch plans) hold the model
         del model, weights, src
         cp.get_default_memory_pool().free_all_blocks()
     if a.out:
