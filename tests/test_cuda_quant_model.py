@@ -223,10 +223,13 @@ def _require_cuda():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", _family_files())
-def test_family_file_cuda_matches_reference_and_cpu(name):
-    """Every family x quantization: prefill logits, decode logits and greedy text."""
+@pytest.mark.parametrize("name", _family_files() + [f"{n}:v-apart" for n in _family_files() if "_K_M" in n])
+def test_family_file_cuda_matches_reference_and_cpu(name, monkeypatch):
+    """Every family x quantization: prefill logits, decode logits and greedy text. ":v-apart":
+    the K_M files again with q/k stacked where v has another format (CYLLM_CUDA_V_APART=1)."""
     _require_cuda()
+    name, _, apart = name.partition(":")
+    monkeypatch.setenv("CYLLM_CUDA_V_APART", "1" if apart else "0")
     path = _material() / "families" / name
     if not path.is_file():
         pytest.skip(f"no {name}")

@@ -193,34 +193,41 @@ class CudaQuantMatrix(_RowsCols):
 
 
 class CudaQuantStack(_RowsCols):
-    """Quantized matrices of one format and width stacked by rows, for one decode launch
-    (a layer's q, k and v: ``qmv_qkv_<fmt>``). Holds the uploaded matrices themselves, no
-    bytes of its own; prefill keeps using each matrix on its own."""
+    """A layer's quantized q, k and v stacked by rows, for the decode launch that computes
+    them together (``qmv_qkv_<fmt>``). Holds the uploaded matrices themselves, no bytes of
+    its own; prefill keeps using each matrix on its own. Where v is in another format than
+    q and k (Q4_K_M and Q5_K_M give some layers' v six bits), ``v_apart`` is v, computed by
+    a matvec of its own just before the others, and ``same`` is (q, k); otherwise ``same``
+    is all three and ``v_apart`` None."""
 
-    __slots__ = ("parts", "fmt", "rows", "cols", "nbi")
+    __slots__ = ("parts", "same", "v_apart", "fmt", "rows", "cols", "nbi")
 
     def __init__(self, parts: tuple):
         self.parts = parts
-        self.fmt = parts[0].fmt
+        q, k, v = parts
+        self.v_apart = v if v.fmt is not q.fmt else None
+        self.same = parts if self.v_apart is None else (q, k)
+        self.fmt = q.fmt
         self.rows = sum(p.rows for p in parts)
-        self.cols = parts[0].cols
-        self.nbi = parts[0].nbi
+        self.cols = q.cols
+        self.nbi = q.nbi
 
     @property
     def nbytes(self) -> int:
         return 0        # the parts hold the bytes
 
     def __repr__(self) -> str:
-        return f"CudaQuantStack({self.fmt.name}, {[p.shape for p in self.parts]})"
+        return f"CudaQuantStack({[(p.fmt.name, p.shape) for p in self.parts]})"
 
 
 def stack_rows(mats) -> CudaQuantStack | None:
-    """q, k, v -> one stack when the three are quantized matrices of one format and width
-    with k and v of one height (what qmv_qkv computes); None otherwise."""
+    """q, k, v -> one stack when the three are quantized matrices of one width, q and k of
+    one format, k and v of one height (what qmv_qkv and the v launch before it compute);
+    None otherwise."""
     if len(mats) != 3 or not all(isinstance(m, CudaQuantMatrix) for m in mats):
         return None
     q, k, v = mats
-    if not (k.fmt is q.fmt and v.fmt is q.fmt and k.cols == q.cols == v.cols and k.rows == v.rows):
+    if not (k.fmt is q.fmt and v.fmt.name in LAYOUTS and k.cols == q.cols == v.cols and k.rows == v.rows):
         return None
     return CudaQuantStack(tuple(mats))
 
@@ -349,7 +356,8 @@ _NULL = np.int64(0)       # a null pointer argument (kernels without the folded 
 
 
 def _tiles(w) -> int:
-    parts = w.parts if isinstance(w, CudaQuantStack) else (w,)
+    """Row tiles of one launch over w (a stack's launch covers ``same``)."""
+    parts = w.same if isinstance(w, CudaQuantStack) else (w,)
     return sum(-(-p.rows // TILE) for p in parts)
 
 
@@ -363,9 +371,12 @@ _TAKE = object()          # qmatvec_qkv's default: take a held-back rmsnorm from
 
 
 def _qkv_launch(be, out, w: CudaQuantStack, x, norm, name: str, warps_per_tile: int, extra: tuple) -> None:
-    """One launch of a qmv_qkv kernel: ``warps_per_tile`` warps per row tile, tiles per block
-    = 1 (qmv_qkv) or 2 (qmv_qkv_rope, ``extra`` its rope and cache arguments)."""
-    wq, wk, wv = w.parts
+    """One launch of a qmv_qkv kernel over the stack's ``same`` matrices: ``warps_per_tile``
+    warps per row tile, tiles per block = 1 (qmv_qkv) or 2 (qmv_qkv_rope, ``extra`` its rope
+    and cache arguments). Without v (v_apart) the grid holds no v blocks, and qmv_qkv_rope's
+    k blocks store v's cache row from out."""
+    wq, wk = w.same[:2]
+    wv = w.same[2] if len(w.same) == 3 else wk       # no v blocks: never read
     n, fmt = w.cols, w.fmt.name
     k = kernel(be, f"{name}_norm" if norm is not None else name, fmt)
     per_block = 1 if not extra else 2
@@ -377,7 +388,7 @@ def _qkv_launch(be, out, w: CudaQuantStack, x, norm, name: str, warps_per_tile: 
     _carveout(be, k, fmt)
     head = (out, wq.data, wk.data, wv.data)
     dims = (np.int32(wq.rows), np.int32(wk.rows), np.int32(w.nbi))
-    pf = (be._pf_arg(w.parts, warps),)
+    pf = (be._pf_arg(w.same, warps),)
     if norm is not None:
         xn, xin, nw, eps = norm
         args = head + (xin,) + dims + (nw, np.float32(eps), xn) + extra + pf
@@ -395,7 +406,19 @@ def qmatvec_qkv(be, out, w: CudaQuantStack, x, norm=_TAKE) -> None:
         raise InvalidArgumentError(f"qmv_qkv_{w.fmt.name}: shapes {w.shape} @ {tuple(x.shape)} -> {tuple(out.shape)}")
     if norm is _TAKE:
         norm = be._take_norm(out, x)
+    norm = _v_apart(be, out, w, x, norm)
     _qkv_launch(be, out, w, x, norm, f"qmv_qkv_{w.fmt.name}", matvec_warps(be, w, 1), ())
+
+
+def _v_apart(be, out, w: CudaQuantStack, x, norm):
+    """v of another format than q and k: its matvec first, into out's v part, with the
+    held-back norm folded in (its blocks write the normed x, which the q/k launch then
+    reads). Returns the norm left for the q/k launch (None once v took it)."""
+    v = w.v_apart
+    if v is None:
+        return norm
+    _qmv_launch(be, out[w.rows - v.rows:], v, v, x, norm, "qmv_", 1)
+    return None
 
 
 def rope_fold_pays(be, w: CudaQuantStack) -> bool:
@@ -420,6 +443,7 @@ def qmatvec_qkv_rope(be, out, w: CudaQuantStack, x, norm, cos, sin, k_cache, v_c
     extra = (cos, sin, k_cache, v_cache, be._step, pos, np.int32(n_pos), np.int32(max_ctx), np.int32(hd))
     forced = getattr(be, "qkv_rope_warps", None)        # experiments (bench/sweep_cuda_decode.py --vary)
     warps = int(forced) if forced else matvec_warps(be, w, 1)
+    norm = _v_apart(be, out, w, x, norm)
     _qkv_launch(be, out, w, x, norm, f"qmv_qkv_rope_{w.fmt.name}", warps, extra)
 
 
@@ -456,7 +480,13 @@ def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None) -> None
     if not (x.flags.c_contiguous and out.flags.c_contiguous):
         be._flush()
         raise InvalidArgumentError(f"{prefix}{w0.fmt.name}: x and out must be contiguous")
-    norm = be._take_norm(out, x)
+    _qmv_launch(be, out, w0, w1, x, be._take_norm(out, x), prefix, nm)
+
+
+def _qmv_launch(be, out, w0, w1, x, norm, prefix: str, nm: int) -> None:
+    """One launch of <prefix><fmt>[_norm] (shapes checked by the caller; ``norm``: a
+    held-back rmsnorm taken for it, or None)."""
+    d, n = w0.shape
     fmt = w0.fmt.name
     name = f"{prefix}{fmt}" + ("_norm" if norm is not None else "")
     k = kernel(be, name, fmt)
