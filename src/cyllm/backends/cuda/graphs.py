@@ -25,8 +25,9 @@ except Exception:  # noqa: BLE001 - reported by CudaBackend when it is construct
 class GraphDecode:
     """Needs from the backend: ``_stream``, ``_step``/``_step_host`` (the step buffer and its
     host copy), ``_flush()`` and ``_drop_held()`` (ops held back to fold into the next one:
-    launched, or forgotten), ``_pf_reset/_pf_begin/_pf_end`` (prefetch.py), ``use_graphs``, and the ops reading the step buffer while
-    ``_device_mode`` is set (recording ``_vocab``/``_max_pos`` for the checks here)."""
+    launched, or forgotten), ``_pf_reset/_pf_begin/_pf_end`` (prefetch.py), ``use_graphs``,
+    and the ops reading the step buffer while ``_device_mode`` is set (recording
+    ``_vocab``/``_max_pos`` for the checks here)."""
 
     def reset_graph(self) -> None:
         """Forget the captured graphs (call after reallocating any run-state buffer)."""

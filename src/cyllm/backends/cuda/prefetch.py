@@ -13,10 +13,9 @@ successor's (the last one's from the first: the next token's). A step's first ea
 launches without plans; its graph, captured after it, has them.
 
 Where it pays, measured on an H100 (bench/results/cuda_quant_model_h100.md), Llama-2-7B
-decode with half of each warp's slice fetched: Q4_0 +1.3 to +3.0% (depth 0 and 4096); Q4_K
--1 to -2%, Q8_0 -0.4 to -4.5% (their kernels' own loads already cover the boundaries, and
-the fetched lines compete with them). So only q4_0 successors get a plan
-(``PREFETCH_FORMATS``). ``qmv_prefetch`` (CYLLM_CUDA_PREFETCH) is the fraction of each
+decode with half of each warp's slice fetched: Q4_0 +3.3 to +3.8% at depth 0, +0.9 to +1.6%
+at 4096; Q4_K -1 to -4%, Q8_0 -0.4 to -5% (why was not measured). So only q4_0 successors
+get a plan (``PREFETCH_FORMATS``). ``qmv_prefetch`` (CYLLM_CUDA_PREFETCH) is the fraction of each
 warp's slice, 0 = off; one plan's bytes stay under a quarter of the L2.
 """
 
@@ -91,6 +90,7 @@ class WeightPrefetch:
         self._pf_plans: list = []       # per launch of the step: (its key, its plan or _NULL, the successor's matrices)
         self._pf_key = None             # what the plans were built from
         self._pf_rec: list = []         # this pass's launches: (key, mats, warps)
+        self._pf_old: list = []         # plans replaced while a captured graph may still point at them
 
     def _pf_begin(self) -> None:
         self._pf_rec = []
@@ -124,5 +124,6 @@ class WeightPrefetch:
             v = plan_values(mats, warps, fraction, budget) if mats[0].fmt.name in formats else None
             # the successor's matrices stay referenced with the plan holding their addresses
             plans.append((k, _NULL if v is None else cp.asarray(np.array(v, dtype=np.int64)), mats))
+        self._pf_old.append(self._pf_plans)
         self._pf_plans = plans
         self._pf_key = key
