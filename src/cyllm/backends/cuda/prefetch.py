@@ -14,8 +14,8 @@ launches without plans; its graph, captured after it, has them.
 
 Where it pays, measured on an H100 (bench/results/cuda_quant_model_h100.md), Llama-2-7B
 decode with half of each warp's slice fetched: Q4_0 +3.3 to +3.8% at depth 0, +0.9 to +1.6%
-at 4096; Q4_K -1 to -4%, Q8_0 -0.4 to -5% (why was not measured). So only q4_0 successors
-get a plan (``PREFETCH_FORMATS``). ``qmv_prefetch`` (CYLLM_CUDA_PREFETCH) is the fraction of each
+at 4096; Q4_K -1 to -4%; Q8_0 even at depth 0 (-0.4 to +1.1%), -1.5 to -5% at 4096 (why
+was not measured). So only q4_0 successors get a plan (``PREFETCH_FORMATS``). ``qmv_prefetch`` (CYLLM_CUDA_PREFETCH) is the fraction of each
 warp's slice, 0 = off; one plan's bytes stay under a quarter of the L2.
 """
 
