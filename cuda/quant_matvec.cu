@@ -1021,7 +1021,8 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
         TRACE_END((F::UPI << 8) | (F::EA << 4) | (MODE << 2) | (NORM << 1));                     \
     }
 // q, k and v of one layer in one launch (three matrices of one format, one x): blocks
-// [0, tq) are q's row tiles, then k's, then v's; out is q | k | v side by side (dk = dv)
+// [0, tq) are q's row tiles, then k's, then v's; out is q | k | v side by side (dk = dv).
+// A grid of q's and k's tiles only: v is in another format, computed by a launch of its own
 #define CYLLM_QMV_QKV_DEF(NAME, F, NORM, BOUNDS)                                                   \
     extern "C" __global__ void BOUNDS NAME(float* __restrict__ out, const unsigned char* __restrict__ wq, \
                                     const unsigned char* __restrict__ wk,                            \

@@ -233,7 +233,7 @@ def test_prefetch_plan_covers_each_warps_first_items(fmt):
     for b in bases:
         got = np.concatenate([np.arange(a - b, a - b + n) for a, n in _plan_ranges(plan) if b <= a < b + rows * nbi * fm.block_bytes])
         np.testing.assert_array_equal(np.sort(got), want)
-    # all of a slice at fraction 1, and the budget taking h back down to 1
+    # fraction 1: the shortest slice's items (2; the others have 3), and the budget taking h back down to 1
     assert plan_values(mats, S, 1.0, budget=1 << 30)[3] == 2
     per_h1 = sum(n for _, n in _plan_ranges(plan))
     assert plan_values(mats, S, 1.0, budget=per_h1)[3] == 1
@@ -482,29 +482,44 @@ def test_norm_folded(be, cp, fmt):
             np.testing.assert_allclose(be.to_host(xb), x * inv * nw, rtol=2e-6, atol=1e-6)
 
 
-def _v_format(fmt: str, apart: bool) -> str:
-    """v's format in a stack: q's, or another of the same block size (Q4_K_M's six-bit v)."""
-    if not apart:
+def _v_format(fmt: str, apart: str) -> str:
+    """v's format in a stack: q's ("one"), another of the same block size ("same-block":
+    Q4_K_M's six-bit v), or of the other block size ("other-block": Q4_K_M's Q8_0 v where
+    rows fall back; K-quants only, the test rows of the 32-formats are not 256-multiples)."""
+    if apart == "one":
         return fmt
-    return {"q6_k": "q4_k", "q8_0": "q4_0"}.get(fmt, "q6_k" if FORMATS[fmt].block == 256 else "q8_0")
+    if apart == "same-block":
+        return {"q6_k": "q4_k", "q8_0": "q4_0"}.get(fmt, "q6_k" if FORMATS[fmt].block == 256 else "q8_0")
+    if FORMATS[fmt].block != 256:
+        pytest.skip("v of another block size: tested with the K-quants")
+    return "q8_0"
 
 
-def _stack_want(W, raws, fmts, x, nw, inv, xn, dv):
-    """What a stack computes, float64, and the magnitude of each row's terms: with the norm
-    folded into the launch that takes it (inv * W (x*nw) rounded), the v-apart stack's q and
-    k from the normed x its v launch wrote (xn: that vector, read back)."""
+APART = ["one", "same-block", "other-block"]
+
+
+def _stack_want(W, fmts, x, nw, inv, xn, dv):
+    """What a stack computes, float64, and the magnitude of each row's terms. One format:
+    one launch, the norm folded in (inv * W (x*nw), x*nw rounded to the format's int8 blocks).
+    v apart: v's launch takes the folded norm (rounded to v's blocks); q and k read the normed
+    x that launch wrote (xn: that vector, read back), rounded to theirs."""
     fq, fv = fmts
-    xq = xq64(x if nw is None else x * nw, fq)
-    y, mag = inv * (W @ xq), inv * (np.abs(W) @ np.abs(xq))
-    if fv != fq and nw is not None:
-        xr = xq64(xn, fq)
-        y[:-dv], mag[:-dv] = W[:-dv] @ xr, np.abs(W[:-dv]) @ np.abs(xr)
-    return y, mag
+    xin = x if nw is None else x * nw
+
+    def part(Wp, f, xs, scale):
+        xq = xq64(xs, f)
+        return scale * (Wp @ xq), scale * (np.abs(Wp) @ np.abs(xq))
+
+    if fv == fq:
+        return part(W, fq, xin, inv)
+    yv, mv = part(W[-dv:], fv, xin, inv)
+    yq, mq = part(W[:-dv], fq, x if nw is None else xn, 1.0)
+    return np.concatenate([yq, yv]), np.concatenate([mq, mv])
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("apart", [False, True], ids=["one-format", "v-apart"])
+@pytest.mark.parametrize("apart", APART)
 def test_qkv_stack(be, cp, fmt, apart, monkeypatch):
     """q, k, v stacked (one qmv_qkv launch; v of another format: its own launch first, which
     takes the folded norm): out = [Wq x | Wk x | Wv x], with and without the folded norm;
@@ -521,26 +536,29 @@ def test_qkv_stack(be, cp, fmt, apart, monkeypatch):
     mats = tuple(be.upload(QuantMatrix(r, f, (r.shape[0], n))) for f, r in zip(fmts, raws))
     stack = be.stack_rows(mats)
     assert stack is not None and stack.shape == (dq + 2 * dk, n) and stack.nbytes == 0
-    assert (stack.v_apart is mats[2]) == apart and len(stack.same) == 3 - apart
+    split = apart != "one"
+    assert (stack.v_apart is mats[2]) == split and len(stack.same) == 3 - split
     W = np.concatenate([deq64(r, f, n) for f, r in zip(fmts, raws)])
     x = (rng.standard_normal(n) * 3).astype(np.float32)
     nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
     xd, nwd = be.upload(x), be.upload(nw)
     out = poisoned(cp, dq + 2 * dk)
     be.matvec(out, stack, xd)
-    check_exact(be.to_host(out), *_stack_want(W, raws, (fmt, vf), x, None, 1.0, None, dk), f"{fmt}/{vf} qkv")
+    check_exact(be.to_host(out), *_stack_want(W, (fmt, vf), x, None, 1.0, None, dk), f"{fmt}/{vf} qkv")
     inv = 1.0 / np.sqrt(np.mean(x.astype(np.float64) ** 2) + eps)
     xb, out = poisoned(cp, n), poisoned(cp, dq + 2 * dk)
     be.rmsnorm(xb, xd, nwd, eps)
     be.matvec(out, stack, xb)
     assert be._pending_norm is None
-    want = _stack_want(W, raws, (fmt, vf), x, nw, inv, be.to_host(xb), dk)
+    want = _stack_want(W, (fmt, vf), x, nw, inv, be.to_host(xb), dk)
     check_exact(be.to_host(out), *want, f"{fmt}/{vf} norm+qkv")
     np.testing.assert_allclose(be.to_host(xb), x * inv * nw, rtol=2e-6, atol=1e-6)
     other = "q8_0" if fmt != "q8_0" else "q4_0"
     odd = be.upload(QuantMatrix(random_blocks(other, dk, n, rng), other, (dk, n)))
     assert be.stack_rows((mats[0], odd, mats[2])) is None
     assert be.stack_rows((mats[0], mats[1], mats[0])) is None        # v taller than k
+    monkeypatch.setattr(be, "stack_v_apart", False)                  # the default: no v-apart stack
+    assert (be.stack_rows(mats) is None) == split
 
 
 def _rope64(v, n_heads, hd, c, s):
@@ -553,7 +571,7 @@ def _rope64(v, n_heads, hd, c, s):
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("nq,nkv,hd", [(3, 1, 64), (2, 2, 128)])
-@pytest.mark.parametrize("apart", [False, True], ids=["one-format", "v-apart"])
+@pytest.mark.parametrize("apart", APART)
 def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, apart, monkeypatch):
     """matvec(qkv, stack, x) then rope_store on its q/k/v views run as one qmv_qkv_rope launch
     (v of another format: its matvec, then that launch storing v's cache row too): q and k
@@ -572,7 +590,7 @@ def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, apart, monkeypatch):
     fmts = (fmt, fmt, vf)
     raws = [random_blocks(f, d, n, rng) for f, d in zip(fmts, (dq, dk, dk))]
     stack = be.stack_rows(tuple(be.upload(QuantMatrix(r, f, (r.shape[0], n))) for f, r in zip(fmts, raws)))
-    assert (stack.v_apart is not None) == apart
+    assert (stack.v_apart is not None) == (apart != "one")
     W = np.concatenate([deq64(r, f, n) for f, r in zip(fmts, raws)])
     ang = rng.uniform(-np.pi, np.pi, (max_ctx, half))
     cos, sin = be.upload(np.cos(ang).astype(np.float32)), be.upload(np.sin(ang).astype(np.float32))
@@ -585,7 +603,7 @@ def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, apart, monkeypatch):
 
     def want(xv, norm, pos):
         inv = 1.0 / np.sqrt(np.mean(xv.astype(np.float64) ** 2) + eps) if norm else 1.0
-        y, mag = _stack_want(W, raws, (fmt, vf), xv, nw if norm else None, inv, be.to_host(xb), dk)
+        y, mag = _stack_want(W, (fmt, vf), xv, nw if norm else None, inv, be.to_host(xb), dk)
         c, s = np.cos(ang[pos]).astype(np.float32), np.sin(ang[pos]).astype(np.float32)
         y[:dq] = _rope64(y[:dq], nq, hd, c, s)
         y[dq:dq + dk] = _rope64(y[dq:dq + dk], nkv, hd, c, s)
@@ -637,19 +655,19 @@ def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, apart, monkeypatch):
     # an op in between: the held matvec goes out first, unrotated, and before that op
     xv = (rng.standard_normal(n) * 2).astype(np.float32)
     xd.set(xv)
-    xq = xq64(xv, fmt)
+    y0, m0 = _stack_want(W, (fmt, vf), xv, None, 1.0, None, dk)       # no norm: x as it is
     be.matvec(out, stack, xd)
-    check_exact(be.to_host(out), W @ xq, np.abs(W) @ np.abs(xq), f"{fmt} held qkv read back")
+    check_exact(be.to_host(out), y0, m0, f"{fmt}/{vf} held qkv read back")
     twice = be.empty(dq + 2 * dk)
     be.matvec(out, stack, xd)
     be.add(twice, out, out)                 # reads the held matvec's output
-    check_exact(be.to_host(twice), 2 * (W @ xq), 2 * (np.abs(W) @ np.abs(xq)), f"{fmt} add after held qkv")
+    check_exact(be.to_host(twice), 2 * y0, 2 * m0, f"{fmt}/{vf} add after held qkv")
     # a position rope_store refuses: the matvec still goes out, the error is raised, no cache row moves
     be.matvec(out, stack, xd)
     with pytest.raises(InvalidArgumentError):
         be.rope_store(q, k, v, cos, sin, kc, vc, max_ctx)
     assert be._pending_qkv is None and len(calls) == 4
-    check_exact(be.to_host(out), W @ xq, np.abs(W) @ np.abs(xq), f"{fmt} held qkv, refused position")
+    check_exact(be.to_host(out), y0, m0, f"{fmt}/{vf} held qkv, refused position")
     assert (be.to_host(kc) == 0.25).all() and (be.to_host(vc) == 0.25).all()
     # partial rotary (the fused kernel rotates whole heads): matvec, then rope_store's own path
     rot = half // 2
@@ -658,7 +676,7 @@ def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, apart, monkeypatch):
     be.rope_store(q, k, v, cos_p, sin_p, kc, vc, 3)
     assert len(calls) == 4
     got = be.to_host(out)
-    y = W @ xq
+    y = y0.copy()
     c, s = np.cos(ang[3, :rot]).astype(np.float32), np.sin(ang[3, :rot]).astype(np.float32)
     for lo, nh in ((0, nq), (dq, nkv)):
         h = y[lo:lo + nh * hd].reshape(nh, hd).copy()
@@ -718,6 +736,8 @@ def test_decode_graph(be, cp, fmt, prefetch, monkeypatch):
         mag = inv * (np.abs(Ws["wo"]) @ np.abs(xq)) + np.abs(Ws["wd"]) @ np.abs(hq)
         check_exact(be.to_host(o), want, mag, f"{fmt} graph step {step}")
     plans = [p for _, p, _ in be._pf_plans]
+    # the captured pass (the last recorded) found a plan for each of its launches
+    assert [k for k, _, _ in be._pf_plans] == [r[0] for r in be._pf_rec]
     if prefetch:
         nxt = [(ws["wg"], ws["wu"]), (ws["wd"],), (ws["wo"],)]
         assert len(plans) == 3

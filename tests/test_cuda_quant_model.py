@@ -234,6 +234,16 @@ def test_family_file_cuda_matches_reference_and_cpu(name, monkeypatch):
     if not path.is_file():
         pytest.skip(f"no {name}")
     gpu = cyllm.load(path, backend="cuda")
+    if apart:
+        # the layers whose q and k share a type and v has another, from the file's header
+        from cyllm.loading.gguf import read_gguf
+        t = read_gguf(path).tensors
+        ty = lambda i, r: t[f"blk.{i}.attn_{r}.weight"].type_name if f"blk.{i}.attn_{r}.weight" in t else None  # noqa: E731
+        mixed = [i for i in range(gpu.config.n_layers) if ty(i, "q") and ty(i, "q") == ty(i, "k") != ty(i, "v")]
+        if not mixed:
+            pytest.skip(f"{name}: no layer with v in another type than q and k")
+        got = [i for i, L in enumerate(gpu.layers) if getattr(L.wqkv, "v_apart", None) is not None]
+        assert got == mixed, f"{name}: v-apart stacks in layers {got}, the file's mixed layers are {mixed}"
     # every quantized matrix of the file is on the GPU in its own format, byte for byte
     # (fused Phi-3 tensors cut in parts, tied tables once): nothing was dequantized
     _, quant = _file_bytes(path)

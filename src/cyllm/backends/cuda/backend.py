@@ -82,7 +82,8 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, WeightPrefetch, Prefill
         self.l2_bytes = int(props.get("l2CacheSize", 0))
         # the next quantized matvec's weights fetched into L2 by the one before (prefetch.py):
         # the fraction of each warp's slice (0 = off), for successors of these formats
-        self.qmv_prefetch = default_fraction() if int(props.get("major", 0)) >= 9 else 0.0
+        fraction = default_fraction()        # checked on every GPU: a bad value is one clear error
+        self.qmv_prefetch = fraction if int(props.get("major", 0)) >= 9 else 0.0
         self.qmv_prefetch_formats = PREFETCH_FORMATS
 
         self._module = None
@@ -112,9 +113,10 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, WeightPrefetch, Prefill
         # CYLLM_CUDA_FOLD_ROPE=0 keeps two launches
         self.fold_rope = os.environ.get("CYLLM_CUDA_FOLD_ROPE", "1") != "0"
         self._pending_qkv = None        # (out, w, x, norm) of a q/k/v matvec not launched yet
-        # q, k of one format and v of another stacked too (quant.CudaQuantStack.v_apart: two
-        # launches instead of three matvecs and rope_store). Correct on an H100 (tests) but its
-        # speed not yet measured, so off unless CYLLM_CUDA_V_APART=1
+        # q, k of one format and v of another stacked too (quant.CudaQuantStack.v_apart: v's
+        # matvec, then q/k with rope and the cache rows folded in where that fold runs; three
+        # matvecs and rope_store otherwise). Correct on an H100 (tests) but its speed not yet
+        # measured, so off unless CYLLM_CUDA_V_APART=1
         self.stack_v_apart = os.environ.get("CYLLM_CUDA_V_APART", "0") == "1"
         self._scratch: dict = {}        # name -> device buffer reused by the batched ops
         # decode attention: the first K/V rows loaded before pdl_wait (None = at short contexts,

@@ -84,6 +84,7 @@ class GraphDecode:
                     self._capture(issue_ops, token, pos)
             finally:
                 self._device_mode = False
+                self._pf_recording = False
 
     def _capture(self, issue_ops, token: int, pos: int) -> None:
         stream = self._stream
@@ -103,6 +104,7 @@ class GraphDecode:
             self.use_graphs = False
             self.reset_graph()
             return
+        self._pf_end()                      # the same launches as the eager pass: its plans stand
         self._graph = self._graphs[self._regime(pos)] = graph
 
     def _regime(self, pos: int):

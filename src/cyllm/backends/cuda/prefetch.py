@@ -15,8 +15,9 @@ launches without plans; its graph, captured after it, has them.
 Where it pays, measured on an H100 (bench/results/cuda_quant_model_h100.md), Llama-2-7B
 decode with half of each warp's slice fetched: Q4_0 +3.3 to +3.8% at depth 0, +0.9 to +1.6%
 at 4096; Q4_K -1 to -4%; Q8_0 even at depth 0 (-0.4 to +1.1%), -1.5 to -5% at 4096 (why
-was not measured). So only q4_0 successors get a plan (``PREFETCH_FORMATS``). ``qmv_prefetch`` (CYLLM_CUDA_PREFETCH) is the fraction of each
-warp's slice, 0 = off; one plan's bytes stay under a quarter of the L2.
+was not measured). So only q4_0 successors get a plan (``PREFETCH_FORMATS``).
+``qmv_prefetch`` (CYLLM_CUDA_PREFETCH) is the fraction of each warp's slice fetched, 0 = off;
+a plan's bytes stay under a quarter of the L2 where one item per slice fits in that.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ def default_fraction() -> float:
 def plan_values(mats, warps: int, fraction: float, budget: int) -> list[int] | None:
     """The int64 plan of pf_next for a kernel reading ``mats`` (CudaQuantMatrix of one width
     and format) with ``warps`` warps per row tile: {entries, S, nbi, h} then {base address,
-    bytes per item of a full tile, full tiles} per plane of each matrix. h: items at the head
-    of each warp's slice, ``fraction`` of it, fewer while the plan's bytes exceed ``budget``.
-    None: nothing to fetch."""
+    bytes per item of a full tile, full tiles} per plane of each matrix. h: items fetched at
+    the head of each warp's slice, ``fraction`` of the slice length nbi/S (at most the
+    shortest slice, at least 1), lowered while the plan's bytes exceed ``budget`` but not
+    below 1. None: nothing to fetch."""
     if fraction <= 0 or not mats:
         return None
     nbi = mats[0].nbi
@@ -91,14 +93,16 @@ class WeightPrefetch:
         self._pf_key = None             # what the plans were built from
         self._pf_rec: list = []         # this pass's launches: (key, mats, warps)
         self._pf_old: list = []         # plans replaced while a captured graph may still point at them
+        self._pf_recording = False
 
     def _pf_begin(self) -> None:
         self._pf_rec = []
+        self._pf_recording = True       # only decode_step's passes are recorded (not a bench's own timing loops)
 
     def _pf_arg(self, mats: tuple, warps: int):
         """The plan argument of a quantized decode launch reading ``mats`` with ``warps`` warps
         per tile: the next launch's weights, as learnt from the last pass (_NULL: none)."""
-        if not self._device_mode:
+        if not (self._device_mode and self._pf_recording):
             return _NULL
         i = len(self._pf_rec)
         key = (tuple(id(m) for m in mats), warps)
@@ -111,6 +115,7 @@ class WeightPrefetch:
         """After a pass: build each launch's plan from its successor's, unless already built
         for this sequence. Runs outside capture only after an eager pass; a capture pass
         finds its plans built (the same launches, in the same order)."""
+        self._pf_recording = False
         rec = self._pf_rec
         fraction = float(self.qmv_prefetch or 0.0)
         formats = tuple(self.qmv_prefetch_formats)

@@ -378,7 +378,8 @@ def _qkv_launch(be, out, w: CudaQuantStack, x, norm, name: str, warps_per_tile: 
     wq, wk = w.same[:2]
     wv = w.same[2] if len(w.same) == 3 else wk       # no v blocks: never read
     n, fmt = w.cols, w.fmt.name
-    k = kernel(be, f"{name}_norm" if norm is not None else name, fmt)
+    qk_norm = norm if w.v_apart is None else None    # v apart: its launch takes the norm
+    k = kernel(be, f"{name}_norm" if qk_norm is not None else name, fmt)
     per_block = 1 if not extra else 2
     cap = max(1, getattr(k, "max_threads_per_block", 1024) // (32 * per_block))
     warps = min(warps_per_tile, cap)
@@ -386,6 +387,9 @@ def _qkv_launch(be, out, w: CudaQuantStack, x, norm, name: str, warps_per_tile: 
     smem = per_block * one + (4 * 4 * TILE if extra else 0)      # + the second tile's rows, cos, sin, pos
     _allow_smem(k, smem)
     _carveout(be, k, fmt)
+    # the q/k kernel is ready (a refusal above has launched nothing): now v, if apart
+    _v_apart(be, out, w, x, norm)
+    norm = qk_norm
     head = (out, wq.data, wk.data, wv.data)
     dims = (np.int32(wq.rows), np.int32(wk.rows), np.int32(w.nbi))
     pf = (be._pf_arg(w.same, warps),)
@@ -398,27 +402,24 @@ def _qkv_launch(be, out, w: CudaQuantStack, x, norm, name: str, warps_per_tile: 
 
 
 def qmatvec_qkv(be, out, w: CudaQuantStack, x, norm=_TAKE) -> None:
-    """out (dq + 2 dk,) = [Wq x | Wk x | Wv x] in one launch (a held-back rmsnorm whose
-    output is x folded in, as in qmatvec; ``norm``: one taken already); the bits of three
-    qmatvec calls."""
+    """out (dq + 2 dk,) = [Wq x | Wk x | Wv x] in one launch, two where v is apart (a
+    held-back rmsnorm whose output is x folded in, as in qmatvec; ``norm``: one taken
+    already); the bits of three qmatvec calls."""
     if not qkv_args_ok(out, w, x):
         be._flush()
         raise InvalidArgumentError(f"qmv_qkv_{w.fmt.name}: shapes {w.shape} @ {tuple(x.shape)} -> {tuple(out.shape)}")
     if norm is _TAKE:
         norm = be._take_norm(out, x)
-    norm = _v_apart(be, out, w, x, norm)
     _qkv_launch(be, out, w, x, norm, f"qmv_qkv_{w.fmt.name}", matvec_warps(be, w, 1), ())
 
 
-def _v_apart(be, out, w: CudaQuantStack, x, norm):
-    """v of another format than q and k: its matvec first, into out's v part, with the
-    held-back norm folded in (its blocks write the normed x, which the q/k launch then
-    reads). Returns the norm left for the q/k launch (None once v took it)."""
+def _v_apart(be, out, w: CudaQuantStack, x, norm) -> None:
+    """v of another format than q and k: its matvec, into out's v part, before the q/k
+    launch, with the held-back norm folded in (its blocks write the normed x, which the q/k
+    launch then reads)."""
     v = w.v_apart
-    if v is None:
-        return norm
-    _qmv_launch(be, out[w.rows - v.rows:], v, v, x, norm, "qmv_", 1)
-    return None
+    if v is not None:
+        _qmv_launch(be, out[w.rows - v.rows:], v, v, x, norm, "qmv_", 1)
 
 
 def rope_fold_pays(be, w: CudaQuantStack) -> bool:
@@ -443,7 +444,6 @@ def qmatvec_qkv_rope(be, out, w: CudaQuantStack, x, norm, cos, sin, k_cache, v_c
     extra = (cos, sin, k_cache, v_cache, be._step, pos, np.int32(n_pos), np.int32(max_ctx), np.int32(hd))
     forced = getattr(be, "qkv_rope_warps", None)        # experiments (bench/sweep_cuda_decode.py --vary)
     warps = int(forced) if forced else matvec_warps(be, w, 1)
-    norm = _v_apart(be, out, w, x, norm)
     _qkv_launch(be, out, w, x, norm, f"qmv_qkv_rope_{w.fmt.name}", warps, extra)
 
 
