@@ -2,14 +2,17 @@
 """Whole-model CUDA decode under several backend settings, one model load, interleaved.
 
     python bench/sweep_cuda_decode.py --synthetic llama2-7b --quantize q4_k,q4_0,q8_0 \
-        [--vary fuse_norm=1,0 --vary qmv_warps=none,8] [-n 128] [-d 0,4096] [-r 3]
-        [--profile] [--out FILE.md]
+        [--vary fuse_norm=1,0 --vary qmv_warps=none,8] [--bind-vary stack_v_apart=0,1]
+        [-n 128] [-d 0,4096] [-r 3] [--profile] [--out FILE.md]
 
 For each quantize type (the synthetic F16 weights are built once and quantized per type;
 or -m FILE for one file), the model is bound on the CUDA backend once; then for every
 depth, rounds of -r: each round times -n decode tokens for every setting in turn (each
 combination of the --vary backend attributes, re-capturing the step's graph), so a drift
-of the GPU's clocks or of the host touches all settings alike. --profile: afterwards one
+of the GPU's clocks or of the host touches all settings alike. --bind-vary: attributes read
+when the model is bound (e.g. stack_v_apart, which decides the q/k/v stacks): one model bound
+per combination, all held at once, their rounds interleaved with the --vary settings.
+--profile: afterwards one
 more token (default settings) between cudaProfilerStart/Stop, for
 `ncu --profile-from-start off` (one result per kernel of the step's graph). Reports the median tok/s and % of roofline (weight and KV bytes of a token / the
 device copy bandwidth measured in the same run), as `cyllm bench` computes them.
@@ -56,21 +59,24 @@ def main() -> int:
     ap.add_argument("--quantize", default="", help="comma-separated --quantize types (empty: as loaded)")
     ap.add_argument("--vary", action="append", default=[], metavar="ATTR=V1,V2",
                     help="a backend attribute and its values (int, float or none); repeatable")
+    ap.add_argument("--bind-vary", action="append", default=[], metavar="ATTR=V1,V2",
+                    help="the same for attributes read when the model is bound (one model each)")
     ap.add_argument("--profile", action="store_true", help="one token under cudaProfilerStart/Stop at the end")
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-d", default="0", help="depths, comma-separated")
     ap.add_argument("-r", type=int, default=3)
     ap.add_argument("--out")
     a = ap.parse_args()
-    axes = []
-    for v in a.vary:
-        attr, eq, vals = v.partition("=")
-        try:
-            axes.append((attr, [_value(x) for x in vals.split(",")]))
-        except ValueError:
-            eq = ""
-        if not (attr and eq):
-            ap.error(f"--vary {v!r}: expected ATTR=V1,V2 with int, float or none values")
+    axes, bind_axes = [], []
+    for flag, given, out in (("--vary", a.vary, axes), ("--bind-vary", a.bind_vary, bind_axes)):
+        for v in given:
+            attr, eq, vals = v.partition("=")
+            try:
+                out.append((attr, [_value(x) for x in vals.split(",")]))
+            except ValueError:
+                eq = ""
+            if not (attr and eq):
+                ap.error(f"{flag} {v!r}: expected ATTR=V1,V2 with int, float or none values")
     try:
         depths = [int(d) for d in a.d.split(",")]
     except ValueError:
@@ -84,21 +90,27 @@ def main() -> int:
         for q in qtypes:
             if q is not None:
                 check_quantize_type(q)          # before minutes of loading, not after
-        return sweep(a, axes, depths, qtypes)
+        return sweep(a, axes, bind_axes, depths, qtypes)
     except CyllmError as e:
         print(f"sweep_cuda_decode: {e}", file=sys.stderr)
         return 2
 
 
-def sweep(a, axes, depths, qtypes) -> int:
+def _combinations(axes) -> list[tuple]:
+    out = [()]
+    for attr, vals in axes:
+        out = [s + ((attr, v),) for s in out for v in vals]
+    return out
+
+
+def sweep(a, axes, bind_axes, depths, qtypes) -> int:
     import copy
 
     from cyllm.quant.convert import quantize_weights
     from cyllm.tools.bench import (bind_model, fill_cache_to_depth, kv_bytes_read, load_source, make_backend,
                                    weight_bytes_read_per_token)
-    settings = [()]
-    for attr, vals in axes:
-        settings = [s + ((attr, v),) for s in settings for v in vals]
+    settings = _combinations(axes)
+    binds = _combinations(bind_axes)
     backend = make_backend("cuda", 1)           # no GPU or no CuPy: one clear error, before any loading
     base = load_source(a.model, a.synthetic, 0, ("cuda",), max(depths) + a.n)
     bw = backend.measure_copy_bandwidth()
@@ -117,31 +129,41 @@ def sweep(a, axes, depths, qtypes) -> int:
             print(f"quantized to {q} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         src = copy.copy(base)
         src.weights = weights
-        model = bind_model(src, backend, max(depths) + a.n + 1)
+        models = {}
+        for bs in binds:                                # one model per bind-time setting
+            saved = {attr: getattr(backend, attr, None) for attr, _ in bs}
+            for attr, v in bs:
+                setattr(backend, attr, v)
+            models[bs] = bind_model(src, backend, max(depths) + a.n + 1)
+            for attr, v in saved.items():
+                setattr(backend, attr, v)
+        model = models[binds[0]]
         wbytes = weight_bytes_read_per_token(model)
         pool = cp.get_default_memory_pool()
         free, total = cp.cuda.runtime.memGetInfo()
-        print(f"{q or base.label}: after the load, CuPy's pool holds {pool.total_bytes() / 2**30:.3f} GiB "
-              f"({pool.used_bytes() / 2**30:.3f} in use), the device {(total - free) / 2**30:.3f} GiB",
-              file=sys.stderr, flush=True)
+        print(f"{q or base.label}: after the load ({len(models)} bound), CuPy's pool holds "
+              f"{pool.total_bytes() / 2**30:.3f} GiB ({pool.used_bytes() / 2**30:.3f} in use), the device "
+              f"{(total - free) / 2**30:.3f} GiB", file=sys.stderr, flush=True)
         rng = np.random.default_rng(0)
+        runs = [(bs, st) for bs in binds for st in settings]
         for depth in depths:
-            fill_cache_to_depth(model, depth, 0)
+            for m in models.values():
+                fill_cache_to_depth(m, depth, 0)
             defaults = {attr: getattr(backend, attr, None) for attr, _ in axes}
-            res: dict = {st: [] for st in settings}
+            res: dict = {run: [] for run in runs}
             for _ in range(a.r):
-                for st in settings:
+                for bs, st in runs:
                     for attr, v in st:
                         setattr(backend, attr, v)
                     backend.reset_graph()
-                    decode_tok_s(model, 4, depth, rng)          # eager pass + capture
-                    res[st].append(decode_tok_s(model, a.n, depth, rng))
+                    decode_tok_s(models[bs], 4, depth, rng)     # eager pass + capture
+                    res[(bs, st)].append(decode_tok_s(models[bs], a.n, depth, rng))
             for attr, v in defaults.items():
                 setattr(backend, attr, v)
-            for st in settings:
-                t = statistics.median(res[st])
-                roof = bw * 1e9 / (wbytes + kv_bytes_read(model, depth, a.n))
-                label = " ".join(f"{k}={v}" for k, v in st) or "default"
+            for bs, st in runs:
+                t = statistics.median(res[(bs, st)])
+                roof = bw * 1e9 / (wbytes + kv_bytes_read(models[bs], depth, a.n))
+                label = " ".join(f"{k}={v}" for k, v in bs + st) or "default"
                 lines.append(f"| {q or base.label} | {depth} | {label} | {t:.1f} | {100 * t / roof:.1f}% |")
                 print(lines[-1], flush=True)
         if a.profile:
@@ -152,7 +174,7 @@ def sweep(a, axes, depths, qtypes) -> int:
             decode_tok_s(model, 1, 8, rng)
             cp.cuda.profiler.stop()
         backend.reset_graph()           # the graphs (and their prefetch plans) hold the model
-        del model, weights, src
+        del model, models, weights, src
         cp.get_default_memory_pool().free_all_blocks()
     if a.out:
         Path(a.out).write_text("\n".join(lines) + "\n")
