@@ -25,7 +25,7 @@ except Exception:  # noqa: BLE001 - reported by CudaBackend when it is construct
 class GraphDecode:
     """Needs from the backend: ``_stream``, ``_step``/``_step_host`` (the step buffer and its
     host copy), ``_flush()`` and ``_drop_held()`` (ops held back to fold into the next one:
-    launched, or forgotten), ``_pf_reset/_pf_begin/_pf_end`` (prefetch.py), ``use_graphs``,
+    launched, or forgotten), ``_pf_reset/_pf_begin/_pf_end/_pf_stop`` (prefetch.py), ``use_graphs``,
     and the ops reading the step buffer while ``_device_mode`` is set (recording
     ``_vocab``/``_max_pos`` for the checks here)."""
 
@@ -84,7 +84,7 @@ class GraphDecode:
                     self._capture(issue_ops, token, pos)
             finally:
                 self._device_mode = False
-                self._pf_recording = False
+                self._pf_stop()
 
     def _capture(self, issue_ops, token: int, pos: int) -> None:
         stream = self._stream

@@ -99,6 +99,10 @@ class WeightPrefetch:
         self._pf_rec = []
         self._pf_recording = True       # only decode_step's passes are recorded (not a bench's own timing loops)
 
+    def _pf_stop(self) -> None:
+        """A pass ended without _pf_end (it raised): record nothing until the next _pf_begin."""
+        self._pf_recording = False
+
     def _pf_arg(self, mats: tuple, warps: int):
         """The plan argument of a quantized decode launch reading ``mats`` with ``warps`` warps
         per tile: the next launch's weights, as learnt from the last pass (_NULL: none)."""

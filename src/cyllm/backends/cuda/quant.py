@@ -227,7 +227,7 @@ def stack_rows(mats) -> CudaQuantStack | None:
     if len(mats) != 3 or not all(isinstance(m, CudaQuantMatrix) for m in mats):
         return None
     q, k, v = mats
-    if not (k.fmt is q.fmt and v.fmt.name in LAYOUTS and k.cols == q.cols == v.cols and k.rows == v.rows):
+    if not (k.fmt is q.fmt and k.cols == q.cols == v.cols and k.rows == v.rows):
         return None
     return CudaQuantStack(tuple(mats))
 
