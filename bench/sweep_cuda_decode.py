@@ -2,7 +2,7 @@
 """Whole-model CUDA decode under several backend settings, one model load, interleaved.
 
     python bench/sweep_cuda_decode.py --synthetic llama2-7b --quantize q4_k,q4_0,q8_0 \
-        [--vary fuse_norm=1,0 --vary qmv_warps=none,8] [--bind-vary stack_v_apart=0,1]
+        [--vary fuse_norm=1,0 --vary qmv_warps=none,8] [--bind-vary fuse_qkv=1,0]
         [-n 128] [-d 0,4096] [-r 3] [--profile] [--out FILE.md]
 
 For each quantize type (the synthetic F16 weights are built once and quantized per type;
@@ -10,7 +10,7 @@ or -m FILE for one file), the model is bound on the CUDA backend once; then for 
 depth, rounds of -r: each round times -n decode tokens for every setting in turn (each
 combination of the --vary backend attributes, re-capturing the step's graph), so a drift
 of the GPU's clocks or of the host touches all settings alike. --bind-vary: attributes read
-when the model is bound (e.g. stack_v_apart, which decides the q/k/v stacks): one model bound
+when the model is bound (e.g. fuse_qkv, which decides whether q, k and v are stacked): one model bound
 per combination, all held at once, their rounds interleaved with the --vary settings.
 --profile: afterwards one
 more token (default settings) between cudaProfilerStart/Stop, for
@@ -35,9 +35,15 @@ from shown_paths import shown_argv  # noqa: E402
 
 
 def _value(text: str):
+    """int, float, none, or a tuple of names joined by '+' (q4_0+q6_k; one name: q4_0+)."""
     t = text.strip().lower()
     if t == "none":
         return None
+    if "+" in t:
+        names = tuple(x for x in t.split("+") if x)
+        if names and all(x.replace("_", "").isalnum() for x in names):
+            return names
+        raise ValueError(text)
     try:
         return int(t)
     except ValueError:
@@ -58,7 +64,7 @@ def main() -> int:
     ap.add_argument("--synthetic")
     ap.add_argument("--quantize", default="", help="comma-separated --quantize types (empty: as loaded)")
     ap.add_argument("--vary", action="append", default=[], metavar="ATTR=V1,V2",
-                    help="a backend attribute and its values (int, float or none); repeatable")
+                    help="a backend attribute and its values (int, float, none or names joined by +); repeatable")
     ap.add_argument("--bind-vary", action="append", default=[], metavar="ATTR=V1,V2",
                     help="the same for attributes read when the model is bound (one model each)")
     ap.add_argument("--profile", action="store_true", help="one token under cudaProfilerStart/Stop at the end")
@@ -76,7 +82,7 @@ def main() -> int:
             except ValueError:
                 eq = ""
             if not (attr and eq):
-                ap.error(f"{flag} {v!r}: expected ATTR=V1,V2 with int, float or none values")
+                ap.error(f"{flag} {v!r}: expected ATTR=V1,V2 with int, float, none or name+name values")
     try:
         depths = [int(d) for d in a.d.split(",")]
     except ValueError:

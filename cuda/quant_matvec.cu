@@ -645,9 +645,7 @@ __device__ __forceinline__ void qmv_body(
 // two row tiles that hold the halves of 32 rope pairs -- rows j and j + hd/2 of one head
 // (j = 32p + lane) -- with S warps each (warps [0, S) the first tile, [S, 2S) the second,
 // each with its own staging; the blocks of v pair their tiles the same way and do not
-// rotate). A grid of q's and k's blocks only means v was computed by the launch before (in
-// another format): k's blocks then store v's cache row too, from out. Needs hd % 64 == 0, dq
-// and dk multiples of hd, every dimension rotated. The
+// rotate). Needs hd % 64 == 0, dq and dk multiples of hd, every dimension rotated. The
 // rotation table is read before pdl_wait (it is constant; pos comes from the step buffer,
 // written before the graph runs, or the host's argument in eager calls).
 template <class F, bool NORM>
@@ -708,13 +706,6 @@ __device__ __forceinline__ void qkv_rope_body(
             const size_t row = ((size_t)h2 * max_ctx + pos) * hd + j2;
             cache[row] = f2h(y1);
             cache[row + half] = f2h(y2);
-            if (sg == 1 && gridDim.x == pq + pk) {
-                // no v blocks: v is in another format, computed into out by the launch before
-                // this one (complete: we are past pdl_wait); its cache row is stored here
-                const float* vo = out + dq + dk + (size_t)h2 * hd + j2;
-                v_cache[row] = f2h(ld_act(vo));
-                v_cache[row + half] = f2h(ld_act(vo + half));
-            }
         }
     }
 }
@@ -1021,8 +1012,7 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
         TRACE_END((F::UPI << 8) | (F::EA << 4) | (MODE << 2) | (NORM << 1));                     \
     }
 // q, k and v of one layer in one launch (three matrices of one format, one x): blocks
-// [0, tq) are q's row tiles, then k's, then v's; out is q | k | v side by side (dk = dv).
-// A grid of q's and k's tiles only: v is in another format, computed by a launch of its own
+// [0, tq) are q's row tiles, then k's, then v's; out is q | k | v side by side (dk = dv)
 #define CYLLM_QMV_QKV_DEF(NAME, F, NORM, BOUNDS)                                                   \
     extern "C" __global__ void BOUNDS NAME(float* __restrict__ out, const unsigned char* __restrict__ wq, \
                                     const unsigned char* __restrict__ wk,                            \

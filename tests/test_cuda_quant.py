@@ -174,15 +174,12 @@ def test_rope_fold_rule():
     from types import SimpleNamespace
     be = SimpleNamespace(sm_count=132, qmv_warps=None)
 
-    def stack(fmt, dim, q_rows, kv_rows, vfmt=None):
-        mk = lambda rows, f=fmt: CQ.CudaQuantMatrix(None, FORMATS[f], rows, dim)   # noqa: E731
-        return CQ.stack_rows((mk(q_rows), mk(kv_rows), mk(kv_rows, vfmt or fmt)))
+    def stack(fmt, dim, q_rows, kv_rows):
+        mk = lambda rows: CQ.CudaQuantMatrix(None, FORMATS[fmt], rows, dim)   # noqa: E731
+        return CQ.CudaQuantStack((mk(q_rows), mk(kv_rows), mk(kv_rows)))
 
     assert CQ.rope_fold_pays(be, stack("q4_0", 4096, 4096, 4096))
     assert CQ.rope_fold_pays(be, stack("q4_k", 4096, 4096, 4096))
-    mixed = stack("q4_k", 4096, 4096, 4096, "q6_k")         # Q4_K_M's layers with a six-bit v
-    assert mixed.v_apart is mixed.parts[2] and mixed.same == mixed.parts[:2] and CQ._tiles(mixed) == 256
-    assert CQ.rope_fold_pays(be, mixed)
     assert not CQ.rope_fold_pays(be, stack("q8_0", 4096, 4096, 4096))
     for fmt in ("q8_0", "q4_0", "q4_1", "q5_0"):
         assert CQ.rope_fold_pays(be, stack(fmt, 576, 576, 192))      # SmolLM2-135M
@@ -482,83 +479,40 @@ def test_norm_folded(be, cp, fmt):
             np.testing.assert_allclose(be.to_host(xb), x * inv * nw, rtol=2e-6, atol=1e-6)
 
 
-def _v_format(fmt: str, apart: str) -> str:
-    """v's format in a stack: q's ("one"), another of the same block size ("same-block":
-    Q4_K_M's six-bit v), or of the other block size ("other-block": Q4_K_M's Q8_0 v where
-    rows fall back; K-quants only, the test rows of the 32-formats are not 256-multiples)."""
-    if apart == "one":
-        return fmt
-    if apart == "same-block":
-        return {"q6_k": "q4_k", "q8_0": "q4_0"}.get(fmt, "q6_k" if FORMATS[fmt].block == 256 else "q8_0")
-    if FORMATS[fmt].block != 256:
-        pytest.skip("v of another block size: tested with the K-quants")
-    return "q8_0"
-
-
-APART = ["one", "same-block", "other-block"]
-
-
-def _stack_want(W, fmts, x, nw, inv, xn, dv):
-    """What a stack computes, float64, and the magnitude of each row's terms. One format:
-    one launch, the norm folded in (inv * W (x*nw), x*nw rounded to the format's int8 blocks).
-    v apart: v's launch takes the folded norm (rounded to v's blocks); q and k read the normed
-    x that launch wrote (xn: that vector, read back), rounded to theirs."""
-    fq, fv = fmts
-    xin = x if nw is None else x * nw
-
-    def part(Wp, f, xs, scale):
-        xq = xq64(xs, f)
-        return scale * (Wp @ xq), scale * (np.abs(Wp) @ np.abs(xq))
-
-    if fv == fq:
-        return part(W, fq, xin, inv)
-    yv, mv = part(W[-dv:], fv, xin, inv)
-    yq, mq = part(W[:-dv], fq, x if nw is None else xn, 1.0)
-    return np.concatenate([yq, yv]), np.concatenate([mq, mv])
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("apart", APART)
-def test_qkv_stack(be, cp, fmt, apart, monkeypatch):
-    """q, k, v stacked (one qmv_qkv launch; v of another format: its own launch first, which
-    takes the folded norm): out = [Wq x | Wk x | Wv x], with and without the folded norm;
-    q's height not a multiple of the tile, k/v a few tiles; k of another format than q, or v
-    taller than k, give no stack."""
-    monkeypatch.setattr(be, "stack_v_apart", True)        # whatever CYLLM_CUDA_V_APART says
+def test_qkv_stack(be, cp, fmt):
+    """q, k, v of one format stacked (one qmv_qkv launch): out = [Wq x | Wk x | Wv x], with and
+    without the folded norm; q's height not a multiple of the tile, k/v a few tiles; other
+    formats or heights give no stack."""
     rng = np.random.default_rng(29)
     b = FORMATS[fmt].block
-    vf = _v_format(fmt, apart)
     n, dq, dk = 3 * b if b == 256 else 576, 70, 40
     eps = 1e-5
-    fmts = (fmt, fmt, vf)
-    raws = [random_blocks(f, d, n, rng) for f, d in zip(fmts, (dq, dk, dk))]
-    mats = tuple(be.upload(QuantMatrix(r, f, (r.shape[0], n))) for f, r in zip(fmts, raws))
+    raws = [random_blocks(fmt, d, n, rng) for d in (dq, dk, dk)]
+    mats = tuple(be.upload(QuantMatrix(r, fmt, (r.shape[0], n))) for r in raws)
     stack = be.stack_rows(mats)
     assert stack is not None and stack.shape == (dq + 2 * dk, n) and stack.nbytes == 0
-    split = apart != "one"
-    assert (stack.v_apart is mats[2]) == split and len(stack.same) == 3 - split
-    W = np.concatenate([deq64(r, f, n) for f, r in zip(fmts, raws)])
+    W = np.concatenate([deq64(r, fmt, n) for r in raws])
     x = (rng.standard_normal(n) * 3).astype(np.float32)
     nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
     xd, nwd = be.upload(x), be.upload(nw)
     out = poisoned(cp, dq + 2 * dk)
     be.matvec(out, stack, xd)
-    check_exact(be.to_host(out), *_stack_want(W, (fmt, vf), x, None, 1.0, None, dk), f"{fmt}/{vf} qkv")
+    xq = xq64(x, fmt)
+    check_exact(be.to_host(out), W @ xq, np.abs(W) @ np.abs(xq), f"{fmt} qkv")
     inv = 1.0 / np.sqrt(np.mean(x.astype(np.float64) ** 2) + eps)
+    xq = xq64(x * nw, fmt)
     xb, out = poisoned(cp, n), poisoned(cp, dq + 2 * dk)
     be.rmsnorm(xb, xd, nwd, eps)
     be.matvec(out, stack, xb)
     assert be._pending_norm is None
-    want = _stack_want(W, (fmt, vf), x, nw, inv, be.to_host(xb), dk)
-    check_exact(be.to_host(out), *want, f"{fmt}/{vf} norm+qkv")
+    check_exact(be.to_host(out), inv * (W @ xq), inv * (np.abs(W) @ np.abs(xq)), f"{fmt} norm+qkv")
     np.testing.assert_allclose(be.to_host(xb), x * inv * nw, rtol=2e-6, atol=1e-6)
     other = "q8_0" if fmt != "q8_0" else "q4_0"
     odd = be.upload(QuantMatrix(random_blocks(other, dk, n, rng), other, (dk, n)))
-    assert be.stack_rows((mats[0], odd, mats[2])) is None
+    assert be.stack_rows((mats[0], mats[1], odd)) is None
     assert be.stack_rows((mats[0], mats[1], mats[0])) is None        # v taller than k
-    monkeypatch.setattr(be, "stack_v_apart", False)                  # the default: no v-apart stack
-    assert (be.stack_rows(mats) is None) == split
 
 
 def _rope64(v, n_heads, hd, c, s):
@@ -571,27 +525,21 @@ def _rope64(v, n_heads, hd, c, s):
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("nq,nkv,hd", [(3, 1, 64), (2, 2, 128)])
-@pytest.mark.parametrize("apart", APART)
-def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, apart, monkeypatch):
-    """matvec(qkv, stack, x) then rope_store on its q/k/v views run as one qmv_qkv_rope launch
-    (v of another format: its matvec, then that launch storing v's cache row too): q and k
-    rotated, k and v in cache row pos (f16 of the same values), every other cache row
+def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, monkeypatch):
+    """matvec(qkv, stack, x) then rope_store on its q/k/v views run as one qmv_qkv_rope launch:
+    q and k rotated, k and v in cache row pos (f16 of the same values), every other cache row
     untouched -- eager, with the norm folded in too, and replayed in a decode_step graph at two
     positions. Partial rotary, and any op in between, take the matvec and rope_store apart."""
     calls = []
     real = CQ.qmatvec_qkv_rope
     monkeypatch.setattr(CQ, "qmatvec_qkv_rope", lambda *a: (calls.append(1), real(*a))[1])
     monkeypatch.setattr(be, "fold_rope", True)      # whatever CYLLM_CUDA_FOLD_ROPE says
-    monkeypatch.setattr(be, "stack_v_apart", True)
     rng = np.random.default_rng(31)
     b = FORMATS[fmt].block
     n, dq, dk, half, max_ctx, eps = (2 * b if b == 256 else 320), nq * hd, nkv * hd, hd // 2, 9, 1e-5
-    vf = _v_format(fmt, apart)
-    fmts = (fmt, fmt, vf)
-    raws = [random_blocks(f, d, n, rng) for f, d in zip(fmts, (dq, dk, dk))]
-    stack = be.stack_rows(tuple(be.upload(QuantMatrix(r, f, (r.shape[0], n))) for f, r in zip(fmts, raws)))
-    assert (stack.v_apart is not None) == (apart != "one")
-    W = np.concatenate([deq64(r, f, n) for f, r in zip(fmts, raws)])
+    raws = [random_blocks(fmt, d, n, rng) for d in (dq, dk, dk)]
+    stack = be.stack_rows(tuple(be.upload(QuantMatrix(r, fmt, (r.shape[0], n))) for r in raws))
+    W = np.concatenate([deq64(r, fmt, n) for r in raws])
     ang = rng.uniform(-np.pi, np.pi, (max_ctx, half))
     cos, sin = be.upload(np.cos(ang).astype(np.float32)), be.upload(np.sin(ang).astype(np.float32))
     nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
@@ -602,8 +550,12 @@ def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, apart, monkeypatch):
     q, k, v = out[:dq], out[dq:dq + dk], out[dq + dk:]
 
     def want(xv, norm, pos):
-        inv = 1.0 / np.sqrt(np.mean(xv.astype(np.float64) ** 2) + eps) if norm else 1.0
-        y, mag = _stack_want(W, (fmt, vf), xv, nw if norm else None, inv, be.to_host(xb), dk)
+        if norm:
+            inv = 1.0 / np.sqrt(np.mean(xv.astype(np.float64) ** 2) + eps)
+            xq, scale = xq64(xv * nw, fmt), inv
+        else:
+            xq, scale = xq64(xv, fmt), 1.0
+        y, mag = scale * (W @ xq), scale * (np.abs(W) @ np.abs(xq))
         c, s = np.cos(ang[pos]).astype(np.float32), np.sin(ang[pos]).astype(np.float32)
         y[:dq] = _rope64(y[:dq], nq, hd, c, s)
         y[dq:dq + dk] = _rope64(y[dq:dq + dk], nkv, hd, c, s)
@@ -630,7 +582,7 @@ def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, apart, monkeypatch):
         assert be._pending_qkv is not None
         be.rope_store(q, k, v, cos, sin, kc, vc, pos)
         assert be._pending_qkv is None and len(calls) == 1 + norm
-        check(*want(xv, norm, pos), pos, f"{fmt}/{vf} folded rope, norm={norm}")
+        check(*want(xv, norm, pos), pos, f"{fmt} folded rope, norm={norm}")
         if norm:            # the folded norm's output exists as the rmsnorm op would leave it
             inv = 1.0 / np.sqrt(np.mean(xv.astype(np.float64) ** 2) + eps)
             np.testing.assert_allclose(be.to_host(xb), xv * inv * nw, rtol=2e-6, atol=1e-6)
@@ -646,7 +598,7 @@ def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, apart, monkeypatch):
         xv = (rng.standard_normal(n) * 2).astype(np.float32)
         xd.set(xv)
         be.decode_step(issue, 1, pos)
-        check(*want(xv, True, pos), pos, f"{fmt}/{vf} folded rope in a graph at {pos}")
+        check(*want(xv, True, pos), pos, f"{fmt} folded rope in a graph at {pos}")
         kc.set(fill)
         vc.set(fill)
     be.reset_graph()
@@ -655,19 +607,19 @@ def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, apart, monkeypatch):
     # an op in between: the held matvec goes out first, unrotated, and before that op
     xv = (rng.standard_normal(n) * 2).astype(np.float32)
     xd.set(xv)
-    y0, m0 = _stack_want(W, (fmt, vf), xv, None, 1.0, None, dk)       # no norm: x as it is
+    xq = xq64(xv, fmt)
     be.matvec(out, stack, xd)
-    check_exact(be.to_host(out), y0, m0, f"{fmt}/{vf} held qkv read back")
+    check_exact(be.to_host(out), W @ xq, np.abs(W) @ np.abs(xq), f"{fmt} held qkv read back")
     twice = be.empty(dq + 2 * dk)
     be.matvec(out, stack, xd)
     be.add(twice, out, out)                 # reads the held matvec's output
-    check_exact(be.to_host(twice), 2 * y0, 2 * m0, f"{fmt}/{vf} add after held qkv")
+    check_exact(be.to_host(twice), 2 * (W @ xq), 2 * (np.abs(W) @ np.abs(xq)), f"{fmt} add after held qkv")
     # a position rope_store refuses: the matvec still goes out, the error is raised, no cache row moves
     be.matvec(out, stack, xd)
     with pytest.raises(InvalidArgumentError):
         be.rope_store(q, k, v, cos, sin, kc, vc, max_ctx)
     assert be._pending_qkv is None and len(calls) == 4
-    check_exact(be.to_host(out), y0, m0, f"{fmt}/{vf} held qkv, refused position")
+    check_exact(be.to_host(out), W @ xq, np.abs(W) @ np.abs(xq), f"{fmt} held qkv, refused position")
     assert (be.to_host(kc) == 0.25).all() and (be.to_host(vc) == 0.25).all()
     # partial rotary (the fused kernel rotates whole heads): matvec, then rope_store's own path
     rot = half // 2
@@ -676,7 +628,7 @@ def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, apart, monkeypatch):
     be.rope_store(q, k, v, cos_p, sin_p, kc, vc, 3)
     assert len(calls) == 4
     got = be.to_host(out)
-    y = y0.copy()
+    y = W @ xq
     c, s = np.cos(ang[3, :rot]).astype(np.float32), np.sin(ang[3, :rot]).astype(np.float32)
     for lo, nh in ((0, nq), (dq, nkv)):
         h = y[lo:lo + nh * hd].reshape(nh, hd).copy()

@@ -223,27 +223,14 @@ def _require_cuda():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", _family_files() + [f"{n}:v-apart" for n in _family_files() if "_K_M" in n])
-def test_family_file_cuda_matches_reference_and_cpu(name, monkeypatch):
-    """Every family x quantization: prefill logits, decode logits and greedy text. ":v-apart":
-    the K_M files again with q/k stacked where v has another format (CYLLM_CUDA_V_APART=1)."""
+@pytest.mark.parametrize("name", _family_files())
+def test_family_file_cuda_matches_reference_and_cpu(name):
+    """Every family x quantization: prefill logits, decode logits and greedy text."""
     _require_cuda()
-    name, _, apart = name.partition(":")
-    monkeypatch.setenv("CYLLM_CUDA_V_APART", "1" if apart else "0")
     path = _material() / "families" / name
     if not path.is_file():
         pytest.skip(f"no {name}")
     gpu = cyllm.load(path, backend="cuda")
-    if apart:
-        # the layers whose q and k share a type and v has another, from the file's header
-        from cyllm.loading.gguf import read_gguf
-        t = read_gguf(path).tensors
-        ty = lambda i, r: t[f"blk.{i}.attn_{r}.weight"].type_name if f"blk.{i}.attn_{r}.weight" in t else None  # noqa: E731
-        mixed = [i for i in range(gpu.config.n_layers) if ty(i, "q") and ty(i, "q") == ty(i, "k") != ty(i, "v")]
-        if not mixed:
-            pytest.skip(f"{name}: no layer with v in another type than q and k")
-        got = [i for i, L in enumerate(gpu.layers) if getattr(L.wqkv, "v_apart", None) is not None]
-        assert got == mixed, f"{name}: v-apart stacks in layers {got}, the file's mixed layers are {mixed}"
     # every quantized matrix of the file is on the GPU in its own format, byte for byte
     # (fused Phi-3 tensors cut in parts, tied tables once): nothing was dequantized
     _, quant = _file_bytes(path)

@@ -106,8 +106,7 @@ class Backend:
         """Uploaded matrices of one width -> one matrix of their rows stacked that ``matvec``
         takes (out = the parts' products side by side), holding no copy of their bytes; None
         where this backend has no such stack for them (the model then runs one matvec each).
-        The cuda backend stacks a layer's quantized q, k, v of one format (one launch), and
-        with CYLLM_CUDA_V_APART=1 q and k of one format with a v of another (two)."""
+        The cuda backend stacks a layer's quantized q, k, v of one format: one launch."""
         return None
 
     def upload(self, a: np.ndarray) -> Array:

@@ -113,11 +113,6 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, WeightPrefetch, Prefill
         # CYLLM_CUDA_FOLD_ROPE=0 keeps two launches
         self.fold_rope = os.environ.get("CYLLM_CUDA_FOLD_ROPE", "1") != "0"
         self._pending_qkv = None        # (out, w, x, norm) of a q/k/v matvec not launched yet
-        # q, k of one format and v of another stacked too (quant.CudaQuantStack.v_apart: v's
-        # matvec, then q/k with rope and the cache rows folded in where that fold runs; three
-        # matvecs and rope_store otherwise). Correct on an H100 (tests) but its speed not yet
-        # measured, so off unless CYLLM_CUDA_V_APART=1
-        self.stack_v_apart = os.environ.get("CYLLM_CUDA_V_APART", "0") == "1"
         self._scratch: dict = {}        # name -> device buffer reused by the batched ops
         # decode attention: the first K/V rows loaded before pdl_wait (None = at short contexts,
         # see _attn_early; True/False forces it; captured graphs keep their choice until
@@ -294,12 +289,8 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, WeightPrefetch, Prefill
                                       (out, w0, w1, x, np.int32(d), np.int32(n)))
 
     def stack_rows(self, mats):
-        """Quantized q, k, v as one decode launch, v of another format as one more just
-        before it where ``stack_v_apart`` (see Backend.stack_rows)."""
-        st = cuda_quant.stack_rows(mats)
-        if st is not None and st.v_apart is not None and not self.stack_v_apart:
-            return None
-        return st
+        """Same-format quantized q, k, v as one decode launch (see Backend.stack_rows)."""
+        return cuda_quant.stack_rows(mats)
 
     def matvec(self, out, w, x):
         if isinstance(w, CudaQuantMatrix):

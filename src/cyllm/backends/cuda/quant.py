@@ -193,41 +193,36 @@ class CudaQuantMatrix(_RowsCols):
 
 
 class CudaQuantStack(_RowsCols):
-    """A layer's quantized q, k and v stacked by rows, for the decode launch that computes
-    them together (``qmv_qkv_<fmt>``). Holds the uploaded matrices themselves, no bytes of
-    its own; prefill keeps using each matrix on its own. Where v is in another format than
-    q and k (Q4_K_M and Q5_K_M give some layers' v six bits), ``v_apart`` is v, computed by
-    a matvec of its own just before the others, and ``same`` is (q, k); otherwise ``same``
-    is all three and ``v_apart`` None."""
+    """Quantized matrices of one format and width stacked by rows, for one decode launch
+    (a layer's q, k and v: ``qmv_qkv_<fmt>``). Holds the uploaded matrices themselves, no
+    bytes of its own; prefill keeps using each matrix on its own."""
 
-    __slots__ = ("parts", "same", "v_apart", "fmt", "rows", "cols", "nbi")
+    __slots__ = ("parts", "fmt", "rows", "cols", "nbi")
 
     def __init__(self, parts: tuple):
         self.parts = parts
-        q, k, v = parts
-        self.v_apart = v if v.fmt is not q.fmt else None
-        self.same = parts if self.v_apart is None else (q, k)
-        self.fmt = q.fmt
+        self.fmt = parts[0].fmt
         self.rows = sum(p.rows for p in parts)
-        self.cols = q.cols
-        self.nbi = q.nbi
+        self.cols = parts[0].cols
+        self.nbi = parts[0].nbi
 
     @property
     def nbytes(self) -> int:
         return 0        # the parts hold the bytes
 
     def __repr__(self) -> str:
-        return f"CudaQuantStack({[(p.fmt.name, p.shape) for p in self.parts]})"
+        return f"CudaQuantStack({self.fmt.name}, {[p.shape for p in self.parts]})"
 
 
 def stack_rows(mats) -> CudaQuantStack | None:
-    """q, k, v -> one stack when the three are quantized matrices of one width, q and k of
-    one format, k and v of one height (what qmv_qkv and the v launch before it compute);
-    None otherwise."""
+    """q, k, v -> one stack when the three are quantized matrices of one format and width
+    with k and v of one height (what qmv_qkv computes); None otherwise. (Where v has
+    another format -- some layers of Q4_K_M and Q5_K_M files -- a stack of q and k with v's
+    matvec launched before it measured 6-8% slower on Llama-2-7B Q4_K_M: not done.)"""
     if len(mats) != 3 or not all(isinstance(m, CudaQuantMatrix) for m in mats):
         return None
     q, k, v = mats
-    if not (k.fmt is q.fmt and k.cols == q.cols == v.cols and k.rows == v.rows):
+    if not (k.fmt is q.fmt and v.fmt is q.fmt and k.cols == q.cols == v.cols and k.rows == v.rows):
         return None
     return CudaQuantStack(tuple(mats))
 
@@ -356,8 +351,8 @@ _NULL = np.int64(0)       # a null pointer argument (kernels without the folded 
 
 
 def _tiles(w) -> int:
-    """Row tiles of one launch over w (a stack's launch covers ``same``)."""
-    parts = w.same if isinstance(w, CudaQuantStack) else (w,)
+    """Row tiles of one launch over w (a matrix or a stack)."""
+    parts = w.parts if isinstance(w, CudaQuantStack) else (w,)
     return sum(-(-p.rows // TILE) for p in parts)
 
 
@@ -371,15 +366,11 @@ _TAKE = object()          # qmatvec_qkv's default: take a held-back rmsnorm from
 
 
 def _qkv_launch(be, out, w: CudaQuantStack, x, norm, name: str, warps_per_tile: int, extra: tuple) -> None:
-    """One launch of a qmv_qkv kernel over the stack's ``same`` matrices: ``warps_per_tile``
-    warps per row tile, tiles per block = 1 (qmv_qkv) or 2 (qmv_qkv_rope, ``extra`` its rope
-    and cache arguments). Without v (v_apart) the grid holds no v blocks, and qmv_qkv_rope's
-    k blocks store v's cache row from out."""
-    wq, wk = w.same[:2]
-    wv = w.same[2] if len(w.same) == 3 else wk       # no v blocks: never read
+    """One launch of a qmv_qkv kernel: ``warps_per_tile`` warps per row tile, tiles per block
+    = 1 (qmv_qkv) or 2 (qmv_qkv_rope, ``extra`` its rope and cache arguments)."""
+    wq, wk, wv = w.parts
     n, fmt = w.cols, w.fmt.name
-    qk_norm = norm if w.v_apart is None else None    # v apart: its launch takes the norm
-    k = kernel(be, f"{name}_norm" if qk_norm is not None else name, fmt)
+    k = kernel(be, f"{name}_norm" if norm is not None else name, fmt)
     per_block = 1 if not extra else 2
     cap = max(1, getattr(k, "max_threads_per_block", 1024) // (32 * per_block))
     warps = min(warps_per_tile, cap)
@@ -387,12 +378,9 @@ def _qkv_launch(be, out, w: CudaQuantStack, x, norm, name: str, warps_per_tile: 
     smem = per_block * one + (4 * 4 * TILE if extra else 0)      # + the second tile's rows, cos, sin, pos
     _allow_smem(k, smem)
     _carveout(be, k, fmt)
-    # the q/k kernel is ready (a refusal above has launched nothing): now v, if apart
-    _v_apart(be, out, w, x, norm)
-    norm = qk_norm
     head = (out, wq.data, wk.data, wv.data)
     dims = (np.int32(wq.rows), np.int32(wk.rows), np.int32(w.nbi))
-    pf = (be._pf_arg(w.same, warps),)
+    pf = (be._pf_arg(w.parts, warps),)
     if norm is not None:
         xn, xin, nw, eps = norm
         args = head + (xin,) + dims + (nw, np.float32(eps), xn) + extra + pf
@@ -402,24 +390,15 @@ def _qkv_launch(be, out, w: CudaQuantStack, x, norm, name: str, warps_per_tile: 
 
 
 def qmatvec_qkv(be, out, w: CudaQuantStack, x, norm=_TAKE) -> None:
-    """out (dq + 2 dk,) = [Wq x | Wk x | Wv x] in one launch, two where v is apart (a
-    held-back rmsnorm whose output is x folded in, as in qmatvec; ``norm``: one taken
-    already); the bits of three qmatvec calls."""
+    """out (dq + 2 dk,) = [Wq x | Wk x | Wv x] in one launch (a held-back rmsnorm whose
+    output is x folded in, as in qmatvec; ``norm``: one taken already); the bits of three
+    qmatvec calls."""
     if not qkv_args_ok(out, w, x):
         be._flush()
         raise InvalidArgumentError(f"qmv_qkv_{w.fmt.name}: shapes {w.shape} @ {tuple(x.shape)} -> {tuple(out.shape)}")
     if norm is _TAKE:
         norm = be._take_norm(out, x)
     _qkv_launch(be, out, w, x, norm, f"qmv_qkv_{w.fmt.name}", matvec_warps(be, w, 1), ())
-
-
-def _v_apart(be, out, w: CudaQuantStack, x, norm) -> None:
-    """v of another format than q and k: its matvec, into out's v part, before the q/k
-    launch, with the held-back norm folded in (its blocks write the normed x, which the q/k
-    launch then reads)."""
-    v = w.v_apart
-    if v is not None:
-        _qmv_launch(be, out[w.rows - v.rows:], v, v, x, norm, "qmv_", 1)
 
 
 def rope_fold_pays(be, w: CudaQuantStack) -> bool:
@@ -480,13 +459,7 @@ def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None) -> None
     if not (x.flags.c_contiguous and out.flags.c_contiguous):
         be._flush()
         raise InvalidArgumentError(f"{prefix}{w0.fmt.name}: x and out must be contiguous")
-    _qmv_launch(be, out, w0, w1, x, be._take_norm(out, x), prefix, nm)
-
-
-def _qmv_launch(be, out, w0, w1, x, norm, prefix: str, nm: int) -> None:
-    """One launch of <prefix><fmt>[_norm] (shapes checked by the caller; ``norm``: a
-    held-back rmsnorm taken for it, or None)."""
-    d, n = w0.shape
+    norm = be._take_norm(out, x)
     fmt = w0.fmt.name
     name = f"{prefix}{fmt}" + ("_norm" if norm is not None else "")
     k = kernel(be, name, fmt)
