@@ -90,6 +90,8 @@ def main() -> int:
     ap.add_argument("--pos", type=int, default=64, help="position of the traced tokens")
     ap.add_argument("--tokens", type=int, default=5, help="tokens traced (the per-layer table is their median)")
     ap.add_argument("--show", type=int, default=24, help="launches of the last token printed one by one")
+    ap.add_argument("--dump", help="save the last token's block records here (.npy: rows of tag<<40 | sm<<32 |"
+                                   " block, start ns, wait-return ns (0: none), end ns)")
     a = ap.parse_args()
     if a.tokens < 1 or a.pos < 4 or a.pos + a.tokens > a.context:
         ap.error(f"need --tokens >= 1 and 4 <= --pos, --pos + --tokens <= --context ({a.context})")
@@ -159,6 +161,8 @@ def trace(a) -> int:
         for x in seq[1:]:
             per_kind.setdefault(x["name"], []).append(x)
         if t == a.tokens - 1:
+            if a.dump:
+                np.save(a.dump, rec)
             print("| # | kernel | blocks | SMs | start us | exposed us | lag us | after us | pre us |")
             print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
             for i, x in enumerate(seq[:a.show]):

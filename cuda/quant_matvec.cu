@@ -21,10 +21,12 @@
 //   A block holds S warps on one row tile; warp w takes items [w*nbi/S, (w+1)*nbi/S) and
 //   quantizes only its own slice of x into shared memory (no block barrier before the
 //   dots); the S partial sums per row meet in shared memory at the end.
-// * Programmatic dependent launch: the first batch of U items (weights only) is loaded
-//   before pdl_wait, so it streams while the previous kernel finishes.
+// * Programmatic dependent launch: a kernel lets the next one launch as it starts
+//   (pdl_trigger first, before anything that could delay it), and its first two batches of
+//   items (weights only) are issued before pdl_wait, so they stream while the previous
+//   kernel finishes (pdl_wait_after_loads in common.cuh keeps ptxas from moving them below it).
 // * L2 prefetch of the next matvec's weights (pf_next): each decode matvec may take the plan
-//   of its successor's first items and hand it to the L2 as its blocks start.
+//   of its successor's first items and hand it to the L2 as its blocks start (off by default).
 //
 // Variants (MODE as in matvec.cu; every kernel takes the same arguments, the last of them
 // pf, pf_next's plan or null):
@@ -465,7 +467,6 @@ __device__ __forceinline__ float qmv_tile(
     constexpr int NM = (MODE >= 2) ? 2 : 1;
     constexpr int B = (F::B / NM) > 0 ? F::B / NM : 1;          // items per batch
     constexpr int P = (NM == 2 && F::B == 1) ? 1 : 2;           // batches in flight
-    pdl_trigger();      // the next kernel may start loading its weights now
     const int lane = threadIdx.x & 31;
     const int W = min(QMV_TILE, d - QMV_TILE * tile);
     const bool live = lane < W;
@@ -493,7 +494,7 @@ __device__ __forceinline__ float qmv_tile(
                 it[p][u][m].b = 0;
                 if (live && s0 + p * B + u < s1) qload<F>(it[p][u][m], g[m], s0 + p * B + u, W, lane);
             }
-    pdl_wait();
+    pdl_wait_after_loads(nbi);
 
     // the folded norm's output: this thread's first element is loaded now, with the staging
     // loads, so the tail only multiplies and stores
@@ -592,8 +593,8 @@ __host__ __device__ constexpr int qmv_smem_bytes(int n, int S, int NM) {
 // next one's blocks are placed only as those leave (a 16-warp block fills an SM's register
 // file), then wait a memory round trip for their first loads; attention at short depth reads
 // next to nothing. So a block of a decode matvec, as it starts, may ask the L2 to fetch the
-// head of the next matvec's work (backends/cuda/prefetch.py decides which that is, and
-// where it pays): for every full row tile and warp slice of the next kernel, its first h
+// head of the next matvec's work (backends/cuda/prefetch.py decides which that is; off by
+// default, measured slower once the matvecs' own weight loads went out before pdl_wait): for every full row tile and warp slice of the next kernel, its first h
 // items of each plane, so every warp of it starts on L2 hits. cp.async.bulk.prefetch: a
 // hint, no registers, nothing to wait for. Issued as the block ends instead it was slower
 // (Q4_0 7B decode -9% on an H100): the block's exit, which places the next kernel's
@@ -630,6 +631,7 @@ __device__ __forceinline__ void qmv_body(
     const long long* __restrict__ pf)
 {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    pdl_trigger();      // the next kernel may start loading its weights now
     pf_next(pf);
     const float res = qmv_tile<F, MODE, NORM>(w0, w1, x, d, nbi, nw, eps, xn, tile, warp, blockDim.x >> 5, qmv_smem);
     if (warp == 0 && lane < min(QMV_TILE, d - QMV_TILE * tile)) {
@@ -658,6 +660,7 @@ __device__ __forceinline__ void qkv_rope_body(
     const int* __restrict__ step, int pos_host, int n_pos, int max_ctx, int hd,
     const long long* __restrict__ pf)
 {
+    pdl_trigger();      // the next kernel may start loading its weights now
     pf_next(pf);
     // which pair of tiles: recomputed from blockIdx where needed, so nothing but the matvec's
     // own state lives in registers across it
@@ -966,7 +969,7 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
 #pragma unroll
     for (int u = 0; u < U; ++u)
         if (live && s0 + u < s1) qload<F>(it[u], g, s0 + u, W, lane);
-    pdl_wait();
+    pdl_wait_after_loads(nbi);
     float4* xf = reinterpret_cast<float4*>(qmv_smem);
     float* red = reinterpret_cast<float*>(xf + n / 4);
     for (int c = s0 * F::IE / 4 + lane; c < s1 * F::IE / 4; c += 32)

@@ -640,6 +640,38 @@ def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, monkeypatch):
 
 
 @pytest.mark.cuda
+def test_weight_loads_issued_before_pdl_wait(tmp_path):
+    """In the machine code the GPU runs (nvcc for sm_90a, read back with cuobjdump), every
+    decode matvec issues weight loads before its griddepcontrol.wait (ACQBULK): ptxas had
+    moved all of them below it in the q4_0 kernels and q8_0's gate+up, so their weights
+    streamed only after the previous kernel ended (common.cuh, pdl_wait_after_loads)."""
+    import shutil
+    import subprocess
+    _cuda()
+    if not (shutil.which("nvcc") and shutil.which("cuobjdump")):
+        pytest.skip("needs nvcc and cuobjdump (the CUDA toolkit)")
+    cu = tmp_path / "q.cu"
+    cu.write_text(CQ._source())
+    cubin = tmp_path / "q.cubin"
+    subprocess.run(["nvcc", "-arch=sm_90a", "-DQMV_ALL", "-cubin", "-o", str(cubin), str(cu)],
+                   check=True, capture_output=True, timeout=900)
+    sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], check=True, capture_output=True,
+                          text=True, timeout=300).stdout
+    late, seen = [], 0
+    for fn in re.split(r"\n\s*Function : ", sass)[1:]:
+        name, body = fn.split("\n", 1)
+        lines = body.split("\n")
+        wait = next((i for i, ln in enumerate(lines) if "ACQBULK" in ln), None)
+        if not name.strip().startswith("qmv_") or wait is None:
+            continue
+        seen += 1
+        if not any(re.search(r"LDG\.E\.NA", ln) for ln in lines[:wait]):
+            late.append(name.strip())
+    assert seen >= 8 * 10, f"only {seen} decode matvec kernels found in the SASS"
+    assert not late, f"no weight load before the wait in {late}"
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q8_0", "q4_0", "q5_0"])
 @pytest.mark.parametrize("prefetch", [0.0, 0.5], ids=["no-prefetch", "prefetch"])
 def test_decode_graph(be, cp, fmt, prefetch, monkeypatch):

@@ -81,7 +81,7 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, WeightPrefetch, Prefill
         self.sm_count = int(props.get("multiProcessorCount", 1))
         self.l2_bytes = int(props.get("l2CacheSize", 0))
         # the next quantized matvec's weights fetched into L2 by the one before (prefetch.py):
-        # the fraction of each warp's slice (0 = off), for successors of these formats
+        # the fraction of each warp's slice (0 = off, the default), for successors of these formats
         fraction = default_fraction()        # checked on every GPU: a bad value is one clear error
         self.qmv_prefetch = fraction if int(props.get("major", 0)) >= 9 else 0.0
         self.qmv_prefetch_formats = PREFETCH_FORMATS

@@ -12,12 +12,15 @@ recorded in order, and at the end of the step each one's plan is built from its
 successor's (the last one's from the first: the next token's). A step's first eager pass
 launches without plans; its graph, captured after it, has them.
 
-Where it pays, measured on an H100 (bench/results/cuda_quant_model_h100.md), Llama-2-7B
-decode with half of each warp's slice fetched: Q4_0 +3.3 to +3.8% at depth 0, +0.9 to +1.6%
-at 4096; Q4_K -1 to -4%; Q8_0 even at depth 0 (-0.4 to +1.1%), -1.5 to -5% at 4096 (why
-was not measured). So only q4_0 successors get a plan (``PREFETCH_FORMATS``).
+Off by default: it no longer pays. Measured on an H100 (bench/results/cuda_quant_model_h100.md),
+Llama-2-7B decode with half of each warp's slice fetched: Q4_K -1 to -4%, Q8_0 -0.4 to +1.1%
+at depth 0 and -1.5 to -5% at 4096, and Q4_0 +3.3 to +3.8% -- but only while ptxas moved
+the q4_0 matvecs' own pre-wait weight loads below their pdl_wait (common.cuh,
+pdl_wait_after_loads), so that the L2 fetch stood in for loads that came late. With those
+loads issued before the wait, Q4_0 with the fetch is 1.2% slower at depth 0 and 2.3% at 4096.
 ``qmv_prefetch`` (CYLLM_CUDA_PREFETCH) is the fraction of each warp's slice fetched, 0 = off;
-a plan's bytes stay under a quarter of the L2 where one item per slice fits in that.
+only q4_0 successors get a plan (``PREFETCH_FORMATS``); a plan's bytes stay under a quarter
+of the L2 where one item per slice fits in that.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ except Exception:  # noqa: BLE001 - reported by CudaBackend when it is construct
 
 _NULL = np.int64(0)                 # no plan
 PREFETCH_FORMATS = ("q4_0",)        # successors worth fetching ahead (measured, above)
-DEFAULT_FRACTION = 0.5
+DEFAULT_FRACTION = 0.0                # off: measured slower (above)
 
 
 def default_fraction() -> float:
