@@ -594,8 +594,9 @@ __host__ __device__ constexpr int qmv_smem_bytes(int n, int S, int NM) {
 // file), then wait a memory round trip for their first loads; attention at short depth reads
 // next to nothing. So a block of a decode matvec, as it starts, may ask the L2 to fetch the
 // head of the next matvec's work (backends/cuda/prefetch.py decides which that is; off by
-// default, measured slower once the matvecs' own weight loads went out before pdl_wait): for every full row tile and warp slice of the next kernel, its first h
-// items of each plane, so every warp of it starts on L2 hits. cp.async.bulk.prefetch: a
+// default, measured slower once the matvecs' own weight loads went out before pdl_wait):
+// for every full row tile and warp slice of the next kernel, its first h items of each
+// plane, so every warp of it starts on L2 hits. cp.async.bulk.prefetch: a
 // hint, no registers, nothing to wait for. Issued as the block ends instead it was slower
 // (Q4_0 7B decode -9% on an H100): the block's exit, which places the next kernel's
 // blocks, waited for it. plan, int64: {entries, S, nbi, h}, then per entry (one plane of

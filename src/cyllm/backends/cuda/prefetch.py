@@ -38,8 +38,8 @@ except Exception:  # noqa: BLE001 - reported by CudaBackend when it is construct
     cp = None
 
 _NULL = np.int64(0)                 # no plan
-PREFETCH_FORMATS = ("q4_0",)        # successors worth fetching ahead (measured, above)
-DEFAULT_FRACTION = 0.0                # off: measured slower (above)
+PREFETCH_FORMATS = ("q4_0",)        # the one format whose successors once measured faster
+DEFAULT_FRACTION = 0.0              # off: now measured slower (above)
 
 
 def default_fraction() -> float:
