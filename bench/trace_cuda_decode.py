@@ -13,6 +13,9 @@ block index once) and each launch is shown with
             would lose without it, if nothing else moved
   lag       its first pdl_wait return minus the previous launch's last end (the cost of
             the kernel boundary under programmatic dependent launch)
+  wait med  its blocks' median pdl_wait return, the same way: well above lag, most blocks
+            got past the wait late (placed late, or busy before it: weight loads that
+            ptxas had moved below the wait showed up this way)
   after     its last end minus its first pdl_wait return (work on the critical path)
   pre       its first block start before the previous launch's last end (overlap bought by
             the early launch)
@@ -76,6 +79,7 @@ def launches(rec: np.ndarray) -> list[dict]:
             out.append({"tag": int(tag), "name": tag_name(int(tag)), "blocks": len(g),
                         "sms": len(np.unique((g[:, 0] >> 32) & 0xFF)),
                         "start": int(g[:, 1].min()), "wait": int(waits.min()) if len(waits) else None,
+                        "wait_med": int(np.median(waits)) if len(waits) else None,
                         "end": int(g[:, 3].max())})
     out.sort(key=lambda x: x["end"])
     return out
@@ -154,6 +158,7 @@ def trace(a) -> int:
         for x in ls:
             x["exposed"] = (x["end"] - prev_end) / 1000 if prev_end is not None else None
             x["lag"] = (x["wait"] - prev_end) / 1000 if (prev_end is not None and x["wait"]) else None
+            x["wait_med"] = (x["wait_med"] - prev_end) / 1000 if (prev_end is not None and x["wait_med"]) else None
             x["after"] = (x["end"] - x["wait"]) / 1000 if x["wait"] else None
             x["pre"] = (prev_end - x["start"]) / 1000 if prev_end is not None else None
             prev_end = x["end"]
@@ -163,20 +168,20 @@ def trace(a) -> int:
         if t == a.tokens - 1:
             if a.dump:
                 np.save(a.dump, rec)
-            print("| # | kernel | blocks | SMs | start us | exposed us | lag us | after us | pre us |")
-            print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+            print("| # | kernel | blocks | SMs | start us | exposed us | lag us | wait med us | after us | pre us |")
+            print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
             for i, x in enumerate(seq[:a.show]):
                 f = lambda v: "" if v is None else f"{v:.2f}"     # noqa: E731
                 print(f"| {i} | {x['name']} | {x['blocks']} | {x['sms']} | {(x['start'] - t0) / 1000:.2f} | "
-                      f"{f(x['exposed'])} | {f(x['lag'])} | {f(x['after'])} | {f(x['pre'])} |")
+                      f"{f(x['exposed'])} | {f(x['lag'])} | {f(x['wait_med'])} | {f(x['after'])} | {f(x['pre'])} |")
     print(f"\nglobaltimer step seen: {grain} ns; traced span of a token (first block start to last end): "
           f"{statistics.median(totals):.1f} us (median of {len(totals)})\n")
-    print("| kernel | launches | exposed us (median) | sum us per token | lag us | after us | pre us |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| kernel | launches | exposed us (median) | sum us per token | lag us | wait med us | after us | pre us |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for k, xs in sorted(per_kind.items(), key=lambda kv: -sum(x["exposed"] for x in kv[1])):
         med = lambda key: statistics.median([x[key] for x in xs if x[key] is not None] or [0])  # noqa: E731
         print(f"| {k} | {len(xs) // a.tokens} | {med('exposed'):.2f} | {sum(x['exposed'] for x in xs) / a.tokens:.1f} | "
-              f"{med('lag'):.2f} | {med('after'):.2f} | {med('pre'):.2f} |")
+              f"{med('lag'):.2f} | {med('wait_med'):.2f} | {med('after'):.2f} | {med('pre'):.2f} |")
     return 0
 
 

@@ -211,3 +211,27 @@ def test_gpu_bench_scripts_bad_input_exit_2(script, args):
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
     assert "Traceback" not in r.stderr and err and err[-1].startswith(script.replace(".py", ""))
+
+
+def test_trace_groups_block_records_into_launches():
+    """bench/trace_cuda_decode.py's grouping of per-block records (tag<<40 | sm<<32 | block,
+    start, wait return, end; ns): a kernel's blocks form one launch per block index, launches
+    come in order of their last end, and the first and median wait returns are kept."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "trace_cuda_decode.py"
+    spec = importlib.util.spec_from_file_location("trace_cuda_decode", path)
+    tr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tr)
+    att, mv = 0x1000, (1 << 8) | 1 << 2          # attention; q4_0 out += W x
+
+    def rows(tag, blocks):
+        return [((tag << 40) | (sm << 32) | b, s, w, e) for b, sm, s, w, e in blocks]
+    rec = np.array(rows(att, [(0, 0, 100, 150, 300), (1, 1, 110, 160, 310)])
+                   + rows(mv, [(0, 2, 250, 400, 1000), (1, 3, 260, 900, 990), (2, 4, 270, 1500, 980)])
+                   + rows(att, [(0, 0, 1100, 1200, 1400), (1, 5, 1120, 0, 1130)]), dtype=np.uint64)
+    ls = tr.launches(rec)
+    assert [x["name"] for x in ls] == ["attention", "add q4_0", "attention"]
+    assert [x["blocks"] for x in ls] == [2, 3, 2] and [x["sms"] for x in ls] == [2, 3, 2]
+    assert [(x["start"], x["wait"], x["end"]) for x in ls] == [(100, 150, 310), (250, 400, 1000), (1100, 1200, 1400)]
+    assert ls[1]["wait_med"] == 900 and ls[2]["wait_med"] == 1200    # a block that never waited: left out
