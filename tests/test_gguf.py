@@ -53,6 +53,29 @@ def spm_vocab():
     return tokens, types, scores
 
 
+# types gguf-py cannot quantize: tests write random blocks of them with a sane scale
+RANDOM_BLOCK_TYPES = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M,
+                      QT.IQ4_XS, QT.IQ4_NL, QT.TQ1_0)
+
+
+def random_blocks(rng, t, shape) -> np.ndarray:
+    """(rows, bytes) of random blocks of type t whose f16 scale is 0.01: at byte 0 of every
+    block but IQ1_M's, whose scale is the top nibbles of its last four 16-bit words."""
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
+    d = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    if t == QT.IQ1_M:
+        bits = int(np.frombuffer(d.tobytes(), "<u2")[0])
+        for k in range(4):              # nibble k of the scale: top of word k (its high byte)
+            hi = raw[..., size - 8 + 2 * k + 1]
+            raw[..., size - 8 + 2 * k + 1] = (hi & 0x0F) | (((bits >> (4 * k)) & 0xF) << 4)
+    elif t == QT.TQ1_0:
+        raw[..., size - 2:] = d           # TQ1_0 keeps its scale last
+    else:
+        raw[..., :2] = d
+    return raw.reshape(shape[0], -1)
+
+
 def write_tiny_gguf(path: Path, qtype=QT.F16, arch="llama", tokenizer="spm", seed=0,
                     raw_override: dict | None = None, n_vocab=None, tied=False, extra=None):
     """A 1-layer llama GGUF; matrices in ``qtype``. Returns {gguf_name: float32 HF-order source}."""
@@ -102,10 +125,8 @@ def write_tiny_gguf(path: Path, qtype=QT.F16, arch="llama", tokenizer="spm", see
         elif t in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
             raw = kquant_bytes(rng, t, shape)
             w.add_tensor(name, raw, raw_dtype=t)
-        elif t == QT.IQ2_XXS:      # no quantizer in gguf-py: random blocks of the right size
-            block, size = gguf.GGML_QUANT_SIZES[t]
-            raw = rng.integers(0, 256, (shape[0], shape[1] // block * size), dtype=np.uint8)
-            w.add_tensor(name, raw, raw_dtype=t)
+        elif t in RANDOM_BLOCK_TYPES:      # no quantizer in gguf-py: random blocks
+            w.add_tensor(name, random_blocks(rng, t, shape), raw_dtype=t)
         else:
             w.add_tensor(name, quants.quantize(a, t), raw_dtype=t)
     for name, a in (extra or {}).items():
@@ -191,6 +212,38 @@ def test_tensor_types_dequantize(tmp_path, qtype, monkeypatch):
             assert np.abs(got.astype(np.float32) - want).max() < tol
     assert weights["model.norm.weight"].dtype == np.float32
     np.testing.assert_array_equal(weights["model.norm.weight"], src["output_norm.weight"])
+
+
+# types without a native kernel -> the native format they load as (loading/gguf.py
+# CONVERT_TO_NATIVE), and how far the converted matrix may sit from the file's values:
+# relative Frobenius error 1 / (levels - 1) of the target's grid, the rounding error of
+# values spread evenly over it (measured here: q5_k 1.0-2.5%, q6_k 1.0-1.5%, q8_0 0.12%)
+CONVERTED = {QT.IQ2_XXS: "q5_k", QT.IQ3_XXS: "q5_k", QT.IQ3_S: "q5_k", QT.IQ1_S: "q5_k",
+             QT.IQ2_XS: "q6_k", QT.IQ2_S: "q6_k", QT.IQ1_M: "q6_k", QT.IQ4_XS: "q6_k", QT.IQ4_NL: "q8_0"}
+CONVERSION_ERROR = {"q5_k": 1 / 31, "q6_k": 1 / 63, "q8_0": 1 / 254}
+
+
+@pytest.mark.parametrize("qtype", list(CONVERTED), ids=lambda t: t.name)
+def test_types_without_a_kernel_convert_to_a_native_format(tmp_path, qtype, monkeypatch, capsys):
+    """An i-quant matrix loads as the native format of CONVERTED, one notice on stderr saying
+    so, and its values are the file's (gguf-py's dequantizer, llama.cpp's own Python code, is
+    the reference) up to that format's rounding."""
+    from cyllm.quant import reference as R
+    monkeypatch.setenv("CYLLM_QUANT", "native")
+    p = tmp_path / f"tiny-{qtype.name}.gguf"
+    write_tiny_gguf(p, qtype=QT.F16, tokenizer=None, raw_override={"blk.0.ffn_up.weight": qtype})
+    _, weights, _ = load_gguf(p)
+    got = weights["model.layers.0.mlp.up_proj.weight"]
+    target = CONVERTED[qtype]
+    assert isinstance(got, QuantMatrix) and got.fmt.name == target
+    assert f"1 {qtype.name} -> {target.upper()}" in capsys.readouterr().err
+    info = read_gguf(p).tensors["blk.0.ffn_up.weight"]
+    raw = np.frombuffer(read_gguf(p).buf, np.uint8, info.nbytes, info.offset)
+    ref = quants.dequantize(raw, qtype).reshape(got.shape).astype(np.float64)
+    ours = R.dequantize(got.data, target, got.shape[1]).astype(np.float64)
+    assert np.all(np.isfinite(ref)) and np.abs(ref).max() > 0
+    err = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
+    assert err < CONVERSION_ERROR[target], f"{qtype.name} -> {target}: relative error {err:.4f}"
 
 
 def test_qk_permutation_is_undone(tmp_path):
@@ -325,12 +378,12 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-    p = tmp_path / "iq2.gguf"
-    write_tiny_gguf(p, qtype=QT.F16, tokenizer=None, raw_override={"blk.0.ffn_up.weight": QT.IQ2_XXS})
+    p = tmp_path / "tq1.gguf"
+    write_tiny_gguf(p, qtype=QT.F16, tokenizer=None, raw_override={"blk.0.ffn_up.weight": QT.TQ1_0})
     with pytest.raises(UnsupportedModelError) as e:
         load_gguf(p)
     msg = one_line(e)
-    assert "IQ2_XXS" in msg and "blk.0.ffn_up.weight" in msg
+    assert "TQ1_0" in msg and "blk.0.ffn_up.weight" in msg
 
 
 def test_missing_file(tmp_path):

@@ -65,7 +65,7 @@ def _unknown_type(g, rec):
 
 
 def _known_unsupported(g, rec):
-    rec[2] = int(QT.IQ2_XXS)
+    rec[2] = int(QT.TQ1_0)
 
 
 def _more_blocks_than_file(g, rec):
@@ -79,7 +79,7 @@ def _offset_past_end(g, rec):
 CASES = {
     "row_not_multiple_of_block": (_row_not_multiple, ("blk.0.ffn_up.weight", "not a multiple of 32")),
     "unknown_type_id": (_unknown_type, ("blk.0.ffn_up.weight", "type 99")),
-    "known_type_without_support": (_known_unsupported, ("blk.0.ffn_up.weight", "IQ2_XXS")),
+    "known_type_without_support": (_known_unsupported, ("blk.0.ffn_up.weight", "TQ1_0")),
     "block_count_beyond_file": (_more_blocks_than_file, ("blk.0.ffn_up.weight", "truncated")),
     "offset_beyond_file": (_offset_past_end, ("blk.0.ffn_up.weight", "truncated")),
 }

@@ -219,10 +219,21 @@ def _to_f16(a: np.ndarray, name: str, path) -> np.ndarray:
 
 _BLK_RE = re.compile(r"blk\.(\d+)\.(.+)$")
 
-# GGML types without a native kernel -> the native format they are converted to at load.
-# Each target has more bits than its source, so the conversion adds little error to the
-# file's own quantization error; the row-length rule of the source is the target's.
-CONVERT_TO_NATIVE = {10: "q4_k", 11: "q4_k", 23: "q5_k", 20: "q5_0"}    # Q2_K, Q3_K, IQ4_XS, IQ4_NL
+# GGML types without a native kernel -> the native format they are converted to at load:
+# one with more bits whose scales are no coarser than the source's (the K-quants and IQ2_XS,
+# IQ2_S, IQ1_M scale every 16 elements, which only q6_k does among the native formats), so
+# the conversion adds little to the file's own error. The default model requantized by
+# llama-quantize, perplexity against llama-perplexity on the same file (tests/
+# test_quant_llamacpp.py): Q3_K -> q6_k +0.7% (-> q4_k +4.6%, -> q5_k +4.1%: 16-element
+# scales in 32-element sub-blocks), IQ3_S -> q5_k -0.7% (-> q4_k +18%), IQ4_XS -> q6_k +1.0%
+# (-> q5_k +2.6%), IQ4_NL -> q8_0 +0.1% (-> q5_0 +3.7%). The price is memory: such a tensor
+# holds 1.5-3.8x its bytes in the file. The row-length rule of the source is the target's.
+CONVERT_TO_NATIVE = {
+    10: "q6_k", 11: "q6_k",                 # Q2_K, Q3_K
+    23: "q6_k", 20: "q8_0",                 # IQ4_XS, IQ4_NL
+    16: "q5_k", 18: "q5_k", 21: "q5_k", 19: "q5_k",      # IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S: 32-element scales
+    17: "q6_k", 22: "q6_k", 29: "q6_k",     # IQ2_XS, IQ2_S, IQ1_M: 16-element scales
+}
 
 
 @dataclass
