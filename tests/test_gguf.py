@@ -54,13 +54,14 @@ def spm_vocab():
 
 
 # types gguf-py cannot quantize: tests write random blocks of them with a sane scale
-RANDOM_BLOCK_TYPES = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M,
-                      QT.IQ4_XS, QT.IQ4_NL, QT.TQ1_0)
+RANDOM_BLOCK_TYPES = (QT.Q2_K, QT.Q3_K, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S,
+                      QT.IQ1_S, QT.IQ1_M, QT.IQ4_XS, QT.IQ4_NL, QT.TQ1_0)
 
 
 def random_blocks(rng, t, shape) -> np.ndarray:
-    """(rows, bytes) of random blocks of type t whose f16 scale is 0.01: at byte 0 of every
-    block but IQ1_M's, whose scale is the top nibbles of its last four 16-bit words."""
+    """(rows, bytes) of random blocks of type t whose f16 scale (and Q2_K's min scale) is
+    0.01: at byte 0 of the i-quants' blocks, last in Q3_K's and TQ1_0's, the last two f16
+    of Q2_K's, the top nibbles of the last four 16-bit words of IQ1_M's."""
     block, size = gguf.GGML_QUANT_SIZES[t]
     raw = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
     d = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
@@ -69,8 +70,10 @@ def random_blocks(rng, t, shape) -> np.ndarray:
         for k in range(4):              # nibble k of the scale: top of word k (its high byte)
             hi = raw[..., size - 8 + 2 * k + 1]
             raw[..., size - 8 + 2 * k + 1] = (hi & 0x0F) | (((bits >> (4 * k)) & 0xF) << 4)
-    elif t == QT.TQ1_0:
-        raw[..., size - 2:] = d           # TQ1_0 keeps its scale last
+    elif t in (QT.Q3_K, QT.TQ1_0):
+        raw[..., size - 2:] = d
+    elif t == QT.Q2_K:
+        raw[..., size - 4:] = np.concatenate([d, d])
     else:
         raw[..., :2] = d
     return raw.reshape(shape[0], -1)
@@ -216,18 +219,21 @@ def test_tensor_types_dequantize(tmp_path, qtype, monkeypatch):
 
 # types without a native kernel -> the native format they load as (loading/gguf.py
 # CONVERT_TO_NATIVE), and how far the converted matrix may sit from the file's values:
-# relative Frobenius error 1 / (levels - 1) of the target's grid, the rounding error of
-# values spread evenly over it (measured here: q5_k 1.0-2.5%, q6_k 1.0-1.5%, q8_0 0.12%)
+# requantized, a relative Frobenius error of 1 / (levels - 1) of the target's grid, the
+# rounding error of values spread evenly over it (measured here: q5_k 1.0-2.5%, q6_k
+# 1.0-1.4%); re-encoded (quant/transcode.py), none -- IQ4_XS's scales rounded to f16 aside
 CONVERTED = {QT.IQ2_XXS: "q5_k", QT.IQ3_XXS: "q5_k", QT.IQ3_S: "q5_k", QT.IQ1_S: "q5_k",
-             QT.IQ2_XS: "q6_k", QT.IQ2_S: "q6_k", QT.IQ1_M: "q6_k", QT.IQ4_XS: "q6_k", QT.IQ4_NL: "q8_0"}
-CONVERSION_ERROR = {"q5_k": 1 / 31, "q6_k": 1 / 63, "q8_0": 1 / 254}
+             QT.Q2_K: "q6_k", QT.IQ2_XS: "q6_k", QT.IQ2_S: "q6_k", QT.IQ1_M: "q6_k",
+             QT.Q3_K: "q6_k", QT.IQ4_NL: "q8_0", QT.IQ4_XS: "q8_0"}
+CONVERSION_ERROR = {"q5_k": 1 / 31, "q6_k": 1 / 63}
+REENCODED = {QT.Q3_K: 0.0, QT.IQ4_NL: 0.0, QT.IQ4_XS: 2.0 ** -11}     # bound on each value's relative error
 
 
 @pytest.mark.parametrize("qtype", list(CONVERTED), ids=lambda t: t.name)
 def test_types_without_a_kernel_convert_to_a_native_format(tmp_path, qtype, monkeypatch, capsys):
-    """An i-quant matrix loads as the native format of CONVERTED, one notice on stderr saying
-    so, and its values are the file's (gguf-py's dequantizer, llama.cpp's own Python code, is
-    the reference) up to that format's rounding."""
+    """A matrix of a type without a kernel loads as the native format of CONVERTED, one notice
+    on stderr saying so, and its values are the file's (gguf-py's dequantizer, llama.cpp's own
+    Python code, is the reference): exactly where re-encoded, else up to that format's rounding."""
     from cyllm.quant import reference as R
     monkeypatch.setenv("CYLLM_QUANT", "native")
     p = tmp_path / f"tiny-{qtype.name}.gguf"
@@ -242,6 +248,9 @@ def test_types_without_a_kernel_convert_to_a_native_format(tmp_path, qtype, monk
     ref = quants.dequantize(raw, qtype).reshape(got.shape).astype(np.float64)
     ours = R.dequantize(got.data, target, got.shape[1]).astype(np.float64)
     assert np.all(np.isfinite(ref)) and np.abs(ref).max() > 0
+    if qtype in REENCODED:
+        assert np.all(np.abs(ours - ref) <= REENCODED[qtype] * np.abs(ref)), f"{qtype.name} -> {target}"
+        return
     err = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
     assert err < CONVERSION_ERROR[target], f"{qtype.name} -> {target}: relative error {err:.4f}"
 

@@ -96,17 +96,17 @@ def test_perplexity_matches_llamacpp(qtype, default_model_file, text_file):
 
 # files whose types have no native kernel and are converted at load (loading/gguf.py
 # CONVERT_TO_NATIVE; this model's rows of 576 make llama-quantize fall back, so the Q2_K file
-# holds Q3_K ffn_down, IQ3_S one IQ3_S ffn_down and IQ4_NL elsewhere). The conversion adds its
-# own rounding to the file's: measured +0.7% (Q3_K -> q6_k), -0.7% (IQ3_S -> q5_k, IQ4_NL ->
-# q8_0), +1.0% (IQ4_XS -> q6_k), +0.1% (IQ4_NL -> q8_0) against llama.cpp running them natively.
-CONVERTED_TYPES = ("Q2_K", "IQ3_S", "IQ4_XS", "IQ4_NL")
+# holds Q3_K ffn_down, the IQ3_S file IQ3_S ffn_down and IQ4_NL elsewhere). Q3_K, IQ4_NL and
+# IQ4_XS are re-encoded with their values kept: the native types' 0.5%. IQ3_S is requantized
+# (to q5_k), which adds its rounding to the file's: measured -1.2%, allowed 2%.
+CONVERTED_TYPES = {"Q2_K": 0.005, "IQ4_NL": 0.005, "IQ4_XS": 0.005, "IQ3_S": 0.02}
 
 
-@pytest.mark.parametrize("qtype", CONVERTED_TYPES)
+@pytest.mark.parametrize("qtype", list(CONVERTED_TYPES))
 def test_converted_types_perplexity_near_llamacpp(qtype, default_model_file, text_file):
     model = _requantized(default_model_file, qtype)
     ours, theirs = _cyllm_ppl(model, text_file), _llama_ppl(model, text_file)
-    assert abs(ours - theirs) / theirs < 0.015, f"{model.name}: cyllm PPL {ours} vs llama.cpp {theirs}"
+    assert abs(ours - theirs) / theirs < CONVERTED_TYPES[qtype], f"{model.name}: cyllm PPL {ours} vs llama.cpp {theirs}"
 
 
 PROMPTS = ("Once upon a time, in a small village,",

@@ -221,16 +221,18 @@ _BLK_RE = re.compile(r"blk\.(\d+)\.(.+)$")
 
 # GGML types without a native kernel -> the native format they are converted to at load:
 # one with more bits whose scales are no coarser than the source's (the K-quants and IQ2_XS,
-# IQ2_S, IQ1_M scale every 16 elements, which only q6_k does among the native formats), so
-# the conversion adds little to the file's own error. The default model requantized by
-# llama-quantize, perplexity against llama-perplexity on the same file (tests/
-# test_quant_llamacpp.py): Q3_K -> q6_k +0.7% (-> q4_k +4.6%, -> q5_k +4.1%: 16-element
-# scales in 32-element sub-blocks), IQ3_S -> q5_k -0.7% (-> q4_k +18%), IQ4_XS -> q6_k +1.0%
-# (-> q5_k +2.6%), IQ4_NL -> q8_0 +0.1% (-> q5_0 +3.7%). The price is memory: such a tensor
-# holds 1.5-3.8x its bytes in the file. The row-length rule of the source is the target's.
+# IQ2_S, IQ1_M scale every 16 elements, which only q6_k does among the native formats).
+# Q3_K -> q6_k and IQ4_NL/IQ4_XS -> q8_0 hold the file's values exactly (IQ4_XS: up to its
+# scales' f16 rounding) and are re-encoded block by block (quant/transcode.py); the others
+# are dequantized and requantized. The default model requantized by llama-quantize,
+# perplexity against llama-perplexity on the same file (tests/test_quant_llamacpp.py): Q3_K
+# +0.3% (requantized: to q4_k +4.6%, q5_k +4.1%, q6_k +0.7%), IQ4_NL +0.3% (to q5_0: +3.7%),
+# IQ4_XS +0.4% (to q5_k +2.6%, q6_k +1.0%), IQ3_S -> q5_k -1.2% (to q4_k +18%). The price is
+# memory: such a tensor holds 1.6-3.8x its bytes in the file. The row-length rule of the
+# source is the target's.
 CONVERT_TO_NATIVE = {
     10: "q6_k", 11: "q6_k",                 # Q2_K, Q3_K
-    23: "q6_k", 20: "q8_0",                 # IQ4_XS, IQ4_NL
+    23: "q8_0", 20: "q8_0",                 # IQ4_XS, IQ4_NL: the table's int8 values
     16: "q5_k", 18: "q5_k", 21: "q5_k", 19: "q5_k",      # IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S: 32-element scales
     17: "q6_k", 22: "q6_k", 29: "q6_k",     # IQ2_XS, IQ2_S, IQ1_M: 16-element scales
 }
@@ -301,10 +303,12 @@ def plan_tensors(gf: GGUFFile, cfg: ModelConfig, native: bool = False) -> list[P
 
 def _quant_matrix(gf: GGUFFile, p: PlannedTensor):
     """A quantized matrix in its native format: a zero-copy view of the mapped blocks,
-    or (a type without a native kernel) dequantized and requantized chunk by chunk."""
+    or (a type without a native kernel) re-encoded exactly where the target holds the same
+    values (quant/transcode.py), else dequantized and requantized, chunk by chunk."""
     from ..quant.convert import quantize_rows_f32
     from ..quant.formats import format_by_name
     from ..quant.matrix import QuantMatrix
+    from ..quant.transcode import EXACT
     fmt = format_by_name(p.fmt)
     info = p.info
     rows, cols = p.shape
@@ -312,10 +316,15 @@ def _quant_matrix(gf: GGUFFile, p: PlannedTensor):
         qm = QuantMatrix.from_buffer(gf.buf, info.offset, fmt, p.shape, p.hf_name)
     else:
         out = np.empty((rows, fmt.row_bytes(cols)), np.uint8)
+        exact = EXACT.get((info.ggml_type, fmt.name))
+        src = gf.tensor_bytes(info).reshape(rows, -1) if exact else None     # (rows, bytes per row)
         step = max(1, _CHUNK_ELEMENTS // cols)
         for r0 in range(0, rows, step):
             part = slice(r0, min(r0 + step, rows))
-            out[part] = quantize_rows_f32(np.asarray(_dequantize(gf, info, part), np.float32), fmt, p.hf_name)
+            if exact:
+                out[part] = exact(src[part]).reshape(part.stop - r0, -1)
+            else:
+                out[part] = quantize_rows_f32(np.asarray(_dequantize(gf, info, part), np.float32), fmt, p.hf_name)
         gf.release(info)
         qm = QuantMatrix(out, fmt, p.shape, p.hf_name)
     if p.unpermute_heads:

@@ -1,0 +1,115 @@
+"""Exact re-encodings of GGUF block types that have no kernel into native formats.
+
+Some types without a kernel hold values that a native format represents exactly, block for
+block, so loading them needs no float round trip and adds no rounding:
+
+- Q3_K -> q6_k: a Q3_K value is d * (s - 32) * q with q in [-4, 3] and a 6-bit scale s for
+  every 16 elements; a q6_k value is d * sc * (c - 32) with an int8 scale sc for every 16
+  elements and c in [0, 63]. So sc = s - 32, c = q + 32, and d stays.
+- IQ4_NL -> q8_0: an IQ4_NL value is d * T[n] with a 4-bit index n into a table T of 16
+  int8 values; a q8_0 value is d * q with q an int8. So q = T[n], and d stays.
+
+The block layouts are ggml's (Q3_K: hmask[32] qs[64] scales[12] d; IQ4_NL: d qs[16];
+q6_k: ql[128] qh[64] scales[16] d). tests/test_gguf.py checks each against gguf-py's
+dequantizer (llama.cpp's own Python code). Everything is vectorised over blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+
+Q3_K, IQ4_NL, IQ4_XS = 11, 20, 23           # GGML type ids
+_BLOCK_BYTES = {Q3_K: 110, IQ4_NL: 18, IQ4_XS: 136}
+# IQ4_NL's value table (ggml's kvalues_iq4nl)
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                         dtype=np.int8)
+
+
+def _blocks(raw: np.ndarray, ggml_type: int) -> np.ndarray:
+    b = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    size = _BLOCK_BYTES[ggml_type]
+    if b.size % size:
+        raise InvalidArgumentError(f"{b.size} bytes is not a whole number of {size}-byte blocks")
+    return b.reshape(-1, size)
+
+
+def q3k_codes(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q3_K blocks -> (q (nb, 256) int8 in [-4, 3], scale (nb, 16) int8 in [-32, 31],
+    d (nb, 2) uint8: the f16 bytes as stored); value = d * scale[e // 16] * q[e]."""
+    b = _blocks(raw, Q3_K)
+    nb = b.shape[0]
+    hmask, qs, sc12, d = b[:, 0:32], b[:, 32:96], b[:, 96:108], b[:, 108:110]
+    # 16 six-bit scales: scale i = 4g + k takes its low 4 bits from byte 4(g % 2) + k
+    # (the high nibble for g >= 2) and its high 2 bits from byte 8 + k, bits 2g
+    g = np.arange(4).reshape(4, 1)
+    k = np.arange(4).reshape(1, 4)
+    low = (sc12[:, (g % 2) * 4 + k] >> (4 * (g // 2)).astype(np.uint8)) & 15        # (nb, 4, 4)
+    high = (sc12[:, 8 + k + 0 * g] >> (2 * g).astype(np.uint8)) & 3
+    scale = ((low | (high << 4)).astype(np.int16) - 32).reshape(nb, 16).astype(np.int8)
+    # element e = 128 n + 32 j + l (l < 32): 2 low bits from qs[32 n + l] at bit 2 j, the
+    # third from hmask[l] at bit 4 n + j (set: q = low, clear: q = low - 4)
+    n = np.arange(2).reshape(2, 1, 1)
+    j = np.arange(4).reshape(1, 4, 1)
+    low2 = (qs.reshape(nb, 2, 1, 32) >> (2 * j).astype(np.uint8)) & 3                   # (nb, 2, 4, 32)
+    hbit = (hmask.reshape(nb, 1, 1, 32) >> (4 * n + j).astype(np.uint8)) & 1
+    q = (low2.astype(np.int8) - 4 * (1 - hbit).astype(np.int8)).reshape(nb, 256)
+    return q, scale, d
+
+
+def pack_q6k(codes: np.ndarray, scales: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """q6_k blocks from codes (nb, 256) in [0, 63], scales (nb, 16) int8 and d (nb, 2) f16
+    bytes -> (nb, 210) uint8; element 128 h + 32 k + l: low 4 bits in ql[h][k % 2][l]
+    (the high nibble for k >= 2), high 2 bits in qh[h][l] at bit 2 k."""
+    nb = codes.shape[0]
+    L = codes.astype(np.uint8).reshape(nb, 2, 4, 32)
+    ql = np.empty((nb, 2, 2, 32), np.uint8)
+    ql[:, :, 0] = (L[:, :, 0] & 15) | ((L[:, :, 2] & 15) << 4)
+    ql[:, :, 1] = (L[:, :, 1] & 15) | ((L[:, :, 3] & 15) << 4)
+    qh = ((L[:, :, 0] >> 4) | ((L[:, :, 1] >> 4) << 2) | ((L[:, :, 2] >> 4) << 4)
+          | ((L[:, :, 3] >> 4) << 6)).astype(np.uint8)
+    return np.concatenate([ql.reshape(nb, 128), qh.reshape(nb, 64),
+                           scales.astype(np.int8).view(np.uint8), d.reshape(nb, 2)], axis=1)
+
+
+def q3k_to_q6k(raw: np.ndarray) -> np.ndarray:
+    """Q3_K blocks -> the q6_k blocks of the same values, (nb, 210) uint8."""
+    q, scale, d = q3k_codes(raw)
+    return pack_q6k(q.astype(np.int16) + 32, scale, d)
+
+
+def iq4nl_to_q8_0(raw: np.ndarray) -> np.ndarray:
+    """IQ4_NL blocks -> the q8_0 blocks of the same values, (nb, 34) uint8: element j of a
+    block is the low nibble of qs[j], element j + 16 its high nibble."""
+    b = _blocks(raw, IQ4_NL)
+    qs = b[:, 2:18]
+    idx = np.concatenate([qs & 15, qs >> 4], axis=1)                  # (nb, 32)
+    return np.concatenate([b[:, 0:2], IQ4_NL_VALUES[idx].view(np.uint8)], axis=1)
+
+
+def iq4xs_to_q8_0(raw: np.ndarray) -> np.ndarray:
+    """IQ4_XS blocks (d, scales_h u16, scales_l[4], qs[128]) -> q8_0 blocks, 8 per block,
+    (nb * 8, 34) uint8. Sub-block i of 32 has the 6-bit scale ls (low 4 bits: nibble i % 2
+    of scales_l[i // 2], high 2: bits 2i of scales_h) and the values d * (ls - 32) * T[n],
+    n from qs[16 i + j] as in IQ4_NL; the q8_0 scale is d * (ls - 32) rounded to f16 (a
+    relative error under 2^-11, the one inexact step), its codes T[n]."""
+    b = _blocks(raw, IQ4_XS)
+    nb = b.shape[0]
+    d = b[:, 0:2].copy().view("<f2").astype(np.float32)                     # (nb, 1)
+    sh = b[:, 2:4].copy().view("<u2").astype(np.uint32)                     # (nb, 1)
+    i = np.arange(8)
+    ls = ((b[:, 4 + i // 2] >> (4 * (i % 2)).astype(np.uint8)) & 15).astype(np.int32) \
+        | (((sh >> (2 * i).astype(np.uint32)) & 3).astype(np.int32) << 4)  # (nb, 8)
+    dl = (d * (ls - 32).astype(np.float32)).astype("<f2")                    # (nb, 8)
+    qs = b[:, 8:136].reshape(nb, 8, 16)
+    idx = np.concatenate([qs & 15, qs >> 4], axis=2)                         # (nb, 8, 32)
+    out = np.concatenate([dl.reshape(nb, 8, 1).view(np.uint8).reshape(nb, 8, 2),
+                          IQ4_NL_VALUES[idx].view(np.uint8)], axis=2)
+    return out.reshape(nb * 8, 34)
+
+
+# (GGML type, native format) -> the exact re-encoding; the loader uses it in place of
+# dequantize-then-quantize
+EXACT = {(Q3_K, "q6_k"): q3k_to_q6k, (IQ4_NL, "q8_0"): iq4nl_to_q8_0, (IQ4_XS, "q8_0"): iq4xs_to_q8_0}
+
