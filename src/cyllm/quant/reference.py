@@ -410,17 +410,25 @@ def _quantize_q6k(x: np.ndarray) -> np.ndarray:
         sc = np.minimum(127, _nearest(iscale[:, None] * scales))           # (nb, 16)
         dd = d16.astype(F32)[:, None] * sc.astype(F32)
         lq = np.clip(_nearest(x.reshape(nb, 16, 16) / dd[:, :, None]), -32, 31) + 32
-    L = np.where((dd != 0)[:, :, None], lq, L).reshape(nb, 2, 4, 32)     # (half, k, l)
+    L = np.where((dd != 0)[:, :, None], lq, L).reshape(nb, 256)
+    out = pack_q6k(L, sc, d16.view(np.uint8).reshape(nb, 2))
+    out[zero] = 0
+    return out
+
+
+def pack_q6k(codes: np.ndarray, scales: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """q6_k blocks from codes (nb, 256) in [0, 63], scales (nb, 16) int8 and d (nb, 2) f16
+    bytes -> (nb, 210) uint8; element 128 h + 32 k + l: low 4 bits in ql[h][k % 2][l]
+    (the high nibble for k >= 2), high 2 bits in qh[h][l] at bit 2 k."""
+    nb = codes.shape[0]
+    L = codes.astype(np.uint8).reshape(nb, 2, 4, 32)                    # (half, k, l)
     ql = np.empty((nb, 2, 2, 32), np.uint8)
     ql[:, :, 0] = (L[:, :, 0] & 15) | ((L[:, :, 2] & 15) << 4)
     ql[:, :, 1] = (L[:, :, 1] & 15) | ((L[:, :, 3] & 15) << 4)
     qh = ((L[:, :, 0] >> 4) | ((L[:, :, 1] >> 4) << 2) | ((L[:, :, 2] >> 4) << 4)
           | ((L[:, :, 3] >> 4) << 6)).astype(np.uint8)                    # (nb, 2, 32)
-    out = np.concatenate([ql.reshape(nb, 128), qh.reshape(nb, 64),
-                          sc.astype(np.int8).view(np.uint8), d16.view(np.uint8).reshape(nb, 2)],
-                         axis=1)
-    out[zero] = 0
-    return out
+    return np.concatenate([ql.reshape(nb, 128), qh.reshape(nb, 64),
+                           scales.astype(np.int8).view(np.uint8), d.reshape(nb, 2)], axis=1)
 
 
 def quantize(x: np.ndarray, fmt, chunk_rows: int | None = None) -> np.ndarray:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from .reference import pack_q6k
 
 Q3_K, IQ4_NL, IQ4_XS = 11, 20, 23           # GGML type ids
 _BLOCK_BYTES = {Q3_K: 110, IQ4_NL: 18, IQ4_XS: 136}
@@ -56,21 +57,6 @@ def q3k_codes(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     hbit = (hmask.reshape(nb, 1, 1, 32) >> (4 * n + j).astype(np.uint8)) & 1
     q = (low2.astype(np.int8) - 4 * (1 - hbit).astype(np.int8)).reshape(nb, 256)
     return q, scale, d
-
-
-def pack_q6k(codes: np.ndarray, scales: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """q6_k blocks from codes (nb, 256) in [0, 63], scales (nb, 16) int8 and d (nb, 2) f16
-    bytes -> (nb, 210) uint8; element 128 h + 32 k + l: low 4 bits in ql[h][k % 2][l]
-    (the high nibble for k >= 2), high 2 bits in qh[h][l] at bit 2 k."""
-    nb = codes.shape[0]
-    L = codes.astype(np.uint8).reshape(nb, 2, 4, 32)
-    ql = np.empty((nb, 2, 2, 32), np.uint8)
-    ql[:, :, 0] = (L[:, :, 0] & 15) | ((L[:, :, 2] & 15) << 4)
-    ql[:, :, 1] = (L[:, :, 1] & 15) | ((L[:, :, 3] & 15) << 4)
-    qh = ((L[:, :, 0] >> 4) | ((L[:, :, 1] >> 4) << 2) | ((L[:, :, 2] >> 4) << 4)
-          | ((L[:, :, 3] >> 4) << 6)).astype(np.uint8)
-    return np.concatenate([ql.reshape(nb, 128), qh.reshape(nb, 64),
-                           scales.astype(np.int8).view(np.uint8), d.reshape(nb, 2)], axis=1)
 
 
 def q3k_to_q6k(raw: np.ndarray) -> np.ndarray:
