@@ -1,16 +1,19 @@
-"""Exact re-encodings of GGUF block types that have no kernel into native formats.
+"""Re-encodings of GGUF block types that have no kernel into native formats that keep their values.
 
-Some types without a kernel hold values that a native format represents exactly, block for
-block, so loading them needs no float round trip and adds no rounding:
+Some types without a kernel hold values that a native format represents exactly (or, for
+IQ4_XS, up to an f16 rounding of its scales), block for block, so loading them needs no
+float round trip and adds (next to) no rounding:
 
 - Q3_K -> q6_k: a Q3_K value is d * (s - 32) * q with q in [-4, 3] and a 6-bit scale s for
   every 16 elements; a q6_k value is d * sc * (c - 32) with an int8 scale sc for every 16
   elements and c in [0, 63]. So sc = s - 32, c = q + 32, and d stays.
 - IQ4_NL -> q8_0: an IQ4_NL value is d * T[n] with a 4-bit index n into a table T of 16
   int8 values; a q8_0 value is d * q with q an int8. So q = T[n], and d stays.
+- IQ4_XS -> q8_0: the same table, with a 6-bit scale ls for every 32 elements of a 256-block:
+  d * (ls - 32) * T[n]. The q8_0 scale is d * (ls - 32) rounded to f16.
 
 The block layouts are ggml's (Q3_K: hmask[32] qs[64] scales[12] d; IQ4_NL: d qs[16];
-q6_k: ql[128] qh[64] scales[16] d). tests/test_gguf.py checks each against gguf-py's
+IQ4_XS: d scales_h scales_l[4] qs[128]; q6_k: ql[128] qh[64] scales[16] d; q8_0: d qs[32]). tests/test_gguf.py checks each against gguf-py's
 dequantizer (llama.cpp's own Python code). Everything is vectorised over blocks.
 """
 
