@@ -386,6 +386,27 @@ def test_unsupported_architecture(tmp_path):
     assert "gptneox" in one_line(e)
 
 
+@pytest.mark.parametrize("qtype", list(REENCODED), ids=lambda t: t.name)
+def test_reencoded_type_with_a_nan_scale_is_one_clear_error(tmp_path, qtype, monkeypatch):
+    """A re-encoded type (no float round trip) still refuses a block whose scale is inf or
+    nan, as the requantizing path does, naming the tensor."""
+    monkeypatch.setenv("CYLLM_QUANT", "native")
+    p = tmp_path / f"nan-{qtype.name}.gguf"
+    write_tiny_gguf(p, qtype=QT.F16, tokenizer=None, raw_override={"blk.0.ffn_up.weight": qtype})
+    gf = read_gguf(p)
+    info = gf.tensors["blk.0.ffn_up.weight"]
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    at = info.offset + 5 * size + (size - 2 if qtype == QT.Q3_K else 0)     # block 5's scale
+    del gf
+    data = bytearray(p.read_bytes())
+    data[at:at + 2] = np.float16(np.nan).tobytes()
+    p.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError) as e:
+        load_gguf(p)
+    msg = one_line(e)
+    assert "blk.0.ffn_up.weight" in msg and "inf or nan" in msg
+
+
 def test_unsupported_tensor_type(tmp_path):
     p = tmp_path / "tq1.gguf"
     write_tiny_gguf(p, qtype=QT.F16, tokenizer=None, raw_override={"blk.0.ffn_up.weight": QT.TQ1_0})

@@ -322,7 +322,10 @@ def _quant_matrix(gf: GGUFFile, p: PlannedTensor):
         for r0 in range(0, rows, step):
             part = slice(r0, min(r0 + step, rows))
             if exact:
-                out[part] = exact(src[part]).reshape(part.stop - r0, -1)
+                try:
+                    out[part] = exact(src[part]).reshape(part.stop - r0, -1)
+                except InvalidArgumentError as e:
+                    raise ModelLoadError(f"{gf.path}: tensor {clip(info.name)}: {e}") from None
             else:
                 out[part] = quantize_rows_f32(np.asarray(_dequantize(gf, info, part), np.float32), fmt, p.hf_name)
         gf.release(info)

@@ -39,12 +39,21 @@ def _blocks(raw: np.ndarray, ggml_type: int) -> np.ndarray:
     return b.reshape(-1, size)
 
 
+def _check_scales(d: np.ndarray, what: str) -> None:
+    """f16 scales (any shape, float16 or their bytes viewed as such) must be finite: the
+    requantizing path refuses inf/nan too (reference._rows), so a corrupt block is one
+    clear error either way."""
+    if not np.all(np.isfinite(d)):
+        raise InvalidArgumentError(f"{what}: a block scale is inf or nan")
+
+
 def q3k_codes(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q3_K blocks -> (q (nb, 256) int8 in [-4, 3], scale (nb, 16) int8 in [-32, 31],
     d (nb, 2) uint8: the f16 bytes as stored); value = d * scale[e // 16] * q[e]."""
     b = _blocks(raw, Q3_K)
     nb = b.shape[0]
     hmask, qs, sc12, d = b[:, 0:32], b[:, 32:96], b[:, 96:108], b[:, 108:110]
+    _check_scales(d.copy().view("<f2"), "Q3_K")
     # 16 six-bit scales: scale i = 4g + k takes its low 4 bits from byte 4(g % 2) + k
     # (the high nibble for g >= 2) and its high 2 bits from byte 8 + k, bits 2g
     g = np.arange(4).reshape(4, 1)
@@ -72,6 +81,7 @@ def iq4nl_to_q8_0(raw: np.ndarray) -> np.ndarray:
     """IQ4_NL blocks -> the q8_0 blocks of the same values, (nb, 34) uint8: element j of a
     block is the low nibble of qs[j], element j + 16 its high nibble."""
     b = _blocks(raw, IQ4_NL)
+    _check_scales(b[:, 0:2].copy().view("<f2"), "IQ4_NL")
     qs = b[:, 2:18]
     idx = np.concatenate([qs & 15, qs >> 4], axis=1)                  # (nb, 32)
     return np.concatenate([b[:, 0:2], IQ4_NL_VALUES[idx].view(np.uint8)], axis=1)
@@ -86,6 +96,7 @@ def iq4xs_to_q8_0(raw: np.ndarray) -> np.ndarray:
     b = _blocks(raw, IQ4_XS)
     nb = b.shape[0]
     d = b[:, 0:2].copy().view("<f2").astype(np.float32)                     # (nb, 1)
+    _check_scales(d, "IQ4_XS")
     sh = b[:, 2:4].copy().view("<u2").astype(np.uint32)                     # (nb, 1)
     i = np.arange(8)
     ls = ((b[:, 4 + i // 2] >> (4 * (i % 2)).astype(np.uint8)) & 15).astype(np.int32) \
