@@ -386,6 +386,28 @@ def test_unsupported_architecture(tmp_path):
     assert "gptneox" in one_line(e)
 
 
+@pytest.mark.parametrize("qtype,field", [(QT.Q8_0, 0), (QT.Q4_0, 0), (QT.Q4_1, 2), (QT.Q4_K, 2),
+                                         (QT.Q5_K, 0), (QT.Q6_K, 208)], ids=lambda v: getattr(v, "name", str(v)))
+def test_native_block_with_an_inf_scale_is_refused_at_load(tmp_path, qtype, field, monkeypatch):
+    """A native block whose d (or m/dmin) is inf or nan is refused at load, naming the tensor
+    and block: the kernels would read it as it is and the int8 rounding of the next activation
+    would turn the NaNs into finite noise (the text wrong with no sign of it)."""
+    monkeypatch.setenv("CYLLM_QUANT", "native")
+    p = tmp_path / f"inf-{qtype.name}.gguf"
+    write_tiny_gguf(p, qtype=qtype, tokenizer=None)
+    gf = read_gguf(p)
+    info = gf.tensors["blk.0.ffn_up.weight"]
+    at = info.offset + 7 * gguf.GGML_QUANT_SIZES[qtype][1] + field            # block 7's field
+    del gf
+    data = bytearray(p.read_bytes())
+    data[at:at + 2] = np.float16(np.inf).tobytes()
+    p.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError) as e:
+        load_gguf(p)
+    msg = one_line(e)
+    assert "blk.0.ffn_up.weight" in msg and "block 7" in msg and "inf or nan" in msg
+
+
 @pytest.mark.parametrize("qtype", list(REENCODED), ids=lambda t: t.name)
 def test_reencoded_type_with_a_nan_scale_is_one_clear_error(tmp_path, qtype, monkeypatch):
     """A re-encoded type (no float round trip) still refuses a block whose scale is inf or

@@ -102,3 +102,16 @@ def test_seed_minus_one_means_random_and_other_negatives_are_refused():
     assert SamplingParams(temperature=1.0, seed=-1).seed is None
     with pytest.raises(InvalidArgumentError):
         SamplingParams(temperature=1.0, seed=-5)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_non_finite_logits_are_an_error_not_a_token(bad, temperature):
+    """Logits holding inf or nan (corrupt weights, an overflow) stop generation with one
+    clear error instead of a token drawn from noise, greedy or not."""
+    from cyllm.errors import CyllmError
+    logits = np.linspace(-3, 3, 50).astype(np.float32)
+    logits[17] = bad
+    s = Sampler(50, SamplingParams(temperature=temperature, seed=1))
+    with pytest.raises(CyllmError, match="not finite"):
+        s.sample(logits, [])

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InvalidArgumentError
+from .errors import CyllmError, InvalidArgumentError
 
 
 @dataclass
@@ -88,6 +88,12 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, recent: list[int] | None = None) -> int:
         """Choose the next token from logits (vocab,) f32; ``recent`` = tokens seen so far."""
+        top = logits.max()          # NaN if any logit is: one pass, nothing allocated
+        if not np.isfinite(top):
+            # inf or nan weights (a corrupt block scale the kernels read as it is) or an
+            # overflow in the forward pass: every later token would be noise
+            raise CyllmError(f"the model's logits are not finite ({top}): its weights or a "
+                             "forward pass hold inf or nan (a corrupt file?)")
         p = self.params
         x = logits
         if p.repetition_penalty != 1.0 and recent:

@@ -301,6 +301,27 @@ def plan_tensors(gf: GGUFFile, cfg: ModelConfig, native: bool = False) -> list[P
     return plan
 
 
+# byte offsets of the f16 scale fields in a block of each native format (d; and m or dmin)
+_SCALE_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q5_0": (0,), "q4_1": (0, 2), "q5_1": (0, 2),
+                 "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+_SCAN_BLOCKS = 1 << 20      # blocks checked at a time: bounds the temporaries to a few MB
+
+
+def _check_block_scales(gf: GGUFFile, info: GGUFTensorInfo, qm) -> None:
+    """Refuse a matrix one of whose blocks has an inf or nan scale. The kernels would read
+    it as it is, and the int8 rounding of the next activation turns the NaNs into finite
+    noise: the text would be wrong with no sign of it. f16 inf/nan: exponent bits all set
+    (0x7C in the high byte). Reads the whole tensor once (the first token would anyway)."""
+    blocks = qm.data.reshape(-1, qm.fmt.block_bytes)              # (nb, block bytes), a view
+    for b0 in range(0, blocks.shape[0], _SCAN_BLOCKS):
+        part = blocks[b0:b0 + _SCAN_BLOCKS]
+        for off in _SCALE_FIELDS[qm.fmt.name]:
+            bad = np.flatnonzero((part[:, off + 1] & 0x7C) == 0x7C)
+            if bad.size:
+                raise ModelLoadError(f"{gf.path}: tensor {clip(info.name)}: block {b0 + int(bad[0])} "
+                                     "has an inf or nan scale")
+
+
 def _quant_matrix(gf: GGUFFile, p: PlannedTensor):
     """A quantized matrix in its native format: a zero-copy view of the mapped blocks,
     or (a type without a native kernel) re-encoded exactly where the target holds the same
@@ -314,6 +335,7 @@ def _quant_matrix(gf: GGUFFile, p: PlannedTensor):
     rows, cols = p.shape
     if SUPPORTED_TENSOR_TYPES[info.ggml_type][0].lower() == fmt.name:
         qm = QuantMatrix.from_buffer(gf.buf, info.offset, fmt, p.shape, p.hf_name)
+        _check_block_scales(gf, info, qm)
     else:
         out = np.empty((rows, fmt.row_bytes(cols)), np.uint8)
         exact = EXACT.get((info.ggml_type, fmt.name))
