@@ -226,7 +226,7 @@ CONVERTED = {QT.IQ2_XXS: "q5_k", QT.IQ3_XXS: "q5_k", QT.IQ3_S: "q5_k", QT.IQ1_S:
              QT.Q2_K: "q6_k", QT.IQ2_XS: "q6_k", QT.IQ2_S: "q6_k", QT.IQ1_M: "q6_k",
              QT.Q3_K: "q6_k", QT.IQ4_NL: "q8_0", QT.IQ4_XS: "q8_0"}
 CONVERSION_ERROR = {"q5_k": 1 / 31, "q6_k": 1 / 63}
-REENCODED = {QT.Q3_K: 0.0, QT.IQ4_NL: 0.0, QT.IQ4_XS: 2.0 ** -11}     # bound on each value's relative error
+REENCODED = {QT.Q3_K: 0.0, QT.IQ4_NL: 0.0, QT.IQ4_XS: 2.0 ** -11, QT.IQ1_M: 0.0}     # bound on each value's relative error
 
 
 @pytest.mark.parametrize("qtype", list(CONVERTED), ids=lambda t: t.name)
@@ -418,10 +418,15 @@ def test_reencoded_type_with_a_nan_scale_is_one_clear_error(tmp_path, qtype, mon
     gf = read_gguf(p)
     info = gf.tensors["blk.0.ffn_up.weight"]
     size = gguf.GGML_QUANT_SIZES[qtype][1]
-    at = info.offset + 5 * size + (size - 2 if qtype == QT.Q3_K else 0)     # block 5's scale
+    block = info.offset + 5 * size                                          # block 5
     del gf
     data = bytearray(p.read_bytes())
-    data[at:at + 2] = np.float16(np.nan).tobytes()
+    if qtype == QT.IQ1_M:           # the scale's exponent bits: top nibbles of words 2 and 3
+        data[block + 53] = (data[block + 53] & 0x0F) | 0xC0
+        data[block + 55] = (data[block + 55] & 0x0F) | 0x70
+    else:
+        at = block + (size - 2 if qtype == QT.Q3_K else 0)
+        data[at:at + 2] = np.float16(np.nan).tobytes()
     p.write_bytes(bytes(data))
     with pytest.raises(ModelLoadError) as e:
         load_gguf(p)

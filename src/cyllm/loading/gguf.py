@@ -222,9 +222,9 @@ _BLK_RE = re.compile(r"blk\.(\d+)\.(.+)$")
 # GGML types without a native kernel -> the native format they are converted to at load:
 # one with more bits whose scales are no coarser than the source's (the K-quants and IQ2_XS,
 # IQ2_S, IQ1_M scale every 16 elements, which only q6_k does among the native formats).
-# Q3_K -> q6_k and IQ4_NL/IQ4_XS -> q8_0 hold the file's values exactly (IQ4_XS: up to its
-# scales' f16 rounding) and are re-encoded block by block (quant/transcode.py); the others
-# are dequantized and requantized. The default model requantized by llama-quantize,
+# Q3_K and IQ1_M -> q6_k and IQ4_NL/IQ4_XS -> q8_0 hold the file's values exactly (IQ4_XS:
+# up to its scales' f16 rounding) and are re-encoded block by block (quant/transcode.py);
+# the others are dequantized and requantized. The default model requantized by llama-quantize,
 # perplexity against llama-perplexity on the same file (tests/test_quant_llamacpp.py): Q3_K
 # +0.3% (requantized: to q4_k +4.6%, q5_k +4.1%, q6_k +0.7%), IQ4_NL +0.3% (to q5_0: +3.7%),
 # IQ4_XS +0.4% (to q5_k +2.6%, q6_k +1.0%), IQ3_S -> q5_k -1.2% (to q4_k +18%). The price is

@@ -11,9 +11,11 @@ float round trip and adds (next to) no rounding:
   int8 values; a q8_0 value is d * q with q an int8. So q = T[n], and d stays.
 - IQ4_XS -> q8_0: the same table, with a 6-bit scale ls for every 32 elements of a 256-block:
   d * (ls - 32) * T[n]. The q8_0 scale is d * (ls - 32) rounded to f16.
+- IQ1_M -> q6_k: d * (2s + 1) * (g + delta), g in {-1, 0, 1}, delta = +-1/8, a 3-bit s for
+  every 16 elements: q6_k scale d/8, sub-scale 2s + 1, codes (g + delta) * 8 (iq1m_to_q6k).
 
 The block layouts are ggml's (Q3_K: hmask[32] qs[64] scales[12] d; IQ4_NL: d qs[16];
-IQ4_XS: d scales_h scales_l[4] qs[128]; q6_k: ql[128] qh[64] scales[16] d; q8_0: d qs[32]). tests/test_gguf.py checks each against gguf-py's
+IQ4_XS: d scales_h scales_l[4] qs[128]; IQ1_M: qs[32] qh[16] scales[8]; q6_k: ql[128] qh[64] scales[16] d; q8_0: d qs[32]). tests/test_gguf.py checks each against gguf-py's
 dequantizer (llama.cpp's own Python code). Everything is vectorised over blocks.
 """
 
@@ -24,8 +26,8 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from .reference import pack_q6k
 
-Q3_K, IQ4_NL, IQ4_XS = 11, 20, 23           # GGML type ids
-_BLOCK_BYTES = {Q3_K: 110, IQ4_NL: 18, IQ4_XS: 136}
+Q3_K, IQ4_NL, IQ4_XS, IQ1_M = 11, 20, 23, 29    # GGML type ids
+_BLOCK_BYTES = {Q3_K: 110, IQ4_NL: 18, IQ4_XS: 136, IQ1_M: 56}
 # IQ4_NL's value table (ggml's kvalues_iq4nl)
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                          dtype=np.int8)
@@ -109,7 +111,34 @@ def iq4xs_to_q8_0(raw: np.ndarray) -> np.ndarray:
     return out.reshape(nb * 8, 34)
 
 
+def iq1m_to_q6k(raw: np.ndarray) -> np.ndarray:
+    """IQ1_M blocks (qs[32] qh[16] scales[8]) -> the q6_k blocks of the same values. An
+    IQ1_M value is d * (2s + 1) * (g + delta) with a 3-bit s for every 16 elements, g in
+    {-1, 0, 1} and delta = +-1/8, so (g + delta) * 8 is in {+-1, +-7, +-9}: q6_k holds it
+    with d/8 as its scale (exact unless d/8 falls below f16's normal range), 2s + 1 as the
+    sub-scale and those codes. The grid lookup is gguf-py's (its dequantizer, whose float32
+    products of these small integers are exact); d and s are read from the block: d is the
+    top nibbles of the four 16-bit scale words (bits 0-3 from the first), s the 3-bit
+    fields at bits 0, 3, 6, 9 of each word."""
+    from gguf import quants
+    from gguf.constants import GGMLQuantizationType
+    b = _blocks(raw, IQ1_M)
+    nb = b.shape[0]
+    words = b[:, 48:56].copy().view("<u2")                                 # (nb, 4)
+    dbits = ((words[:, 0] >> 12) | ((words[:, 1] >> 8) & 0x00F0) | ((words[:, 2] >> 4) & 0x0F00)
+             | (words[:, 3] & 0xF000)).astype("<u2")
+    d = dbits.view("<f2")                                                   # (nb,)
+    _check_scales(d, "IQ1_M")
+    s = ((words[:, :, None] >> np.array([0, 3, 6, 9], np.uint16)) & 7).reshape(nb, 16).astype(np.int32)
+    vals = quants.dequantize(b.reshape(-1), GGMLQuantizationType.IQ1_M).reshape(nb, 16, 16)
+    unit = d.astype(np.float64)[:, None] * (2 * s + 1) / 8                  # (nb, 16)
+    codes = np.rint(vals / np.where(unit == 0, 1.0, unit)[:, :, None]).astype(np.int16)
+    d6 = (d.astype(np.float32) / 8).astype("<f2").view(np.uint8).reshape(nb, 2)
+    return pack_q6k((codes + 32).reshape(nb, 256), (2 * s + 1).astype(np.int8), d6)
+
+
 # (GGML type, native format) -> the exact re-encoding; the loader uses it in place of
 # dequantize-then-quantize
-EXACT = {(Q3_K, "q6_k"): q3k_to_q6k, (IQ4_NL, "q8_0"): iq4nl_to_q8_0, (IQ4_XS, "q8_0"): iq4xs_to_q8_0}
+EXACT = {(Q3_K, "q6_k"): q3k_to_q6k, (IQ4_NL, "q8_0"): iq4nl_to_q8_0, (IQ4_XS, "q8_0"): iq4xs_to_q8_0,
+         (IQ1_M, "q6_k"): iq1m_to_q6k}
 
