@@ -308,7 +308,8 @@ _SCAN_BLOCKS = 1 << 20      # blocks checked at a time: bounds the temporaries t
 
 
 def _check_block_scales(gf: GGUFFile, info: GGUFTensorInfo, qm) -> None:
-    """Refuse a matrix one of whose blocks has an inf or nan scale. The kernels would read
+    """Refuse a matrix one of whose blocks has an inf or nan scale (requantized matrices never
+    do: the quantizer refuses such input). The kernels would read
     it as it is, and the int8 rounding of the next activation turns the NaNs into finite
     noise: the text would be wrong with no sign of it. f16 inf/nan: exponent bits all set
     (0x7C in the high byte). Reads the whole tensor once (the first token would anyway)."""
@@ -335,7 +336,6 @@ def _quant_matrix(gf: GGUFFile, p: PlannedTensor):
     rows, cols = p.shape
     if SUPPORTED_TENSOR_TYPES[info.ggml_type][0].lower() == fmt.name:
         qm = QuantMatrix.from_buffer(gf.buf, info.offset, fmt, p.shape, p.hf_name)
-        _check_block_scales(gf, info, qm)
     else:
         out = np.empty((rows, fmt.row_bytes(cols)), np.uint8)
         exact = EXACT.get((info.ggml_type, fmt.name))
@@ -344,14 +344,12 @@ def _quant_matrix(gf: GGUFFile, p: PlannedTensor):
         for r0 in range(0, rows, step):
             part = slice(r0, min(r0 + step, rows))
             if exact:
-                try:
-                    out[part] = exact(src[part]).reshape(part.stop - r0, -1)
-                except InvalidArgumentError as e:
-                    raise ModelLoadError(f"{gf.path}: tensor {clip(info.name)}: {e}") from None
+                out[part] = exact(src[part]).reshape(part.stop - r0, -1)
             else:
                 out[part] = quantize_rows_f32(np.asarray(_dequantize(gf, info, part), np.float32), fmt, p.hf_name)
         gf.release(info)
         qm = QuantMatrix(out, fmt, p.shape, p.hf_name)
+    _check_block_scales(gf, info, qm)       # the file's blocks, or the re-encoded copies of theirs
     if p.unpermute_heads:
         # llama.cpp's q/k row order -> HF's: whole block rows move, so this is a copy of the
         # matrix ((rows, row_bytes) bytes, a few MB per layer); the file pages of the
