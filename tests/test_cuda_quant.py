@@ -207,7 +207,6 @@ def test_prefetch_plan_covers_each_warps_first_items(fmt):
     out); h shrinks to keep the plan's bytes within the budget."""
     from types import SimpleNamespace
     from cyllm.backends.cuda.prefetch import plan_values
-    rng = np.random.default_rng(11)
     fm = FORMATS[fmt]
     rows, nbi, S = 70, 8, 3           # two full tiles and a partial one; slices of 2, 3, 3 items
     cols = nbi * fm.block
