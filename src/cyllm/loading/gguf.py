@@ -222,18 +222,20 @@ _BLK_RE = re.compile(r"blk\.(\d+)\.(.+)$")
 # GGML types without a native kernel -> the native format they are converted to at load:
 # one with more bits whose scales are no coarser than the source's (the K-quants and IQ2_XS,
 # IQ2_S, IQ1_M scale every 16 elements, which only q6_k does among the native formats).
-# Q3_K and IQ1_M -> q6_k and IQ4_NL/IQ4_XS -> q8_0 hold the file's values exactly (IQ4_XS:
-# up to its scales' f16 rounding) and are re-encoded block by block (quant/transcode.py);
-# the others are dequantized and requantized. The default model requantized by llama-quantize,
-# perplexity against llama-perplexity on the same file (tests/test_quant_llamacpp.py): Q3_K
-# +0.3% (requantized: to q4_k +4.6%, q5_k +4.1%, q6_k +0.7%), IQ4_NL +0.3% (to q5_0: +3.7%),
-# IQ4_XS +0.4% (to q5_k +2.6%, q6_k +1.0%), IQ3_S -> q5_k -1.2% (to q4_k +18%). The price is
-# memory: such a tensor holds 1.6-3.8x its bytes in the file. The row-length rule of the
-# source is the target's.
+# Q3_K, IQ1_M, IQ3_XXS -> q6_k, IQ3_S -> q4_k and IQ4_NL/IQ4_XS -> q8_0 hold the file's
+# values exactly (IQ4_XS, IQ3_S: up to an f16 rounding of a scale or min) and are re-encoded
+# block by block (quant/transcode.py); the others are dequantized and requantized. The default
+# model requantized by llama-quantize, perplexity against llama-perplexity on the same file
+# (tests/test_quant_llamacpp.py): Q3_K +0.3% (requantized: to q4_k +4.6%, q5_k +4.1%, q6_k
+# +0.7%), IQ4_NL +0.3% (to q5_0: +3.7%), IQ4_XS +0.4% (to q5_k +2.6%, q6_k +1.0%), IQ3_S +0.06%
+# (requantized: to q5_k -1.2%, to q4_k +18%). The price is memory: such a tensor holds
+# 1.3-3.8x its bytes in the file. The row-length rule of the source is the target's.
 CONVERT_TO_NATIVE = {
     10: "q6_k", 11: "q6_k",                 # Q2_K, Q3_K
     23: "q8_0", 20: "q8_0",                 # IQ4_XS, IQ4_NL: the table's int8 values
-    16: "q5_k", 18: "q5_k", 21: "q5_k", 19: "q5_k",      # IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S: 32-element scales
+    21: "q4_k",                             # IQ3_S: 16 even levels a 32-element scale
+    18: "q6_k",                             # IQ3_XXS: 8 uneven magnitudes, held as codes
+    16: "q5_k", 19: "q5_k",                 # IQ2_XXS, IQ1_S: 32-element scales
     17: "q6_k", 22: "q6_k", 29: "q6_k",     # IQ2_XS, IQ2_S, IQ1_M: 16-element scales
 }
 

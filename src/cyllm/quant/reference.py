@@ -386,14 +386,25 @@ def _quantize_k45(x: np.ndarray, name: str) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         lq = np.clip(_nearest((x.reshape(nb, 8, 32) + dm[:, :, None]) / dd[:, :, None]), 0, nmax)
     L = np.where((dd != 0)[:, :, None], lq, L).reshape(nb, 4, 2, 32)
-    head = np.concatenate([d16.view(np.uint8).reshape(nb, 2), m16.view(np.uint8).reshape(nb, 2),
-                           _pack_k_scales(ls, lm)], axis=1)
-    qs = ((L[:, :, 0] & 15) | ((L[:, :, 1] & 15) << 4)).astype(np.uint8).reshape(nb, 128)
+    d_bytes, m_bytes = d16.view(np.uint8).reshape(nb, 2), m16.view(np.uint8).reshape(nb, 2)
     if name == "q4_k":
-        return np.concatenate([head, qs], axis=1)
+        return pack_q4k(L.reshape(nb, 256), ls, lm, d_bytes, m_bytes)
+    head = np.concatenate([d_bytes, m_bytes, _pack_k_scales(ls, lm)], axis=1)
+    qs = ((L[:, :, 0] & 15) | ((L[:, :, 1] & 15) << 4)).astype(np.uint8).reshape(nb, 128)
     shifts = np.arange(8, dtype=np.int32).reshape(1, 4, 2, 1)
     qh = (((L >> 4) & 1) << shifts).sum(axis=(1, 2)).astype(np.uint8)    # (nb, 32)
     return np.concatenate([head, qh, qs], axis=1)
+
+
+def pack_q4k(codes: np.ndarray, ls: np.ndarray, lm: np.ndarray, d: np.ndarray, dmin: np.ndarray) -> np.ndarray:
+    """q4_k blocks from codes (nb, 256) in [0, 15], 6-bit scales and mins (nb, 8), and d, dmin
+    (nb, 2) f16 bytes -> (nb, 144) uint8; element 64 g + 32 h + l: the low nibble of
+    qs[32 g + l] for h = 0, its high nibble for h = 1."""
+    nb = codes.shape[0]
+    L = codes.astype(np.uint8).reshape(nb, 4, 2, 32)
+    qs = (L[:, :, 0] & 15) | ((L[:, :, 1] & 15) << 4)                     # (nb, 4, 32)
+    return np.concatenate([d.reshape(nb, 2), dmin.reshape(nb, 2), _pack_k_scales(ls, lm),
+                           qs.reshape(nb, 128)], axis=1)
 
 
 def _quantize_q6k(x: np.ndarray) -> np.ndarray:

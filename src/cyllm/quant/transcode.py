@@ -13,9 +13,14 @@ float round trip and adds (next to) no rounding:
   d * (ls - 32) * T[n]. The q8_0 scale is d * (ls - 32) rounded to f16.
 - IQ1_M -> q6_k: d * (2s + 1) * (g + delta), g in {-1, 0, 1}, delta = +-1/8, a 3-bit s for
   every 16 elements: q6_k scale d/8, sub-scale 2s + 1, codes (g + delta) * 8 (iq1m_to_q6k).
+- IQ3_XXS -> q6_k: d * (1 + 2s) / 4 * g with g even, |g| <= 62: scale d/2, codes g/2 + 32.
+- IQ3_S -> q4_k: d * (1 + 2s) * g with g odd in -15..15, 16 even steps: q4_k's step and min
+  (its min rounded to f16, the one inexact step).
 
 The block layouts are ggml's (Q3_K: hmask[32] qs[64] scales[12] d; IQ4_NL: d qs[16];
-IQ4_XS: d scales_h scales_l[4] qs[128]; IQ1_M: qs[32] qh[16] scales[8]; q6_k: ql[128] qh[64] scales[16] d; q8_0: d qs[32]). tests/test_gguf.py checks each against gguf-py's
+IQ4_XS: d scales_h scales_l[4] qs[128]; IQ1_M: qs[32] qh[16] scales[8]; IQ3_XXS: d qs[64]
+words[8]; IQ3_S: d qs[64] qh[8] signs[32] scales[4]; q6_k: ql[128] qh[64] scales[16] d; q4_k:
+d dmin scales[12] qs[128]; q8_0: d qs[32]). tests/test_gguf.py checks each against gguf-py's
 dequantizer (llama.cpp's own Python code). Scales are copied as they are: an inf or nan one
 reaches the native block, where the loader's check of every block scale refuses it.
 Everything is vectorised over blocks.
@@ -26,10 +31,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from .reference import pack_q6k
+from .reference import pack_q4k, pack_q6k
 
-Q3_K, IQ4_NL, IQ4_XS, IQ1_M = 11, 20, 23, 29    # GGML type ids
-_BLOCK_BYTES = {Q3_K: 110, IQ4_NL: 18, IQ4_XS: 136, IQ1_M: 56}
+Q3_K, IQ3_XXS, IQ4_NL, IQ3_S, IQ4_XS, IQ1_M = 11, 18, 20, 21, 23, 29    # GGML type ids
+_BLOCK_BYTES = {Q3_K: 110, IQ3_XXS: 98, IQ4_NL: 18, IQ3_S: 110, IQ4_XS: 136, IQ1_M: 56}
 # IQ4_NL's value table (ggml's kvalues_iq4nl)
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                          dtype=np.int8)
@@ -129,8 +134,69 @@ def iq1m_to_q6k(raw: np.ndarray) -> np.ndarray:
     return pack_q6k((codes + 32).reshape(nb, 256), (2 * s + 1).astype(np.int8), d6)
 
 
+def _grid(name: str) -> np.ndarray:
+    """An i-quant's grid, (entries, 4) uint8: the magnitudes each index stands for. gguf-py
+    holds llama.cpp's tables; read from there rather than copied."""
+    from gguf import quants
+    cls = getattr(quants, name)
+    cls.init_grid()
+    return cls.grid.reshape(-1, 4).astype(np.uint8)
+
+
+# 7-bit sign index -> its 8 sign bits: the eighth makes the count of minus signs even
+_PARITY = np.array([bin(i).count("1") & 1 for i in range(128)], np.uint8)
+
+
+def _bits(b: np.ndarray) -> np.ndarray:
+    """(n, k) uint8 -> (n, 8k) of 0/1, least significant bit of each byte first."""
+    return np.unpackbits(b, axis=1, bitorder="little")
+
+
+def iq3xxs_to_q6k(raw: np.ndarray) -> np.ndarray:
+    """IQ3_XXS blocks (d, qs[64], 8 words of signs and scale) -> the q6_k blocks of the same
+    values. Sub-block i of 32 has the word w_i: four 7-bit sign indices (bits 7k) and a 4-bit
+    s (bits 28-31), and the values d * (1 + 2s) / 4 * g * sign, g from the grid by qs (four
+    elements an entry). The grid's g are even (4..62), so q6_k holds them with d/2 as its
+    scale (exact unless d/2 falls below f16's normal range), 1 + 2s as the sub-scale of both
+    its 16-element halves and codes +-g/2 + 32."""
+    b = _blocks(raw, IQ3_XXS)
+    nb = b.shape[0]
+    mag = _grid("IQ3_XXS")[b[:, 2:66]].reshape(nb, 256).astype(np.int16) >> 1   # (nb, 256)
+    words = b[:, 66:98].copy().view("<u4")                                      # (nb, 8)
+    idx = ((words[:, :, None] >> np.array([0, 7, 14, 21], np.uint32)) & 127).astype(np.uint8)
+    signs = idx | (_PARITY[idx] << 7)                                           # (nb, 8, 4)
+    neg = _bits(signs.reshape(nb, 32)).astype(bool)                             # (nb, 256)
+    codes = np.where(neg, -mag, mag) + 32
+    sub = (1 + 2 * (words >> 28)).astype(np.int8)                              # (nb, 8)
+    with np.errstate(over="ignore", invalid="ignore"):
+        d6 = (b[:, 0:2].copy().view("<f2").astype(np.float32) / 2).astype("<f2")
+    return pack_q6k(codes, np.repeat(sub, 2, axis=1), d6.view(np.uint8).reshape(nb, 2))
+
+
+def iq3s_to_q4k(raw: np.ndarray) -> np.ndarray:
+    """IQ3_S blocks (d, qs[64], qh[8], signs[32], scales[4]) -> the q4_k blocks of the same
+    values. Sub-block i of 32 has the nibble s (nibble i % 2 of scales[i // 2]) and the values
+    d * (1 + 2s) * g * sign, g odd in 1..15 from the grid by the 9-bit index qs | qh's bit << 8
+    (four elements an entry). Those are 16 evenly spaced levels, -15..15 in steps of 2, so
+    q4_k holds them: code (g * sign + 15) / 2, scale 2d and sub-scale 1 + 2s for the step, and
+    the offset d * 15 * (1 + 2s) as min 15d and sub-min 1 + 2s. 2d is exact; 15d is rounded to
+    f16 (a relative error under 2^-11 on the offset, the one inexact step)."""
+    b = _blocks(raw, IQ3_S)
+    nb = b.shape[0]
+    idx = b[:, 2:66].astype(np.uint16) | (_bits(b[:, 66:74]).astype(np.uint16) << 8)   # (nb, 64)
+    mag = _grid("IQ3_S")[idx].reshape(nb, 256).astype(np.int16)
+    neg = _bits(b[:, 74:106]).astype(bool)                                      # (nb, 256)
+    codes = (np.where(neg, -mag, mag) + 15) >> 1                                # (nb, 256) in [0, 15]
+    sub = 1 + 2 * np.stack([b[:, 106:110] & 15, b[:, 106:110] >> 4], axis=2).reshape(nb, 8)
+    d = b[:, 0:2].copy().view("<f2").astype(np.float32)                         # (nb, 1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        dd = (2 * d).astype("<f2").view(np.uint8).reshape(nb, 2)
+        dmin = (15 * d).astype("<f2").view(np.uint8).reshape(nb, 2)
+    return pack_q4k(codes, sub, sub, dd, dmin)
+
+
 # (GGML type, native format) -> the exact re-encoding; the loader uses it in place of
 # dequantize-then-quantize
 EXACT = {(Q3_K, "q6_k"): q3k_to_q6k, (IQ4_NL, "q8_0"): iq4nl_to_q8_0, (IQ4_XS, "q8_0"): iq4xs_to_q8_0,
-         (IQ1_M, "q6_k"): iq1m_to_q6k}
+         (IQ1_M, "q6_k"): iq1m_to_q6k, (IQ3_XXS, "q6_k"): iq3xxs_to_q6k, (IQ3_S, "q4_k"): iq3s_to_q4k}
 
