@@ -179,7 +179,7 @@ def sweep(a, axes, bind_axes, depths, qtypes) -> int:
             cp.cuda.profiler.start()
             decode_tok_s(model, 1, 8, rng)
             cp.cuda.profiler.stop()
-        backend.reset_graph()           # the graphs (and their prefetch plans) hold the model
+        backend.reset_graph()           # the graphs hold the model
         del model, models, weights, src
         cp.get_default_memory_pool().free_all_blocks()
     if a.out:

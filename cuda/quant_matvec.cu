@@ -25,11 +25,8 @@
 //   (pdl_trigger first, before anything that could delay it), and its first two batches of
 //   items (weights only) are issued before pdl_wait, so they stream while the previous
 //   kernel finishes (pdl_wait_after_loads in common.cuh keeps ptxas from moving them below it).
-// * L2 prefetch of the next matvec's weights (pf_next): each decode matvec may take the plan
-//   of its successor's first items and hand it to the L2 as its blocks start (off by default).
 //
-// Variants (MODE as in matvec.cu; every kernel takes the same arguments, the last of them
-// pf, pf_next's plan or null):
+// Variants (MODE as in matvec.cu; every kernel takes the same arguments):
 //   qmv_<fmt>                 out  = W x
 //   qmv_add_<fmt>             out += W x
 //   qmv_gate_up_silu_<fmt>    out  = silu(Wg x) * (Wu x)
@@ -588,52 +585,14 @@ __host__ __device__ constexpr int qmv_smem_bytes(int n, int S, int NM) {
     return (n + 16 * (n / 32) + 4 * (NM * S * QMV_TILE + S) + 15) & ~15;
 }
 
-// ---- the next matvec's weights into L2 ---------------------------------------------------
-// At each kernel boundary the DRAM idles: the finishing kernel's last blocks drain, and the
-// next one's blocks are placed only as those leave (a 16-warp block fills an SM's register
-// file), then wait a memory round trip for their first loads; attention at short depth reads
-// next to nothing. So a block of a decode matvec, as it starts, may ask the L2 to fetch the
-// head of the next matvec's work (backends/cuda/prefetch.py decides which that is; off by
-// default, measured slower once the matvecs' own weight loads went out before pdl_wait):
-// for every full row tile and warp slice of the next kernel, its first h items of each
-// plane, so every warp of it starts on L2 hits. cp.async.bulk.prefetch: a
-// hint, no registers, nothing to wait for. Issued as the block ends instead it was slower
-// (Q4_0 7B decode -9% on an H100): the block's exit, which places the next kernel's
-// blocks, waited for it. plan, int64: {entries, S, nbi, h}, then per entry (one plane of
-// one matrix) {base address, bytes per item of a full tile, full tiles}; null: none.
-__device__ __forceinline__ void pf_next(const long long* __restrict__ plan) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (plan == nullptr) return;
-    const int ne = (int)__ldg(plan), S = (int)__ldg(plan + 1), nbi = (int)__ldg(plan + 2), h = (int)__ldg(plan + 3);
-    const long long nthreads = (long long)gridDim.x * blockDim.x;
-    long long r = (long long)threadIdx.x * gridDim.x + blockIdx.x;      // range r of the list, spread over blocks
-    for (int e = 0; e < ne; ++e) {
-        const long long base = __ldg(plan + 4 + 3 * e), ib = __ldg(plan + 5 + 3 * e);
-        const long long nr = __ldg(plan + 6 + 3 * e) * S;
-        for (; r < nr; r += nthreads) {
-            const int t = (int)(r / S), w = (int)(r - (long long)t * S);
-            const int s0 = (int)(((long long)nbi * w) / S), s1 = (int)(((long long)nbi * (w + 1)) / S);
-            const int cnt = min(h, s1 - s0);
-            if (cnt > 0) {
-                const long long a = base + ((long long)t * nbi + s0) * ib;
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(a), "r"((unsigned)(cnt * ib)) : "memory");
-            }
-        }
-        r -= nr;      // this thread's place in the next entry's ranges
-    }
-#endif
-}
-
 template <class F, int MODE, bool NORM>
 __device__ __forceinline__ void qmv_body(
     float* __restrict__ out, const unsigned char* __restrict__ w0, const unsigned char* __restrict__ w1,
     const float* x, int d, int nbi,
-    const float* __restrict__ nw, float eps, float* __restrict__ xn, int tile,
-    const long long* __restrict__ pf)
+    const float* __restrict__ nw, float eps, float* __restrict__ xn, int tile)
 {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     pdl_trigger();      // the next kernel may start loading its weights now
-    pf_next(pf);
     const float res = qmv_tile<F, MODE, NORM>(w0, w1, x, d, nbi, nw, eps, xn, tile, warp, blockDim.x >> 5, qmv_smem);
     if (warp == 0 && lane < min(QMV_TILE, d - QMV_TILE * tile)) {
         const int row = QMV_TILE * tile + lane;
@@ -658,11 +617,9 @@ __device__ __forceinline__ void qkv_rope_body(
     const float* __restrict__ nw, float eps, float* __restrict__ xn,
     const float* __restrict__ cos_t, const float* __restrict__ sin_t,
     f16_t* __restrict__ k_cache, f16_t* __restrict__ v_cache,
-    const int* __restrict__ step, int pos_host, int n_pos, int max_ctx, int hd,
-    const long long* __restrict__ pf)
+    const int* __restrict__ step, int pos_host, int n_pos, int max_ctx, int hd)
 {
     pdl_trigger();      // the next kernel may start loading its weights now
-    pf_next(pf);
     // which pair of tiles: recomputed from blockIdx where needed, so nothing but the matvec's
     // own state lives in registers across it
     const int half = hd >> 1, ppt = half / QMV_TILE;            // tile pairs per head
@@ -1011,8 +968,8 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
     extern "C" __global__ void BOUNDS NAME(float* __restrict__ out, const unsigned char* __restrict__ w0, \
                                     const unsigned char* __restrict__ w1, const float* x,             \
                                     int d, int nbi, const float* __restrict__ nw, float eps,         \
-                                    float* __restrict__ xn, const long long* __restrict__ pf) {      \
-        TRACE_BEGIN(); qmv_body<F, MODE, NORM>(out, w0, w1, x, d, nbi, nw, eps, xn, blockIdx.x, pf); \
+                                    float* __restrict__ xn) {                                        \
+        TRACE_BEGIN(); qmv_body<F, MODE, NORM>(out, w0, w1, x, d, nbi, nw, eps, xn, blockIdx.x);     \
         TRACE_END((F::UPI << 8) | (F::EA << 4) | (MODE << 2) | (NORM << 1));                     \
     }
 // q, k and v of one layer in one launch (three matrices of one format, one x): blocks
@@ -1022,13 +979,13 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
                                     const unsigned char* __restrict__ wk,                            \
                                     const unsigned char* __restrict__ wv, const float* x,            \
                                     int dq, int dk, int nbi, const float* __restrict__ nw, float eps, \
-                                    float* __restrict__ xn, const long long* __restrict__ pf) {      \
+                                    float* __restrict__ xn) {                                        \
         const int tq = (dq + QMV_TILE - 1) / QMV_TILE, tk = (dk + QMV_TILE - 1) / QMV_TILE;          \
         const int t = blockIdx.x;                                                                    \
         const int seg = t < tq ? 0 : t < tq + tk ? 1 : 2;                                            \
         const unsigned char* w = seg == 0 ? wq : seg == 1 ? wk : wv;                                 \
         TRACE_BEGIN(); qmv_body<F, 0, NORM>(out + (seg == 0 ? 0 : dq + (seg - 1) * dk), w, w, x, seg ? dk : dq, nbi, \
-                             nw, eps, xn, t - (seg == 0 ? 0 : tq + (seg - 1) * tk), pf);             \
+                             nw, eps, xn, t - (seg == 0 ? 0 : tq + (seg - 1) * tk));                 \
         TRACE_END((F::UPI << 8) | (F::EA << 4) | (NORM << 1) | 1);                               \
     }
 // the same three with rope and the cache store of row pos folded in (qkv_rope_body)
@@ -1040,11 +997,10 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
                                     float* __restrict__ xn, const float* __restrict__ cos_t,         \
                                     const float* __restrict__ sin_t, f16_t* __restrict__ k_cache,    \
                                     f16_t* __restrict__ v_cache, const int* __restrict__ step,       \
-                                    int pos_host, int n_pos, int max_ctx, int hd,                    \
-                                    const long long* __restrict__ pf) {                              \
+                                    int pos_host, int n_pos, int max_ctx, int hd) {                  \
         TRACE_BEGIN();                                                                               \
         qkv_rope_body<F, NORM>(out, wq, wk, wv, x, dq, dk, nbi, nw, eps, xn, cos_t, sin_t,           \
-                               k_cache, v_cache, step, pos_host, n_pos, max_ctx, hd, pf);            \
+                               k_cache, v_cache, step, pos_host, n_pos, max_ctx, hd);                \
         TRACE_END((F::UPI << 8) | (F::EA << 4) | (NORM << 1) | 1);                               \
     }
 #define CYLLM_QMV(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, __launch_bounds__(QMV_MAX_WARPS * 32))

@@ -185,125 +185,6 @@ def test_rope_fold_rule():
         assert CQ.rope_fold_pays(be, stack(fmt, 576, 576, 192))      # SmolLM2-135M
 
 
-def _plan_ranges(plan):
-    """(address, bytes) of every cp.async.bulk.prefetch pf_next (quant_matvec.cu) issues."""
-    ne, S, nbi, h = plan[:4]
-    out = []
-    for e in range(ne):
-        base, ib, tiles = plan[4 + 3 * e: 7 + 3 * e]
-        for t in range(tiles):
-            for w in range(S):
-                s0, s1 = nbi * w // S, nbi * (w + 1) // S
-                if min(h, s1 - s0) > 0:
-                    out.append((base + (t * nbi + s0) * ib, min(h, s1 - s0) * ib))
-    return out
-
-
-@pytest.mark.parametrize("fmt", FMTS)
-def test_prefetch_plan_covers_each_warps_first_items(fmt):
-    """The L2 prefetch plan of a kernel reading two matrices (gate+up) with S warps a tile:
-    its ranges are the bytes that repack puts for the first h items of every warp's slice
-    of every full row tile, every plane, and nothing else (rows of a partial tile are left
-    out); h shrinks to keep the plan's bytes within the budget."""
-    from types import SimpleNamespace
-    from cyllm.backends.cuda.prefetch import plan_values
-    fm = FORMATS[fmt]
-    rows, nbi, S = 70, 8, 3           # two full tiles and a partial one; slices of 2, 3, 3 items
-    cols = nbi * fm.block
-    bases = (1 << 20, 5 << 20)
-    mats = []
-    for b in bases:
-        m = CQ.CudaQuantMatrix(None, fm, rows, cols)
-        m.data = SimpleNamespace(data=SimpleNamespace(ptr=b))
-        mats.append(m)
-    frac = 0.5
-    plan = plan_values(mats, S, frac, budget=1 << 30)
-    h = plan[3]
-    assert h == 1 and plan[1] == S and plan[2] == nbi
-    # the reference: mark the head items' bytes in the block rows and repack them
-    marked = np.zeros((rows, nbi, fm.block_bytes), np.uint8)
-    for w in range(S):
-        s0 = nbi * w // S
-        marked[:64, s0:s0 + h, :] = 1
-    want = np.flatnonzero(CQ.repack(np, marked.reshape(rows, -1), fmt))
-    for b in bases:
-        got = np.concatenate([np.arange(a - b, a - b + n) for a, n in _plan_ranges(plan) if b <= a < b + rows * nbi * fm.block_bytes])
-        np.testing.assert_array_equal(np.sort(got), want)
-    # fraction 1: the shortest slice's items (2; the others have 3), and the budget taking h back down to 1
-    assert plan_values(mats, S, 1.0, budget=1 << 30)[3] == 2
-    per_h1 = sum(n for _, n in _plan_ranges(plan))
-    assert plan_values(mats, S, 1.0, budget=per_h1)[3] == 1
-    assert plan_values(mats, S, 0.0, budget=1 << 30) is None
-    # a plane that does not start on 16 bytes (cp.async.bulk.prefetch's alignment) is left out
-    odd = CQ.CudaQuantMatrix(None, fm, 35, 7 * fm.block)
-    odd.data = SimpleNamespace(data=SimpleNamespace(ptr=1 << 20))
-    starts = [1 << 20] + [(1 << 20) + off for off, _ in CQ.plane_spans(odd)[1:]]
-    kept = plan_values([odd], 2, 1.0, budget=1 << 30)
-    assert [kept[4 + 3 * e] for e in range(kept[0])] == [a for a in starts if a % 16 == 0]
-
-
-def test_prefetch_plans_follow_the_launch_order(monkeypatch):
-    """WeightPrefetch on the host (numpy standing in for CuPy): after a pass, launch i gets
-    the plan of launch i + 1's weights, the last one the first one's (the next token's), where
-    the successor's format is one fetched ahead; outside decode_step, or after a reset, none."""
-    from types import SimpleNamespace
-    from cyllm.backends.cuda import prefetch as PF
-    monkeypatch.setattr(PF, "cp", np)
-
-    class Be(PF.WeightPrefetch):
-        l2_bytes = 50 << 20
-        qmv_prefetch, qmv_prefetch_formats = 0.5, ("q4_0",)
-        _device_mode = True
-
-    def mat(ptr, fmt="q4_0"):
-        m = CQ.CudaQuantMatrix(None, FORMATS[fmt], 64, 256)
-        m.data = SimpleNamespace(data=SimpleNamespace(ptr=ptr))
-        return m
-
-    qkv, wo, g, u, dn = (mat(i << 24) for i in range(1, 6))
-    out = mat(6 << 24, "q6_k")
-    be = Be()
-    be._pf_reset()
-
-    def step():
-        be._pf_begin()
-        got = [be._pf_arg((qkv,), 4), be._pf_arg((wo,), 4), be._pf_arg((g, u), 4),
-               be._pf_arg((dn,), 8), be._pf_arg((out,), 2)]
-        be._pf_end()
-        return got
-
-    assert all(isinstance(p, np.int64) and p == 0 for p in step())        # the first pass learns
-    plans = step()
-    first = lambda p: int(p[4])                                           # noqa: E731
-    assert [first(p) for p in plans[:3]] == [wo.data.data.ptr, g.data.data.ptr, dn.data.data.ptr]
-    assert [int(p[1]) for p in plans[:3]] == [4, 4, 8]
-    assert isinstance(plans[3], np.int64)                                 # the q6_k output head: not fetched
-    assert first(plans[4]) == qkv.data.data.ptr                           # the next token's first
-    be._device_mode = False
-    assert be._pf_arg((wo,), 4) == 0
-    be._device_mode = True
-    be._pf_reset()
-    assert all(p == 0 for p in step())
-    Be.qmv_prefetch = 0.0
-    step()
-    assert all(p == 0 for p in step())
-
-
-def test_prefetch_fraction_from_the_environment(monkeypatch):
-    """CYLLM_CUDA_PREFETCH: unset is the default, 0 turns it off, anything but a fraction in
-    [0, 1] is one clear error."""
-    from cyllm.backends.cuda.prefetch import DEFAULT_FRACTION, default_fraction
-    monkeypatch.delenv("CYLLM_CUDA_PREFETCH", raising=False)
-    assert default_fraction() == DEFAULT_FRACTION
-    for v, want in (("0", 0.0), (" 0.25 ", 0.25), ("1", 1.0)):
-        monkeypatch.setenv("CYLLM_CUDA_PREFETCH", v)
-        assert default_fraction() == want
-    for bad in ("on", "-0.1", "1.5", "nan"):
-        monkeypatch.setenv("CYLLM_CUDA_PREFETCH", bad)
-        with pytest.raises(InvalidArgumentError, match="CYLLM_CUDA_PREFETCH"):
-            default_fraction()
-
-
 def test_references_agree():
     """deq64 (the tests' float64 weights) matches reference.dequantize for every format."""
     rng = np.random.default_rng(3)
@@ -672,14 +553,8 @@ def test_weight_loads_issued_before_pdl_wait(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q8_0", "q4_0", "q5_0"])
-@pytest.mark.parametrize("prefetch", [0.0, 0.5], ids=["no-prefetch", "prefetch"])
-def test_decode_graph(be, cp, fmt, prefetch, monkeypatch):
-    """A sub-block's ops inside decode_step: captured once (PDL launches), replayed with new
-    inputs; with the next matvec's weights prefetched into L2 (prefetch.py; here for every
-    format) the same sums, and each launch's plan is its successor's weights (the last
-    one's: the first one's)."""
-    monkeypatch.setattr(be, "qmv_prefetch", prefetch)
-    monkeypatch.setattr(be, "qmv_prefetch_formats", tuple(FMTS))
+def test_decode_graph(be, cp, fmt):
+    """A sub-block's ops inside decode_step: captured once (PDL launches), replayed with new inputs."""
     be.reset_graph()
     rng = np.random.default_rng(29)
     f = FORMATS[fmt]
@@ -718,17 +593,6 @@ def test_decode_graph(be, cp, fmt, prefetch, monkeypatch):
         want = want + Ws["wd"] @ hq
         mag = inv * (np.abs(Ws["wo"]) @ np.abs(xq)) + np.abs(Ws["wd"]) @ np.abs(hq)
         check_exact(be.to_host(o), want, mag, f"{fmt} graph step {step}")
-    plans = [p for _, p, _ in be._pf_plans]
-    # the captured pass (the last recorded) found a plan for each of its launches
-    assert [k for k, _, _ in be._pf_plans] == [r[0] for r in be._pf_rec]
-    if prefetch:
-        nxt = [(ws["wg"], ws["wu"]), (ws["wd"],), (ws["wo"],)]
-        assert len(plans) == 3
-        for p, mats in zip(plans, nxt):
-            v = cp.asnumpy(p)
-            assert [v[4 + 3 * e] for e in range(0, v[0], v[0] // len(mats))] == [m.data.data.ptr for m in mats]
-    else:
-        assert all(isinstance(p, np.int64) for p in plans)
     be.reset_graph()
 
 

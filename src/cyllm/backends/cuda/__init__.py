@@ -7,7 +7,6 @@
 - shapes.py        launch-shape heuristics (matvec rows/warps/unroll, attention chunking)
 - norm_fold.py     rmsnorm held back and folded into the next matvec
 - rope_fold.py     the q/k/v matvec held back; rope and the KV-cache store folded into it
-- prefetch.py      the next quantized matvec's weights fetched into L2 ahead of it
 - graphs.py        decode_step: one CUDA graph replay per token
 - pdl.py           programmatic dependent launch through ctypes (cuLaunchKernelEx)
 - prefill.py       the batched ops of prompt processing (T tokens at once)

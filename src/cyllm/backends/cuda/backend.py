@@ -13,9 +13,8 @@ replaying a CUDA graph of the whole forward pass (graphs.py).
 The other concerns have their own modules: kernel_names.py (every kernel launched,
 named whole), shapes.py (launch-shape heuristics), norm_fold.py (rmsnorm folded into
 the next matvec), rope_fold.py (rope and the cache store folded into the q/k/v matvec),
-prefetch.py (the next quantized matvec's weights fetched into L2 ahead of it), pdl.py
-(programmatic dependent launch through ctypes), cublas.py (the prefill GEMM), prefill.py
-(the batched ops of prompt processing), checks.py.
+pdl.py (programmatic dependent launch through ctypes), cublas.py (the prefill GEMM),
+prefill.py (the batched ops of prompt processing), checks.py.
 
 Importing this module never fails for want of CuPy or a GPU; constructing
 ``CudaBackend`` raises ``BackendUnavailableError`` with one clear line.
@@ -38,7 +37,6 @@ from .kernel_names import ATTN_SPLIT_KERNELS, GATE_UP_OPS, MATVEC_KERNELS, MATVE
 from .norm_fold import NormFolding
 from .nvrtc import module_for
 from .pdl import PdlLauncher
-from .prefetch import PREFETCH_FORMATS, WeightPrefetch, default_fraction
 from .prefill import PrefillOps
 from .rope_fold import RopeFolding
 from .quant import CudaQuantMatrix, CudaQuantStack
@@ -56,7 +54,7 @@ _NEG1 = np.int32(-1)          # "read the step buffer" (see step_value in common
 _FIT_MARGIN = 512 << 20       # room left for scratch, cuBLAS workspace, the CUDA context
 
 
-class CudaBackend(RopeFolding, NormFolding, GraphDecode, WeightPrefetch, PrefillOps, Backend):
+class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
     name = "cuda"
     fuse_qkv = True       # upload copies anyway: one (q+2kv, dim) matrix, one matvec
     quant_row_views = False   # CudaQuantMatrix (tiled planes) has no row views: fused tensors are cut on the host
@@ -79,12 +77,6 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, WeightPrefetch, Prefill
         name = props.get("name", b"GPU")
         self.device_name = name.decode() if isinstance(name, bytes) else str(name)
         self.sm_count = int(props.get("multiProcessorCount", 1))
-        self.l2_bytes = int(props.get("l2CacheSize", 0))
-        # the next quantized matvec's weights fetched into L2 by the one before (prefetch.py):
-        # the fraction of each warp's slice (0 = off, the default), for successors of these formats
-        fraction = default_fraction()        # checked on every GPU: a bad value is one clear error
-        self.qmv_prefetch = fraction if int(props.get("major", 0)) >= 9 else 0.0
-        self.qmv_prefetch_formats = PREFETCH_FORMATS
 
         self._module = None
         self._kernels: dict = {}

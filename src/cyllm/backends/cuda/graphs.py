@@ -25,9 +25,8 @@ except Exception:  # noqa: BLE001 - reported by CudaBackend when it is construct
 class GraphDecode:
     """Needs from the backend: ``_stream``, ``_step``/``_step_host`` (the step buffer and its
     host copy), ``_flush()`` and ``_drop_held()`` (ops held back to fold into the next one:
-    launched, or forgotten), ``_pf_reset/_pf_begin/_pf_end/_pf_stop`` (prefetch.py), ``use_graphs``,
-    and the ops reading the step buffer while ``_device_mode`` is set (recording
-    ``_vocab``/``_max_pos`` for the checks here)."""
+    launched, or forgotten), ``use_graphs``, and the ops reading the step buffer while
+    ``_device_mode`` is set (recording ``_vocab``/``_max_pos`` for the checks here)."""
 
     def reset_graph(self) -> None:
         """Forget the captured graphs (call after reallocating any run-state buffer)."""
@@ -37,7 +36,6 @@ class GraphDecode:
         self._attn_short_pos = None     # set by the attention op: see _regime
         self._vocab = None
         self._max_pos = None
-        self._pf_reset()                # the plans point at this forward pass's weights
 
     def decode_step(self, issue_ops, token: int, pos: int) -> None:
         """Run ``issue_ops(token, pos)`` (one token's whole forward pass) for this token.
@@ -76,15 +74,12 @@ class GraphDecode:
             try:
                 self._vocab = None
                 self._max_pos = None
-                self._pf_begin()
                 issue_ops(token, pos)           # eager: computes this token, compiles, allocates
                 self._flush()
-                self._pf_end()                  # the L2 prefetch plans, for the graph (prefetch.py)
                 if self.use_graphs:
                     self._capture(issue_ops, token, pos)
             finally:
                 self._device_mode = False
-                self._pf_stop()
 
     def _capture(self, issue_ops, token: int, pos: int) -> None:
         stream = self._stream
@@ -92,7 +87,6 @@ class GraphDecode:
         try:
             stream.begin_capture()
             try:
-                self._pf_begin()
                 issue_ops(token, pos)
                 self._flush()                   # a held-back rmsnorm or matvec belongs to this graph
             finally:
@@ -104,7 +98,6 @@ class GraphDecode:
             self.use_graphs = False
             self.reset_graph()
             return
-        self._pf_end()                      # the same launches as the eager pass: its plans stand
         self._graph = self._graphs[self._regime(pos)] = graph
 
     def _regime(self, pos: int):

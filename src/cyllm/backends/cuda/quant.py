@@ -89,17 +89,6 @@ def _planes(fmt: WeightFormat):
     return out
 
 
-def plane_spans(w) -> list[tuple[int, int]]:
-    """[(byte offset of the plane in w.data, bytes of one item of a full 32-row tile)] in
-    storage order (repack's): a full tile T of the plane holds items s at
-    offset + (T * nbi + s) * item_bytes."""
-    out, off = [], 0
-    for (lo, hi), _ in _planes(w.fmt):
-        out.append((off, TILE * (hi - lo)))
-        off += w.rows * w.nbi * (hi - lo)
-    return out
-
-
 def repack(xp, blocks, fmt, out=None) -> object:
     """(rows, row_bytes) uint8 block rows -> the flat kernel layout (same byte count).
 
@@ -380,12 +369,11 @@ def _qkv_launch(be, out, w: CudaQuantStack, x, norm, name: str, warps_per_tile: 
     _carveout(be, k, fmt)
     head = (out, wq.data, wk.data, wv.data)
     dims = (np.int32(wq.rows), np.int32(wk.rows), np.int32(w.nbi))
-    pf = (be._pf_arg(w.parts, warps),)
     if norm is not None:
         xn, xin, nw, eps = norm
-        args = head + (xin,) + dims + (nw, np.float32(eps), xn) + extra + pf
+        args = head + (xin,) + dims + (nw, np.float32(eps), xn) + extra
     else:
-        args = head + (x,) + dims + (_NULL, np.float32(0.0), _NULL) + extra + pf
+        args = head + (x,) + dims + (_NULL, np.float32(0.0), _NULL) + extra
     be._launch(k, (_tiles(w) // per_block,), (TILE * warps * per_block,), args, shared_mem=smem)
 
 
@@ -468,12 +456,11 @@ def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None) -> None
     _allow_smem(k, smem)
     _carveout(be, k, fmt)
     grid, block = (-(-d // TILE),), (TILE * warps,)
-    pf = be._pf_arg((w0, w1) if nm == 2 else (w0,), warps)
     if norm is not None:
         xn, xin, nw, eps = norm
-        args = (out, w0.data, w1.data, xin, np.int32(d), np.int32(w0.nbi), nw, np.float32(eps), xn, pf)
+        args = (out, w0.data, w1.data, xin, np.int32(d), np.int32(w0.nbi), nw, np.float32(eps), xn)
     else:
-        args = (out, w0.data, w1.data, x, np.int32(d), np.int32(w0.nbi), _NULL, np.float32(0.0), _NULL, pf)
+        args = (out, w0.data, w1.data, x, np.int32(d), np.int32(w0.nbi), _NULL, np.float32(0.0), _NULL)
     # every kernel, folded norm or not, goes out with programmatic dependent launch under
     # decode_step: activations are read with ordered coherent loads (ld_act in common.cuh)
     be._launch(k, grid, block, args, shared_mem=smem)
@@ -600,5 +587,5 @@ def _rows_f32(be, out, w, ldo, ids, host_row, nrows, scale) -> None:
 
 
 __all__ = ["CudaQuantMatrix", "CudaQuantStack", "LAYOUTS", "SUPPORTED", "dequantize", "dequantize_rows", "kernel",
-           "matvec_warps", "plane_spans", "qembed", "qembed_batch", "qgate_up_batch", "qmatmul", "qmatvec", "qmatvec_qkv", "repack", "stack_rows", "unpack",
+           "matvec_warps", "qembed", "qembed_batch", "qgate_up_batch", "qmatmul", "qmatvec", "qmatvec_qkv", "repack", "stack_rows", "unpack",
            "upload"]
