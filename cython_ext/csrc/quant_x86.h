@@ -2,10 +2,10 @@
  *   quant_avx2.c     QX_VNNI 0: u8 x s8 products by vpmaddubsw + vpmaddwd (AVX2), ymm
  *   quant_avxvnni.c  QX_VNNI 1: vpdpbusd / vpdpwssd, VEX encoding (AVX-VNNI), ymm
  *   quant_avx512.c   QX_VNNI 2: vpdpbusd / vpdpwssd, EVEX (AVX512_VNNI + BW + VL): zmm
- *                    kernels for q8_0, q4_0/q4_1/q5_0/q5_1, q4_k and q6_k (the "zmm"
- *                    sections below: register tiles of rows x tokens in prefill); q5_k
- *                    and rows past the zmm kernels' stack-prepared activations take the
- *                    ymm kernels, in decode and prefill alike.
+ *                    kernels for every format (the "zmm" sections below: register tiles
+ *                    of rows x tokens in prefill); rows past the zmm kernels'
+ *                    stack-prepared activations take the ymm kernels, in decode and
+ *                    prefill alike.
  * The including file defines QX_VNNI, QX_NAME and QX_TABLE. All three compute the
  * same integers (no int16 saturation is reachable: see the bounds next to DOT2).
  *
@@ -629,26 +629,32 @@ static void QF(gemm_z8)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, c
 #endif
 
 #if QX_VNNI == 2
-/* ---- AVX512-VNNI (zmm) q4_k and q6_k --------------------------------------------------
+/* ---- AVX512-VNNI (zmm) q4_k, q5_k and q6_k -------------------------------------------
  * 512-bit: 64 weights per vpmaddubsw + vpdpwssd (the sub-block scales as int16
  * multipliers, as in the ymm kernels). q4_k: one 32-byte run of nibbles is broadcast to
  * both halves and shifted by 0 / 4 bits, so a register holds sub-blocks 2c and 2c+1, i.e.
- * 64 consecutive weights against 64 consecutive x bytes; q6_k: 64 bytes of ql with the
+ * 64 consecutive weights against 64 consecutive x bytes; q5_k: the same, plus 16 where
+ * the sub-block's bit of qh is set (k45z_weights); q6_k: 64 bytes of ql with the
  * matching qh bits (variable shifts per half) give weights 0-63 and 64-127 of each half.
  * Float work per (row, token, superblock): one cvt + FMA, plus the min term (q4_k: 4 lanes
  * per token of a separate accumulator, subtracted at the end), reduced at the end by a
  * fixed tree (zsum16 for q4_k, _mm512_reduce_add_ps for q6_k). Tiles of R rows x C tokens
  * share the row's unpacking across tokens and the x loads across rows; each (row, token)
  * runs the same chain in the same order for every R, C, so decode and prefill give the
- * same bits. q4_k decode runs that chain in ymm registers (k4z_row_ymm: Zen 4 splits zmm
- * instructions in two; 1 thread, 256x2048 from L2: 14.3 -> 12.6 us, TinyLlama Q4_K_M decode
- * 1 thread +4%, 2 threads unchanged). q5_k keeps the ymm kernel (rows_k45) in decode and
- * prefill alike. */
+ * same bits. q4_k and q5_k decode run that chain in ymm registers (k45z_row_ymm: Zen 4
+ * splits zmm instructions in two; q4_k, 1 thread, 256x2048 from L2: 14.3 -> 12.6 us,
+ * TinyLlama Q4_K_M decode 1 thread +4%, 2 threads unchanged). */
 #ifndef QZK_R
 #define QZK_R 2             /* prefill tile: rows */
 #endif
 #ifndef QZK_C
 #define QZK_C 4             /* prefill tile: tokens (2 x 4 beat 2 x 6, 3 x 4, 1 x 8 on Zen 5) */
+#endif
+#ifndef QZ5_R
+#define QZ5_R 1             /* q5_k prefill tile: rows (Zen 4, 1 thread, T = 128: 1 x 8 -8 to -14% */
+#endif                      /* against 2 x 4; 1 x 6 -3 to -7%; 2 x 6, 3 x 4, 4 x 4 slower) */
+#ifndef QZ5_C
+#define QZ5_C 8             /* q5_k prefill tile: tokens */
 #endif
 #ifndef QZ6_R
 #define QZ6_R 1             /* q6_k prefill tile: rows (measured: 1 x 6 beat 2 x 4 on Zen 5) */
@@ -717,15 +723,28 @@ ALWAYS const k4z_mx *k4z_mx_prep(k4z_mx *mx, const cyllm_qact_view *a, const int
     return mx;
 }
 
-ALWAYS void k4z_prefetch(const uint8_t *f) {      /* one q4_k superblock (144 bytes) */
+ALWAYS void k4z_prefetch(const uint8_t *f) {      /* one q4_k / q5_k superblock (144 / 176 bytes) */
     PREFETCH(f);
     PREFETCH(f + 64);
     PREFETCH(f + 128);
 }
 
-ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint8_t *w0, int64_t rb,
-                     const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp, const k4z_mx *mx) {
-    const __m512i m15 = _mm512_set1_epi8(15);
+/* q5_k's 5th bits of sub-blocks 2c (low 256 bits) and 2c + 1 (high): bit 2c / 2c + 1 of
+ * qh[l] for element l of each; the mask of the bytes to add 16 to, from qh's 32 bytes
+ * broadcast to both halves (qhb) */
+ALWAYS __mmask64 k5z_bits(__m512i qhb, int c) {
+    return _mm512_test_epi8_mask(qhb, _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * c))),
+                                                          _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1));
+}
+
+/* q4_k (five = 0) and q5_k (five = 1, superblock d dmin scales[12] qh[32] qs[128]): the
+ * same chain, q5_k's weights <= 31 (pairs <= 2*31*127 = 7874, times a scale <= 63,
+ * pair-summed in int32) */
+ALWAYS void k45z_tile(const int five, const int R, const int C, float *o, int64_t ldo, const uint8_t *w0,
+                      int64_t rb, const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp,
+                      const k4z_mx *mx) {
+    const int bb = five ? QB_Q5_K : QB_Q4_K, qs_off = five ? 48 : 16;
+    const __m512i m15 = _mm512_set1_epi8(15), x10 = _mm512_set1_epi8(16);
     const __m512i sh = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
     const int G = (C + 3) / 4;                  /* token groups of the min term */
     __m512 acc[QZK_MR][QZK_MC];
@@ -740,15 +759,17 @@ ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint
         for (int g = 0; g < G; g++) accm[i][g] = _mm512_setzero_ps();
     }
     for (int64_t b = 0; b < nb; b++) {
-        if (pfp) k4z_prefetch(pfp + b * QB_Q4_K);
+        if (pfp) k4z_prefetch(pfp + b * bb);
         __m256i sc16[QZK_MR];
         __m128i m16[QZK_MR];
-        __m512i isum[QZK_MR][QZK_MC];
+        __m512i isum[QZK_MR][QZK_MC], qhb[QZK_MR];
         _Pragma("GCC unroll 8")
         for (int i = 0; i < R; i++) {
             __m256i s;
-            k_scales16(w0 + i * rb + b * QB_Q4_K + 4, &s, &m16[i]);
+            k_scales16(w0 + i * rb + b * bb + 4, &s, &m16[i]);
             sc16[i] = s;
+            qhb[i] = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w0 + i * rb + b * bb + 16)))
+                          : _mm512_setzero_si512();
             _Pragma("GCC unroll 8")
             for (int j = 0; j < C; j++) isum[i][j] = _mm512_setzero_si512();
         }
@@ -757,15 +778,16 @@ ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint
             __m512i nib[QZK_MR], s[QZK_MR];
             _Pragma("GCC unroll 8")
             for (int i = 0; i < R; i++) {
-                const uint8_t *q = w0 + i * rb + b * QB_Q4_K + 16 + 32 * c;
+                const uint8_t *q = w0 + i * rb + b * bb + qs_off + 32 * c;
                 nib[i] = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(
                              _mm256_loadu_si256((const __m256i *)q)), sh), m15);
+                if (five) nib[i] = _mm512_mask_add_epi8(nib[i], k5z_bits(qhb[i], c), nib[i], x10);
                 s[i] = _mm512_shuffle_epi8(_mm512_broadcast_i64x4(sc16[i]), zspread16(2 * c, 2 * c + 1));
             }
             _Pragma("GCC unroll 8")
             for (int j = 0; j < C; j++) {
                 const __m512i xv = _mm512_loadu_si512((const void *)(a[j].q + b * QK_K + 64 * c));
-                /* pairs <= 2*15*127 = 3810, times a scale <= 63, pair-summed in int32 */
+                /* pairs <= 2*15*127 = 3810 (q5_k 7874), times a scale <= 63, pair-summed in int32 */
                 _Pragma("GCC unroll 8")
                 for (int i = 0; i < R; i++)
                     isum[i][j] = _mm512_dpwssd_epi32(isum[i][j], _mm512_maddubs_epi16(nib[i], xv), s[i]);
@@ -775,7 +797,7 @@ ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint
         __m512i mm[QZK_MR];
         _Pragma("GCC unroll 8")
         for (int i = 0; i < R; i++) {
-            const __m128 wdd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)cyllm_rd32(w0 + i * rb + b * QB_Q4_K)));
+            const __m128 wdd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)cyllm_rd32(w0 + i * rb + b * bb)));
             wd[i] = _mm512_broadcastss_ps(wdd);                                  /* d */
             wm[i] = _mm512_broadcastss_ps(_mm_movehdup_ps(wdd));                 /* dmin */
             mm[i] = _mm512_broadcast_i32x4(m16[i]);
@@ -818,30 +840,36 @@ ALWAYS void k4z_tile(const int R, const int C, float *o, int64_t ldo, const uint
     }
 }
 
-/* One row, one token of q4_k in 256-bit registers with k4z_tile(1, 1)'s bits: the low and
+/* One row, one token of q4_k / q5_k in 256-bit registers with k45z_tile(1, 1)'s bits: the low and
  * high nibble halves of each 32-byte run keep their own integer and float accumulators
  * (lanes 0-7 and 8-15 of the zmm tile's), the min term is lanes 0-3 of the tile's in xmm
  * registers (the same operations on each lane), and the end
  * is the same zsum16. Decode runs it: on Zen 4, which splits 512-bit instructions in two,
  * it is ~10% faster than the zmm tile for one row; prefill keeps the zmm tiles. */
-ALWAYS void k4z_row_ymm(float *o, const uint8_t *w0, const cyllm_qact_view *a, int64_t nb, int add,
-                        const uint8_t *pfp, const k4z_mx *mx) {
-    const __m256i m15 = _mm256_set1_epi8(15);
+ALWAYS void k45z_row_ymm(const int five, float *o, const uint8_t *w0, const cyllm_qact_view *a, int64_t nb,
+                         int add, const uint8_t *pfp, const k4z_mx *mx) {
+    const int bb = five ? QB_Q5_K : QB_Q4_K, qs_off = five ? 48 : 16;
+    const __m256i m15 = _mm256_set1_epi8(15), x10 = _mm256_set1_epi8(16);
     __m256 acc_lo = _mm256_setzero_ps(), acc_hi = _mm256_setzero_ps();
     __m128 accm = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        if (pfp) k4z_prefetch(pfp + b * QB_Q4_K);
-        const uint8_t *p = w0 + b * QB_Q4_K;
+        if (pfp) k4z_prefetch(pfp + b * bb);
+        const uint8_t *p = w0 + b * bb;
         __m256i sc16;
         __m128i m16;
         k_scales16(p + 4, &sc16, &m16);
         __m256i ilo = _mm256_setzero_si256(), ihi = _mm256_setzero_si256();
+        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
         const int8_t *xb = a->q + b * QK_K;
         _Pragma("GCC unroll 4")
         for (int c = 0; c < 4; c++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * c));
-            const __m256i lo = _mm256_and_si256(v, m15);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + qs_off + 32 * c));
+            __m256i lo = _mm256_and_si256(v, m15);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+            if (five) {         /* k5z_bits' bytes, one half at a time */
+                lo = _mm256_mask_add_epi8(lo, _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * c)))), lo, x10);
+                hi = _mm256_mask_add_epi8(hi, _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * c + 1)))), hi, x10);
+            }
             const __m256i xl = _mm256_loadu_si256((const __m256i *)(xb + 64 * c));
             const __m256i xh = _mm256_loadu_si256((const __m256i *)(xb + 64 * c + 32));
             ilo = DPWSSD(ilo, _mm256_maddubs_epi16(lo, xl), BCAST16(sc16, 2 * c));
@@ -954,7 +982,7 @@ ALWAYS void k6z_tile(const int R, const int C, float *o, int64_t ldo, const uint
 }
 
 /* matvec / gate_up / gemm of a K-quant zmm tile (TILE(R, C, o, ldo, w0, rb, a, nb, add, pfp,
- * mx)); MX: the tile takes the min term's x side prepared per call / token group (q4_k) */
+ * mx)); MX: the tile takes the min term's x side prepared per call / token group (q4_k, q5_k) */
 #define QZK_FORMAT(F, TILE, TR, TC, MX, ROW1)                                                 \
 static void F##_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a, int64_t n, \
                       int64_t r0, int64_t r1, int add, const qx_pf *pf, const k4z_mx *mx) {   \
@@ -1015,9 +1043,13 @@ static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
 }
 
 /* decode rows (ROW1(o, w0, rb, a, nb, add, pfp, mx)) */
-#define K4Z_ROW1(o, w0, rb, a, nb, add, pfp, mx) k4z_row_ymm(o, w0, a, nb, add, pfp, mx)
+#define K4Z_ROW1(o, w0, rb, a, nb, add, pfp, mx) k45z_row_ymm(0, o, w0, a, nb, add, pfp, mx)
+#define K5Z_ROW1(o, w0, rb, a, nb, add, pfp, mx) k45z_row_ymm(1, o, w0, a, nb, add, pfp, mx)
 #define K6Z_ROW1(o, w0, rb, a, nb, add, pfp, mx) k6z_tile(1, 1, o, 0, w0, rb, a, nb, add, pfp, mx)
-QZK_FORMAT(k4z, k4z_tile, QZK_R, QZK_C, 1, K4Z_ROW1)
+#define K4Z_TILE(...) k45z_tile(0, __VA_ARGS__)
+#define K5Z_TILE(...) k45z_tile(1, __VA_ARGS__)
+QZK_FORMAT(k4z, K4Z_TILE, QZK_R, QZK_C, 1, K4Z_ROW1)
+QZK_FORMAT(k5z, K5Z_TILE, QZ5_R, QZ5_C, 1, K5Z_ROW1)
 QZK_FORMAT(k6z, k6z_tile, QZ6_R, QZ6_C, 0, K6Z_ROW1)
 #endif
 
@@ -1620,10 +1652,12 @@ R16_ENTRIES(q41r16, R16_Q41_GROUP, CYLLM_QA_Q8_0, 32)
 #define QX_ENTRY_Q8_0 {QF(matvec_z8), QF(gate_up_z8), QF(gemm_z8), QF(deq16_q8_0), QF(deq32_q8_0)}
 #define QX_ENTRY_NIB(F) {QF(matvec_##F##z), QF(gate_up_##F##z), QF(gemm_##F##z), QF(deq16_##F), QF(deq32_##F)}
 #define QX_ENTRY_Q4_K {QF(matvec_k4z), QF(gate_up_k4z), QF(gemm_k4z), QF(deq16_q4_k), QF(deq32_q4_k)}
+#define QX_ENTRY_Q5_K {QF(matvec_k5z), QF(gate_up_k5z), QF(gemm_k5z), QF(deq16_q5_k), QF(deq32_q5_k)}
 #define QX_ENTRY_Q6_K {QF(matvec_k6z), QF(gate_up_k6z), QF(gemm_k6z), QF(deq16_q6_k), QF(deq32_q6_k)}
 #else
 #define QX_ENTRY_Q8_0 QX_ENTRY(q8_0)
 #define QX_ENTRY_Q4_K QX_ENTRY(q4_k)
+#define QX_ENTRY_Q5_K QX_ENTRY(q5_k)
 #define QX_ENTRY_NIB(F) QX_ENTRY(F)
 #define QX_ENTRY_Q6_K QX_ENTRY(q6_k)
 #endif
@@ -1632,6 +1666,6 @@ const cyllm_qkernels QX_TABLE = {
     QX_NAME,
     QF(quantize_act_x86_),
     {QX_ENTRY_Q8_0, QX_ENTRY_NIB(q4_0), QX_ENTRY_NIB(q4_1), QX_ENTRY_NIB(q5_0), QX_ENTRY_NIB(q5_1),
-     QX_ENTRY_Q4_K, QX_ENTRY(q5_k), QX_ENTRY_Q6_K,
+     QX_ENTRY_Q4_K, QX_ENTRY_Q5_K, QX_ENTRY_Q6_K,
      QX_ENTRY_R16(q4k), QX_ENTRY_R16(q40), QX_ENTRY_R16(q80), QX_ENTRY_R16(q41)},
 };
