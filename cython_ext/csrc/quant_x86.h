@@ -641,9 +641,10 @@ static void QF(gemm_z8)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, c
  * fixed tree (zsum16 for q4_k, _mm512_reduce_add_ps for q6_k). Tiles of R rows x C tokens
  * share the row's unpacking across tokens and the x loads across rows; each (row, token)
  * runs the same chain in the same order for every R, C, so decode and prefill give the
- * same bits. q4_k and q5_k decode run that chain in ymm registers (k45z_row_ymm: Zen 4
- * splits zmm instructions in two; q4_k, 1 thread, 256x2048 from L2: 14.3 -> 12.6 us,
- * TinyLlama Q4_K_M decode 1 thread +4%, 2 threads unchanged). */
+ * same bits. q4_k decode runs that chain in ymm registers (k4z_row_ymm: Zen 4 splits zmm
+ * instructions in two; 1 thread, 256x2048 from L2: 14.3 -> 12.6 us, TinyLlama Q4_K_M decode
+ * 1 thread +4%, 2 threads unchanged); q5_k decode keeps the ymm kernel (rows_k45), whose
+ * chain its tile follows. */
 #ifndef QZK_R
 #define QZK_R 2             /* prefill tile: rows */
 #endif
@@ -737,9 +738,10 @@ ALWAYS __mmask64 k5z_bits(__m512i qhb, int c) {
                                                           _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1));
 }
 
-/* q4_k (five = 0) and q5_k (five = 1, superblock d dmin scales[12] qh[32] qs[128]): the
- * same chain, q5_k's weights <= 31 (pairs <= 2*31*127 = 7874, times a scale <= 63,
- * pair-summed in int32) */
+/* q4_k (five = 0) and q5_k (five = 1, superblock d dmin scales[12] qh[32] qs[128]; weights
+ * <= 31: pairs <= 2*31*127 = 7874, times a scale <= 63, pair-summed in int32). q5_k keeps the
+ * ymm kernel's chain (rows_k45, its decode): per superblock the two halves' integer lanes
+ * added (exact) into 8 lanes, one FMA, and hsum8 at the end -- so its tile gives decode's bits. */
 ALWAYS void k45z_tile(const int five, const int R, const int C, float *o, int64_t ldo, const uint8_t *w0,
                       int64_t rb, const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp,
                       const k4z_mx *mx) {
@@ -748,13 +750,17 @@ ALWAYS void k45z_tile(const int five, const int R, const int C, float *o, int64_
     const __m512i sh = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
     const int G = (C + 3) / 4;                  /* token groups of the min term */
     __m512 acc[QZK_MR][QZK_MC];
+    __m256 acc8[QZK_MR][QZK_MC];                /* q5_k's */
     /* min term: lanes 4k..4k+3 of accm[i][g] belong to token 4g + k (the 4 int32 of
      * m . bsum32 per superblock), so one madd/cvt/mul/FMA serves 4 tokens */
     __m512 accm[QZK_MR][(QZK_MC + 3) / 4];
     _Pragma("GCC unroll 8")
     for (int i = 0; i < R; i++) {
         _Pragma("GCC unroll 8")
-        for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int j = 0; j < C; j++) {
+            acc[i][j] = _mm512_setzero_ps();
+            acc8[i][j] = _mm256_setzero_ps();
+        }
         _Pragma("GCC unroll 2")
         for (int g = 0; g < G; g++) accm[i][g] = _mm512_setzero_ps();
     }
@@ -806,8 +812,16 @@ ALWAYS void k45z_tile(const int five, const int R, const int C, float *o, int64_
         for (int j = 0; j < C; j++) {
             const __m512 dx = _mm512_set1_ps(a[j].d[b]);
             _Pragma("GCC unroll 8")
-            for (int i = 0; i < R; i++)
-                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][j]), _mm512_mul_ps(wd[i], dx), acc[i][j]);
+            for (int i = 0; i < R; i++) {
+                if (five) {
+                    const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(isum[i][j]),
+                                                        _mm512_extracti64x4_epi64(isum[i][j], 1));
+                    acc8[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s8), _mm512_castps512_ps256(_mm512_mul_ps(wd[i], dx)),
+                                                 acc8[i][j]);
+                } else {
+                    acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][j]), _mm512_mul_ps(wd[i], dx), acc[i][j]);
+                }
+            }
         }
         _Pragma("GCC unroll 2")
         for (int g = 0; g < G; g++) {
@@ -834,42 +848,36 @@ ALWAYS void k45z_tile(const int five, const int R, const int C, float *o, int64_
         _Pragma("GCC unroll 8")
         for (int j = 0; j < C; j++) {
             const __m128 m4 = _mm_loadu_ps(&mt[j >> 2][4 * (j & 3)]);
-            const float r = zsum16z(acc[i][j]) - hsum4(m4);
+            const float r = (five ? hsum8(acc8[i][j]) : zsum16z(acc[i][j])) - hsum4(m4);
             o[i + j * ldo] = add ? o[i + j * ldo] + r : r;
         }
     }
 }
 
-/* One row, one token of q4_k / q5_k in 256-bit registers with k45z_tile(1, 1)'s bits: the low and
+/* One row, one token of q4_k in 256-bit registers with k45z_tile(1, 1)'s bits: the low and
  * high nibble halves of each 32-byte run keep their own integer and float accumulators
  * (lanes 0-7 and 8-15 of the zmm tile's), the min term is lanes 0-3 of the tile's in xmm
  * registers (the same operations on each lane), and the end
  * is the same zsum16. Decode runs it: on Zen 4, which splits 512-bit instructions in two,
  * it is ~10% faster than the zmm tile for one row; prefill keeps the zmm tiles. */
-ALWAYS void k45z_row_ymm(const int five, float *o, const uint8_t *w0, const cyllm_qact_view *a, int64_t nb,
-                         int add, const uint8_t *pfp, const k4z_mx *mx) {
-    const int bb = five ? QB_Q5_K : QB_Q4_K, qs_off = five ? 48 : 16;
-    const __m256i m15 = _mm256_set1_epi8(15), x10 = _mm256_set1_epi8(16);
+ALWAYS void k4z_row_ymm(float *o, const uint8_t *w0, const cyllm_qact_view *a, int64_t nb, int add,
+                        const uint8_t *pfp, const k4z_mx *mx) {
+    const __m256i m15 = _mm256_set1_epi8(15);
     __m256 acc_lo = _mm256_setzero_ps(), acc_hi = _mm256_setzero_ps();
     __m128 accm = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        if (pfp) k4z_prefetch(pfp + b * bb);
-        const uint8_t *p = w0 + b * bb;
+        if (pfp) k4z_prefetch(pfp + b * QB_Q4_K);
+        const uint8_t *p = w0 + b * QB_Q4_K;
         __m256i sc16;
         __m128i m16;
         k_scales16(p + 4, &sc16, &m16);
         __m256i ilo = _mm256_setzero_si256(), ihi = _mm256_setzero_si256();
-        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
         const int8_t *xb = a->q + b * QK_K;
         _Pragma("GCC unroll 4")
         for (int c = 0; c < 4; c++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + qs_off + 32 * c));
-            __m256i lo = _mm256_and_si256(v, m15);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
-            if (five) {         /* k5z_bits' bytes, one half at a time */
-                lo = _mm256_mask_add_epi8(lo, _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * c)))), lo, x10);
-                hi = _mm256_mask_add_epi8(hi, _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * c + 1)))), hi, x10);
-            }
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * c));
+            const __m256i lo = _mm256_and_si256(v, m15);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
             const __m256i xl = _mm256_loadu_si256((const __m256i *)(xb + 64 * c));
             const __m256i xh = _mm256_loadu_si256((const __m256i *)(xb + 64 * c + 32));
             ilo = DPWSSD(ilo, _mm256_maddubs_epi16(lo, xl), BCAST16(sc16, 2 * c));
@@ -981,9 +989,10 @@ ALWAYS void k6z_tile(const int R, const int C, float *o, int64_t ldo, const uint
     }
 }
 
-/* matvec / gate_up / gemm of a K-quant zmm tile (TILE(R, C, o, ldo, w0, rb, a, nb, add, pfp,
- * mx)); MX: the tile takes the min term's x side prepared per call / token group (q4_k, q5_k) */
-#define QZK_FORMAT(F, TILE, TR, TC, MX, ROW1)                                                 \
+/* matvec / gate_up (QZK_DECODE: decode rows ROW1(o, w0, rb, a, nb, add, pfp, mx)) and gemm
+ * (QZK_GEMM: tiles TILE(R, C, o, ldo, w0, rb, a, nb, add, pfp, mx)) of a K-quant; MX: the
+ * min term's x side prepared per call / token group (q4_k, q5_k) */
+#define QZK_DECODE(F, MX, ROW1)                                                               \
 static void F##_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a, int64_t n, \
                       int64_t r0, int64_t r1, int add, const qx_pf *pf, const k4z_mx *mx) {   \
     for (int64_t r = r0; r < r1; r++)                                                         \
@@ -1012,7 +1021,8 @@ static void QF(gate_up_##F)(float *out, const uint8_t *wg, const uint8_t *wu, in
         F##_range(u, wu, rb, &a, n, r, e, 0, &pu, mx);                                        \
         for (int64_t i = r; i < e; i++) out[i] = cyllm_qact_apply(act, g[i - r]) * u[i - r]; \
     }                                                                                         \
-}                                                                                             \
+}
+#define QZK_GEMM(F, TILE, TR, TC, MX)                                                         \
 static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
                          int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) { \
     const int64_t nb = n / QK_K;                                                              \
@@ -1043,14 +1053,15 @@ static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
 }
 
 /* decode rows (ROW1(o, w0, rb, a, nb, add, pfp, mx)) */
-#define K4Z_ROW1(o, w0, rb, a, nb, add, pfp, mx) k45z_row_ymm(0, o, w0, a, nb, add, pfp, mx)
-#define K5Z_ROW1(o, w0, rb, a, nb, add, pfp, mx) k45z_row_ymm(1, o, w0, a, nb, add, pfp, mx)
+#define K4Z_ROW1(o, w0, rb, a, nb, add, pfp, mx) k4z_row_ymm(o, w0, a, nb, add, pfp, mx)
 #define K6Z_ROW1(o, w0, rb, a, nb, add, pfp, mx) k6z_tile(1, 1, o, 0, w0, rb, a, nb, add, pfp, mx)
 #define K4Z_TILE(...) k45z_tile(0, __VA_ARGS__)
 #define K5Z_TILE(...) k45z_tile(1, __VA_ARGS__)
-QZK_FORMAT(k4z, K4Z_TILE, QZK_R, QZK_C, 1, K4Z_ROW1)
-QZK_FORMAT(k5z, K5Z_TILE, QZ5_R, QZ5_C, 1, K5Z_ROW1)
-QZK_FORMAT(k6z, k6z_tile, QZ6_R, QZ6_C, 0, K6Z_ROW1)
+QZK_DECODE(k4z, 1, K4Z_ROW1)
+QZK_GEMM(k4z, K4Z_TILE, QZK_R, QZK_C, 1)
+QZK_GEMM(k5z, K5Z_TILE, QZ5_R, QZ5_C, 1)       /* q5_k's decode: QX_FORMAT's rows_k45 */
+QZK_DECODE(k6z, 0, K6Z_ROW1)
+QZK_GEMM(k6z, k6z_tile, QZ6_R, QZ6_C, 0)
 #endif
 
 /* rows [r0, r1) -> f16 (the prefill's f16 panels, CYLLM_QPREFILL=f16): each block
@@ -1652,7 +1663,7 @@ R16_ENTRIES(q41r16, R16_Q41_GROUP, CYLLM_QA_Q8_0, 32)
 #define QX_ENTRY_Q8_0 {QF(matvec_z8), QF(gate_up_z8), QF(gemm_z8), QF(deq16_q8_0), QF(deq32_q8_0)}
 #define QX_ENTRY_NIB(F) {QF(matvec_##F##z), QF(gate_up_##F##z), QF(gemm_##F##z), QF(deq16_##F), QF(deq32_##F)}
 #define QX_ENTRY_Q4_K {QF(matvec_k4z), QF(gate_up_k4z), QF(gemm_k4z), QF(deq16_q4_k), QF(deq32_q4_k)}
-#define QX_ENTRY_Q5_K {QF(matvec_k5z), QF(gate_up_k5z), QF(gemm_k5z), QF(deq16_q5_k), QF(deq32_q5_k)}
+#define QX_ENTRY_Q5_K {QF(matvec_q5_k), QF(gate_up_q5_k), QF(gemm_k5z), QF(deq16_q5_k), QF(deq32_q5_k)}
 #define QX_ENTRY_Q6_K {QF(matvec_k6z), QF(gate_up_k6z), QF(gemm_k6z), QF(deq16_q6_k), QF(deq32_q6_k)}
 #else
 #define QX_ENTRY_Q8_0 QX_ENTRY(q8_0)
