@@ -50,6 +50,8 @@ def load(path=None, backend: str = "cpu", threads=None, context=None, threads_ba
         quantize_weights(config, weights, quantize, be.threads if be.name == "cpu" else None)
     model = Model(config, weights, tokenizer, backend=be, context=context)
     _apply_thread_policy(model, threads, threads_batch)
+    from .memory import release_freed_heap
+    release_freed_heap()                    # the load's freed temporaries off the resident set
     return model
 
 

@@ -173,15 +173,21 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
 
     # -- memory ---------------------------------------------------------------
     def upload(self, a: np.ndarray) -> np.ndarray:
-        """The array itself when already usable: no copy of mmapped f16 weights or f32
-        vectors. Otherwise a C-contiguous, aligned, native-order copy; float64 becomes
-        float32 and a 1-D float16 vector float32 (every vector op reads f32). A QuantMatrix
-        keeps its blocks (usually in the file's memory map), reordered by _native_layout
-        where an r16 layout applies."""
+        """The array itself when already usable: no copy of mmapped f16 weights. Otherwise
+        a C-contiguous, aligned, native-order copy; float64 becomes float32 and a 1-D float16
+        vector float32 (every vector op reads f32). Vectors (norms, biases) are always
+        copied: a few KB each, but read from the file's map, each one maps the whole large
+        page-cache folio around it (2 MB on hosts whose filesystem keeps large folios), which
+        for a model whose matrices were all reordered at load put ~75 MB of file pages back
+        into the resident set (tests/test_memory_quant.py). A QuantMatrix keeps its blocks
+        (usually in the file's memory map), reordered by _native_layout where an r16 layout
+        applies."""
         if isinstance(a, QuantMatrix):
             return self._native_layout(a)
         a = np.asarray(a)
-        if a.dtype == np.float64 or (a.dtype == np.float16 and a.ndim == 1):
+        if a.ndim == 1:
+            return np.array(a, dtype=np.float32 if a.dtype in (np.float64, np.float16) else a.dtype.newbyteorder("="))
+        if a.dtype == np.float64:
             a = a.astype(np.float32)
         elif not a.dtype.isnative:
             a = a.astype(a.dtype.newbyteorder("="))
