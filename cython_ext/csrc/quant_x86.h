@@ -336,12 +336,27 @@ ALWAYS void k_scales16(const uint8_t *s, __m256i *sc16, __m128i *m16) {
     *m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m));
 }
 
+/* q5_k's 8 sub-blocks of one superblock (at p) as 32 codes each (0..31): the nibbles of qs
+ * and qh's bits 2c (sub-block 2c) and 2c + 1 (sub-block 2c + 1) */
+ALWAYS void k5_codes(__m256i cod[8], const uint8_t *p) {
+    const __m256i m15 = _mm256_set1_epi8(15), x10 = _mm256_set1_epi8(16);
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 16));
+    _Pragma("GCC unroll 4")
+    for (int c = 0; c < 4; c++) {       /* qh's bits 2c, 2c + 1 of each byte -> 16 (the bits
+                                           shifted in from the byte above land past bit 1) */
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 48 + 32 * c));
+        cod[2 * c] = _mm256_or_si256(_mm256_and_si256(v, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), x10));
+        cod[2 * c + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m15),
+                                         _mm256_and_si256(_mm256_slli_epi16(qh, 3), x10));
+        qh = _mm256_srli_epi16(qh, 2);
+    }
+}
+
 /* q4_k (five = 0) / q5_k (five = 1) */
 ALWAYS void rows_k45(const int C, const int five, float *o, int64_t ldo, const uint8_t *w0,
                      const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
     const int bb = five ? QB_Q5_K : QB_Q4_K;
-    const int qs_off = five ? 48 : 16;
-    const __m256i m15 = _mm256_set1_epi8(15), x10 = _mm256_set1_epi8(0x10);
+    const __m256i m15 = _mm256_set1_epi8(15);
     __m256 acc[QX_C];
     __m128 accm[QX_C];
     _Pragma("GCC unroll 4")
@@ -352,22 +367,17 @@ ALWAYS void rows_k45(const int C, const int five, float *o, int64_t ldo, const u
         PREFETCH(f);
         PREFETCH(f + 64);
         PREFETCH(f + 128);
-        __m256i sc16, isum[QX_C], qh = _mm256_setzero_si256();
+        __m256i sc16, isum[QX_C], cod[8];
         __m128i m16;
         k_scales16(p + 4, &sc16, &m16);
-        if (five) qh = _mm256_loadu_si256((const __m256i *)(p + 16));
+        if (five) k5_codes(cod, p);
         _Pragma("GCC unroll 4")
         for (int j = 0; j < C; j++) isum[j] = _mm256_setzero_si256();
         _Pragma("GCC unroll 4")
         for (int c = 0; c < 4; c++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(p + qs_off + 32 * c));
-            __m256i lo = _mm256_and_si256(v, m15);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
-            if (five) {
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), x10));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), x10));
-                qh = _mm256_srli_epi16(qh, 2);
-            }
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * c));
+            const __m256i lo = five ? cod[2 * c] : _mm256_and_si256(v, m15);
+            const __m256i hi = five ? cod[2 * c + 1] : _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
             const __m256i s_lo = BCAST16(sc16, 2 * c), s_hi = BCAST16(sc16, 2 * c + 1);
             _Pragma("GCC unroll 4")
             for (int j = 0; j < C; j++) {
@@ -956,8 +966,8 @@ ALWAYS void k6z_tile(const int R, const int C, float *o, int64_t ldo, const uint
 }
 
 /* ---- AVX512-VNNI q5_k prefill on rows packed by 16 ----------------------------------------
- * In a row's layout the 5-bit codes take vpmaddubsw + vpdpwssd per 64 weights of one row (the
- * zmm tile above). Prefill instead packs each group of 16 rows once per call into a panel
+ * In a row's layout the 5-bit codes take vpmaddubsw + vpdpwssd per 32 weights of one row
+ * (rows_k45). Prefill instead packs each group of 16 rows once per call into a panel
  * laid out as q4_k_r16 is stored (4 code bytes of each row per 512-bit register, the 5th bits
  * in, scales widened: k5p_sb), in L2, and runs every token over it with one vpdpbusd per 64
  * weights of 16 rows. The weights stay in the file's layout, so decode streams them as they
@@ -976,21 +986,6 @@ ALWAYS void x_sum_pairs(const cyllm_qact_view *a, int64_t b, int32_t pr[4]) {
     _mm_storeu_si128((__m128i *)pr, _mm_packs_epi32(
         _mm_madd_epi16(_mm_loadu_si128((const __m128i *)bs), ones),
         _mm_madd_epi16(_mm_loadu_si128((const __m128i *)(bs + 8)), ones)));
-}
-
-/* q5_k's 8 sub-blocks of one superblock as 32 codes each (0..31) */
-ALWAYS void k5_codes(__m256i cod[8], const uint8_t *p) {
-    const __m256i m15 = _mm256_set1_epi8(15), x10 = _mm256_set1_epi8(16);
-    __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 16));
-    _Pragma("GCC unroll 4")
-    for (int c = 0; c < 4; c++) {       /* qh's bits 2c, 2c + 1 of each byte -> 16 (the bits
-                                           shifted in from the byte above land past bit 1) */
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 48 + 32 * c));
-        cod[2 * c] = _mm256_or_si256(_mm256_and_si256(v, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), x10));
-        cod[2 * c + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m15),
-                                         _mm256_and_si256(_mm256_slli_epi16(qh, 3), x10));
-        qh = _mm256_srli_epi16(qh, 2);
-    }
 }
 
 /* one superblock of a packed group of 16 rows (row r in lane r; rows past the group's end:

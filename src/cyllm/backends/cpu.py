@@ -185,8 +185,9 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         if isinstance(a, QuantMatrix):
             return self._native_layout(a)
         a = np.asarray(a)
-        if a.ndim == 1:
-            return np.array(a, dtype=np.float32 if a.dtype in (np.float64, np.float16) else a.dtype.newbyteorder("="))
+        if a.ndim == 1:         # always a copy (above)
+            dt = np.float32 if a.dtype in (np.float64, np.float16) else a.dtype.newbyteorder("=")
+            return np.array(a, dtype=dt)
         if a.dtype == np.float64:
             a = a.astype(np.float32)
         elif not a.dtype.isnative:

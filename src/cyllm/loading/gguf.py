@@ -315,7 +315,6 @@ def _check_block_scales(gf: GGUFFile, info: GGUFTensorInfo, qm) -> None:
     it as it is, and the int8 rounding of the next activation turns the NaNs into finite
     noise: the text would be wrong with no sign of it. f16 inf/nan: exponent bits all set
     (0x7C in the high byte). Reads the whole tensor once (the first token would anyway)."""
-    from ..memory import drop_array_file_pages
     blocks = qm.data.reshape(-1, qm.fmt.block_bytes)              # (nb, block bytes), a view
     for b0 in range(0, blocks.shape[0], _SCAN_BLOCKS):
         part = blocks[b0:b0 + _SCAN_BLOCKS]
@@ -324,10 +323,6 @@ def _check_block_scales(gf: GGUFFile, info: GGUFTensorInfo, qm) -> None:
             if bad.size:
                 raise ModelLoadError(f"{gf.path}: tensor {clip(info.name)}: block {b0 + int(bad[0])} "
                                      "has an inf or nan scale")
-        # the scan mapped (nearly) every page of the part: unmap them again, so the whole file
-        # is not resident at once before the backend reorders or uploads its tensors (the page
-        # cache keeps them: reading them again is a minor fault); anonymous copies stay
-        drop_array_file_pages(part)
 
 
 def _quant_matrix(gf: GGUFFile, p: PlannedTensor):
