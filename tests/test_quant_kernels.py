@@ -224,6 +224,25 @@ def test_qmatmul_tiles_and_long_rows(variant, fmt):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fmt", QUANTIZED)
+def test_qmatmul_long_prompt(variant, fmt):
+    """More tokens than a prefill kernel prepares at once (q5_k's AVX512-VNNI GEMM
+    transposes 128): every token still gets qmatvec's bits."""
+    rng = np.random.default_rng(57)
+    cols = cols_for(fmt)[1]
+    rows, T = 9, 133
+    qk = K.QuantKernels(threads=2, variant=variant)
+    wq = make(fmt, rows, cols, rng)
+    xb = rng.standard_normal((T, cols)).astype(np.float32)
+    out = np.zeros((T, rows), np.float32)
+    qk.qmatmul(out, wq, fmt, xb, method="int8")
+    for t in range(T):
+        o = np.zeros(rows, np.float32)
+        qk.qmatvec(o, wq, fmt, xb[t])
+        np.testing.assert_array_equal(out[t], o, err_msg=f"token {t}")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt", QUANTIZED)
 def test_dequantize_rows(variant, fmt):
     rng = np.random.default_rng(61)
     cols = cols_for(fmt)[1]

@@ -3,9 +3,10 @@
  *   quant_avxvnni.c  QX_VNNI 1: vpdpbusd / vpdpwssd, VEX encoding (AVX-VNNI), ymm
  *   quant_avx512.c   QX_VNNI 2: vpdpbusd / vpdpwssd, EVEX (AVX512_VNNI + BW + VL): zmm
  *                    kernels for q8_0, q4_0/q4_1/q5_0/q5_1, q4_k and q6_k (the "zmm"
- *                    sections below: register tiles of rows x tokens in prefill) and q5_k's
- *                    prefill (on rows packed by 16 as it runs); q5_k's decode and rows past
- *                    the zmm kernels' stack-prepared activations take the ymm kernels.
+ *                    sections below: register tiles of rows x tokens in prefill) and q5_k
+ *                    (exact superblock totals; prefill with 16 tokens in a zmm's lanes);
+ *                    rows past the zmm kernels' stack-prepared activations take the ymm
+ *                    kernels.
  * The including file defines QX_VNNI, QX_NAME and QX_TABLE. All three compute the
  * same integers (no int16 saturation is reachable: see the bounds next to DOT2).
  *
@@ -965,19 +966,6 @@ ALWAYS void k6z_tile(const int R, const int C, float *o, int64_t ldo, const uint
     }
 }
 
-/* ---- AVX512-VNNI q5_k prefill on rows packed by 16 ----------------------------------------
- * In a row's layout the 5-bit codes take vpmaddubsw + vpdpwssd per 32 weights of one row
- * (rows_k45). Prefill instead packs each group of 16 rows once per call into a panel
- * laid out as q4_k_r16 is stored (4 code bytes of each row per 512-bit register, the 5th bits
- * in, scales widened: k5p_sb), in L2, and runs every token over it with one vpdpbusd per 64
- * weights of 16 rows. The weights stay in the file's layout, so decode streams them as they
- * are (rows_k45; a stored interleaved q5_k layout made decode slower). Each row lane follows
- * rows_k45's chain, so a token has decode's bits: eight exact int32 lanes a superblock,
- * L_j = sum_k sc_k (q_k . x_k over elements 4j..4j+3 of sub-block k), and four
- * M_i = m_2i bs_2i + m_2i+1 bs_2i+1; A_j = fma(L_j, d d_x, A_j), B_i = fma(M_i, dmin d_x, B_i);
- * at the end hsum8's tree ((A_0 + A_4) + (A_2 + A_6)) + ((A_1 + A_5) + (A_3 + A_7)) minus
- * hsum4's (B_0 + B_2) + (B_1 + B_3). Bounds: 4 products <= 4 * 31 * 127 (an int16), times a
- * 6-bit scale, 8 sub-blocks: < 2^23. */
 /* x's sums per 32 of superblock b (|.| <= 32 * 127: int16) as int32-packed pairs
  * (bs_2i, bs_2i+1), i = 0..3: the x side of a K-quant's min term in the r16-style kernels */
 ALWAYS void x_sum_pairs(const cyllm_qact_view *a, int64_t b, int32_t pr[4]) {
@@ -988,174 +976,316 @@ ALWAYS void x_sum_pairs(const cyllm_qact_view *a, int64_t b, int32_t pr[4]) {
         _mm_madd_epi16(_mm_loadu_si128((const __m128i *)(bs + 8)), ones)));
 }
 
-/* one superblock of a packed group of 16 rows (row r in lane r; rows past the group's end:
- * zeros) */
-typedef struct {
-    float d[16], dm[16];                /* d, dmin */
-    int16_t sp[4][32];                  /* (sc_2i, sc_2i+1) of row r at 2r, 2r + 1 */
-    int16_t mp[4][32];                  /* (m_2i, m_2i+1) of row r at 2r, 2r + 1 */
-    uint8_t q[8][8][64];                /* codes of sub-block k, elements 4l..4l+3: row r at 4r */
-} k5p_sb;
+/* ---- AVX512-VNNI q5_k: exact superblock totals -----------------------------------------
+ * Decode and prefill compute, for each (row, token) and superblock s, the exact integers
+ * L_s = sum_k sc_k (q_k . x_k) and M_s = sum_k m_k bs_k (bs_k: x's codes summed over
+ * sub-block k), and then one float chain: lane s % 8 of two 8-lane accumulators takes
+ * A = fma(L_s, d_s dx_s, A) and B = fma(M_s, dmin_s dx_s, B); the result is
+ * hsum8(A) - hsum8(B). The integers can be summed in any order, so the two paths are free
+ * to compute them their own way:
+ * - decode (one row, one token, weights streamed from DRAM) takes rows_k45's 8 int32 lanes
+ *   (L) and 4 (M) per superblock and reduces 8 superblocks at a time with a vphaddd tree,
+ *   a few operations per superblock where the 8-lane float chain it replaces had more;
+ * - prefill puts 16 tokens in the lanes of a zmm. x is transposed once per call (one
+ *   64-byte line holds elements 4g..4g+3 of 16 tokens), each group of 8 rows is unpacked
+ *   once to 5-bit codes, and one vpdpbusd takes a row's 4 codes (broadcast) against a
+ *   line: 64 multiply-adds, nothing to pair or blend; the sub-block scale multiplies the
+ *   exact sub-block sums once per 32 elements (vpmulld). Each token lane then runs decode's
+ *   float chain, so a token gets decode's bits.
+ * Bounds: q . x over a sub-block <= 32 * 31 * 127 = 125984; times sc <= 63, over 8
+ * sub-blocks: < 2^26. M: 8 * 63 * 32 * 127 < 2^21. */
 
-/* rows [0, nr) of a group (nr <= 16) -> its packed superblocks; the codes go 4 rows at a
- * time through a 4 x 4 transpose of 4-byte units (per 128-bit lane: units l and l + 4) */
-ALWAYS void k5p_pack(k5p_sb *s, const uint8_t *w0, int64_t rb, int nr, int64_t nb) {
-    for (int64_t b = 0; b < nb; b++) {
-        k5p_sb *t = s + b;
-        memset(t, 0, offsetof(k5p_sb, q));
-        for (int r = 0; r < nr; r++) {
-            const uint8_t *p = w0 + r * rb + b * QB_Q5_K;
-            const __m128 wdd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)cyllm_rd32(p)));
-            t->d[r] = _mm_cvtss_f32(wdd);
-            t->dm[r] = _mm_cvtss_f32(_mm_movehdup_ps(wdd));
-            __m256i sc16;
-            __m128i m16;
-            k_scales16(p + 4, &sc16, &m16);
-            int16_t sc[16], mn[8];
-            _mm256_storeu_si256((__m256i *)sc, sc16);
-            _mm_storeu_si128((__m128i *)mn, m16);
-            for (int i = 0; i < 4; i++) {
-                t->sp[i][2 * r] = sc[2 * i];
-                t->sp[i][2 * r + 1] = sc[2 * i + 1];
-                t->mp[i][2 * r] = mn[2 * i];
-                t->mp[i][2 * r + 1] = mn[2 * i + 1];
-            }
+/* q5_k's codes (0..31) of one superblock (at p), two sub-blocks per zmm: cod[c] holds
+ * sub-block 2c (the low nibbles of qs[32c..32c+31]) in its low half and 2c + 1 (the high
+ * nibbles) in its high half, each with its 5th bit from qh (bits 2c and 2c + 1 of each
+ * byte). The shifts are per 64-bit lane; a bit moved to bit 4 of a byte comes from the
+ * same byte (left by <= 4, right by <= 3), and everything else is masked off. */
+ALWAYS void k5_codes_z(__m512i cod[4], const uint8_t *p) {
+    const __m512i m15 = _mm512_set1_epi8(15), x10 = _mm512_set1_epi8(0x10);
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 16)));
+    const __m512i nib = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+    const __m512i h[4] = {
+        _mm512_sllv_epi64(qh, _mm512_setr_epi64(4, 4, 4, 4, 3, 3, 3, 3)),
+        _mm512_sllv_epi64(qh, _mm512_setr_epi64(2, 2, 2, 2, 1, 1, 1, 1)),
+        _mm512_srlv_epi64(qh, _mm512_setr_epi64(0, 0, 0, 0, 1, 1, 1, 1)),
+        _mm512_srlv_epi64(qh, _mm512_setr_epi64(2, 2, 2, 2, 3, 3, 3, 3))};
+    _Pragma("GCC unroll 4")
+    for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_srlv_epi64(
+            _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 48 + 32 * c))), nib);
+        /* (v & 15) | (h & 0x10) */
+        cod[c] = _mm512_ternarylogic_epi32(v, _mm512_and_si512(h[c], x10), m15, 0xEC);
+    }
+}
+
+/* superblock b of one row (at p) against one token: 8 int32 lanes summing to L, 4 to M */
+ALWAYS void k5t_parts(const uint8_t *p, const cyllm_qact_view *a, int64_t b, __m256i *li, __m128i *mi) {
+    __m256i sc16;
+    __m128i m16;
+    __m512i cod[4];
+    k_scales16(p + 4, &sc16, &m16);
+    k5_codes_z(cod, p);
+    /* the 8 int16 scales in every 128-bit lane: an in-lane byte shuffle picks one (vpermw,
+       across lanes, cost 10% of the kernel on Zen 4) */
+    const __m512i sc = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sc16));
+    const int8_t *xb = a->q + b * QK_K;
+    __m512i s = _mm512_setzero_si512();
+    _Pragma("GCC unroll 4")
+    for (int c = 0; c < 4; c++) {
+        /* scales of sub-blocks 2c (low half) and 2c + 1 (high half) */
+        const __m512i sp = _mm512_shuffle_epi8(sc, _mm512_inserti64x4(
+            _mm512_set1_epi16((short)((4 * c) | ((4 * c + 1) << 8))),
+            _mm256_set1_epi16((short)((4 * c + 2) | ((4 * c + 3) << 8))), 1));
+        /* pairs <= 2 * 31 * 127 = 7874 */
+        s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(cod[c], _mm512_loadu_si512((const void *)(xb + 64 * c))), sp);
+    }
+    *li = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+    /* x's sums per 32 from its 16 per-16 sums, against the 8 mins */
+    const __m128i bs32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(a->bsum + 16 * b)),
+                                        _mm_loadu_si128((const __m128i *)(a->bsum + 16 * b + 8)));
+    *mi = _mm_madd_epi16(m16, bs32);
+}
+
+/* lane i <- the sum of v[i]'s 8 lanes */
+ALWAYS __m256i hsum8i_x8(const __m256i v[8]) {
+    const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    /* q0: lanes 0-3 of v[0..3] summed | lanes 4-7 of v[0..3] summed; q1 the same for v[4..7] */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+}
+
+/* lane i <- the sum of v[i]'s 4 lanes */
+ALWAYS __m256i hsum4i_x8(const __m128i v[8]) {
+    const __m128i q0 = _mm_hadd_epi32(_mm_hadd_epi32(v[0], v[1]), _mm_hadd_epi32(v[2], v[3]));
+    const __m128i q1 = _mm_hadd_epi32(_mm_hadd_epi32(v[4], v[5]), _mm_hadd_epi32(v[6], v[7]));
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
+}
+
+/* superblocks b0 .. b0+m-1 (m <= 8) of one row into the chain's accumulators */
+ALWAYS void k5t_group(const int m, __m256 *A, __m256 *B, const uint8_t *w0, const cyllm_qact_view *a,
+                      int64_t b0, const uint8_t *pfp) {
+    __m256i li[8];
+    __m128i mi[8], dd[8];
+    _Pragma("GCC unroll 1")
+    for (int i = 0; i < 8; i++) {
+        if (i < m) {
+            const uint8_t *p = w0 + (b0 + i) * QB_Q5_K;
+            const uint8_t *f = pfp + (b0 + i) * QB_Q5_K;
+            PREFETCH(f);
+            PREFETCH(f + 64);
+            PREFETCH(f + 128);
+            k5t_parts(p, a, b0 + i, &li[i], &mi[i]);
+            dd[i] = _mm_cvtsi32_si128((int)cyllm_rd32(p));     /* d, dmin (f16) */
+        } else {
+            li[i] = _mm256_setzero_si256();
+            mi[i] = _mm_setzero_si128();
+            dd[i] = _mm_setzero_si128();
         }
-        for (int rq = 0; rq < 4; rq++) {
-            __m256i cod[4][8];
-            _Pragma("GCC unroll 4")
-            for (int i = 0; i < 4; i++) {
-                if (4 * rq + i < nr) {
-                    k5_codes(cod[i], w0 + (4 * rq + i) * rb + b * QB_Q5_K);
-                } else {
-                    for (int k = 0; k < 8; k++) cod[i][k] = _mm256_setzero_si256();
-                }
+    }
+    /* the 8 (d, dmin) words into one vector in registers (a store of 8 words and a vector
+       load of them would stall on store forwarding) */
+    const __m128i d03 = _mm_unpacklo_epi64(_mm_unpacklo_epi32(dd[0], dd[1]), _mm_unpacklo_epi32(dd[2], dd[3]));
+    const __m128i d47 = _mm_unpacklo_epi64(_mm_unpacklo_epi32(dd[4], dd[5]), _mm_unpacklo_epi32(dd[6], dd[7]));
+    const __m256i ddv = _mm256_inserti128_si256(_mm256_castsi128_si256(d03), d47, 1);
+    const __m256 d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(ddv));
+    const __m256 dm = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(ddv, 16)));
+    const __m256 dx = _mm256_maskz_loadu_ps((__mmask8)((1u << m) - 1), a->d + b0);
+    *A = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8i_x8(li)), _mm256_mul_ps(d, dx), *A);
+    *B = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum4i_x8(mi)), _mm256_mul_ps(dm, dx), *B);
+}
+
+/* decode: one row against one token */
+ALWAYS void k5t_row(float *o, const uint8_t *w0, const cyllm_qact_view *a, int64_t nb, int add,
+                    const uint8_t *pfp) {
+    __m256 A = _mm256_setzero_ps(), B = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) k5t_group(8, &A, &B, w0, a, b, pfp);
+    if (b < nb) k5t_group((int)(nb - b), &A, &B, w0, a, b, pfp);
+    const float r = hsum8(A) - hsum8(B);
+    *o = add ? *o + r : r;
+}
+
+/* prefill: 16 tokens of x, transposed (token j in lane j; tokens past the end: zeros) */
+typedef struct {
+    uint8_t *q;             /* (n / 4, 16, 4): elements 4g..4g+3 of token j at 64 g + 4 j */
+    int32_t *bs;            /* (nb, 4, 16): (bs_2i, bs_2i+1) as int16 pairs, token j in lane j */
+    float *dx;              /* (nb, 16) */
+} k5t_x;
+
+/* 8 rows unpacked (rows past the group's end: zeros) */
+typedef struct {
+    uint8_t *q;             /* (8, n): 5-bit codes */
+    int32_t *sc;            /* (8, nb, 8) */
+    int32_t *mp;            /* (8, nb, 4): (m_2i, m_2i+1) as int16 pairs */
+    float *d, *dm;          /* (8, nb) */
+} k5t_w;
+
+#define K5T_TOKENS 128      /* tokens whose x is transposed at a time */
+
+static size_t k5t_x_bytes(int64_t n) { return (size_t)16 * n + (size_t)(n / QK_K) * (256 + 64); }
+static size_t k5t_w_bytes(int64_t n) { return (size_t)8 * n + (size_t)(n / QK_K) * 8 * (32 + 16 + 8); }
+
+static k5t_x k5t_x_at(uint8_t *p, int64_t n) {
+    k5t_x x = {p, (int32_t *)(p + 16 * n), (float *)(p + 16 * n + (n / QK_K) * 256)};
+    return x;
+}
+
+static k5t_w k5t_w_at(uint8_t *p, int64_t n) {
+    const int64_t nb = n / QK_K;
+    k5t_w w;
+    w.q = p;
+    w.sc = (int32_t *)(p + 8 * n);
+    w.mp = w.sc + 8 * nb * 8;
+    w.d = (float *)(w.mp + 8 * nb * 4);
+    w.dm = w.d + 8 * nb;
+    return w;
+}
+
+/* tokens t .. t+nt-1 (nt <= 16) of xq -> x */
+static void k5t_xprep(k5t_x *x, const void *xq, int64_t xs, int64_t t, int nt, int64_t n) {
+    const int64_t nb = n / QK_K;
+    memset(x->q, 0, (size_t)16 * n);
+    memset(x->bs, 0, (size_t)nb * 256);
+    memset(x->dx, 0, (size_t)nb * 64);
+    for (int j = 0; j < nt; j++) {
+        const cyllm_qact_view a = cyllm_qact_split((const char *)xq + (t + j) * xs, n, CYLLM_QA_Q8_K);
+        for (int64_t g = 0; g < n / 4; g++) memcpy(x->q + 64 * g + 4 * j, a.q + 4 * g, 4);
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t pr[4];
+            x_sum_pairs(&a, b, pr);
+            x->dx[16 * b + j] = a.d[b];
+            for (int i = 0; i < 4; i++) x->bs[(4 * b + i) * 16 + j] = pr[i];
+        }
+    }
+}
+
+/* rows r .. r+nr-1 (nr <= 8) of w -> the panel */
+static void k5t_wprep(k5t_w *p, const uint8_t *w, int64_t rb, int64_t r, int nr, int64_t n) {
+    const int64_t nb = n / QK_K;
+    for (int i = 0; i < 8; i++) {
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t *sc = p->sc + (i * nb + b) * 8, *mp = p->mp + (i * nb + b) * 4;
+            uint8_t *q = p->q + i * n + b * QK_K;
+            if (i >= nr) {
+                memset(q, 0, QK_K);
+                memset(sc, 0, 32);
+                memset(mp, 0, 16);
+                p->d[i * nb + b] = p->dm[i * nb + b] = 0.0f;
+                continue;
+            }
+            const uint8_t *blk = w + (r + i) * rb + b * QB_Q5_K;
+            __m512i cod[4];
+            k5_codes_z(cod, blk);
+            for (int c = 0; c < 4; c++) _mm512_storeu_si512((void *)(q + 64 * c), cod[c]);
+            uint8_t s8[8], m8[8];
+            cyllm_k_scales(blk + 4, s8, m8);
+            for (int k = 0; k < 8; k++) sc[k] = s8[k];
+            for (int k = 0; k < 4; k++) mp[k] = (int32_t)((uint32_t)m8[2 * k] | ((uint32_t)m8[2 * k + 1] << 16));
+            p->d[i * nb + b] = _cvtsh_ss(cyllm_rd16(blk));
+            p->dm[i * nb + b] = _cvtsh_ss(cyllm_rd16(blk + 2));
+        }
+    }
+}
+
+/* 8 rows x 16 tokens over every superblock; o[j * ldo + i] gets (row i < nr, token j < nt) */
+static void k5t_tile(float *o, int64_t ldo, const k5t_w *w, const k5t_x *x, int64_t n, int nr, int nt,
+                     int add) {
+    const int64_t nb = n / QK_K;
+    __m512 acc[2][8][8];                    /* A, B of row i, lane s % 8: tokens in lanes */
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 8; i++)
+            for (int l = 0; l < 8; l++) acc[h][i][l] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < nb; s++) {
+        __m512i L[8];
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < 8; i++) L[i] = _mm512_setzero_si512();
+        for (int k = 0; k < 8; k++) {
+            const uint8_t *xk = x->q + (s * QK_K + 32 * k) * 16;
+            const uint8_t *wk = w->q + s * QK_K + 32 * k;
+            __m512i D[8];
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < 8; i++) D[i] = _mm512_setzero_si512();
+            _Pragma("GCC unroll 8")
+            for (int g = 0; g < 8; g++) {
+                const __m512i xv = _mm512_loadu_si512((const void *)(xk + 64 * g));
+                _Pragma("GCC unroll 8")
+                for (int i = 0; i < 8; i++)
+                    D[i] = _mm512_dpbusd_epi32(D[i], _mm512_set1_epi32((int)cyllm_rd32(wk + i * n + 4 * g)), xv);
             }
             _Pragma("GCC unroll 8")
-            for (int k = 0; k < 8; k++) {
-                const __m256i t0 = _mm256_unpacklo_epi32(cod[0][k], cod[1][k]);
-                const __m256i t1 = _mm256_unpackhi_epi32(cod[0][k], cod[1][k]);
-                const __m256i t2 = _mm256_unpacklo_epi32(cod[2][k], cod[3][k]);
-                const __m256i t3 = _mm256_unpackhi_epi32(cod[2][k], cod[3][k]);
-                const __m256i u[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
-                                      _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
-                _Pragma("GCC unroll 4")
-                for (int l = 0; l < 4; l++) {
-                    _mm_storeu_si128((__m128i *)&t->q[k][l][16 * rq], _mm256_castsi256_si128(u[l]));
-                    _mm_storeu_si128((__m128i *)&t->q[k][l + 4][16 * rq], _mm256_extracti128_si256(u[l], 1));
-                }
-            }
+            for (int i = 0; i < 8; i++)
+                L[i] = _mm512_add_epi32(L[i], _mm512_mullo_epi32(D[i], _mm512_set1_epi32(w->sc[(i * nb + s) * 8 + k])));
         }
+        const __m512 dx = _mm512_loadu_ps(x->dx + 16 * s);
+        const int l = (int)(s & 7);
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < 8; i++) {
+            __m512i M = _mm512_setzero_si512();
+            _Pragma("GCC unroll 4")
+            for (int q = 0; q < 4; q++)
+                M = _mm512_dpwssd_epi32(M, _mm512_loadu_si512((const void *)(x->bs + (4 * s + q) * 16)),
+                                        _mm512_set1_epi32(w->mp[(i * nb + s) * 4 + q]));
+            const __m512 pd = _mm512_mul_ps(_mm512_set1_ps(w->d[i * nb + s]), dx);
+            const __m512 pm = _mm512_mul_ps(_mm512_set1_ps(w->dm[i * nb + s]), dx);
+            acc[0][i][l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(L[i]), pd, acc[0][i][l]);
+            acc[1][i][l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(M), pm, acc[1][i][l]);
+        }
+    }
+    for (int i = 0; i < nr; i++) {
+        __m512 t[2];
+        for (int h = 0; h < 2; h++) {       /* hsum8's tree, lane by lane */
+            const __m512 *v = acc[h][i];
+            t[h] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(v[0], v[4]), _mm512_add_ps(v[2], v[6])),
+                                 _mm512_add_ps(_mm512_add_ps(v[1], v[5]), _mm512_add_ps(v[3], v[7])));
+        }
+        float r[16];
+        _mm512_storeu_ps(r, _mm512_sub_ps(t[0], t[1]));
+        for (int j = 0; j < nt; j++) o[j * ldo + i] = add ? o[j * ldo + i] + r[j] : r[j];
     }
 }
 
-/* C (1 or 2) tokens over a packed group (nb superblocks), sharing the panel's loads: lane r
- * of every vector is row r; lanes outside keep are not stored */
-ALWAYS void k5p_group(const int C, float *o, int64_t ldo, const k5p_sb *s, int64_t nb,
-                      const cyllm_qact_view *a, int add, __mmask16 keep) {
-    __m512 A[2][8], B[2][4];
-    _Pragma("GCC unroll 2")
-    for (int t = 0; t < C; t++) {
-        _Pragma("GCC unroll 8")
-        for (int j = 0; j < 8; j++) A[t][j] = _mm512_setzero_ps();
-        _Pragma("GCC unroll 4")
-        for (int i = 0; i < 4; i++) B[t][i] = _mm512_setzero_ps();
-    }
-    for (int64_t b = 0; b < nb; b++) {
-        const k5p_sb *g = s + b;
-        const __m512 d = _mm512_loadu_ps(g->d);
-        _Pragma("GCC unroll 8")
-        for (int j = 0; j < 8; j++) {
-            /* sub-blocks 2i, 2i+1: their sums (int16-sized) as a pair per row, times the
-               pair of scales */
-            __m512i L[2];
-            _Pragma("GCC unroll 2")
-            for (int t = 0; t < C; t++) L[t] = _mm512_setzero_si512();
-            _Pragma("GCC unroll 4")
-            for (int i = 0; i < 4; i++) {
-                const __m512i w0 = _mm512_loadu_si512((const void *)g->q[2 * i][j]);
-                const __m512i w1 = _mm512_loadu_si512((const void *)g->q[2 * i + 1][j]);
-                const __m512i sp = _mm512_loadu_si512((const void *)g->sp[i]);
-                _Pragma("GCC unroll 2")
-                for (int t = 0; t < C; t++) {
-                    const uint8_t *x = (const uint8_t *)a[t].q + b * QK_K + 64 * i + 4 * j;
-                    const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0,
-                                                           _mm512_set1_epi32((int)cyllm_rd32(x)));
-                    const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1,
-                                                           _mm512_set1_epi32((int)cyllm_rd32(x + 32)));
-                    L[t] = _mm512_dpwssd_epi32(L[t], _mm512_mask_blend_epi16(0xAAAAAAAAu, p0, _mm512_slli_epi32(p1, 16)), sp);
-                }
-            }
-            _Pragma("GCC unroll 2")
-            for (int t = 0; t < C; t++)
-                A[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(L[t]), _mm512_mul_ps(d, _mm512_set1_ps(a[t].d[b])), A[t][j]);
-        }
-        const __m512 dmin = _mm512_loadu_ps(g->dm);
-        _Pragma("GCC unroll 2")
-        for (int t = 0; t < C; t++) {
-            int32_t pr[4];
-            x_sum_pairs(&a[t], b, pr);
-            const __m512 dm = _mm512_mul_ps(dmin, _mm512_set1_ps(a[t].d[b]));
-            _Pragma("GCC unroll 4")
-            for (int i = 0; i < 4; i++)
-                B[t][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(),
-                                              _mm512_loadu_si512((const void *)g->mp[i]), _mm512_set1_epi32(pr[i]))),
-                                          dm, B[t][i]);
-        }
-    }
-    _Pragma("GCC unroll 2")
-    for (int t = 0; t < C; t++) {
-        /* hsum8's and hsum4's trees, lane by lane */
-        const __m512 s04 = _mm512_add_ps(A[t][0], A[t][4]), s15 = _mm512_add_ps(A[t][1], A[t][5]);
-        const __m512 s26 = _mm512_add_ps(A[t][2], A[t][6]), s37 = _mm512_add_ps(A[t][3], A[t][7]);
-        const __m512 sa = _mm512_add_ps(_mm512_add_ps(s04, s26), _mm512_add_ps(s15, s37));
-        const __m512 sm = _mm512_add_ps(_mm512_add_ps(B[t][0], B[t][2]), _mm512_add_ps(B[t][1], B[t][3]));
-        __m512 r = _mm512_sub_ps(sa, sm);
-        if (add) r = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, o + t * ldo), r);
-        _mm512_mask_storeu_ps(o + t * ldo, keep, r);
-    }
-}
-
-#define K5P_MAXB 64         /* superblocks a packed group holds (n <= 16384): 296 KiB */
-
-/* prefill: rows [r0, r1) in groups of 16 (the last may be short), each packed once (a panel
- * of nb superblocks, malloc'd per call and thread: ~100 KiB for rows of 5632) and run against
- * the tokens two at a time; rows too long for the panel take the decode rows. Against the
- * row tile (q4_k's, the 5th bits added; 1 row x 8 tokens), Zen 4, 1 thread, T = 128: 2048x2048
- * 7.55 -> 5.9 ms, 5632x2048 20.9 -> 16.2-17.0 (one token at a time: 6.3, 17.4) */
-static void QF(gemm_k5p)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
+/* prefill: up to K5T_TOKENS tokens transposed at a time, 8 rows unpacked at a time, each
+ * group of 8 rows run against every block of 16 tokens. The buffers (x: ~17 bytes per
+ * token and element, rows: ~8.2 per element) are malloc'd per call and thread; if that
+ * fails, the decode rows give the same bits. */
+static void QF(gemm_k5t)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
                          int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
     const int64_t nb = n / QK_K;
-    k5p_sb *s = nb <= K5P_MAXB ? (k5p_sb *)malloc((size_t)nb * sizeof(k5p_sb)) : NULL;
-    if (!s) {       /* the same bits, one (row, token) at a time */
+    const int64_t tc = T < K5T_TOKENS ? T : K5T_TOKENS;
+    const int64_t nblk = (tc + 15) / 16;
+    const size_t xb = k5t_x_bytes(n), wb = k5t_w_bytes(n);
+    uint8_t *buf = (uint8_t *)_mm_malloc((size_t)nblk * xb + wb, 64);
+    if (!buf) {
         for (int64_t t = 0; t < T; t++) {
-            cyllm_qact_view a = cyllm_qact_split((const char *)xq + t * xs, n, CYLLM_QA_Q8_K);
+            const cyllm_qact_view a = cyllm_qact_split((const char *)xq + t * xs, n, CYLLM_QA_Q8_K);
             for (int64_t r = r0; r < r1; r++)
-                rows_k45(1, 1, out + t * ldo + r, 0, w + r * rb, &a, nb, add, w + r * rb);
+                k5t_row(out + t * ldo + r, w + r * rb, &a, nb, add, w + r * rb);
         }
         return;
     }
-    for (int64_t g = r0; g < r1; g += 16) {
-        const int nr = r1 - g < 16 ? (int)(r1 - g) : 16;
-        k5p_pack(s, w + g * rb, rb, nr, nb);
-        const __mmask16 keep = (__mmask16)(0xFFFFu >> (16 - nr));
-        for (int64_t t = 0; t < T; t += 2) {
-            cyllm_qact_view a[2];
-            a[0] = cyllm_qact_split((const char *)xq + t * xs, n, CYLLM_QA_Q8_K);
-            if (t + 1 < T) {
-                a[1] = cyllm_qact_split((const char *)xq + (t + 1) * xs, n, CYLLM_QA_Q8_K);
-                k5p_group(2, out + t * ldo + g, ldo, s, nb, a, add, keep);
-            } else {
-                k5p_group(1, out + t * ldo + g, ldo, s, nb, a, add, keep);
+    k5t_w wp = k5t_w_at(buf + nblk * xb, n);
+    for (int64_t t0 = 0; t0 < T; t0 += tc) {
+        const int64_t tn = T - t0 < tc ? T - t0 : tc;
+        for (int64_t k = 0; k * 16 < tn; k++) {
+            k5t_x x = k5t_x_at(buf + k * xb, n);
+            k5t_xprep(&x, xq, xs, t0 + 16 * k, tn - 16 * k < 16 ? (int)(tn - 16 * k) : 16, n);
+        }
+        for (int64_t r = r0; r < r1; r += 8) {
+            const int nr = r1 - r < 8 ? (int)(r1 - r) : 8;
+            k5t_wprep(&wp, w, rb, r, nr, n);
+            for (int64_t k = 0; k * 16 < tn; k++) {
+                const k5t_x x = k5t_x_at(buf + k * xb, n);
+                k5t_tile(out + (t0 + 16 * k) * ldo + r, ldo, &wp, &x, n, nr,
+                         tn - 16 * k < 16 ? (int)(tn - 16 * k) : 16, add);
             }
         }
     }
-    free(s);
+    _mm_free(buf);
 }
 
 /* matvec / gate_up / gemm of a K-quant zmm tile (TILE(R, C, o, ldo, w0, rb, a, nb, add, pfp,
  * mx)); MX: the tile takes the min term's x side prepared per call / token group (q4_k) */
-#define QZK_FORMAT(F, TILE, TR, TC, MX, ROW1)                                                 \
+#define QZK_DECODE(F, MX, ROW1)                                                               \
 static void F##_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a, int64_t n, \
                       int64_t r0, int64_t r1, int add, const qx_pf *pf, const k4z_mx *mx) {   \
     for (int64_t r = r0; r < r1; r++)                                                         \
@@ -1184,7 +1314,9 @@ static void QF(gate_up_##F)(float *out, const uint8_t *wg, const uint8_t *wu, in
         F##_range(u, wu, rb, &a, n, r, e, 0, &pu, mx);                                        \
         for (int64_t i = r; i < e; i++) out[i] = cyllm_qact_apply(act, g[i - r]) * u[i - r]; \
     }                                                                                         \
-}                                                                                             \
+}
+#define QZK_FORMAT(F, TILE, TR, TC, MX, ROW1)                                                 \
+QZK_DECODE(F, MX, ROW1)                                                                       \
 static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
                          int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) { \
     const int64_t nb = n / QK_K;                                                              \
@@ -1217,8 +1349,10 @@ static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
 /* decode rows (ROW1(o, w0, rb, a, nb, add, pfp, mx)) */
 #define K4Z_ROW1(o, w0, rb, a, nb, add, pfp, mx) k4z_row_ymm(o, w0, a, nb, add, pfp, mx)
 #define K6Z_ROW1(o, w0, rb, a, nb, add, pfp, mx) k6z_tile(1, 1, o, 0, w0, rb, a, nb, add, pfp, mx)
+#define K5T_ROW1(o, w0, rb, a, nb, add, pfp, mx) k5t_row(o, w0, a, nb, add, pfp)
 QZK_FORMAT(k4z, k4z_tile, QZK_R, QZK_C, 1, K4Z_ROW1)
 QZK_FORMAT(k6z, k6z_tile, QZ6_R, QZ6_C, 0, K6Z_ROW1)
+QZK_DECODE(k5t, 0, K5T_ROW1)
 #endif
 
 /* rows [r0, r1) -> f16 (the prefill's f16 panels, CYLLM_QPREFILL=f16): each block
@@ -1815,7 +1949,7 @@ R16_ENTRIES(q41r16, R16_Q41_GROUP, CYLLM_QA_Q8_0, 32)
 #define QX_ENTRY_Q8_0 {QF(matvec_z8), QF(gate_up_z8), QF(gemm_z8), QF(deq16_q8_0), QF(deq32_q8_0)}
 #define QX_ENTRY_NIB(F) {QF(matvec_##F##z), QF(gate_up_##F##z), QF(gemm_##F##z), QF(deq16_##F), QF(deq32_##F)}
 #define QX_ENTRY_Q4_K {QF(matvec_k4z), QF(gate_up_k4z), QF(gemm_k4z), QF(deq16_q4_k), QF(deq32_q4_k)}
-#define QX_ENTRY_Q5_K {QF(matvec_q5_k), QF(gate_up_q5_k), QF(gemm_k5p), QF(deq16_q5_k), QF(deq32_q5_k)}
+#define QX_ENTRY_Q5_K {QF(matvec_k5t), QF(gate_up_k5t), QF(gemm_k5t), QF(deq16_q5_k), QF(deq32_q5_k)}
 #define QX_ENTRY_Q6_K {QF(matvec_k6z), QF(gate_up_k6z), QF(gemm_k6z), QF(deq16_q6_k), QF(deq32_q6_k)}
 #else
 #define QX_ENTRY_Q8_0 QX_ENTRY(q8_0)
