@@ -5,7 +5,7 @@ to int8 blocks, as llama.cpp does; so llama.cpp's own tools are the reference he
 
 - perplexity: `cyllm perplexity` vs `llama-perplexity` on the same file, text and context,
   within 0.5%, for the default model (Q4_1) and for files llama.cpp's `llama-quantize`
-  makes from it (Q8_0, Q4_0, Q4_K_M, Q6_K; requantized with --allow-requantize, so they
+  makes from it (Q8_0, Q4_0, Q4_K_M, Q5_K_M, Q6_K; requantized with --allow-requantize, so they
   hold the default model's values). SmolLM2's rows of 576 are not a multiple of 256, so
   the K-quant files mix types the way real Q4_K_M files of small models do (q5_0/q8_0
   fallbacks, q6_k where llama.cpp's recipe puts it, q4_k/q6_k for ffn_down's 1536).
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 CONTEXT = 256
 TEXT_BYTES = 16000          # ~3.5k tokens: 13 chunks of 256
-REQUANT_TYPES = ("Q8_0", "Q4_0", "Q4_K_M", "Q6_K")
+REQUANT_TYPES = ("Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K")
 PPL_RE = re.compile(r"PPL = ([0-9.]+)")
 
 
