@@ -198,6 +198,17 @@ def test_qmatmul(variant, fmt):
     np.testing.assert_array_equal(o3, want)
 
 
+def prefill_with_decode_bits(qk, wq, fmt, xb, label=""):
+    """The int8 prefill GEMM of xb (T, cols), asserting each token has qmatvec's bits."""
+    out = np.zeros((xb.shape[0], wq.shape[0]), np.float32)
+    qk.qmatmul(out, wq, fmt, xb, method="int8")
+    for t in range(xb.shape[0]):
+        o = np.zeros(wq.shape[0], np.float32)
+        qk.qmatvec(o, wq, fmt, xb[t])
+        np.testing.assert_array_equal(out[t], o, err_msg=f"{label} token {t}")
+    return out
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fmt", QUANTIZED)
 def test_qmatmul_tiles_and_long_rows(variant, fmt):
@@ -212,12 +223,7 @@ def test_qmatmul_tiles_and_long_rows(variant, fmt):
     for cols in cols_for(fmt) + [b * (16384 // b + (3 if b == 32 else 1))]:
         wq = make(fmt, rows, cols, rng)
         xb = rng.standard_normal((T, cols)).astype(np.float32)
-        out = np.zeros((T, rows), np.float32)
-        qk.qmatmul(out, wq, fmt, xb, method="int8")
-        for t in range(T):
-            o = np.zeros(rows, np.float32)
-            qk.qmatvec(o, wq, fmt, xb[t])
-            np.testing.assert_array_equal(out[t], o, err_msg=f"cols {cols} token {t}")
+        out = prefill_with_decode_bits(qk, wq, fmt, xb, f"cols {cols}")
         want, _ = R.qdot(wq, fmt, xb[T - 1])
         assert np.all(np.abs(out[T - 1] - want) <= ref_tol(wq, fmt, xb[T - 1])), cols
 
@@ -231,14 +237,8 @@ def test_qmatmul_long_prompt(variant, fmt):
     cols = cols_for(fmt)[1]
     rows, T = 9, 133
     qk = K.QuantKernels(threads=2, variant=variant)
-    wq = make(fmt, rows, cols, rng)
-    xb = rng.standard_normal((T, cols)).astype(np.float32)
-    out = np.zeros((T, rows), np.float32)
-    qk.qmatmul(out, wq, fmt, xb, method="int8")
-    for t in range(T):
-        o = np.zeros(rows, np.float32)
-        qk.qmatvec(o, wq, fmt, xb[t])
-        np.testing.assert_array_equal(out[t], o, err_msg=f"token {t}")
+    prefill_with_decode_bits(qk, wq=make(fmt, rows, cols, rng), fmt=fmt,
+                             xb=rng.standard_normal((T, cols)).astype(np.float32))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
