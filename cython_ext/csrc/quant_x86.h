@@ -1018,47 +1018,59 @@ ALWAYS void k5_codes_z(__m512i cod[4], const uint8_t *p) {
     }
 }
 
-/* superblock b of one row (at p) against one token: 8 int32 lanes summing to L, 4 to M */
+/* superblock b of one row (at p) against one token: 8 int32 lanes summing to L, 4 to M.
+ * In ymm registers, as rows_k45: the zmm form (k5_codes_z, two sub-blocks a register)
+ * needs a 256-bit broadcast per pair of sub-blocks, and the shuffle ports bound this
+ * kernel on Zen 4 (7% slower from cache). */
 ALWAYS void k5t_parts(const uint8_t *p, const cyllm_qact_view *a, int64_t b, __m256i *li, __m128i *mi) {
-    __m256i sc16;
+    __m256i sc16, cod[8];
     __m128i m16;
-    __m512i cod[4];
     k_scales16(p + 4, &sc16, &m16);
-    k5_codes_z(cod, p);
-    /* the 8 int16 scales in every 128-bit lane: an in-lane byte shuffle picks one (vpermw,
-       across lanes, cost 10% of the kernel on Zen 4) */
-    const __m512i sc = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sc16));
+    k5_codes(cod, p);
     const int8_t *xb = a->q + b * QK_K;
-    __m512i s = _mm512_setzero_si512();
+    __m256i s = _mm256_setzero_si256();
     _Pragma("GCC unroll 4")
     for (int c = 0; c < 4; c++) {
-        /* scales of sub-blocks 2c (low half) and 2c + 1 (high half) */
-        const __m512i sp = _mm512_shuffle_epi8(sc, _mm512_inserti64x4(
-            _mm512_set1_epi16((short)((4 * c) | ((4 * c + 1) << 8))),
-            _mm256_set1_epi16((short)((4 * c + 2) | ((4 * c + 3) << 8))), 1));
+        const __m256i xl = _mm256_loadu_si256((const __m256i *)(xb + 64 * c));
+        const __m256i xh = _mm256_loadu_si256((const __m256i *)(xb + 64 * c + 32));
         /* pairs <= 2 * 31 * 127 = 7874 */
-        s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(cod[c], _mm512_loadu_si512((const void *)(xb + 64 * c))), sp);
+        s = DPWSSD(s, _mm256_maddubs_epi16(cod[2 * c], xl), BCAST16(sc16, 2 * c));
+        s = DPWSSD(s, _mm256_maddubs_epi16(cod[2 * c + 1], xh), BCAST16(sc16, 2 * c + 1));
     }
-    *li = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+    *li = s;
     /* x's sums per 32 from its 16 per-16 sums, against the 8 mins */
     const __m128i bs32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(a->bsum + 16 * b)),
                                         _mm_loadu_si128((const __m128i *)(a->bsum + 16 * b + 8)));
     *mi = _mm_madd_epi16(m16, bs32);
 }
 
-/* lane i <- the sum of v[i]'s 8 lanes */
+/* w[i] = [4 lanes of row i | 4 lanes of row i + 4] (i < 4) -> lane r = the sum of row r's */
+ALWAYS __m256i hsum_pairs_x4(const __m256i w[4]) {
+    /* [rows 0, 1 | rows 4, 5] and [rows 2, 3 | rows 6, 7], two partial sums each */
+    const __m256i x01 = _mm256_add_epi32(_mm256_unpacklo_epi64(w[0], w[1]), _mm256_unpackhi_epi64(w[0], w[1]));
+    const __m256i x23 = _mm256_add_epi32(_mm256_unpacklo_epi64(w[2], w[3]), _mm256_unpackhi_epi64(w[2], w[3]));
+    const __m256 f01 = _mm256_castsi256_ps(x01), f23 = _mm256_castsi256_ps(x23);
+    return _mm256_add_epi32(_mm256_castps_si256(_mm256_shuffle_ps(f01, f23, _MM_SHUFFLE(2, 0, 2, 0))),
+                            _mm256_castps_si256(_mm256_shuffle_ps(f01, f23, _MM_SHUFFLE(3, 1, 3, 1))));
+}
+
+/* lane i <- the sum of v[i]'s 8 lanes, by a transpose of blends, 64-bit unpacks and
+ * shuffles (10 shuffle ops for 8 vectors; a vphaddd tree takes 6 two-shuffle hadds + 2) */
 ALWAYS __m256i hsum8i_x8(const __m256i v[8]) {
-    const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    /* q0: lanes 0-3 of v[0..3] summed | lanes 4-7 of v[0..3] summed; q1 the same for v[4..7] */
-    return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+    __m256i w[4];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < 4; i++)             /* [v_i folded to 4 lanes | v_i+4 folded] */
+        w[i] = _mm256_add_epi32(_mm256_blend_epi32(v[i], v[i + 4], 0xF0),
+                                _mm256_permute2x128_si256(v[i], v[i + 4], 0x21));
+    return hsum_pairs_x4(w);
 }
 
 /* lane i <- the sum of v[i]'s 4 lanes */
 ALWAYS __m256i hsum4i_x8(const __m128i v[8]) {
-    const __m128i q0 = _mm_hadd_epi32(_mm_hadd_epi32(v[0], v[1]), _mm_hadd_epi32(v[2], v[3]));
-    const __m128i q1 = _mm_hadd_epi32(_mm_hadd_epi32(v[4], v[5]), _mm_hadd_epi32(v[6], v[7]));
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
+    __m256i w[4];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < 4; i++) w[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(v[i]), v[i + 4], 1);
+    return hsum_pairs_x4(w);
 }
 
 /* superblocks b0 .. b0+m-1 (m <= 8) of one row into the chain's accumulators */
