@@ -1078,7 +1078,7 @@ ALWAYS void k5t_group(const int m, __m256 *A, __m256 *B, const uint8_t *w0, cons
                       int64_t b0, const uint8_t *pfp) {
     __m256i li[8];
     __m128i mi[8], dd[8];
-    _Pragma("GCC unroll 1")
+    _Pragma("GCC unroll 8")
     for (int i = 0; i < 8; i++) {
         if (i < m) {
             const uint8_t *p = w0 + (b0 + i) * QB_Q5_K;
