@@ -984,8 +984,9 @@ ALWAYS void x_sum_pairs(const cyllm_qact_view *a, int64_t b, int32_t pr[4]) {
  * hsum8(A) - hsum8(B). The integers can be summed in any order, so the two paths are free
  * to compute them their own way:
  * - decode (one row, one token, weights streamed from DRAM) takes rows_k45's 8 int32 lanes
- *   (L) and 4 (M) per superblock and reduces 8 superblocks at a time with a vphaddd tree,
- *   a few operations per superblock where the 8-lane float chain it replaces had more;
+ *   (L) and 4 (M) per superblock and reduces 8 superblocks at a time (a transpose of
+ *   blends and shuffles), a few operations per superblock, about what the per-superblock
+ *   float work it replaces cost;
  * - prefill puts 16 tokens in the lanes of a zmm. x is transposed once per call (one
  *   64-byte line holds elements 4g..4g+3 of 16 tokens), each group of 8 rows is unpacked
  *   once to 5-bit codes, and one vpdpbusd takes a row's 4 codes (broadcast) against a
