@@ -261,6 +261,31 @@ def test_types_without_a_kernel_convert_to_a_native_format(tmp_path, qtype, monk
     assert err < CONVERSION_ERROR[target], f"{qtype.name} -> {target}: relative error {err:.4f}"
 
 
+def test_iq3s_scale_too_large_to_reencode_is_requantized(tmp_path, monkeypatch):
+    """An IQ3_S block whose d is finite but above 4367 has no q4_k form with the same values
+    (its min, 15 d, overflows f16): its rows are requantized instead of refused, and every
+    value is still the file's up to q4_k's rounding."""
+    from cyllm.quant import reference as R
+    monkeypatch.setenv("CYLLM_QUANT", "native")
+    p = tmp_path / "big-IQ3_S.gguf"
+    write_tiny_gguf(p, qtype=QT.F16, tokenizer=None, raw_override={"blk.0.ffn_up.weight": QT.IQ3_S})
+    gf = read_gguf(p)
+    info = gf.tensors["blk.0.ffn_up.weight"]
+    at = info.offset + 5 * gguf.GGML_QUANT_SIZES[QT.IQ3_S][1]          # block 5's d
+    del gf
+    data = bytearray(p.read_bytes())
+    data[at:at + 2] = np.float16(5000.0).tobytes()
+    p.write_bytes(bytes(data))
+    _, weights, _ = load_gguf(p)
+    got = weights["model.layers.0.mlp.up_proj.weight"]
+    assert got.fmt.name == "q4_k"
+    raw = np.frombuffer(read_gguf(p).buf, np.uint8, info.nbytes, info.offset)
+    ref = quants.dequantize(raw, QT.IQ3_S).reshape(got.shape).astype(np.float64)
+    ours = R.dequantize(got.data, "q4_k", got.shape[1]).astype(np.float64)
+    assert np.all(np.isfinite(ours)) and np.abs(ref).max() > 10000
+    assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1 / 15
+
+
 def test_qk_permutation_is_undone(tmp_path):
     """A q/k matrix written the way llama.cpp's converter does comes back in HF order."""
     rng = np.random.default_rng(1)

@@ -332,7 +332,7 @@ def _quant_matrix(gf: GGUFFile, p: PlannedTensor):
     from ..quant.convert import quantize_rows_f32
     from ..quant.formats import format_by_name
     from ..quant.matrix import QuantMatrix
-    from ..quant.transcode import EXACT
+    from ..quant.transcode import EXACT, ScaleOverflow
     fmt = format_by_name(p.fmt)
     info = p.info
     rows, cols = p.shape
@@ -346,9 +346,12 @@ def _quant_matrix(gf: GGUFFile, p: PlannedTensor):
         for r0 in range(0, rows, step):
             part = slice(r0, min(r0 + step, rows))
             if exact:
-                out[part] = exact(src[part]).reshape(part.stop - r0, -1)
-            else:
-                out[part] = quantize_rows_f32(np.asarray(_dequantize(gf, info, part), np.float32), fmt, p.hf_name)
+                try:
+                    out[part] = exact(src[part]).reshape(part.stop - r0, -1)
+                    continue
+                except ScaleOverflow:       # these rows' values do not fit the target's scales
+                    pass
+            out[part] = quantize_rows_f32(np.asarray(_dequantize(gf, info, part), np.float32), fmt, p.hf_name)
         gf.release(info)
         qm = QuantMatrix(out, fmt, p.shape, p.hf_name)
     _check_block_scales(gf, info, qm)       # the file's blocks, or the re-encoded copies of theirs

@@ -190,9 +190,16 @@ def iq3s_to_q4k(raw: np.ndarray) -> np.ndarray:
     sub = 1 + 2 * np.stack([b[:, 106:110] & 15, b[:, 106:110] >> 4], axis=2).reshape(nb, 8)
     d = b[:, 0:2].copy().view("<f2").astype(np.float32)                         # (nb, 1)
     with np.errstate(over="ignore", invalid="ignore"):
-        dd = (2 * d).astype("<f2").view(np.uint8).reshape(nb, 2)
-        dmin = (15 * d).astype("<f2").view(np.uint8).reshape(nb, 2)
-    return pack_q4k(codes, sub, sub, dd, dmin)
+        dd = (2 * d).astype("<f2")
+        dmin = (15 * d).astype("<f2")
+    if np.any(np.isfinite(d) & ~np.isfinite(dmin)):
+        raise ScaleOverflow("an IQ3_S scale above 4367 (its q4_k min, 15 d, exceeds f16)")
+    return pack_q4k(codes, sub, sub, dd.view(np.uint8).reshape(nb, 2), dmin.view(np.uint8).reshape(nb, 2))
+
+
+class ScaleOverflow(ValueError):
+    """A finite scale of the file's whose re-encoded form does not fit f16: the loader
+    requantizes those rows instead (a file's own inf or nan scales are refused after)."""
 
 
 # (GGML type, native format) -> the exact re-encoding; the loader uses it in place of
