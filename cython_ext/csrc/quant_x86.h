@@ -1019,30 +1019,37 @@ ALWAYS void k5_codes_z(__m512i cod[4], const uint8_t *p) {
     }
 }
 
-/* superblock b of one row (at p) against one token: 8 int32 lanes summing to L, 4 to M.
+/* superblock b of one row (at p) against C tokens (views a[0..C-1]): per token, 8 int32
+ * lanes summing to L and 4 summing to M, into li[t][i] and mi[t][i].
  * In ymm registers, as rows_k45: the zmm form (k5_codes_z, two sub-blocks a register)
  * needs a 256-bit broadcast per pair of sub-blocks, and the shuffle ports bound this
  * kernel on Zen 4 (7% slower from cache). */
-ALWAYS void k5t_parts(const uint8_t *p, const cyllm_qact_view *a, int64_t b, __m256i *li, __m128i *mi) {
+#define K5T_MC 4            /* tokens a decode row takes at once (short prefills) */
+
+ALWAYS void k5t_parts(const int C, const uint8_t *p, const cyllm_qact_view *a, int64_t b,
+                      __m256i li[][8], __m128i mi[][8], int i) {
     __m256i sc16, cod[8];
     __m128i m16;
-    k_scales16(p + 4, &sc16, &m16);
+    k_scales16(p + 4, &sc16, &m16);         /* unpacked once for the C tokens */
     k5_codes(cod, p);
-    const int8_t *xb = a->q + b * QK_K;
-    __m256i s = _mm256_setzero_si256();
     _Pragma("GCC unroll 4")
-    for (int c = 0; c < 4; c++) {
-        const __m256i xl = _mm256_loadu_si256((const __m256i *)(xb + 64 * c));
-        const __m256i xh = _mm256_loadu_si256((const __m256i *)(xb + 64 * c + 32));
-        /* pairs <= 2 * 31 * 127 = 7874 */
-        s = DPWSSD(s, _mm256_maddubs_epi16(cod[2 * c], xl), BCAST16(sc16, 2 * c));
-        s = DPWSSD(s, _mm256_maddubs_epi16(cod[2 * c + 1], xh), BCAST16(sc16, 2 * c + 1));
+    for (int t = 0; t < C; t++) {
+        const int8_t *xb = a[t].q + b * QK_K;
+        __m256i s = _mm256_setzero_si256();
+        _Pragma("GCC unroll 4")
+        for (int c = 0; c < 4; c++) {
+            const __m256i xl = _mm256_loadu_si256((const __m256i *)(xb + 64 * c));
+            const __m256i xh = _mm256_loadu_si256((const __m256i *)(xb + 64 * c + 32));
+            /* pairs <= 2 * 31 * 127 = 7874 */
+            s = DPWSSD(s, _mm256_maddubs_epi16(cod[2 * c], xl), BCAST16(sc16, 2 * c));
+            s = DPWSSD(s, _mm256_maddubs_epi16(cod[2 * c + 1], xh), BCAST16(sc16, 2 * c + 1));
+        }
+        li[t][i] = s;
+        /* x's sums per 32 from its 16 per-16 sums, against the 8 mins */
+        const __m128i bs32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(a[t].bsum + 16 * b)),
+                                            _mm_loadu_si128((const __m128i *)(a[t].bsum + 16 * b + 8)));
+        mi[t][i] = _mm_madd_epi16(m16, bs32);
     }
-    *li = s;
-    /* x's sums per 32 from its 16 per-16 sums, against the 8 mins */
-    const __m128i bs32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(a->bsum + 16 * b)),
-                                        _mm_loadu_si128((const __m128i *)(a->bsum + 16 * b + 8)));
-    *mi = _mm_madd_epi16(m16, bs32);
 }
 
 /* w[i] = [4 lanes of row i | 4 lanes of row i + 4] (i < 4) -> lane r = the sum of row r's */
@@ -1074,11 +1081,11 @@ ALWAYS __m256i hsum4i_x8(const __m128i v[8]) {
     return hsum_pairs_x4(w);
 }
 
-/* superblocks b0 .. b0+m-1 (m <= 8) of one row into the chain's accumulators */
-ALWAYS void k5t_group(const int m, __m256 *A, __m256 *B, const uint8_t *w0, const cyllm_qact_view *a,
-                      int64_t b0, const uint8_t *pfp) {
-    __m256i li[8];
-    __m128i mi[8], dd[8];
+/* superblocks b0 .. b0+m-1 (m <= 8) of one row into the chains' accumulators of C tokens */
+ALWAYS void k5t_group(const int C, const int m, __m256 *A, __m256 *B, const uint8_t *w0,
+                      const cyllm_qact_view *a, int64_t b0, const uint8_t *pfp) {
+    __m256i li[K5T_MC][8];
+    __m128i mi[K5T_MC][8], dd[8];
     _Pragma("GCC unroll 8")
     for (int i = 0; i < 8; i++) {
         if (i < m) {
@@ -1087,11 +1094,13 @@ ALWAYS void k5t_group(const int m, __m256 *A, __m256 *B, const uint8_t *w0, cons
             PREFETCH(f);
             PREFETCH(f + 64);
             PREFETCH(f + 128);
-            k5t_parts(p, a, b0 + i, &li[i], &mi[i]);
+            k5t_parts(C, p, a, b0 + i, li, mi, i);
             dd[i] = _mm_cvtsi32_si128((int)cyllm_rd32(p));     /* d, dmin (f16) */
         } else {
-            li[i] = _mm256_setzero_si256();
-            mi[i] = _mm_setzero_si128();
+            for (int t = 0; t < C; t++) {
+                li[t][i] = _mm256_setzero_si256();
+                mi[t][i] = _mm_setzero_si128();
+            }
             dd[i] = _mm_setzero_si128();
         }
     }
@@ -1102,20 +1111,48 @@ ALWAYS void k5t_group(const int m, __m256 *A, __m256 *B, const uint8_t *w0, cons
     const __m256i ddv = _mm256_inserti128_si256(_mm256_castsi128_si256(d03), d47, 1);
     const __m256 d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(ddv));
     const __m256 dm = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(ddv, 16)));
-    const __m256 dx = _mm256_maskz_loadu_ps((__mmask8)((1u << m) - 1), a->d + b0);
-    *A = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8i_x8(li)), _mm256_mul_ps(d, dx), *A);
-    *B = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum4i_x8(mi)), _mm256_mul_ps(dm, dx), *B);
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < C; t++) {
+        const __m256 dx = _mm256_maskz_loadu_ps((__mmask8)((1u << m) - 1), a[t].d + b0);
+        A[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8i_x8(li[t])), _mm256_mul_ps(d, dx), A[t]);
+        B[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum4i_x8(mi[t])), _mm256_mul_ps(dm, dx), B[t]);
+    }
 }
 
-/* decode: one row against one token */
-ALWAYS void k5t_row(float *o, const uint8_t *w0, const cyllm_qact_view *a, int64_t nb, int add,
-                    const uint8_t *pfp) {
-    __m256 A = _mm256_setzero_ps(), B = _mm256_setzero_ps();
+/* one row against C tokens: decode (C = 1), and short prefills, where the row's unpacking
+ * serves C tokens; o[t * ldo] gets token t */
+ALWAYS void k5t_row(const int C, float *o, int64_t ldo, const uint8_t *w0, const cyllm_qact_view *a,
+                    int64_t nb, int add, const uint8_t *pfp) {
+    __m256 A[K5T_MC], B[K5T_MC];
+    for (int t = 0; t < C; t++) A[t] = B[t] = _mm256_setzero_ps();
     int64_t b = 0;
-    for (; b + 8 <= nb; b += 8) k5t_group(8, &A, &B, w0, a, b, pfp);
-    if (b < nb) k5t_group((int)(nb - b), &A, &B, w0, a, b, pfp);
-    const float r = hsum8(A) - hsum8(B);
-    *o = add ? *o + r : r;
+    for (; b + 8 <= nb; b += 8) k5t_group(C, 8, A, B, w0, a, b, pfp);
+    if (b < nb) k5t_group(C, (int)(nb - b), A, B, w0, a, b, pfp);
+    for (int t = 0; t < C; t++) {
+        const float r = hsum8(A[t]) - hsum8(B[t]);
+        o[t * ldo] = add ? o[t * ldo] + r : r;
+    }
+}
+
+/* prefill by rows: tokens K5T_MC at a time per row (the same bits as the tile) */
+static void k5t_gemm_rows(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
+                          int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
+    const int64_t nb = n / QK_K;
+    for (int64_t t0 = 0; t0 < T; t0 += K5T_MC) {
+        const int C = T - t0 < K5T_MC ? (int)(T - t0) : K5T_MC;
+        cyllm_qact_view a[K5T_MC];
+        for (int t = 0; t < C; t++) a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_K);
+        for (int64_t r = r0; r < r1; r++) {
+            float *o = out + t0 * ldo + r;
+            const uint8_t *wr = w + r * rb;
+            switch (C) {
+            case 4: k5t_row(4, o, ldo, wr, a, nb, add, wr); break;
+            case 3: k5t_row(3, o, ldo, wr, a, nb, add, wr); break;
+            case 2: k5t_row(2, o, ldo, wr, a, nb, add, wr); break;
+            default: k5t_row(1, o, ldo, wr, a, nb, add, wr); break;
+            }
+        }
+    }
 }
 
 /* prefill: 16 tokens of x, transposed (token j in lane j; tokens past the end: zeros) */
@@ -1134,6 +1171,10 @@ typedef struct {
 } k5t_w;
 
 #define K5T_TOKENS 128      /* tokens whose x is transposed at a time */
+#ifndef K5T_TILE_MIN
+#define K5T_TILE_MIN 9      /* fewer tokens take the rows (5632x2048, 1 thread: T = 8 rows
+                               1.49 ms, tile 1.58; T = 12 rows 3.12, tile 1.95) */
+#endif
 
 static size_t k5t_x_bytes(int64_t n) { return (size_t)16 * n + (size_t)(n / QK_K) * (256 + 64); }
 static size_t k5t_w_bytes(int64_t n) { return (size_t)8 * n + (size_t)(n / QK_K) * 8 * (32 + 16 + 8); }
@@ -1263,17 +1304,12 @@ static void k5t_tile(float *o, int64_t ldo, const k5t_w *w, const k5t_x *x, int6
  * fails, the decode rows give the same bits. */
 static void QF(gemm_k5t)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
                          int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
-    const int64_t nb = n / QK_K;
     const int64_t tc = T < K5T_TOKENS ? T : K5T_TOKENS;
     const int64_t nblk = (tc + 15) / 16;
     const size_t xb = k5t_x_bytes(n), wb = k5t_w_bytes(n);
-    uint8_t *buf = (uint8_t *)_mm_malloc((size_t)nblk * xb + wb, 64);
-    if (!buf) {
-        for (int64_t t = 0; t < T; t++) {
-            const cyllm_qact_view a = cyllm_qact_split((const char *)xq + t * xs, n, CYLLM_QA_Q8_K);
-            for (int64_t r = r0; r < r1; r++)
-                k5t_row(out + t * ldo + r, w + r * rb, &a, nb, add, w + r * rb);
-        }
+    uint8_t *buf = T < K5T_TILE_MIN ? NULL : (uint8_t *)_mm_malloc((size_t)nblk * xb + wb, 64);
+    if (!buf) {     /* few tokens (the tile's 16 lanes would idle), or no memory */
+        k5t_gemm_rows(out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
         return;
     }
     k5t_w wp = k5t_w_at(buf + nblk * xb, n);
@@ -1362,7 +1398,7 @@ static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
 /* decode rows (ROW1(o, w0, rb, a, nb, add, pfp, mx)) */
 #define K4Z_ROW1(o, w0, rb, a, nb, add, pfp, mx) k4z_row_ymm(o, w0, a, nb, add, pfp, mx)
 #define K6Z_ROW1(o, w0, rb, a, nb, add, pfp, mx) k6z_tile(1, 1, o, 0, w0, rb, a, nb, add, pfp, mx)
-#define K5T_ROW1(o, w0, rb, a, nb, add, pfp, mx) k5t_row(o, w0, a, nb, add, pfp)
+#define K5T_ROW1(o, w0, rb, a, nb, add, pfp, mx) k5t_row(1, o, 0, w0, a, nb, add, pfp)
 QZK_FORMAT(k4z, k4z_tile, QZK_R, QZK_C, 1, K4Z_ROW1)
 QZK_FORMAT(k6z, k6z_tile, QZ6_R, QZ6_C, 0, K6Z_ROW1)
 QZK_DECODE(k5t, 0, K5T_ROW1)
