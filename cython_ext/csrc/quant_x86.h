@@ -986,7 +986,8 @@ ALWAYS void x_sum_pairs(const cyllm_qact_view *a, int64_t b, int32_t pr[4]) {
  * - decode (one row, one token, weights streamed from DRAM) takes rows_k45's 8 int32 lanes
  *   (L) and 4 (M) per superblock and reduces 8 superblocks at a time (a transpose of
  *   blends and shuffles), a few operations per superblock, about what the per-superblock
- *   float work it replaces cost;
+ *   float work it replaces cost; prefills of fewer than K5T_TILE_MIN tokens run these rows
+ *   too, up to K5T_MC tokens per unpacking of a row;
  * - prefill puts 16 tokens in the lanes of a zmm. x is transposed once per call (one
  *   64-byte line holds elements 4g..4g+3 of 16 tokens), each group of 8 rows is unpacked
  *   once to 5-bit codes, and one vpdpbusd takes a row's 4 codes (broadcast) against a
@@ -1019,13 +1020,13 @@ ALWAYS void k5_codes_z(__m512i cod[4], const uint8_t *p) {
     }
 }
 
+#define K5T_MC 4            /* tokens a decode row takes at once (short prefills) */
+
 /* superblock b of one row (at p) against C tokens (views a[0..C-1]): per token, 8 int32
  * lanes summing to L and 4 summing to M, into li[t][i] and mi[t][i].
  * In ymm registers, as rows_k45: the zmm form (k5_codes_z, two sub-blocks a register)
  * needs a 256-bit broadcast per pair of sub-blocks, and the shuffle ports bound this
  * kernel on Zen 4 (7% slower from cache). */
-#define K5T_MC 4            /* tokens a decode row takes at once (short prefills) */
-
 ALWAYS void k5t_parts(const int C, const uint8_t *p, const cyllm_qact_view *a, int64_t b,
                       __m256i li[][8], __m128i mi[][8], int i) {
     __m256i sc16, cod[8];
