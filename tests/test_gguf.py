@@ -263,8 +263,8 @@ def test_types_without_a_kernel_convert_to_a_native_format(tmp_path, qtype, monk
 
 def test_iq3s_scale_too_large_to_reencode_is_requantized(tmp_path, monkeypatch):
     """An IQ3_S block whose d is finite but above 4367 has no q4_k form with the same values
-    (its min, 15 d, overflows f16): its rows are requantized instead of refused, and every
-    value is still the file's up to q4_k's rounding."""
+    (its min, 15 d, overflows f16): its row is requantized instead of refused, up to q4_k's
+    rounding, and every other row is still re-encoded exactly."""
     from cyllm.quant import reference as R
     monkeypatch.setenv("CYLLM_QUANT", "native")
     p = tmp_path / "big-IQ3_S.gguf"
@@ -284,6 +284,10 @@ def test_iq3s_scale_too_large_to_reencode_is_requantized(tmp_path, monkeypatch):
     ours = R.dequantize(got.data, "q4_k", got.shape[1]).astype(np.float64)
     assert np.all(np.isfinite(ours)) and np.abs(ref).max() > 10000
     assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1 / 15
+    big = np.abs(ref).max(axis=1) > 10000                               # (rows,): block 5's row
+    assert big.sum() == 1
+    scale = np.repeat(np.abs(ref[~big]).reshape(-1, 32).max(axis=1), 32).reshape(ref[~big].shape)
+    assert np.all(np.abs(ours[~big] - ref[~big]) <= 2.0 ** -11 * scale)   # IQ3_S's exact bound
 
 
 def test_qk_permutation_is_undone(tmp_path):

@@ -345,13 +345,16 @@ def _quant_matrix(gf: GGUFFile, p: PlannedTensor):
         step = max(1, _CHUNK_ELEMENTS // cols)
         for r0 in range(0, rows, step):
             part = slice(r0, min(r0 + step, rows))
-            if exact:
-                try:
-                    out[part] = exact(src[part]).reshape(part.stop - r0, -1)
-                    continue
-                except ScaleOverflow:       # these rows' values do not fit the target's scales
-                    pass
-            out[part] = quantize_rows_f32(np.asarray(_dequantize(gf, info, part), np.float32), fmt, p.hf_name)
+            if not exact:
+                out[part] = quantize_rows_f32(np.asarray(_dequantize(gf, info, part), np.float32), fmt, p.hf_name)
+                continue
+            try:
+                out[part] = exact(src[part]).reshape(part.stop - r0, -1)
+            except ScaleOverflow as e:      # rows whose values do not fit the target's scales
+                out[part] = e.blocks.reshape(part.stop - r0, -1)
+                for r in r0 + e.rows:
+                    one = slice(int(r), int(r) + 1)
+                    out[one] = quantize_rows_f32(np.asarray(_dequantize(gf, info, one), np.float32), fmt, p.hf_name)
         gf.release(info)
         qm = QuantMatrix(out, fmt, p.shape, p.hf_name)
     _check_block_scales(gf, info, qm)       # the file's blocks, or the re-encoded copies of theirs

@@ -192,14 +192,24 @@ def iq3s_to_q4k(raw: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):
         dd = (2 * d).astype("<f2")
         dmin = (15 * d).astype("<f2")
-    if np.any(np.isfinite(d) & ~np.isfinite(dmin)):
-        raise ScaleOverflow("an IQ3_S scale above 4367 (its q4_k min, 15 d, exceeds f16)")
-    return pack_q4k(codes, sub, sub, dd.view(np.uint8).reshape(nb, 2), dmin.view(np.uint8).reshape(nb, 2))
+    out = pack_q4k(codes, sub, sub, dd.view(np.uint8).reshape(nb, 2), dmin.view(np.uint8).reshape(nb, 2))
+    over = (np.isfinite(d) & ~np.isfinite(dmin)).reshape(raw.shape[0], -1).any(axis=1)   # (rows,)
+    if over.any():
+        raise ScaleOverflow("an IQ3_S scale above 4367 (its q4_k min, 15 d, exceeds f16)",
+                            np.flatnonzero(over), out)
+    return out
 
 
 class ScaleOverflow(ValueError):
-    """A finite scale of the file's whose re-encoded form does not fit f16: the loader
-    requantizes those rows instead (a file's own inf or nan scales are refused after)."""
+    """A finite scale of the file's whose re-encoded form does not fit f16. Carries the
+    rows (indices into the input) that hold one and the re-encoded blocks (the other rows
+    exact): the loader requantizes those rows only (a file's own inf or nan scales are
+    refused after)."""
+
+    def __init__(self, message: str, rows: np.ndarray, blocks: np.ndarray):
+        super().__init__(message)
+        self.rows = rows
+        self.blocks = blocks
 
 
 # (GGML type, native format) -> the exact re-encoding; the loader uses it in place of
