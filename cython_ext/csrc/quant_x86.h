@@ -18,7 +18,8 @@
  *   register; low nibbles meet x[0:16] of each block, high nibbles x[16:32]. The
  *   q4_0/q5_0 offsets (-8, -16) come from x's block sums (the integer accumulator
  *   starts at -offset*sum/4 in each of a block's 4 lanes), so nibbles stay unsigned
- *   and no sign trick is needed; q8_0 uses the sign trick (|w| x sign(x, w)).
+ *   and no sign trick is needed. q8_0 computes exact block totals (the sign trick,
+ *   |w| x sign(x, w), below 512 bits) and prefills with 8 tokens in a ymm's lanes.
  * - K-quants: the 6-bit (q4_k/q5_k) or int8 (q6_k) sub-block scales are applied as
  *   int16 multipliers on the pair sums (vpmaddwd / vpdpwssd), one float FMA per
  *   superblock; mins (q4_k/q5_k) and q6_k's -32 come from x's 16-element sums.
@@ -87,6 +88,35 @@ ALWAYS int32_t hsum8i(__m256i v) {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
     return _mm_cvtsi128_si32(s);
+}
+
+/* w[i] = [4 lanes of row i | 4 lanes of row i + 4] (i < 4) -> lane r = the sum of row r's */
+ALWAYS __m256i hsum_pairs_x4(const __m256i w[4]) {
+    /* [rows 0, 1 | rows 4, 5] and [rows 2, 3 | rows 6, 7], two partial sums each */
+    const __m256i x01 = _mm256_add_epi32(_mm256_unpacklo_epi64(w[0], w[1]), _mm256_unpackhi_epi64(w[0], w[1]));
+    const __m256i x23 = _mm256_add_epi32(_mm256_unpacklo_epi64(w[2], w[3]), _mm256_unpackhi_epi64(w[2], w[3]));
+    const __m256 f01 = _mm256_castsi256_ps(x01), f23 = _mm256_castsi256_ps(x23);
+    return _mm256_add_epi32(_mm256_castps_si256(_mm256_shuffle_ps(f01, f23, _MM_SHUFFLE(2, 0, 2, 0))),
+                            _mm256_castps_si256(_mm256_shuffle_ps(f01, f23, _MM_SHUFFLE(3, 1, 3, 1))));
+}
+
+/* lane i <- the sum of v[i]'s 8 lanes, by a transpose of blends, 64-bit unpacks and
+ * shuffles (10 shuffle ops for 8 vectors; a vphaddd tree takes 6 two-shuffle hadds + 2) */
+ALWAYS __m256i hsum8i_x8(const __m256i v[8]) {
+    __m256i w[4];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < 4; i++)             /* [v_i folded to 4 lanes | v_i+4 folded] */
+        w[i] = _mm256_add_epi32(_mm256_blend_epi32(v[i], v[i + 4], 0xF0),
+                                _mm256_permute2x128_si256(v[i], v[i + 4], 0x21));
+    return hsum_pairs_x4(w);
+}
+
+/* lane i <- the sum of v[i]'s 4 lanes */
+ALWAYS __m256i hsum4i_x8(const __m128i v[8]) {
+    __m256i w[4];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < 4; i++) w[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(v[i]), v[i + 4], 1);
+    return hsum_pairs_x4(w);
 }
 
 ALWAYS __m256i load2x128(const uint8_t *a, const uint8_t *b) {
@@ -179,7 +209,7 @@ static void QF(quantize_act_x86_)(void *xq, const float *x, int64_t n, int act, 
  * the prefill GEMM, where the row's unpacking (nibbles, 5th bits, scales) is done once
  * for C tokens. Each token's own operations run in the same order for every C, so a
  * (row, token) result has the same bits in decode and prefill. o[j * ldo] gets token j.
- * kind: 0 q4_0, 1 q4_1, 2 q5_0, 3 q5_1 (nibble formats); q8_0 has its own loop. */
+ * kind: 0 q4_0, 1 q4_1, 2 q5_0, 3 q5_1 (nibble formats); q8_0 has its own kernels. */
 
 /* 5th bits of one pair of q5 blocks -> bytes 0x10 where set: lo (elements 0-15 of both
  * blocks, 128-bit lanes = blocks) and hi (elements 16-31) */
@@ -296,31 +326,260 @@ ALWAYS void qx_xprep(const int kind, qx_xpair *xp, const cyllm_qact_view *a, int
     for (int64_t b = 0; b < nb; b += 2) xp[b >> 1] = x_pair(kind, a, b, b + 1 < nb);
 }
 
-ALWAYS void k_q8_0(const int C, float *o, int64_t ldo, const uint8_t *w0,
-                   const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
-    __m256 acc[QX_C];
-    _Pragma("GCC unroll 4")
-    for (int j = 0; j < C; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *p = w0 + b * QB_Q8_0;
-        if ((b & 1) == 0) PREFETCH(pfp + b * QB_Q8_0);
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(p + 2));
-        const __m256i wabs = _mm256_sign_epi8(w, w);
-        const float wd = _cvtsh_ss(cyllm_rd16(p));
-        _Pragma("GCC unroll 4")
-        for (int j = 0; j < C; j++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(a[j].q + b * 32));
-            /* |w| (unsigned, <= 128) x sign(x, w) (|.| <= 127): pairs <= 32512 */
-            __m256i isum = DPBUSD(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(x, w));
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(wd * a[j].d[b]), acc[j]);
+#if QX_VNNI < 2
+/* ---- ymm q8_0: exact block totals -----------------------------------------------------
+ * Decode and prefill compute, for each (row, token) and block b, the exact integer
+ * S_b = sum_k w_k x_k, and then one float chain: lane b % 8 of an 8-lane accumulator takes
+ * fma(S_b, d_b dx_b); the result is hsum8 of it. The integers can be summed in any order,
+ * so the two paths are free to compute them their own way:
+ * - decode (one row, one token, weights streamed from DRAM) takes the sign trick's 8 int32
+ *   lanes per block and reduces 8 blocks at a time (hsum8i_x8); prefills of fewer than
+ *   K8T_TILE_MIN tokens run these rows too, up to K8T_MC tokens per load of a row;
+ * - prefill puts 8 tokens in the lanes of a ymm: x is transposed (one 32-byte line holds
+ *   elements 4g..4g+3 of 8 tokens) and one DPBUSD takes a row's 4 |w| (broadcast) against
+ *   the line signed by the 4 w (broadcast), so a block's 8 DPBUSD give the 8 tokens' S_b
+ *   with nothing to reduce, and the float work (cvt, scale, FMA) is once per (row, block,
+ *   8 tokens) instead of once per (row, block, token): the row-major kernel it replaces
+ *   spent half its instructions there.
+ * Bounds: |w| <= 128, |x| <= 127: maddubs pairs <= 32512; |S_b| <= 32 * 128 * 127 < 2^19,
+ * exact in float. */
+#define K8T_MC 4            /* tokens a decode row takes at once (short prefills) */
+#ifndef K8T_R
+#define K8T_R 4             /* prefill tile: rows (x 8 tokens) */
+#endif
+#define K8T_TOKENS 128      /* tokens whose x is transposed at a time */
+#ifndef K8T_TILE_MIN
+#define K8T_TILE_MIN 16     /* fewer tokens take the rows (avx2, 5632x2048, 1 thread: T = 12
+                               rows 3.07 ms, tile 3.92; T = 16 rows 4.11, tile 3.89) */
+#endif
+
+/* blocks b0 .. b0+m-1 (m <= 8) of one row into the chains' accumulators of C tokens */
+ALWAYS void k8t_group(const int C, const int m, __m256 *A, const uint8_t *w0, const cyllm_qact_view *a,
+                      int64_t b0, const uint8_t *pfp) {
+    __m256i v[K8T_MC][8];
+    __m128i dd[8];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < 8; i++) {
+        if (i < m) {
+            const uint8_t *p = w0 + (b0 + i) * QB_Q8_0;
+            if ((i & 1) == 0) PREFETCH(pfp + (b0 + i) * QB_Q8_0);
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(p + 2));
+            const __m256i wabs = _mm256_sign_epi8(w, w);
+            _Pragma("GCC unroll 4")
+            for (int t = 0; t < C; t++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(a[t].q + (b0 + i) * 32));
+                v[t][i] = DPBUSD(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(x, w));
+            }
+            dd[i] = _mm_cvtsi32_si128(cyllm_rd16(p));
+        } else {
+            for (int t = 0; t < C; t++) v[t][i] = _mm256_setzero_si256();
+            dd[i] = _mm_setzero_si128();
         }
     }
+    /* the 8 f16 scales into one vector in registers */
+    const __m128i d01 = _mm_unpacklo_epi16(dd[0], dd[1]), d23 = _mm_unpacklo_epi16(dd[2], dd[3]);
+    const __m128i d45 = _mm_unpacklo_epi16(dd[4], dd[5]), d67 = _mm_unpacklo_epi16(dd[6], dd[7]);
+    const __m256 d = _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_unpacklo_epi32(d01, d23), _mm_unpacklo_epi32(d45, d67)));
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     _Pragma("GCC unroll 4")
-    for (int j = 0; j < C; j++) {
-        float r = hsum8(acc[j]);
-        o[j * ldo] = add ? o[j * ldo] + r : r;
+    for (int t = 0; t < C; t++) {
+        /* past the row's end the scales read as 0 (an exact +0 joins those lanes) */
+        const __m256 dx = m == 8 ? _mm256_loadu_ps(a[t].d + b0) : _mm256_maskload_ps(a[t].d + b0, live);
+        A[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8i_x8(v[t])), _mm256_mul_ps(d, dx), A[t]);
     }
 }
+
+/* one row against C tokens: decode (C = 1), and short prefills; o[t * ldo] gets token t */
+ALWAYS void k8t_row(const int C, float *o, int64_t ldo, const uint8_t *w0, const cyllm_qact_view *a,
+                    int64_t nb, int add, const uint8_t *pfp) {
+    __m256 A[K8T_MC];
+    for (int t = 0; t < C; t++) A[t] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) k8t_group(C, 8, A, w0, a, b, pfp);
+    if (b < nb) k8t_group(C, (int)(nb - b), A, w0, a, b, pfp);
+    for (int t = 0; t < C; t++) {
+        const float r = hsum8(A[t]);
+        o[t * ldo] = add ? o[t * ldo] + r : r;
+    }
+}
+
+static void k8t_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a, int64_t n,
+                      int64_t r0, int64_t r1, int add, const qx_pf *pf) {
+    for (int64_t r = r0; r < r1; r++) k8t_row(1, o + (r - r0), 0, w + r * rb, a, n / 32, add, pf_base(w + r * rb, pf));
+}
+
+static void QF(matvec_k8t)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n,
+                           int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {
+    const cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);
+    const qx_pf pf = {w + r1 * rb, nx, nxb, cyllm_qpf_bytes};
+    k8t_range(out + r0, w, rb, &a, n, r0, r1, add, &pf);
+}
+
+static void QF(gate_up_k8t)(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb,
+                            const void *xq, int64_t n, int64_t r0, int64_t r1, int act,
+                            const void *nx, int64_t nxb) {
+    const cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);
+    const qx_pf pg = {wg + r1 * rb, 0, 0, cyllm_qpf_bytes};
+    const qx_pf pu = {wu + r1 * rb, nx, nxb, cyllm_qpf_bytes};
+    float g[16], u[16];
+    for (int64_t r = r0; r < r1; r += 16) {
+        const int64_t e = r + 16 < r1 ? r + 16 : r1;
+        k8t_range(g, wg, rb, &a, n, r, e, 0, &pg);
+        k8t_range(u, wu, rb, &a, n, r, e, 0, &pu);
+        for (int64_t i = r; i < e; i++) out[i] = cyllm_qact_apply(act, g[i - r]) * u[i - r];
+    }
+}
+
+/* prefill by rows: tokens K8T_MC at a time per row (the same bits as the tile) */
+static void k8t_gemm_rows(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
+                          int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
+    const int64_t nb = n / 32;
+    for (int64_t t0 = 0; t0 < T; t0 += K8T_MC) {
+        const int C = T - t0 < K8T_MC ? (int)(T - t0) : K8T_MC;
+        cyllm_qact_view a[K8T_MC];
+        for (int t = 0; t < C; t++) a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_0);
+        for (int64_t r = r0; r < r1; r++) {
+            float *o = out + t0 * ldo + r;
+            const uint8_t *wr = w + r * rb;
+            switch (C) {
+            case 4: k8t_row(4, o, ldo, wr, a, nb, add, wr); break;
+            case 3: k8t_row(3, o, ldo, wr, a, nb, add, wr); break;
+            case 2: k8t_row(2, o, ldo, wr, a, nb, add, wr); break;
+            default: k8t_row(1, o, ldo, wr, a, nb, add, wr); break;
+            }
+        }
+    }
+}
+
+/* 8 tokens of x, transposed (token j in lane j; tokens past the end: zeros) */
+typedef struct {
+    uint8_t *q;             /* (n / 4, 8, 4): elements 4g..4g+3 of token j at 32 g + 4 j */
+    float *dx;              /* (nb, 8) */
+} k8t_x;
+
+/* K8T_R rows: w, |w| and the block scales as floats (rows past the group's end: zeros) */
+typedef struct {
+    uint8_t *w, *abs;       /* (K8T_R, n) each */
+    float *d;               /* (K8T_R, nb) */
+} k8t_w;
+
+static size_t k8t_x_bytes(int64_t n) { return (size_t)8 * n + (size_t)(n / 32) * 32; }
+static size_t k8t_w_bytes(int64_t n) { return (size_t)K8T_R * (2 * n + (n / 32) * 4); }
+
+static k8t_x k8t_x_at(uint8_t *p, int64_t n) {
+    k8t_x x = {p, (float *)(p + 8 * n)};
+    return x;
+}
+
+/* tokens t .. t+nt-1 (nt <= 8) of xq -> x */
+static void k8t_xprep(k8t_x *x, const void *xq, int64_t xs, int64_t t, int nt, int64_t n) {
+    const int64_t nb = n / 32;
+    if (nt < 8) {
+        memset(x->q, 0, (size_t)8 * n);
+        memset(x->dx, 0, (size_t)nb * 32);
+    }
+    for (int j = 0; j < nt; j++) {
+        const cyllm_qact_view a = cyllm_qact_split((const char *)xq + (t + j) * xs, n, CYLLM_QA_Q8_0);
+        for (int64_t g = 0; g < n / 4; g++) memcpy(x->q + 32 * g + 4 * j, a.q + 4 * g, 4);
+        for (int64_t b = 0; b < nb; b++) x->dx[8 * b + j] = a.d[b];
+    }
+}
+
+/* rows r .. r+nr-1 (nr <= K8T_R) of w -> the panel */
+static void k8t_wprep(k8t_w *p, const uint8_t *w, int64_t rb, int64_t r, int nr, int64_t n) {
+    const int64_t nb = n / 32;
+    for (int i = 0; i < K8T_R; i++) {
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *q = p->w + i * n + 32 * b, *qa = p->abs + i * n + 32 * b;
+            if (i >= nr) {
+                memset(q, 0, 32);
+                memset(qa, 0, 32);
+                p->d[i * nb + b] = 0.0f;
+                continue;
+            }
+            const uint8_t *blk = w + (r + i) * rb + b * QB_Q8_0;
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            _mm256_storeu_si256((__m256i *)q, v);
+            _mm256_storeu_si256((__m256i *)qa, _mm256_sign_epi8(v, v));
+            p->d[i * nb + b] = _cvtsh_ss(cyllm_rd16(blk));
+        }
+    }
+}
+
+/* K8T_R rows (nr of them real) x 8 tokens (nt real) over every block; o[j * ldo + i] gets
+ * (row i, token j) */
+static void k8t_tile(float *o, int64_t ldo, const k8t_w *p, const k8t_x *x, int64_t n, int nr, int nt,
+                     int add) {
+    const int64_t nb = n / 32;
+    __m256 acc[K8T_R][8];                   /* row i, lane b % 8: tokens in lanes */
+    for (int i = 0; i < K8T_R; i++)
+        for (int l = 0; l < 8; l++) acc[i][l] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i S[K8T_R];
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < K8T_R; i++) S[i] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 8")
+        for (int g = 0; g < 8; g++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + (32 * b + 4 * g) * 8));
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < K8T_R; i++) {
+                const __m256i ws = _mm256_set1_epi32((int)cyllm_rd32(p->w + i * n + 32 * b + 4 * g));
+                const __m256i wa = _mm256_set1_epi32((int)cyllm_rd32(p->abs + i * n + 32 * b + 4 * g));
+                S[i] = DPBUSD(S[i], wa, _mm256_sign_epi8(xv, ws));
+            }
+        }
+        const __m256 dx = _mm256_loadu_ps(x->dx + 8 * b);
+        const int l = (int)(b & 7);
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < K8T_R; i++)
+            acc[i][l] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[i]), _mm256_mul_ps(_mm256_set1_ps(p->d[i * nb + b]), dx),
+                                        acc[i][l]);
+    }
+    for (int i = 0; i < nr; i++) {
+        const __m256 *v = acc[i];           /* hsum8's tree, lane by lane */
+        const __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(v[0], v[4]), _mm256_add_ps(v[2], v[6])),
+                                       _mm256_add_ps(_mm256_add_ps(v[1], v[5]), _mm256_add_ps(v[3], v[7])));
+        float r[8];
+        _mm256_storeu_ps(r, t);
+        for (int j = 0; j < nt; j++) o[j * ldo + i] = add ? o[j * ldo + i] + r[j] : r[j];
+    }
+}
+
+/* prefill: up to K8T_TOKENS tokens transposed at a time, K8T_R rows prepared at a time and
+ * run against every block of 8 tokens. The buffers (x: ~9 bytes per token and element,
+ * rows: ~2.1 per element) are malloc'd per call and thread; if that fails, the decode rows
+ * give the same bits. */
+static void QF(gemm_k8t)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
+                         int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
+    const int64_t tc = T < K8T_TOKENS ? T : K8T_TOKENS;
+    const int64_t nblk = (tc + 7) / 8;
+    const size_t xb = k8t_x_bytes(n), wb = k8t_w_bytes(n);
+    uint8_t *buf = T < K8T_TILE_MIN ? NULL : (uint8_t *)_mm_malloc((size_t)nblk * xb + wb, 64);
+    if (!buf) {     /* few tokens (the tile's 8 lanes would idle), or no memory */
+        k8t_gemm_rows(out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
+        return;
+    }
+    uint8_t *pw = buf + nblk * xb;
+    k8t_w wp = {pw, pw + (size_t)K8T_R * n, (float *)(pw + (size_t)2 * K8T_R * n)};
+    for (int64_t t0 = 0; t0 < T; t0 += tc) {
+        const int64_t tn = T - t0 < tc ? T - t0 : tc;
+        for (int64_t k = 0; k * 8 < tn; k++) {
+            k8t_x x = k8t_x_at(buf + k * xb, n);
+            k8t_xprep(&x, xq, xs, t0 + 8 * k, tn - 8 * k < 8 ? (int)(tn - 8 * k) : 8, n);
+        }
+        for (int64_t r = r0; r < r1; r += K8T_R) {
+            const int nr = r1 - r < K8T_R ? (int)(r1 - r) : K8T_R;
+            k8t_wprep(&wp, w, rb, r, nr, n);
+            for (int64_t k = 0; k * 8 < tn; k++) {
+                const k8t_x x = k8t_x_at(buf + k * xb, n);
+                k8t_tile(out + (t0 + 8 * k) * ldo + r, ldo, &wp, &x, n, nr,
+                         tn - 8 * k < 8 ? (int)(tn - 8 * k) : 8, add);
+            }
+        }
+    }
+    _mm_free(buf);
+}
+#endif
 
 /* ---- K-quants --------------------------------------------------------------------- */
 
@@ -1053,35 +1312,6 @@ ALWAYS void k5t_parts(const int C, const uint8_t *p, const cyllm_qact_view *a, i
     }
 }
 
-/* w[i] = [4 lanes of row i | 4 lanes of row i + 4] (i < 4) -> lane r = the sum of row r's */
-ALWAYS __m256i hsum_pairs_x4(const __m256i w[4]) {
-    /* [rows 0, 1 | rows 4, 5] and [rows 2, 3 | rows 6, 7], two partial sums each */
-    const __m256i x01 = _mm256_add_epi32(_mm256_unpacklo_epi64(w[0], w[1]), _mm256_unpackhi_epi64(w[0], w[1]));
-    const __m256i x23 = _mm256_add_epi32(_mm256_unpacklo_epi64(w[2], w[3]), _mm256_unpackhi_epi64(w[2], w[3]));
-    const __m256 f01 = _mm256_castsi256_ps(x01), f23 = _mm256_castsi256_ps(x23);
-    return _mm256_add_epi32(_mm256_castps_si256(_mm256_shuffle_ps(f01, f23, _MM_SHUFFLE(2, 0, 2, 0))),
-                            _mm256_castps_si256(_mm256_shuffle_ps(f01, f23, _MM_SHUFFLE(3, 1, 3, 1))));
-}
-
-/* lane i <- the sum of v[i]'s 8 lanes, by a transpose of blends, 64-bit unpacks and
- * shuffles (10 shuffle ops for 8 vectors; a vphaddd tree takes 6 two-shuffle hadds + 2) */
-ALWAYS __m256i hsum8i_x8(const __m256i v[8]) {
-    __m256i w[4];
-    _Pragma("GCC unroll 4")
-    for (int i = 0; i < 4; i++)             /* [v_i folded to 4 lanes | v_i+4 folded] */
-        w[i] = _mm256_add_epi32(_mm256_blend_epi32(v[i], v[i + 4], 0xF0),
-                                _mm256_permute2x128_si256(v[i], v[i + 4], 0x21));
-    return hsum_pairs_x4(w);
-}
-
-/* lane i <- the sum of v[i]'s 4 lanes */
-ALWAYS __m256i hsum4i_x8(const __m128i v[8]) {
-    __m256i w[4];
-    _Pragma("GCC unroll 4")
-    for (int i = 0; i < 4; i++) w[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(v[i]), v[i + 4], 1);
-    return hsum_pairs_x4(w);
-}
-
 /* superblocks b0 .. b0+m-1 (m <= 8) of one row into the chains' accumulators of C tokens */
 ALWAYS void k5t_group(const int C, const int m, __m256 *A, __m256 *B, const uint8_t *w0,
                       const cyllm_qact_view *a, int64_t b0, const uint8_t *pfp) {
@@ -1435,6 +1665,16 @@ static inline void deq16_rows_x86(int fmt, uint16_t *out, const uint8_t *w, int6
  * rows [r0, r1) of one activation (decode); the GEMM runs tokens in blocks of QX_TB (their
  * activations stay in L1/L2 while the thread's rows stream past), QX_C tokens per call. */
 
+/* the f16 panels and f32 rows of one format (deq16_##F, deq32_##F) */
+#define QX_DEQ(F, FMT)                                                                          \
+static void QF(deq16_##F)(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n, int64_t r0, \
+                          int64_t r1) {                                                       \
+    deq16_rows_x86(FMT, out, w, rb, n, r0, r1);                                               \
+}                                                                                             \
+static void QF(deq32_##F)(float *out, const uint8_t *w, int64_t rb, int64_t r, int64_t n) { \
+    cyllm_qdequant_row_f32_generic(FMT, out, w + r * rb, n);                                  \
+}
+
 #define QX_FORMAT(F, FMT, ACT, BLK, KIND, CALL)                                                 \
 ALWAYS void one_##F(const int C, float *o, int64_t ldo, const uint8_t *w0,                  \
                     const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {       \
@@ -1518,15 +1758,9 @@ static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
         }                                                                                     \
     }                                                                                         \
 }                                                                                             \
-static void QF(deq16_##F)(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n, int64_t r0, \
-                          int64_t r1) {                                                       \
-    deq16_rows_x86(FMT, out, w, rb, n, r0, r1);                                               \
-}                                                                                             \
-static void QF(deq32_##F)(float *out, const uint8_t *w, int64_t rb, int64_t r, int64_t n) { \
-    cyllm_qdequant_row_f32_generic(FMT, out, w + r * rb, n);                                  \
-}
+QX_DEQ(F, FMT)
 
-QX_FORMAT(q8_0, CYLLM_QF_Q8_0, CYLLM_QA_Q8_0, 32, -1, k_q8_0(C, o, ldo, w0, a, nb, add, pfp))
+QX_DEQ(q8_0, CYLLM_QF_Q8_0)
 QX_FORMAT(q4_0, CYLLM_QF_Q4_0, CYLLM_QA_Q8_0, 32, 0, rows32(C, 0, o, ldo, w0, a, nb, add, pfp))
 QX_FORMAT(q4_1, CYLLM_QF_Q4_1, CYLLM_QA_Q8_0, 32, 1, rows32(C, 1, o, ldo, w0, a, nb, add, pfp))
 QX_FORMAT(q5_0, CYLLM_QF_Q5_0, CYLLM_QA_Q8_0, 32, 2, rows32(C, 2, o, ldo, w0, a, nb, add, pfp))
@@ -2004,7 +2238,7 @@ R16_ENTRIES(q41r16, R16_Q41_GROUP, CYLLM_QA_Q8_0, 32)
 #define QX_ENTRY_Q5_K {QF(matvec_k5t), QF(gate_up_k5t), QF(gemm_k5t), QF(deq16_q5_k), QF(deq32_q5_k)}
 #define QX_ENTRY_Q6_K {QF(matvec_k6z), QF(gate_up_k6z), QF(gemm_k6z), QF(deq16_q6_k), QF(deq32_q6_k)}
 #else
-#define QX_ENTRY_Q8_0 QX_ENTRY(q8_0)
+#define QX_ENTRY_Q8_0 {QF(matvec_k8t), QF(gate_up_k8t), QF(gemm_k8t), QF(deq16_q8_0), QF(deq32_q8_0)}
 #define QX_ENTRY_Q4_K QX_ENTRY(q4_k)
 #define QX_ENTRY_Q5_K QX_ENTRY(q5_k)
 #define QX_ENTRY_NIB(F) QX_ENTRY(F)
