@@ -154,6 +154,30 @@ ALWAYS const uint8_t *pf_base(const uint8_t *w0, const qx_pf *pf) {
 
 #define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 
+/* matvec_##F and gate_up_##F (decode) of a kernel whose rows [r0, r1) of one activation
+ * F##_range(o, w, rb, a, n, r0, r1, add, pf) computes, one linear stream */
+#define QX_DECODE(F, ACT)                                                                       \
+static void QF(matvec_##F)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n, \
+                           int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {   \
+    const cyllm_qact_view a = cyllm_qact_split(xq, n, ACT);                                   \
+    const qx_pf pf = {w + r1 * rb, nx, nxb, cyllm_qpf_bytes};                                 \
+    F##_range(out + r0, w, rb, &a, n, r0, r1, add, &pf);                                      \
+}                                                                                             \
+static void QF(gate_up_##F)(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb,   \
+                            const void *xq, int64_t n, int64_t r0, int64_t r1, int act,      \
+                            const void *nx, int64_t nxb) {                                    \
+    const cyllm_qact_view a = cyllm_qact_split(xq, n, ACT);                                   \
+    const qx_pf pg = {wg + r1 * rb, 0, 0, cyllm_qpf_bytes};                                   \
+    const qx_pf pu = {wu + r1 * rb, nx, nxb, cyllm_qpf_bytes};                                \
+    float g[16], u[16];                                                                       \
+    for (int64_t r = r0; r < r1; r += 16) {                                                   \
+        const int64_t e = r + 16 < r1 ? r + 16 : r1;                                          \
+        F##_range(g, wg, rb, &a, n, r, e, 0, &pg);                                            \
+        F##_range(u, wu, rb, &a, n, r, e, 0, &pu);                                            \
+        for (int64_t i = r; i < e; i++) out[i] = cyllm_qact_apply(act, g[i - r]) * u[i - r]; \
+    }                                                                                         \
+}
+
 /* ---- activation quantization (same bytes as quantize_act_generic) ------------------- */
 
 /* 32 floats -> 32 int8 at q (given the inverse scale); returns the int32 lanes' sums
@@ -408,27 +432,7 @@ static void k8t_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_v
     for (int64_t r = r0; r < r1; r++) k8t_row(1, o + (r - r0), 0, w + r * rb, a, n / 32, add, pf_base(w + r * rb, pf));
 }
 
-static void QF(matvec_k8t)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n,
-                           int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {
-    const cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);
-    const qx_pf pf = {w + r1 * rb, nx, nxb, cyllm_qpf_bytes};
-    k8t_range(out + r0, w, rb, &a, n, r0, r1, add, &pf);
-}
-
-static void QF(gate_up_k8t)(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb,
-                            const void *xq, int64_t n, int64_t r0, int64_t r1, int act,
-                            const void *nx, int64_t nxb) {
-    const cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);
-    const qx_pf pg = {wg + r1 * rb, 0, 0, cyllm_qpf_bytes};
-    const qx_pf pu = {wu + r1 * rb, nx, nxb, cyllm_qpf_bytes};
-    float g[16], u[16];
-    for (int64_t r = r0; r < r1; r += 16) {
-        const int64_t e = r + 16 < r1 ? r + 16 : r1;
-        k8t_range(g, wg, rb, &a, n, r, e, 0, &pg);
-        k8t_range(u, wu, rb, &a, n, r, e, 0, &pu);
-        for (int64_t i = r; i < e; i++) out[i] = cyllm_qact_apply(act, g[i - r]) * u[i - r];
-    }
-}
+QX_DECODE(k8t, CYLLM_QA_Q8_0)
 
 /* prefill by rows: tokens K8T_MC at a time per row (the same bits as the tile) */
 static void k8t_gemm_rows(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
@@ -613,60 +617,399 @@ ALWAYS void k5_codes(__m256i cod[8], const uint8_t *p) {
 }
 
 /* q4_k (five = 0) / q5_k (five = 1) */
-ALWAYS void rows_k45(const int C, const int five, float *o, int64_t ldo, const uint8_t *w0,
-                     const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
-    const int bb = five ? QB_Q5_K : QB_Q4_K;
-    const __m256i m15 = _mm256_set1_epi8(15);
-    __m256 acc[QX_C];
-    __m128 accm[QX_C];
-    _Pragma("GCC unroll 4")
-    for (int j = 0; j < C; j++) { acc[j] = _mm256_setzero_ps(); accm[j] = _mm_setzero_ps(); }
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *p = w0 + b * bb;
-        const uint8_t *f = pfp + b * bb;
-        PREFETCH(f);
-        PREFETCH(f + 64);
-        PREFETCH(f + 128);
-        __m256i sc16, isum[QX_C], cod[8];
-        __m128i m16;
-        k_scales16(p + 4, &sc16, &m16);
-        if (five) k5_codes(cod, p);
-        _Pragma("GCC unroll 4")
-        for (int j = 0; j < C; j++) isum[j] = _mm256_setzero_si256();
-        _Pragma("GCC unroll 4")
-        for (int c = 0; c < 4; c++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * c));
-            const __m256i lo = five ? cod[2 * c] : _mm256_and_si256(v, m15);
-            const __m256i hi = five ? cod[2 * c + 1] : _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
-            const __m256i s_lo = BCAST16(sc16, 2 * c), s_hi = BCAST16(sc16, 2 * c + 1);
-            _Pragma("GCC unroll 4")
-            for (int j = 0; j < C; j++) {
-                const int8_t *xb = a[j].q + b * QK_K;
-                const __m256i xl = _mm256_loadu_si256((const __m256i *)(xb + 64 * c));
-                const __m256i xh = _mm256_loadu_si256((const __m256i *)(xb + 64 * c + 32));
-                /* pairs <= 2*31*127 = 7874; x 63 and pair-summed in int32 */
-                isum[j] = DPWSSD(isum[j], _mm256_maddubs_epi16(lo, xl), s_lo);
-                isum[j] = DPWSSD(isum[j], _mm256_maddubs_epi16(hi, xh), s_hi);
-            }
-        }
-        const __m128 wdd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)cyllm_rd32(p)));   /* d, dmin */
-        _Pragma("GCC unroll 4")
-        for (int j = 0; j < C; j++) {
-            /* x sums per 32 (8 int16) from the 16 per-16 sums */
-            const __m128i bs32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(a[j].bsum + 16 * b)),
-                                                _mm_loadu_si128((const __m128i *)(a[j].bsum + 16 * b + 8)));
-            __m128 dd = _mm_mul_ps(wdd, _mm_set1_ps(a[j].d[b]));
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_broadcastss_ps(dd), acc[j]);
-            __m128i imin = _mm_madd_epi16(m16, bs32);
-            accm[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), _mm_shuffle_ps(dd, dd, 0x55), accm[j]);
-        }
+/* x's sums per 32 of superblock b (|.| <= 32 * 127: int16) as int32-packed pairs
+ * (bs_2i, bs_2i+1), i = 0..3: the x side of a K-quant's min term in the r16-style kernels */
+ALWAYS void x_sum_pairs(const cyllm_qact_view *a, int64_t b, int32_t pr[4]) {
+    const __m128i ones = _mm_set1_epi16(1);
+    const int16_t *bs = a->bsum + 16 * b;
+    _mm_storeu_si128((__m128i *)pr, _mm_packs_epi32(
+        _mm_madd_epi16(_mm_loadu_si128((const __m128i *)bs), ones),
+        _mm_madd_epi16(_mm_loadu_si128((const __m128i *)(bs + 8)), ones)));
+}
+
+/* ---- q4_k and q5_k: exact superblock totals ---------------------------------------------
+ * Decode and prefill compute, for each (row, token) and superblock s, the exact integers
+ * L_s = sum_k sc_k (q_k . x_k) and M_s = sum_k m_k bs_k (bs_k: x's codes summed over
+ * sub-block k), and then one float chain: lane s % 8 of two 8-lane accumulators takes
+ * A = fma(L_s, d_s dx_s, A) and B = fma(M_s, dmin_s dx_s, B); the result is
+ * hsum8(A) - hsum8(B). The integers can be summed in any order, so each path computes them
+ * its own way:
+ * - decode (one row, one token, weights streamed from DRAM) takes 8 int32 lanes (L) and 4
+ *   (M) per superblock from vpmaddubsw and vpmaddwd (vpdpwssd), the sub-block scales as
+ *   int16 multipliers, and reduces 8 superblocks at a time (a transpose of blends and
+ *   shuffles); prefills too short for a tile run these rows too, up to K45_MC tokens per
+ *   unpacking of a row. Every table decodes q5_k so, and the ymm tables q4_k (AVX512-VNNI
+ *   keeps its zmm q4_k kernels, k4z);
+ * - prefill puts tokens in the lanes of a vector (8 in a ymm below 512 bits, k45y; 16 in a
+ *   zmm for q5_k on AVX512-VNNI, k5t): x is transposed once per call (one line holds
+ *   elements 4g..4g+3 of every token), rows are unpacked to codes, and one multiply-add
+ *   takes a row's 4 codes (broadcast) against a line; the sub-block scale multiplies exact
+ *   sub-block sums once per 32 elements. Each token lane then runs decode's float chain,
+ *   so a token gets decode's bits.
+ * Bounds: q . x over a sub-block <= 32 * 31 * 127 = 125984; times sc <= 63, over 8
+ * sub-blocks: < 2^26. M: 8 * 63 * 32 * 127 < 2^21. */
+#define K45_MC 4            /* tokens a decode row takes at once (short prefills) */
+
+/* the codes of one q4_k (five = 0) or q5_k superblock at p: cod[k] = sub-block k's 32 */
+ALWAYS void k45_codes(const int five, __m256i cod[8], const uint8_t *p) {
+    if (five) {
+        k5_codes(cod, p);
+        return;
     }
+    const __m256i m15 = _mm256_set1_epi8(15);
     _Pragma("GCC unroll 4")
-    for (int j = 0; j < C; j++) {
-        float r = hsum8(acc[j]) - hsum4(accm[j]);
-        o[j * ldo] = add ? o[j * ldo] + r : r;
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * c));
+        cod[2 * c] = _mm256_and_si256(v, m15);
+        cod[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
     }
 }
+
+/* superblock b of one row (at p) against C tokens (views a[0..C-1]): per token, 8 int32
+ * lanes summing to L and 4 summing to M, into li[t][i] and mi[t][i].
+ * In ymm registers also on AVX512-VNNI: the zmm form (two sub-blocks a register) needs a
+ * 256-bit broadcast per pair of sub-blocks, and the shuffle ports bound this kernel on Zen
+ * 4 (7% slower from cache). */
+ALWAYS void k45_parts(const int C, const int five, const uint8_t *p, const cyllm_qact_view *a, int64_t b,
+                      __m256i li[][8], __m128i mi[][8], int i) {
+    __m256i sc16, cod[8];
+    __m128i m16;
+    k_scales16(p + 4, &sc16, &m16);         /* unpacked once for the C tokens */
+    k45_codes(five, cod, p);
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < C; t++) {
+        const int8_t *xb = a[t].q + b * QK_K;
+        __m256i s = _mm256_setzero_si256();
+        _Pragma("GCC unroll 4")
+        for (int c = 0; c < 4; c++) {
+            const __m256i xl = _mm256_loadu_si256((const __m256i *)(xb + 64 * c));
+            const __m256i xh = _mm256_loadu_si256((const __m256i *)(xb + 64 * c + 32));
+            /* pairs <= 2 * 31 * 127 = 7874 */
+            s = DPWSSD(s, _mm256_maddubs_epi16(cod[2 * c], xl), BCAST16(sc16, 2 * c));
+            s = DPWSSD(s, _mm256_maddubs_epi16(cod[2 * c + 1], xh), BCAST16(sc16, 2 * c + 1));
+        }
+        li[t][i] = s;
+        /* x's sums per 32 from its 16 per-16 sums, against the 8 mins */
+        const __m128i bs32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(a[t].bsum + 16 * b)),
+                                            _mm_loadu_si128((const __m128i *)(a[t].bsum + 16 * b + 8)));
+        mi[t][i] = _mm_madd_epi16(m16, bs32);
+    }
+}
+
+/* superblocks b0 .. b0+m-1 (m <= 8) of one row into the chains' accumulators of C tokens */
+ALWAYS void k45_group(const int C, const int five, const int m, __m256 *A, __m256 *B, const uint8_t *w0,
+                      const cyllm_qact_view *a, int64_t b0, const uint8_t *pfp) {
+    const int bb = five ? QB_Q5_K : QB_Q4_K;
+    __m256i li[K45_MC][8];
+    __m128i mi[K45_MC][8], dd[8];
+    /* a loop, not unrolled: unrolled (the 8 superblocks' work interleaved), q5_k's decode
+       in the model ran 15-20% slower at 1 thread although the isolated matvec was 1-2%
+       faster (AVX512-VNNI, Zen 4) */
+    _Pragma("GCC unroll 1")
+    for (int i = 0; i < 8; i++) {
+        if (i < m) {
+            const uint8_t *p = w0 + (b0 + i) * bb;
+            const uint8_t *f = pfp + (b0 + i) * bb;
+            PREFETCH(f);
+            PREFETCH(f + 64);
+            PREFETCH(f + 128);
+            k45_parts(C, five, p, a, b0 + i, li, mi, i);
+            dd[i] = _mm_cvtsi32_si128((int)cyllm_rd32(p));     /* d, dmin (f16) */
+        } else {
+            for (int t = 0; t < C; t++) {
+                li[t][i] = _mm256_setzero_si256();
+                mi[t][i] = _mm_setzero_si128();
+            }
+            dd[i] = _mm_setzero_si128();
+        }
+    }
+    /* the 8 (d, dmin) words into one vector in registers (a store of 8 words and a vector
+       load of them would stall on store forwarding) */
+    const __m128i d03 = _mm_unpacklo_epi64(_mm_unpacklo_epi32(dd[0], dd[1]), _mm_unpacklo_epi32(dd[2], dd[3]));
+    const __m128i d47 = _mm_unpacklo_epi64(_mm_unpacklo_epi32(dd[4], dd[5]), _mm_unpacklo_epi32(dd[6], dd[7]));
+    const __m256i ddv = _mm256_inserti128_si256(_mm256_castsi128_si256(d03), d47, 1);
+    /* the low and high f16 of each 32-bit lane, as 8 floats each */
+    const __m256i lo16 = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i hi16 = _mm256_add_epi8(lo16, _mm256_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0));
+    const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(
+        _mm256_permute4x64_epi64(_mm256_shuffle_epi8(ddv, lo16), 0x08)));
+    const __m256 dm = _mm256_cvtph_ps(_mm256_castsi256_si128(
+        _mm256_permute4x64_epi64(_mm256_shuffle_epi8(ddv, hi16), 0x08)));
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < C; t++) {
+        /* past the row's end the scales read as 0 (an exact +0 joins those lanes) */
+        const __m256 dx = m == 8 ? _mm256_loadu_ps(a[t].d + b0) : _mm256_maskload_ps(a[t].d + b0, live);
+        A[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8i_x8(li[t])), _mm256_mul_ps(d, dx), A[t]);
+        B[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum4i_x8(mi[t])), _mm256_mul_ps(dm, dx), B[t]);
+    }
+}
+
+/* one row against C tokens: decode (C = 1), and short prefills, where the row's unpacking
+ * serves C tokens; o[t * ldo] gets token t */
+ALWAYS void k45_row(const int C, const int five, float *o, int64_t ldo, const uint8_t *w0,
+                    const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
+    __m256 A[K45_MC], B[K45_MC];
+    for (int t = 0; t < C; t++) A[t] = B[t] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) k45_group(C, five, 8, A, B, w0, a, b, pfp);
+    if (b < nb) k45_group(C, five, (int)(nb - b), A, B, w0, a, b, pfp);
+    for (int t = 0; t < C; t++) {
+        const float r = hsum8(A[t]) - hsum8(B[t]);
+        o[t * ldo] = add ? o[t * ldo] + r : r;
+    }
+}
+
+/* prefill by rows: tokens K45_MC at a time per row (the same bits as the tiles) */
+static void k45_gemm_rows(const int five, float *out, int64_t ldo, const uint8_t *w, int64_t rb,
+                          const void *xq, int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1,
+                          int add) {
+    const int64_t nb = n / QK_K;
+    for (int64_t t0 = 0; t0 < T; t0 += K45_MC) {
+        const int C = T - t0 < K45_MC ? (int)(T - t0) : K45_MC;
+        cyllm_qact_view a[K45_MC];
+        for (int t = 0; t < C; t++) a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_K);
+        for (int64_t r = r0; r < r1; r++) {
+            float *o = out + t0 * ldo + r;
+            const uint8_t *wr = w + r * rb;
+            switch (C) {
+            case 4: k45_row(4, five, o, ldo, wr, a, nb, add, wr); break;
+            case 3: k45_row(3, five, o, ldo, wr, a, nb, add, wr); break;
+            case 2: k45_row(2, five, o, ldo, wr, a, nb, add, wr); break;
+            default: k45_row(1, five, o, ldo, wr, a, nb, add, wr); break;
+            }
+        }
+    }
+}
+
+#define K45_RANGE(F, FIVE)                                                                        \
+static void F##_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a, int64_t n, \
+                      int64_t r0, int64_t r1, int add, const qx_pf *pf) {                      \
+    for (int64_t r = r0; r < r1; r++)                                                           \
+        k45_row(1, FIVE, o + (r - r0), 0, w + r * rb, a, n / QK_K, add, pf_base(w + r * rb, pf)); \
+}
+K45_RANGE(k5, 1)
+QX_DECODE(k5, CYLLM_QA_Q8_K)
+#if QX_VNNI < 2
+K45_RANGE(k4, 0)
+QX_DECODE(k4, CYLLM_QA_Q8_K)
+#endif
+
+#if QX_VNNI < 2
+/* ---- ymm q4_k / q5_k prefill: 8 tokens in a ymm's lanes ---------------------------------
+ * (the exact superblock totals above). x is transposed once per call (one 32-byte line
+ * holds elements 4g..4g+3 of 8 tokens), K45Y_R rows are unpacked to codes at a time, and a
+ * vpmaddubsw takes a row's 4 codes (broadcast) against a line: 32 multiply-adds. The int16
+ * pairs of a sub-block's 8 lines add up exactly (q4_k: 8 x 2 * 15 * 127 = 30480; q5_k
+ * codes go to 31, so it adds 4 lines at a time: 4 x 2 * 31 * 127 = 31496) before one
+ * vpmaddwd by the sub-block's scale. */
+#ifndef K45Y_R
+#define K45Y_R 4            /* prefill tile: rows (x 8 tokens) */
+#endif
+#define K45Y_TOKENS 128     /* tokens whose x is transposed at a time */
+#ifndef K45Y_TILE_MIN
+#define K45Y_TILE_MIN 8     /* fewer tokens take the rows (avx2, 5632x2048, 1 thread: T = 8 rows
+                               2.02 ms, tile 1.81; T = 12 3.07 and 3.11) */
+#endif
+
+/* 8 tokens of x, transposed (token j in lane j; tokens past the end: zeros) */
+typedef struct {
+    uint8_t *q;             /* (n / 4, 8, 4): elements 4g..4g+3 of token j at 32 g + 4 j */
+    int32_t *bs;            /* (nb, 4, 8): (bs_2i, bs_2i+1) as int16 pairs, token j in lane j */
+    float *dx;              /* (nb, 8) */
+} k45y_x;
+
+/* K45Y_R rows unpacked (rows past the group's end: zeros) */
+typedef struct {
+    uint8_t *q;             /* (K45Y_R, n): codes */
+    int16_t *sc;            /* (K45Y_R, nb, 8) */
+    int32_t *mp;            /* (K45Y_R, nb, 4): (m_2i, m_2i+1) as int16 pairs */
+    float *d, *dm;          /* (K45Y_R, nb) */
+} k45y_w;
+
+static size_t k45y_x_bytes(int64_t n) { return (size_t)8 * n + (size_t)(n / QK_K) * (128 + 32); }
+static size_t k45y_w_bytes(int64_t n) { return (size_t)K45Y_R * (n + (size_t)(n / QK_K) * (16 + 16 + 8)); }
+
+static k45y_x k45y_x_at(uint8_t *p, int64_t n) {
+    k45y_x x = {p, (int32_t *)(p + 8 * n), (float *)(p + 8 * n + (n / QK_K) * 128)};
+    return x;
+}
+
+static k45y_w k45y_w_at(uint8_t *p, int64_t n) {
+    const int64_t nb = n / QK_K;
+    k45y_w w;
+    w.q = p;
+    w.sc = (int16_t *)(p + K45Y_R * n);
+    w.mp = (int32_t *)(w.sc + K45Y_R * nb * 8);
+    w.d = (float *)(w.mp + K45Y_R * nb * 4);
+    w.dm = w.d + K45Y_R * nb;
+    return w;
+}
+
+/* tokens t .. t+nt-1 (nt <= 8) of xq -> x */
+static void k45y_xprep(k45y_x *x, const void *xq, int64_t xs, int64_t t, int nt, int64_t n) {
+    const int64_t nb = n / QK_K;
+    if (nt < 8) {
+        memset(x->q, 0, (size_t)8 * n);
+        memset(x->bs, 0, (size_t)nb * 128);
+        memset(x->dx, 0, (size_t)nb * 32);
+    }
+    for (int j = 0; j < nt; j++) {
+        const cyllm_qact_view a = cyllm_qact_split((const char *)xq + (t + j) * xs, n, CYLLM_QA_Q8_K);
+        for (int64_t g = 0; g < n / 4; g++) memcpy(x->q + 32 * g + 4 * j, a.q + 4 * g, 4);
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t pr[4];
+            x_sum_pairs(&a, b, pr);
+            x->dx[8 * b + j] = a.d[b];
+            for (int i = 0; i < 4; i++) x->bs[(4 * b + i) * 8 + j] = pr[i];
+        }
+    }
+}
+
+/* rows r .. r+nr-1 (nr <= K45Y_R) of w -> the panel */
+static void k45y_wprep(const int five, k45y_w *p, const uint8_t *w, int64_t rb, int64_t r, int nr, int64_t n) {
+    const int64_t nb = n / QK_K;
+    const int bb = five ? QB_Q5_K : QB_Q4_K;
+    for (int i = 0; i < K45Y_R; i++) {
+        for (int64_t b = 0; b < nb; b++) {
+            int16_t *sc = p->sc + (i * nb + b) * 8;
+            int32_t *mp = p->mp + (i * nb + b) * 4;
+            uint8_t *q = p->q + i * n + b * QK_K;
+            if (i >= nr) {
+                memset(q, 0, QK_K);
+                memset(sc, 0, 16);
+                memset(mp, 0, 16);
+                p->d[i * nb + b] = p->dm[i * nb + b] = 0.0f;
+                continue;
+            }
+            const uint8_t *blk = w + (r + i) * rb + b * bb;
+            __m256i cod[8];
+            k45_codes(five, cod, blk);
+            for (int k = 0; k < 8; k++) _mm256_storeu_si256((__m256i *)(q + 32 * k), cod[k]);
+            uint8_t s8[8], m8[8];
+            cyllm_k_scales(blk + 4, s8, m8);
+            for (int k = 0; k < 8; k++) sc[k] = s8[k];
+            for (int k = 0; k < 4; k++) mp[k] = (int32_t)((uint32_t)m8[2 * k] | ((uint32_t)m8[2 * k + 1] << 16));
+            p->d[i * nb + b] = _cvtsh_ss(cyllm_rd16(blk));
+            p->dm[i * nb + b] = _cvtsh_ss(cyllm_rd16(blk + 2));
+        }
+    }
+}
+
+/* K45Y_R rows (nr real) x 8 tokens (nt real) over every superblock; o[j * ldo + i] gets
+ * (row i, token j) */
+ALWAYS void k45y_tile(const int five, float *o, int64_t ldo, const k45y_w *w, const k45y_x *x, int64_t n,
+                      int nr, int nt, int add) {
+    const int64_t nb = n / QK_K;
+    __m256 acc[2][K45Y_R][8];               /* A, B of row i, lane s % 8: tokens in lanes */
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < K45Y_R; i++)
+            for (int l = 0; l < 8; l++) acc[h][i][l] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nb; s++) {
+        __m256i L[K45Y_R];
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < K45Y_R; i++) L[i] = _mm256_setzero_si256();
+        for (int k = 0; k < 8; k++) {
+            const uint8_t *xk = x->q + (s * QK_K + 32 * k) * 8;
+            const uint8_t *wk = w->q + s * QK_K + 32 * k;
+            __m256i h[K45Y_R];
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < K45Y_R; i++) h[i] = _mm256_setzero_si256();
+            _Pragma("GCC unroll 8")
+            for (int g = 0; g < 8; g++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xk + 32 * g));
+                _Pragma("GCC unroll 8")
+                for (int i = 0; i < K45Y_R; i++)
+                    h[i] = _mm256_add_epi16(h[i], _mm256_maddubs_epi16(
+                               _mm256_set1_epi32((int)cyllm_rd32(wk + i * n + 4 * g)), xv));
+                if (five && g == 3) {
+                    _Pragma("GCC unroll 8")
+                    for (int i = 0; i < K45Y_R; i++) {
+                        L[i] = _mm256_add_epi32(L[i], _mm256_madd_epi16(h[i], _mm256_set1_epi16(w->sc[(i * nb + s) * 8 + k])));
+                        h[i] = _mm256_setzero_si256();
+                    }
+                }
+            }
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < K45Y_R; i++)
+                L[i] = _mm256_add_epi32(L[i], _mm256_madd_epi16(h[i], _mm256_set1_epi16(w->sc[(i * nb + s) * 8 + k])));
+        }
+        const __m256 dx = _mm256_loadu_ps(x->dx + 8 * s);
+        const int l = (int)(s & 7);
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < K45Y_R; i++) {
+            __m256i M = _mm256_setzero_si256();
+            _Pragma("GCC unroll 4")
+            for (int q = 0; q < 4; q++)
+                M = _mm256_add_epi32(M, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(x->bs + (4 * s + q) * 8)),
+                                                          _mm256_set1_epi32(w->mp[(i * nb + s) * 4 + q])));
+            const __m256 pd = _mm256_mul_ps(_mm256_set1_ps(w->d[i * nb + s]), dx);
+            const __m256 pm = _mm256_mul_ps(_mm256_set1_ps(w->dm[i * nb + s]), dx);
+            acc[0][i][l] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(L[i]), pd, acc[0][i][l]);
+            acc[1][i][l] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), pm, acc[1][i][l]);
+        }
+    }
+    for (int i = 0; i < nr; i++) {
+        __m256 t[2];
+        for (int h = 0; h < 2; h++) {       /* hsum8's tree, lane by lane */
+            const __m256 *v = acc[h][i];
+            t[h] = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(v[0], v[4]), _mm256_add_ps(v[2], v[6])),
+                                 _mm256_add_ps(_mm256_add_ps(v[1], v[5]), _mm256_add_ps(v[3], v[7])));
+        }
+        float r[8];
+        _mm256_storeu_ps(r, _mm256_sub_ps(t[0], t[1]));
+        for (int j = 0; j < nt; j++) o[j * ldo + i] = add ? o[j * ldo + i] + r[j] : r[j];
+    }
+}
+
+/* prefill: up to K45Y_TOKENS tokens transposed at a time, K45Y_R rows unpacked at a time,
+ * each group of rows run against every block of 8 tokens. The buffers (x: ~8.6 bytes per
+ * token and element, rows: ~1.2 per element) are malloc'd per call and thread; if that
+ * fails, the decode rows give the same bits. */
+static void gemm_k45y(const int five, float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
+                      int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
+    const int64_t tc = T < K45Y_TOKENS ? T : K45Y_TOKENS;
+    const int64_t nblk = (tc + 7) / 8;
+    const size_t xb = k45y_x_bytes(n), wb = k45y_w_bytes(n);
+    uint8_t *buf = T < K45Y_TILE_MIN ? NULL : (uint8_t *)_mm_malloc((size_t)nblk * xb + wb, 64);
+    if (!buf) {     /* few tokens (the tile's 8 lanes would idle), or no memory */
+        k45_gemm_rows(five, out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
+        return;
+    }
+    k45y_w wp = k45y_w_at(buf + nblk * xb, n);
+    for (int64_t t0 = 0; t0 < T; t0 += tc) {
+        const int64_t tn = T - t0 < tc ? T - t0 : tc;
+        for (int64_t k = 0; k * 8 < tn; k++) {
+            k45y_x x = k45y_x_at(buf + k * xb, n);
+            k45y_xprep(&x, xq, xs, t0 + 8 * k, tn - 8 * k < 8 ? (int)(tn - 8 * k) : 8, n);
+        }
+        for (int64_t r = r0; r < r1; r += K45Y_R) {
+            const int nr = r1 - r < K45Y_R ? (int)(r1 - r) : K45Y_R;
+            k45y_wprep(five, &wp, w, rb, r, nr, n);
+            for (int64_t k = 0; k * 8 < tn; k++) {
+                const k45y_x x = k45y_x_at(buf + k * xb, n);
+                float *o = out + (t0 + 8 * k) * ldo + r;
+                const int nt = tn - 8 * k < 8 ? (int)(tn - 8 * k) : 8;
+                if (five) k45y_tile(1, o, ldo, &wp, &x, n, nr, nt, add);
+                else k45y_tile(0, o, ldo, &wp, &x, n, nr, nt, add);
+            }
+        }
+    }
+    _mm_free(buf);
+}
+
+static void QF(gemm_k4y)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
+                         int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
+    gemm_k45y(0, out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
+}
+
+static void QF(gemm_k5y)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
+                         int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
+    gemm_k45y(1, out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
+}
+#endif
 
 ALWAYS void k_q6_k(const int C, float *o, int64_t ldo, const uint8_t *w0,
                    const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
@@ -1225,15 +1568,6 @@ ALWAYS void k6z_tile(const int R, const int C, float *o, int64_t ldo, const uint
     }
 }
 
-/* x's sums per 32 of superblock b (|.| <= 32 * 127: int16) as int32-packed pairs
- * (bs_2i, bs_2i+1), i = 0..3: the x side of a K-quant's min term in the r16-style kernels */
-ALWAYS void x_sum_pairs(const cyllm_qact_view *a, int64_t b, int32_t pr[4]) {
-    const __m128i ones = _mm_set1_epi16(1);
-    const int16_t *bs = a->bsum + 16 * b;
-    _mm_storeu_si128((__m128i *)pr, _mm_packs_epi32(
-        _mm_madd_epi16(_mm_loadu_si128((const __m128i *)bs), ones),
-        _mm_madd_epi16(_mm_loadu_si128((const __m128i *)(bs + 8)), ones)));
-}
 
 /* ---- AVX512-VNNI q5_k: exact superblock totals -----------------------------------------
  * Decode and prefill compute, for each (row, token) and superblock s, the exact integers
@@ -1276,115 +1610,6 @@ ALWAYS void k5_codes_z(__m512i cod[4], const uint8_t *p) {
             _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 48 + 32 * c))), nib);
         /* (v & 15) | (h & 0x10) */
         cod[c] = _mm512_ternarylogic_epi32(v, _mm512_and_si512(h[c], x10), m15, 0xEC);
-    }
-}
-
-#define K5T_MC 4            /* tokens a decode row takes at once (short prefills) */
-
-/* superblock b of one row (at p) against C tokens (views a[0..C-1]): per token, 8 int32
- * lanes summing to L and 4 summing to M, into li[t][i] and mi[t][i].
- * In ymm registers, as rows_k45: the zmm form (k5_codes_z, two sub-blocks a register)
- * needs a 256-bit broadcast per pair of sub-blocks, and the shuffle ports bound this
- * kernel on Zen 4 (7% slower from cache). */
-ALWAYS void k5t_parts(const int C, const uint8_t *p, const cyllm_qact_view *a, int64_t b,
-                      __m256i li[][8], __m128i mi[][8], int i) {
-    __m256i sc16, cod[8];
-    __m128i m16;
-    k_scales16(p + 4, &sc16, &m16);         /* unpacked once for the C tokens */
-    k5_codes(cod, p);
-    _Pragma("GCC unroll 4")
-    for (int t = 0; t < C; t++) {
-        const int8_t *xb = a[t].q + b * QK_K;
-        __m256i s = _mm256_setzero_si256();
-        _Pragma("GCC unroll 4")
-        for (int c = 0; c < 4; c++) {
-            const __m256i xl = _mm256_loadu_si256((const __m256i *)(xb + 64 * c));
-            const __m256i xh = _mm256_loadu_si256((const __m256i *)(xb + 64 * c + 32));
-            /* pairs <= 2 * 31 * 127 = 7874 */
-            s = DPWSSD(s, _mm256_maddubs_epi16(cod[2 * c], xl), BCAST16(sc16, 2 * c));
-            s = DPWSSD(s, _mm256_maddubs_epi16(cod[2 * c + 1], xh), BCAST16(sc16, 2 * c + 1));
-        }
-        li[t][i] = s;
-        /* x's sums per 32 from its 16 per-16 sums, against the 8 mins */
-        const __m128i bs32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(a[t].bsum + 16 * b)),
-                                            _mm_loadu_si128((const __m128i *)(a[t].bsum + 16 * b + 8)));
-        mi[t][i] = _mm_madd_epi16(m16, bs32);
-    }
-}
-
-/* superblocks b0 .. b0+m-1 (m <= 8) of one row into the chains' accumulators of C tokens */
-ALWAYS void k5t_group(const int C, const int m, __m256 *A, __m256 *B, const uint8_t *w0,
-                      const cyllm_qact_view *a, int64_t b0, const uint8_t *pfp) {
-    __m256i li[K5T_MC][8];
-    __m128i mi[K5T_MC][8], dd[8];
-    /* a loop, not unrolled: unrolled (the 8 superblocks' work interleaved), the model's
-       decode ran 15-20% slower at 1 thread although the isolated matvec was 1-2% faster */
-    _Pragma("GCC unroll 1")
-    for (int i = 0; i < 8; i++) {
-        if (i < m) {
-            const uint8_t *p = w0 + (b0 + i) * QB_Q5_K;
-            const uint8_t *f = pfp + (b0 + i) * QB_Q5_K;
-            PREFETCH(f);
-            PREFETCH(f + 64);
-            PREFETCH(f + 128);
-            k5t_parts(C, p, a, b0 + i, li, mi, i);
-            dd[i] = _mm_cvtsi32_si128((int)cyllm_rd32(p));     /* d, dmin (f16) */
-        } else {
-            for (int t = 0; t < C; t++) {
-                li[t][i] = _mm256_setzero_si256();
-                mi[t][i] = _mm_setzero_si128();
-            }
-            dd[i] = _mm_setzero_si128();
-        }
-    }
-    /* the 8 (d, dmin) words into one vector in registers (a store of 8 words and a vector
-       load of them would stall on store forwarding) */
-    const __m128i d03 = _mm_unpacklo_epi64(_mm_unpacklo_epi32(dd[0], dd[1]), _mm_unpacklo_epi32(dd[2], dd[3]));
-    const __m128i d47 = _mm_unpacklo_epi64(_mm_unpacklo_epi32(dd[4], dd[5]), _mm_unpacklo_epi32(dd[6], dd[7]));
-    const __m256i ddv = _mm256_inserti128_si256(_mm256_castsi128_si256(d03), d47, 1);
-    const __m256 d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(ddv));
-    const __m256 dm = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(ddv, 16)));
-    _Pragma("GCC unroll 4")
-    for (int t = 0; t < C; t++) {
-        const __m256 dx = _mm256_maskz_loadu_ps((__mmask8)((1u << m) - 1), a[t].d + b0);
-        A[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8i_x8(li[t])), _mm256_mul_ps(d, dx), A[t]);
-        B[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum4i_x8(mi[t])), _mm256_mul_ps(dm, dx), B[t]);
-    }
-}
-
-/* one row against C tokens: decode (C = 1), and short prefills, where the row's unpacking
- * serves C tokens; o[t * ldo] gets token t */
-ALWAYS void k5t_row(const int C, float *o, int64_t ldo, const uint8_t *w0, const cyllm_qact_view *a,
-                    int64_t nb, int add, const uint8_t *pfp) {
-    __m256 A[K5T_MC], B[K5T_MC];
-    for (int t = 0; t < C; t++) A[t] = B[t] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 8 <= nb; b += 8) k5t_group(C, 8, A, B, w0, a, b, pfp);
-    if (b < nb) k5t_group(C, (int)(nb - b), A, B, w0, a, b, pfp);
-    for (int t = 0; t < C; t++) {
-        const float r = hsum8(A[t]) - hsum8(B[t]);
-        o[t * ldo] = add ? o[t * ldo] + r : r;
-    }
-}
-
-/* prefill by rows: tokens K5T_MC at a time per row (the same bits as the tile) */
-static void k5t_gemm_rows(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
-                          int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
-    const int64_t nb = n / QK_K;
-    for (int64_t t0 = 0; t0 < T; t0 += K5T_MC) {
-        const int C = T - t0 < K5T_MC ? (int)(T - t0) : K5T_MC;
-        cyllm_qact_view a[K5T_MC];
-        for (int t = 0; t < C; t++) a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_K);
-        for (int64_t r = r0; r < r1; r++) {
-            float *o = out + t0 * ldo + r;
-            const uint8_t *wr = w + r * rb;
-            switch (C) {
-            case 4: k5t_row(4, o, ldo, wr, a, nb, add, wr); break;
-            case 3: k5t_row(3, o, ldo, wr, a, nb, add, wr); break;
-            case 2: k5t_row(2, o, ldo, wr, a, nb, add, wr); break;
-            default: k5t_row(1, o, ldo, wr, a, nb, add, wr); break;
-            }
-        }
     }
 }
 
@@ -1542,7 +1767,7 @@ static void QF(gemm_k5t)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
     const size_t xb = k5t_x_bytes(n), wb = k5t_w_bytes(n);
     uint8_t *buf = T < K5T_TILE_MIN ? NULL : (uint8_t *)_mm_malloc((size_t)nblk * xb + wb, 64);
     if (!buf) {     /* few tokens (the tile's 16 lanes would idle), or no memory */
-        k5t_gemm_rows(out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
+        k45_gemm_rows(1, out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
         return;
     }
     k5t_w wp = k5t_w_at(buf + nblk * xb, n);
@@ -1631,10 +1856,8 @@ static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
 /* decode rows (ROW1(o, w0, rb, a, nb, add, pfp, mx)) */
 #define K4Z_ROW1(o, w0, rb, a, nb, add, pfp, mx) k4z_row_ymm(o, w0, a, nb, add, pfp, mx)
 #define K6Z_ROW1(o, w0, rb, a, nb, add, pfp, mx) k6z_tile(1, 1, o, 0, w0, rb, a, nb, add, pfp, mx)
-#define K5T_ROW1(o, w0, rb, a, nb, add, pfp, mx) k5t_row(1, o, 0, w0, a, nb, add, pfp)
 QZK_FORMAT(k4z, k4z_tile, QZK_R, QZK_C, 1, K4Z_ROW1)
 QZK_FORMAT(k6z, k6z_tile, QZ6_R, QZ6_C, 0, K6Z_ROW1)
-QZK_DECODE(k5t, 0, K5T_ROW1)
 #endif
 
 /* rows [r0, r1) -> f16 (the prefill's f16 panels, CYLLM_QPREFILL=f16): each block
@@ -1765,8 +1988,8 @@ QX_FORMAT(q4_0, CYLLM_QF_Q4_0, CYLLM_QA_Q8_0, 32, 0, rows32(C, 0, o, ldo, w0, a,
 QX_FORMAT(q4_1, CYLLM_QF_Q4_1, CYLLM_QA_Q8_0, 32, 1, rows32(C, 1, o, ldo, w0, a, nb, add, pfp))
 QX_FORMAT(q5_0, CYLLM_QF_Q5_0, CYLLM_QA_Q8_0, 32, 2, rows32(C, 2, o, ldo, w0, a, nb, add, pfp))
 QX_FORMAT(q5_1, CYLLM_QF_Q5_1, CYLLM_QA_Q8_0, 32, 3, rows32(C, 3, o, ldo, w0, a, nb, add, pfp))
-QX_FORMAT(q4_k, CYLLM_QF_Q4_K, CYLLM_QA_Q8_K, QK_K, -1, rows_k45(C, 0, o, ldo, w0, a, nb, add, pfp))
-QX_FORMAT(q5_k, CYLLM_QF_Q5_K, CYLLM_QA_Q8_K, QK_K, -1, rows_k45(C, 1, o, ldo, w0, a, nb, add, pfp))
+QX_DEQ(q4_k, CYLLM_QF_Q4_K)
+QX_DEQ(q5_k, CYLLM_QF_Q5_K)
 QX_FORMAT(q6_k, CYLLM_QF_Q6_K, CYLLM_QA_Q8_K, QK_K, -1, k_q6_k(C, o, ldo, w0, a, nb, add, pfp))
 
 #if QX_VNNI == 2
@@ -2235,12 +2458,12 @@ R16_ENTRIES(q41r16, R16_Q41_GROUP, CYLLM_QA_Q8_0, 32)
 #define QX_ENTRY_Q8_0 {QF(matvec_z8), QF(gate_up_z8), QF(gemm_z8), QF(deq16_q8_0), QF(deq32_q8_0)}
 #define QX_ENTRY_NIB(F) {QF(matvec_##F##z), QF(gate_up_##F##z), QF(gemm_##F##z), QF(deq16_##F), QF(deq32_##F)}
 #define QX_ENTRY_Q4_K {QF(matvec_k4z), QF(gate_up_k4z), QF(gemm_k4z), QF(deq16_q4_k), QF(deq32_q4_k)}
-#define QX_ENTRY_Q5_K {QF(matvec_k5t), QF(gate_up_k5t), QF(gemm_k5t), QF(deq16_q5_k), QF(deq32_q5_k)}
+#define QX_ENTRY_Q5_K {QF(matvec_k5), QF(gate_up_k5), QF(gemm_k5t), QF(deq16_q5_k), QF(deq32_q5_k)}
 #define QX_ENTRY_Q6_K {QF(matvec_k6z), QF(gate_up_k6z), QF(gemm_k6z), QF(deq16_q6_k), QF(deq32_q6_k)}
 #else
 #define QX_ENTRY_Q8_0 {QF(matvec_k8t), QF(gate_up_k8t), QF(gemm_k8t), QF(deq16_q8_0), QF(deq32_q8_0)}
-#define QX_ENTRY_Q4_K QX_ENTRY(q4_k)
-#define QX_ENTRY_Q5_K QX_ENTRY(q5_k)
+#define QX_ENTRY_Q4_K {QF(matvec_k4), QF(gate_up_k4), QF(gemm_k4y), QF(deq16_q4_k), QF(deq32_q4_k)}
+#define QX_ENTRY_Q5_K {QF(matvec_k5), QF(gate_up_k5), QF(gemm_k5y), QF(deq16_q5_k), QF(deq32_q5_k)}
 #define QX_ENTRY_NIB(F) QX_ENTRY(F)
 #define QX_ENTRY_Q6_K QX_ENTRY(q6_k)
 #endif
