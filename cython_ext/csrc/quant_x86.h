@@ -178,6 +178,40 @@ static void QF(gate_up_##F)(float *out, const uint8_t *wg, const uint8_t *wu, in
     }                                                                                         \
 }
 
+/* Row kernels that compute exact block totals (q8_0 below 512 bits, the K-quants) serve
+ * prefills too short for their tiles: a row against up to QX_RC tokens per load and
+ * unpacking of the row, with the tiles' bits. ROW(C, o, ldo, wr, a, nb, add) runs one row
+ * against C tokens; F##_gemm_rows is the GEMM of those rows. */
+#define QX_RC 4
+#define QX_GEMM_ROWS(F, ACT, BLK, ROW)                                                           \
+static void F##_gemm_rows(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
+                          int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {  \
+    const int64_t nb = n / (BLK);                                                               \
+    for (int64_t t0 = 0; t0 < T; t0 += QX_RC) {                                                 \
+        const int C = T - t0 < QX_RC ? (int)(T - t0) : QX_RC;                                   \
+        cyllm_qact_view a[QX_RC];                                                               \
+        for (int t = 0; t < C; t++) a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, ACT); \
+        for (int64_t r = r0; r < r1; r++) {                                                     \
+            float *o = out + t0 * ldo + r;                                                      \
+            const uint8_t *wr = w + r * rb;                                                     \
+            switch (C) {                                                                        \
+            case 4: ROW(4, o, ldo, wr, a, nb, add); break;                                      \
+            case 3: ROW(3, o, ldo, wr, a, nb, add); break;                                      \
+            case 2: ROW(2, o, ldo, wr, a, nb, add); break;                                      \
+            default: ROW(1, o, ldo, wr, a, nb, add); break;                                     \
+            }                                                                                   \
+        }                                                                                       \
+    }                                                                                           \
+}
+
+/* 8 f16 (the low word of each h[i]) -> 8 floats, in registers (a store of 8 words and a
+ * vector load of them would stall on store forwarding) */
+ALWAYS __m256 h8x8(const __m128i h[8]) {
+    const __m128i h01 = _mm_unpacklo_epi16(h[0], h[1]), h23 = _mm_unpacklo_epi16(h[2], h[3]);
+    const __m128i h45 = _mm_unpacklo_epi16(h[4], h[5]), h67 = _mm_unpacklo_epi16(h[6], h[7]);
+    return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_unpacklo_epi32(h01, h23), _mm_unpacklo_epi32(h45, h67)));
+}
+
 /* ---- activation quantization (same bytes as quantize_act_generic) ------------------- */
 
 /* 32 floats -> 32 int8 at q (given the inverse scale); returns the int32 lanes' sums
@@ -358,7 +392,7 @@ ALWAYS void qx_xprep(const int kind, qx_xpair *xp, const cyllm_qact_view *a, int
  * so the two paths are free to compute them their own way:
  * - decode (one row, one token, weights streamed from DRAM) takes the sign trick's 8 int32
  *   lanes per block and reduces 8 blocks at a time (hsum8i_x8); prefills of fewer than
- *   K8T_TILE_MIN tokens run these rows too, up to K8T_MC tokens per load of a row;
+ *   K8T_TILE_MIN tokens run these rows too, up to QX_RC tokens per load of a row;
  * - prefill puts 8 tokens in the lanes of a ymm: x is transposed (one 32-byte line holds
  *   elements 4g..4g+3 of 8 tokens) and one DPBUSD takes a row's 4 |w| (broadcast) against
  *   the line signed by the 4 w (broadcast), so a block's 8 DPBUSD give the 8 tokens' S_b
@@ -367,7 +401,6 @@ ALWAYS void qx_xprep(const int kind, qx_xpair *xp, const cyllm_qact_view *a, int
  *   spent half its instructions there.
  * Bounds: |w| <= 128, |x| <= 127: maddubs pairs <= 32512; |S_b| <= 32 * 128 * 127 < 2^19,
  * exact in float. */
-#define K8T_MC 4            /* tokens a decode row takes at once (short prefills) */
 #ifndef K8T_R
 #define K8T_R 4             /* prefill tile: rows (x 8 tokens) */
 #endif
@@ -380,7 +413,7 @@ ALWAYS void qx_xprep(const int kind, qx_xpair *xp, const cyllm_qact_view *a, int
 /* blocks b0 .. b0+m-1 (m <= 8) of one row into the chains' accumulators of C tokens */
 ALWAYS void k8t_group(const int C, const int m, __m256 *A, const uint8_t *w0, const cyllm_qact_view *a,
                       int64_t b0, const uint8_t *pfp) {
-    __m256i v[K8T_MC][8];
+    __m256i v[QX_RC][8];
     __m128i dd[8];
     _Pragma("GCC unroll 8")
     for (int i = 0; i < 8; i++) {
@@ -400,10 +433,7 @@ ALWAYS void k8t_group(const int C, const int m, __m256 *A, const uint8_t *w0, co
             dd[i] = _mm_setzero_si128();
         }
     }
-    /* the 8 f16 scales into one vector in registers */
-    const __m128i d01 = _mm_unpacklo_epi16(dd[0], dd[1]), d23 = _mm_unpacklo_epi16(dd[2], dd[3]);
-    const __m128i d45 = _mm_unpacklo_epi16(dd[4], dd[5]), d67 = _mm_unpacklo_epi16(dd[6], dd[7]);
-    const __m256 d = _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_unpacklo_epi32(d01, d23), _mm_unpacklo_epi32(d45, d67)));
+    const __m256 d = h8x8(dd);
     const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     _Pragma("GCC unroll 4")
     for (int t = 0; t < C; t++) {
@@ -416,7 +446,7 @@ ALWAYS void k8t_group(const int C, const int m, __m256 *A, const uint8_t *w0, co
 /* one row against C tokens: decode (C = 1), and short prefills; o[t * ldo] gets token t */
 ALWAYS void k8t_row(const int C, float *o, int64_t ldo, const uint8_t *w0, const cyllm_qact_view *a,
                     int64_t nb, int add, const uint8_t *pfp) {
-    __m256 A[K8T_MC];
+    __m256 A[QX_RC];
     for (int t = 0; t < C; t++) A[t] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) k8t_group(C, 8, A, w0, a, b, pfp);
@@ -434,26 +464,8 @@ static void k8t_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_v
 
 QX_DECODE(k8t, CYLLM_QA_Q8_0)
 
-/* prefill by rows: tokens K8T_MC at a time per row (the same bits as the tile) */
-static void k8t_gemm_rows(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
-                          int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
-    const int64_t nb = n / 32;
-    for (int64_t t0 = 0; t0 < T; t0 += K8T_MC) {
-        const int C = T - t0 < K8T_MC ? (int)(T - t0) : K8T_MC;
-        cyllm_qact_view a[K8T_MC];
-        for (int t = 0; t < C; t++) a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_0);
-        for (int64_t r = r0; r < r1; r++) {
-            float *o = out + t0 * ldo + r;
-            const uint8_t *wr = w + r * rb;
-            switch (C) {
-            case 4: k8t_row(4, o, ldo, wr, a, nb, add, wr); break;
-            case 3: k8t_row(3, o, ldo, wr, a, nb, add, wr); break;
-            case 2: k8t_row(2, o, ldo, wr, a, nb, add, wr); break;
-            default: k8t_row(1, o, ldo, wr, a, nb, add, wr); break;
-            }
-        }
-    }
-}
+#define K8T_ROWC(C, o, ldo, wr, a, nb, add) k8t_row(C, o, ldo, wr, a, nb, add, wr)
+QX_GEMM_ROWS(k8t, CYLLM_QA_Q8_0, 32, K8T_ROWC)
 
 /* 8 tokens of x, transposed (token j in lane j; tokens past the end: zeros) */
 typedef struct {
@@ -637,7 +649,7 @@ ALWAYS void x_sum_pairs(const cyllm_qact_view *a, int64_t b, int32_t pr[4]) {
  * - decode (one row, one token, weights streamed from DRAM) takes 8 int32 lanes (L) and 4
  *   (M) per superblock from vpmaddubsw and vpmaddwd (vpdpwssd), the sub-block scales as
  *   int16 multipliers, and reduces 8 superblocks at a time (a transpose of blends and
- *   shuffles); prefills too short for a tile run these rows too, up to K45_MC tokens per
+ *   shuffles); prefills too short for a tile run these rows too, up to QX_RC tokens per
  *   unpacking of a row. Every table decodes q5_k so, and the ymm tables q4_k (AVX512-VNNI
  *   keeps its zmm q4_k kernels, k4z);
  * - prefill puts tokens in the lanes of a vector (8 in a ymm below 512 bits, k45y; 16 in a
@@ -648,7 +660,6 @@ ALWAYS void x_sum_pairs(const cyllm_qact_view *a, int64_t b, int32_t pr[4]) {
  *   so a token gets decode's bits.
  * Bounds: q . x over a sub-block <= 32 * 31 * 127 = 125984; times sc <= 63, over 8
  * sub-blocks: < 2^26. M: 8 * 63 * 32 * 127 < 2^21. */
-#define K45_MC 4            /* tokens a decode row takes at once (short prefills) */
 
 /* the codes of one q4_k (five = 0) or q5_k superblock at p: cod[k] = sub-block k's 32 */
 ALWAYS void k45_codes(const int five, __m256i cod[8], const uint8_t *p) {
@@ -700,8 +711,8 @@ ALWAYS void k45_parts(const int C, const int five, const uint8_t *p, const cyllm
 ALWAYS void k45_group(const int C, const int five, const int m, __m256 *A, __m256 *B, const uint8_t *w0,
                       const cyllm_qact_view *a, int64_t b0, const uint8_t *pfp) {
     const int bb = five ? QB_Q5_K : QB_Q4_K;
-    __m256i li[K45_MC][8];
-    __m128i mi[K45_MC][8], dd[8];
+    __m256i li[QX_RC][8];
+    __m128i mi[QX_RC][8], dd[8];
     /* a loop, not unrolled: unrolled (the 8 superblocks' work interleaved), q5_k's decode
        in the model ran 15-20% slower at 1 thread although the isolated matvec was 1-2%
        faster (AVX512-VNNI, Zen 4) */
@@ -751,7 +762,7 @@ ALWAYS void k45_group(const int C, const int five, const int m, __m256 *A, __m25
  * serves C tokens; o[t * ldo] gets token t */
 ALWAYS void k45_row(const int C, const int five, float *o, int64_t ldo, const uint8_t *w0,
                     const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
-    __m256 A[K45_MC], B[K45_MC];
+    __m256 A[QX_RC], B[QX_RC];
     for (int t = 0; t < C; t++) A[t] = B[t] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) k45_group(C, five, 8, A, B, w0, a, b, pfp);
@@ -762,27 +773,12 @@ ALWAYS void k45_row(const int C, const int five, float *o, int64_t ldo, const ui
     }
 }
 
-/* prefill by rows: tokens K45_MC at a time per row (the same bits as the tiles) */
-static void k45_gemm_rows(const int five, float *out, int64_t ldo, const uint8_t *w, int64_t rb,
-                          const void *xq, int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1,
-                          int add) {
-    const int64_t nb = n / QK_K;
-    for (int64_t t0 = 0; t0 < T; t0 += K45_MC) {
-        const int C = T - t0 < K45_MC ? (int)(T - t0) : K45_MC;
-        cyllm_qact_view a[K45_MC];
-        for (int t = 0; t < C; t++) a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_K);
-        for (int64_t r = r0; r < r1; r++) {
-            float *o = out + t0 * ldo + r;
-            const uint8_t *wr = w + r * rb;
-            switch (C) {
-            case 4: k45_row(4, five, o, ldo, wr, a, nb, add, wr); break;
-            case 3: k45_row(3, five, o, ldo, wr, a, nb, add, wr); break;
-            case 2: k45_row(2, five, o, ldo, wr, a, nb, add, wr); break;
-            default: k45_row(1, five, o, ldo, wr, a, nb, add, wr); break;
-            }
-        }
-    }
-}
+#define K4_ROWC(C, o, ldo, wr, a, nb, add) k45_row(C, 0, o, ldo, wr, a, nb, add, wr)
+#define K5_ROWC(C, o, ldo, wr, a, nb, add) k45_row(C, 1, o, ldo, wr, a, nb, add, wr)
+QX_GEMM_ROWS(k5, CYLLM_QA_Q8_K, QK_K, K5_ROWC)
+#if QX_VNNI < 2
+QX_GEMM_ROWS(k4, CYLLM_QA_Q8_K, QK_K, K4_ROWC)
+#endif
 
 #define K45_RANGE(F, FIVE)                                                                        \
 static void F##_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a, int64_t n, \
@@ -797,65 +793,182 @@ K45_RANGE(k4, 0)
 QX_DECODE(k4, CYLLM_QA_Q8_K)
 #endif
 
+/* ---- q6_k: exact superblock totals --------------------------------------------------------
+ * As q4_k / q5_k above, with one integer per (row, token) and superblock s:
+ * L_s = sum_k sc_k (q_k . x_k) - 32 sum_k sc_k bs_k (16 sub-blocks of 16, int8 scales,
+ * codes 0..63, bs_k: x's codes summed over sub-block k), and one float chain: lane s % 8
+ * of an 8-lane accumulator takes fma(L_s, d_s dx_s); the result is hsum8. Decode (all
+ * tables but AVX512-VNNI, which keeps its zmm q6_k kernels) reduces 8 superblocks' int32
+ * lanes at a time; the ymm prefill tile (k6y) puts 8 tokens in a ymm's lanes.
+ * Bounds: |q . x| over a sub-block <= 16 * 63 * 127 = 128016, times |sc| <= 128, over 16
+ * sub-blocks: < 2^28; the offset 32 * 16 * 128 * 16 * 127 < 2^27. L is exact in int32; its
+ * conversion to float rounds, the same in both paths. */
+
+/* the codes (0..63) of one q6_k superblock at p: cod[k] = elements 32k .. 32k+31 */
+ALWAYS void k6_codes(__m256i cod[8], const uint8_t *p) {
+    const __m256i m15 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    _Pragma("GCC unroll 2")
+    for (int h = 0; h < 2; h++) {
+        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
+        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+        cod[4 * h] = _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+        cod[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+        cod[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m30));
+        cod[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
+                                         _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+    }
+}
+
 #if QX_VNNI < 2
-/* ---- ymm q4_k / q5_k prefill: 8 tokens in a ymm's lanes ---------------------------------
- * (the exact superblock totals above). x is transposed once per call (one 32-byte line
- * holds elements 4g..4g+3 of 8 tokens), K45Y_R rows are unpacked to codes at a time, and a
- * vpmaddubsw takes a row's 4 codes (broadcast) against a line: 32 multiply-adds. The int16
- * pairs of a sub-block's 8 lines add up exactly (q4_k: 8 x 2 * 15 * 127 = 30480; q5_k
- * codes go to 31, so it adds 4 lines at a time: 4 x 2 * 31 * 127 = 31496) before one
- * vpmaddwd by the sub-block's scale. */
-#ifndef K45Y_R
-#define K45Y_R 4            /* prefill tile: rows (x 8 tokens) */
+/* superblock b of one row (at p) against C tokens: per token, 8 int32 lanes summing to L,
+ * into li[t][i] */
+ALWAYS void k6_parts(const int C, const uint8_t *p, const cyllm_qact_view *a, int64_t b, __m256i li[][8], int i) {
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
+    __m256i cod[8];
+    k6_codes(cod, p);
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < C; t++) {
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)(a[t].bsum + 16 * b));
+        /* the -32 of every weight: 32 * sum_k sc_k * xsum_k */
+        li[t][i] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
+    }
+    _Pragma("GCC unroll 2")
+    for (int h = 0; h < 2; h++) {
+        /* this half's 8 scales in both lanes; element 16j + e of a 32-run has scale 2j (low
+           lane) or 2j + 1 (high lane) of its pair */
+        const __m256i sh = h ? _mm256_permute2x128_si256(sc16, sc16, 0x11) : _mm256_permute2x128_si256(sc16, sc16, 0x00);
+        _Pragma("GCC unroll 4")
+        for (int c = 0; c < 4; c++) {
+            const __m256i s = _mm256_shuffle_epi8(sh, _mm256_setr_epi8(
+                4 * c, 4 * c + 1, 4 * c, 4 * c + 1, 4 * c, 4 * c + 1, 4 * c, 4 * c + 1,
+                4 * c, 4 * c + 1, 4 * c, 4 * c + 1, 4 * c, 4 * c + 1, 4 * c, 4 * c + 1,
+                4 * c + 2, 4 * c + 3, 4 * c + 2, 4 * c + 3, 4 * c + 2, 4 * c + 3, 4 * c + 2, 4 * c + 3,
+                4 * c + 2, 4 * c + 3, 4 * c + 2, 4 * c + 3, 4 * c + 2, 4 * c + 3, 4 * c + 2, 4 * c + 3));
+            _Pragma("GCC unroll 4")
+            for (int t = 0; t < C; t++) {
+                const int8_t *xb = a[t].q + b * QK_K + 128 * h + 32 * c;
+                /* q in 0..63 unsigned: pairs <= 2 * 63 * 127 = 16002 */
+                li[t][i] = DPWSSD(li[t][i], _mm256_maddubs_epi16(cod[4 * h + c], _mm256_loadu_si256((const __m256i *)xb)), s);
+            }
+        }
+    }
+}
+
+/* superblocks b0 .. b0+m-1 (m <= 8) of one row into the chains' accumulators of C tokens */
+ALWAYS void k6_group(const int C, const int m, __m256 *A, const uint8_t *w0, const cyllm_qact_view *a, int64_t b0,
+                     const uint8_t *pfp) {
+    __m256i li[QX_RC][8];
+    __m128i dd[8];
+    _Pragma("GCC unroll 1")
+    for (int i = 0; i < 8; i++) {
+        if (i < m) {
+            const uint8_t *p = w0 + (b0 + i) * QB_Q6_K;
+            const uint8_t *f = pfp + (b0 + i) * QB_Q6_K;
+            PREFETCH(f);
+            PREFETCH(f + 64);
+            PREFETCH(f + 128);
+            PREFETCH(f + 192);
+            k6_parts(C, p, a, b0 + i, li, i);
+            dd[i] = _mm_cvtsi32_si128(cyllm_rd16(p + 208));
+        } else {
+            for (int t = 0; t < C; t++) li[t][i] = _mm256_setzero_si256();
+            dd[i] = _mm_setzero_si128();
+        }
+    }
+    const __m256 d = h8x8(dd);
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < C; t++) {
+        const __m256 dx = m == 8 ? _mm256_loadu_ps(a[t].d + b0) : _mm256_maskload_ps(a[t].d + b0, live);
+        A[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8i_x8(li[t])), _mm256_mul_ps(d, dx), A[t]);
+    }
+}
+
+ALWAYS void k6_row(const int C, float *o, int64_t ldo, const uint8_t *w0, const cyllm_qact_view *a, int64_t nb,
+                   int add, const uint8_t *pfp) {
+    __m256 A[QX_RC];
+    for (int t = 0; t < C; t++) A[t] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) k6_group(C, 8, A, w0, a, b, pfp);
+    if (b < nb) k6_group(C, (int)(nb - b), A, w0, a, b, pfp);
+    for (int t = 0; t < C; t++) {
+        const float r = hsum8(A[t]);
+        o[t * ldo] = add ? o[t * ldo] + r : r;
+    }
+}
+
+static void k6_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a, int64_t n,
+                     int64_t r0, int64_t r1, int add, const qx_pf *pf) {
+    for (int64_t r = r0; r < r1; r++) k6_row(1, o + (r - r0), 0, w + r * rb, a, n / QK_K, add, pf_base(w + r * rb, pf));
+}
+QX_DECODE(k6, CYLLM_QA_Q8_K)
+#define K6_ROWC(C, o, ldo, wr, a, nb, add) k6_row(C, o, ldo, wr, a, nb, add, wr)
+QX_GEMM_ROWS(k6, CYLLM_QA_Q8_K, QK_K, K6_ROWC)
 #endif
-#define K45Y_TOKENS 128     /* tokens whose x is transposed at a time */
-#ifndef K45Y_TILE_MIN
-#define K45Y_TILE_MIN 8     /* fewer tokens take the rows (avx2, 5632x2048, 1 thread: T = 8 rows
-                               2.02 ms, tile 1.81; T = 12 3.07 and 3.11) */
+
+#if QX_VNNI < 2
+/* ---- ymm K-quant prefill: 8 tokens in a ymm's lanes ---------------------------------------
+ * (the exact superblock totals above). x is transposed once per call (one 32-byte line
+ * holds elements 4g..4g+3 of 8 tokens), KY_R rows are unpacked to codes at a time, and a
+ * vpmaddubsw takes a row's 4 codes (broadcast) against a line: 32 multiply-adds. The int16
+ * pairs of a run of lines add up exactly before one vpmaddwd by its sub-block's scale:
+ * q4_k 8 lines (8 x 2 * 15 * 127 = 30480), q5_k 4 (4 x 2 * 31 * 127 = 31496), q6_k 2
+ * (2 x 2 * 63 * 127 = 32004). */
+#ifndef KY_R
+#define KY_R 4              /* prefill tile: rows (x 8 tokens) */
+#endif
+#define KY_TOKENS 128       /* tokens whose x is transposed at a time */
+#ifndef KY_TILE_MIN
+#define KY_TILE_MIN 8       /* fewer tokens take the rows (avx2, q4_k 5632x2048, 1 thread: T = 8
+                               rows 2.02 ms, tile 1.81; T = 12 3.07 and 3.11) */
 #endif
 
 /* 8 tokens of x, transposed (token j in lane j; tokens past the end: zeros) */
 typedef struct {
     uint8_t *q;             /* (n / 4, 8, 4): elements 4g..4g+3 of token j at 32 g + 4 j */
-    int32_t *bs;            /* (nb, 4, 8): (bs_2i, bs_2i+1) as int16 pairs, token j in lane j */
+    int32_t *bs32;          /* (nb, 4, 8): x's sums per 32, (bs_2i, bs_2i+1) as int16 pairs */
+    int32_t *bs16;          /* (nb, 8, 8): x's sums per 16, the same way */
     float *dx;              /* (nb, 8) */
-} k45y_x;
+} ky_x;
 
-/* K45Y_R rows unpacked (rows past the group's end: zeros) */
+/* KY_R rows unpacked (rows past the group's end: zeros). q4_k/q5_k: 8 scales and 4 pairs
+ * of mins a superblock; q6_k: 16 scales and their 8 pairs */
 typedef struct {
-    uint8_t *q;             /* (K45Y_R, n): codes */
-    int16_t *sc;            /* (K45Y_R, nb, 8) */
-    int32_t *mp;            /* (K45Y_R, nb, 4): (m_2i, m_2i+1) as int16 pairs */
-    float *d, *dm;          /* (K45Y_R, nb) */
-} k45y_w;
+    uint8_t *q;             /* (KY_R, n): codes */
+    int16_t *sc;            /* (KY_R, nb, 16) */
+    int32_t *mp;            /* (KY_R, nb, 8): (m_2i, m_2i+1) or (sc_2i, sc_2i+1) as int16 pairs */
+    float *d, *dm;          /* (KY_R, nb) */
+} ky_w;
 
-static size_t k45y_x_bytes(int64_t n) { return (size_t)8 * n + (size_t)(n / QK_K) * (128 + 32); }
-static size_t k45y_w_bytes(int64_t n) { return (size_t)K45Y_R * (n + (size_t)(n / QK_K) * (16 + 16 + 8)); }
+static size_t ky_x_bytes(int64_t n) { return (size_t)8 * n + (size_t)(n / QK_K) * (128 + 256 + 32); }
+static size_t ky_w_bytes(int64_t n) { return (size_t)KY_R * (n + (size_t)(n / QK_K) * (32 + 32 + 8)); }
 
-static k45y_x k45y_x_at(uint8_t *p, int64_t n) {
-    k45y_x x = {p, (int32_t *)(p + 8 * n), (float *)(p + 8 * n + (n / QK_K) * 128)};
+static ky_x ky_x_at(uint8_t *p, int64_t n) {
+    const int64_t nb = n / QK_K;
+    ky_x x;
+    x.q = p;
+    x.bs32 = (int32_t *)(p + 8 * n);
+    x.bs16 = x.bs32 + nb * 32;
+    x.dx = (float *)(x.bs16 + nb * 64);
     return x;
 }
 
-static k45y_w k45y_w_at(uint8_t *p, int64_t n) {
+static ky_w ky_w_at(uint8_t *p, int64_t n) {
     const int64_t nb = n / QK_K;
-    k45y_w w;
+    ky_w w;
     w.q = p;
-    w.sc = (int16_t *)(p + K45Y_R * n);
-    w.mp = (int32_t *)(w.sc + K45Y_R * nb * 8);
-    w.d = (float *)(w.mp + K45Y_R * nb * 4);
-    w.dm = w.d + K45Y_R * nb;
+    w.sc = (int16_t *)(p + KY_R * n);
+    w.mp = (int32_t *)(w.sc + KY_R * nb * 16);
+    w.d = (float *)(w.mp + KY_R * nb * 8);
+    w.dm = w.d + KY_R * nb;
     return w;
 }
 
 /* tokens t .. t+nt-1 (nt <= 8) of xq -> x */
-static void k45y_xprep(k45y_x *x, const void *xq, int64_t xs, int64_t t, int nt, int64_t n) {
+static void ky_xprep(ky_x *x, const void *xq, int64_t xs, int64_t t, int nt, int64_t n) {
     const int64_t nb = n / QK_K;
-    if (nt < 8) {
-        memset(x->q, 0, (size_t)8 * n);
-        memset(x->bs, 0, (size_t)nb * 128);
-        memset(x->dx, 0, (size_t)nb * 32);
-    }
+    if (nt < 8) memset(x->q, 0, ky_x_bytes(n));
     for (int j = 0; j < nt; j++) {
         const cyllm_qact_view a = cyllm_qact_split((const char *)xq + (t + j) * xs, n, CYLLM_QA_Q8_K);
         for (int64_t g = 0; g < n / 4; g++) memcpy(x->q + 32 * g + 4 * j, a.q + 4 * g, 4);
@@ -863,31 +976,33 @@ static void k45y_xprep(k45y_x *x, const void *xq, int64_t xs, int64_t t, int nt,
             int32_t pr[4];
             x_sum_pairs(&a, b, pr);
             x->dx[8 * b + j] = a.d[b];
-            for (int i = 0; i < 4; i++) x->bs[(4 * b + i) * 8 + j] = pr[i];
+            for (int i = 0; i < 4; i++) x->bs32[(4 * b + i) * 8 + j] = pr[i];
+            for (int i = 0; i < 8; i++) memcpy(&x->bs16[(8 * b + i) * 8 + j], a.bsum + 16 * b + 2 * i, 4);
         }
     }
 }
 
-/* rows r .. r+nr-1 (nr <= K45Y_R) of w -> the panel */
-static void k45y_wprep(const int five, k45y_w *p, const uint8_t *w, int64_t rb, int64_t r, int nr, int64_t n) {
+/* rows r .. r+nr-1 (nr <= KY_R) of w (kind 0 q4_k, 1 q5_k, 2 q6_k) -> the panel */
+static void ky_wprep(const int kind, ky_w *p, const uint8_t *w, int64_t rb, int64_t r, int nr, int64_t n) {
     const int64_t nb = n / QK_K;
-    const int bb = five ? QB_Q5_K : QB_Q4_K;
-    for (int i = 0; i < K45Y_R; i++) {
+    const int bb = kind == 2 ? QB_Q6_K : kind == 1 ? QB_Q5_K : QB_Q4_K;
+    memset(p->q, 0, ky_w_bytes(n));
+    for (int i = 0; i < nr; i++) {
         for (int64_t b = 0; b < nb; b++) {
-            int16_t *sc = p->sc + (i * nb + b) * 8;
-            int32_t *mp = p->mp + (i * nb + b) * 4;
+            int16_t *sc = p->sc + (i * nb + b) * 16;
+            int32_t *mp = p->mp + (i * nb + b) * 8;
             uint8_t *q = p->q + i * n + b * QK_K;
-            if (i >= nr) {
-                memset(q, 0, QK_K);
-                memset(sc, 0, 16);
-                memset(mp, 0, 16);
-                p->d[i * nb + b] = p->dm[i * nb + b] = 0.0f;
-                continue;
-            }
             const uint8_t *blk = w + (r + i) * rb + b * bb;
             __m256i cod[8];
-            k45_codes(five, cod, blk);
+            if (kind == 2) k6_codes(cod, blk);
+            else k45_codes(kind, cod, blk);
             for (int k = 0; k < 8; k++) _mm256_storeu_si256((__m256i *)(q + 32 * k), cod[k]);
+            if (kind == 2) {
+                for (int k = 0; k < 16; k++) sc[k] = (int8_t)blk[192 + k];
+                for (int k = 0; k < 8; k++) mp[k] = (int32_t)((uint32_t)(uint16_t)sc[2 * k] | ((uint32_t)(uint16_t)sc[2 * k + 1] << 16));
+                p->d[i * nb + b] = _cvtsh_ss(cyllm_rd16(blk + 208));
+                continue;
+            }
             uint8_t s8[8], m8[8];
             cyllm_k_scales(blk + 4, s8, m8);
             for (int k = 0; k < 8; k++) sc[k] = s8[k];
@@ -898,182 +1013,123 @@ static void k45y_wprep(const int five, k45y_w *p, const uint8_t *w, int64_t rb, 
     }
 }
 
-/* K45Y_R rows (nr real) x 8 tokens (nt real) over every superblock; o[j * ldo + i] gets
+/* KY_R rows (nr real) x 8 tokens (nt real) over every superblock; o[j * ldo + i] gets
  * (row i, token j) */
-ALWAYS void k45y_tile(const int five, float *o, int64_t ldo, const k45y_w *w, const k45y_x *x, int64_t n,
-                      int nr, int nt, int add) {
+ALWAYS void ky_tile(const int kind, float *o, int64_t ldo, const ky_w *w, const ky_x *x, int64_t n, int nr,
+                    int nt, int add) {
     const int64_t nb = n / QK_K;
-    __m256 acc[2][K45Y_R][8];               /* A, B of row i, lane s % 8: tokens in lanes */
-    for (int h = 0; h < 2; h++)
-        for (int i = 0; i < K45Y_R; i++)
+    /* lines a run adds in int16, and elements a scale covers */
+    const int run = kind == 2 ? 2 : kind == 1 ? 4 : 8, sub = kind == 2 ? 16 : 32;
+    const int nm = kind == 2 ? 1 : 2;       /* chains: L (q6_k: with its offset), M */
+    __m256 acc[2][KY_R][8];                 /* chain h of row i, lane s % 8: tokens in lanes */
+    for (int h = 0; h < nm; h++)
+        for (int i = 0; i < KY_R; i++)
             for (int l = 0; l < 8; l++) acc[h][i][l] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nb; s++) {
-        __m256i L[K45Y_R];
+        const uint8_t *xs = x->q + s * QK_K * 8;
+        const uint8_t *ws = w->q + s * QK_K;
+        __m256i L[KY_R];
         _Pragma("GCC unroll 8")
-        for (int i = 0; i < K45Y_R; i++) L[i] = _mm256_setzero_si256();
-        for (int k = 0; k < 8; k++) {
-            const uint8_t *xk = x->q + (s * QK_K + 32 * k) * 8;
-            const uint8_t *wk = w->q + s * QK_K + 32 * k;
-            __m256i h[K45Y_R];
+        for (int i = 0; i < KY_R; i++) L[i] = _mm256_setzero_si256();
+        for (int r0 = 0; r0 < 64; r0 += run) {          /* runs of lines (4 elements each) */
+            __m256i h[KY_R];
             _Pragma("GCC unroll 8")
-            for (int i = 0; i < K45Y_R; i++) h[i] = _mm256_setzero_si256();
-            _Pragma("GCC unroll 8")
-            for (int g = 0; g < 8; g++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xk + 32 * g));
+            for (int g = 0; g < run; g++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xs + 32 * (r0 + g)));
                 _Pragma("GCC unroll 8")
-                for (int i = 0; i < K45Y_R; i++)
-                    h[i] = _mm256_add_epi16(h[i], _mm256_maddubs_epi16(
-                               _mm256_set1_epi32((int)cyllm_rd32(wk + i * n + 4 * g)), xv));
-                if (five && g == 3) {
-                    _Pragma("GCC unroll 8")
-                    for (int i = 0; i < K45Y_R; i++) {
-                        L[i] = _mm256_add_epi32(L[i], _mm256_madd_epi16(h[i], _mm256_set1_epi16(w->sc[(i * nb + s) * 8 + k])));
-                        h[i] = _mm256_setzero_si256();
-                    }
+                for (int i = 0; i < KY_R; i++) {
+                    const __m256i pr = _mm256_maddubs_epi16(_mm256_set1_epi32((int)cyllm_rd32(ws + i * n + 4 * (r0 + g))), xv);
+                    h[i] = g ? _mm256_add_epi16(h[i], pr) : pr;
                 }
             }
+            const int k = 4 * r0 / sub;                     /* the run's sub-block */
             _Pragma("GCC unroll 8")
-            for (int i = 0; i < K45Y_R; i++)
-                L[i] = _mm256_add_epi32(L[i], _mm256_madd_epi16(h[i], _mm256_set1_epi16(w->sc[(i * nb + s) * 8 + k])));
+            for (int i = 0; i < KY_R; i++)
+                L[i] = _mm256_add_epi32(L[i], _mm256_madd_epi16(h[i], _mm256_set1_epi16(w->sc[(i * nb + s) * 16 + k])));
         }
         const __m256 dx = _mm256_loadu_ps(x->dx + 8 * s);
         const int l = (int)(s & 7);
         _Pragma("GCC unroll 8")
-        for (int i = 0; i < K45Y_R; i++) {
+        for (int i = 0; i < KY_R; i++) {
+            /* q4_k, q5_k: M = sum_k m_k bs32_k; q6_k: its offset sum_k sc_k bs16_k */
+            const int np = kind == 2 ? 8 : 4;
+            const int32_t *bs = kind == 2 ? x->bs16 + 64 * s : x->bs32 + 32 * s;
             __m256i M = _mm256_setzero_si256();
-            _Pragma("GCC unroll 4")
-            for (int q = 0; q < 4; q++)
-                M = _mm256_add_epi32(M, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(x->bs + (4 * s + q) * 8)),
-                                                          _mm256_set1_epi32(w->mp[(i * nb + s) * 4 + q])));
+            _Pragma("GCC unroll 8")
+            for (int q = 0; q < np; q++)
+                M = _mm256_add_epi32(M, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bs + 8 * q)),
+                                                          _mm256_set1_epi32(w->mp[(i * nb + s) * 8 + q])));
             const __m256 pd = _mm256_mul_ps(_mm256_set1_ps(w->d[i * nb + s]), dx);
-            const __m256 pm = _mm256_mul_ps(_mm256_set1_ps(w->dm[i * nb + s]), dx);
-            acc[0][i][l] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(L[i]), pd, acc[0][i][l]);
-            acc[1][i][l] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), pm, acc[1][i][l]);
+            if (kind == 2) {
+                const __m256i Lo = _mm256_sub_epi32(L[i], _mm256_slli_epi32(M, 5));
+                acc[0][i][l] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Lo), pd, acc[0][i][l]);
+            } else {
+                const __m256 pm = _mm256_mul_ps(_mm256_set1_ps(w->dm[i * nb + s]), dx);
+                acc[0][i][l] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(L[i]), pd, acc[0][i][l]);
+                acc[1][i][l] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), pm, acc[1][i][l]);
+            }
         }
     }
     for (int i = 0; i < nr; i++) {
         __m256 t[2];
-        for (int h = 0; h < 2; h++) {       /* hsum8's tree, lane by lane */
+        for (int h = 0; h < nm; h++) {      /* hsum8's tree, lane by lane */
             const __m256 *v = acc[h][i];
             t[h] = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(v[0], v[4]), _mm256_add_ps(v[2], v[6])),
                                  _mm256_add_ps(_mm256_add_ps(v[1], v[5]), _mm256_add_ps(v[3], v[7])));
         }
         float r[8];
-        _mm256_storeu_ps(r, _mm256_sub_ps(t[0], t[1]));
+        _mm256_storeu_ps(r, nm == 2 ? _mm256_sub_ps(t[0], t[1]) : t[0]);
         for (int j = 0; j < nt; j++) o[j * ldo + i] = add ? o[j * ldo + i] + r[j] : r[j];
     }
 }
 
-/* prefill: up to K45Y_TOKENS tokens transposed at a time, K45Y_R rows unpacked at a time,
- * each group of rows run against every block of 8 tokens. The buffers (x: ~8.6 bytes per
- * token and element, rows: ~1.2 per element) are malloc'd per call and thread; if that
- * fails, the decode rows give the same bits. */
-static void gemm_k45y(const int five, float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
-                      int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
-    const int64_t tc = T < K45Y_TOKENS ? T : K45Y_TOKENS;
+/* prefill: up to KY_TOKENS tokens transposed at a time, KY_R rows unpacked at a time, each
+ * group of rows run against every block of 8 tokens. The buffers (x: ~9.6 bytes per token
+ * and element, rows: ~1.3 per element) are malloc'd per call and thread; if that fails,
+ * the decode rows give the same bits. */
+ALWAYS void gemm_ky(const int kind, float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
+                    int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
+    const int64_t tc = T < KY_TOKENS ? T : KY_TOKENS;
     const int64_t nblk = (tc + 7) / 8;
-    const size_t xb = k45y_x_bytes(n), wb = k45y_w_bytes(n);
-    uint8_t *buf = T < K45Y_TILE_MIN ? NULL : (uint8_t *)_mm_malloc((size_t)nblk * xb + wb, 64);
+    const size_t xb = ky_x_bytes(n), wb = ky_w_bytes(n);
+    uint8_t *buf = T < KY_TILE_MIN ? NULL : (uint8_t *)_mm_malloc((size_t)nblk * xb + wb, 64);
     if (!buf) {     /* few tokens (the tile's 8 lanes would idle), or no memory */
-        k45_gemm_rows(five, out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
+        if (kind == 2) k6_gemm_rows(out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
+        else if (kind == 1) k5_gemm_rows(out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
+        else k4_gemm_rows(out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
         return;
     }
-    k45y_w wp = k45y_w_at(buf + nblk * xb, n);
+    ky_w wp = ky_w_at(buf + nblk * xb, n);
     for (int64_t t0 = 0; t0 < T; t0 += tc) {
         const int64_t tn = T - t0 < tc ? T - t0 : tc;
         for (int64_t k = 0; k * 8 < tn; k++) {
-            k45y_x x = k45y_x_at(buf + k * xb, n);
-            k45y_xprep(&x, xq, xs, t0 + 8 * k, tn - 8 * k < 8 ? (int)(tn - 8 * k) : 8, n);
+            ky_x x = ky_x_at(buf + k * xb, n);
+            ky_xprep(&x, xq, xs, t0 + 8 * k, tn - 8 * k < 8 ? (int)(tn - 8 * k) : 8, n);
         }
-        for (int64_t r = r0; r < r1; r += K45Y_R) {
-            const int nr = r1 - r < K45Y_R ? (int)(r1 - r) : K45Y_R;
-            k45y_wprep(five, &wp, w, rb, r, nr, n);
+        for (int64_t r = r0; r < r1; r += KY_R) {
+            const int nr = r1 - r < KY_R ? (int)(r1 - r) : KY_R;
+            ky_wprep(kind, &wp, w, rb, r, nr, n);
             for (int64_t k = 0; k * 8 < tn; k++) {
-                const k45y_x x = k45y_x_at(buf + k * xb, n);
-                float *o = out + (t0 + 8 * k) * ldo + r;
-                const int nt = tn - 8 * k < 8 ? (int)(tn - 8 * k) : 8;
-                if (five) k45y_tile(1, o, ldo, &wp, &x, n, nr, nt, add);
-                else k45y_tile(0, o, ldo, &wp, &x, n, nr, nt, add);
+                const ky_x x = ky_x_at(buf + k * xb, n);
+                ky_tile(kind, out + (t0 + 8 * k) * ldo + r, ldo, &wp, &x, n, nr,
+                        tn - 8 * k < 8 ? (int)(tn - 8 * k) : 8, add);
             }
         }
     }
     _mm_free(buf);
 }
 
-static void QF(gemm_k4y)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
-                         int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
-    gemm_k45y(0, out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
+#define KY_GEMM(F, KIND)                                                                        \
+static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
+                         int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {  \
+    gemm_ky(KIND, out, ldo, w, rb, xq, xs, T, n, r0, r1, add);                                  \
 }
-
-static void QF(gemm_k5y)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
-                         int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
-    gemm_k45y(1, out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
-}
+KY_GEMM(k4y, 0)
+KY_GEMM(k5y, 1)
+KY_GEMM(k6y, 2)
 #endif
 
-ALWAYS void k_q6_k(const int C, float *o, int64_t ldo, const uint8_t *w0,
-                   const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
-    const __m256i m15 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
-    __m256 acc[QX_C];
-    _Pragma("GCC unroll 4")
-    for (int j = 0; j < C; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *p = w0 + b * QB_Q6_K;
-        const uint8_t *f = pfp + b * QB_Q6_K;
-        PREFETCH(f);
-        PREFETCH(f + 64);
-        PREFETCH(f + 128);
-        PREFETCH(f + 192);
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
-        __m256i isum[QX_C];
-        _Pragma("GCC unroll 4")
-        for (int j = 0; j < C; j++) {
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)(a[j].bsum + 16 * b));
-            /* the -32 of every weight: 32 * sum_j sc_j * xsum_j */
-            isum[j] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
-        }
-        _Pragma("GCC unroll 2")
-        for (int h = 0; h < 2; h++) {
-            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
-            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
-            /* lanes of this half's 8 scales: low lane sub-block 2k, high lane 2k+1 */
-            const __m256i sh = h ? _mm256_permute2x128_si256(sc16, sc16, 0x11)
-                                 : _mm256_permute2x128_si256(sc16, sc16, 0x00);
-            const __m256i g0 = _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
-            const __m256i g1 = _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
-            const __m256i g2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m30));
-            const __m256i g3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
-                                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
-            const __m256i s0 = _mm256_shuffle_epi8(sh, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                                                        2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
-            const __m256i s1 = _mm256_shuffle_epi8(sh, _mm256_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5,
-                                                                        6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7));
-            const __m256i s2 = _mm256_shuffle_epi8(sh, _mm256_setr_epi8(8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9,
-                                                                        10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11));
-            const __m256i s3 = _mm256_shuffle_epi8(sh, _mm256_setr_epi8(12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13,
-                                                                        14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15));
-            _Pragma("GCC unroll 4")
-            for (int j = 0; j < C; j++) {
-                const int8_t *xb = a[j].q + b * QK_K + 128 * h;
-                /* q in 0..63 unsigned: pairs <= 2*63*127 = 16002 */
-                isum[j] = DPWSSD(isum[j], _mm256_maddubs_epi16(g0, _mm256_loadu_si256((const __m256i *)xb)), s0);
-                isum[j] = DPWSSD(isum[j], _mm256_maddubs_epi16(g1, _mm256_loadu_si256((const __m256i *)(xb + 32))), s1);
-                isum[j] = DPWSSD(isum[j], _mm256_maddubs_epi16(g2, _mm256_loadu_si256((const __m256i *)(xb + 64))), s2);
-                isum[j] = DPWSSD(isum[j], _mm256_maddubs_epi16(g3, _mm256_loadu_si256((const __m256i *)(xb + 96))), s3);
-            }
-        }
-        const float wd = _cvtsh_ss(cyllm_rd16(p + 208));
-        _Pragma("GCC unroll 4")
-        for (int j = 0; j < C; j++)
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_set1_ps(wd * a[j].d[b]), acc[j]);
-    }
-    _Pragma("GCC unroll 4")
-    for (int j = 0; j < C; j++) {
-        float r = hsum8(acc[j]);
-        o[j * ldo] = add ? o[j * ldo] + r : r;
-    }
-}
+
 
 #if QX_VNNI == 2
 /* ---- AVX512-VNNI (zmm) q8_0 -----------------------------------------------------------
@@ -1767,7 +1823,7 @@ static void QF(gemm_k5t)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
     const size_t xb = k5t_x_bytes(n), wb = k5t_w_bytes(n);
     uint8_t *buf = T < K5T_TILE_MIN ? NULL : (uint8_t *)_mm_malloc((size_t)nblk * xb + wb, 64);
     if (!buf) {     /* few tokens (the tile's 16 lanes would idle), or no memory */
-        k45_gemm_rows(1, out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
+        k5_gemm_rows(out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
         return;
     }
     k5t_w wp = k5t_w_at(buf + nblk * xb, n);
@@ -1990,7 +2046,7 @@ QX_FORMAT(q5_0, CYLLM_QF_Q5_0, CYLLM_QA_Q8_0, 32, 2, rows32(C, 2, o, ldo, w0, a,
 QX_FORMAT(q5_1, CYLLM_QF_Q5_1, CYLLM_QA_Q8_0, 32, 3, rows32(C, 3, o, ldo, w0, a, nb, add, pfp))
 QX_DEQ(q4_k, CYLLM_QF_Q4_K)
 QX_DEQ(q5_k, CYLLM_QF_Q5_K)
-QX_FORMAT(q6_k, CYLLM_QF_Q6_K, CYLLM_QA_Q8_K, QK_K, -1, k_q6_k(C, o, ldo, w0, a, nb, add, pfp))
+QX_DEQ(q6_k, CYLLM_QF_Q6_K)
 
 #if QX_VNNI == 2
 /* ---- AVX512-VNNI (zmm) nibble formats: block quads ------------------------------------
@@ -2465,7 +2521,7 @@ R16_ENTRIES(q41r16, R16_Q41_GROUP, CYLLM_QA_Q8_0, 32)
 #define QX_ENTRY_Q4_K {QF(matvec_k4), QF(gate_up_k4), QF(gemm_k4y), QF(deq16_q4_k), QF(deq32_q4_k)}
 #define QX_ENTRY_Q5_K {QF(matvec_k5), QF(gate_up_k5), QF(gemm_k5y), QF(deq16_q5_k), QF(deq32_q5_k)}
 #define QX_ENTRY_NIB(F) QX_ENTRY(F)
-#define QX_ENTRY_Q6_K QX_ENTRY(q6_k)
+#define QX_ENTRY_Q6_K {QF(matvec_k6), QF(gate_up_k6), QF(gemm_k6y), QF(deq16_q6_k), QF(deq32_q6_k)}
 #endif
 
 const cyllm_qkernels QX_TABLE = {
