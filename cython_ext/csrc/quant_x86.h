@@ -21,8 +21,13 @@
  *   and no sign trick is needed. q8_0 computes exact block totals (the sign trick,
  *   |w| x sign(x, w), below 512 bits) and prefills with 8 tokens in a ymm's lanes.
  * - K-quants: the 6-bit (q4_k/q5_k) or int8 (q6_k) sub-block scales are applied as
- *   int16 multipliers on the pair sums (vpmaddwd / vpdpwssd), one float FMA per
- *   superblock; mins (q4_k/q5_k) and q6_k's -32 come from x's 16-element sums.
+ *   int16 multipliers on the pair sums (vpmaddwd / vpdpwssd); mins (q4_k/q5_k) and
+ *   q6_k's -32 come from x's 16-element sums. Below 512 bits (and q5_k everywhere) each
+ *   (row, token, superblock) is reduced to exact integer totals that one FMA chain takes
+ *   (lane s % 8), so prefill can put tokens in a vector's lanes (8 in a ymm; 16 in a zmm
+ *   for q5_k); the AVX512-VNNI q4_k and q6_k tiles keep one FMA per superblock on lanes.
+ * - q8_0 and the K-quants below 512 bits: decode reduces 8 blocks' integer lanes at a
+ *   time (hsum8i_x8), and short prefills run the decode rows with QX_RC tokens a row.
  * - software prefetch cyllm_qpf_bytes ahead in the row stream, continuing into the
  *   next op's weights (nx) near the end.
  */
@@ -825,13 +830,13 @@ ALWAYS void k6_codes(__m256i cod[8], const uint8_t *p) {
  * into li[t][i] */
 ALWAYS void k6_parts(const int C, const uint8_t *p, const cyllm_qact_view *a, int64_t b, __m256i li[][8], int i) {
     const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
-    __m256i cod[8];
+    __m256i cod[8], acc[QX_RC];             /* in registers: li[.][i] is memory (i varies) */
     k6_codes(cod, p);
     _Pragma("GCC unroll 4")
     for (int t = 0; t < C; t++) {
         const __m256i bs = _mm256_loadu_si256((const __m256i *)(a[t].bsum + 16 * b));
         /* the -32 of every weight: 32 * sum_k sc_k * xsum_k */
-        li[t][i] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
+        acc[t] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
     }
     _Pragma("GCC unroll 2")
     for (int h = 0; h < 2; h++) {
@@ -849,10 +854,12 @@ ALWAYS void k6_parts(const int C, const uint8_t *p, const cyllm_qact_view *a, in
             for (int t = 0; t < C; t++) {
                 const int8_t *xb = a[t].q + b * QK_K + 128 * h + 32 * c;
                 /* q in 0..63 unsigned: pairs <= 2 * 63 * 127 = 16002 */
-                li[t][i] = DPWSSD(li[t][i], _mm256_maddubs_epi16(cod[4 * h + c], _mm256_loadu_si256((const __m256i *)xb)), s);
+                acc[t] = DPWSSD(acc[t], _mm256_maddubs_epi16(cod[4 * h + c], _mm256_loadu_si256((const __m256i *)xb)), s);
             }
         }
     }
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < C; t++) li[t][i] = acc[t];
 }
 
 /* superblocks b0 .. b0+m-1 (m <= 8) of one row into the chains' accumulators of C tokens */
@@ -1313,8 +1320,8 @@ static void QF(gemm_z8)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, c
  * runs the same chain in the same order for every R, C, so decode and prefill give the
  * same bits. q4_k decode runs that chain in ymm registers (k4z_row_ymm: Zen 4 splits zmm
  * instructions in two; 1 thread, 256x2048 from L2: 14.3 -> 12.6 us, TinyLlama Q4_K_M decode
- * 1 thread +4%, 2 threads unchanged). q5_k decodes with the ymm kernel (rows_k45) and
- * prefills on packed rows (below). */
+ * 1 thread +4%, 2 threads unchanged). q5_k decodes with k45_row and prefills with 16
+ * tokens in a zmm's lanes (k5t, below). */
 #ifndef QZK_R
 #define QZK_R 2             /* prefill tile: rows */
 #endif
@@ -1625,26 +1632,13 @@ ALWAYS void k6z_tile(const int R, const int C, float *o, int64_t ldo, const uint
 }
 
 
-/* ---- AVX512-VNNI q5_k: exact superblock totals -----------------------------------------
- * Decode and prefill compute, for each (row, token) and superblock s, the exact integers
- * L_s = sum_k sc_k (q_k . x_k) and M_s = sum_k m_k bs_k (bs_k: x's codes summed over
- * sub-block k), and then one float chain: lane s % 8 of two 8-lane accumulators takes
- * A = fma(L_s, d_s dx_s, A) and B = fma(M_s, dmin_s dx_s, B); the result is
- * hsum8(A) - hsum8(B). The integers can be summed in any order, so the two paths are free
- * to compute them their own way:
- * - decode (one row, one token, weights streamed from DRAM) takes rows_k45's 8 int32 lanes
- *   (L) and 4 (M) per superblock and reduces 8 superblocks at a time (a transpose of
- *   blends and shuffles), a few operations per superblock, about what the per-superblock
- *   float work it replaces cost; prefills of fewer than K5T_TILE_MIN tokens run these rows
- *   too, up to K5T_MC tokens per unpacking of a row;
- * - prefill puts 16 tokens in the lanes of a zmm. x is transposed once per call (one
- *   64-byte line holds elements 4g..4g+3 of 16 tokens), each group of 8 rows is unpacked
- *   once to 5-bit codes, and one vpdpbusd takes a row's 4 codes (broadcast) against a
- *   line: 64 multiply-adds, nothing to pair or blend; the sub-block scale multiplies the
- *   exact sub-block sums once per 32 elements (vpmulld). Each token lane then runs decode's
- *   float chain, so a token gets decode's bits.
- * Bounds: q . x over a sub-block <= 32 * 31 * 127 = 125984; times sc <= 63, over 8
- * sub-blocks: < 2^26. M: 8 * 63 * 32 * 127 < 2^21. */
+/* ---- AVX512-VNNI q5_k prefill: 16 tokens in a zmm's lanes --------------------------------
+ * (the exact superblock totals of q4_k / q5_k above; decode and short prefills run k45_row).
+ * x is transposed once per call (one 64-byte line holds elements 4g..4g+3 of 16 tokens),
+ * each group of 8 rows is unpacked once to 5-bit codes, and one vpdpbusd takes a row's 4
+ * codes (broadcast) against a line: 64 multiply-adds, nothing to pair or blend; the
+ * sub-block scale multiplies the exact sub-block sums once per 32 elements (vpmulld). Each
+ * token lane then runs decode's float chain, so a token gets decode's bits. */
 
 /* q5_k's codes (0..31) of one superblock (at p), two sub-blocks per zmm: cod[c] holds
  * sub-block 2c (the low nibbles of qs[32c..32c+31]) in its low half and 2c + 1 (the high
