@@ -217,6 +217,42 @@ ALWAYS __m256 h8x8(const __m128i h[8]) {
     return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_unpacklo_epi32(h01, h23), _mm_unpacklo_epi32(h45, h67)));
 }
 
+/* Prefill with 8 tokens in a ymm's lanes (q8_0 and the K-quants below 512 bits, the nibble
+ * formats below 512 bits): up to QX_LTOKENS tokens transposed at a time (PFX##_xprep), QX_LR
+ * rows unpacked at a time (PFX##_wprep) and run against every block of 8 tokens
+ * (PFX##_tile). The body of a GEMM entry (its parameters: out, ldo, w, rb, xq, xs, T, n, r0,
+ * r1, add). The buffers are malloc'd per call and thread; without them, or with fewer than
+ * TILE_MIN tokens (the tile's lanes would idle), ROWS, the decode rows, gives the same bits. */
+#define QX_LR 4             /* rows of a lanes tile (x 8 tokens) */
+#define QX_LTOKENS 128      /* tokens whose x is transposed at a time */
+#define QX_LANES_GEMM(PFX, KIND, ROWS, TILE_MIN)                                                 \
+    const int64_t tc = T < QX_LTOKENS ? T : QX_LTOKENS;                                          \
+    const int64_t nblk = (tc + 7) / 8;                                                           \
+    const size_t xb = PFX##_x_bytes(n), wb = PFX##_w_bytes(n);                                   \
+    uint8_t *buf = T < (TILE_MIN) ? NULL : (uint8_t *)_mm_malloc((size_t)nblk * xb + wb, 64);    \
+    if (!buf) {                                                                                  \
+        ROWS(out, ldo, w, rb, xq, xs, T, n, r0, r1, add);                                        \
+        return;                                                                                  \
+    }                                                                                            \
+    PFX##_w wp = PFX##_w_at(buf + nblk * xb, n);                                                 \
+    for (int64_t t0 = 0; t0 < T; t0 += tc) {                                                     \
+        const int64_t tn = T - t0 < tc ? T - t0 : tc;                                            \
+        for (int64_t k = 0; k * 8 < tn; k++) {                                                   \
+            PFX##_x x = PFX##_x_at(buf + k * xb, n);                                             \
+            PFX##_xprep(&x, xq, xs, t0 + 8 * k, tn - 8 * k < 8 ? (int)(tn - 8 * k) : 8, n);      \
+        }                                                                                        \
+        for (int64_t r = r0; r < r1; r += QX_LR) {                                               \
+            const int nr = r1 - r < QX_LR ? (int)(r1 - r) : QX_LR;                               \
+            PFX##_wprep(KIND, &wp, w, rb, r, nr, n);                                             \
+            for (int64_t k = 0; k * 8 < tn; k++) {                                               \
+                const PFX##_x x = PFX##_x_at(buf + k * xb, n);                                   \
+                PFX##_tile(KIND, out + (t0 + 8 * k) * ldo + r, ldo, &wp, &x, n, nr,              \
+                           tn - 8 * k < 8 ? (int)(tn - 8 * k) : 8, add);                         \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    _mm_free(buf);
+
 /* ---- activation quantization (same bytes as quantize_act_generic) ------------------- */
 
 /* 32 floats -> 32 int8 at q (given the inverse scale); returns the int32 lanes' sums
@@ -406,10 +442,6 @@ ALWAYS void qx_xprep(const int kind, qx_xpair *xp, const cyllm_qact_view *a, int
  *   spent half its instructions there.
  * Bounds: |w| <= 128, |x| <= 127: maddubs pairs <= 32512; |S_b| <= 32 * 128 * 127 < 2^19,
  * exact in float. */
-#ifndef K8T_R
-#define K8T_R 4             /* prefill tile: rows (x 8 tokens) */
-#endif
-#define K8T_TOKENS 128      /* tokens whose x is transposed at a time */
 #ifndef K8T_TILE_MIN
 #define K8T_TILE_MIN 16     /* fewer tokens take the rows (avx2, 5632x2048, 1 thread: T = 12
                                rows 3.07 ms, tile 3.92; T = 16 rows 4.11, tile 3.89) */
@@ -469,8 +501,8 @@ static void k8t_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_v
 
 QX_DECODE(k8t, CYLLM_QA_Q8_0)
 
-#define K8T_ROWC(C, o, ldo, wr, a, nb, add) k8t_row(C, o, ldo, wr, a, nb, add, wr)
-QX_GEMM_ROWS(k8t, CYLLM_QA_Q8_0, 32, K8T_ROWC)
+#define QX_LROWC(C, o, ldo, wr, a, nb, add) k8t_row(C, o, ldo, wr, a, nb, add, wr)
+QX_GEMM_ROWS(k8t, CYLLM_QA_Q8_0, 32, QX_LROWC)
 
 /* 8 tokens of x, transposed (token j in lane j; tokens past the end: zeros) */
 typedef struct {
@@ -478,18 +510,23 @@ typedef struct {
     float *dx;              /* (nb, 8) */
 } k8t_x;
 
-/* K8T_R rows: w, |w| and the block scales as floats (rows past the group's end: zeros) */
+/* QX_LR rows: w, |w| and the block scales as floats (rows past the group's end: zeros) */
 typedef struct {
-    uint8_t *w, *abs;       /* (K8T_R, n) each */
-    float *d;               /* (K8T_R, nb) */
+    uint8_t *w, *abs;       /* (QX_LR, n) each */
+    float *d;               /* (QX_LR, nb) */
 } k8t_w;
 
 static size_t k8t_x_bytes(int64_t n) { return (size_t)8 * n + (size_t)(n / 32) * 32; }
-static size_t k8t_w_bytes(int64_t n) { return (size_t)K8T_R * (2 * n + (n / 32) * 4); }
+static size_t k8t_w_bytes(int64_t n) { return (size_t)QX_LR * (2 * n + (n / 32) * 4); }
 
 static k8t_x k8t_x_at(uint8_t *p, int64_t n) {
     k8t_x x = {p, (float *)(p + 8 * n)};
     return x;
+}
+
+static k8t_w k8t_w_at(uint8_t *p, int64_t n) {
+    k8t_w w = {p, p + (size_t)QX_LR * n, (float *)(p + (size_t)2 * QX_LR * n)};
+    return w;
 }
 
 /* tokens t .. t+nt-1 (nt <= 8) of xq -> x */
@@ -506,10 +543,11 @@ static void k8t_xprep(k8t_x *x, const void *xq, int64_t xs, int64_t t, int nt, i
     }
 }
 
-/* rows r .. r+nr-1 (nr <= K8T_R) of w -> the panel */
-static void k8t_wprep(k8t_w *p, const uint8_t *w, int64_t rb, int64_t r, int nr, int64_t n) {
+/* rows r .. r+nr-1 (nr <= QX_LR) of w -> the panel */
+static void k8t_wprep(const int kind, k8t_w *p, const uint8_t *w, int64_t rb, int64_t r, int nr, int64_t n) {
+    (void)kind;                             /* q8_0 only */
     const int64_t nb = n / 32;
-    for (int i = 0; i < K8T_R; i++) {
+    for (int i = 0; i < QX_LR; i++) {
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *q = p->w + i * n + 32 * b, *qa = p->abs + i * n + 32 * b;
             if (i >= nr) {
@@ -527,23 +565,24 @@ static void k8t_wprep(k8t_w *p, const uint8_t *w, int64_t rb, int64_t r, int nr,
     }
 }
 
-/* K8T_R rows (nr of them real) x 8 tokens (nt real) over every block; o[j * ldo + i] gets
+/* QX_LR rows (nr of them real) x 8 tokens (nt real) over every block; o[j * ldo + i] gets
  * (row i, token j) */
-static void k8t_tile(float *o, int64_t ldo, const k8t_w *p, const k8t_x *x, int64_t n, int nr, int nt,
-                     int add) {
+static void k8t_tile(const int kind, float *o, int64_t ldo, const k8t_w *p, const k8t_x *x, int64_t n, int nr,
+                     int nt, int add) {
+    (void)kind;
     const int64_t nb = n / 32;
-    __m256 acc[K8T_R][8];                   /* row i, lane b % 8: tokens in lanes */
-    for (int i = 0; i < K8T_R; i++)
+    __m256 acc[QX_LR][8];                   /* row i, lane b % 8: tokens in lanes */
+    for (int i = 0; i < QX_LR; i++)
         for (int l = 0; l < 8; l++) acc[i][l] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i S[K8T_R];
+        __m256i S[QX_LR];
         _Pragma("GCC unroll 8")
-        for (int i = 0; i < K8T_R; i++) S[i] = _mm256_setzero_si256();
+        for (int i = 0; i < QX_LR; i++) S[i] = _mm256_setzero_si256();
         _Pragma("GCC unroll 8")
         for (int g = 0; g < 8; g++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + (32 * b + 4 * g) * 8));
             _Pragma("GCC unroll 8")
-            for (int i = 0; i < K8T_R; i++) {
+            for (int i = 0; i < QX_LR; i++) {
                 const __m256i ws = _mm256_set1_epi32((int)cyllm_rd32(p->w + i * n + 32 * b + 4 * g));
                 const __m256i wa = _mm256_set1_epi32((int)cyllm_rd32(p->abs + i * n + 32 * b + 4 * g));
                 S[i] = DPBUSD(S[i], wa, _mm256_sign_epi8(xv, ws));
@@ -552,7 +591,7 @@ static void k8t_tile(float *o, int64_t ldo, const k8t_w *p, const k8t_x *x, int6
         const __m256 dx = _mm256_loadu_ps(x->dx + 8 * b);
         const int l = (int)(b & 7);
         _Pragma("GCC unroll 8")
-        for (int i = 0; i < K8T_R; i++)
+        for (int i = 0; i < QX_LR; i++)
             acc[i][l] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[i]), _mm256_mul_ps(_mm256_set1_ps(p->d[i * nb + b]), dx),
                                         acc[i][l]);
     }
@@ -566,40 +605,239 @@ static void k8t_tile(float *o, int64_t ldo, const k8t_w *p, const k8t_x *x, int6
     }
 }
 
-/* prefill: up to K8T_TOKENS tokens transposed at a time, K8T_R rows prepared at a time and
- * run against every block of 8 tokens. The buffers (x: ~9 bytes per token and element,
- * rows: ~2.1 per element) are malloc'd per call and thread; if that fails, the decode rows
- * give the same bits. */
 static void QF(gemm_k8t)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
                          int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
-    const int64_t tc = T < K8T_TOKENS ? T : K8T_TOKENS;
-    const int64_t nblk = (tc + 7) / 8;
-    const size_t xb = k8t_x_bytes(n), wb = k8t_w_bytes(n);
-    uint8_t *buf = T < K8T_TILE_MIN ? NULL : (uint8_t *)_mm_malloc((size_t)nblk * xb + wb, 64);
-    if (!buf) {     /* few tokens (the tile's 8 lanes would idle), or no memory */
-        k8t_gemm_rows(out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
-        return;
-    }
-    uint8_t *pw = buf + nblk * xb;
-    k8t_w wp = {pw, pw + (size_t)K8T_R * n, (float *)(pw + (size_t)2 * K8T_R * n)};
-    for (int64_t t0 = 0; t0 < T; t0 += tc) {
-        const int64_t tn = T - t0 < tc ? T - t0 : tc;
-        for (int64_t k = 0; k * 8 < tn; k++) {
-            k8t_x x = k8t_x_at(buf + k * xb, n);
-            k8t_xprep(&x, xq, xs, t0 + 8 * k, tn - 8 * k < 8 ? (int)(tn - 8 * k) : 8, n);
-        }
-        for (int64_t r = r0; r < r1; r += K8T_R) {
-            const int nr = r1 - r < K8T_R ? (int)(r1 - r) : K8T_R;
-            k8t_wprep(&wp, w, rb, r, nr, n);
-            for (int64_t k = 0; k * 8 < tn; k++) {
-                const k8t_x x = k8t_x_at(buf + k * xb, n);
-                k8t_tile(out + (t0 + 8 * k) * ldo + r, ldo, &wp, &x, n, nr,
-                         tn - 8 * k < 8 ? (int)(tn - 8 * k) : 8, add);
-            }
-        }
-    }
-    _mm_free(buf);
+    QX_LANES_GEMM(k8t, 0, k8t_gemm_rows, K8T_TILE_MIN)
 }
+#endif
+
+#if QX_VNNI < 2
+/* ---- ymm q5_0 / q5_1: exact block totals ---------------------------------------------------
+ * As q8_0 above: for each (row, token) and block b the exact integer S_b = sum q x of the
+ * codes (0..31), less 16 times x's block sum for q5_0; chain A takes fma(S_b, d_b dx_b) in
+ * lane b % 8, and for q5_1 chain B takes fma(sum_x, m_b dx_b) (the min term); the result is
+ * hsum8(A) (+ hsum8(B)). Decode reduces 8 blocks' int32 lanes at a time; prefill puts 8
+ * tokens in a ymm's lanes (a vpmaddubsw per 4 codes of a row against 8 tokens, 4 lines
+ * added in int16 before one vpmaddwd: 4 x 2 * 31 * 127 = 31496).
+ * The code takes the nibble formats' kind (0 q4_0, 1 q4_1, 2 q5_0, 3 q5_1; 4-bit codes add
+ * 8 lines in int16), but q4_0 and q4_1 keep their row kernels (rows32: two blocks a
+ * register, x's pairs prepared once a call): on these, TinyLlama Q4_0's decode at 1 thread
+ * ran 0.875x the row kernel's (prefill 1.16x; Zen 4 on the avx2 tables), where q5_0's
+ * prefill gained 1.70x for a decode of 0.98x.
+ * Bounds: |S_b| <= 32 * 31 * 127 + 16 * 32 * 127. */
+#ifndef K32_TILE_MIN
+#define K32_TILE_MIN 8      /* fewer tokens take the rows */
+#endif
+
+/* 5th bits h (bit j: element j) -> bytes 0x10 where set, element j in byte j */
+ALWAYS __m256i q5_bits32(uint32_t h) {
+    const __m256i v = _mm256_set1_epi32((int)h);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i sel = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i a = _mm256_and_si256(_mm256_shuffle_epi8(v, sel), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(a, bit), _mm256_set1_epi8(0x10));
+}
+
+/* the 32 codes of one block at p, element j in byte j */
+ALWAYS __m256i k32_codes(const int kind, const uint8_t *p) {
+    const int qs = kind == 0 ? 2 : kind == 1 ? 4 : kind == 2 ? 6 : 8;
+    const __m128i v = _mm_loadu_si128((const __m128i *)(p + qs)), m15 = _mm_set1_epi8(15);
+    const __m256i c = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, m15)),
+                                              _mm_and_si128(_mm_srli_epi16(v, 4), m15), 1);
+    return kind >= 2 ? _mm256_or_si256(c, q5_bits32(cyllm_rd32(p + (kind == 2 ? 2 : 4)))) : c;
+}
+
+ALWAYS int k32_bytes(const int kind) { return kind == 0 ? QB_Q4_0 : kind == 1 ? QB_Q4_1 : kind == 2 ? QB_Q5_0 : QB_Q5_1; }
+
+/* blocks b0 .. b0+m-1 (m <= 8) of one row into the chains' accumulators of C tokens */
+ALWAYS void k32_group(const int C, const int kind, const int m, __m256 *A, __m256 *B, const uint8_t *w0,
+                      const cyllm_qact_view *a, int64_t b0, const uint8_t *pfp) {
+    const int bb = k32_bytes(kind), has_min = kind & 1, off = kind == 0 ? 3 : kind == 2 ? 4 : 0;
+    __m256i v[QX_RC][8];
+    __m128i dd[8], mm[8];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < 8; i++) {
+        if (i < m) {
+            const uint8_t *p = w0 + (b0 + i) * bb;
+            if ((i & 1) == 0) PREFETCH(pfp + (b0 + i) * bb);
+            const __m256i cod = k32_codes(kind, p);
+            _Pragma("GCC unroll 4")
+            for (int t = 0; t < C; t++)
+                v[t][i] = DPBUSD(_mm256_setzero_si256(), cod,
+                                 _mm256_loadu_si256((const __m256i *)(a[t].q + (b0 + i) * 32)));
+            dd[i] = _mm_cvtsi32_si128(cyllm_rd16(p));
+            mm[i] = has_min ? _mm_cvtsi32_si128(cyllm_rd16(p + 2)) : _mm_setzero_si128();
+        } else {
+            for (int t = 0; t < C; t++) v[t][i] = _mm256_setzero_si256();
+            dd[i] = mm[i] = _mm_setzero_si128();
+        }
+    }
+    const __m256 d = h8x8(dd);
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < C; t++) {
+        /* past the row's end the scales and sums read as 0 */
+        const __m256 dx = m == 8 ? _mm256_loadu_ps(a[t].d + b0) : _mm256_maskload_ps(a[t].d + b0, live);
+        const __m256i sx = m == 8 ? _mm256_loadu_si256((const __m256i *)(a[t].sum + b0))
+                                  : _mm256_maskload_epi32(a[t].sum + b0, live);
+        __m256i S = hsum8i_x8(v[t]);
+        if (off) S = _mm256_sub_epi32(S, _mm256_slli_epi32(sx, off));
+        A[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(d, dx), A[t]);
+        if (has_min) B[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sx), _mm256_mul_ps(h8x8(mm), dx), B[t]);
+    }
+}
+
+ALWAYS void k32_row(const int C, const int kind, float *o, int64_t ldo, const uint8_t *w0,
+                    const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
+    __m256 A[QX_RC], B[QX_RC];
+    for (int t = 0; t < C; t++) A[t] = B[t] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) k32_group(C, kind, 8, A, B, w0, a, b, pfp);
+    if (b < nb) k32_group(C, kind, (int)(nb - b), A, B, w0, a, b, pfp);
+    for (int t = 0; t < C; t++) {
+        const float r = (kind & 1) ? hsum8(A[t]) + hsum8(B[t]) : hsum8(A[t]);
+        o[t * ldo] = add ? o[t * ldo] + r : r;
+    }
+}
+
+/* 8 tokens of x, transposed (token j in lane j; tokens past the end: zeros) */
+typedef struct {
+    uint8_t *q;             /* (n / 4, 8, 4): elements 4g..4g+3 of token j at 32 g + 4 j */
+    int32_t *sum;           /* (nb, 8): x's block sums */
+    float *sumf;            /* (nb, 8): the same as floats (the min term) */
+    float *dx;              /* (nb, 8) */
+} k32_x;
+
+/* QX_LR rows unpacked (rows past the group's end: zeros) */
+typedef struct {
+    uint8_t *q;             /* (QX_LR, n): codes */
+    float *d, *m;           /* (QX_LR, nb) */
+} k32_w;
+
+static size_t k32_x_bytes(int64_t n) { return (size_t)8 * n + (size_t)(n / 32) * 96; }
+static size_t k32_w_bytes(int64_t n) { return (size_t)QX_LR * (n + (size_t)(n / 32) * 8); }
+
+static k32_x k32_x_at(uint8_t *p, int64_t n) {
+    const int64_t nb = n / 32;
+    k32_x x;
+    x.q = p;
+    x.sum = (int32_t *)(p + 8 * n);
+    x.sumf = (float *)(x.sum + 8 * nb);
+    x.dx = x.sumf + 8 * nb;
+    return x;
+}
+
+static k32_w k32_w_at(uint8_t *p, int64_t n) {
+    k32_w w = {p, (float *)(p + QX_LR * n), (float *)(p + QX_LR * n) + QX_LR * (n / 32)};
+    return w;
+}
+
+/* tokens t .. t+nt-1 (nt <= 8) of xq -> x */
+static void k32_xprep(k32_x *x, const void *xq, int64_t xs, int64_t t, int nt, int64_t n) {
+    const int64_t nb = n / 32;
+    if (nt < 8) memset(x->q, 0, k32_x_bytes(n));
+    for (int j = 0; j < nt; j++) {
+        const cyllm_qact_view a = cyllm_qact_split((const char *)xq + (t + j) * xs, n, CYLLM_QA_Q8_0);
+        for (int64_t g = 0; g < n / 4; g++) memcpy(x->q + 32 * g + 4 * j, a.q + 4 * g, 4);
+        for (int64_t b = 0; b < nb; b++) {
+            x->sum[8 * b + j] = a.sum[b];
+            x->sumf[8 * b + j] = (float)a.sum[b];
+            x->dx[8 * b + j] = a.d[b];
+        }
+    }
+}
+
+/* rows r .. r+nr-1 (nr <= QX_LR) of w -> the panel */
+static void k32_wprep(const int kind, k32_w *p, const uint8_t *w, int64_t rb, int64_t r, int nr, int64_t n) {
+    const int64_t nb = n / 32;
+    const int bb = k32_bytes(kind);
+    memset(p->q, 0, k32_w_bytes(n));
+    for (int i = 0; i < nr; i++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + (r + i) * rb + b * bb;
+            _mm256_storeu_si256((__m256i *)(p->q + i * n + 32 * b), k32_codes(kind, blk));
+            p->d[i * nb + b] = _cvtsh_ss(cyllm_rd16(blk));
+            p->m[i * nb + b] = (kind & 1) ? _cvtsh_ss(cyllm_rd16(blk + 2)) : 0.0f;
+        }
+    }
+}
+
+/* QX_LR rows (nr real) x 8 tokens (nt real) over every block; o[j * ldo + i] gets (row i,
+ * token j) */
+ALWAYS void k32_tile(const int kind, float *o, int64_t ldo, const k32_w *w, const k32_x *x, int64_t n, int nr,
+                     int nt, int add) {
+    const int64_t nb = n / 32;
+    const int run = kind >= 2 ? 4 : 8, has_min = kind & 1, off = kind == 0 ? 3 : kind == 2 ? 4 : 0;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[2][QX_LR][8];                 /* A, B of row i, lane b % 8: tokens in lanes */
+    for (int h = 0; h < 1 + has_min; h++)
+        for (int i = 0; i < QX_LR; i++)
+            for (int l = 0; l < 8; l++) acc[h][i][l] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *xb = x->q + b * 32 * 8;
+        __m256i S[QX_LR];
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < QX_LR; i++) S[i] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 2")
+        for (int r0 = 0; r0 < 8; r0 += run) {
+            __m256i h[QX_LR];
+            _Pragma("GCC unroll 8")
+            for (int g = 0; g < run; g++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xb + 32 * (r0 + g)));
+                _Pragma("GCC unroll 8")
+                for (int i = 0; i < QX_LR; i++) {
+                    const __m256i pr = _mm256_maddubs_epi16(
+                        _mm256_set1_epi32((int)cyllm_rd32(w->q + i * n + 32 * b + 4 * (r0 + g))), xv);
+                    h[i] = g ? _mm256_add_epi16(h[i], pr) : pr;
+                }
+            }
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < QX_LR; i++) S[i] = _mm256_add_epi32(S[i], _mm256_madd_epi16(h[i], ones));
+        }
+        const __m256 dx = _mm256_loadu_ps(x->dx + 8 * b);
+        const __m256i so = off ? _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(x->sum + 8 * b)), off)
+                               : _mm256_setzero_si256();
+        const int l = (int)(b & 7);
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < QX_LR; i++) {
+            const __m256i Si = off ? _mm256_sub_epi32(S[i], so) : S[i];
+            acc[0][i][l] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Si), _mm256_mul_ps(_mm256_set1_ps(w->d[i * nb + b]), dx),
+                                           acc[0][i][l]);
+            if (has_min)
+                acc[1][i][l] = _mm256_fmadd_ps(_mm256_loadu_ps(x->sumf + 8 * b),
+                                               _mm256_mul_ps(_mm256_set1_ps(w->m[i * nb + b]), dx), acc[1][i][l]);
+        }
+    }
+    for (int i = 0; i < nr; i++) {
+        __m256 t[2];
+        for (int h = 0; h < 1 + has_min; h++) {     /* hsum8's tree, lane by lane */
+            const __m256 *v = acc[h][i];
+            t[h] = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(v[0], v[4]), _mm256_add_ps(v[2], v[6])),
+                                 _mm256_add_ps(_mm256_add_ps(v[1], v[5]), _mm256_add_ps(v[3], v[7])));
+        }
+        float r[8];
+        _mm256_storeu_ps(r, has_min ? _mm256_add_ps(t[0], t[1]) : t[0]);
+        for (int j = 0; j < nt; j++) o[j * ldo + i] = add ? o[j * ldo + i] + r[j] : r[j];
+    }
+}
+
+#define K32_FORMAT(F, KIND)                                                                       \
+static void F##_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a, int64_t n, \
+                      int64_t r0, int64_t r1, int add, const qx_pf *pf) {                      \
+    for (int64_t r = r0; r < r1; r++)                                                           \
+        k32_row(1, KIND, o + (r - r0), 0, w + r * rb, a, n / 32, add, pf_base(w + r * rb, pf)); \
+}                                                                                               \
+QX_DECODE(F, CYLLM_QA_Q8_0)                                                                     \
+QX_GEMM_ROWS(F, CYLLM_QA_Q8_0, 32, F##_ROWC)                                                    \
+static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
+                         int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {  \
+    QX_LANES_GEMM(k32, KIND, F##_gemm_rows, K32_TILE_MIN)                                       \
+}
+#define q5_0y_ROWC(C, o, ldo, wr, a, nb, add) k32_row(C, 2, o, ldo, wr, a, nb, add, wr)
+#define q5_1y_ROWC(C, o, ldo, wr, a, nb, add) k32_row(C, 3, o, ldo, wr, a, nb, add, wr)
+K32_FORMAT(q5_0y, 2)
+K32_FORMAT(q5_1y, 3)
 #endif
 
 /* ---- K-quants --------------------------------------------------------------------- */
@@ -917,15 +1155,11 @@ QX_GEMM_ROWS(k6, CYLLM_QA_Q8_K, QK_K, K6_ROWC)
 #if QX_VNNI < 2
 /* ---- ymm K-quant prefill: 8 tokens in a ymm's lanes ---------------------------------------
  * (the exact superblock totals above). x is transposed once per call (one 32-byte line
- * holds elements 4g..4g+3 of 8 tokens), KY_R rows are unpacked to codes at a time, and a
+ * holds elements 4g..4g+3 of 8 tokens), QX_LR rows are unpacked to codes at a time, and a
  * vpmaddubsw takes a row's 4 codes (broadcast) against a line: 32 multiply-adds. The int16
  * pairs of a run of lines add up exactly before one vpmaddwd by its sub-block's scale:
  * q4_k 8 lines (8 x 2 * 15 * 127 = 30480), q5_k 4 (4 x 2 * 31 * 127 = 31496), q6_k 2
  * (2 x 2 * 63 * 127 = 32004). */
-#ifndef KY_R
-#define KY_R 4              /* prefill tile: rows (x 8 tokens) */
-#endif
-#define KY_TOKENS 128       /* tokens whose x is transposed at a time */
 #ifndef KY_TILE_MIN
 #define KY_TILE_MIN 8       /* fewer tokens take the rows (avx2, q4_k 5632x2048, 1 thread: T = 8
                                rows 2.02 ms, tile 1.81; T = 12 3.07 and 3.11) */
@@ -939,17 +1173,17 @@ typedef struct {
     float *dx;              /* (nb, 8) */
 } ky_x;
 
-/* KY_R rows unpacked (rows past the group's end: zeros). q4_k/q5_k: 8 scales and 4 pairs
+/* QX_LR rows unpacked (rows past the group's end: zeros). q4_k/q5_k: 8 scales and 4 pairs
  * of mins a superblock; q6_k: 16 scales and their 8 pairs */
 typedef struct {
-    uint8_t *q;             /* (KY_R, n): codes */
-    int16_t *sc;            /* (KY_R, nb, 16) */
-    int32_t *mp;            /* (KY_R, nb, 8): (m_2i, m_2i+1) or (sc_2i, sc_2i+1) as int16 pairs */
-    float *d, *dm;          /* (KY_R, nb) */
+    uint8_t *q;             /* (QX_LR, n): codes */
+    int16_t *sc;            /* (QX_LR, nb, 16) */
+    int32_t *mp;            /* (QX_LR, nb, 8): (m_2i, m_2i+1) or (sc_2i, sc_2i+1) as int16 pairs */
+    float *d, *dm;          /* (QX_LR, nb) */
 } ky_w;
 
 static size_t ky_x_bytes(int64_t n) { return (size_t)8 * n + (size_t)(n / QK_K) * (128 + 256 + 32); }
-static size_t ky_w_bytes(int64_t n) { return (size_t)KY_R * (n + (size_t)(n / QK_K) * (32 + 32 + 8)); }
+static size_t ky_w_bytes(int64_t n) { return (size_t)QX_LR * (n + (size_t)(n / QK_K) * (32 + 32 + 8)); }
 
 static ky_x ky_x_at(uint8_t *p, int64_t n) {
     const int64_t nb = n / QK_K;
@@ -965,10 +1199,10 @@ static ky_w ky_w_at(uint8_t *p, int64_t n) {
     const int64_t nb = n / QK_K;
     ky_w w;
     w.q = p;
-    w.sc = (int16_t *)(p + KY_R * n);
-    w.mp = (int32_t *)(w.sc + KY_R * nb * 16);
-    w.d = (float *)(w.mp + KY_R * nb * 8);
-    w.dm = w.d + KY_R * nb;
+    w.sc = (int16_t *)(p + QX_LR * n);
+    w.mp = (int32_t *)(w.sc + QX_LR * nb * 16);
+    w.d = (float *)(w.mp + QX_LR * nb * 8);
+    w.dm = w.d + QX_LR * nb;
     return w;
 }
 
@@ -989,7 +1223,7 @@ static void ky_xprep(ky_x *x, const void *xq, int64_t xs, int64_t t, int nt, int
     }
 }
 
-/* rows r .. r+nr-1 (nr <= KY_R) of w (kind 0 q4_k, 1 q5_k, 2 q6_k) -> the panel */
+/* rows r .. r+nr-1 (nr <= QX_LR) of w (kind 0 q4_k, 1 q5_k, 2 q6_k) -> the panel */
 static void ky_wprep(const int kind, ky_w *p, const uint8_t *w, int64_t rb, int64_t r, int nr, int64_t n) {
     const int64_t nb = n / QK_K;
     const int bb = kind == 2 ? QB_Q6_K : kind == 1 ? QB_Q5_K : QB_Q4_K;
@@ -1020,7 +1254,7 @@ static void ky_wprep(const int kind, ky_w *p, const uint8_t *w, int64_t rb, int6
     }
 }
 
-/* KY_R rows (nr real) x 8 tokens (nt real) over every superblock; o[j * ldo + i] gets
+/* QX_LR rows (nr real) x 8 tokens (nt real) over every superblock; o[j * ldo + i] gets
  * (row i, token j) */
 ALWAYS void ky_tile(const int kind, float *o, int64_t ldo, const ky_w *w, const ky_x *x, int64_t n, int nr,
                     int nt, int add) {
@@ -1028,36 +1262,36 @@ ALWAYS void ky_tile(const int kind, float *o, int64_t ldo, const ky_w *w, const 
     /* lines a run adds in int16, and elements a scale covers */
     const int run = kind == 2 ? 2 : kind == 1 ? 4 : 8, sub = kind == 2 ? 16 : 32;
     const int nm = kind == 2 ? 1 : 2;       /* chains: L (q6_k: with its offset), M */
-    __m256 acc[2][KY_R][8];                 /* chain h of row i, lane s % 8: tokens in lanes */
+    __m256 acc[2][QX_LR][8];                 /* chain h of row i, lane s % 8: tokens in lanes */
     for (int h = 0; h < nm; h++)
-        for (int i = 0; i < KY_R; i++)
+        for (int i = 0; i < QX_LR; i++)
             for (int l = 0; l < 8; l++) acc[h][i][l] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nb; s++) {
         const uint8_t *xs = x->q + s * QK_K * 8;
         const uint8_t *ws = w->q + s * QK_K;
-        __m256i L[KY_R];
+        __m256i L[QX_LR];
         _Pragma("GCC unroll 8")
-        for (int i = 0; i < KY_R; i++) L[i] = _mm256_setzero_si256();
+        for (int i = 0; i < QX_LR; i++) L[i] = _mm256_setzero_si256();
         for (int r0 = 0; r0 < 64; r0 += run) {          /* runs of lines (4 elements each) */
-            __m256i h[KY_R];
+            __m256i h[QX_LR];
             _Pragma("GCC unroll 8")
             for (int g = 0; g < run; g++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xs + 32 * (r0 + g)));
                 _Pragma("GCC unroll 8")
-                for (int i = 0; i < KY_R; i++) {
+                for (int i = 0; i < QX_LR; i++) {
                     const __m256i pr = _mm256_maddubs_epi16(_mm256_set1_epi32((int)cyllm_rd32(ws + i * n + 4 * (r0 + g))), xv);
                     h[i] = g ? _mm256_add_epi16(h[i], pr) : pr;
                 }
             }
             const int k = 4 * r0 / sub;                     /* the run's sub-block */
             _Pragma("GCC unroll 8")
-            for (int i = 0; i < KY_R; i++)
+            for (int i = 0; i < QX_LR; i++)
                 L[i] = _mm256_add_epi32(L[i], _mm256_madd_epi16(h[i], _mm256_set1_epi16(w->sc[(i * nb + s) * 16 + k])));
         }
         const __m256 dx = _mm256_loadu_ps(x->dx + 8 * s);
         const int l = (int)(s & 7);
         _Pragma("GCC unroll 8")
-        for (int i = 0; i < KY_R; i++) {
+        for (int i = 0; i < QX_LR; i++) {
             /* q4_k, q5_k: M = sum_k m_k bs32_k; q6_k: its offset sum_k sc_k bs16_k */
             const int np = kind == 2 ? 8 : 4;
             const int32_t *bs = kind == 2 ? x->bs16 + 64 * s : x->bs32 + 32 * s;
@@ -1090,50 +1324,14 @@ ALWAYS void ky_tile(const int kind, float *o, int64_t ldo, const ky_w *w, const 
     }
 }
 
-/* prefill: up to KY_TOKENS tokens transposed at a time, KY_R rows unpacked at a time, each
- * group of rows run against every block of 8 tokens. The buffers (x: ~9.6 bytes per token
- * and element, rows: ~1.3 per element) are malloc'd per call and thread; if that fails,
- * the decode rows give the same bits. */
-ALWAYS void gemm_ky(const int kind, float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
-                    int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
-    const int64_t tc = T < KY_TOKENS ? T : KY_TOKENS;
-    const int64_t nblk = (tc + 7) / 8;
-    const size_t xb = ky_x_bytes(n), wb = ky_w_bytes(n);
-    uint8_t *buf = T < KY_TILE_MIN ? NULL : (uint8_t *)_mm_malloc((size_t)nblk * xb + wb, 64);
-    if (!buf) {     /* few tokens (the tile's 8 lanes would idle), or no memory */
-        if (kind == 2) k6_gemm_rows(out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
-        else if (kind == 1) k5_gemm_rows(out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
-        else k4_gemm_rows(out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
-        return;
-    }
-    ky_w wp = ky_w_at(buf + nblk * xb, n);
-    for (int64_t t0 = 0; t0 < T; t0 += tc) {
-        const int64_t tn = T - t0 < tc ? T - t0 : tc;
-        for (int64_t k = 0; k * 8 < tn; k++) {
-            ky_x x = ky_x_at(buf + k * xb, n);
-            ky_xprep(&x, xq, xs, t0 + 8 * k, tn - 8 * k < 8 ? (int)(tn - 8 * k) : 8, n);
-        }
-        for (int64_t r = r0; r < r1; r += KY_R) {
-            const int nr = r1 - r < KY_R ? (int)(r1 - r) : KY_R;
-            ky_wprep(kind, &wp, w, rb, r, nr, n);
-            for (int64_t k = 0; k * 8 < tn; k++) {
-                const ky_x x = ky_x_at(buf + k * xb, n);
-                ky_tile(kind, out + (t0 + 8 * k) * ldo + r, ldo, &wp, &x, n, nr,
-                        tn - 8 * k < 8 ? (int)(tn - 8 * k) : 8, add);
-            }
-        }
-    }
-    _mm_free(buf);
-}
-
-#define KY_GEMM(F, KIND)                                                                        \
+#define KY_GEMM(F, KIND, ROWS)                                                                  \
 static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
                          int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {  \
-    gemm_ky(KIND, out, ldo, w, rb, xq, xs, T, n, r0, r1, add);                                  \
+    QX_LANES_GEMM(ky, KIND, ROWS, KY_TILE_MIN)                                                  \
 }
-KY_GEMM(k4y, 0)
-KY_GEMM(k5y, 1)
-KY_GEMM(k6y, 2)
+KY_GEMM(k4y, 0, k4_gemm_rows)
+KY_GEMM(k5y, 1, k5_gemm_rows)
+KY_GEMM(k6y, 2, k6_gemm_rows)
 #endif
 
 
@@ -2036,8 +2234,13 @@ QX_DEQ(F, FMT)
 QX_DEQ(q8_0, CYLLM_QF_Q8_0)
 QX_FORMAT(q4_0, CYLLM_QF_Q4_0, CYLLM_QA_Q8_0, 32, 0, rows32(C, 0, o, ldo, w0, a, nb, add, pfp))
 QX_FORMAT(q4_1, CYLLM_QF_Q4_1, CYLLM_QA_Q8_0, 32, 1, rows32(C, 1, o, ldo, w0, a, nb, add, pfp))
+#if QX_VNNI == 2            /* the zmm nibble kernels' rows past their prepared activations */
 QX_FORMAT(q5_0, CYLLM_QF_Q5_0, CYLLM_QA_Q8_0, 32, 2, rows32(C, 2, o, ldo, w0, a, nb, add, pfp))
 QX_FORMAT(q5_1, CYLLM_QF_Q5_1, CYLLM_QA_Q8_0, 32, 3, rows32(C, 3, o, ldo, w0, a, nb, add, pfp))
+#else
+QX_DEQ(q5_0, CYLLM_QF_Q5_0)
+QX_DEQ(q5_1, CYLLM_QF_Q5_1)
+#endif
 QX_DEQ(q4_k, CYLLM_QF_Q4_K)
 QX_DEQ(q5_k, CYLLM_QF_Q5_K)
 QX_DEQ(q6_k, CYLLM_QF_Q6_K)
@@ -2507,6 +2710,7 @@ R16_ENTRIES(q41r16, R16_Q41_GROUP, CYLLM_QA_Q8_0, 32)
 #if QX_VNNI == 2
 #define QX_ENTRY_Q8_0 {QF(matvec_z8), QF(gate_up_z8), QF(gemm_z8), QF(deq16_q8_0), QF(deq32_q8_0)}
 #define QX_ENTRY_NIB(F) {QF(matvec_##F##z), QF(gate_up_##F##z), QF(gemm_##F##z), QF(deq16_##F), QF(deq32_##F)}
+#define QX_ENTRY_Q5(F) QX_ENTRY_NIB(F)
 #define QX_ENTRY_Q4_K {QF(matvec_k4z), QF(gate_up_k4z), QF(gemm_k4z), QF(deq16_q4_k), QF(deq32_q4_k)}
 #define QX_ENTRY_Q5_K {QF(matvec_k5), QF(gate_up_k5), QF(gemm_k5t), QF(deq16_q5_k), QF(deq32_q5_k)}
 #define QX_ENTRY_Q6_K {QF(matvec_k6z), QF(gate_up_k6z), QF(gemm_k6z), QF(deq16_q6_k), QF(deq32_q6_k)}
@@ -2515,13 +2719,14 @@ R16_ENTRIES(q41r16, R16_Q41_GROUP, CYLLM_QA_Q8_0, 32)
 #define QX_ENTRY_Q4_K {QF(matvec_k4), QF(gate_up_k4), QF(gemm_k4y), QF(deq16_q4_k), QF(deq32_q4_k)}
 #define QX_ENTRY_Q5_K {QF(matvec_k5), QF(gate_up_k5), QF(gemm_k5y), QF(deq16_q5_k), QF(deq32_q5_k)}
 #define QX_ENTRY_NIB(F) QX_ENTRY(F)
+#define QX_ENTRY_Q5(F) {QF(matvec_##F##y), QF(gate_up_##F##y), QF(gemm_##F##y), QF(deq16_##F), QF(deq32_##F)}
 #define QX_ENTRY_Q6_K {QF(matvec_k6), QF(gate_up_k6), QF(gemm_k6y), QF(deq16_q6_k), QF(deq32_q6_k)}
 #endif
 
 const cyllm_qkernels QX_TABLE = {
     QX_NAME,
     QF(quantize_act_x86_),
-    {QX_ENTRY_Q8_0, QX_ENTRY_NIB(q4_0), QX_ENTRY_NIB(q4_1), QX_ENTRY_NIB(q5_0), QX_ENTRY_NIB(q5_1),
+    {QX_ENTRY_Q8_0, QX_ENTRY_NIB(q4_0), QX_ENTRY_NIB(q4_1), QX_ENTRY_Q5(q5_0), QX_ENTRY_Q5(q5_1),
      QX_ENTRY_Q4_K, QX_ENTRY_Q5_K, QX_ENTRY_Q6_K,
      QX_ENTRY_R16(q4k), QX_ENTRY_R16(q40), QX_ENTRY_R16(q80), QX_ENTRY_R16(q41)},
 };
