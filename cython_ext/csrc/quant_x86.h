@@ -185,8 +185,8 @@ static void QF(gate_up_##F)(float *out, const uint8_t *wg, const uint8_t *wu, in
 
 /* Row kernels that compute exact block totals (q8_0 below 512 bits, the K-quants) serve
  * prefills too short for their tiles: a row against up to QX_RC tokens per load and
- * unpacking of the row, with the tiles' bits. ROW(C, o, ldo, wr, a, nb, add) runs one row
- * against C tokens; F##_gemm_rows is the GEMM of those rows. */
+ * unpacking of the row, with the tiles' bits. ROW(C, o, ldo, w0, a, nb, add, pfp) runs one
+ * row against C tokens; F##_gemm_rows is the GEMM of those rows. */
 #define QX_RC 4
 #define QX_GEMM_ROWS(F, ACT, BLK, ROW)                                                           \
 static void F##_gemm_rows(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
@@ -200,14 +200,44 @@ static void F##_gemm_rows(float *out, int64_t ldo, const uint8_t *w, int64_t rb,
             float *o = out + t0 * ldo + r;                                                      \
             const uint8_t *wr = w + r * rb;                                                     \
             switch (C) {                                                                        \
-            case 4: ROW(4, o, ldo, wr, a, nb, add); break;                                      \
-            case 3: ROW(3, o, ldo, wr, a, nb, add); break;                                      \
-            case 2: ROW(2, o, ldo, wr, a, nb, add); break;                                      \
-            default: ROW(1, o, ldo, wr, a, nb, add); break;                                     \
+            case 4: ROW(4, o, ldo, wr, a, nb, add, wr); break;                                      \
+            case 3: ROW(3, o, ldo, wr, a, nb, add, wr); break;                                      \
+            case 2: ROW(2, o, ldo, wr, a, nb, add, wr); break;                                      \
+            default: ROW(1, o, ldo, wr, a, nb, add, wr); break;                                     \
             }                                                                                   \
         }                                                                                       \
     }                                                                                           \
 }
+
+/* one row against C tokens (decode: C = 1; short prefills), 8 blocks at a time through
+ * GROUP(C, kind, m, A, B, w0, a, b0, pfp), the accumulators of chains A and B; o[t * ldo]
+ * gets hsum8(A) + SB hsum8(B) (SB: -1, +1, or 0 where a format has one chain) */
+#define QX_LANES_ROW(NAME, GROUP, SB)                                                            \
+ALWAYS void NAME(const int C, const int kind, float *o, int64_t ldo, const uint8_t *w0,        \
+                 const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {           \
+    __m256 A[QX_RC], B[QX_RC];                                                                  \
+    for (int t = 0; t < C; t++) A[t] = B[t] = _mm256_setzero_ps();                              \
+    int64_t b = 0;                                                                              \
+    for (; b + 8 <= nb; b += 8) GROUP(C, kind, 8, A, B, w0, a, b, pfp);                        \
+    if (b < nb) GROUP(C, kind, (int)(nb - b), A, B, w0, a, b, pfp);                            \
+    for (int t = 0; t < C; t++) {                                                               \
+        const float r = (SB) < 0 ? hsum8(A[t]) - hsum8(B[t])                                    \
+                        : (SB) > 0 ? hsum8(A[t]) + hsum8(B[t]) : hsum8(A[t]);                   \
+        o[t * ldo] = add ? o[t * ldo] + r : r;                                                  \
+    }                                                                                           \
+}
+
+/* The decode side of a row kernel ROW(C, o, ldo, w0, a, nb, add, pfp) (one row against C
+ * tokens): F##_range (rows [r0, r1) of one activation, one linear stream), the decode
+ * entries (QX_DECODE) and the row prefill F##_gemm_rows (QX_GEMM_ROWS) */
+#define QX_ROW_ENTRIES(F, ACT, BLK, ROW)                                                         \
+static void F##_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a, int64_t n, \
+                      int64_t r0, int64_t r1, int add, const qx_pf *pf) {                       \
+    for (int64_t r = r0; r < r1; r++)                                                           \
+        ROW(1, o + (r - r0), 0, w + r * rb, a, n / (BLK), add, pf_base(w + r * rb, pf));         \
+}                                                                                               \
+QX_DECODE(F, ACT)                                                                               \
+QX_GEMM_ROWS(F, ACT, BLK, ROW)
 
 /* 8 f16 (the low word of each h[i]) -> 8 floats, in registers (a store of 8 words and a
  * vector load of them would stall on store forwarding) */
@@ -215,6 +245,26 @@ ALWAYS __m256 h8x8(const __m128i h[8]) {
     const __m128i h01 = _mm_unpacklo_epi16(h[0], h[1]), h23 = _mm_unpacklo_epi16(h[2], h[3]);
     const __m128i h45 = _mm_unpacklo_epi16(h[4], h[5]), h67 = _mm_unpacklo_epi16(h[6], h[7]);
     return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_unpacklo_epi32(h01, h23), _mm_unpacklo_epi32(h45, h67)));
+}
+
+/* live lanes of a group of m <= 8 blocks */
+ALWAYS __m256i live8(const int m) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* x's scales of blocks b0 .. b0+m-1 (past the row's end: 0, so an exact +0 joins those lanes) */
+ALWAYS __m256 dx8(const cyllm_qact_view *a, int64_t b0, const int m) {
+    return m == 8 ? _mm256_loadu_ps(a->d + b0) : _mm256_maskload_ps(a->d + b0, live8(m));
+}
+
+/* the end of a group of m blocks with one chain: token t's A takes the blocks' exact totals
+ * (hsum8i_x8 of their int32 lanes v[t][.]) times d dx, block b0 + i in lane i */
+ALWAYS void chain1(const int C, const int m, __m256 *A, __m256i v[][8], const __m128i dd[8],
+                   const cyllm_qact_view *a, int64_t b0) {
+    const __m256 d = h8x8(dd);
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < C; t++)
+        A[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8i_x8(v[t])), _mm256_mul_ps(d, dx8(&a[t], b0, m)), A[t]);
 }
 
 /* Prefill with 8 tokens in a ymm's lanes (q8_0 and the K-quants below 512 bits, the nibble
@@ -448,8 +498,9 @@ ALWAYS void qx_xprep(const int kind, qx_xpair *xp, const cyllm_qact_view *a, int
 #endif
 
 /* blocks b0 .. b0+m-1 (m <= 8) of one row into the chains' accumulators of C tokens */
-ALWAYS void k8t_group(const int C, const int m, __m256 *A, const uint8_t *w0, const cyllm_qact_view *a,
-                      int64_t b0, const uint8_t *pfp) {
+ALWAYS void k8t_group(const int C, const int kind, const int m, __m256 *A, __m256 *B, const uint8_t *w0,
+                      const cyllm_qact_view *a, int64_t b0, const uint8_t *pfp) {
+    (void)kind, (void)B;                    /* one format, one chain */
     __m256i v[QX_RC][8];
     __m128i dd[8];
     _Pragma("GCC unroll 8")
@@ -470,39 +521,13 @@ ALWAYS void k8t_group(const int C, const int m, __m256 *A, const uint8_t *w0, co
             dd[i] = _mm_setzero_si128();
         }
     }
-    const __m256 d = h8x8(dd);
-    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    _Pragma("GCC unroll 4")
-    for (int t = 0; t < C; t++) {
-        /* past the row's end the scales read as 0 (an exact +0 joins those lanes) */
-        const __m256 dx = m == 8 ? _mm256_loadu_ps(a[t].d + b0) : _mm256_maskload_ps(a[t].d + b0, live);
-        A[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8i_x8(v[t])), _mm256_mul_ps(d, dx), A[t]);
-    }
+    chain1(C, m, A, v, dd, a, b0);
 }
 
-/* one row against C tokens: decode (C = 1), and short prefills; o[t * ldo] gets token t */
-ALWAYS void k8t_row(const int C, float *o, int64_t ldo, const uint8_t *w0, const cyllm_qact_view *a,
-                    int64_t nb, int add, const uint8_t *pfp) {
-    __m256 A[QX_RC];
-    for (int t = 0; t < C; t++) A[t] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 8 <= nb; b += 8) k8t_group(C, 8, A, w0, a, b, pfp);
-    if (b < nb) k8t_group(C, (int)(nb - b), A, w0, a, b, pfp);
-    for (int t = 0; t < C; t++) {
-        const float r = hsum8(A[t]);
-        o[t * ldo] = add ? o[t * ldo] + r : r;
-    }
-}
 
-static void k8t_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a, int64_t n,
-                      int64_t r0, int64_t r1, int add, const qx_pf *pf) {
-    for (int64_t r = r0; r < r1; r++) k8t_row(1, o + (r - r0), 0, w + r * rb, a, n / 32, add, pf_base(w + r * rb, pf));
-}
-
-QX_DECODE(k8t, CYLLM_QA_Q8_0)
-
-#define QX_LROWC(C, o, ldo, wr, a, nb, add) k8t_row(C, o, ldo, wr, a, nb, add, wr)
-QX_GEMM_ROWS(k8t, CYLLM_QA_Q8_0, 32, QX_LROWC)
+QX_LANES_ROW(k8t_row, k8t_group, 0)
+#define K8T_ROW(C, o, ldo, w0, a, nb, add, pfp) k8t_row(C, 0, o, ldo, w0, a, nb, add, pfp)
+QX_ROW_ENTRIES(k8t, CYLLM_QA_Q8_0, 32, K8T_ROW)
 
 /* 8 tokens of x, transposed (token j in lane j; tokens past the end: zeros) */
 typedef struct {
@@ -674,13 +699,12 @@ ALWAYS void k32_group(const int C, const int kind, const int m, __m256 *A, __m25
         }
     }
     const __m256 d = h8x8(dd);
-    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     _Pragma("GCC unroll 4")
     for (int t = 0; t < C; t++) {
         /* past the row's end the scales and sums read as 0 */
-        const __m256 dx = m == 8 ? _mm256_loadu_ps(a[t].d + b0) : _mm256_maskload_ps(a[t].d + b0, live);
+        const __m256 dx = dx8(&a[t], b0, m);
         const __m256i sx = m == 8 ? _mm256_loadu_si256((const __m256i *)(a[t].sum + b0))
-                                  : _mm256_maskload_epi32(a[t].sum + b0, live);
+                                  : _mm256_maskload_epi32(a[t].sum + b0, live8(m));
         __m256i S = hsum8i_x8(v[t]);
         if (off) S = _mm256_sub_epi32(S, _mm256_slli_epi32(sx, off));
         A[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(d, dx), A[t]);
@@ -688,18 +712,8 @@ ALWAYS void k32_group(const int C, const int kind, const int m, __m256 *A, __m25
     }
 }
 
-ALWAYS void k32_row(const int C, const int kind, float *o, int64_t ldo, const uint8_t *w0,
-                    const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
-    __m256 A[QX_RC], B[QX_RC];
-    for (int t = 0; t < C; t++) A[t] = B[t] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 8 <= nb; b += 8) k32_group(C, kind, 8, A, B, w0, a, b, pfp);
-    if (b < nb) k32_group(C, kind, (int)(nb - b), A, B, w0, a, b, pfp);
-    for (int t = 0; t < C; t++) {
-        const float r = (kind & 1) ? hsum8(A[t]) + hsum8(B[t]) : hsum8(A[t]);
-        o[t * ldo] = add ? o[t * ldo] + r : r;
-    }
-}
+
+QX_LANES_ROW(k32_row, k32_group, (kind & 1))
 
 /* 8 tokens of x, transposed (token j in lane j; tokens past the end: zeros) */
 typedef struct {
@@ -823,19 +837,13 @@ ALWAYS void k32_tile(const int kind, float *o, int64_t ldo, const k32_w *w, cons
 }
 
 #define K32_FORMAT(F, KIND)                                                                       \
-static void F##_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a, int64_t n, \
-                      int64_t r0, int64_t r1, int add, const qx_pf *pf) {                      \
-    for (int64_t r = r0; r < r1; r++)                                                           \
-        k32_row(1, KIND, o + (r - r0), 0, w + r * rb, a, n / 32, add, pf_base(w + r * rb, pf)); \
-}                                                                                               \
-QX_DECODE(F, CYLLM_QA_Q8_0)                                                                     \
-QX_GEMM_ROWS(F, CYLLM_QA_Q8_0, 32, F##_ROWC)                                                    \
+QX_ROW_ENTRIES(F, CYLLM_QA_Q8_0, 32, F##_ROW)                                                   \
 static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
                          int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {  \
     QX_LANES_GEMM(k32, KIND, F##_gemm_rows, K32_TILE_MIN)                                       \
 }
-#define q5_0y_ROWC(C, o, ldo, wr, a, nb, add) k32_row(C, 2, o, ldo, wr, a, nb, add, wr)
-#define q5_1y_ROWC(C, o, ldo, wr, a, nb, add) k32_row(C, 3, o, ldo, wr, a, nb, add, wr)
+#define q5_0y_ROW(C, o, ldo, w0, a, nb, add, pfp) k32_row(C, 2, o, ldo, w0, a, nb, add, pfp)
+#define q5_1y_ROW(C, o, ldo, w0, a, nb, add, pfp) k32_row(C, 3, o, ldo, w0, a, nb, add, pfp)
 K32_FORMAT(q5_0y, 2)
 K32_FORMAT(q5_1y, 3)
 #endif
@@ -991,49 +999,20 @@ ALWAYS void k45_group(const int C, const int five, const int m, __m256 *A, __m25
         _mm256_permute4x64_epi64(_mm256_shuffle_epi8(ddv, lo16), 0x08)));
     const __m256 dm = _mm256_cvtph_ps(_mm256_castsi256_si128(
         _mm256_permute4x64_epi64(_mm256_shuffle_epi8(ddv, hi16), 0x08)));
-    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     _Pragma("GCC unroll 4")
     for (int t = 0; t < C; t++) {
-        /* past the row's end the scales read as 0 (an exact +0 joins those lanes) */
-        const __m256 dx = m == 8 ? _mm256_loadu_ps(a[t].d + b0) : _mm256_maskload_ps(a[t].d + b0, live);
+        const __m256 dx = dx8(&a[t], b0, m);
         A[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8i_x8(li[t])), _mm256_mul_ps(d, dx), A[t]);
         B[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum4i_x8(mi[t])), _mm256_mul_ps(dm, dx), B[t]);
     }
 }
 
-/* one row against C tokens: decode (C = 1), and short prefills, where the row's unpacking
- * serves C tokens; o[t * ldo] gets token t */
-ALWAYS void k45_row(const int C, const int five, float *o, int64_t ldo, const uint8_t *w0,
-                    const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {
-    __m256 A[QX_RC], B[QX_RC];
-    for (int t = 0; t < C; t++) A[t] = B[t] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 8 <= nb; b += 8) k45_group(C, five, 8, A, B, w0, a, b, pfp);
-    if (b < nb) k45_group(C, five, (int)(nb - b), A, B, w0, a, b, pfp);
-    for (int t = 0; t < C; t++) {
-        const float r = hsum8(A[t]) - hsum8(B[t]);
-        o[t * ldo] = add ? o[t * ldo] + r : r;
-    }
-}
-
-#define K4_ROWC(C, o, ldo, wr, a, nb, add) k45_row(C, 0, o, ldo, wr, a, nb, add, wr)
-#define K5_ROWC(C, o, ldo, wr, a, nb, add) k45_row(C, 1, o, ldo, wr, a, nb, add, wr)
-QX_GEMM_ROWS(k5, CYLLM_QA_Q8_K, QK_K, K5_ROWC)
+QX_LANES_ROW(k45_row, k45_group, -1)
+#define K4_ROW(C, o, ldo, w0, a, nb, add, pfp) k45_row(C, 0, o, ldo, w0, a, nb, add, pfp)
+#define K5_ROW(C, o, ldo, w0, a, nb, add, pfp) k45_row(C, 1, o, ldo, w0, a, nb, add, pfp)
+QX_ROW_ENTRIES(k5, CYLLM_QA_Q8_K, QK_K, K5_ROW)
 #if QX_VNNI < 2
-QX_GEMM_ROWS(k4, CYLLM_QA_Q8_K, QK_K, K4_ROWC)
-#endif
-
-#define K45_RANGE(F, FIVE)                                                                        \
-static void F##_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a, int64_t n, \
-                      int64_t r0, int64_t r1, int add, const qx_pf *pf) {                      \
-    for (int64_t r = r0; r < r1; r++)                                                           \
-        k45_row(1, FIVE, o + (r - r0), 0, w + r * rb, a, n / QK_K, add, pf_base(w + r * rb, pf)); \
-}
-K45_RANGE(k5, 1)
-QX_DECODE(k5, CYLLM_QA_Q8_K)
-#if QX_VNNI < 2
-K45_RANGE(k4, 0)
-QX_DECODE(k4, CYLLM_QA_Q8_K)
+QX_ROW_ENTRIES(k4, CYLLM_QA_Q8_K, QK_K, K4_ROW)
 #endif
 
 /* ---- q6_k: exact superblock totals --------------------------------------------------------
@@ -1101,8 +1080,9 @@ ALWAYS void k6_parts(const int C, const uint8_t *p, const cyllm_qact_view *a, in
 }
 
 /* superblocks b0 .. b0+m-1 (m <= 8) of one row into the chains' accumulators of C tokens */
-ALWAYS void k6_group(const int C, const int m, __m256 *A, const uint8_t *w0, const cyllm_qact_view *a, int64_t b0,
-                     const uint8_t *pfp) {
+ALWAYS void k6_group(const int C, const int kind, const int m, __m256 *A, __m256 *B, const uint8_t *w0,
+                     const cyllm_qact_view *a, int64_t b0, const uint8_t *pfp) {
+    (void)kind, (void)B;                    /* one format, one chain */
     __m256i li[QX_RC][8];
     __m128i dd[8];
     _Pragma("GCC unroll 1")
@@ -1121,35 +1101,12 @@ ALWAYS void k6_group(const int C, const int m, __m256 *A, const uint8_t *w0, con
             dd[i] = _mm_setzero_si128();
         }
     }
-    const __m256 d = h8x8(dd);
-    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    _Pragma("GCC unroll 4")
-    for (int t = 0; t < C; t++) {
-        const __m256 dx = m == 8 ? _mm256_loadu_ps(a[t].d + b0) : _mm256_maskload_ps(a[t].d + b0, live);
-        A[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8i_x8(li[t])), _mm256_mul_ps(d, dx), A[t]);
-    }
+    chain1(C, m, A, li, dd, a, b0);
 }
 
-ALWAYS void k6_row(const int C, float *o, int64_t ldo, const uint8_t *w0, const cyllm_qact_view *a, int64_t nb,
-                   int add, const uint8_t *pfp) {
-    __m256 A[QX_RC];
-    for (int t = 0; t < C; t++) A[t] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 8 <= nb; b += 8) k6_group(C, 8, A, w0, a, b, pfp);
-    if (b < nb) k6_group(C, (int)(nb - b), A, w0, a, b, pfp);
-    for (int t = 0; t < C; t++) {
-        const float r = hsum8(A[t]);
-        o[t * ldo] = add ? o[t * ldo] + r : r;
-    }
-}
-
-static void k6_range(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a, int64_t n,
-                     int64_t r0, int64_t r1, int add, const qx_pf *pf) {
-    for (int64_t r = r0; r < r1; r++) k6_row(1, o + (r - r0), 0, w + r * rb, a, n / QK_K, add, pf_base(w + r * rb, pf));
-}
-QX_DECODE(k6, CYLLM_QA_Q8_K)
-#define K6_ROWC(C, o, ldo, wr, a, nb, add) k6_row(C, o, ldo, wr, a, nb, add, wr)
-QX_GEMM_ROWS(k6, CYLLM_QA_Q8_K, QK_K, K6_ROWC)
+QX_LANES_ROW(k6_row, k6_group, 0)
+#define K6_ROW(C, o, ldo, w0, a, nb, add, pfp) k6_row(C, 0, o, ldo, w0, a, nb, add, pfp)
+QX_ROW_ENTRIES(k6, CYLLM_QA_Q8_K, QK_K, K6_ROW)
 #endif
 
 #if QX_VNNI < 2
