@@ -267,8 +267,8 @@ ALWAYS void chain1(const int C, const int m, __m256 *A, __m256i v[][8], const __
         A[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8i_x8(v[t])), _mm256_mul_ps(d, dx8(&a[t], b0, m)), A[t]);
 }
 
-/* Prefill with 8 tokens in a ymm's lanes (q8_0 and the K-quants below 512 bits, the nibble
- * formats below 512 bits): up to QX_LTOKENS tokens transposed at a time (PFX##_xprep), QX_LR
+/* Prefill with 8 tokens in a ymm's lanes (q8_0, q5_0, q5_1 and the K-quants below 512
+ * bits): up to QX_LTOKENS tokens transposed at a time (PFX##_xprep), QX_LR
  * rows unpacked at a time (PFX##_wprep) and run against every block of 8 tokens
  * (PFX##_tile). The body of a GEMM entry (its parameters: out, ldo, w, rb, xq, xs, T, n, r0,
  * r1, add). The buffers are malloc'd per call and thread; without them, or with fewer than
