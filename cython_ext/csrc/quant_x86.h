@@ -183,9 +183,9 @@ static void QF(gate_up_##F)(float *out, const uint8_t *wg, const uint8_t *wu, in
     }                                                                                         \
 }
 
-/* Row kernels that compute exact block totals (q8_0 below 512 bits, the K-quants) serve
- * prefills too short for their tiles: a row against up to QX_RC tokens per load and
- * unpacking of the row, with the tiles' bits. ROW(C, o, ldo, w0, a, nb, add, pfp) runs one
+/* Row kernels that compute exact block totals (q8_0, q5_0, q5_1 and the K-quants below 512
+ * bits, q5_k everywhere) serve prefills too short for their tiles: a row against up to QX_RC
+ * tokens per load and unpacking of the row, with the tiles' bits. ROW(C, o, ldo, w0, a, nb, add, pfp) runs one
  * row against C tokens; F##_gemm_rows is the GEMM of those rows. */
 #define QX_RC 4
 #define QX_GEMM_ROWS(F, ACT, BLK, ROW)                                                           \
@@ -200,10 +200,10 @@ static void F##_gemm_rows(float *out, int64_t ldo, const uint8_t *w, int64_t rb,
             float *o = out + t0 * ldo + r;                                                      \
             const uint8_t *wr = w + r * rb;                                                     \
             switch (C) {                                                                        \
-            case 4: ROW(4, o, ldo, wr, a, nb, add, wr); break;                                      \
-            case 3: ROW(3, o, ldo, wr, a, nb, add, wr); break;                                      \
-            case 2: ROW(2, o, ldo, wr, a, nb, add, wr); break;                                      \
-            default: ROW(1, o, ldo, wr, a, nb, add, wr); break;                                     \
+            case 4: ROW(4, o, ldo, wr, a, nb, add, wr); break;                                  \
+            case 3: ROW(3, o, ldo, wr, a, nb, add, wr); break;                                  \
+            case 2: ROW(2, o, ldo, wr, a, nb, add, wr); break;                                  \
+            default: ROW(1, o, ldo, wr, a, nb, add, wr); break;                                 \
             }                                                                                   \
         }                                                                                       \
     }                                                                                           \
@@ -245,6 +245,12 @@ ALWAYS __m256 h8x8(const __m128i h[8]) {
     const __m128i h01 = _mm_unpacklo_epi16(h[0], h[1]), h23 = _mm_unpacklo_epi16(h[2], h[3]);
     const __m128i h45 = _mm_unpacklo_epi16(h[4], h[5]), h67 = _mm_unpacklo_epi16(h[6], h[7]);
     return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_unpacklo_epi32(h01, h23), _mm_unpacklo_epi32(h45, h67)));
+}
+
+/* token j of `lanes` tokens into lines of x transposed: elements 4g..4g+3 of token j go to
+ * q + 4 (lanes g + j), so one line holds 4 elements of every token */
+static void xpose_lines(uint8_t *q, const int8_t *x, int64_t n, int lanes, int j) {
+    for (int64_t g = 0; g < n / 4; g++) memcpy(q + 4 * (lanes * g + j), x + 4 * g, 4);
 }
 
 /* live lanes of a group of m <= 8 blocks */
@@ -563,7 +569,7 @@ static void k8t_xprep(k8t_x *x, const void *xq, int64_t xs, int64_t t, int nt, i
     }
     for (int j = 0; j < nt; j++) {
         const cyllm_qact_view a = cyllm_qact_split((const char *)xq + (t + j) * xs, n, CYLLM_QA_Q8_0);
-        for (int64_t g = 0; g < n / 4; g++) memcpy(x->q + 32 * g + 4 * j, a.q + 4 * g, 4);
+        xpose_lines(x->q, a.q, n, 8, j);
         for (int64_t b = 0; b < nb; b++) x->dx[8 * b + j] = a.d[b];
     }
 }
@@ -753,7 +759,7 @@ static void k32_xprep(k32_x *x, const void *xq, int64_t xs, int64_t t, int nt, i
     if (nt < 8) memset(x->q, 0, k32_x_bytes(n));
     for (int j = 0; j < nt; j++) {
         const cyllm_qact_view a = cyllm_qact_split((const char *)xq + (t + j) * xs, n, CYLLM_QA_Q8_0);
-        for (int64_t g = 0; g < n / 4; g++) memcpy(x->q + 32 * g + 4 * j, a.q + 4 * g, 4);
+        xpose_lines(x->q, a.q, n, 8, j);
         for (int64_t b = 0; b < nb; b++) {
             x->sum[8 * b + j] = a.sum[b];
             x->sumf[8 * b + j] = (float)a.sum[b];
@@ -766,7 +772,7 @@ static void k32_xprep(k32_x *x, const void *xq, int64_t xs, int64_t t, int nt, i
 static void k32_wprep(const int kind, k32_w *p, const uint8_t *w, int64_t rb, int64_t r, int nr, int64_t n) {
     const int64_t nb = n / 32;
     const int bb = k32_bytes(kind);
-    memset(p->q, 0, k32_w_bytes(n));
+    if (nr < QX_LR) memset(p->q, 0, k32_w_bytes(n));    /* rows past the end: zeros */
     for (int i = 0; i < nr; i++) {
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = w + (r + i) * rb + b * bb;
@@ -1169,7 +1175,7 @@ static void ky_xprep(ky_x *x, const void *xq, int64_t xs, int64_t t, int nt, int
     if (nt < 8) memset(x->q, 0, ky_x_bytes(n));
     for (int j = 0; j < nt; j++) {
         const cyllm_qact_view a = cyllm_qact_split((const char *)xq + (t + j) * xs, n, CYLLM_QA_Q8_K);
-        for (int64_t g = 0; g < n / 4; g++) memcpy(x->q + 32 * g + 4 * j, a.q + 4 * g, 4);
+        xpose_lines(x->q, a.q, n, 8, j);
         for (int64_t b = 0; b < nb; b++) {
             int32_t pr[4];
             x_sum_pairs(&a, b, pr);
@@ -1184,7 +1190,7 @@ static void ky_xprep(ky_x *x, const void *xq, int64_t xs, int64_t t, int nt, int
 static void ky_wprep(const int kind, ky_w *p, const uint8_t *w, int64_t rb, int64_t r, int nr, int64_t n) {
     const int64_t nb = n / QK_K;
     const int bb = kind == 2 ? QB_Q6_K : kind == 1 ? QB_Q5_K : QB_Q4_K;
-    memset(p->q, 0, ky_w_bytes(n));
+    if (nr < QX_LR) memset(p->q, 0, ky_w_bytes(n));     /* rows past the end: zeros */
     for (int i = 0; i < nr; i++) {
         for (int64_t b = 0; b < nb; b++) {
             int16_t *sc = p->sc + (i * nb + b) * 16;
@@ -1866,7 +1872,7 @@ static void k5t_xprep(k5t_x *x, const void *xq, int64_t xs, int64_t t, int nt, i
     memset(x->dx, 0, (size_t)nb * 64);
     for (int j = 0; j < nt; j++) {
         const cyllm_qact_view a = cyllm_qact_split((const char *)xq + (t + j) * xs, n, CYLLM_QA_Q8_K);
-        for (int64_t g = 0; g < n / 4; g++) memcpy(x->q + 64 * g + 4 * j, a.q + 4 * g, 4);
+        xpose_lines(x->q, a.q, n, 16, j);
         for (int64_t b = 0; b < nb; b++) {
             int32_t pr[4];
             x_sum_pairs(&a, b, pr);
@@ -2089,9 +2095,11 @@ static inline void deq16_rows_x86(int fmt, uint16_t *out, const uint8_t *w, int6
 }
 
 /* ---- per-format entry points ---------------------------------------------------------
- * one_##F(C, o, ldo, w0, a, nb, add, pf) runs one row against C activations; RANGE_F runs
- * rows [r0, r1) of one activation (decode); the GEMM runs tokens in blocks of QX_TB (their
- * activations stay in L1/L2 while the thread's rows stream past), QX_C tokens per call. */
+ * The nibble formats' row kernels (QX_NIB_FORMAT): one_##F(C, o, ldo, w0, a, nb, add, pf)
+ * runs one row against C activations; range_##F runs rows [r0, r1) of one activation
+ * (decode); the GEMM runs tokens in blocks of QX_TB (their activations stay in L1/L2 while
+ * the thread's rows stream past), QX_C tokens per call. They serve q4_0 and q4_1 below 512
+ * bits, and every nibble format's rows too long for the zmm kernels' prepared activations. */
 
 /* the f16 panels and f32 rows of one format (deq16_##F, deq32_##F) */
 #define QX_DEQ(F, FMT)                                                                          \
@@ -2103,41 +2111,41 @@ static void QF(deq32_##F)(float *out, const uint8_t *w, int64_t rb, int64_t r, i
     cyllm_qdequant_row_f32_generic(FMT, out, w + r * rb, n);                                  \
 }
 
-#define QX_FORMAT(F, FMT, ACT, BLK, KIND, CALL)                                                 \
+#define QX_NIB_FORMAT(F, FMT, KIND)                                                             \
 ALWAYS void one_##F(const int C, float *o, int64_t ldo, const uint8_t *w0,                  \
                     const cyllm_qact_view *a, int64_t nb, int add, const uint8_t *pfp) {       \
-    CALL;                                                                                     \
+    rows32(C, KIND, o, ldo, w0, a, nb, add, pfp);                                              \
 }                                                                                             \
-/* rows [r0, r1) of one activation; xps: its prepared pairs (nibble formats, KIND >= 0) */    \
+/* rows [r0, r1) of one activation; xps: its prepared pairs (NULL: rows too long for them) */ \
 static void range_##F(float *o, const uint8_t *w, int64_t rb, const cyllm_qact_view *a,     \
                       const qx_xpair *xps, int64_t n, int64_t r0, int64_t r1, int add,        \
                       const qx_pf *pf) {                                                      \
     for (int64_t r = r0; r < r1; r++) {                                                       \
-        if (KIND >= 0 && xps)                                                                 \
-            rows32p(KIND < 0 ? 0 : KIND, o + (r - r0), w + r * rb, xps, n / BLK, add,        \
+        if (xps)                                                                 \
+            rows32p(KIND, o + (r - r0), w + r * rb, xps, n / 32, add,        \
                     pf_base(w + r * rb, pf));                                                 \
         else                                                                                  \
-            one_##F(1, o + (r - r0), 0, w + r * rb, a, n / BLK, add, pf_base(w + r * rb, pf)); \
+            one_##F(1, o + (r - r0), 0, w + r * rb, a, n / 32, add, pf_base(w + r * rb, pf)); \
     }                                                                                         \
 }                                                                                             \
 static void QF(matvec_##F)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n, \
                            int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) {   \
-    cyllm_qact_view a = cyllm_qact_split(xq, n, ACT);                                         \
+    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);                                         \
     qx_pf pf = {w + r1 * rb, nx, nxb, cyllm_qpf_bytes};                                       \
-    qx_xpair xps[KIND >= 0 ? QX_XPAIRS : 1];                                                  \
-    const int prep = KIND >= 0 && (n / BLK + 1) / 2 <= QX_XPAIRS;                             \
-    if (prep) qx_xprep(KIND < 0 ? 0 : KIND, xps, &a, n / BLK);                                \
+    qx_xpair xps[QX_XPAIRS];                                                  \
+    const int prep = (n / 32 + 1) / 2 <= QX_XPAIRS;                             \
+    if (prep) qx_xprep(KIND, xps, &a, n / 32);                                \
     range_##F(out + r0, w, rb, &a, prep ? xps : NULL, n, r0, r1, add, &pf);                   \
 }                                                                                             \
 static void QF(gate_up_##F)(float *out, const uint8_t *wg, const uint8_t *wu, int64_t rb,   \
                             const void *xq, int64_t n, int64_t r0, int64_t r1, int act,      \
                             const void *nx, int64_t nxb) {                                    \
-    cyllm_qact_view a = cyllm_qact_split(xq, n, ACT);                                         \
+    cyllm_qact_view a = cyllm_qact_split(xq, n, CYLLM_QA_Q8_0);                                         \
     qx_pf pg = {wg + r1 * rb, 0, 0, cyllm_qpf_bytes};                                         \
     qx_pf pu = {wu + r1 * rb, nx, nxb, cyllm_qpf_bytes};                                      \
-    qx_xpair xps[KIND >= 0 ? QX_XPAIRS : 1];                                                  \
-    const int prep = KIND >= 0 && (n / BLK + 1) / 2 <= QX_XPAIRS;                             \
-    if (prep) qx_xprep(KIND < 0 ? 0 : KIND, xps, &a, n / BLK);                                \
+    qx_xpair xps[QX_XPAIRS];                                                  \
+    const int prep = (n / 32 + 1) / 2 <= QX_XPAIRS;                             \
+    if (prep) qx_xprep(KIND, xps, &a, n / 32);                                \
     float g[16], u[16];                                                                       \
     for (int64_t r = r0; r < r1; r += 16) {                                                   \
         int64_t e = r + 16 < r1 ? r + 16 : r1;                                                \
@@ -2149,24 +2157,24 @@ static void QF(gate_up_##F)(float *out, const uint8_t *wg, const uint8_t *wu, in
 static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq, \
                          int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) { \
     cyllm_qact_view a[QX_TB];                                                                 \
-    const int64_t np = (n / BLK + 1) / 2;                                                     \
-    if (KIND >= 0 && np <= QX_XPAIRS) {                                                       \
+    const int64_t np = (n / 32 + 1) / 2;                                                     \
+    if (np <= QX_XPAIRS) {                                                       \
         /* nibble formats: QX_C tokens' pairs prepared once, then every row of the range */   \
-        qx_xpair xps[KIND >= 0 ? QX_C * QX_XPAIRS : 1];                                       \
+        qx_xpair xps[QX_C * QX_XPAIRS];                                       \
         for (int64_t t0 = 0; t0 < T; t0 += QX_C) {                                            \
             const int64_t tn = T - t0 < QX_C ? T - t0 : QX_C;                                 \
             for (int64_t t = 0; t < tn; t++) {                                                \
-                cyllm_qact_view v = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, ACT); \
-                qx_xprep(KIND < 0 ? 0 : KIND, xps + t * np, &v, n / BLK);                     \
+                cyllm_qact_view v = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_0); \
+                qx_xprep(KIND, xps + t * np, &v, n / 32);                     \
             }                                                                                 \
             for (int64_t r = r0; r < r1; r++) {                                               \
                 float *o = out + t0 * ldo + r;                                                \
                 if (tn == QX_C)                                                               \
-                    rows32pc(QX_C, KIND < 0 ? 0 : KIND, o, ldo, w + r * rb, xps, np, n / BLK, add); \
+                    rows32pc(QX_C, KIND, o, ldo, w + r * rb, xps, np, n / 32, add); \
                 else                                                                          \
                     for (int64_t t = 0; t < tn; t++)                                          \
-                        rows32pc(1, KIND < 0 ? 0 : KIND, o + t * ldo, ldo, w + r * rb, xps + t * np, np, \
-                                 n / BLK, add);                                               \
+                        rows32pc(1, KIND, o + t * ldo, ldo, w + r * rb, xps + t * np, np, \
+                                 n / 32, add);                                               \
             }                                                                                 \
         }                                                                                     \
         return;                                                                               \
@@ -2174,26 +2182,26 @@ static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
     for (int64_t t0 = 0; t0 < T; t0 += QX_TB) {                                               \
         const int64_t tn = T - t0 < QX_TB ? T - t0 : QX_TB;                                   \
         for (int64_t t = 0; t < tn; t++)                                                      \
-            a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, ACT);                \
+            a[t] = cyllm_qact_split((const char *)xq + (t0 + t) * xs, n, CYLLM_QA_Q8_0);                \
         for (int64_t r = r0; r < r1; r++) {                                                   \
             const uint8_t *wr = w + r * rb;                                                   \
             float *o = out + t0 * ldo + r;                                                    \
             int64_t t = 0;                                                                    \
             for (; t + QX_C <= tn; t += QX_C)                                                 \
-                one_##F(QX_C, o + t * ldo, ldo, wr, a + t, n / BLK, add, wr);                 \
+                one_##F(QX_C, o + t * ldo, ldo, wr, a + t, n / 32, add, wr);                 \
             for (; t < tn; t++)                                                               \
-                one_##F(1, o + t * ldo, ldo, wr, a + t, n / BLK, add, wr);                    \
+                one_##F(1, o + t * ldo, ldo, wr, a + t, n / 32, add, wr);                    \
         }                                                                                     \
     }                                                                                         \
 }                                                                                             \
 QX_DEQ(F, FMT)
 
 QX_DEQ(q8_0, CYLLM_QF_Q8_0)
-QX_FORMAT(q4_0, CYLLM_QF_Q4_0, CYLLM_QA_Q8_0, 32, 0, rows32(C, 0, o, ldo, w0, a, nb, add, pfp))
-QX_FORMAT(q4_1, CYLLM_QF_Q4_1, CYLLM_QA_Q8_0, 32, 1, rows32(C, 1, o, ldo, w0, a, nb, add, pfp))
+QX_NIB_FORMAT(q4_0, CYLLM_QF_Q4_0, 0)
+QX_NIB_FORMAT(q4_1, CYLLM_QF_Q4_1, 1)
 #if QX_VNNI == 2            /* the zmm nibble kernels' rows past their prepared activations */
-QX_FORMAT(q5_0, CYLLM_QF_Q5_0, CYLLM_QA_Q8_0, 32, 2, rows32(C, 2, o, ldo, w0, a, nb, add, pfp))
-QX_FORMAT(q5_1, CYLLM_QF_Q5_1, CYLLM_QA_Q8_0, 32, 3, rows32(C, 3, o, ldo, w0, a, nb, add, pfp))
+QX_NIB_FORMAT(q5_0, CYLLM_QF_Q5_0, 2)
+QX_NIB_FORMAT(q5_1, CYLLM_QF_Q5_1, 3)
 #else
 QX_DEQ(q5_0, CYLLM_QF_Q5_0)
 QX_DEQ(q5_1, CYLLM_QF_Q5_1)
@@ -2391,7 +2399,7 @@ ALWAYS void zn_gemm(const int R, const int CG, const int kind, qz_xquad *xp, flo
 }
 
 /* decode and prefill of a nibble format; rows of more than QZ_QUADS quads take the ymm
- * kernels (QX_FORMAT's) in decode and prefill alike */
+ * kernels (QX_NIB_FORMAT's) in decode and prefill alike */
 #define QZN_FORMAT(F, KIND)                                                                     \
 static void QF(matvec_##F##z)(float *out, const uint8_t *w, int64_t rb, const void *xq, int64_t n, \
                               int64_t r0, int64_t r1, int add, const void *nx, int64_t nxb) { \
