@@ -15,8 +15,7 @@ from libc.stdint cimport uintptr_t
 
 cdef extern from "csrc/quant.h" nogil:
     enum:
-        CYLLM_QF_COUNT, CYLLM_QF_Q8_0, CYLLM_QF_Q4_0, CYLLM_QF_Q4_1, CYLLM_QF_Q4_K, CYLLM_QF_Q4_K_R16
-        CYLLM_QF_Q4_0_R16, CYLLM_QF_Q8_0_R16, CYLLM_QF_Q4_1_R16, CYLLM_R16
+        CYLLM_QF_COUNT, CYLLM_R16
         CYLLM_QA_Q8_0, CYLLM_QA_Q8_K
         CYLLM_QCPU_AVX2, CYLLM_QCPU_AVXVNNI, CYLLM_QCPU_AVX512VNNI
     int cyllm_qf_is_r16(int fmt) noexcept
@@ -49,9 +48,9 @@ cdef extern from "csrc/quant.h" nogil:
     const cyllm_qkernels *cyllm_qkernels_for_variant(const char *variant) noexcept
     int64_t cyllm_qpf_bytes
     void cyllm_quantize_row(int fmt, uint8_t *out, const float *x, int64_t n) noexcept nogil
-    void cyllm_q4k_r16_repack(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t g0, int64_t g1) noexcept nogil
-    void cyllm_b32_r16_repack(int fmt, uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t g0,
-                              int64_t g1) noexcept nogil
+    int cyllm_r16_layout(int fmt) noexcept
+    void cyllm_r16_repack(int fmt, uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t g0,
+                          int64_t g1) noexcept nogil
     void cyllm_qglu(float *out, const float *g, const float *u, int64_t r0, int64_t r1,
                     int act) noexcept nogil
 
@@ -178,22 +177,13 @@ cdef inline cnp.ndarray _qweights(object w, str name, int fmt, Py_ssize_t *cols)
 
 
 def repack_r16(out, w, fmt, threads=1):
-    """out (rows, row_bytes) uint8 = the q4_k, q4_0, q8_0 or q4_1 (fmt) matrix w (the same shape, rows
-    a multiple of 16) with its rows interleaved by 16 (the r16 layouts of csrc/quant.h: the same
-    bytes, reordered); groups of rows split over `threads`."""
+    """out (rows, row_bytes) uint8 = the q4_k, q4_0, q8_0, q4_1 or q6_k (fmt) matrix w (the same
+    shape, rows a multiple of 16) with its rows interleaved by 16 (the r16 layouts of csrc/quant.h:
+    the same bytes, reordered); groups of rows split over `threads`."""
     cdef int f = _qfmt(fmt)
-    cdef int k = 1 if f == CYLLM_QF_Q4_K else 0
-    cdef int lay
-    if f == CYLLM_QF_Q4_K:
-        lay = CYLLM_QF_Q4_K_R16
-    elif f == CYLLM_QF_Q4_0:
-        lay = CYLLM_QF_Q4_0_R16
-    elif f == CYLLM_QF_Q8_0:
-        lay = CYLLM_QF_Q8_0_R16
-    elif f == CYLLM_QF_Q4_1:
-        lay = CYLLM_QF_Q4_1_R16
-    else:
-        raise InvalidArgumentError(f"repack_r16: q4_k, q4_0, q8_0 or q4_1 only, got {fmt!r}")
+    cdef int lay = cyllm_r16_layout(f)
+    if lay < 0:
+        raise InvalidArgumentError(f"repack_r16: q4_k, q4_0, q8_0, q4_1 or q6_k only, got {fmt!r}")
     cdef Py_ssize_t n, n2
     cdef cnp.ndarray aw = _qweights(w, "w", f, &n)
     if not cnp.PyArray_Check(out) or not cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out):
@@ -210,16 +200,10 @@ def repack_r16(out, w, fmt, threads=1):
     cdef const uint8_t *pw = <const uint8_t *>cnp.PyArray_DATA(aw)
     with nogil:
         if nt <= 1 or groups < 2:
-            if k:
-                cyllm_q4k_r16_repack(po, pw, rb, 0, groups)
-            else:
-                cyllm_b32_r16_repack(f, po, pw, rb, 0, groups)
+            cyllm_r16_repack(f, po, pw, rb, 0, groups)
         else:
             for g in prange(groups, num_threads=nt, schedule="static"):
-                if k:
-                    cyllm_q4k_r16_repack(po, pw, rb, g, g + 1)
-                else:
-                    cyllm_b32_r16_repack(f, po, pw, rb, g, g + 1)
+                cyllm_r16_repack(f, po, pw, rb, g, g + 1)
 
 
 def quantize_rows(out, x, fmt, threads=1):

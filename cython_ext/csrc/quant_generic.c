@@ -27,6 +27,7 @@ static const cyllm_qformat_info INFO[CYLLM_QF_COUNT] = {
     {"q4_0_r16", -1, 32, QB_Q4_0, CYLLM_QA_Q8_0},
     {"q8_0_r16", -1, 32, QB_Q8_0, CYLLM_QA_Q8_0},
     {"q4_1_r16", -1, 32, QB_Q4_1, CYLLM_QA_Q8_0},
+    {"q6_k_r16", -1, QK_K, QB_Q6_K, CYLLM_QA_Q8_K},
 };
 
 const cyllm_qformat_info *cyllm_qformat(int fmt) {
@@ -330,6 +331,37 @@ void cyllm_q4k_r16_gather(uint8_t *out, const uint8_t *w, int64_t rb, int64_t r,
     for (int c = 0; c < 32; c++) memcpy(out + 16 + 4 * c, p + 256 + 64 * c + 4 * i, 4);
 }
 
+/* ---- q6_k with rows interleaved by 16 (quant.h) --------------------------------------- */
+
+/* the file's q6_k block: ql[128], qh[64], scales[16], d. Its 48 chunks of 4 bytes (ql's 32,
+ * then qh's 16) -> their place among the 48 chunks of 64 bytes of an r16 superblock: ql chunk
+ * c is step 8 (c / 16) + c % 8, slot (c / 8) % 2; qh chunk c step c, slot 2 (quant.h) */
+static int q6k_r16_chunk(int c) {
+    return c < 32 ? 3 * (8 * (c / 16) + c % 8) + (c / 8) % 2 : 3 * (c - 32) + 2;
+}
+
+void cyllm_q6k_r16_repack(uint8_t *dst, const uint8_t *src, int64_t rb, int64_t g0, int64_t g1) {
+    const int64_t nb = rb / QB_Q6_K;
+    for (int64_t g = g0; g < g1; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = dst + g * CYLLM_R16 * rb + b * CYLLM_R16_SB6;
+            for (int i = 0; i < CYLLM_R16; i++) {
+                const uint8_t *s = src + (g * CYLLM_R16 + i) * rb + b * QB_Q6_K;
+                for (int c = 0; c < 48; c++) memcpy(o + 64 * q6k_r16_chunk(c) + 4 * i, s + 4 * c, 4);
+                memcpy(o + CYLLM_R16_Q6_D + 2 * i, s + 208, 2);
+                for (int k = 0; k < 16; k++) o[CYLLM_R16_Q6_SC + 16 * k + i] = s[192 + k];
+            }
+        }
+}
+
+void cyllm_q6k_r16_gather(uint8_t *out, const uint8_t *w, int64_t rb, int64_t r, int64_t b) {
+    const uint8_t *p = w + (r / CYLLM_R16) * CYLLM_R16 * rb + b * CYLLM_R16_SB6;
+    const int i = (int)(r % CYLLM_R16);
+    for (int c = 0; c < 48; c++) memcpy(out + 4 * c, p + 64 * q6k_r16_chunk(c) + 4 * i, 4);
+    for (int k = 0; k < 16; k++) out[192 + k] = p[CYLLM_R16_Q6_SC + 16 * k + i];
+    memcpy(out + 208, p + CYLLM_R16_Q6_D + 2 * i, 2);
+}
+
 /* ---- q4_0, q8_0 and q4_1 with rows interleaved by 16 (quant.h) --------------------- */
 
 /* a 32-element block's quant bytes come in 4-byte chunks: 4 (q4_0, q4_1) or 8 (q8_0), after
@@ -359,18 +391,36 @@ void cyllm_b32_r16_gather(int fmt, uint8_t *out, const uint8_t *w, int64_t rb, i
     for (int c = 0; c < nc; c++) memcpy(out + 2 * nf + 4 * c, p + 32 * nf + 64 * c + 4 * i, 4);
 }
 
+int cyllm_r16_layout(int fmt) {
+    switch (fmt) {
+    case CYLLM_QF_Q4_K: return CYLLM_QF_Q4_K_R16;
+    case CYLLM_QF_Q4_0: return CYLLM_QF_Q4_0_R16;
+    case CYLLM_QF_Q8_0: return CYLLM_QF_Q8_0_R16;
+    case CYLLM_QF_Q4_1: return CYLLM_QF_Q4_1_R16;
+    case CYLLM_QF_Q6_K: return CYLLM_QF_Q6_K_R16;
+    default: return -1;
+    }
+}
+
+void cyllm_r16_repack(int fmt, uint8_t *dst, const uint8_t *src, int64_t rb, int64_t g0, int64_t g1) {
+    if (fmt == CYLLM_QF_Q4_K) cyllm_q4k_r16_repack(dst, src, rb, g0, g1);
+    else if (fmt == CYLLM_QF_Q6_K) cyllm_q6k_r16_repack(dst, src, rb, g0, g1);
+    else cyllm_b32_r16_repack(fmt, dst, src, rb, g0, g1);
+}
+
 /* ---- the r16 layouts' portable entries (every table's but the AVX512-VNNI one's, which has
  * its own kernels; the backend repacks only for that one) ----------------------------- */
 
 /* block b of row r back to the file's bytes (out: one block of the file format fmt) */
 static void r16_gather(int fmt, uint8_t *out, const uint8_t *w, int64_t rb, int64_t r, int64_t b) {
     if (fmt == CYLLM_QF_Q4_K) cyllm_q4k_r16_gather(out, w, rb, r, b);
+    else if (fmt == CYLLM_QF_Q6_K) cyllm_q6k_r16_gather(out, w, rb, r, b);
     else cyllm_b32_r16_gather(fmt, out, w, rb, r, b);
 }
 
 /* a row's dot product: each block gathered back, then the file format's own dot (its bits) */
 static float dot_r16(int fmt, const uint8_t *w, int64_t rb, int64_t r, const cyllm_qact_view *a, int64_t nb) {
-    uint8_t blk[QB_Q4_K];                   /* the largest block of the four formats */
+    uint8_t blk[QB_Q6_K];                   /* the largest block of the five formats */
     const int blen = INFO[fmt].block;
     float s = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
@@ -378,19 +428,20 @@ static float dot_r16(int fmt, const uint8_t *w, int64_t rb, int64_t r, const cyl
         cyllm_qact_view ab = *a;
         ab.q += b * blen;
         ab.d += b;
-        if (fmt == CYLLM_QF_Q4_K) ab.bsum += 16 * b;
+        if (blen == QK_K) ab.bsum += 16 * b;
         else ab.sum += b;
-        s += fmt == CYLLM_QF_Q4_K ? dot_q4_k(blk, &ab, 1) : fmt == CYLLM_QF_Q8_0 ? dot_q8_0(blk, &ab, 1)
+        s += fmt == CYLLM_QF_Q4_K ? dot_q4_k(blk, &ab, 1) : fmt == CYLLM_QF_Q6_K ? dot_q6_k(blk, &ab, 1)
+           : fmt == CYLLM_QF_Q8_0 ? dot_q8_0(blk, &ab, 1)
            : fmt == CYLLM_QF_Q4_1 ? dot_q4_1(blk, &ab, 1) : dot_q4_0(blk, &ab, 1);
     }
     return s;
 }
 
-/* the five entries of the r16 layout of file format FMT (F: q4k, q40, q80, q41) */
+/* the five entries of the r16 layout of file format FMT (F: q4k, q40, q80, q41, q6k) */
 #define R16_FUNCS(F, FMT)                                                                       \
 void cyllm_##F##_r16_deq16(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n, int64_t r0, int64_t r1) { \
     const int blen = INFO[FMT].block;                                                         \
-    uint8_t blk[QB_Q4_K];                                                                     \
+    uint8_t blk[QB_Q6_K];                                                                     \
     float y[QK_K];                                                                            \
     for (int64_t r = r0; r < r1; r++)                                                         \
         for (int64_t b = 0; b < n / blen; b++) {                                              \
@@ -401,7 +452,7 @@ void cyllm_##F##_r16_deq16(uint16_t *out, const uint8_t *w, int64_t rb, int64_t 
 }                                                                                             \
 void cyllm_##F##_r16_deq32(float *out, const uint8_t *w, int64_t rb, int64_t r, int64_t n) { \
     const int blen = INFO[FMT].block;                                                         \
-    uint8_t blk[QB_Q4_K];                                                                     \
+    uint8_t blk[QB_Q6_K];                                                                     \
     for (int64_t b = 0; b < n / blen; b++) {                                                  \
         r16_gather(FMT, blk, w, rb, r, b);                                                    \
         dequant_block(FMT, out + b * blen, blk);                                              \
@@ -441,6 +492,7 @@ R16_FUNCS(q4k, CYLLM_QF_Q4_K)
 R16_FUNCS(q40, CYLLM_QF_Q4_0)
 R16_FUNCS(q80, CYLLM_QF_Q8_0)
 R16_FUNCS(q41, CYLLM_QF_Q4_1)
+R16_FUNCS(q6k, CYLLM_QF_Q6_K)
 
 /* ---- the table: five functions per format from its dot ----------------------------- */
 
@@ -500,5 +552,6 @@ const cyllm_qkernels cyllm_qkernels_generic = {
     quantize_act_generic,
     {QENTRY(q8_0), QENTRY(q4_0), QENTRY(q4_1), QENTRY(q5_0), QENTRY(q5_1),
      QENTRY(q4_k), QENTRY(q5_k), QENTRY(q6_k),
-     R16_ENTRY_GENERIC(q4k), R16_ENTRY_GENERIC(q40), R16_ENTRY_GENERIC(q80), R16_ENTRY_GENERIC(q41)},
+     R16_ENTRY_GENERIC(q4k), R16_ENTRY_GENERIC(q40), R16_ENTRY_GENERIC(q80), R16_ENTRY_GENERIC(q41),
+     R16_ENTRY_GENERIC(q6k)},
 };

@@ -2615,6 +2615,97 @@ ALWAYS void r16_b32_group(const int kind, const int C, float *o, int64_t ldo, co
     }
 }
 
+/* q6_k on its r16 layout. Per superblock and half h (128 elements), step l (0..7) loads its
+ * three chunks of 16 rows x 4 bytes -- ql bytes 64h + 4l (A) and 64h + 32 + 4l (B), qh bytes
+ * 32h + 4l (H) -- and makes four vectors of codes (0..63): elements 128h + 32j + 4l .. +3 of
+ * 16 rows, j = 0..3 (A's low nibbles with H's bits 0-1, B's low with bits 2-3, A's high with
+ * 4-5, B's high with 6-7). One vpdpbusd per vector and token sums 4 codes times 4 x bytes;
+ * four steps fill sub-blocks 8h + 2j + l / 4 (16 elements, exact), which take the row's int8
+ * scale (vpmulld). The -32 of every code comes from x's 16-element sums against the scales as
+ * int16 pairs (vpdpwssd). Then one FMA per superblock into the row's float accumulator: the
+ * same chain for any number of tokens and any split of rows. */
+ALWAYS void r16_q6k_group(const int C, float *o, int64_t ldo, const uint8_t *g, int64_t nb,
+                          const cyllm_qact_view *a, int add, __mmask16 keep) {
+    const __m512i m15 = _mm512_set1_epi8(15), m33 = _mm512_set1_epi8(0x33), mcc = _mm512_set1_epi8((char)0xCC);
+    __m512 acc[4];
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < C; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = g + b * CYLLM_R16_SB6;
+        __m512i isum[4];
+        _Pragma("GCC unroll 4")
+        for (int t = 0; t < C; t++) isum[t] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 2")
+        for (int h = 0; h < 2; h++) {
+            _Pragma("GCC unroll 2")
+            for (int hh = 0; hh < 2; hh++) {        /* steps l = 4hh .. 4hh + 3 */
+                __m512i D[4][4];                    /* token t, vector j: a sub-block's sums */
+                _Pragma("GCC unroll 4")
+                for (int t = 0; t < C; t++) {
+                    _Pragma("GCC unroll 4")
+                    for (int j = 0; j < 4; j++) D[t][j] = _mm512_setzero_si512();
+                }
+                _Pragma("GCC unroll 4")
+                for (int l = 4 * hh; l < 4 * hh + 4; l++) {
+                    const uint8_t *st = p + 192 * (8 * h + l);
+                    const __m512i A = _mm512_loadu_si512((const void *)st);
+                    const __m512i B = _mm512_loadu_si512((const void *)(st + 64));
+                    const __m512i H = _mm512_loadu_si512((const void *)(st + 128));
+                    /* code = bits 0-3 from a nibble, bits 4-7 from H's two bits moved to 4-5
+                     * with zeros above: H's pairs 0 and 2 (mask 0x33) or 1 and 3 (0xCC), so a
+                     * 16-bit shift brings nothing else into bits 4-7 (the bits it moves into
+                     * the next byte land in its nibble's place, which the select drops) */
+                    const __m512i H02 = _mm512_and_si512(H, m33), H13 = _mm512_and_si512(H, mcc);
+                    __m512i c[4];                   /* m15 ? nibble : high bits (0xE4) */
+                    c[0] = _mm512_ternarylogic_epi32(A, _mm512_slli_epi16(H02, 4), m15, 0xE4);
+                    c[1] = _mm512_ternarylogic_epi32(B, _mm512_slli_epi16(H13, 2), m15, 0xE4);
+                    c[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(A, 4), H02, m15, 0xE4);
+                    c[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(B, 4), _mm512_srli_epi16(H13, 2), m15, 0xE4);
+                    _Pragma("GCC unroll 4")
+                    for (int t = 0; t < C; t++) {
+                        const uint8_t *x = (const uint8_t *)a[t].q + b * QK_K + 128 * h + 4 * l;
+                        _Pragma("GCC unroll 4")
+                        for (int j = 0; j < 4; j++)
+                            D[t][j] = _mm512_dpbusd_epi32(D[t][j], c[j], _mm512_set1_epi32((int)cyllm_rd32(x + 32 * j)));
+                    }
+                }
+                /* |sub-block sum| <= 16 * 63 * 127, times |scale| <= 128, 16 of them: exact */
+                _Pragma("GCC unroll 4")
+                for (int j = 0; j < 4; j++) {
+                    const int k = 8 * h + 2 * j + hh;
+                    const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + CYLLM_R16_Q6_SC + 16 * k)));
+                    _Pragma("GCC unroll 4")
+                    for (int t = 0; t < C; t++) isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(D[t][j], sc));
+                }
+            }
+        }
+        __m512i sp[8];                      /* (sc_2i, sc_2i+1) of each row as an int16 pair */
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < 8; i++) {
+            const __m128i s0 = _mm_loadu_si128((const __m128i *)(p + CYLLM_R16_Q6_SC + 32 * i));
+            const __m128i s1 = _mm_loadu_si128((const __m128i *)(p + CYLLM_R16_Q6_SC + 32 * i + 16));
+            sp[i] = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(s0, s1), _mm_unpacklo_epi8(s0, s1)));
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + CYLLM_R16_Q6_D)));
+        _Pragma("GCC unroll 4")
+        for (int t = 0; t < C; t++) {
+            const int16_t *bs = a[t].bsum + 16 * b;
+            __m512i off = _mm512_setzero_si512();
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < 8; i++)
+                off = _mm512_dpwssd_epi32(off, sp[i], _mm512_set1_epi32((int)cyllm_rd32((const uint8_t *)(bs + 2 * i))));
+            const __m512i tot = _mm512_sub_epi32(isum[t], _mm512_slli_epi32(off, 5));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d, _mm512_set1_ps(a[t].d[b])), acc[t]);
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < C; t++) {
+        __m512 r = acc[t];
+        if (add) r = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, o + t * ldo), r);
+        _mm512_mask_storeu_ps(o + t * ldo, keep, r);
+    }
+}
+
 /* the three entry points of an r16 layout from its group kernel GROUP(C, o, ldo, g, nb, a, add,
  * keep): decode one group after another, gate+up group by group, and the GEMM in tiles of 4
  * tokens (the activations of R16_TB tokens split at a time) */
@@ -2661,10 +2752,12 @@ static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
 #define R16_Q40_GROUP(C, ...) r16_b32_group(0, C, __VA_ARGS__)
 #define R16_Q80_GROUP(C, ...) r16_b32_group(1, C, __VA_ARGS__)
 #define R16_Q41_GROUP(C, ...) r16_b32_group(2, C, __VA_ARGS__)
+#define R16_Q6K_GROUP(C, ...) r16_q6k_group(C, __VA_ARGS__)
 R16_ENTRIES(q4kr16, R16_Q4K_GROUP, CYLLM_QA_Q8_K, QK_K)
 R16_ENTRIES(q40r16, R16_Q40_GROUP, CYLLM_QA_Q8_0, 32)
 R16_ENTRIES(q80r16, R16_Q80_GROUP, CYLLM_QA_Q8_0, 32)
 R16_ENTRIES(q41r16, R16_Q41_GROUP, CYLLM_QA_Q8_0, 32)
+R16_ENTRIES(q6kr16, R16_Q6K_GROUP, CYLLM_QA_Q8_K, QK_K)
 #define QX_ENTRY_R16(F) {QF(matvec_##F##r16), QF(gate_up_##F##r16), QF(gemm_##F##r16), cyllm_##F##_r16_deq16, \
                          cyllm_##F##_r16_deq32}
 #else
@@ -2693,5 +2786,6 @@ const cyllm_qkernels QX_TABLE = {
     QF(quantize_act_x86_),
     {QX_ENTRY_Q8_0, QX_ENTRY_NIB(q4_0), QX_ENTRY_NIB(q4_1), QX_ENTRY_Q5(q5_0), QX_ENTRY_Q5(q5_1),
      QX_ENTRY_Q4_K, QX_ENTRY_Q5_K, QX_ENTRY_Q6_K,
-     QX_ENTRY_R16(q4k), QX_ENTRY_R16(q40), QX_ENTRY_R16(q80), QX_ENTRY_R16(q41)},
+     QX_ENTRY_R16(q4k), QX_ENTRY_R16(q40), QX_ENTRY_R16(q80), QX_ENTRY_R16(q41),
+     QX_ENTRY_R16(q6k)},
 };

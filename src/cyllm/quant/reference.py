@@ -122,8 +122,18 @@ def decode(data: np.ndarray, fmt) -> dict:
 
 def unpack_r16(data: np.ndarray, fmt, cols: int) -> np.ndarray:
     """An r16 layout (rows interleaved by 16, cython_ext/csrc/quant.h: q4_k_r16, q4_0_r16,
-    q8_0_r16, q4_1_r16) -> the file format's rows, (rows, row_bytes) uint8."""
+    q8_0_r16, q4_1_r16, q6_k_r16) -> the file format's rows, (rows, row_bytes) uint8."""
     f = _fmt(fmt)
+    if f.name == "q6_k_r16":
+        nb = cols // 256
+        g = np.ascontiguousarray(data).view(np.uint8).reshape(-1, nb, 16 * 210)  # (groups, nb, 3360)
+        c = np.arange(48)                                        # the file's 4-byte chunks: ql's 32, qh's 16
+        at = np.where(c < 32, 3 * (8 * (c // 16) + c % 8) + (c // 8) % 2, 3 * (c - 32) + 2)   # their 64-byte chunk
+        q = g[:, :, :3072].reshape(-1, nb, 48, 16, 4)[:, :, at].transpose(0, 1, 3, 2, 4).reshape(-1, nb, 16, 192)
+        d = g[:, :, 3072:3104].reshape(-1, nb, 16, 2)
+        sc = g[:, :, 3104:].reshape(-1, nb, 16, 16).transpose(0, 1, 3, 2)       # (groups, nb, row, k)
+        blocks = np.concatenate([q, sc, d], axis=3)                              # ql, qh, scales, d
+        return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(-1, nb * 210)
     if f.block == 32:
         nb, bb = cols // 32, f.block_bytes
         nf = 2 if f.name == "q4_1_r16" else 1                                    # f16 fields: d (, m)
