@@ -177,13 +177,13 @@ cdef inline cnp.ndarray _qweights(object w, str name, int fmt, Py_ssize_t *cols)
 
 
 def repack_r16(out, w, fmt, threads=1):
-    """out (rows, row_bytes) uint8 = the q4_k, q4_0, q8_0, q4_1 or q6_k (fmt) matrix w (the same
+    """out (rows, row_bytes) uint8 = the q4_k, q4_0, q8_0, q4_1, q6_k or q5_k (fmt) matrix w (the same
     shape, rows a multiple of 16) with its rows interleaved by 16 (the r16 layouts of csrc/quant.h:
     the same bytes, reordered); groups of rows split over `threads`."""
     cdef int f = _qfmt(fmt)
     cdef int lay = cyllm_r16_layout(f)
     if lay < 0:
-        raise InvalidArgumentError(f"repack_r16: q4_k, q4_0, q8_0, q4_1 or q6_k only, got {fmt!r}")
+        raise InvalidArgumentError(f"repack_r16: q4_k, q4_0, q8_0, q4_1, q6_k or q5_k only, got {fmt!r}")
     cdef Py_ssize_t n, n2
     cdef cnp.ndarray aw = _qweights(w, "w", f, &n)
     if not cnp.PyArray_Check(out) or not cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out):

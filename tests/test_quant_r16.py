@@ -1,4 +1,4 @@
-"""q4_k, q4_0, q8_0, q4_1 and q6_k with rows interleaved by 16 (the r16 layouts of
+"""q4_k, q4_0, q8_0, q4_1, q6_k and q5_k with rows interleaved by 16 (the r16 layouts of
 cython_ext/csrc/quant.h, made by the CPU backend at load where the AVX512-VNNI kernels run).
 
 The layout is checked against the NumPy reference's own reading of it (reference.unpack_r16
@@ -20,7 +20,7 @@ K = pytest.importorskip("cyllm._ext.kernels")
 VARIANTS = sorted(set(K.quant_available_variants()) | {"generic"})
 
 
-FMTS = sorted(R16_OF)          # q4_0, q4_1, q4_k, q6_k, q8_0
+FMTS = sorted(R16_OF)          # q4_0, q4_1, q4_k, q5_k, q6_k, q8_0
 
 
 def make(fmt, rows, cols, rng):
@@ -119,17 +119,45 @@ def test_prefill_gate_up_and_rows_give_decode_bits(variant, fmt):
     np.testing.assert_array_equal(h, R.dequantize(wg[14:19], fmt, cols).astype(np.float16))
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_long_prefill_gives_decode_bits(variant, fmt):
+    """Prompts long enough for the prefill tiles (q6_k: 16 tokens in a vector's lanes, a short
+    last block on the group kernel, 128 tokens transposed at a time), rows split over 1-3
+    threads, with and without add: every (row, token) is decode's."""
+    rng = np.random.default_rng(13)
+    rows, cols = 48, 768
+    lay = R16_OF[fmt].name
+    wq = make(fmt, rows, cols, rng)
+    w16 = repacked(wq, fmt)
+    for T in (30, 37, 156):
+        X = rng.standard_normal((T, cols)).astype(np.float32)
+        dec = np.zeros((T, rows), np.float32)
+        one = K.QuantKernels(threads=1, variant=variant)
+        for t in range(T):
+            one.qmatvec(dec[t], w16, lay, X[t])
+        for threads in (1, 2, 3):
+            qk = K.QuantKernels(threads=threads, variant=variant)
+            out = np.full((T, rows), np.nan, np.float32)
+            qk.qmatmul(out, w16, lay, X)
+            np.testing.assert_array_equal(out, dec, err_msg=f"{variant} {fmt} T={T} threads={threads}")
+            base = rng.standard_normal((T, rows)).astype(np.float32)
+            acc = base.copy()
+            qk.qmatmul(acc, w16, lay, X, add=True)
+            np.testing.assert_array_equal(acc, base + dec)
+
+
 def test_bad_input():
     rng = np.random.default_rng(3)
     wq = make("q4_k", 20, 256, rng)
     with pytest.raises(InvalidArgumentError, match="multiple of 16"):
         K.repack_r16(np.empty_like(wq), wq, "q4_k")
-    with pytest.raises(InvalidArgumentError, match="q4_k, q4_0, q8_0, q4_1 or q6_k"):
-        K.repack_r16(np.empty((16, 176), np.uint8), np.zeros((16, 176), np.uint8), "q5_k")
+    with pytest.raises(InvalidArgumentError, match="q4_k, q4_0, q8_0, q4_1, q6_k or q5_k"):
+        K.repack_r16(np.empty((16, 22), np.uint8), np.zeros((16, 22), np.uint8), "q5_0")
     qk = K.QuantKernels(threads=1, variant="generic")
     with pytest.raises(InvalidArgumentError, match="multiple of 16"):
         qk.qmatvec(np.zeros(20, np.float32), wq, "q4_k_r16", np.zeros(256, np.float32))
-    for lay in ("q4_k_r16", "q4_0_r16", "q8_0_r16", "q4_1_r16", "q6_k_r16"):
+    for lay in ("q4_k_r16", "q4_0_r16", "q8_0_r16", "q4_1_r16", "q6_k_r16", "q5_k_r16"):
         with pytest.raises(InvalidArgumentError, match="layouts"):
             K.quantize_rows(np.empty((16, 144), np.uint8), np.zeros((16, 256), np.float32), lay)
     with pytest.raises(ModelLoadError, match="multiple of 16"):

@@ -38,10 +38,9 @@
 extern "C" {
 #endif
 
-/* weight formats: the kernel_id of cyllm.quant.formats (KERNEL_IDS order). The last five are
- * no file's: q4_k, q4_0, q8_0, q4_1 and q6_k with rows interleaved by 16 (cyllm_q4k_r16_repack,
- * cyllm_b32_r16_repack, cyllm_q6k_r16_repack; the CPU backend makes them at load where the
- * AVX512-VNNI kernels run).
+/* weight formats: the kernel_id of cyllm.quant.formats (KERNEL_IDS order). The last six are
+ * no file's: q4_k, q4_0, q8_0, q4_1, q6_k and q5_k with rows interleaved by 16 (cyllm_r16_repack;
+ * the CPU backend makes them at load where the AVX512-VNNI kernels run).
  * q4_k_r16: per superblock b, a group of 16 rows g stores
  * 2304 bytes at w + 16 g row_bytes + 2304 b: d[16] (f16), dmin[16] (f16), scales[12][16]
  * (byte k of row i's packed scales at 64 + 16 k + i), then qs as 32 chunks of 64 bytes
@@ -50,7 +49,7 @@ extern "C" {
 enum {
     CYLLM_QF_Q8_0 = 0, CYLLM_QF_Q4_0, CYLLM_QF_Q4_1, CYLLM_QF_Q5_0, CYLLM_QF_Q5_1,
     CYLLM_QF_Q4_K, CYLLM_QF_Q5_K, CYLLM_QF_Q6_K, CYLLM_QF_Q4_K_R16, CYLLM_QF_Q4_0_R16, CYLLM_QF_Q8_0_R16,
-    CYLLM_QF_Q4_1_R16, CYLLM_QF_Q6_K_R16, CYLLM_QF_COUNT
+    CYLLM_QF_Q4_1_R16, CYLLM_QF_Q6_K_R16, CYLLM_QF_Q5_K_R16, CYLLM_QF_COUNT
 };
 /* q4_0_r16 / q8_0_r16 / q4_1_r16: the same for the 32-element blocks, per block b of a group:
  * d[16] (f16) (q4_1: then m[16]), then the quant bytes as 4 (q4_0, q4_1) or 8 (q8_0) chunks
@@ -60,6 +59,14 @@ enum {
  * rows over threads falls on multiples of 16: a group cut in two would be computed twice) */
 static inline int cyllm_qf_is_r16(int fmt) { return fmt >= CYLLM_QF_Q4_K_R16 && fmt < CYLLM_QF_COUNT; }
 #define CYLLM_R16_SB (16 * 144)         /* bytes of one superblock of a q4_k_r16 group */
+/* q5_k_r16: q4_k_r16's 256 bytes of d, dmin and scales, then q4_k_r16's 32 chunks of qs with
+ * the 8 chunks of qh (chunk l: bytes 4l..4l+3 of each row's qh, row i at 4i) after the first
+ * 8 of qs, qh chunk l after qs chunk l: the order in which the kernel first reads them (qh
+ * chunk l serves qs chunks l, 8 + l, 16 + l, 24 + l). 2816 bytes per superblock of a group. */
+#define CYLLM_R16_SB5 (16 * 176)
+/* offsets of q5_k_r16's qs chunk c and qh chunk l inside a superblock */
+static inline int cyllm_r16_q5_qs(int c) { return c < 8 ? 256 + 128 * c : 768 + 64 * c; }
+static inline int cyllm_r16_q5_qh(int l) { return 320 + 128 * l; }
 /* q6_k_r16: per superblock b, a group of 16 rows stores 3360 bytes at w + 16 g row_bytes +
  * 3360 b: 16 steps of 192 bytes, then d[16] (f16) at 3072, then scales[16][16] (row i's
  * scale k at 3104 + 16 k + i). Step s = 8 h + l (h = 0, 1: a half of 128 elements; l = 0..7)
@@ -157,9 +164,11 @@ void cyllm_q4k_r16_gather(uint8_t *out, const uint8_t *w, int64_t row_bytes, int
 /* the same two for q4_0, q8_0 and q4_1 (fmt: CYLLM_QF_Q4_0 | CYLLM_QF_Q8_0 | CYLLM_QF_Q4_1) */
 void cyllm_b32_r16_repack(int fmt, uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t g0, int64_t g1);
 void cyllm_b32_r16_gather(int fmt, uint8_t *out, const uint8_t *w, int64_t row_bytes, int64_t r, int64_t b);
-/* the same two for q6_k */
+/* the same two for q6_k, and for q5_k */
 void cyllm_q6k_r16_repack(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t g0, int64_t g1);
 void cyllm_q6k_r16_gather(uint8_t *out, const uint8_t *w, int64_t row_bytes, int64_t r, int64_t b);
+void cyllm_q5k_r16_repack(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t g0, int64_t g1);
+void cyllm_q5k_r16_gather(uint8_t *out, const uint8_t *w, int64_t row_bytes, int64_t r, int64_t b);
 /* the r16 layout of file format fmt (-1: none) and its repack (fmt must have one) */
 int cyllm_r16_layout(int fmt);
 void cyllm_r16_repack(int fmt, uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t g0, int64_t g1);

@@ -28,6 +28,7 @@ static const cyllm_qformat_info INFO[CYLLM_QF_COUNT] = {
     {"q8_0_r16", -1, 32, QB_Q8_0, CYLLM_QA_Q8_0},
     {"q4_1_r16", -1, 32, QB_Q4_1, CYLLM_QA_Q8_0},
     {"q6_k_r16", -1, QK_K, QB_Q6_K, CYLLM_QA_Q8_K},
+    {"q5_k_r16", -1, QK_K, QB_Q5_K, CYLLM_QA_Q8_K},
 };
 
 const cyllm_qformat_info *cyllm_qformat(int fmt) {
@@ -322,6 +323,33 @@ void cyllm_q4k_r16_repack(uint8_t *dst, const uint8_t *src, int64_t rb, int64_t 
         }
 }
 
+/* q5_k: q4_k's header (d, dmin, scales), then its qs and qh chunks (quant.h) */
+void cyllm_q5k_r16_repack(uint8_t *dst, const uint8_t *src, int64_t rb, int64_t g0, int64_t g1) {
+    const int64_t nb = rb / QB_Q5_K;
+    for (int64_t g = g0; g < g1; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = dst + g * CYLLM_R16 * rb + b * CYLLM_R16_SB5;
+            for (int i = 0; i < CYLLM_R16; i++) {
+                const uint8_t *s = src + (g * CYLLM_R16 + i) * rb + b * QB_Q5_K;
+                memcpy(o + 2 * i, s, 2);                               /* d */
+                memcpy(o + 32 + 2 * i, s + 2, 2);                      /* dmin */
+                for (int k = 0; k < 12; k++) o[64 + 16 * k + i] = s[4 + k];
+                for (int l = 0; l < 8; l++) memcpy(o + cyllm_r16_q5_qh(l) + 4 * i, s + 16 + 4 * l, 4);
+                for (int c = 0; c < 32; c++) memcpy(o + cyllm_r16_q5_qs(c) + 4 * i, s + 48 + 4 * c, 4);
+            }
+        }
+}
+
+void cyllm_q5k_r16_gather(uint8_t *out, const uint8_t *w, int64_t rb, int64_t r, int64_t b) {
+    const uint8_t *p = w + (r / CYLLM_R16) * CYLLM_R16 * rb + b * CYLLM_R16_SB5;
+    const int i = (int)(r % CYLLM_R16);
+    memcpy(out, p + 2 * i, 2);
+    memcpy(out + 2, p + 32 + 2 * i, 2);
+    for (int k = 0; k < 12; k++) out[4 + k] = p[64 + 16 * k + i];
+    for (int l = 0; l < 8; l++) memcpy(out + 16 + 4 * l, p + cyllm_r16_q5_qh(l) + 4 * i, 4);
+    for (int c = 0; c < 32; c++) memcpy(out + 48 + 4 * c, p + cyllm_r16_q5_qs(c) + 4 * i, 4);
+}
+
 void cyllm_q4k_r16_gather(uint8_t *out, const uint8_t *w, int64_t rb, int64_t r, int64_t b) {
     const uint8_t *p = w + (r / CYLLM_R16) * CYLLM_R16 * rb + b * CYLLM_R16_SB;
     const int i = (int)(r % CYLLM_R16);
@@ -398,6 +426,7 @@ int cyllm_r16_layout(int fmt) {
     case CYLLM_QF_Q8_0: return CYLLM_QF_Q8_0_R16;
     case CYLLM_QF_Q4_1: return CYLLM_QF_Q4_1_R16;
     case CYLLM_QF_Q6_K: return CYLLM_QF_Q6_K_R16;
+    case CYLLM_QF_Q5_K: return CYLLM_QF_Q5_K_R16;
     default: return -1;
     }
 }
@@ -405,6 +434,7 @@ int cyllm_r16_layout(int fmt) {
 void cyllm_r16_repack(int fmt, uint8_t *dst, const uint8_t *src, int64_t rb, int64_t g0, int64_t g1) {
     if (fmt == CYLLM_QF_Q4_K) cyllm_q4k_r16_repack(dst, src, rb, g0, g1);
     else if (fmt == CYLLM_QF_Q6_K) cyllm_q6k_r16_repack(dst, src, rb, g0, g1);
+    else if (fmt == CYLLM_QF_Q5_K) cyllm_q5k_r16_repack(dst, src, rb, g0, g1);
     else cyllm_b32_r16_repack(fmt, dst, src, rb, g0, g1);
 }
 
@@ -415,12 +445,13 @@ void cyllm_r16_repack(int fmt, uint8_t *dst, const uint8_t *src, int64_t rb, int
 static void r16_gather(int fmt, uint8_t *out, const uint8_t *w, int64_t rb, int64_t r, int64_t b) {
     if (fmt == CYLLM_QF_Q4_K) cyllm_q4k_r16_gather(out, w, rb, r, b);
     else if (fmt == CYLLM_QF_Q6_K) cyllm_q6k_r16_gather(out, w, rb, r, b);
+    else if (fmt == CYLLM_QF_Q5_K) cyllm_q5k_r16_gather(out, w, rb, r, b);
     else cyllm_b32_r16_gather(fmt, out, w, rb, r, b);
 }
 
 /* a row's dot product: each block gathered back, then the file format's own dot (its bits) */
 static float dot_r16(int fmt, const uint8_t *w, int64_t rb, int64_t r, const cyllm_qact_view *a, int64_t nb) {
-    uint8_t blk[QB_Q6_K];                   /* the largest block of the five formats */
+    uint8_t blk[QB_Q6_K];                   /* the largest block of the six formats */
     const int blen = INFO[fmt].block;
     float s = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
@@ -431,13 +462,14 @@ static float dot_r16(int fmt, const uint8_t *w, int64_t rb, int64_t r, const cyl
         if (blen == QK_K) ab.bsum += 16 * b;
         else ab.sum += b;
         s += fmt == CYLLM_QF_Q4_K ? dot_q4_k(blk, &ab, 1) : fmt == CYLLM_QF_Q6_K ? dot_q6_k(blk, &ab, 1)
+           : fmt == CYLLM_QF_Q5_K ? dot_q5_k(blk, &ab, 1)
            : fmt == CYLLM_QF_Q8_0 ? dot_q8_0(blk, &ab, 1)
            : fmt == CYLLM_QF_Q4_1 ? dot_q4_1(blk, &ab, 1) : dot_q4_0(blk, &ab, 1);
     }
     return s;
 }
 
-/* the five entries of the r16 layout of file format FMT (F: q4k, q40, q80, q41, q6k) */
+/* the five entries of the r16 layout of file format FMT (F: q4k, q40, q80, q41, q6k, q5k) */
 #define R16_FUNCS(F, FMT)                                                                       \
 void cyllm_##F##_r16_deq16(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n, int64_t r0, int64_t r1) { \
     const int blen = INFO[FMT].block;                                                         \
@@ -493,6 +525,7 @@ R16_FUNCS(q40, CYLLM_QF_Q4_0)
 R16_FUNCS(q80, CYLLM_QF_Q8_0)
 R16_FUNCS(q41, CYLLM_QF_Q4_1)
 R16_FUNCS(q6k, CYLLM_QF_Q6_K)
+R16_FUNCS(q5k, CYLLM_QF_Q5_K)
 
 /* ---- the table: five functions per format from its dot ----------------------------- */
 
@@ -553,5 +586,5 @@ const cyllm_qkernels cyllm_qkernels_generic = {
     {QENTRY(q8_0), QENTRY(q4_0), QENTRY(q4_1), QENTRY(q5_0), QENTRY(q5_1),
      QENTRY(q4_k), QENTRY(q5_k), QENTRY(q6_k),
      R16_ENTRY_GENERIC(q4k), R16_ENTRY_GENERIC(q40), R16_ENTRY_GENERIC(q80), R16_ENTRY_GENERIC(q41),
-     R16_ENTRY_GENERIC(q6k)},
+     R16_ENTRY_GENERIC(q6k), R16_ENTRY_GENERIC(q5k)},
 };

@@ -6,7 +6,10 @@
  *                    sections below: register tiles of rows x tokens in prefill) and q5_k
  *                    (exact superblock totals; prefill with 16 tokens in a zmm's lanes);
  *                    rows past the zmm kernels' stack-prepared activations take the ymm
- *                    kernels.
+ *                    kernels. These serve the file's layout; matrices the backend
+ *                    reorders at load (the r16 layouts: q4_k, q4_0, q8_0, q4_1, q6_k and
+ *                    q5_k with rows by 16) run the r16 kernels at the end, 16 rows a lane
+ *                    each (q6_k's prefill: 16 tokens in a zmm's lanes, k6t).
  * The including file defines QX_VNNI, QX_NAME and QX_TABLE. All three compute the
  * same integers (no int16 saturation is reachable: see the bounds next to DOT2).
  *
@@ -1824,12 +1827,14 @@ ALWAYS void k5_codes_z(__m512i cod[4], const uint8_t *p) {
     }
 }
 
-/* prefill: 16 tokens of x, transposed (token j in lane j; tokens past the end: zeros) */
+/* prefill: 16 tokens of x, transposed (token j in lane j; tokens past the end: zeros). np
+ * pairs of sums per superblock: 4 of x's 32-element sums (q5_k's mins), 8 of its 16-element
+ * sums (q6_k's offset, its tile below). */
 typedef struct {
     uint8_t *q;             /* (n / 4, 16, 4): elements 4g..4g+3 of token j at 64 g + 4 j */
-    int32_t *bs;            /* (nb, 4, 16): (bs_2i, bs_2i+1) as int16 pairs, token j in lane j */
+    int32_t *bs;            /* (nb, np, 16): (bs_2i, bs_2i+1) as int16 pairs, token j in lane j */
     float *dx;              /* (nb, 16) */
-} k5t_x;
+} ktx;
 
 /* 8 rows unpacked (rows past the group's end: zeros) */
 typedef struct {
@@ -1845,11 +1850,11 @@ typedef struct {
                                1.49 ms, tile 1.58; T = 12 rows 3.12, tile 1.95) */
 #endif
 
-static size_t k5t_x_bytes(int64_t n) { return (size_t)16 * n + (size_t)(n / QK_K) * (256 + 64); }
+static size_t ktx_bytes(int64_t n, int np) { return (size_t)16 * n + (size_t)(n / QK_K) * (64 * np + 64); }
 static size_t k5t_w_bytes(int64_t n) { return (size_t)8 * n + (size_t)(n / QK_K) * 8 * (32 + 16 + 8); }
 
-static k5t_x k5t_x_at(uint8_t *p, int64_t n) {
-    k5t_x x = {p, (int32_t *)(p + 16 * n), (float *)(p + 16 * n + (n / QK_K) * 256)};
+static ktx ktx_at(uint8_t *p, int64_t n, int np) {
+    ktx x = {p, (int32_t *)(p + 16 * n), (float *)(p + 16 * n + (n / QK_K) * 64 * np)};
     return x;
 }
 
@@ -1864,20 +1869,21 @@ static k5t_w k5t_w_at(uint8_t *p, int64_t n) {
     return w;
 }
 
-/* tokens t .. t+nt-1 (nt <= 16) of xq -> x */
-static void k5t_xprep(k5t_x *x, const void *xq, int64_t xs, int64_t t, int nt, int64_t n) {
+/* tokens t .. t+nt-1 (nt <= 16) of xq -> x, with np (4 or 8) pairs of sums per superblock */
+static void ktx_prep(ktx *x, const void *xq, int64_t xs, int64_t t, int nt, int64_t n, int np) {
     const int64_t nb = n / QK_K;
     memset(x->q, 0, (size_t)16 * n);
-    memset(x->bs, 0, (size_t)nb * 256);
+    memset(x->bs, 0, (size_t)nb * 64 * np);
     memset(x->dx, 0, (size_t)nb * 64);
     for (int j = 0; j < nt; j++) {
         const cyllm_qact_view a = cyllm_qact_split((const char *)xq + (t + j) * xs, n, CYLLM_QA_Q8_K);
         xpose_lines(x->q, a.q, n, 16, j);
         for (int64_t b = 0; b < nb; b++) {
-            int32_t pr[4];
-            x_sum_pairs(&a, b, pr);
+            int32_t pr[8];
+            if (np == 4) x_sum_pairs(&a, b, pr);
+            else memcpy(pr, a.bsum + 16 * b, 32);   /* the 16 int16 sums, two per int32 */
             x->dx[16 * b + j] = a.d[b];
-            for (int i = 0; i < 4; i++) x->bs[(4 * b + i) * 16 + j] = pr[i];
+            for (int i = 0; i < np; i++) x->bs[(np * b + i) * 16 + j] = pr[i];
         }
     }
 }
@@ -1911,7 +1917,7 @@ static void k5t_wprep(k5t_w *p, const uint8_t *w, int64_t rb, int64_t r, int nr,
 }
 
 /* 8 rows x 16 tokens over every superblock; o[j * ldo + i] gets (row i < nr, token j < nt) */
-static void k5t_tile(float *o, int64_t ldo, const k5t_w *w, const k5t_x *x, int64_t n, int nr, int nt,
+static void k5t_tile(float *o, int64_t ldo, const k5t_w *w, const ktx *x, int64_t n, int nr, int nt,
                      int add) {
     const int64_t nb = n / QK_K;
     __m512 acc[2][8][8];                    /* A, B of row i, lane s % 8: tokens in lanes */
@@ -1975,7 +1981,7 @@ static void QF(gemm_k5t)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
                          int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
     const int64_t tc = T < K5T_TOKENS ? T : K5T_TOKENS;
     const int64_t nblk = (tc + 15) / 16;
-    const size_t xb = k5t_x_bytes(n), wb = k5t_w_bytes(n);
+    const size_t xb = ktx_bytes(n, 4), wb = k5t_w_bytes(n);
     uint8_t *buf = T < K5T_TILE_MIN ? NULL : (uint8_t *)_mm_malloc((size_t)nblk * xb + wb, 64);
     if (!buf) {     /* few tokens (the tile's 16 lanes would idle), or no memory */
         k5_gemm_rows(out, ldo, w, rb, xq, xs, T, n, r0, r1, add);
@@ -1985,14 +1991,14 @@ static void QF(gemm_k5t)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
     for (int64_t t0 = 0; t0 < T; t0 += tc) {
         const int64_t tn = T - t0 < tc ? T - t0 : tc;
         for (int64_t k = 0; k * 16 < tn; k++) {
-            k5t_x x = k5t_x_at(buf + k * xb, n);
-            k5t_xprep(&x, xq, xs, t0 + 16 * k, tn - 16 * k < 16 ? (int)(tn - 16 * k) : 16, n);
+            ktx x = ktx_at(buf + k * xb, n, 4);
+            ktx_prep(&x, xq, xs, t0 + 16 * k, tn - 16 * k < 16 ? (int)(tn - 16 * k) : 16, n, 4);
         }
         for (int64_t r = r0; r < r1; r += 8) {
             const int nr = r1 - r < 8 ? (int)(r1 - r) : 8;
             k5t_wprep(&wp, w, rb, r, nr, n);
             for (int64_t k = 0; k * 16 < tn; k++) {
-                const k5t_x x = k5t_x_at(buf + k * xb, n);
+                const ktx x = ktx_at(buf + k * xb, n, 4);
                 k5t_tile(out + (t0 + 16 * k) * ldo + r, ldo, &wp, &x, n, nr,
                          tn - 16 * k < 16 ? (int)(tn - 16 * k) : 16, add);
             }
@@ -2454,7 +2460,7 @@ QZN_FORMAT(q5_1, 3)
 #endif
 
 #if QX_VNNI == 2
-/* ---- AVX512-VNNI q4_k on the r16 layout (rows interleaved by 16, quant.h) --------------
+/* ---- AVX512-VNNI q4_k and q5_k on their r16 layouts (rows interleaved by 16, quant.h) ----
  * One 512-bit load holds 4 consecutive nibble bytes of each of 16 rows, so one vpdpbusd
  * against 4 broadcast x bytes advances 16 rows at once: the nibble unpacking, the scale
  * unpacking and the float work are shared by 16 rows instead of repeated per row (Zen 4,
@@ -2463,31 +2469,67 @@ QZN_FORMAT(q5_1, 3)
  * min term as int16 pairs (vpdpwssd), then two FMAs into the row's float accumulator, so
  * a (row, token) chain is the same for any number of tokens (decode = prefill bits) and
  * any split of rows (the callers split rows in whole groups, cyllm_qf_is_r16; a range that
- * cuts a group is still computed right, each call storing only its own lanes). */
+ * cuts a group is still computed right, each call storing only its own lanes). q5_k (five)
+ * adds each code's fifth bit from its qh chunk: bit 2c (low nibbles) or 2c + 1 (high) of the
+ * byte, moved to bit 4 by a 16-bit shift (bit 4 of a byte then comes from the same byte). */
 #ifndef R16_TB
 #define R16_TB 16           /* prefill: tokens whose activations are split together */
 #endif
 
-ALWAYS void r16_group(const int C, float *o, int64_t ldo, const uint8_t *g, int64_t nb,
-                      const cyllm_qact_view *a, int add, __mmask16 keep) {
-    const __m512i m4 = _mm512_set1_epi8(15);
+/* v shifted left by k bits (right by -k) in 16-bit lanes; k is a constant after unrolling */
+ALWAYS __m512i shl16(__m512i v, const int k) {
+    return k > 0 ? _mm512_slli_epi16(v, k) : k < 0 ? _mm512_srli_epi16(v, -k) : v;
+}
+
+/* superblock p's 6-bit scales and mins of 16 rows (byte i of sc[k] / mn[k]: row i's) */
+ALWAYS void k45r16_scales(const uint8_t *p, __m128i sc[8], __m128i mn[8]) {
     const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(15), m30 = _mm_set1_epi8(0x30);
+    __m128i s[12];
+    _Pragma("GCC unroll 12")
+    for (int k = 0; k < 12; k++) s[k] = _mm_loadu_si128((const __m128i *)(p + 64 + 16 * k));
+    _Pragma("GCC unroll 4")
+    for (int j = 0; j < 4; j++) {           /* the 6-bit packing of k_scales, 16 rows per vector */
+        sc[j] = _mm_and_si128(s[j], m63);
+        mn[j] = _mm_and_si128(s[j + 4], m63);
+        sc[j + 4] = _mm_or_si128(_mm_and_si128(s[j + 8], m15), _mm_and_si128(_mm_srli_epi16(s[j], 2), m30));
+        mn[j + 4] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(s[j + 8], 4), m15),
+                                 _mm_and_si128(_mm_srli_epi16(s[j + 4], 2), m30));
+    }
+}
+
+/* mp[i] = (m_2i, m_2i+1) of each row as an int16 pair */
+ALWAYS void k45r16_min_pairs(const __m128i mn[8], __m512i mp[4]) {
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < 4; i++)
+        mp[i] = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(mn[2 * i], mn[2 * i + 1]),
+                                                      _mm_unpacklo_epi8(mn[2 * i], mn[2 * i + 1])));
+}
+
+/* the codes of chunk (c, l) of superblock p: vl = elements 64c + 4l .. +3 (sub-block 2c), vh =
+ * elements 64c + 32 + 4l .. (2c + 1), 16 rows each */
+ALWAYS void k45r16_codes(const int five, const uint8_t *p, const int c, const int l, __m512i *vl, __m512i *vh) {
+    const __m512i m4 = _mm512_set1_epi8(15), m16 = _mm512_set1_epi8(0x10);
+    const __m512i v = _mm512_loadu_si512((const void *)(p + (five ? cyllm_r16_q5_qs(8 * c + l) : 256 + 64 * (8 * c + l))));
+    if (five) {                             /* (nibble & 15) | (the bit at 4 & 0x10) */
+        const __m512i hb = _mm512_loadu_si512((const void *)(p + cyllm_r16_q5_qh(l)));
+        *vl = _mm512_ternarylogic_epi32(v, _mm512_and_si512(shl16(hb, 4 - 2 * c), m16), m4, 0xEC);
+        *vh = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), _mm512_and_si512(shl16(hb, 3 - 2 * c), m16), m4, 0xEC);
+    } else {
+        *vl = _mm512_and_si512(v, m4);
+        *vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    }
+}
+
+ALWAYS void r16_group(const int five, const int C, float *o, int64_t ldo, const uint8_t *g, int64_t nb,
+                      const cyllm_qact_view *a, int add, __mmask16 keep) {
+    const int64_t sb = five ? CYLLM_R16_SB5 : CYLLM_R16_SB;
     __m512 acc[4];
     _Pragma("GCC unroll 4")
     for (int t = 0; t < C; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *p = g + b * CYLLM_R16_SB;
-        __m128i s[12], sc[8], mn[8];
-        _Pragma("GCC unroll 12")
-        for (int k = 0; k < 12; k++) s[k] = _mm_loadu_si128((const __m128i *)(p + 64 + 16 * k));
-        _Pragma("GCC unroll 4")
-        for (int j = 0; j < 4; j++) {       /* the 6-bit packing of k_scales, 16 rows per vector */
-            sc[j] = _mm_and_si128(s[j], m63);
-            mn[j] = _mm_and_si128(s[j + 4], m63);
-            sc[j + 4] = _mm_or_si128(_mm_and_si128(s[j + 8], m15), _mm_and_si128(_mm_srli_epi16(s[j], 2), m30));
-            mn[j + 4] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(s[j + 8], 4), m15),
-                                     _mm_and_si128(_mm_srli_epi16(s[j + 4], 2), m30));
-        }
+        const uint8_t *p = g + b * sb;
+        __m128i sc[8], mn[8];
+        k45r16_scales(p, sc, mn);
         __m512i isum[4];
         _Pragma("GCC unroll 4")
         for (int t = 0; t < C; t++) isum[t] = _mm512_setzero_si512();
@@ -2498,9 +2540,8 @@ ALWAYS void r16_group(const int C, float *o, int64_t ldo, const uint8_t *g, int6
             for (int t = 0; t < C; t++) lo[t] = hi[t] = _mm512_setzero_si512();
             _Pragma("GCC unroll 8")
             for (int l = 0; l < 8; l++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(p + 256 + 64 * (8 * c + l)));
-                const __m512i vl = _mm512_and_si512(v, m4);
-                const __m512i vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                __m512i vl, vh;
+                k45r16_codes(five, p, c, l, &vl, &vh);
                 _Pragma("GCC unroll 4")
                 for (int t = 0; t < C; t++) {
                     const uint8_t *x = (const uint8_t *)a[t].q + b * QK_K + 64 * c + 4 * l;
@@ -2509,17 +2550,14 @@ ALWAYS void r16_group(const int C, float *o, int64_t ldo, const uint8_t *g, int6
                 }
             }
             const __m512i slo = _mm512_cvtepu8_epi32(sc[2 * c]), shi = _mm512_cvtepu8_epi32(sc[2 * c + 1]);
-            /* |sub-block sum| <= 32 * 15 * 127, times a scale <= 63, 8 of them: exact */
+            /* |sub-block sum| <= 32 * 31 * 127, times a scale <= 63, 8 of them: exact */
             _Pragma("GCC unroll 4")
             for (int t = 0; t < C; t++)
                 isum[t] = _mm512_add_epi32(isum[t], _mm512_add_epi32(_mm512_mullo_epi32(lo[t], slo),
                                                                      _mm512_mullo_epi32(hi[t], shi)));
         }
-        __m512i mp[4];                      /* (m_2i, m_2i+1) of each row as an int16 pair */
-        _Pragma("GCC unroll 4")
-        for (int i = 0; i < 4; i++)
-            mp[i] = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(mn[2 * i], mn[2 * i + 1]),
-                                                          _mm_unpacklo_epi8(mn[2 * i], mn[2 * i + 1])));
+        __m512i mp[4];
+        k45r16_min_pairs(mn, mp);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
         const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
         _Pragma("GCC unroll 4")
@@ -2624,9 +2662,36 @@ ALWAYS void r16_b32_group(const int kind, const int C, float *o, int64_t ldo, co
  * scale (vpmulld). The -32 of every code comes from x's 16-element sums against the scales as
  * int16 pairs (vpdpwssd). Then one FMA per superblock into the row's float accumulator: the
  * same chain for any number of tokens and any split of rows. */
+/* the four code vectors of step st (three chunks: A, B, H): c[j] = elements 128h + 32j + 4l
+ * .. +3 of 16 rows. A code is bits 0-3 from a nibble and bits 4-5 from two bits of H moved
+ * there, with zeros above: H's pairs 0 and 2 (mask 0x33) or 1 and 3 (0xCC), so a 16-bit shift
+ * brings nothing else into bits 4-7 (what it moves into the next byte lands in that byte's
+ * nibble, which the select drops). */
+ALWAYS void q6r16_codes(__m512i c[4], const uint8_t *st) {
+    const __m512i m15 = _mm512_set1_epi8(15), m33 = _mm512_set1_epi8(0x33), mcc = _mm512_set1_epi8((char)0xCC);
+    const __m512i A = _mm512_loadu_si512((const void *)st);
+    const __m512i B = _mm512_loadu_si512((const void *)(st + 64));
+    const __m512i H = _mm512_loadu_si512((const void *)(st + 128));
+    const __m512i H02 = _mm512_and_si512(H, m33), H13 = _mm512_and_si512(H, mcc);
+    /* m15 ? nibble : high bits (0xE4) */
+    c[0] = _mm512_ternarylogic_epi32(A, _mm512_slli_epi16(H02, 4), m15, 0xE4);
+    c[1] = _mm512_ternarylogic_epi32(B, _mm512_slli_epi16(H13, 2), m15, 0xE4);
+    c[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(A, 4), H02, m15, 0xE4);
+    c[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(B, 4), _mm512_srli_epi16(H13, 2), m15, 0xE4);
+}
+
+/* the scales of superblock p's 16 rows: sp[i] = (sc_2i, sc_2i+1) of each row as an int16 pair */
+ALWAYS void q6r16_scale_pairs(__m512i sp[8], const uint8_t *p) {
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < 8; i++) {
+        const __m128i s0 = _mm_loadu_si128((const __m128i *)(p + CYLLM_R16_Q6_SC + 32 * i));
+        const __m128i s1 = _mm_loadu_si128((const __m128i *)(p + CYLLM_R16_Q6_SC + 32 * i + 16));
+        sp[i] = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(s0, s1), _mm_unpacklo_epi8(s0, s1)));
+    }
+}
+
 ALWAYS void r16_q6k_group(const int C, float *o, int64_t ldo, const uint8_t *g, int64_t nb,
                           const cyllm_qact_view *a, int add, __mmask16 keep) {
-    const __m512i m15 = _mm512_set1_epi8(15), m33 = _mm512_set1_epi8(0x33), mcc = _mm512_set1_epi8((char)0xCC);
     __m512 acc[4];
     _Pragma("GCC unroll 4")
     for (int t = 0; t < C; t++) acc[t] = _mm512_setzero_ps();
@@ -2647,20 +2712,8 @@ ALWAYS void r16_q6k_group(const int C, float *o, int64_t ldo, const uint8_t *g, 
                 }
                 _Pragma("GCC unroll 4")
                 for (int l = 4 * hh; l < 4 * hh + 4; l++) {
-                    const uint8_t *st = p + 192 * (8 * h + l);
-                    const __m512i A = _mm512_loadu_si512((const void *)st);
-                    const __m512i B = _mm512_loadu_si512((const void *)(st + 64));
-                    const __m512i H = _mm512_loadu_si512((const void *)(st + 128));
-                    /* code = bits 0-3 from a nibble, bits 4-7 from H's two bits moved to 4-5
-                     * with zeros above: H's pairs 0 and 2 (mask 0x33) or 1 and 3 (0xCC), so a
-                     * 16-bit shift brings nothing else into bits 4-7 (the bits it moves into
-                     * the next byte land in its nibble's place, which the select drops) */
-                    const __m512i H02 = _mm512_and_si512(H, m33), H13 = _mm512_and_si512(H, mcc);
-                    __m512i c[4];                   /* m15 ? nibble : high bits (0xE4) */
-                    c[0] = _mm512_ternarylogic_epi32(A, _mm512_slli_epi16(H02, 4), m15, 0xE4);
-                    c[1] = _mm512_ternarylogic_epi32(B, _mm512_slli_epi16(H13, 2), m15, 0xE4);
-                    c[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(A, 4), H02, m15, 0xE4);
-                    c[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(B, 4), _mm512_srli_epi16(H13, 2), m15, 0xE4);
+                    __m512i c[4];
+                    q6r16_codes(c, p + 192 * (8 * h + l));
                     _Pragma("GCC unroll 4")
                     for (int t = 0; t < C; t++) {
                         const uint8_t *x = (const uint8_t *)a[t].q + b * QK_K + 128 * h + 4 * l;
@@ -2679,13 +2732,8 @@ ALWAYS void r16_q6k_group(const int C, float *o, int64_t ldo, const uint8_t *g, 
                 }
             }
         }
-        __m512i sp[8];                      /* (sc_2i, sc_2i+1) of each row as an int16 pair */
-        _Pragma("GCC unroll 8")
-        for (int i = 0; i < 8; i++) {
-            const __m128i s0 = _mm_loadu_si128((const __m128i *)(p + CYLLM_R16_Q6_SC + 32 * i));
-            const __m128i s1 = _mm_loadu_si128((const __m128i *)(p + CYLLM_R16_Q6_SC + 32 * i + 16));
-            sp[i] = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(s0, s1), _mm_unpacklo_epi8(s0, s1)));
-        }
+        __m512i sp[8];
+        q6r16_scale_pairs(sp, p);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + CYLLM_R16_Q6_D)));
         _Pragma("GCC unroll 4")
         for (int t = 0; t < C; t++) {
@@ -2748,7 +2796,8 @@ static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
         }                                                                                     \
     }                                                                                         \
 }
-#define R16_Q4K_GROUP(C, ...) r16_group(C, __VA_ARGS__)
+#define R16_Q4K_GROUP(C, ...) r16_group(0, C, __VA_ARGS__)
+#define R16_Q5K_GROUP(C, ...) r16_group(1, C, __VA_ARGS__)
 #define R16_Q40_GROUP(C, ...) r16_b32_group(0, C, __VA_ARGS__)
 #define R16_Q80_GROUP(C, ...) r16_b32_group(1, C, __VA_ARGS__)
 #define R16_Q41_GROUP(C, ...) r16_b32_group(2, C, __VA_ARGS__)
@@ -2758,10 +2807,255 @@ R16_ENTRIES(q40r16, R16_Q40_GROUP, CYLLM_QA_Q8_0, 32)
 R16_ENTRIES(q80r16, R16_Q80_GROUP, CYLLM_QA_Q8_0, 32)
 R16_ENTRIES(q41r16, R16_Q41_GROUP, CYLLM_QA_Q8_0, 32)
 R16_ENTRIES(q6kr16, R16_Q6K_GROUP, CYLLM_QA_Q8_K, QK_K)
+R16_ENTRIES(q5kr16, R16_Q5K_GROUP, CYLLM_QA_Q8_K, QK_K)
+
+/* ---- AVX512-VNNI q6_k prefill: 16 tokens in a zmm's lanes, from the r16 layout ----------
+ * r16_q6k_group's integers and chain with tokens in the lanes instead of rows: x is
+ * transposed as for q5_k's tile (ktx, with x's 16-element sums), each group of 16 rows is
+ * unpacked once to its code vectors (the group kernel's, stored as they come: row i's 4 codes
+ * at 4i of each 64 bytes), and one vpdpbusd takes a row's 4 codes (broadcast) against a line
+ * of 16 tokens. Per (row, token) and superblock the exact total is the group kernel's, and
+ * it meets the same d dx in the same FMA chain, so a token gets decode's bits. */
+typedef struct {
+    uint8_t *q;             /* (nb, 64, 64): step s's vector j at (4s + j) * 64, row i at 4i */
+    int32_t *sc;            /* (nb, 16, 16): scale k of row i at 16 k + i */
+    int32_t *sp;            /* (nb, 8, 16): (sc_2p, sc_2p+1) of row i as int16 pairs */
+    float *d;               /* (nb, 16) */
+} k6t_w;
+
+#ifndef K6T_REST_MIN
+#define K6T_REST_MIN 12     /* a last block of fewer tokens takes the group kernel (Zen 4, 1 thread,
+                               per token: tile 34-38 us whether 16 or fewer lanes are used,
+                               group kernel 38-40 us; 2048x2048) */
+#endif
+
+static size_t k6t_w_bytes(int64_t n) { return (size_t)(n / QK_K) * (4096 + 1024 + 512 + 64); }
+
+static k6t_w k6t_w_at(uint8_t *p, int64_t n) {
+    const int64_t nb = n / QK_K;
+    k6t_w w = {p, (int32_t *)(p + nb * 4096), (int32_t *)(p + nb * 5120), (float *)(p + nb * 5632)};
+    return w;
+}
+
+/* the 16 rows of r16 group g (at w) -> the panel */
+static void k6t_wprep(const k6t_w *pw, const uint8_t *g, int64_t nb) {
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = g + b * CYLLM_R16_SB6;
+        for (int st = 0; st < 16; st++) {
+            __m512i c[4];
+            q6r16_codes(c, p + 192 * st);
+            for (int j = 0; j < 4; j++) _mm512_storeu_si512((void *)(pw->q + (b * 64 + 4 * st + j) * 64), c[j]);
+        }
+        for (int k = 0; k < 16; k++)
+            _mm512_storeu_si512((void *)(pw->sc + (b * 16 + k) * 16),
+                                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + CYLLM_R16_Q6_SC + 16 * k))));
+        __m512i sp[8];
+        q6r16_scale_pairs(sp, p);
+        for (int i = 0; i < 8; i++) _mm512_storeu_si512((void *)(pw->sp + (b * 8 + i) * 16), sp[i]);
+        _mm512_storeu_ps(pw->d + b * 16, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + CYLLM_R16_Q6_D))));
+    }
+}
+
+/* rows r0 + 0..7 of the panel (r0 = 0 or 8) x 16 tokens; o[j * ldo + i] gets (row i in
+ * [ilo, ihi), token j < nt) */
+static void k6t_tile(float *o, int64_t ldo, const k6t_w *w, int r0, const ktx *x, int64_t nb, int ilo,
+                     int ihi, int nt, int add) {
+    __m512 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < nb; s++) {
+        __m512i L[8];
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < 8; i++) L[i] = _mm512_setzero_si512();
+        for (int k = 0; k < 16; k++) {          /* sub-block k = 8h + 2j + hh: steps 8h + 4hh .. +3 */
+            const int h = k >> 3, j = (k >> 1) & 3, hh = k & 1;
+            __m512i D[8];
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < 8; i++) D[i] = _mm512_setzero_si512();
+            _Pragma("GCC unroll 4")
+            for (int q = 0; q < 4; q++) {
+                const int l = 4 * hh + q;
+                const __m512i xv = _mm512_loadu_si512((const void *)(x->q + 16 * (s * QK_K + 128 * h + 32 * j + 4 * l)));
+                const uint8_t *wv = w->q + (s * 64 + 4 * (8 * h + l) + j) * 64 + 4 * r0;
+                _Pragma("GCC unroll 8")
+                for (int i = 0; i < 8; i++)
+                    D[i] = _mm512_dpbusd_epi32(D[i], _mm512_set1_epi32((int)cyllm_rd32(wv + 4 * i)), xv);
+            }
+            const int32_t *sc = w->sc + (s * 16 + k) * 16 + r0;
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < 8; i++) L[i] = _mm512_add_epi32(L[i], _mm512_mullo_epi32(D[i], _mm512_set1_epi32(sc[i])));
+        }
+        const __m512 dx = _mm512_loadu_ps(x->dx + 16 * s);
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < 8; i++) {
+            __m512i off = _mm512_setzero_si512();
+            _Pragma("GCC unroll 8")
+            for (int p = 0; p < 8; p++)
+                off = _mm512_dpwssd_epi32(off, _mm512_loadu_si512((const void *)(x->bs + (8 * s + p) * 16)),
+                                          _mm512_set1_epi32(w->sp[(s * 8 + p) * 16 + r0 + i]));
+            const __m512i tot = _mm512_sub_epi32(L[i], _mm512_slli_epi32(off, 5));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(_mm512_set1_ps(w->d[s * 16 + r0 + i]), dx),
+                                     acc[i]);
+        }
+    }
+    for (int i = ilo; i < ihi; i++) {
+        float r[16];
+        _mm512_storeu_ps(r, acc[i]);
+        for (int j = 0; j < nt; j++) o[j * ldo + i] = add ? o[j * ldo + i] + r[j] : r[j];
+    }
+}
+
+/* q4_k and q5_k the same way (r16_group's integers and chain, 16 tokens in the lanes): the
+ * panel holds each chunk's code vectors (sub-block 2c + hi, quad l at (8 (2c + hi) + l) * 64),
+ * the scales and the min pairs per row lane; per (row, token) and superblock, L meets d dx and
+ * M dm dx in the group kernel's two FMAs. */
+typedef struct {
+    uint8_t *q;             /* (nb, 64, 64): row i's 4 codes at 4i */
+    int32_t *sc;            /* (nb, 8, 16): scale k of row i at 16 k + i */
+    int32_t *mp;            /* (nb, 4, 16): (m_2p, m_2p+1) of row i as int16 pairs */
+    float *d, *dm;          /* (nb, 16) */
+} k45t_w;
+
+static size_t k45t_w_bytes(int64_t n) { return (size_t)(n / QK_K) * (4096 + 512 + 256 + 128); }
+
+static k45t_w k45t_w_at(uint8_t *p, int64_t n) {
+    const int64_t nb = n / QK_K;
+    k45t_w w = {p, (int32_t *)(p + nb * 4096), (int32_t *)(p + nb * 4608), (float *)(p + nb * 4864),
+                (float *)(p + nb * 4928)};
+    return w;
+}
+
+static void k45t_wprep(const k45t_w *pw, const int five, const uint8_t *g, int64_t nb) {
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = g + b * (five ? CYLLM_R16_SB5 : CYLLM_R16_SB);
+        for (int c = 0; c < 4; c++)
+            for (int l = 0; l < 8; l++) {
+                __m512i vl, vh;
+                k45r16_codes(five, p, c, l, &vl, &vh);
+                _mm512_storeu_si512((void *)(pw->q + (b * 64 + 16 * c + l) * 64), vl);
+                _mm512_storeu_si512((void *)(pw->q + (b * 64 + 16 * c + 8 + l) * 64), vh);
+            }
+        __m128i sc[8], mn[8];
+        __m512i mp[4];
+        k45r16_scales(p, sc, mn);
+        k45r16_min_pairs(mn, mp);
+        for (int k = 0; k < 8; k++) _mm512_storeu_si512((void *)(pw->sc + (b * 8 + k) * 16), _mm512_cvtepu8_epi32(sc[k]));
+        for (int i = 0; i < 4; i++) _mm512_storeu_si512((void *)(pw->mp + (b * 4 + i) * 16), mp[i]);
+        _mm512_storeu_ps(pw->d + b * 16, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)));
+        _mm512_storeu_ps(pw->dm + b * 16, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32))));
+    }
+}
+
+static void k45t_tile(float *o, int64_t ldo, const k45t_w *w, int r0, const ktx *x, int64_t nb, int ilo,
+                      int ihi, int nt, int add) {
+    __m512 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < nb; s++) {
+        __m512i L[8];
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < 8; i++) L[i] = _mm512_setzero_si512();
+        for (int k = 0; k < 8; k++) {           /* sub-block k: chunks (k / 2, l), half k % 2 */
+            __m512i D[8];
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < 8; i++) D[i] = _mm512_setzero_si512();
+            _Pragma("GCC unroll 8")
+            for (int l = 0; l < 8; l++) {
+                const __m512i xv = _mm512_loadu_si512((const void *)(x->q + 16 * (s * QK_K + 32 * k + 4 * l)));
+                const uint8_t *wv = w->q + (s * 64 + 8 * k + l) * 64 + 4 * r0;
+                _Pragma("GCC unroll 8")
+                for (int i = 0; i < 8; i++)
+                    D[i] = _mm512_dpbusd_epi32(D[i], _mm512_set1_epi32((int)cyllm_rd32(wv + 4 * i)), xv);
+            }
+            const int32_t *sc = w->sc + (s * 8 + k) * 16 + r0;
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < 8; i++) L[i] = _mm512_add_epi32(L[i], _mm512_mullo_epi32(D[i], _mm512_set1_epi32(sc[i])));
+        }
+        const __m512 dx = _mm512_loadu_ps(x->dx + 16 * s);
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < 8; i++) {
+            __m512i M = _mm512_setzero_si512();
+            _Pragma("GCC unroll 4")
+            for (int q = 0; q < 4; q++)
+                M = _mm512_dpwssd_epi32(M, _mm512_loadu_si512((const void *)(x->bs + (4 * s + q) * 16)),
+                                        _mm512_set1_epi32(w->mp[(s * 4 + q) * 16 + r0 + i]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(L[i]), _mm512_mul_ps(_mm512_set1_ps(w->d[s * 16 + r0 + i]), dx),
+                                     acc[i]);
+            acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(M), _mm512_mul_ps(_mm512_set1_ps(w->dm[s * 16 + r0 + i]), dx),
+                                      acc[i]);
+        }
+    }
+    for (int i = ilo; i < ihi; i++) {
+        float r[16];
+        _mm512_storeu_ps(r, acc[i]);
+        for (int j = 0; j < nt; j++) o[j * ldo + i] = add ? o[j * ldo + i] + r[j] : r[j];
+    }
+}
+
+/* prefill on the K-quants' r16 layouts (kind 0 q4_k, 1 q5_k, 2 q6_k; q4_k's group kernel is
+ * faster than this tile on Zen 4, 2048x2048 T = 128 1 thread 3.36 ms against 3.84-3.87, so its
+ * table entry keeps the group kernel's GEMM): up to K5T_TOKENS tokens
+ * transposed at a time, one group of 16 rows unpacked at a time and run, 8 rows by 16 tokens,
+ * against every block of tokens; a short last block goes to the group kernel (the same bits).
+ * The buffers (x: ~17 bytes per token and element, the panel: ~20-22 per element) are malloc'd
+ * per call and thread; if that fails, the group kernel takes every token. */
+ALWAYS void kt_gemm(const int kind, float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,
+                    int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {
+    const int np = kind == 2 ? 8 : 4;           /* pairs of x's sums: 16-element (q6_k), 32 */
+    const int64_t rest = T % 16 < K6T_REST_MIN ? T % 16 : 0;
+    const int64_t Tt = T - rest;                /* tokens the tile takes */
+    const int64_t nb = n / QK_K, tc = Tt < K5T_TOKENS ? Tt : K5T_TOKENS, nblk = (tc + 15) / 16;
+    const size_t xb = ktx_bytes(n, np), wb = kind == 2 ? k6t_w_bytes(n) : k45t_w_bytes(n);
+    uint8_t *buf = Tt == 0 ? NULL : (uint8_t *)_mm_malloc((size_t)nblk * xb + wb, 64);
+    if (rest || !buf) {
+        const int64_t t = buf ? Tt : 0;
+        (kind == 2 ? QF(gemm_q6kr16) : kind == 1 ? QF(gemm_q5kr16) : QF(gemm_q4kr16))(
+            out + t * ldo, ldo, w, rb, (const char *)xq + t * xs, xs, T - t, n, r0, r1, add);
+        if (!buf) return;
+    }
+    const k6t_w w6 = k6t_w_at(buf + nblk * xb, n);
+    const k45t_w w45 = k45t_w_at(buf + nblk * xb, n);
+    for (int64_t t0 = 0; t0 < Tt; t0 += tc) {
+        const int64_t tn = Tt - t0 < tc ? Tt - t0 : tc;
+        for (int64_t k = 0; k * 16 < tn; k++) {
+            ktx x = ktx_at(buf + k * xb, n, np);
+            ktx_prep(&x, xq, xs, t0 + 16 * k, tn - 16 * k < 16 ? (int)(tn - 16 * k) : 16, n, np);
+        }
+        for (int64_t g = r0 / 16; 16 * g < r1; g++) {
+            if (kind == 2) k6t_wprep(&w6, w + 16 * g * rb, nb);
+            else k45t_wprep(&w45, kind, w + 16 * g * rb, nb);
+            for (int half = 0; half < 2; half++) {
+                const int64_t base = 16 * g + 8 * half;
+                const int ilo = base < r0 ? (int)(r0 - base) : 0;
+                const int ihi = base + 8 > r1 ? (int)(r1 - base) : 8;
+                if (ilo >= ihi) continue;
+                for (int64_t k = 0; k * 16 < tn; k++) {
+                    const ktx x = ktx_at(buf + k * xb, n, np);
+                    const int nt = tn - 16 * k < 16 ? (int)(tn - 16 * k) : 16;
+                    float *o = out + (t0 + 16 * k) * ldo + base;
+                    if (kind == 2) k6t_tile(o, ldo, &w6, 8 * half, &x, nb, ilo, ihi, nt, add);
+                    else k45t_tile(o, ldo, &w45, 8 * half, &x, nb, ilo, ihi, nt, add);
+                }
+            }
+        }
+    }
+    _mm_free(buf);
+}
+
+#define KT_GEMM(F, KIND)                                                                         \
+static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, const void *xq,  \
+                         int64_t xs, int64_t T, int64_t n, int64_t r0, int64_t r1, int add) {    \
+    kt_gemm(KIND, out, ldo, w, rb, xq, xs, T, n, r0, r1, add);                                   \
+}
+KT_GEMM(q5kt, 1)
+KT_GEMM(q6kt, 2)
+
 #define QX_ENTRY_R16(F) {QF(matvec_##F##r16), QF(gate_up_##F##r16), QF(gemm_##F##r16), cyllm_##F##_r16_deq16, \
                          cyllm_##F##_r16_deq32}
+/* q5_k's and q6_k's r16 layouts: prefill on the tokens-in-lanes tiles */
+#define QX_ENTRY_KT(F) {QF(matvec_##F##r16), QF(gate_up_##F##r16), QF(gemm_##F##t), cyllm_##F##_r16_deq16, \
+                        cyllm_##F##_r16_deq32}
 #else
 #define QX_ENTRY_R16(F) R16_ENTRY_GENERIC(F)
+#define QX_ENTRY_KT(F) R16_ENTRY_GENERIC(F)
 #endif
 
 #define QX_ENTRY(F) {QF(matvec_##F), QF(gate_up_##F), QF(gemm_##F), QF(deq16_##F), QF(deq32_##F)}
@@ -2787,5 +3081,5 @@ const cyllm_qkernels QX_TABLE = {
     {QX_ENTRY_Q8_0, QX_ENTRY_NIB(q4_0), QX_ENTRY_NIB(q4_1), QX_ENTRY_Q5(q5_0), QX_ENTRY_Q5(q5_1),
      QX_ENTRY_Q4_K, QX_ENTRY_Q5_K, QX_ENTRY_Q6_K,
      QX_ENTRY_R16(q4k), QX_ENTRY_R16(q40), QX_ENTRY_R16(q80), QX_ENTRY_R16(q41),
-     QX_ENTRY_R16(q6k)},
+     QX_ENTRY_KT(q6k), QX_ENTRY_KT(q5k)},
 };

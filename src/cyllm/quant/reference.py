@@ -122,7 +122,7 @@ def decode(data: np.ndarray, fmt) -> dict:
 
 def unpack_r16(data: np.ndarray, fmt, cols: int) -> np.ndarray:
     """An r16 layout (rows interleaved by 16, cython_ext/csrc/quant.h: q4_k_r16, q4_0_r16,
-    q8_0_r16, q4_1_r16, q6_k_r16) -> the file format's rows, (rows, row_bytes) uint8."""
+    q8_0_r16, q4_1_r16, q6_k_r16, q5_k_r16) -> the file format's rows, (rows, row_bytes) uint8."""
     f = _fmt(fmt)
     if f.name == "q6_k_r16":
         nb = cols // 256
@@ -143,14 +143,19 @@ def unpack_r16(data: np.ndarray, fmt, cols: int) -> np.ndarray:
         qs = g[:, :, 32 * nf:].reshape(-1, nb, nc, 16, 4).transpose(0, 1, 3, 2, 4).reshape(-1, nb, 16, 4 * nc)
         blocks = np.concatenate(fields + [qs], axis=3)                           # (groups, nb, 16, bb)
         return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(-1, nb * bb)
-    nb = cols // 256
-    g = np.ascontiguousarray(data).view(np.uint8).reshape(-1, nb, 16 * 144)     # (groups, nb, 2304)
+    nb, bb = cols // 256, f.block_bytes                                          # q4_k_r16 (144), q5_k_r16 (176)
+    g = np.ascontiguousarray(data).view(np.uint8).reshape(-1, nb, 16 * bb)      # (groups, nb, 16 bb)
     d = g[:, :, 0:32].reshape(-1, nb, 16, 2)
     dmin = g[:, :, 32:64].reshape(-1, nb, 16, 2)
     sc = g[:, :, 64:256].reshape(-1, nb, 12, 16).transpose(0, 1, 3, 2)         # (groups, nb, 16, 12)
-    qs = g[:, :, 256:].reshape(-1, nb, 32, 16, 4).transpose(0, 1, 3, 2, 4).reshape(-1, nb, 16, 128)
-    blocks = np.concatenate([d, dmin, sc, qs], axis=3)                           # (groups, nb, 16, 144)
-    return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(-1, nb * 144)
+    q = g[:, :, 256:].reshape(-1, nb, (bb - 16) // 4, 16, 4)                     # 64-byte chunks
+    if f.name == "q5_k_r16":                    # the file's qh chunks l (8), then qs chunks c (32): their places
+        c = np.arange(32)
+        at = np.concatenate([1 + 2 * np.arange(8), np.where(c < 8, 2 * c, 8 + c)])
+        q = q[:, :, at]
+    q = q.transpose(0, 1, 3, 2, 4).reshape(-1, nb, 16, bb - 16)
+    blocks = np.concatenate([d, dmin, sc, q], axis=3)                            # (groups, nb, 16, bb)
+    return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(-1, nb * bb)
 
 
 def dequantize(data: np.ndarray, fmt, cols: int | None = None) -> np.ndarray:
