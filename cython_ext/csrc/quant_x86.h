@@ -2856,6 +2856,38 @@ static void k6t_wprep(const k6t_w *pw, const uint8_t *g, int64_t nb) {
     }
 }
 
+/* The tiles' shared steps, rows i < 8 against 16 token lanes. D[i] += row i's 4 codes (at wv + 4i)
+ * times the line of x at xl */
+ALWAYS void kt_quad(__m512i D[8], const uint8_t *xl, const uint8_t *wv) {
+    const __m512i xv = _mm512_loadu_si512((const void *)xl);
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < 8; i++) D[i] = _mm512_dpbusd_epi32(D[i], _mm512_set1_epi32((int)cyllm_rd32(wv + 4 * i)), xv);
+}
+
+/* L[i] += D[i] times row i's scale sc[i] (exact: see the group kernels' bounds) */
+ALWAYS void kt_scale(__m512i L[8], const __m512i D[8], const int32_t *sc) {
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < 8; i++) L[i] = _mm512_add_epi32(L[i], _mm512_mullo_epi32(D[i], _mm512_set1_epi32(sc[i])));
+}
+
+/* sum over np pairs p of x's sum pairs (bs + 16p, 16 tokens) times the row's pair (wp[16p]) */
+ALWAYS __m512i kt_pairs(const int np, const int32_t *bs, const int32_t *wp) {
+    __m512i m = _mm512_setzero_si512();
+    _Pragma("GCC unroll 8")
+    for (int p = 0; p < np; p++)
+        m = _mm512_dpwssd_epi32(m, _mm512_loadu_si512((const void *)(bs + 16 * p)), _mm512_set1_epi32(wp[16 * p]));
+    return m;
+}
+
+/* rows [ilo, ihi) of acc, tokens j < nt, into o[j * ldo + i] (add: +=) */
+ALWAYS void kt_store(float *o, int64_t ldo, const __m512 acc[8], int ilo, int ihi, int nt, int add) {
+    for (int i = ilo; i < ihi; i++) {
+        float r[16];
+        _mm512_storeu_ps(r, acc[i]);
+        for (int j = 0; j < nt; j++) o[j * ldo + i] = add ? o[j * ldo + i] + r[j] : r[j];
+    }
+}
+
 /* rows r0 + 0..7 of the panel (r0 = 0 or 8) x 16 tokens; o[j * ldo + i] gets (row i in
  * [ilo, ihi), token j < nt) */
 static void k6t_tile(float *o, int64_t ldo, const k6t_w *w, int r0, const ktx *x, int64_t nb, int ilo,
@@ -2874,34 +2906,21 @@ static void k6t_tile(float *o, int64_t ldo, const k6t_w *w, int r0, const ktx *x
             _Pragma("GCC unroll 4")
             for (int q = 0; q < 4; q++) {
                 const int l = 4 * hh + q;
-                const __m512i xv = _mm512_loadu_si512((const void *)(x->q + 16 * (s * QK_K + 128 * h + 32 * j + 4 * l)));
-                const uint8_t *wv = w->q + (s * 64 + 4 * (8 * h + l) + j) * 64 + 4 * r0;
-                _Pragma("GCC unroll 8")
-                for (int i = 0; i < 8; i++)
-                    D[i] = _mm512_dpbusd_epi32(D[i], _mm512_set1_epi32((int)cyllm_rd32(wv + 4 * i)), xv);
+                kt_quad(D, x->q + 16 * (s * QK_K + 128 * h + 32 * j + 4 * l),
+                        w->q + (s * 64 + 4 * (8 * h + l) + j) * 64 + 4 * r0);
             }
-            const int32_t *sc = w->sc + (s * 16 + k) * 16 + r0;
-            _Pragma("GCC unroll 8")
-            for (int i = 0; i < 8; i++) L[i] = _mm512_add_epi32(L[i], _mm512_mullo_epi32(D[i], _mm512_set1_epi32(sc[i])));
+            kt_scale(L, D, w->sc + (s * 16 + k) * 16 + r0);
         }
         const __m512 dx = _mm512_loadu_ps(x->dx + 16 * s);
         _Pragma("GCC unroll 8")
         for (int i = 0; i < 8; i++) {
-            __m512i off = _mm512_setzero_si512();
-            _Pragma("GCC unroll 8")
-            for (int p = 0; p < 8; p++)
-                off = _mm512_dpwssd_epi32(off, _mm512_loadu_si512((const void *)(x->bs + (8 * s + p) * 16)),
-                                          _mm512_set1_epi32(w->sp[(s * 8 + p) * 16 + r0 + i]));
+            const __m512i off = kt_pairs(8, x->bs + 8 * s * 16, w->sp + s * 8 * 16 + r0 + i);
             const __m512i tot = _mm512_sub_epi32(L[i], _mm512_slli_epi32(off, 5));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(_mm512_set1_ps(w->d[s * 16 + r0 + i]), dx),
                                      acc[i]);
         }
     }
-    for (int i = ilo; i < ihi; i++) {
-        float r[16];
-        _mm512_storeu_ps(r, acc[i]);
-        for (int j = 0; j < nt; j++) o[j * ldo + i] = add ? o[j * ldo + i] + r[j] : r[j];
-    }
+    kt_store(o, ldo, acc, ilo, ihi, nt, add);
 }
 
 /* q4_k and q5_k the same way (r16_group's integers and chain, 16 tokens in the lanes): the
@@ -2958,36 +2977,21 @@ static void k45t_tile(float *o, int64_t ldo, const k45t_w *w, int r0, const ktx 
             _Pragma("GCC unroll 8")
             for (int i = 0; i < 8; i++) D[i] = _mm512_setzero_si512();
             _Pragma("GCC unroll 8")
-            for (int l = 0; l < 8; l++) {
-                const __m512i xv = _mm512_loadu_si512((const void *)(x->q + 16 * (s * QK_K + 32 * k + 4 * l)));
-                const uint8_t *wv = w->q + (s * 64 + 8 * k + l) * 64 + 4 * r0;
-                _Pragma("GCC unroll 8")
-                for (int i = 0; i < 8; i++)
-                    D[i] = _mm512_dpbusd_epi32(D[i], _mm512_set1_epi32((int)cyllm_rd32(wv + 4 * i)), xv);
-            }
-            const int32_t *sc = w->sc + (s * 8 + k) * 16 + r0;
-            _Pragma("GCC unroll 8")
-            for (int i = 0; i < 8; i++) L[i] = _mm512_add_epi32(L[i], _mm512_mullo_epi32(D[i], _mm512_set1_epi32(sc[i])));
+            for (int l = 0; l < 8; l++)
+                kt_quad(D, x->q + 16 * (s * QK_K + 32 * k + 4 * l), w->q + (s * 64 + 8 * k + l) * 64 + 4 * r0);
+            kt_scale(L, D, w->sc + (s * 8 + k) * 16 + r0);
         }
         const __m512 dx = _mm512_loadu_ps(x->dx + 16 * s);
         _Pragma("GCC unroll 8")
         for (int i = 0; i < 8; i++) {
-            __m512i M = _mm512_setzero_si512();
-            _Pragma("GCC unroll 4")
-            for (int q = 0; q < 4; q++)
-                M = _mm512_dpwssd_epi32(M, _mm512_loadu_si512((const void *)(x->bs + (4 * s + q) * 16)),
-                                        _mm512_set1_epi32(w->mp[(s * 4 + q) * 16 + r0 + i]));
+            const __m512i M = kt_pairs(4, x->bs + 4 * s * 16, w->mp + s * 4 * 16 + r0 + i);
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(L[i]), _mm512_mul_ps(_mm512_set1_ps(w->d[s * 16 + r0 + i]), dx),
                                      acc[i]);
             acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(M), _mm512_mul_ps(_mm512_set1_ps(w->dm[s * 16 + r0 + i]), dx),
                                       acc[i]);
         }
     }
-    for (int i = ilo; i < ihi; i++) {
-        float r[16];
-        _mm512_storeu_ps(r, acc[i]);
-        for (int j = 0; j < nt; j++) o[j * ldo + i] = add ? o[j * ldo + i] + r[j] : r[j];
-    }
+    kt_store(o, ldo, acc, ilo, ihi, nt, add);
 }
 
 /* prefill on the K-quants' r16 layouts (kind 0 q4_k, 1 q5_k, 2 q6_k; q4_k's group kernel is
