@@ -9,7 +9,8 @@
  *                    kernels. These serve the file's layout; matrices the backend
  *                    reorders at load (the r16 layouts: q4_k, q4_0, q8_0, q4_1, q6_k and
  *                    q5_k with rows by 16) run the r16 kernels at the end, 16 rows a lane
- *                    each (q6_k's prefill: 16 tokens in a zmm's lanes, k6t).
+ *                    each (q6_k's and q5_k's prefill: 16 tokens in a zmm's lanes,
+ *                    k6t and k45t).
  * The including file defines QX_VNNI, QX_NAME and QX_TABLE. All three compute the
  * same integers (no int16 saturation is reachable: see the bounds next to DOT2).
  *
@@ -2923,7 +2924,8 @@ static void k6t_tile(float *o, int64_t ldo, const k6t_w *w, int r0, const ktx *x
     kt_store(o, ldo, acc, ilo, ihi, nt, add);
 }
 
-/* q4_k and q5_k the same way (r16_group's integers and chain, 16 tokens in the lanes): the
+/* q5_k the same way (r16_group's integers and chain, 16 tokens in the lanes; the panel
+ * preparation reads q4_k's layout too, five = 0, which measured slower than its group kernel): the
  * panel holds each chunk's code vectors (sub-block 2c + hi, quad l at (8 (2c + hi) + l) * 64),
  * the scales and the min pairs per row lane; per (row, token) and superblock, L meets d dx and
  * M dm dx in the group kernel's two FMAs. */
@@ -2994,9 +2996,8 @@ static void k45t_tile(float *o, int64_t ldo, const k45t_w *w, int r0, const ktx 
     kt_store(o, ldo, acc, ilo, ihi, nt, add);
 }
 
-/* prefill on the K-quants' r16 layouts (kind 0 q4_k, 1 q5_k, 2 q6_k; q4_k's group kernel is
- * faster than this tile on Zen 4, 2048x2048 T = 128 1 thread 3.36 ms against 3.84-3.87, so its
- * table entry keeps the group kernel's GEMM): up to K5T_TOKENS tokens
+/* prefill on the r16 layouts of q5_k (kind 1) and q6_k (kind 2; q4_k's group kernel beat this
+ * tile on Zen 4, 2048x2048 T = 128 1 thread 3.36 ms against 3.84-3.87, so q4_k keeps it): up to K5T_TOKENS tokens
  * transposed at a time, one group of 16 rows unpacked at a time and run, 8 rows by 16 tokens,
  * against every block of tokens; a short last block goes to the group kernel (the same bits).
  * The buffers (x: ~17 bytes per token and element, the panel: ~20-22 per element) are malloc'd
@@ -3011,7 +3012,7 @@ ALWAYS void kt_gemm(const int kind, float *out, int64_t ldo, const uint8_t *w, i
     uint8_t *buf = Tt == 0 ? NULL : (uint8_t *)_mm_malloc((size_t)nblk * xb + wb, 64);
     if (rest || !buf) {
         const int64_t t = buf ? Tt : 0;
-        (kind == 2 ? QF(gemm_q6kr16) : kind == 1 ? QF(gemm_q5kr16) : QF(gemm_q4kr16))(
+        (kind == 2 ? QF(gemm_q6kr16) : QF(gemm_q5kr16))(
             out + t * ldo, ldo, w, rb, (const char *)xq + t * xs, xs, T - t, n, r0, r1, add);
         if (!buf) return;
     }
@@ -3025,7 +3026,7 @@ ALWAYS void kt_gemm(const int kind, float *out, int64_t ldo, const uint8_t *w, i
         }
         for (int64_t g = r0 / 16; 16 * g < r1; g++) {
             if (kind == 2) k6t_wprep(&w6, w + 16 * g * rb, nb);
-            else k45t_wprep(&w45, kind, w + 16 * g * rb, nb);
+            else k45t_wprep(&w45, 1, w + 16 * g * rb, nb);
             for (int half = 0; half < 2; half++) {
                 const int64_t base = 16 * g + 8 * half;
                 const int ilo = base < r0 ? (int)(r0 - base) : 0;
