@@ -48,7 +48,8 @@ def load(path=None, backend: str = "cpu", threads=None, context=None, threads_ba
     if quantize is not None:
         from .quant.convert import quantize_weights
         quantize_weights(config, weights, quantize, be.threads if be.name == "cpu" else None)
-    model = Model(config, weights, tokenizer, backend=be, context=context)
+    model = Model(config, weights, tokenizer, backend=be, context=context, consume_weights=True)
+    del weights
     _apply_thread_policy(model, threads, threads_batch)
     from .memory import release_freed_heap
     release_freed_heap()                    # the load's freed temporaries off the resident set

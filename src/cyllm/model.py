@@ -194,7 +194,12 @@ class Model:
     """A loaded model bound to one backend, with its KV cache and tokenizer."""
 
     def __init__(self, config: ModelConfig, weights: dict, tokenizer=None, backend="cpu",
-                 threads=None, context: int | None = None, threads_batch=None):
+                 threads=None, context: int | None = None, threads_batch=None,
+                 consume_weights: bool = False):
+        """consume_weights: the caller hands `weights` over; each layer's entries leave the dict
+        once uploaded, so host copies that the backend replaced (a GGUF's row-permuted q/k,
+        reordered again by the CPU backend's r16 repack or copied to a GPU) are freed as the
+        build goes instead of when the load returns."""
         from .loading import validate_weights
 
         validate_weights(config, weights)
@@ -217,7 +222,7 @@ class Model:
         self.batch: BatchState | None = None
         self.kv_owner = None                  # the generate.Session whose tokens the KV cache holds
         self.lock = threading.RLock()   # one cache: sessions take turns, one step at a time
-        self._build(weights)
+        self._build(weights, consume_weights)
 
     @classmethod
     def from_weights(cls, config, weights, tokenizer=None, backend="cpu", threads=None, context=None,
@@ -225,7 +230,7 @@ class Model:
         return cls(config, weights, tokenizer, backend, threads, context, threads_batch)
 
     # -- construction ---------------------------------------------------------
-    def _build(self, w: dict) -> None:
+    def _build(self, w: dict, consume: bool = False) -> None:
         c, b, fam = self.config, self.backend, self.family
         up = b.upload
 
@@ -300,6 +305,10 @@ class Model:
                 wqkv=wqkv, bq=bq, bk=bk, bv=bv, bqkv=bqkv,
                 q_norm=opt("attn_q_norm.weight"), k_norm=opt("attn_k_norm.weight"),
                 post_attn_norm=opt("post_attention_norm.weight"), post_ffn_norm=opt("post_ffw_norm.weight")))
+            if consume:         # the layer holds what it needs: its host arrays may go now
+                for t in fam.tensors:
+                    if t.per_layer:
+                        w.pop(t.hf_name(i), None)
         qkv = b.empty((qd + 2 * kd,))
         q, k = qkv[:qd], qkv[qd:qd + kd]
         self.state = RunState(
