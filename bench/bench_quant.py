@@ -12,6 +12,7 @@ not values.
     python bench/bench_quant.py --out bench/results/quant_matvec.md
     python bench/bench_quant.py --prefill 64          # also qmatmul int8 vs f16 panels, T=64
     python bench/bench_quant.py --formats q4_k,q4_k_r16 # a format against its r16 layout
+    python bench/bench_quant.py --stream-mb 300       # decode with the weights from DRAM
 """
 
 from __future__ import annotations
@@ -71,8 +72,13 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", default=None, help="quantized table (default: best here)")
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
     ap.add_argument("--prefill", type=int, default=0, help="also time qmatmul with T tokens")
+    ap.add_argument("--stream-mb", type=int, default=0,
+                    help="decode over copies of each matrix filling this many MB, one after another, so "
+                         "the weights come from DRAM as in a model (default 0: one matrix, from cache)")
     ap.add_argument("--out", default=None, help="write the markdown table here")
     args = ap.parse_args(argv)
+    if args.stream_mb < 0 or args.stream_mb > 16384:
+        ap.error(f"--stream-mb must be in [0, 16384], got {args.stream_mb}")
     threads = [int(t) for t in args.threads.split(",")]
     fmts = [f for f in args.formats.split(",") if f]
     shapes = [s for s in args.shapes.split(",") if s]
@@ -92,6 +98,17 @@ def main(argv=None) -> int:
     bw = {t: measure_read_bandwidth(t) for t in threads}
     emit("read bandwidth (GB/s): " + ", ".join(f"{t} thread(s) {bw[t]:.1f}" for t in threads))
     emit()
+    def copies(a):
+        """a and enough copies of it to fill --stream-mb (just a when 0)"""
+        return [a] + [a.copy() for _ in range(int(args.stream_mb * 1e6 // a.nbytes))]
+
+    def each(arrs, call):
+        """seconds per array: one pass of call over arrs, timed"""
+        return timeit(lambda: [call(a) for a in arrs], args.min_time) / len(arrs)
+
+    if args.stream_mb:
+        emit(f"decode over {args.stream_mb} MB of copies of each matrix (weights from DRAM)")
+        emit()
     emit("| shape | format | bytes | " + " | ".join(
         f"{t}T GB/s | {t}T % bw | {t}T us" for t in threads) + " |")
     emit("|---|---|---:|" + "---:|---:|---:|" * len(threads))
@@ -100,21 +117,24 @@ def main(argv=None) -> int:
         x = rng.standard_normal(cols).astype(np.float32)
         out = np.zeros(rows, np.float32)
         w16 = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float16)
+        w16s = copies(w16)
         cells = []
         for t in threads:
             cb = CpuBackend(threads=t)
-            dt = timeit(lambda: cb.matvec(out, w16, x), args.min_time)
+            dt = each(w16s, lambda w: cb.matvec(out, w, x))
             cells.append(f"{w16.nbytes / dt / 1e9:.1f} | {100 * w16.nbytes / dt / 1e9 / bw[t]:.0f}% | {dt * 1e6:.0f}")
         emit(f"| {sname} {rows}x{cols} | f16 | {w16.nbytes} | " + " | ".join(cells) + " |")
-        del w16
+        del w16, w16s
         for fmt in fmts:
             wq = random_quant(fmt, rows, cols, rng)
+            wqs = copies(wq)
             cells = []
             for t in threads:
                 qk = K.QuantKernels(threads=t, variant=args.variant)
-                dt = timeit(lambda: qk.qmatvec(out, wq, fmt, x), args.min_time)
+                dt = each(wqs, lambda w: qk.qmatvec(out, w, fmt, x))
                 cells.append(f"{wq.nbytes / dt / 1e9:.1f} | {100 * wq.nbytes / dt / 1e9 / bw[t]:.0f}% | {dt * 1e6:.0f}")
             emit(f"| {sname} {rows}x{cols} | {fmt} | {wq.nbytes} | " + " | ".join(cells) + " |")
+            del wqs
     if args.prefill:
         T = args.prefill
         emit()

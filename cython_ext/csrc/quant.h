@@ -156,22 +156,13 @@ const cyllm_qkernels *cyllm_qkernels_by_name(const char *name);
  * "generic" -> generic; "avx2" -> avxvnni or avx2; "avx512" -> avx512vnni, avxvnni or avx2). */
 const cyllm_qkernels *cyllm_qkernels_for_variant(const char *variant);
 
-/* rows [g0, g1) * 16 of a q4_k matrix (rows, row_bytes) -> the same rows of the r16 layout
- * (rows a multiple of 16); quant_generic.c */
-void cyllm_q4k_r16_repack(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t g0, int64_t g1);
-/* the file's bytes of superblock b of row r of an r16 matrix -> out (144 bytes) */
-void cyllm_q4k_r16_gather(uint8_t *out, const uint8_t *w, int64_t row_bytes, int64_t r, int64_t b);
-/* the same two for q4_0, q8_0 and q4_1 (fmt: CYLLM_QF_Q4_0 | CYLLM_QF_Q8_0 | CYLLM_QF_Q4_1) */
-void cyllm_b32_r16_repack(int fmt, uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t g0, int64_t g1);
-void cyllm_b32_r16_gather(int fmt, uint8_t *out, const uint8_t *w, int64_t row_bytes, int64_t r, int64_t b);
-/* the same two for q6_k, and for q5_k */
-void cyllm_q6k_r16_repack(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t g0, int64_t g1);
-void cyllm_q6k_r16_gather(uint8_t *out, const uint8_t *w, int64_t row_bytes, int64_t r, int64_t b);
-void cyllm_q5k_r16_repack(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t g0, int64_t g1);
-void cyllm_q5k_r16_gather(uint8_t *out, const uint8_t *w, int64_t row_bytes, int64_t r, int64_t b);
-/* the r16 layout of file format fmt (-1: none) and its repack (fmt must have one) */
+/* quant_generic.c: the r16 layout of file format fmt (-1: none); rows [g0, g1) * 16 of a
+ * matrix of format fmt (one that has a layout; rows a multiple of 16) -> the same rows of
+ * its layout */
 int cyllm_r16_layout(int fmt);
 void cyllm_r16_repack(int fmt, uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t g0, int64_t g1);
+/* the file's bytes of block b of row r of an r16 matrix of file format fmt -> out */
+void cyllm_r16_gather(int fmt, uint8_t *out, const uint8_t *w, int64_t row_bytes, int64_t r, int64_t b);
 
 /* quant_quantize.c: one row of n float32 (n a multiple of the block, finite values)
  * -> out (row_bytes) in format fmt; the bytes of cyllm.quant.reference.quantize

@@ -306,57 +306,39 @@ void cyllm_qdequant_rows_f16_generic(int fmt, uint16_t *out, const uint8_t *w, i
     }
 }
 
-/* ---- q4_k with rows interleaved by 16 (quant.h) --------------------------------------- */
+/* ---- q4_k and q5_k with rows interleaved by 16 (quant.h) --------------------------------
+ * Both: d, dmin and the 12 scale bytes as planes of 16 rows, then the chunks of 4 bytes of each
+ * row (row i at 4i): q4_k's 32 of qs; q5_k's 32 of qs with its 8 of qh placed among them. */
 
-void cyllm_q4k_r16_repack(uint8_t *dst, const uint8_t *src, int64_t rb, int64_t g0, int64_t g1) {
-    const int64_t nb = rb / QB_Q4_K;
+/* where chunk c of qs (the file's bytes 4c..) and chunk l of qh lie in a superblock */
+static int k45_r16_qs(int five, int c) { return five ? cyllm_r16_q5_qs(c) : 256 + 64 * c; }
+
+static void k45_r16_repack(int five, uint8_t *dst, const uint8_t *src, int64_t rb, int64_t g0, int64_t g1) {
+    const int bb = five ? QB_Q5_K : QB_Q4_K, qs = five ? 48 : 16;      /* qs's offset in the file's block */
+    const int64_t nb = rb / bb;
     for (int64_t g = g0; g < g1; g++)
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t *o = dst + g * CYLLM_R16 * rb + b * CYLLM_R16_SB;
+            uint8_t *o = dst + g * CYLLM_R16 * rb + b * CYLLM_R16 * bb;
             for (int i = 0; i < CYLLM_R16; i++) {
-                const uint8_t *s = src + (g * CYLLM_R16 + i) * rb + b * QB_Q4_K;
+                const uint8_t *s = src + (g * CYLLM_R16 + i) * rb + b * bb;
                 memcpy(o + 2 * i, s, 2);                               /* d */
                 memcpy(o + 32 + 2 * i, s + 2, 2);                      /* dmin */
                 for (int k = 0; k < 12; k++) o[64 + 16 * k + i] = s[4 + k];
-                for (int c = 0; c < 32; c++) memcpy(o + 256 + 64 * c + 4 * i, s + 16 + 4 * c, 4);
+                for (int l = 0; five && l < 8; l++) memcpy(o + cyllm_r16_q5_qh(l) + 4 * i, s + 16 + 4 * l, 4);
+                for (int c = 0; c < 32; c++) memcpy(o + k45_r16_qs(five, c) + 4 * i, s + qs + 4 * c, 4);
             }
         }
 }
 
-/* q5_k: q4_k's header (d, dmin, scales), then its qs and qh chunks (quant.h) */
-void cyllm_q5k_r16_repack(uint8_t *dst, const uint8_t *src, int64_t rb, int64_t g0, int64_t g1) {
-    const int64_t nb = rb / QB_Q5_K;
-    for (int64_t g = g0; g < g1; g++)
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t *o = dst + g * CYLLM_R16 * rb + b * CYLLM_R16_SB5;
-            for (int i = 0; i < CYLLM_R16; i++) {
-                const uint8_t *s = src + (g * CYLLM_R16 + i) * rb + b * QB_Q5_K;
-                memcpy(o + 2 * i, s, 2);                               /* d */
-                memcpy(o + 32 + 2 * i, s + 2, 2);                      /* dmin */
-                for (int k = 0; k < 12; k++) o[64 + 16 * k + i] = s[4 + k];
-                for (int l = 0; l < 8; l++) memcpy(o + cyllm_r16_q5_qh(l) + 4 * i, s + 16 + 4 * l, 4);
-                for (int c = 0; c < 32; c++) memcpy(o + cyllm_r16_q5_qs(c) + 4 * i, s + 48 + 4 * c, 4);
-            }
-        }
-}
-
-void cyllm_q5k_r16_gather(uint8_t *out, const uint8_t *w, int64_t rb, int64_t r, int64_t b) {
-    const uint8_t *p = w + (r / CYLLM_R16) * CYLLM_R16 * rb + b * CYLLM_R16_SB5;
+static void k45_r16_gather(int five, uint8_t *out, const uint8_t *w, int64_t rb, int64_t r, int64_t b) {
+    const int bb = five ? QB_Q5_K : QB_Q4_K, qs = five ? 48 : 16;
+    const uint8_t *p = w + (r / CYLLM_R16) * CYLLM_R16 * rb + b * CYLLM_R16 * bb;
     const int i = (int)(r % CYLLM_R16);
     memcpy(out, p + 2 * i, 2);
     memcpy(out + 2, p + 32 + 2 * i, 2);
     for (int k = 0; k < 12; k++) out[4 + k] = p[64 + 16 * k + i];
-    for (int l = 0; l < 8; l++) memcpy(out + 16 + 4 * l, p + cyllm_r16_q5_qh(l) + 4 * i, 4);
-    for (int c = 0; c < 32; c++) memcpy(out + 48 + 4 * c, p + cyllm_r16_q5_qs(c) + 4 * i, 4);
-}
-
-void cyllm_q4k_r16_gather(uint8_t *out, const uint8_t *w, int64_t rb, int64_t r, int64_t b) {
-    const uint8_t *p = w + (r / CYLLM_R16) * CYLLM_R16 * rb + b * CYLLM_R16_SB;
-    const int i = (int)(r % CYLLM_R16);
-    memcpy(out, p + 2 * i, 2);
-    memcpy(out + 2, p + 32 + 2 * i, 2);
-    for (int k = 0; k < 12; k++) out[4 + k] = p[64 + 16 * k + i];
-    for (int c = 0; c < 32; c++) memcpy(out + 16 + 4 * c, p + 256 + 64 * c + 4 * i, 4);
+    for (int l = 0; five && l < 8; l++) memcpy(out + 16 + 4 * l, p + cyllm_r16_q5_qh(l) + 4 * i, 4);
+    for (int c = 0; c < 32; c++) memcpy(out + qs + 4 * c, p + k45_r16_qs(five, c) + 4 * i, 4);
 }
 
 /* ---- q6_k with rows interleaved by 16 (quant.h) --------------------------------------- */
@@ -368,7 +350,7 @@ static int q6k_r16_chunk(int c) {
     return c < 32 ? 3 * (8 * (c / 16) + c % 8) + (c / 8) % 2 : 3 * (c - 32) + 2;
 }
 
-void cyllm_q6k_r16_repack(uint8_t *dst, const uint8_t *src, int64_t rb, int64_t g0, int64_t g1) {
+static void q6k_r16_repack(uint8_t *dst, const uint8_t *src, int64_t rb, int64_t g0, int64_t g1) {
     const int64_t nb = rb / QB_Q6_K;
     for (int64_t g = g0; g < g1; g++)
         for (int64_t b = 0; b < nb; b++) {
@@ -382,7 +364,7 @@ void cyllm_q6k_r16_repack(uint8_t *dst, const uint8_t *src, int64_t rb, int64_t 
         }
 }
 
-void cyllm_q6k_r16_gather(uint8_t *out, const uint8_t *w, int64_t rb, int64_t r, int64_t b) {
+static void q6k_r16_gather(uint8_t *out, const uint8_t *w, int64_t rb, int64_t r, int64_t b) {
     const uint8_t *p = w + (r / CYLLM_R16) * CYLLM_R16 * rb + b * CYLLM_R16_SB6;
     const int i = (int)(r % CYLLM_R16);
     for (int c = 0; c < 48; c++) memcpy(out + 4 * c, p + 64 * q6k_r16_chunk(c) + 4 * i, 4);
@@ -397,7 +379,7 @@ void cyllm_q6k_r16_gather(uint8_t *out, const uint8_t *w, int64_t rb, int64_t r,
 static int b32_chunks(int fmt) { return fmt == CYLLM_QF_Q8_0 ? 8 : 4; }
 static int b32_fields(int fmt) { return fmt == CYLLM_QF_Q4_1 ? 2 : 1; }
 
-void cyllm_b32_r16_repack(int fmt, uint8_t *dst, const uint8_t *src, int64_t rb, int64_t g0, int64_t g1) {
+static void b32_r16_repack(int fmt, uint8_t *dst, const uint8_t *src, int64_t rb, int64_t g0, int64_t g1) {
     const int bb = INFO[fmt].block_bytes, nc = b32_chunks(fmt), nf = b32_fields(fmt);
     const int64_t nb = rb / bb;
     for (int64_t g = g0; g < g1; g++)
@@ -411,7 +393,7 @@ void cyllm_b32_r16_repack(int fmt, uint8_t *dst, const uint8_t *src, int64_t rb,
         }
 }
 
-void cyllm_b32_r16_gather(int fmt, uint8_t *out, const uint8_t *w, int64_t rb, int64_t r, int64_t b) {
+static void b32_r16_gather(int fmt, uint8_t *out, const uint8_t *w, int64_t rb, int64_t r, int64_t b) {
     const int bb = INFO[fmt].block_bytes, nc = b32_chunks(fmt), nf = b32_fields(fmt);
     const uint8_t *p = w + (r / CYLLM_R16) * CYLLM_R16 * rb + b * CYLLM_R16 * bb;
     const int i = (int)(r % CYLLM_R16);
@@ -432,21 +414,18 @@ int cyllm_r16_layout(int fmt) {
 }
 
 void cyllm_r16_repack(int fmt, uint8_t *dst, const uint8_t *src, int64_t rb, int64_t g0, int64_t g1) {
-    if (fmt == CYLLM_QF_Q4_K) cyllm_q4k_r16_repack(dst, src, rb, g0, g1);
-    else if (fmt == CYLLM_QF_Q6_K) cyllm_q6k_r16_repack(dst, src, rb, g0, g1);
-    else if (fmt == CYLLM_QF_Q5_K) cyllm_q5k_r16_repack(dst, src, rb, g0, g1);
-    else cyllm_b32_r16_repack(fmt, dst, src, rb, g0, g1);
+    if (fmt == CYLLM_QF_Q4_K || fmt == CYLLM_QF_Q5_K) k45_r16_repack(fmt == CYLLM_QF_Q5_K, dst, src, rb, g0, g1);
+    else if (fmt == CYLLM_QF_Q6_K) q6k_r16_repack(dst, src, rb, g0, g1);
+    else b32_r16_repack(fmt, dst, src, rb, g0, g1);
 }
 
 /* ---- the r16 layouts' portable entries (every table's but the AVX512-VNNI one's, which has
  * its own kernels; the backend repacks only for that one) ----------------------------- */
 
-/* block b of row r back to the file's bytes (out: one block of the file format fmt) */
-static void r16_gather(int fmt, uint8_t *out, const uint8_t *w, int64_t rb, int64_t r, int64_t b) {
-    if (fmt == CYLLM_QF_Q4_K) cyllm_q4k_r16_gather(out, w, rb, r, b);
-    else if (fmt == CYLLM_QF_Q6_K) cyllm_q6k_r16_gather(out, w, rb, r, b);
-    else if (fmt == CYLLM_QF_Q5_K) cyllm_q5k_r16_gather(out, w, rb, r, b);
-    else cyllm_b32_r16_gather(fmt, out, w, rb, r, b);
+void cyllm_r16_gather(int fmt, uint8_t *out, const uint8_t *w, int64_t rb, int64_t r, int64_t b) {
+    if (fmt == CYLLM_QF_Q4_K || fmt == CYLLM_QF_Q5_K) k45_r16_gather(fmt == CYLLM_QF_Q5_K, out, w, rb, r, b);
+    else if (fmt == CYLLM_QF_Q6_K) q6k_r16_gather(out, w, rb, r, b);
+    else b32_r16_gather(fmt, out, w, rb, r, b);
 }
 
 /* a row's dot product: each block gathered back, then the file format's own dot (its bits) */
@@ -455,7 +434,7 @@ static float dot_r16(int fmt, const uint8_t *w, int64_t rb, int64_t r, const cyl
     const int blen = INFO[fmt].block;
     float s = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
-        r16_gather(fmt, blk, w, rb, r, b);
+        cyllm_r16_gather(fmt, blk, w, rb, r, b);
         cyllm_qact_view ab = *a;
         ab.q += b * blen;
         ab.d += b;
@@ -477,7 +456,7 @@ void cyllm_##F##_r16_deq16(uint16_t *out, const uint8_t *w, int64_t rb, int64_t 
     float y[QK_K];                                                                            \
     for (int64_t r = r0; r < r1; r++)                                                         \
         for (int64_t b = 0; b < n / blen; b++) {                                              \
-            r16_gather(FMT, blk, w, rb, r, b);                                                \
+            cyllm_r16_gather(FMT, blk, w, rb, r, b);                                                \
             dequant_block(FMT, y, blk);                                                       \
             for (int i = 0; i < blen; i++) out[(r - r0) * n + b * blen + i] = cyllm_f2h(y[i]); \
         }                                                                                     \
@@ -486,7 +465,7 @@ void cyllm_##F##_r16_deq32(float *out, const uint8_t *w, int64_t rb, int64_t r, 
     const int blen = INFO[FMT].block;                                                         \
     uint8_t blk[QB_Q6_K];                                                                     \
     for (int64_t b = 0; b < n / blen; b++) {                                                  \
-        r16_gather(FMT, blk, w, rb, r, b);                                                    \
+        cyllm_r16_gather(FMT, blk, w, rb, r, b);                                                    \
         dequant_block(FMT, out + b * blen, blk);                                              \
     }                                                                                         \
 }                                                                                             \

@@ -2924,8 +2924,8 @@ static void k6t_tile(float *o, int64_t ldo, const k6t_w *w, int r0, const ktx *x
     kt_store(o, ldo, acc, ilo, ihi, nt, add);
 }
 
-/* q5_k the same way (r16_group's integers and chain, 16 tokens in the lanes; the panel
- * preparation reads q4_k's layout too, five = 0, which measured slower than its group kernel): the
+/* q5_k the same way (r16_group's integers and chain, 16 tokens in the lanes; the same tile on
+ * q4_k's layout measured slower than q4_k's group kernel): the
  * panel holds each chunk's code vectors (sub-block 2c + hi, quad l at (8 (2c + hi) + l) * 64),
  * the scales and the min pairs per row lane; per (row, token) and superblock, L meets d dx and
  * M dm dx in the group kernel's two FMAs. */
@@ -2945,13 +2945,14 @@ static k45t_w k45t_w_at(uint8_t *p, int64_t n) {
     return w;
 }
 
-static void k45t_wprep(const k45t_w *pw, const int five, const uint8_t *g, int64_t nb) {
+/* the 16 rows of q5_k_r16 group g (at w) -> the panel */
+static void k45t_wprep(const k45t_w *pw, const uint8_t *g, int64_t nb) {
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *p = g + b * (five ? CYLLM_R16_SB5 : CYLLM_R16_SB);
+        const uint8_t *p = g + b * CYLLM_R16_SB5;
         for (int c = 0; c < 4; c++)
             for (int l = 0; l < 8; l++) {
                 __m512i vl, vh;
-                k45r16_codes(five, p, c, l, &vl, &vh);
+                k45r16_codes(1, p, c, l, &vl, &vh);
                 _mm512_storeu_si512((void *)(pw->q + (b * 64 + 16 * c + l) * 64), vl);
                 _mm512_storeu_si512((void *)(pw->q + (b * 64 + 16 * c + 8 + l) * 64), vh);
             }
@@ -3026,7 +3027,7 @@ ALWAYS void kt_gemm(const int kind, float *out, int64_t ldo, const uint8_t *w, i
         }
         for (int64_t g = r0 / 16; 16 * g < r1; g++) {
             if (kind == 2) k6t_wprep(&w6, w + 16 * g * rb, nb);
-            else k45t_wprep(&w45, 1, w + 16 * g * rb, nb);
+            else k45t_wprep(&w45, w + 16 * g * rb, nb);
             for (int half = 0; half < 2; half++) {
                 const int64_t base = 16 * g + 8 * half;
                 const int ilo = base < r0 ? (int)(r0 - base) : 0;

@@ -196,8 +196,8 @@ class Model:
     def __init__(self, config: ModelConfig, weights: dict, tokenizer=None, backend="cpu",
                  threads=None, context: int | None = None, threads_batch=None,
                  consume_weights: bool = False):
-        """consume_weights: the caller hands `weights` over; each layer's entries leave the dict
-        once uploaded, so host copies that the backend replaced (a GGUF's row-permuted q/k,
+        """consume_weights: the caller hands `weights` over; the entries leave the dict once
+        uploaded (the globals first, then layer by layer), so host copies that the backend replaced (a GGUF's row-permuted q/k,
         reordered again by the CPU backend's r16 repack or copied to a GPU) are freed as the
         build goes instead of when the load returns."""
         from .loading import validate_weights
@@ -245,6 +245,11 @@ class Model:
         self.final_norm = up(get("output_norm.weight"))                 # (dim,) f32
         out = get("output.weight")
         self.output = up(out) if out is not None and not c.tie_word_embeddings else self.embedding
+        del out
+        if consume:             # the globals are uploaded: their host arrays may go now
+            for t in fam.tensors:
+                if not t.per_layer:
+                    w.pop(t.hf_name(), None)
         tables: dict = {}     # one (cos, sin) pair per distinct rope
         qd, kd, f = c.q_dim, c.kv_dim, c.ffn_dim
         self.layers: list[Layer] = []
