@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 import platform
 import sys
@@ -22,6 +23,7 @@ import time
 
 import numpy as np
 
+from cyllm._ext import kernels as _k
 from cyllm.backends.cpu import CpuBackend, kernel_info, measure_read_bandwidth
 from cyllm.hostinfo import cpu_description
 
@@ -60,7 +62,13 @@ def main(argv=None) -> int:
     ap.add_argument("--hot", action="store_true", help="reuse one matrix (cache-hot) instead of rotating copies")
     ap.add_argument("--no-bandwidth", action="store_true", help="skip the read-bandwidth roofline")
     ap.add_argument("--markdown", help="also write the table (with machine info) to this .md file")
+    ap.add_argument("--wide-prefetch", choices=("on", "off", "both"), default="on",
+                    help="the L2 prefetch of wide rows (x of half of L1d or more; kernels_avx2.c): "
+                         "on (the default), off, or both, timed one after the other")
     args = ap.parse_args(argv)
+    wide_default = _k._set_wide_prefetch(0, 0)
+    _k._set_wide_prefetch(*wide_default)
+    wide_settings = ("on", "off") if args.wide_prefetch == "both" else (args.wide_prefetch,)
 
     info = kernel_info()
     variants = args.variants or info["available_variants"]
@@ -72,7 +80,8 @@ def main(argv=None) -> int:
         for t in threads:
             roof[t] = measure_read_bandwidth(t, 512 << 20, 5)
 
-    header = "| shape (d x n) | MiB | variant | threads | best GB/s | median GB/s | us/call (median) | read BW GB/s | % of BW | ref err |"
+    header = ("| shape (d x n) | MiB | variant | threads | wide-row prefetch | best GB/s | median GB/s "
+              "| us/call (median) | read BW GB/s | % of BW | ref err |")
     rows = [header, "|" + "|".join(["---"] * (header.count("|") - 1)) + "|"]
     print(f"kernels: {info}")
     print(header)
@@ -91,17 +100,19 @@ def main(argv=None) -> int:
         out = np.zeros(d, np.float32)
         nbytes = w.nbytes + x.nbytes + out.nbytes
         for v in variants:
-            for t in threads:
-                b = CpuBackend(t, variant=v)
-                err = check(b, w, x)
-                ts = time_calls(lambda: call(b, out, x), args.iters)
+            for t, wide in itertools.product(threads, wide_settings):
+                _k._set_wide_prefetch(*(wide_default if wide == "on" else (0, 0)))
+                try:
+                    b = CpuBackend(t, variant=v)
+                    err = check(b, w, x)
+                    ts = time_calls(lambda: call(b, out, x), args.iters)
+                finally:
+                    _k._set_wide_prefetch(*wide_default)
                 best, med = nbytes / ts.min() / 1e9, nbytes / np.median(ts) / 1e9
                 bw = roof.get(t)
-                row = (f"| {d}x{n} | {w.nbytes / 2**20:.1f} | {v} | {t} | {best:.1f} | {med:.1f} | "
-                       f"{np.median(ts) * 1e6:.1f} | {bw:.1f} | {100 * best / bw:.0f}% | {err:.1e} |"
-                       if bw else
-                       f"| {d}x{n} | {w.nbytes / 2**20:.1f} | {v} | {t} | {best:.1f} | {med:.1f} | "
-                       f"{np.median(ts) * 1e6:.1f} | - | - | {err:.1e} |")
+                pct = f"{bw:.1f} | {100 * best / bw:.0f}%" if bw else "- | -"
+                row = (f"| {d}x{n} | {w.nbytes / 2**20:.1f} | {v} | {t} | {wide} | {best:.1f} | {med:.1f} | "
+                       f"{np.median(ts) * 1e6:.1f} | {pct} | {err:.1e} |")
                 print(row, flush=True)
                 rows.append(row)
                 if err > 1e-5:

@@ -54,6 +54,9 @@ cdef extern from "csrc/kernels.h" nogil:
     int cyllm_avx2_compiled() noexcept
     int cyllm_avx512_compiled() noexcept
     int64_t cyllm_pf_bytes
+    int64_t cyllm_pf_wide_x
+    int64_t cyllm_pf_wide_bytes
+    void cyllm_pf_init() noexcept
     int cyllm_pf_next
     int cyllm_spin
     void cyllm_rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps) noexcept

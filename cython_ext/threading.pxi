@@ -21,6 +21,19 @@ def _set_spin(int polls):
 _pf_on_bytes = cyllm_pf_bytes
 
 
+cyllm_pf_init()
+
+
+def _set_wide_prefetch(int64_t x_bytes, int64_t nbytes):
+    """The F16 matvec's wide-row prefetch (benchmarks only): from x of `x_bytes` bytes the
+    weights go to L2 `nbytes` ahead (0 = never). Returns the previous (x_bytes, nbytes)."""
+    global cyllm_pf_wide_x, cyllm_pf_wide_bytes
+    old = (cyllm_pf_wide_x, cyllm_pf_wide_bytes)
+    cyllm_pf_wide_x = x_bytes if nbytes > 0 else (1 << 62)
+    cyllm_pf_wide_bytes = nbytes
+    return old
+
+
 def _set_prefetch(int64_t nbytes, int across_ops=1):
     """Tuning knobs of the F16 decode matvec's software prefetch (benchmarks only): bytes
     ahead in the weight stream (0 = off), and whether the decode program prefetches

@@ -81,6 +81,38 @@ def test_matvec_bitwise_across_threads(variant, d, n):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("d,n", [(67, 300), (1031, 257), (130, 4133)])
+def test_matvec_wide_row_prefetch_keeps_the_bits(variant, d, n):
+    """Rows whose x fills half of L1d prefetch their weights into L2 (kernels_avx2.c): a hint
+    only, so the wide loop (forced here on every row) gives the plain loop's bits, within the
+    reference's tolerance, at 1 and 2 threads, for matvec, matvec_add and gate_up."""
+    rng = rng_for("wide", d, n)
+    w, wu, x = f16_matrix(rng, d, n), f16_matrix(rng, d, n), f32_vec(rng, n)
+    base = f32_vec(rng, d)
+
+    def run(threads):
+        b = backend(variant, threads)
+        o1, o2, o3 = np.zeros(d, np.float32), base.copy(), np.zeros(d, np.float32)
+        b.matvec(o1, w, x)
+        b.matvec_add(o2, w, x)
+        b.gate_up(o3, w, wu, x)
+        return o1, o2, o3
+
+    dflt = _k._set_wide_prefetch(0, 0)            # never wide
+    try:
+        plain = [run(t) for t in (1, 2)]
+        _k._set_wide_prefetch(4, 256)             # every row wide, 256 bytes ahead
+        wide = [run(t) for t in (1, 2)]
+    finally:
+        _k._set_wide_prefetch(*dflt)
+    for p, q in zip(plain, wide):
+        for a, c in zip(p, q):
+            assert np.array_equal(a.view(np.uint32), c.view(np.uint32))
+    want = w.astype(np.float64) @ x.astype(np.float64)
+    np.testing.assert_allclose(wide[0][0], want, rtol=1e-4, atol=1e-3 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_matvec_readonly_and_unaligned(variant, tmp_path):
     rng = rng_for("ro")
     d, n = 67, 131

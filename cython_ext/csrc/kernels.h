@@ -101,6 +101,11 @@ float cyllm_act(float x, int act);
 /* F16 matvec software prefetch distance in bytes ahead of the weight stream (0 = off);
  * see kernels_avx2.c */
 extern int64_t cyllm_pf_bytes;
+/* x bytes from which a matvec's row is wide (half of L1d), and the L2 prefetch distance of
+ * wide rows (kernels_avx2.c) */
+extern int64_t cyllm_pf_wide_x;
+extern int64_t cyllm_pf_wide_bytes;
+void cyllm_pf_init(void);        /* cyllm_pf_wide_x from this CPU's L1d size (once, at import) */
 extern int cyllm_pf_next;       /* program.c: 1 = decode program prefetches across ops */
 extern int cyllm_spin;          /* program.c: polls at a barrier before a waiter sleeps */
 /* out (n,) = x / sqrt(mean(x^2) + eps) * w: sum of squares in double, one f32 scale.

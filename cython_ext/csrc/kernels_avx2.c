@@ -8,6 +8,11 @@
  *   decode step: backends/step_tuner.py).
  *   Measured +23% over the former 4-rows-at-once kernel on SmolLM2's matrices and
  *   ~95% of the plain-load read probe (bench/results/cpu_speed.md).
+ *   Wide rows: where x (4n bytes) takes half of L1d or more, the weight stream evicts it
+ *   from L1 on every row and the matvec falls to half the read bandwidth (Zen 4, 1 thread,
+ *   2048 rows: 25 GB/s at n = 2048, 15 at 5632, 11 at 8192). Such matrices always prefetch
+ *   their weights cyllm_pf_wide_bytes ahead into L2 only (prefetcht1), so the demand loads
+ *   hit L2 and x stays in L1: 19-22 GB/s at n = 5632 (bench/results/matvec_cpu.md).
  * attention: 8 cached positions per step; 8 scores come out of one hadd tree,
  *   one vector exp per 8 positions, V accumulated into `out` in one pass.
  *
@@ -53,12 +58,16 @@ static inline float dot1(const uint16_t *w, const float *x, int64_t n) {
 }
 
 /* one row, 4 accumulators over 32 columns per step; prefetch one line per 32 columns
- * at `pf` (the linear stream `dist` bytes ahead) */
-static inline float dot1_lin(const uint16_t *w, const float *x, int64_t n, const char *pf) {
+ * at `pf` (the linear stream `dist` bytes ahead), into L1 and L2 or (l2) L2 only */
+static inline __attribute__((always_inline)) float dot1_lin(const uint16_t *w, const float *x, int64_t n,
+                                                            const char *pf, const int l2) {
     __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps(), c = _mm256_setzero_ps(), d = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 32 <= n; j += 32) {
-        if (pf) _mm_prefetch(pf + j * 2, _MM_HINT_T0);
+        if (pf) {
+            if (l2) _mm_prefetch(pf + j * 2, _MM_HINT_T1);
+            else _mm_prefetch(pf + j * 2, _MM_HINT_T0);
+        }
         a = _mm256_fmadd_ps(load8h(w + j), _mm256_loadu_ps(x + j), a);
         b = _mm256_fmadd_ps(load8h(w + j + 8), _mm256_loadu_ps(x + j + 8), b);
         c = _mm256_fmadd_ps(load8h(w + j + 16), _mm256_loadu_ps(x + j + 16), c);
@@ -81,27 +90,42 @@ static inline const char *pf_at(const char *p, int64_t dist, const char *end, co
     return (nx && off >= 0 && off + len <= nx_bytes) ? (const char *)nx + off : NULL;
 }
 
-static void matvec_rows_avx2(float *out, const uint16_t *w, const float *x, int64_t n,
-                             int64_t r0, int64_t r1, int add, const void *nx, int64_t nx_bytes) {
-    const int64_t dist = cyllm_pf_bytes;
+/* a row of n columns is wide when x (4n bytes) takes half of L1d or more (header) */
+static inline int wide_row(int64_t n) { return 4 * n >= cyllm_pf_wide_x; }
+
+static inline __attribute__((always_inline)) void matvec_rows_pf(
+        float *out, const uint16_t *w, const float *x, int64_t n, int64_t r0, int64_t r1, int add,
+        const void *nx, int64_t nx_bytes, const int64_t dist, const int l2) {
     const char *end = (const char *)(w + r1 * n);
     for (int64_t r = r0; r < r1; r++) {
         const uint16_t *wr = w + r * n;
-        float s = dot1_lin(wr, x, n, pf_at((const char *)wr, dist, end, nx, nx_bytes, n * 2));
+        float s = dot1_lin(wr, x, n, pf_at((const char *)wr, dist, end, nx, nx_bytes, n * 2), l2);
         out[r] = add ? out[r] + s : s;
+    }
+}
+
+static void matvec_rows_avx2(float *out, const uint16_t *w, const float *x, int64_t n,
+                             int64_t r0, int64_t r1, int add, const void *nx, int64_t nx_bytes) {
+    if (wide_row(n)) matvec_rows_pf(out, w, x, n, r0, r1, add, nx, nx_bytes, cyllm_pf_wide_bytes, 1);
+    else matvec_rows_pf(out, w, x, n, r0, r1, add, nx, nx_bytes, cyllm_pf_bytes, 0);
+}
+
+static inline __attribute__((always_inline)) void gate_up_rows_pf(
+        float *out, const uint16_t *wg, const uint16_t *wu, const float *x, int64_t n, int64_t r0,
+        int64_t r1, int act, const void *nx, int64_t nx_bytes, const int64_t dist, const int l2) {
+    const char *eg = (const char *)(wg + r1 * n), *eu = (const char *)(wu + r1 * n);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t *g = wg + r * n, *u = wu + r * n;
+        float a = dot1_lin(g, x, n, pf_at((const char *)g, dist, eg, nx, nx_bytes, n * 2), l2);
+        float b = dot1_lin(u, x, n, pf_at((const char *)u, dist, eu, NULL, 0, n * 2), l2);
+        out[r] = cyllm_act(a, act) * b;
     }
 }
 
 static void gate_up_rows_avx2(float *out, const uint16_t *wg, const uint16_t *wu, const float *x,
                              int64_t n, int64_t r0, int64_t r1, int act, const void *nx, int64_t nx_bytes) {
-    const int64_t dist = cyllm_pf_bytes;
-    const char *eg = (const char *)(wg + r1 * n), *eu = (const char *)(wu + r1 * n);
-    for (int64_t r = r0; r < r1; r++) {
-        const uint16_t *g = wg + r * n, *u = wu + r * n;
-        float a = dot1_lin(g, x, n, pf_at((const char *)g, dist, eg, nx, nx_bytes, n * 2));
-        float b = dot1_lin(u, x, n, pf_at((const char *)u, dist, eu, NULL, 0, n * 2));
-        out[r] = cyllm_act(a, act) * b;
-    }
+    if (wide_row(n)) gate_up_rows_pf(out, wg, wu, x, n, r0, r1, act, nx, nx_bytes, cyllm_pf_wide_bytes, 1);
+    else gate_up_rows_pf(out, wg, wu, x, n, r0, r1, act, nx, nx_bytes, cyllm_pf_bytes, 0);
 }
 
 /* e^x (softmax weights, SiLU), Cephes-style: 2^round(x log2 e) * poly; ~1-2 ulp.

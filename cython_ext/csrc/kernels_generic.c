@@ -11,6 +11,9 @@
  * bench/bench_gemm.py (prefill GEMM), bench/bench_attention.py, bench/bench_norm_rope.py.
  */
 #include <math.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
 #include "kernels.h"
 #include "fp16.h"
 
@@ -21,6 +24,17 @@
  * (Zen 5: +40-70% on single F16 matrices, Zen 4: -10-25% on F16 decode), so the decode
  * steps measure it (backends/step_tuner.py) */
 int64_t cyllm_pf_bytes = 8192;
+/* wide rows (kernels_avx2.c): x of at least this many bytes (half of L1d: cyllm_set_l1d)
+ * has its matrix prefetched into L2 this far ahead, whatever cyllm_pf_bytes says */
+int64_t cyllm_pf_wide_x = 16384;
+int64_t cyllm_pf_wide_bytes = 8192;
+
+void cyllm_pf_init(void) {
+#ifdef _SC_LEVEL1_DCACHE_SIZE
+    const long l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);   /* 0 or -1 where unknown (some VMs) */
+    if (l1 >= 8192 && l1 <= (1L << 20)) cyllm_pf_wide_x = l1 / 2;
+#endif
+}
 
 float cyllm_silu(float x) { return x / (1.0f + expf(-x)); }
 
