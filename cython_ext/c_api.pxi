@@ -39,6 +39,7 @@ cdef extern from "csrc/kernels.h" nogil:
         uint16_t *vc
         int64_t d, n, n_heads, n_kv, hd, max_ctx, half, fixed, window
         int next_w
+        int slot
         float eps, scale
         void *xq
         int qfmt, act
@@ -62,8 +63,12 @@ cdef extern from "csrc/kernels.h" nogil:
     void cyllm_rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps) noexcept
     void cyllm_rope_rows(float *v, int64_t heads, int64_t hd, int64_t half, const float *c,
                          const float *s) noexcept
+    ctypedef struct cyllm_claim:
+        int64_t next
+    int cyllm_steal
     void cyllm_program_run(const cyllm_kernels *kt, const void *qk, const cyllm_op *ops, int n_ops,
-                           int nt, int64_t token, int64_t pos, float *scratch) noexcept
+                           int nt, int64_t token, int64_t pos, float *scratch,
+                           cyllm_claim *claims, int n_slots) noexcept
     int64_t cyllm_attention_scratch(int64_t n_heads, int64_t hd, int64_t t_len) noexcept
     void cyllm_attention_run(const cyllm_kernels *kt, float *out, const float *q,
                              const uint16_t *kc, const uint16_t *vc, int64_t n_heads,

@@ -51,6 +51,9 @@ cdef class DecodeProgram:
     cdef list refs
     cdef dict qx                 # (x address, n, act) -> (activation buffer, its span) still valid
     cdef float *scratch          # attention partials for the longest context of any op
+    cdef cyllm_claim *claims     # n_slots x claim_threads row-claim counters (program.c)
+    cdef int n_slots             # matvec-like ops (each has a slot of claims)
+    cdef int claim_threads       # teams up to this size have their claims allocated
     cdef readonly Py_ssize_t max_pos      # run(pos) needs pos < max_pos
     cdef readonly Py_ssize_t vocab        # run(token) needs token < vocab
     cdef readonly int n_barriers
@@ -59,10 +62,14 @@ cdef class DecodeProgram:
         self.ops = NULL
         self.n_ops = 0
         self.scratch = NULL
+        self.claims = NULL
+        self.n_slots = 0
+        self.claim_threads = 0
 
     def __dealloc__(self):
         free(self.ops)
         free(self.scratch)
+        free(self.claims)
 
     def __init__(self, CpuKernels backend, list records, token, pos):
         self.kt = backend.kt
@@ -83,6 +90,10 @@ cdef class DecodeProgram:
             self.ops[i].next_w = nxt
             if _weight_op(self.ops[i].kind):
                 nxt = i
+        for i in range(self.n_ops):                 # row claims: one slot per weight op
+            self.ops[i].slot = self.n_slots if _weight_op(self.ops[i].kind) else -1
+            if _weight_op(self.ops[i].kind):
+                self.n_slots += 1
         # A QUANTIZE op runs on thread 0 when its x came from a thread-0 op (rmsnorm): no
         # barrier between the two, one before the matvecs. After a split op (gate_up) a
         # barrier is due anyway, so its blocks are split over the team too.
@@ -433,6 +444,13 @@ cdef class DecodeProgram:
             raise InvalidArgumentError(f"position {p} is out of range [0, {self.max_pos})")
         if nt < 1 or nt > 4096:
             raise InvalidArgumentError(f"threads must be in [1, 4096], got {nt}")
+        cdef void *grown
+        if nt > 1 and nt > self.claim_threads and self.n_slots > 0:    # once per larger team
+            grown = realloc(self.claims, <size_t>self.n_slots * <size_t>nt * sizeof(cyllm_claim))
+            if grown == NULL:
+                raise MemoryError()
+            self.claims = <cyllm_claim *>grown
+            self.claim_threads = nt
         with nogil:
             cyllm_program_run(self.kt, <const void *>self.qk, self.ops, self.n_ops, <int>nt, tok, p,
-                              self.scratch)
+                              self.scratch, self.claims, self.n_slots)

@@ -34,6 +34,18 @@ def _set_wide_prefetch(int64_t x_bytes, int64_t nbytes):
     return old
 
 
+def _set_steal(int mode):
+    """Whether a decode step's idle threads take the others' matvec rows (program.c; benchmarks
+    and tests): 1 on (the default), 0 off, 2 every thread starts with the next thread's rows.
+    Returns the previous mode."""
+    global cyllm_steal
+    if mode not in (0, 1, 2):
+        raise ValueError(f"steal mode must be 0, 1 or 2, got {mode}")
+    old = cyllm_steal
+    cyllm_steal = mode
+    return old
+
+
 def _set_prefetch(int64_t nbytes, int across_ops=1):
     """Tuning knobs of the F16 decode matvec's software prefetch (benchmarks only): bytes
     ahead in the weight stream (0 = off), and whether the decode program prefetches

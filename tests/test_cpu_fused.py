@@ -142,3 +142,39 @@ def test_not_capturable_falls_back():
     assert b.step_info() is None and np.array_equal(out, table[2].astype(np.float32))
     b.decode_step(issue, 7, 1)
     assert np.array_equal(out, table[2].astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", [None, "q4_k", "q8_0"])
+def test_stolen_rows_keep_the_bits(qtype, tmp_path_factory):
+    """A decode step's idle threads take chunks of the others' matvec rows (program.c,
+    run_claimed); whoever computes a row, the logits are bitwise those of fixed shares and of
+    the op-by-op path. Mode 2 makes every thread start with its neighbour's share, so rows do
+    change hands; 3 threads leave uneven shares."""
+    from cyllm.quant.convert import quantize_weights
+    path = make_tiny_model(tmp_path_factory.mktemp("steal"), "mistral_gqa", seed=7)
+    config, weights, tok = load_path(path)
+    if qtype:
+        weights = quantize_weights(config, weights, qtype)
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, config.vocab_size, 24).tolist()
+
+    def logits(threads, fused, steal):
+        old = _k._set_steal(steal)
+        try:
+            m = Model.from_weights(config, weights, tok, backend=CpuBackend(threads, fused=fused), context=64)
+            m.prefill(ids[:18], 0)
+            return np.array([m.forward(ids[18 + i], 18 + i).copy() for i in range(6)])
+        finally:
+            _k._set_steal(old)
+
+    base = logits(1, False, 1)
+    assert np.all(np.isfinite(base))
+    for threads in (2, 3):
+        for steal in (0, 1, 2):
+            got = logits(threads, True, steal)
+            assert np.array_equal(got.view(np.uint32), base.view(np.uint32)), (threads, steal)
+
+
+def test_steal_mode_checked():
+    with pytest.raises(ValueError):
+        _k._set_steal(5)

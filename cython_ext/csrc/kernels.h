@@ -139,6 +139,7 @@ typedef struct cyllm_op {
     int64_t fixed;          /* pos/token when dyn == 0 */
     int64_t window;         /* attention: positions attended, itself included (0: all) */
     int next_w;             /* matvec/gate_up: index of the next matvec/gate_up op (prefetch), -1: none */
+    int slot;               /* matvec-like ops: index of its row claims (cyllm_program_run), else -1 */
     float eps, scale;       /* scale: attention score scale; embed: factor on the row */
     /* quantized ops. QUANTIZE: x (c, n floats) -> xq in activation format act; mode 1: on
      * thread 0 alone (x came from a thread-0 op: no barrier in between), 0: blocks split
@@ -168,10 +169,18 @@ void cyllm_attention_run(const cyllm_kernels *kt, float *out, const float *q,
                          int64_t hd, int64_t max_ctx, int64_t start, int64_t pos, float scale,
                          float *scratch, int nt);
 /* Runs ops[0..n_ops) for one token inside one OpenMP parallel region of nt threads
- * (qk: the quantized kernels of the QUANTIZE/QMATVEC/QGATE_UP/QEMBED ops). */
+ * (qk: the quantized kernels of the QUANTIZE/QMATVEC/QGATE_UP/QEMBED ops). claims:
+ * n_slots * nt cyllm_claim (the ops' slots; zeroed here), or NULL: each thread computes
+ * exactly its own rows of a matvec (no stealing). */
 struct cyllm_qkernels;
+typedef struct cyllm_claim {
+    int64_t next;           /* chunks of this share handed out (an atomic counter) */
+    char pad[56];           /* one cache line per counter */
+} cyllm_claim;
+extern int cyllm_steal;     /* 1: idle threads take chunks of the others' rows; 0: off; 2: tests */
 void cyllm_program_run(const cyllm_kernels *kt, const struct cyllm_qkernels *qk, const cyllm_op *ops,
-                       int n_ops, int nt, int64_t token, int64_t pos, float *scratch);
+                       int n_ops, int nt, int64_t token, int64_t pos, float *scratch,
+                       cyllm_claim *claims, int n_slots);
 
 #ifdef __cplusplus
 }

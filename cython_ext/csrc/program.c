@@ -16,6 +16,7 @@
  */
 #include <math.h>
 #include <stddef.h>
+#include <string.h>
 #include <stdatomic.h>
 #include "kernels.h"
 #include "quant.h"
@@ -194,8 +195,67 @@ static inline int64_t op_unit(const cyllm_op *o) {
            ? CYLLM_R16 : 4;
 }
 
+/* rows [r0, r1) of matvec-like op o; nx, nx_bytes: what the thread reads after them */
+static void run_rows(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyllm_op *o,
+                     int64_t r0, int64_t r1, const void *nx, int64_t nx_bytes) {
+    switch (o->kind) {
+    case CYLLM_OP_MATVEC:
+        kt->matvec_rows(o->out, (const uint16_t *)o->a, (const float *)o->c, o->n, r0, r1,
+                        o->mode, nx, nx_bytes);
+        break;
+    case CYLLM_OP_GATE_UP:
+        kt->gate_up_rows(o->out, (const uint16_t *)o->a, (const uint16_t *)o->b,
+                         (const float *)o->c, o->n, r0, r1, o->mode, nx, nx_bytes);
+        break;
+    case CYLLM_OP_QMATVEC:
+        qk->fmt[o->qfmt].matvec_rows(o->out, (const uint8_t *)o->a, o->rb, o->xq, o->n, r0, r1,
+                                     o->mode, nx, nx_bytes);
+        break;
+    default:
+        qk->fmt[o->qfmt].gate_up_rows(o->out, (const uint8_t *)o->a, (const uint8_t *)o->b, o->rb,
+                                      o->xq, o->n, r0, r1, o->mode, nx, nx_bytes);
+    }
+}
+
+/* ---- rows handed out in chunks ------------------------------------------------------
+ * Each thread owns the rows row_split gives it, as without stealing, and takes them in
+ * chunks of ~CLAIM_BYTES front to back from its share's counter; a thread done with its
+ * own share then takes the remaining chunks of the others'. On a shared host a thread
+ * loses its core for part of a step now and then (the hypervisor's steal time, another
+ * process), and with fixed shares every barrier waited for its rows; now the other
+ * threads finish them. Every row is computed by the same kernel whoever takes it, and
+ * chunks start on multiples of the op's row unit, so no bit depends on who did what. */
+int cyllm_steal = 1;
+#define CLAIM_BYTES 65536
+
+static void run_claimed(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyllm_op *o,
+                        int tid, int nth, cyllm_claim *claims, const void *nx, int64_t nx_bytes) {
+    const int64_t unit = op_unit(o);
+    int64_t cr = o->rb > 0 ? (CLAIM_BYTES / o->rb) / unit * unit : unit;
+    if (cr < unit) cr = unit;
+    for (int k = 0; k < nth; k++) {
+        /* own share first; cyllm_steal == 2 (tests) starts with the next thread's */
+        const int s = (tid + k + (cyllm_steal == 2)) % nth;
+        int64_t s0, s1;
+        row_split(o->d, unit, s, nth, &s0, &s1);
+        if (s0 >= s1) continue;
+        _Atomic int64_t *next = (_Atomic int64_t *)&claims[(int64_t)o->slot * nth + s].next;
+        for (;;) {
+            const int64_t c0 = s0 + atomic_fetch_add_explicit(next, 1, memory_order_relaxed) * cr;
+            if (c0 >= s1) break;
+            const int64_t c1 = c0 + cr < s1 ? c0 + cr : s1;
+            /* prefetch: the rest of its own share, then its rows of the next op */
+            if (s == tid && c1 < s1)
+                run_rows(kt, qk, o, c0, c1, (const char *)o->a + c1 * o->rb, (s1 - c1) * o->rb);
+            else
+                run_rows(kt, qk, o, c0, c1, nx, nx_bytes);
+        }
+    }
+}
+
 static void run_op(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyllm_op *ops, int i,
-                   int tid, int nth, int64_t token, int64_t pos, float *scratch, cyllm_sync *sync) {
+                   int tid, int nth, int64_t token, int64_t pos, float *scratch, cyllm_sync *sync,
+                   cyllm_claim *claims) {
     const cyllm_op *o = &ops[i];
     int64_t p = o->dyn ? pos : o->fixed;
     switch (o->kind) {
@@ -203,9 +263,6 @@ static void run_op(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyll
     case CYLLM_OP_GATE_UP:
     case CYLLM_OP_QMATVEC:
     case CYLLM_OP_QGATE_UP: {
-        int64_t r0, r1;
-        row_split(o->d, op_unit(o), tid, nth, &r0, &r1);
-        if (r0 >= r1) return;
         /* the weights this thread reads next: its rows of the next matvec-like op */
         const void *nx = NULL;
         int64_t nx_bytes = 0;
@@ -218,23 +275,13 @@ static void run_op(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyll
                 nx_bytes = (q1 - q0) * nw->rb;
             }
         }
-        switch (o->kind) {
-        case CYLLM_OP_MATVEC:
-            kt->matvec_rows(o->out, (const uint16_t *)o->a, (const float *)o->c, o->n, r0, r1,
-                            o->mode, nx, nx_bytes);
-            break;
-        case CYLLM_OP_GATE_UP:
-            kt->gate_up_rows(o->out, (const uint16_t *)o->a, (const uint16_t *)o->b,
-                             (const float *)o->c, o->n, r0, r1, o->mode, nx, nx_bytes);
-            break;
-        case CYLLM_OP_QMATVEC:
-            qk->fmt[o->qfmt].matvec_rows(o->out, (const uint8_t *)o->a, o->rb, o->xq, o->n, r0, r1,
-                                         o->mode, nx, nx_bytes);
-            break;
-        default:
-            qk->fmt[o->qfmt].gate_up_rows(o->out, (const uint8_t *)o->a, (const uint8_t *)o->b, o->rb,
-                                          o->xq, o->n, r0, r1, o->mode, nx, nx_bytes);
+        if (claims && o->slot >= 0 && cyllm_steal) {
+            run_claimed(kt, qk, o, tid, nth, claims, nx, nx_bytes);
+            return;
         }
+        int64_t r0, r1;
+        row_split(o->d, op_unit(o), tid, nth, &r0, &r1);
+        if (r0 < r1) run_rows(kt, qk, o, r0, r1, nx, nx_bytes);
         return;
     }
     case CYLLM_OP_QUANTIZE:
@@ -312,9 +359,10 @@ static void run_op(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyll
 }
 
 void cyllm_program_run(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyllm_op *ops,
-                       int n_ops, int nt, int64_t token, int64_t pos, float *scratch) {
+                       int n_ops, int nt, int64_t token, int64_t pos, float *scratch,
+                       cyllm_claim *claims, int n_slots) {
     if (nt <= 1) {
-        for (int i = 0; i < n_ops; i++) run_op(kt, qk, ops, i, 0, 1, token, pos, scratch, NULL);
+        for (int i = 0; i < n_ops; i++) run_op(kt, qk, ops, i, 0, 1, token, pos, scratch, NULL, NULL);
         return;
     }
 #ifdef _OPENMP
@@ -322,15 +370,19 @@ void cyllm_program_run(const cyllm_kernels *kt, const cyllm_qkernels *qk, const 
     atomic_init(&sync.arrived, 0);
     atomic_init(&sync.gen, 0);
     atomic_init(&sync.sleepers, 0);
+    if (claims) memset(claims, 0, (size_t)n_slots * (size_t)nt * sizeof(cyllm_claim));
     #pragma omp parallel num_threads(nt)
     {
         int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        /* a smaller team than asked for would index past the claims of nt threads: no
+           stealing then (the shares are still every row) */
+        cyllm_claim *cl = nth <= nt ? claims : NULL;
         for (int i = 0; i < n_ops; i++) {
-            run_op(kt, qk, ops, i, tid, nth, token, pos, scratch, &sync);
+            run_op(kt, qk, ops, i, tid, nth, token, pos, scratch, &sync, cl);
             if (ops[i].barrier) sync_wait(&sync, nth);
         }
     }
 #else
-    for (int i = 0; i < n_ops; i++) run_op(kt, qk, ops, i, 0, 1, token, pos, scratch, NULL);
+    for (int i = 0; i < n_ops; i++) run_op(kt, qk, ops, i, 0, 1, token, pos, scratch, NULL, NULL);
 #endif
 }
