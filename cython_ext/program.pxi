@@ -54,6 +54,7 @@ cdef class DecodeProgram:
     cdef cyllm_claim *claims     # n_slots x claim_threads row-claim counters (program.c)
     cdef int n_slots             # matvec-like ops (each has a slot of claims)
     cdef int claim_threads       # teams up to this size have their claims allocated
+    cdef bint running            # a run is under way (it releases the GIL)
     cdef readonly Py_ssize_t max_pos      # run(pos) needs pos < max_pos
     cdef readonly Py_ssize_t vocab        # run(token) needs token < vocab
     cdef readonly int n_barriers
@@ -65,6 +66,7 @@ cdef class DecodeProgram:
         self.claims = NULL
         self.n_slots = 0
         self.claim_threads = 0
+        self.running = False
 
     def __dealloc__(self):
         free(self.ops)
@@ -451,6 +453,14 @@ cdef class DecodeProgram:
                 raise MemoryError()
             self.claims = <cyllm_claim *>grown
             self.claim_threads = nt
-        with nogil:
-            cyllm_program_run(self.kt, <const void *>self.qk, self.ops, self.n_ops, <int>nt, tok, p,
-                              self.scratch, self.claims, self.n_slots)
+        # the claims, the attention scratch and the step's buffers serve one run at a time
+        # (the model's lock serializes its steps); a second thread here would share them
+        if self.running:
+            raise RuntimeError("this decode program is already running in another thread")
+        self.running = True
+        try:
+            with nogil:
+                cyllm_program_run(self.kt, <const void *>self.qk, self.ops, self.n_ops, <int>nt, tok, p,
+                                  self.scratch, self.claims, self.n_slots)
+        finally:
+            self.running = False

@@ -178,3 +178,30 @@ def test_stolen_rows_keep_the_bits(qtype, tmp_path_factory):
 def test_steal_mode_checked():
     with pytest.raises(ValueError):
         _k._set_steal(5)
+
+
+def test_program_refuses_a_second_thread(model_dir):
+    """A run releases the GIL, and its row claims and scratch serve one run at a time: a
+    second thread entering the same program gets an error, never a shared step."""
+    import threading
+    m, _ = decode_logits(model_dir, 2, True, VARIANTS[-1], [0, 1])
+    prog = m.backend._step_program
+    assert prog is not None
+    done, errors = threading.Event(), []
+
+    def runner():
+        try:
+            for _ in range(300):
+                prog.run(1, 3, 2)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=runner)
+    t.start()
+    while not done.is_set():
+        try:
+            prog.run(1, 3, 2)
+        except RuntimeError as e:
+            errors.append(str(e))
+    t.join()
+    assert errors and "already running" in errors[0]
