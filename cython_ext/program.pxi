@@ -446,6 +446,11 @@ cdef class DecodeProgram:
             raise InvalidArgumentError(f"position {p} is out of range [0, {self.max_pos})")
         if nt < 1 or nt > 4096:
             raise InvalidArgumentError(f"threads must be in [1, 4096], got {nt}")
+        # the claims, the attention scratch and the step's buffers serve one run at a time
+        # (the model's lock serializes its steps); a second thread here would share them, and
+        # its realloc below would free the claims under the first
+        if self.running:
+            raise RuntimeError("this decode program is already running in another thread")
         cdef void *grown
         if nt > 1 and nt > self.claim_threads and self.n_slots > 0:    # once per larger team
             grown = realloc(self.claims, <size_t>self.n_slots * <size_t>nt * sizeof(cyllm_claim))
@@ -453,10 +458,6 @@ cdef class DecodeProgram:
                 raise MemoryError()
             self.claims = <cyllm_claim *>grown
             self.claim_threads = nt
-        # the claims, the attention scratch and the step's buffers serve one run at a time
-        # (the model's lock serializes its steps); a second thread here would share them
-        if self.running:
-            raise RuntimeError("this decode program is already running in another thread")
         self.running = True
         try:
             with nogil:

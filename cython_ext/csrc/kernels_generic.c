@@ -24,7 +24,7 @@
  * (Zen 5: +40-70% on single F16 matrices, Zen 4: -10-25% on F16 decode), so the decode
  * steps measure it (backends/step_tuner.py) */
 int64_t cyllm_pf_bytes = 8192;
-/* wide rows (kernels_avx2.c): x of at least this many bytes (half of L1d: cyllm_set_l1d)
+/* wide rows (kernels_avx2.c): x of at least this many bytes (half of L1d: cyllm_pf_init)
  * has its matrix prefetched into L2 this far ahead, whatever cyllm_pf_bytes says */
 int64_t cyllm_pf_wide_x = 16384;
 int64_t cyllm_pf_wide_bytes = 8192;
