@@ -12,7 +12,8 @@
  *   from L1 on every row and the matvec falls to half the read bandwidth (Zen 4, 1 thread,
  *   2048 rows: 25 GB/s at n = 2048, 15 at 5632, 11 at 8192). Such matrices always prefetch
  *   their weights cyllm_pf_wide_bytes ahead into L2 only (prefetcht1), so the demand loads
- *   hit L2 and x stays in L1: 19-22 GB/s at n = 5632 (bench/results/matvec_cpu.md).
+ *   hit L2 and x stays in L1: 24 GB/s at n = 5632, 26 at 8192 (bench_matvec.py
+ *   --wide-prefetch both; bench/results/cpu_quant_epyc_zen4.md, twelfth session).
  * attention: 8 cached positions per step; 8 scores come out of one hadd tree,
  *   one vector exp per 8 positions, V accumulated into `out` in one pass.
  *
