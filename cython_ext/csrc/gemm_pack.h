@@ -53,4 +53,48 @@ static void pack_panel_avx2(float *wp, int nr, const uint16_t *w, int64_t n, int
     }
 }
 
+/* The next panel's source lines, fetched into L2 while this panel's micro-kernels run:
+ * packing read its weights straight from DRAM, 32 rows x 512 bytes at a stride of a row,
+ * and stalled on them (10% of an F16 prefill's samples on Zen 4). The next panel is the
+ * next kc columns of these rows, or the first of the next rows; its lines are spread over
+ * the `calls` micro-kernel calls of this panel. */
+typedef struct {
+    int64_t row, rows, col, bytes;  /* the next panel: rows [row, row + rows), columns from col */
+    int64_t n;                      /* columns of w */
+    int64_t line, lines, per_call;  /* lines issued so far, in all, per call */
+} gp_next;
+
+static inline void gp_next_init(gp_next *g, int nr, int64_t n, int64_t r, int64_t rmax, int64_t r1,
+                                int64_t k0, int64_t kc, int64_t kcmax, int64_t calls) {
+    g->n = n;
+    g->line = g->lines = 0;
+    if (k0 + kc < n) {
+        g->row = r;
+        g->rows = rmax - r;
+        g->col = k0 + kc;
+    } else if (rmax < r1) {
+        g->row = rmax;
+        g->rows = r1 - rmax < nr ? r1 - rmax : nr;
+        g->col = 0;
+    } else {
+        g->per_call = 0;
+        return;
+    }
+    const int64_t cols = n - g->col < kcmax ? n - g->col : kcmax;
+    g->bytes = cols * 2;
+    const int64_t per_row = (g->bytes + 63) / 64;
+    g->lines = g->rows * per_row;
+    g->per_call = calls > 0 ? (g->lines + calls - 1) / calls : g->lines;
+}
+
+static inline void gp_prefetch_next(gp_next *g, const uint16_t *w, const uint16_t *wu) {
+    const int64_t per_row = (g->bytes + 63) / 64;
+    for (int64_t k = 0; k < g->per_call && g->line < g->lines; k++, g->line++) {
+        const int64_t i = g->line / per_row, off = (g->line % per_row) * 64;
+        const int64_t at = (g->row + i) * g->n + g->col;
+        _mm_prefetch((const char *)(w + at) + off, _MM_HINT_T1);
+        if (wu) _mm_prefetch((const char *)(wu + at) + off, _MM_HINT_T1);
+    }
+}
+
 #endif

@@ -499,8 +499,11 @@ static void gemm_rows_avx2(float *out, const uint16_t *w, const uint16_t *wu, co
                 int64_t kc = n - k0 < GEMM_KC ? n - k0 : GEMM_KC;
                 pack_panel_avx2(wp, GEMM_NR, w, n, r, rmax, k0, kc);
                 if (mode >= 2) pack_panel_avx2(up, GEMM_NR, wu, n, r, rmax, k0, kc);
+                gp_next next;
+                gp_next_init(&next, GEMM_NR, n, r, rmax, r1, k0, kc, GEMM_KC, (tb + GEMM_MR - 1) / GEMM_MR);
                 for (int64_t t = 0; t < tb; t += GEMM_MR) {
                     int mr = (int)(tb - t < GEMM_MR ? tb - t : GEMM_MR);
+                    gp_prefetch_next(&next, w, mode >= 2 ? wu : NULL);
                     ukr_any_avx2(mr, xt + t * n + k0, n, wp, kc, cg + t * GEMM_NR, k0 == 0);
                     if (mode >= 2)
                         ukr_any_avx2(mr, xt + t * n + k0, n, up, kc, cu + t * GEMM_NR, k0 == 0);

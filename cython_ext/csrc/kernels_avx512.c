@@ -109,8 +109,11 @@ void cyllm_gemm_rows_avx512(float *out, const uint16_t *w, const uint16_t *wu, c
                 int64_t kc = n - k0 < KC ? n - k0 : KC;
                 pack_panel_avx2(wp, NR, w, n, r, rmax, k0, kc);
                 if (mode >= 2) pack_panel_avx2(up, NR, wu, n, r, rmax, k0, kc);
+                gp_next next;
+                gp_next_init(&next, NR, n, r, rmax, r1, k0, kc, KC, (tb + MR - 1) / MR);
                 for (int64_t t = 0; t < tb; t += MR) {
                     int m = (int)(tb - t < MR ? tb - t : MR);
+                    gp_prefetch_next(&next, w, mode >= 2 ? wu : NULL);
                     ukr512_any(m, xt + t * n + k0, n, wp, kc, cg + t * NR, k0 == 0);
                     if (mode >= 2) ukr512_any(m, xt + t * n + k0, n, up, kc, cu + t * NR, k0 == 0);
                 }
