@@ -447,21 +447,26 @@ cdef class CpuKernels:
         cdef const uint16_t *pw = <const uint16_t *>cnp.PyArray_DATA(aw)
         cdef const uint16_t *pu = <const uint16_t *>cnp.PyArray_DATA(au) if mode >= 2 else NULL
         cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
-        # threads own runs of whole weight panels (gemm_nr rows): a row's bits do not
-        # depend on the split
+        # threads take runs of whole weight panels (gemm_nr rows; a row's bits do not depend
+        # on the split) as they come free, ~GEMM_CHUNKS runs per thread: on a shared host a
+        # thread that loses its core for a while no longer holds up the op's end (a call per
+        # run costs nothing extra: every panel is packed and x re-read per panel anyway)
         cdef Py_ssize_t nr = kt.gemm_nr, panels = (d + kt.gemm_nr - 1) // kt.gemm_nr, t, r0, r1
+        cdef Py_ssize_t per, runs
         cdef int nt = self.nthreads
         if nt > panels:
             nt = <int>panels
         if T * d * n * (2 if mode >= 2 else 1) < MATVEC_PARALLEL_MIN:
             nt = 1
+        per = max(1, panels // (nt * GEMM_CHUNKS))
+        runs = (panels + per - 1) // per
         with nogil:
             if nt == 1:
                 kt.gemm_rows(po, pw, pu, px, T, n, d, 0, d, mode)
             else:
-                for t in prange(nt, num_threads=nt, schedule="static", chunksize=1):
-                    r0 = (panels * t // nt) * nr
-                    r1 = (panels * (t + 1) // nt) * nr
+                for t in prange(runs, num_threads=nt, schedule="dynamic", chunksize=1):
+                    r0 = t * per * nr
+                    r1 = (t + 1) * per * nr
                     if r1 > d:
                         r1 = d
                     kt.gemm_rows(po, pw, pu, px, T, n, d, r0, r1, mode)

@@ -9,6 +9,7 @@ cdef enum:
     MATVEC_PARALLEL_MIN = 65536      # weights read (d * n, both matrices for gate_up)
     VECTOR_PARALLEL_MIN = 65536      # elements of add / swiglu
     ROWS_PER_THREAD_MIN = 8
+    GEMM_CHUNKS = 8                  # F16 prefill GEMM: runs of panels handed out per thread
 
 
 def _set_spin(int polls):
