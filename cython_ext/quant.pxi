@@ -16,6 +16,7 @@ from libc.stdint cimport uintptr_t
 cdef extern from "csrc/quant.h" nogil:
     enum:
         CYLLM_QF_COUNT, CYLLM_R16
+        CYLLM_QF_Q4_K_R16, CYLLM_QF_Q4_0_R16, CYLLM_QF_Q8_0_R16, CYLLM_QF_Q4_1_R16
         CYLLM_QA_Q8_0, CYLLM_QA_Q8_K
         CYLLM_QCPU_AVX2, CYLLM_QCPU_AVXVNNI, CYLLM_QCPU_AVX512VNNI
     int cyllm_qf_is_r16(int fmt) noexcept
@@ -62,6 +63,25 @@ cdef inline Py_ssize_t _row_at(Py_ssize_t d, Py_ssize_t i, Py_ssize_t nt, int f)
     cdef Py_ssize_t u = CYLLM_R16 if cyllm_qf_is_r16(f) else 4
     cdef Py_ssize_t r = (((d + u - 1) // u) * i // nt) * u
     return r if r < d else d
+
+
+cdef enum:
+    QGEMM_CHUNKS = 2        # runs of rows per thread of the r16 group kernels' prefill (_runs)
+
+
+cdef inline bint _runs_free(int f) noexcept nogil:
+    """Whether format f's prefill GEMM prepares nothing per call (the r16 group kernels of
+    q4_k, q4_0, q8_0 and q4_1), so its rows can go out in runs as threads come free, as the F16
+    GEMM's panels do (cpu_ops.pxi _gemm). The other tiles transpose x once per call."""
+    return (f == CYLLM_QF_Q4_K_R16 or f == CYLLM_QF_Q4_0_R16 or f == CYLLM_QF_Q8_0_R16
+            or f == CYLLM_QF_Q4_1_R16)
+
+
+cdef inline Py_ssize_t _runs(Py_ssize_t d, int nt, int f) noexcept nogil:
+    """How many runs of rows (_row_at over this count) a GEMM of d rows of format f hands out."""
+    cdef Py_ssize_t u = CYLLM_R16 if cyllm_qf_is_r16(f) else 4
+    cdef Py_ssize_t units = (d + u - 1) // u
+    return units if units < <Py_ssize_t>nt * QGEMM_CHUNKS else <Py_ssize_t>nt * QGEMM_CHUNKS
 
 
 cdef inline void _gate_up_rows(const cyllm_qfmt_kernels *k, float *po, float *pu_out,
@@ -558,7 +578,7 @@ cdef class QuantKernels:
         cdef int act = cyllm_qformat(f).act
         cdef Py_ssize_t stride = ((cyllm_qact_bytes(act, n) + 63) // 64) * 64
         cdef Py_ssize_t nbx = n // cyllm_qact_block(act)
-        cdef Py_ssize_t panels, t, i, r0, r1, p0, rows
+        cdef Py_ssize_t panels, t, i, r0, r1, p0, rows, runs
         cdef char *xq
         cdef uint16_t *pan
         cdef int nt
@@ -576,6 +596,12 @@ cdef class QuantKernels:
                             qk.quantize_act(xq + t * stride, px + t * n, n, act, 0, nbx)
                 if nt == 1:
                     k.gemm_rows(po, d, pw, rb, xq, stride, T, n, 0, d, add)
+                elif _runs_free(f):
+                    runs = _runs(d, nt, f)
+                    for i in prange(runs, num_threads=nt, schedule="dynamic", chunksize=1):
+                        r0 = _row_at(d, i, runs, f)
+                        r1 = _row_at(d, i + 1, runs, f)
+                        k.gemm_rows(po, d, pw, rb, xq, stride, T, n, r0, r1, add)
                 else:
                     for i in prange(nt, num_threads=nt, schedule="static", chunksize=1):
                         r0 = _row_at(d, i, nt, f)
@@ -615,7 +641,7 @@ cdef class QuantKernels:
         cdef int act = cyllm_qformat(f).act
         cdef Py_ssize_t stride = ((cyllm_qact_bytes(act, n) + 63) // 64) * 64
         cdef Py_ssize_t nbx = n // cyllm_qact_block(act)
-        cdef Py_ssize_t t, r0, r1
+        cdef Py_ssize_t t, r0, r1, runs
         cdef char *xq = self._act_for(T * stride)
         cdef int nt = self._threads_for(d, 2 * d * rb * T), i
         with nogil:
@@ -628,6 +654,12 @@ cdef class QuantKernels:
                         qk.quantize_act(xq + t * stride, px + t * n, n, act, 0, nbx)
             if nt == 1:
                 _gate_up_rows(k, po, pu_out, pg, pu, rb, xq, stride, T, n, d, 0, d, glu)
+            elif _runs_free(f):
+                runs = _runs(d, nt, f)
+                for i in prange(runs, num_threads=nt, schedule="dynamic", chunksize=1):
+                    r0 = _row_at(d, i, runs, f)
+                    r1 = _row_at(d, i + 1, runs, f)
+                    _gate_up_rows(k, po, pu_out, pg, pu, rb, xq, stride, T, n, d, r0, r1, glu)
             else:
                 for i in prange(nt, num_threads=nt, schedule="static", chunksize=1):
                     r0 = _row_at(d, i, nt, f)
