@@ -69,16 +69,15 @@ cdef enum:
     QGEMM_CHUNKS = 2        # runs of rows per thread of the r16 group kernels' prefill (_runs)
 
 
-cdef inline bint _runs_free(int f) noexcept nogil:
-    """Whether format f's prefill GEMM prepares nothing per call (the r16 group kernels of
-    q4_k, q4_0, q8_0 and q4_1), so its rows can go out in runs as threads come free, as the F16
-    GEMM's panels do (cpu_ops.pxi _gemm). The other tiles transpose x once per call."""
-    return (f == CYLLM_QF_Q4_K_R16 or f == CYLLM_QF_Q4_0_R16 or f == CYLLM_QF_Q8_0_R16
-            or f == CYLLM_QF_Q4_1_R16)
-
-
 cdef inline Py_ssize_t _runs(Py_ssize_t d, int nt, int f) noexcept nogil:
-    """How many runs of rows (_row_at over this count) a GEMM of d rows of format f hands out."""
+    """How many runs of rows (_row_at over this count) a prefill GEMM of d rows of format f
+    hands out to nt threads as they come free: QGEMM_CHUNKS a thread where the kernel prepares
+    nothing per call (the r16 group kernels of q4_k, q4_0, q8_0 and q4_1), so that a thread
+    that loses its core does not hold up the op's end, as the F16 GEMM's panels
+    (cpu_ops.pxi _gemm); one a thread for the other tiles, which transpose x once per call."""
+    if not (f == CYLLM_QF_Q4_K_R16 or f == CYLLM_QF_Q4_0_R16 or f == CYLLM_QF_Q8_0_R16
+            or f == CYLLM_QF_Q4_1_R16):
+        return nt
     cdef Py_ssize_t u = CYLLM_R16 if cyllm_qf_is_r16(f) else 4
     cdef Py_ssize_t units = (d + u - 1) // u
     return units if units < <Py_ssize_t>nt * QGEMM_CHUNKS else <Py_ssize_t>nt * QGEMM_CHUNKS
@@ -596,16 +595,11 @@ cdef class QuantKernels:
                             qk.quantize_act(xq + t * stride, px + t * n, n, act, 0, nbx)
                 if nt == 1:
                     k.gemm_rows(po, d, pw, rb, xq, stride, T, n, 0, d, add)
-                elif _runs_free(f):
+                else:
                     runs = _runs(d, nt, f)
                     for i in prange(runs, num_threads=nt, schedule="dynamic", chunksize=1):
                         r0 = _row_at(d, i, runs, f)
                         r1 = _row_at(d, i + 1, runs, f)
-                        k.gemm_rows(po, d, pw, rb, xq, stride, T, n, r0, r1, add)
-                else:
-                    for i in prange(nt, num_threads=nt, schedule="static", chunksize=1):
-                        r0 = _row_at(d, i, nt, f)
-                        r1 = _row_at(d, i + 1, nt, f)
                         k.gemm_rows(po, d, pw, rb, xq, stride, T, n, r0, r1, add)
             return 0
         # f16 panels: each thread dequantizes its runs of QPANEL_ROWS rows, then the f16 GEMM
@@ -654,16 +648,11 @@ cdef class QuantKernels:
                         qk.quantize_act(xq + t * stride, px + t * n, n, act, 0, nbx)
             if nt == 1:
                 _gate_up_rows(k, po, pu_out, pg, pu, rb, xq, stride, T, n, d, 0, d, glu)
-            elif _runs_free(f):
+            else:
                 runs = _runs(d, nt, f)
                 for i in prange(runs, num_threads=nt, schedule="dynamic", chunksize=1):
                     r0 = _row_at(d, i, runs, f)
                     r1 = _row_at(d, i + 1, runs, f)
-                    _gate_up_rows(k, po, pu_out, pg, pu, rb, xq, stride, T, n, d, r0, r1, glu)
-            else:
-                for i in prange(nt, num_threads=nt, schedule="static", chunksize=1):
-                    r0 = _row_at(d, i, nt, f)
-                    r1 = _row_at(d, i + 1, nt, f)
                     _gate_up_rows(k, po, pu_out, pg, pu, rb, xq, stride, T, n, d, r0, r1, glu)
         return 0
 

@@ -29,6 +29,8 @@ def _set_wide_prefetch(int64_t x_bytes, int64_t nbytes):
     """The F16 matvec's wide-row prefetch (benchmarks only): from x of `x_bytes` bytes the
     weights go to L2 `nbytes` ahead (0 = never). Returns the previous (x_bytes, nbytes)."""
     global cyllm_pf_wide_x, cyllm_pf_wide_bytes
+    if x_bytes < 0 or nbytes < 0:
+        raise ValueError(f"wide-row prefetch sizes must be >= 0, got {x_bytes}, {nbytes}")
     old = (cyllm_pf_wide_x, cyllm_pf_wide_bytes)
     cyllm_pf_wide_x = x_bytes if nbytes > 0 else (1 << 62)
     cyllm_pf_wide_bytes = nbytes

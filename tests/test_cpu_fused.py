@@ -178,6 +178,8 @@ def test_stolen_rows_keep_the_bits(qtype, tmp_path_factory):
 def test_steal_mode_checked():
     with pytest.raises(ValueError):
         _k._set_steal(5)
+    with pytest.raises(ValueError):
+        _k._set_wide_prefetch(-1, 8192)
 
 
 def test_program_refuses_a_second_thread(model_dir):
