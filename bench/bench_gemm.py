@@ -22,8 +22,9 @@ import sys
 
 import numpy as np
 
-from bench_matvec import cpu_model, time_calls
+from bench_matvec import time_calls
 from cyllm.backends.cpu import CpuBackend, kernel_info
+from cyllm.hostinfo import cpu_description
 
 DEFAULT_SHAPES = ["576x576", "1536x576", "4096x4096", "11008x4096"]
 
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
         with open(args.markdown, "w") as f:
             f.write("# FP16 prefill GEMM, CPU kernels\n\n")
             f.write(f"- command: `python3 bench/bench_gemm.py {' '.join(argv or sys.argv[1:])}`\n")
-            f.write(f"- machine: {cpu_model()}, {os.cpu_count()} logical CPUs ({platform.machine()})\n")
+            f.write(f"- machine: {cpu_description()}, {os.cpu_count()} logical CPUs ({platform.machine()})\n")
             f.write(f"- date: {datetime.date.today().isoformat()}\n")
             f.write(f"- kernels: {info}\n")
             f.write("- GFLOP/s = 2 T d n / time (f16 weights, f32 x and accumulation)\n\n")

@@ -18,7 +18,7 @@ cdef extern from "csrc/kernels.h" nogil:
         void (*f32_to_f16)(uint16_t *out, const float *inp, int64_t n) noexcept nogil
         double (*sum_f32)(const float *p, int64_t n) noexcept nogil
         void (*gemm_rows)(float *out, const uint16_t *w, const uint16_t *wu, const float *x,
-                          int64_t T, int64_t n, int64_t d, int64_t r0, int64_t r1,
+                          int64_t ldx, int64_t T, int64_t n, int64_t d, int64_t r0, int64_t r1,
                           int mode) noexcept nogil
         int gemm_nr
         void (*attention_rows)(float *out, const float *q, int64_t ldq, const uint16_t *k,

@@ -447,6 +447,13 @@ cdef class CpuKernels:
         cdef const uint16_t *pw = <const uint16_t *>cnp.PyArray_DATA(aw)
         cdef const uint16_t *pu = <const uint16_t *>cnp.PyArray_DATA(au) if mode >= 2 else NULL
         cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
+        cdef Py_ssize_t ldx = _gemm_ldx(T, n)
+        cdef float *pad
+        if ldx != n:
+            pad = <float *>cnp.PyArray_DATA(self._scratch_vec("gemm_x", T * ldx))
+            with nogil:
+                _copy_rows(pad, ldx, px, T, n)
+            px = pad
         # threads take runs of whole weight panels (gemm_nr rows; a row's bits do not depend
         # on the split) as they come free, ~GEMM_CHUNKS runs per thread: on a shared host a
         # thread that loses its core for a while no longer holds up the op's end (a call per
@@ -462,14 +469,14 @@ cdef class CpuKernels:
         runs = (panels + per - 1) // per
         with nogil:
             if nt == 1:
-                kt.gemm_rows(po, pw, pu, px, T, n, d, 0, d, mode)
+                kt.gemm_rows(po, pw, pu, px, ldx, T, n, d, 0, d, mode)
             else:
                 for t in prange(runs, num_threads=nt, schedule="dynamic", chunksize=1):
                     r0 = t * per * nr
                     r1 = (t + 1) * per * nr
                     if r1 > d:
                         r1 = d
-                    kt.gemm_rows(po, pw, pu, px, T, n, d, r0, r1, mode)
+                    kt.gemm_rows(po, pw, pu, px, ldx, T, n, d, r0, r1, mode)
         return 0
 
     def matmul(self, out, w, x):

@@ -23,7 +23,7 @@ cimport numpy as cnp
 from cython.parallel cimport prange, threadid
 from libc.stdint cimport uint16_t, int32_t, int64_t
 from libc.stdlib cimport malloc, realloc, free
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 from libc.math cimport sqrt, expf
 
 from cyllm.errors import BackendUnavailableError, InvalidArgumentError
@@ -37,6 +37,7 @@ include "c_api.pxi"        # declarations of csrc/kernels.h and csrc/omp_shim.h
 include "args.pxi"         # argument checks shared by every op
 include "threading.pxi"    # when an op runs serially, when it splits over the team
 include "variants.pxi"     # generic / avx2 / avx512: detection and choice
+include "gemm_x.pxi"       # the rows of x as the F16 GEMMs read them
 # the quantized-weight kernels (QuantKernels): CpuKernels hands QuantMatrix weights to them
 include "quant.pxi"
 include "cpu_ops.pxi"      # CpuKernels: the ops

@@ -608,6 +608,13 @@ cdef class QuantKernels:
         if nt < 1:
             nt = 1
         pan = self._panels_for(<Py_ssize_t>nt * QPANEL_ROWS * n)
+        cdef Py_ssize_t ldx = _gemm_ldx(T, n)
+        cdef float *pad
+        if ldx != n:
+            pad = <float *>self._act_for(T * ldx * sizeof(float))   # the int8 path's x, unused here
+            with nogil:
+                _copy_rows(pad, ldx, px, T, n)
+            px = pad
         with nogil:
             for i in prange(nt, num_threads=nt, schedule="static", chunksize=1):
                 for p0 in range(panels * i // nt, panels * (i + 1) // nt):
@@ -617,7 +624,7 @@ cdef class QuantKernels:
                         r1 = d
                     rows = r1 - r0
                     k.dequant_rows_f16(pan + i * QPANEL_ROWS * n, pw, rb, n, r0, r1)
-                    kt.gemm_rows(po + r0, pan + i * QPANEL_ROWS * n, NULL, px, T, n, d, 0, rows, add)
+                    kt.gemm_rows(po + r0, pan + i * QPANEL_ROWS * n, NULL, px, ldx, T, n, d, 0, rows, add)
         return 0
 
     cdef int _qgate_up(self, float *po, float *pu_out, const uint8_t *pg, const uint8_t *pu,

@@ -113,6 +113,49 @@ def test_matvec_wide_row_prefetch_keeps_the_bits(variant, d, n):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("d,n", [(67, 1024), (45, 3072), (33, 288)])
+def test_gemm_padded_x_keeps_the_bits(variant, d, n):
+    """x whose rows are a multiple of 4 KiB is copied into longer rows before the F16 GEMMs
+    (gemm_x.pxi): the same FMA chains over the same values, so never / when needed / always
+    padding give the same bits (matmul, matmul_add, gate_up_batch, and the f16 panels of a
+    quantized matrix), at 1 and 2 threads, within the reference's tolerance."""
+    from cyllm.quant import reference as R
+    rng = rng_for("gemm pad", d, n)
+    T = 13                                            # a full micro-kernel of tokens and a tail
+    w, wu = f16_matrix(rng, d, n), f16_matrix(rng, d, n)
+    x = rng.standard_normal((T, n)).astype(np.float32)
+    base = rng.standard_normal((T, d)).astype(np.float32)
+    wq = R.quantize(w.astype(np.float32), "q8_0")
+
+    def run(threads):
+        b = backend(variant, threads)
+        o1, o2, o3 = np.zeros((T, d), np.float32), base.copy(), np.zeros((T, d), np.float32)
+        b.matmul(o1, w, x)
+        b.matmul_add(o2, w, x)
+        b.gate_up_batch(o3, w, wu, x)
+        o4 = np.zeros((T, d), np.float32)
+        b.quant.qmatmul(o4, wq, "q8_0", x, method="f16")
+        return o1, o2, o3, o4
+
+    dflt = _k._set_gemm_pad(0)
+    try:
+        outs = {}
+        for mode in (0, 1, 2):
+            _k._set_gemm_pad(mode)
+            outs[mode] = [run(t) for t in (1, 2)]
+    finally:
+        _k._set_gemm_pad(dflt)
+    for mode in (1, 2):
+        for p, q in zip(outs[0], outs[mode]):
+            for a, c in zip(p, q):
+                assert np.array_equal(a.view(np.uint32), c.view(np.uint32))
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    np.testing.assert_allclose(outs[2][1][0], want, rtol=1e-4, atol=1e-3 * np.abs(want).max())
+    with pytest.raises(ValueError):
+        _k._set_gemm_pad(3)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_matvec_readonly_and_unaligned(variant, tmp_path):
     rng = rng_for("ro")
     d, n = 67, 131

@@ -52,11 +52,13 @@ typedef struct cyllm_kernels {
     /* Batched prefill GEMM, output rows [r0, r1) of every token:
      *   mode 0: out = x @ W.T ; mode 1: out += x @ W.T ;
      *   mode 2 + act: out = act(x @ W.T) * (x @ Wu.T)  (wu used only here; act CYLLM_ACT_*).
-     * x (T, n) f32, W/Wu (d, n) f16, out (T, d) f32 (must not overlap x or W).
+     * x (T, n) f32 with rows ldx >= n floats apart, W/Wu (d, n) f16, out (T, d) f32
+     * (must not overlap x or W).
      * A row's result does not depend on r0/r1 (any split over threads gives the
      * same bits); splits on multiples of gemm_nr keep the panels full. */
     void (*gemm_rows)(float *out, const uint16_t *w, const uint16_t *wu, const float *x,
-                      int64_t T, int64_t n, int64_t d, int64_t r0, int64_t r1, int mode);
+                      int64_t ldx, int64_t T, int64_t n, int64_t d, int64_t r0, int64_t r1,
+                      int mode);
     int gemm_nr;
     /* Prefill attention, GEMM-shaped (NULL in variants without it: the caller falls
      * back to attention_group per row). Up to attention_rows_max query rows of ONE
@@ -76,7 +78,8 @@ extern const cyllm_kernels cyllm_avx2_kernels;
 #ifdef CYLLM_HAVE_AVX512
 /* kernels_avx512.c: the avx512 table is the avx2 one with this GEMM (dispatch.c) */
 void cyllm_gemm_rows_avx512(float *out, const uint16_t *w, const uint16_t *wu, const float *x,
-                            int64_t T, int64_t n, int64_t d, int64_t r0, int64_t r1, int mode);
+                            int64_t ldx, int64_t T, int64_t n, int64_t d, int64_t r0, int64_t r1,
+                            int mode);
 void cyllm_attention_rows_avx512(float *out, const float *q, int64_t ldq, const uint16_t *k,
                                  const uint16_t *v, int64_t hd, float scale, int64_t rows,
                                  int64_t len0, float *work);

@@ -485,14 +485,15 @@ static void ukr_any_avx2(int mr, const float *x, int64_t ldx, const float *wp, i
 }
 
 static void gemm_rows_avx2(float *out, const uint16_t *w, const uint16_t *wu, const float *x,
-                           int64_t T, int64_t n, int64_t d, int64_t r0, int64_t r1, int mode) {
+                           int64_t ldx, int64_t T, int64_t n, int64_t d, int64_t r0, int64_t r1,
+                           int mode) {
     _Alignas(64) float wp[GEMM_KC * GEMM_NR];
     _Alignas(64) float up[GEMM_KC * GEMM_NR];
     _Alignas(64) float cg[GEMM_TB * GEMM_NR];
     _Alignas(64) float cu[GEMM_TB * GEMM_NR];
     for (int64_t t0 = 0; t0 < T; t0 += GEMM_TB) {
         int64_t tb = T - t0 < GEMM_TB ? T - t0 : GEMM_TB;
-        const float *xt = x + t0 * n;
+        const float *xt = x + t0 * ldx;
         for (int64_t r = r0; r < r1; r += GEMM_NR) {
             int64_t rmax = r + GEMM_NR < r1 ? r + GEMM_NR : r1;
             for (int64_t k0 = 0; k0 < n; k0 += GEMM_KC) {
@@ -504,9 +505,9 @@ static void gemm_rows_avx2(float *out, const uint16_t *w, const uint16_t *wu, co
                 for (int64_t t = 0; t < tb; t += GEMM_MR) {
                     int mr = (int)(tb - t < GEMM_MR ? tb - t : GEMM_MR);
                     gp_prefetch_next(&next, w, mode >= 2 ? wu : NULL);
-                    ukr_any_avx2(mr, xt + t * n + k0, n, wp, kc, cg + t * GEMM_NR, k0 == 0);
+                    ukr_any_avx2(mr, xt + t * ldx + k0, ldx, wp, kc, cg + t * GEMM_NR, k0 == 0);
                     if (mode >= 2)
-                        ukr_any_avx2(mr, xt + t * n + k0, n, up, kc, cu + t * GEMM_NR, k0 == 0);
+                        ukr_any_avx2(mr, xt + t * ldx + k0, ldx, up, kc, cu + t * GEMM_NR, k0 == 0);
                 }
             }
             int nr = (int)(rmax - r);

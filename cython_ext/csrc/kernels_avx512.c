@@ -95,14 +95,15 @@ static void ukr512_any(int m, const float *x, int64_t ldx, const float *wp, int6
 }
 
 void cyllm_gemm_rows_avx512(float *out, const uint16_t *w, const uint16_t *wu, const float *x,
-                            int64_t T, int64_t n, int64_t d, int64_t r0, int64_t r1, int mode) {
+                            int64_t ldx, int64_t T, int64_t n, int64_t d, int64_t r0, int64_t r1,
+                            int mode) {
     _Alignas(64) float wp[KC * NR];
     _Alignas(64) float up[KC * NR];
     _Alignas(64) float cg[TB * NR];
     _Alignas(64) float cu[TB * NR];
     for (int64_t t0 = 0; t0 < T; t0 += TB) {
         int64_t tb = T - t0 < TB ? T - t0 : TB;
-        const float *xt = x + t0 * n;
+        const float *xt = x + t0 * ldx;
         for (int64_t r = r0; r < r1; r += NR) {
             int64_t rmax = r + NR < r1 ? r + NR : r1;
             for (int64_t k0 = 0; k0 < n; k0 += KC) {
@@ -114,8 +115,8 @@ void cyllm_gemm_rows_avx512(float *out, const uint16_t *w, const uint16_t *wu, c
                 for (int64_t t = 0; t < tb; t += MR) {
                     int m = (int)(tb - t < MR ? tb - t : MR);
                     gp_prefetch_next(&next, w, mode >= 2 ? wu : NULL);
-                    ukr512_any(m, xt + t * n + k0, n, wp, kc, cg + t * NR, k0 == 0);
-                    if (mode >= 2) ukr512_any(m, xt + t * n + k0, n, up, kc, cu + t * NR, k0 == 0);
+                    ukr512_any(m, xt + t * ldx + k0, ldx, wp, kc, cg + t * NR, k0 == 0);
+                    if (mode >= 2) ukr512_any(m, xt + t * ldx + k0, ldx, up, kc, cu + t * NR, k0 == 0);
                 }
             }
             int nr = (int)(rmax - r);

@@ -163,7 +163,8 @@ static double sum_f32_generic(const float *p, int64_t n) {
 #define GT 8
 #define GK 512
 static void gemm_rows_generic(float *out, const uint16_t *w, const uint16_t *wu, const float *x,
-                              int64_t T, int64_t n, int64_t d, int64_t r0, int64_t r1, int mode) {
+                              int64_t ldx, int64_t T, int64_t n, int64_t d, int64_t r0, int64_t r1,
+                              int mode) {
     float wb[GK], ub[GK];
     for (int64_t t0 = 0; t0 < T; t0 += GT) {
         int64_t tb = T - t0 < GT ? T - t0 : GT;
@@ -175,7 +176,7 @@ static void gemm_rows_generic(float *out, const uint16_t *w, const uint16_t *wu,
                 if (mode >= 2)
                     for (int64_t j = 0; j < kc; j++) ub[j] = cyllm_h2f(wu[r * n + k0 + j]);
                 for (int64_t t = 0; t < tb; t++) {
-                    const float *xt = x + (t0 + t) * n + k0;
+                    const float *xt = x + (t0 + t) * ldx + k0;
                     float acc[LANES] = {0}, acu[LANES] = {0};
                     int64_t j = 0;
                     for (; j + LANES <= kc; j += LANES)
