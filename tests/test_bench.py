@@ -235,3 +235,32 @@ def test_trace_groups_block_records_into_launches():
     assert [x["blocks"] for x in ls] == [2, 3, 2] and [x["sms"] for x in ls] == [2, 3, 2]
     assert [(x["start"], x["wait"], x["end"]) for x in ls] == [(100, 150, 310), (250, 400, 1000), (1100, 1200, 1400)]
     assert ls[1]["wait_med"] == 900 and ls[2]["wait_med"] == 1200    # a block that never waited: left out
+
+
+CUPY_SCRIPTS = {"bench_cuda.py", "bench_cuda_quant.py"}     # import CuPy at the top
+HELPERS = {"cuda_switches.py", "shown_paths.py"}               # imported by the scripts, no main
+
+
+def _bench_scripts():
+    from pathlib import Path
+    return sorted(p.name for p in (Path(__file__).resolve().parents[1] / "bench").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", _bench_scripts())
+def test_bench_scripts_import_and_answer_help(script):
+    """Every script under bench/ still imports what it uses and prints its usage: a helper
+    renamed in one script must not leave another one broken until somebody runs it."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+    if script in CUPY_SCRIPTS and importlib.util.find_spec("cupy") is None:
+        pytest.skip("needs CuPy")
+    path = Path(__file__).resolve().parents[1] / "bench" / script
+    if script in HELPERS:
+        code = f"import sys; sys.path.insert(0, {str(path.parent)!r}); import {path.stem}"
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return
+    r = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "usage" in r.stdout.lower(), (r.returncode, r.stdout[-500:], r.stderr[-2000:])
