@@ -68,6 +68,7 @@ static inline void gp_next_init(gp_next *g, int nr, int64_t n, int64_t r, int64_
                                 int64_t k0, int64_t kc, int64_t kcmax, int64_t calls) {
     g->n = n;
     g->line = g->lines = 0;
+    g->bytes = 0;
     if (k0 + kc < n) {
         g->row = r;
         g->rows = rmax - r;
