@@ -447,6 +447,9 @@ cdef class CpuKernels:
         cdef const uint16_t *pw = <const uint16_t *>cnp.PyArray_DATA(aw)
         cdef const uint16_t *pu = <const uint16_t *>cnp.PyArray_DATA(au) if mode >= 2 else NULL
         cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
+        if T <= gemm_few_tokens:
+            self._few_tokens(po, pw, pu, px, T, d, n, mode)
+            return 0
         cdef Py_ssize_t ldx = _gemm_ldx(T, n)
         cdef float *pad
         if ldx != n:
@@ -478,6 +481,37 @@ cdef class CpuKernels:
                         r1 = d
                     kt.gemm_rows(po, pw, pu, px, ldx, T, n, d, r0, r1, mode)
         return 0
+
+    cdef void _few_tokens(self, float *po, const uint16_t *pw, const uint16_t *pu, const float *px,
+                          Py_ssize_t T, Py_ssize_t d, Py_ssize_t n, int mode) noexcept:
+        """The GEMM of a few tokens as their matvecs, run by run of rows: the first token
+        streams a run from memory, the others find it in cache. The GEMM packs every weight
+        panel to f32 for whatever T brings, which for 2 tokens cost 1.8x their matvecs. Each
+        token gets the matvec's bits (the decode step's), as mode 0/1/2 + act of _gemm."""
+        cdef const cyllm_kernels *kt = self.kt
+        cdef Py_ssize_t row_bytes = n * 2 * (2 if mode >= 2 else 1)
+        cdef int nt = self.nthreads
+        if d * n * T * (2 if mode >= 2 else 1) < MATVEC_PARALLEL_MIN:
+            nt = 1
+        # runs of whole 4-row groups, about gemm_few_run_bytes each (a run per token re-read
+        # from L2), but at least 4 a thread so that threads finish together
+        cdef Py_ssize_t per = min(gemm_few_run_bytes // row_bytes, d // (4 * nt)) // 4 * 4
+        if per < 4:
+            per = 4
+        cdef Py_ssize_t runs = (d + per - 1) // per, i, t, r0, r1
+        if nt > runs:
+            nt = <int>runs
+        with nogil:
+            for i in prange(runs, num_threads=nt, schedule="dynamic", chunksize=1):
+                r0 = i * per
+                r1 = r0 + per
+                if r1 > d:
+                    r1 = d
+                for t in range(T):
+                    if mode >= 2:
+                        kt.gate_up_rows(po + t * d, pw, pu, px + t * n, n, r0, r1, mode - 2, NULL, 0)
+                    else:
+                        kt.matvec_rows(po + t * d, pw, px + t * n, n, r0, r1, mode, NULL, 0)
 
     def matmul(self, out, w, x):
         """out (T, d) f32 = x (T, n) f32 @ w.T ; w (d, n) f16."""

@@ -1,4 +1,5 @@
-# The rows of x as the F16 GEMMs read them. Included by kernels.pyx.
+# How the F16 GEMMs read x: rows spread over L1's sets, and a few tokens as matvecs.
+# Included by kernels.pyx.
 #
 # The GEMM micro-kernels broadcast one column of 12 (avx512) or 6 (avx2) tokens of x at a
 # time. When a row of x is a multiple of 4 KiB (n = 1024, 2048, 3072, 4096, ... floats),
@@ -35,3 +36,23 @@ cdef inline void _copy_rows(float *dst, Py_ssize_t ldd, const float *src, Py_ssi
     cdef Py_ssize_t t
     for t in range(T):
         memcpy(dst + t * ldd, src + t * n, n * sizeof(float))
+
+
+# At most this many tokens run the F16 GEMM as their matvecs (CpuKernels._few_tokens), in runs
+# of rows of about gemm_few_run_bytes of weights. Zen 4, 2048x2048 from DRAM, ms a GEMM against
+# the matvecs (1 thread / 2 threads): 2 tokens 1.36 / 0.72, 0.57 / 0.36; 4 tokens 1.24 / 1.09,
+# 0.61 / 0.53; 6 even; 8 tokens 1.58 / 2.04 (bench/results/cpu_quant_epyc_zen4.md)
+cdef Py_ssize_t gemm_few_tokens = 4
+cdef Py_ssize_t gemm_few_run_bytes = 262144
+
+
+def _set_gemm_few(Py_ssize_t tokens, Py_ssize_t run_bytes):
+    """Up to how many tokens the F16 GEMMs run as matvecs, and the rows' run in bytes
+    (benchmarks and tests). Returns the previous (tokens, run_bytes)."""
+    global gemm_few_tokens, gemm_few_run_bytes
+    if tokens < 0 or run_bytes < 1:
+        raise ValueError(f"few-token GEMM settings must be >= 0 and >= 1, got {tokens}, {run_bytes}")
+    old = (gemm_few_tokens, gemm_few_run_bytes)
+    gemm_few_tokens = tokens
+    gemm_few_run_bytes = run_bytes
+    return old

@@ -37,7 +37,7 @@ include "c_api.pxi"        # declarations of csrc/kernels.h and csrc/omp_shim.h
 include "args.pxi"         # argument checks shared by every op
 include "threading.pxi"    # when an op runs serially, when it splits over the team
 include "variants.pxi"     # generic / avx2 / avx512: detection and choice
-include "gemm_x.pxi"       # the rows of x as the F16 GEMMs read them
+include "gemm_x.pxi"       # how the F16 GEMMs read x (padded rows, a few tokens as matvecs)
 # the quantized-weight kernels (QuantKernels): CpuKernels hands QuantMatrix weights to them
 include "quant.pxi"
 include "cpu_ops.pxi"      # CpuKernels: the ops

@@ -156,6 +156,50 @@ def test_gemm_padded_x_keeps_the_bits(variant, d, n):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("d,n", [(67, 300), (1031, 257)])
+def test_gemm_of_a_few_tokens_gives_matvec_bits(variant, d, n):
+    """Up to 4 tokens the F16 GEMMs run as the tokens' matvecs over runs of rows
+    (CpuKernels._few_tokens): each row of matmul / matmul_add / gate_up_batch (silu, gelu_tanh) is
+    then the matvec's bits for that token, at 1 and 2 threads and with runs of 4 rows; 5 tokens
+    take the GEMM (other bits on the x86 tables); all within the reference's tolerance."""
+    rng = rng_for("few", d, n)
+    w, wu = f16_matrix(rng, d, n), f16_matrix(rng, d, n)
+    dflt = _k._set_gemm_few(4, 262144)
+    try:
+        for T in (1, 2, 4, 5):
+            x = rng.standard_normal((T, n)).astype(np.float32)
+            base = rng.standard_normal((T, d)).astype(np.float32)
+            for threads, run_bytes in ((1, 262144), (2, 262144), (2, 1)):
+                _k._set_gemm_few(4, run_bytes)
+                b = backend(variant, threads)
+                o1, o2 = np.zeros((T, d), np.float32), base.copy()
+                o3, o4 = np.zeros((T, d), np.float32), np.zeros((T, d), np.float32)
+                b.matmul(o1, w, x)
+                b.matmul_add(o2, w, x)
+                b.gate_up_batch(o3, w, wu, x)
+                b.gate_up_batch(o4, w, wu, x, act="gelu_tanh")
+                for t in range(T):
+                    m1, m2 = np.zeros(d, np.float32), base[t].copy()
+                    m3, m4 = np.zeros(d, np.float32), np.zeros(d, np.float32)
+                    b.matvec(m1, w, x[t])
+                    b.matvec_add(m2, w, x[t])
+                    b.gate_up(m3, w, wu, x[t])
+                    b.gate_up(m4, w, wu, x[t], act="gelu_tanh")
+                    same = [np.array_equal(a[t].view(np.uint32), c.view(np.uint32))
+                            for a, c in ((o1, m1), (o2, m2), (o3, m3), (o4, m4))]
+                    if T <= 4:
+                        assert all(same), (T, threads, run_bytes, same)
+                    elif variant != "generic":          # (generic's GEMM sums as its matvec does)
+                        assert not all(same), (T, threads, run_bytes, same)
+                want = x.astype(np.float64) @ w.astype(np.float64).T
+                np.testing.assert_allclose(o1, want, rtol=1e-4, atol=1e-3 * np.abs(want).max())
+    finally:
+        _k._set_gemm_few(*dflt)
+    with pytest.raises(ValueError):
+        _k._set_gemm_few(-1, 1)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_matvec_readonly_and_unaligned(variant, tmp_path):
     rng = rng_for("ro")
     d, n = 67, 131
