@@ -3,11 +3,26 @@
 # tests/test_cpu_fused.py; benchmarks: bench/bench_matvec.py, bench_gemm.py,
 # bench_attention.py, bench_norm_rope.py. Included by kernels.pyx.
 
+cdef inline void _few_tokens_run(const cyllm_kernels *kt, float *po, const uint16_t *pw,
+                                 const uint16_t *pu, const float *px, Py_ssize_t T, Py_ssize_t d,
+                                 Py_ssize_t n, int mode, Py_ssize_t r0, Py_ssize_t r1) noexcept nogil:
+    """Rows [r0, r1) of every token's matvec (CpuKernels._few_tokens)."""
+    cdef Py_ssize_t t
+    for t in range(T):
+        if mode >= 2:
+            kt.gate_up_rows(po + t * d, pw, pu, px + t * n, n, r0, r1, mode - 2, NULL, 0)
+        else:
+            kt.matvec_rows(po + t * d, pw, px + t * n, n, r0, r1, mode, NULL, 0)
+
+
 cdef class CpuKernels:
     """Every op of cyllm.backends.base.Backend for the CPU; cpu.CpuBackend extends it.
 
     CpuKernels(threads=1, variant=None): variant None follows $CYLLM_KERNELS, then
     the best variant this CPU runs ("avx2", else "generic").
+
+    One op at a time per instance: the ops keep scratch buffers here (the model's lock
+    serialises its steps); two threads that call ops of one instance at once must not.
     """
     cdef const cyllm_kernels *kt
     cdef int nthreads
@@ -60,12 +75,14 @@ cdef class CpuKernels:
         return self.q
 
     cdef cnp.ndarray _scratch_vec(self, str name, Py_ssize_t n):
-        """A float32 scratch vector of n elements (the buffer only grows)."""
+        """A float32 scratch vector of n elements starting on a cache line (the buffer only
+        grows)."""
         cdef cnp.ndarray a = self._scr.get(name)
-        if a is None or a.shape[0] < n:
-            a = np.empty(max(n, 1), np.float32)
+        if a is None or a.shape[0] < n + 16:
+            a = np.empty(max(n, 1) + 16, np.float32)
             self._scr[name] = a
-        return a[:n]
+        cdef Py_ssize_t off = <Py_ssize_t>((64 - <uintptr_t>cnp.PyArray_DATA(a) % 64) % 64) // 4
+        return a[off:off + n]
 
     @property
     def kernel_variant(self):
@@ -442,6 +459,10 @@ cdef class CpuKernels:
         _no_overlap(ao, aw, "out", wname)
         if T == 0 or d == 0:
             return 0
+        if n == 0:                  # empty sums: x @ W.T = 0, and act(0) * 0 = 0
+            if mode != 1:
+                ao.fill(0)
+            return 0
         cdef const cyllm_kernels *kt = self.kt
         cdef float *po = <float *>cnp.PyArray_DATA(ao)
         cdef const uint16_t *pw = <const uint16_t *>cnp.PyArray_DATA(aw)
@@ -493,8 +514,8 @@ cdef class CpuKernels:
         cdef int nt = self.nthreads
         if d * n * T * (2 if mode >= 2 else 1) < MATVEC_PARALLEL_MIN:
             nt = 1
-        # runs of whole 4-row groups, about gemm_few_run_bytes each (a run per token re-read
-        # from L2), but at least 4 a thread so that threads finish together
+        # runs of whole 4-row groups, about gemm_few_run_bytes each (each token after the first
+        # re-reads a run from L2), but at least 4 runs per thread so that threads finish together
         cdef Py_ssize_t per = min(gemm_few_run_bytes // row_bytes, d // (4 * nt)) // 4 * 4
         if per < 4:
             per = 4
@@ -502,16 +523,12 @@ cdef class CpuKernels:
         if nt > runs:
             nt = <int>runs
         with nogil:
-            for i in prange(runs, num_threads=nt, schedule="dynamic", chunksize=1):
-                r0 = i * per
-                r1 = r0 + per
-                if r1 > d:
-                    r1 = d
-                for t in range(T):
-                    if mode >= 2:
-                        kt.gate_up_rows(po + t * d, pw, pu, px + t * n, n, r0, r1, mode - 2, NULL, 0)
-                    else:
-                        kt.matvec_rows(po + t * d, pw, px + t * n, n, r0, r1, mode, NULL, 0)
+            if nt == 1:
+                for i in range(runs):
+                    _few_tokens_run(kt, po, pw, pu, px, T, d, n, mode, i * per, min(d, i * per + per))
+            else:
+                for i in prange(runs, num_threads=nt, schedule="dynamic", chunksize=1):
+                    _few_tokens_run(kt, po, pw, pu, px, T, d, n, mode, i * per, min(d, i * per + per))
 
     def matmul(self, out, w, x):
         """out (T, d) f32 = x (T, n) f32 @ w.T ; w (d, n) f16."""

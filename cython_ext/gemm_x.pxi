@@ -30,6 +30,11 @@ cdef inline Py_ssize_t _gemm_ldx(Py_ssize_t T, Py_ssize_t n) noexcept nogil:
     return n + 16
 
 
+def _gemm_row_stride(Py_ssize_t T, Py_ssize_t n):
+    """The row stride (floats) the F16 GEMMs read x of T rows of n floats with (tests)."""
+    return _gemm_ldx(T, n)
+
+
 cdef inline void _copy_rows(float *dst, Py_ssize_t ldd, const float *src, Py_ssize_t T,
                             Py_ssize_t n) noexcept nogil:
     """dst rows ldd floats apart <- src (T, n) contiguous."""

@@ -611,7 +611,7 @@ cdef class QuantKernels:
         cdef Py_ssize_t ldx = _gemm_ldx(T, n)
         cdef float *pad
         if ldx != n:
-            pad = <float *>self._act_for(T * ldx * sizeof(float))   # the int8 path's x, unused here
+            pad = <float *>self._act_for(T * ldx * sizeof(float))   # the int8 path's quantized-x scratch, free here
             with nogil:
                 _copy_rows(pad, ldx, px, T, n)
             px = pad
@@ -668,7 +668,8 @@ cdef class QuantKernels:
 
         method "int8": x quantized per token, integer dot products (each (t, row) gives
         qmatvec's bits for that token); "f16": panels of 64 rows dequantized to f16 and
-        fed to the main variant's f16 GEMM (matmul's bits on the dequantized weights)."""
+        fed to the main variant's f16 GEMM (the bits matmul gives on the dequantized weights
+        for more than 4 tokens: matmul runs fewer as matvecs)."""
         cdef int f = _qfmt(fmt)
         cdef Py_ssize_t n
         cdef cnp.ndarray aw = _qweights(w, "w", f, &n)

@@ -123,18 +123,18 @@ def test_gemm_padded_x_keeps_the_bits(variant, d, n):
     rng = rng_for("gemm pad", d, n)
     T = 13                                            # a full micro-kernel of tokens and a tail
     w, wu = f16_matrix(rng, d, n), f16_matrix(rng, d, n)
-    x = rng.standard_normal((T, n)).astype(np.float32)
+    xs = rng.standard_normal((4, T, n)).astype(np.float32)     # one x an op: a stale copy shows
     base = rng.standard_normal((T, d)).astype(np.float32)
     wq = R.quantize(w.astype(np.float32), "q8_0")
 
     def run(threads):
         b = backend(variant, threads)
         o1, o2, o3 = np.zeros((T, d), np.float32), base.copy(), np.zeros((T, d), np.float32)
-        b.matmul(o1, w, x)
-        b.matmul_add(o2, w, x)
-        b.gate_up_batch(o3, w, wu, x)
+        b.matmul(o1, w, xs[0])
+        b.matmul_add(o2, w, xs[1])
+        b.gate_up_batch(o3, w, wu, xs[2])
         o4 = np.zeros((T, d), np.float32)
-        b.quant.qmatmul(o4, wq, "q8_0", x, method="f16")
+        b.quant.qmatmul(o4, wq, "q8_0", xs[3], method="f16")
         return o1, o2, o3, o4
 
     dflt = _k._set_gemm_pad(0)
@@ -142,6 +142,8 @@ def test_gemm_padded_x_keeps_the_bits(variant, d, n):
         outs = {}
         for mode in (0, 1, 2):
             _k._set_gemm_pad(mode)
+            # padding happens where the mode says so
+            assert _k._gemm_row_stride(T, n) == (n + 16 if mode == 2 or (mode == 1 and n % 1024 == 0) else n)
             outs[mode] = [run(t) for t in (1, 2)]
     finally:
         _k._set_gemm_pad(dflt)
@@ -149,7 +151,7 @@ def test_gemm_padded_x_keeps_the_bits(variant, d, n):
         for p, q in zip(outs[0], outs[mode]):
             for a, c in zip(p, q):
                 assert np.array_equal(a.view(np.uint32), c.view(np.uint32))
-    want = x.astype(np.float64) @ w.astype(np.float64).T
+    want = xs[0].astype(np.float64) @ w.astype(np.float64).T
     np.testing.assert_allclose(outs[2][1][0], want, rtol=1e-4, atol=1e-3 * np.abs(want).max())
     with pytest.raises(ValueError):
         _k._set_gemm_pad(3)
@@ -197,6 +199,24 @@ def test_gemm_of_a_few_tokens_gives_matvec_bits(variant, d, n):
         _k._set_gemm_few(*dflt)
     with pytest.raises(ValueError):
         _k._set_gemm_few(-1, 1)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("T", [1, 3, 6])
+def test_gemm_of_empty_rows(variant, T):
+    """x with no columns: every product is an empty sum (0; act(0) * 0 for gate_up), on the
+    few-token and the GEMM path alike."""
+    b = backend(variant, 2)
+    w, x = np.zeros((5, 0), np.float16), np.zeros((T, 0), np.float32)
+    out = np.full((T, 5), np.nan, np.float32)
+    b.matmul(out, w, x)
+    assert np.array_equal(out, np.zeros((T, 5), np.float32))
+    out = np.full((T, 5), 2.0, np.float32)
+    b.matmul_add(out, w, x)
+    assert np.array_equal(out, np.full((T, 5), 2.0, np.float32))
+    out = np.full((T, 5), np.nan, np.float32)
+    b.gate_up_batch(out, w, w, x)
+    assert np.array_equal(out, np.zeros((T, 5), np.float32))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
