@@ -79,7 +79,7 @@ def main() -> int:
     ap.add_argument("--out", help="markdown output (default bench/results/contention_<cpu>.md)")
     a = ap.parse_args()
 
-    sys.path.insert(0, str(HERE.parent / "src"))      # cyllm from this checkout when not installed
+    sys.path.append(str(HERE.parent / "src"))      # cyllm from this checkout when not installed
     from cyllm.hostinfo import cpu_model_name
 
     model = a.model

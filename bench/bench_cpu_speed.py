@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "src"))
+sys.path.append(os.path.join(HERE, "..", "src"))     # a checkout without installing: an installed cyllm comes first
 
 import cyllm  # noqa: E402
 from cyllm.backends.cpu import CpuBackend, measure_read_bandwidth  # noqa: E402

@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "src"))     # run from a checkout without installing
+sys.path.append(os.path.join(HERE, "..", "src"))     # a checkout without installing: an installed cyllm comes first
 
 from cyllm.tools.bench import (BenchConfig, Test, load_source, needed_context, parse_int_list,  # noqa: E402
                          plan_tests, run_bench)

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "src"))     # run from a checkout without installing
+sys.path.append(os.path.join(HERE, "..", "src"))     # a checkout without installing: an installed cyllm comes first
 
 import cyllm  # noqa: E402
 from cyllm.tools.perplexity import _adds_bos, chunk_nll, format_ppl, ppl_from_sums, tokenize_for_perplexity  # noqa: E402
