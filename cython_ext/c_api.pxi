@@ -26,6 +26,8 @@ cdef extern from "csrc/kernels.h" nogil:
                                int64_t len0, float *work) noexcept nogil
         int64_t (*attention_rows_work)(int64_t t_max) noexcept nogil
         int attention_rows_max
+        void (*rows2)(float *out, int64_t ldo, const uint16_t *w, const uint16_t *wu, const float *x,
+                      int64_t ldx, int64_t n, int64_t r0, int64_t r1, int mode) noexcept nogil
 
     ctypedef struct cyllm_op:
         int kind, barrier, mode, dyn

@@ -6,9 +6,12 @@
 cdef inline void _few_tokens_run(const cyllm_kernels *kt, float *po, const uint16_t *pw,
                                  const uint16_t *pu, const float *px, Py_ssize_t T, Py_ssize_t d,
                                  Py_ssize_t n, int mode, Py_ssize_t r0, Py_ssize_t r1) noexcept nogil:
-    """Rows [r0, r1) of every token's matvec (CpuKernels._few_tokens)."""
+    """Rows [r0, r1) of every token's matvec (CpuKernels._few_tokens), two tokens a pass."""
     cdef Py_ssize_t t
-    for t in range(T):
+    for t in range(0, T - 1, 2):
+        kt.rows2(po + t * d, d, pw, pu, px + t * n, n, n, r0, r1, mode)
+    if T % 2:
+        t = T - 1
         if mode >= 2:
             kt.gate_up_rows(po + t * d, pw, pu, px + t * n, n, r0, r1, mode - 2, NULL, 0)
         else:

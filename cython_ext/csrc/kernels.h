@@ -69,6 +69,11 @@ typedef struct cyllm_kernels {
                            int64_t len0, float *work);
     int64_t (*attention_rows_work)(int64_t t_max);
     int attention_rows_max;
+    /* Two tokens of matvec_rows (mode 0, 1: add) or gate_up_rows (mode 2 + act) at once, the
+     * weights read once: token i's x at x + i * ldx, its rows [r0, r1) at out + i * ldo. Each
+     * token gets the bits of the one-token kernel (a prompt of a few tokens, CpuKernels). */
+    void (*rows2)(float *out, int64_t ldo, const uint16_t *w, const uint16_t *wu, const float *x,
+                  int64_t ldx, int64_t n, int64_t r0, int64_t r1, int mode);
 } cyllm_kernels;
 
 extern const cyllm_kernels cyllm_generic_kernels;

@@ -129,6 +129,71 @@ static void gate_up_rows_avx2(float *out, const uint16_t *wg, const uint16_t *wu
     else gate_up_rows_pf(out, wg, wu, x, n, r0, r1, act, nx, nx_bytes, cyllm_pf_bytes, 0);
 }
 
+/* dot1_lin for two tokens at once, the row's weights widened once: each sum is dot1_lin's,
+ * the same FMAs in the same order (no bit differs; tests/test_ops.py) */
+static inline __attribute__((always_inline)) void dot2_lin(const uint16_t *w, const float *x0,
+                                                           const float *x1, int64_t n, const char *pf,
+                                                           const int l2, float *s0, float *s1) {
+    __m256 a0 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), c0 = _mm256_setzero_ps(), d0 = _mm256_setzero_ps();
+    __m256 a1 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(), d1 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        if (pf) {
+            if (l2) _mm_prefetch(pf + j * 2, _MM_HINT_T1);
+            else _mm_prefetch(pf + j * 2, _MM_HINT_T0);
+        }
+        const __m256 w0 = load8h(w + j), w1 = load8h(w + j + 8), w2 = load8h(w + j + 16), w3 = load8h(w + j + 24);
+        a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + j), a0);
+        b0 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x0 + j + 8), b0);
+        c0 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x0 + j + 16), c0);
+        d0 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x0 + j + 24), d0);
+        a1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x1 + j), a1);
+        b1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x1 + j + 8), b1);
+        c1 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x1 + j + 16), c1);
+        d1 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x1 + j + 24), d1);
+    }
+    for (; j + 8 <= n; j += 8) {
+        const __m256 w0 = load8h(w + j);
+        a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + j), a0);
+        a1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x1 + j), a1);
+    }
+    float t0 = hsum8(_mm256_add_ps(_mm256_add_ps(a0, b0), _mm256_add_ps(c0, d0)));
+    float t1 = hsum8(_mm256_add_ps(_mm256_add_ps(a1, b1), _mm256_add_ps(c1, d1)));
+    for (; j < n; j++) {
+        t0 += h2f(w[j]) * x0[j];
+        t1 += h2f(w[j]) * x1[j];
+    }
+    *s0 = t0;
+    *s1 = t1;
+}
+
+static inline __attribute__((always_inline)) void rows2_pf(
+        float *out, int64_t ldo, const uint16_t *w, const uint16_t *wu, const float *x, int64_t ldx,
+        int64_t n, int64_t r0, int64_t r1, int mode, const int64_t dist, const int l2) {
+    const char *end = (const char *)(w + r1 * n), *eu = wu ? (const char *)(wu + r1 * n) : NULL;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t *wr = w + r * n;
+        float s0, s1;
+        dot2_lin(wr, x, x + ldx, n, pf_at((const char *)wr, dist, end, NULL, 0, n * 2), l2, &s0, &s1);
+        if (mode >= 2) {
+            const uint16_t *ur = wu + r * n;
+            float u0, u1;
+            dot2_lin(ur, x, x + ldx, n, pf_at((const char *)ur, dist, eu, NULL, 0, n * 2), l2, &u0, &u1);
+            out[r] = cyllm_act(s0, mode - 2) * u0;
+            out[ldo + r] = cyllm_act(s1, mode - 2) * u1;
+        } else {
+            out[r] = mode ? out[r] + s0 : s0;
+            out[ldo + r] = mode ? out[ldo + r] + s1 : s1;
+        }
+    }
+}
+
+static void rows2_avx2(float *out, int64_t ldo, const uint16_t *w, const uint16_t *wu, const float *x,
+                       int64_t ldx, int64_t n, int64_t r0, int64_t r1, int mode) {
+    if (wide_row(n)) rows2_pf(out, ldo, w, wu, x, ldx, n, r0, r1, mode, cyllm_pf_wide_bytes, 1);
+    else rows2_pf(out, ldo, w, wu, x, ldx, n, r0, r1, mode, cyllm_pf_bytes, 0);
+}
+
 /* e^x (softmax weights, SiLU), Cephes-style: 2^round(x log2 e) * poly; ~1-2 ulp.
  * Inputs below -87.3 give ~1e-38 instead of 0, which no softmax sum notices; inputs
  * are capped at 88.3 (below float overflow). */
@@ -623,4 +688,5 @@ const cyllm_kernels cyllm_avx2_kernels = {
     attention_rows_avx2,
     attention_rows_work_avx2,
     GEMM_MR,
+    rows2_avx2,
 };

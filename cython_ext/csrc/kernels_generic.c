@@ -107,6 +107,14 @@ static void gate_up_rows_generic(float *out, const uint16_t *wg, const uint16_t 
     }
 }
 
+static void rows2_generic(float *out, int64_t ldo, const uint16_t *w, const uint16_t *wu,
+                          const float *x, int64_t ldx, int64_t n, int64_t r0, int64_t r1, int mode) {
+    for (int i = 0; i < 2; i++) {
+        if (mode >= 2) gate_up_rows_generic(out + i * ldo, w, wu, x + i * ldx, n, r0, r1, mode - 2, NULL, 0);
+        else matvec_rows_generic(out + i * ldo, w, x + i * ldx, n, r0, r1, mode, NULL, 0);
+    }
+}
+
 static void attention_head_generic(float *out, const float *q, const uint16_t *k,
                                    const uint16_t *v, int64_t t_len, int64_t hd, float scale,
                                    float *ml) {
@@ -217,4 +225,5 @@ const cyllm_kernels cyllm_generic_kernels = {
     NULL,
     NULL,
     0,
+    rows2_generic,
 };
