@@ -13,8 +13,10 @@
 #   small    the same on SmolLM2-135M (untied: 163 M parameters), F16, q8_0, q4_0
 # Usage on the device machine (repo root): bash bench/device_profile.sh [STEP...]
 # Device call: command `bash bench/device_profile.sh [STEP...]`, timeout_s 590 (carry
-# .carry/cuda_quant_material and .whl, the gguf wheel, for `models`). Output under $OUT:
-# profile.log (everything) and summary.txt (the tables).
+# .carry/cuda_quant_material, .whl (the gguf wheel) and .carry/llamacpp-cache for `models`:
+# the device reaches no package index, so the family tests' llama.cpp converter comes as the
+# extraction tests/llamacpp_tools.py leaves, `cp -a ~/.cache/cyllm-tests/llama.cpp-0.3.36
+# .carry/llamacpp-cache/`). Output under $OUT: profile.log (everything) and summary.txt (the tables).
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cyllm_out}
@@ -24,6 +26,7 @@ DEADLINE=$((T0 + ${DEADLINE_S:-560}))
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site
 export PYTHONUNBUFFERED=1 PYTHONPATH="$(pwd)/src${PYTHONPATH:+:$PYTHONPATH}" PIP_NO_INDEX=1
+[ -d .carry/llamacpp-cache ] && export CYLLM_TEST_CACHE="$(pwd)/.carry/llamacpp-cache"
 PY=python3
 left() { echo $((DEADLINE - $(date +%s))); }
 say() { echo "=== $(date +%H:%M:%S) [$(( $(date +%s) - T0 ))s] $*"; }
