@@ -511,7 +511,7 @@ cdef class CpuKernels:
         """The GEMM of a few tokens as their matvecs, run by run of rows: the first token
         streams a run from memory, the others find it in cache. The GEMM packs every weight
         panel to f32 for whatever T brings, which for 2 tokens cost 1.8x their matvecs. Each
-        token gets the matvec's bits (the decode step's), as mode 0/1/2 + act of _gemm."""
+        token gets the matvec's bits (the decode step's); mode as _gemm's (0, 1 add, 2 + act)."""
         cdef const cyllm_kernels *kt = self.kt
         cdef Py_ssize_t row_bytes = n * 2 * (2 if mode >= 2 else 1)
         cdef int nt = self.nthreads
@@ -522,7 +522,7 @@ cdef class CpuKernels:
         cdef Py_ssize_t per = min(gemm_few_run_bytes // row_bytes, d // (4 * nt)) // 4 * 4
         if per < 4:
             per = 4
-        cdef Py_ssize_t runs = (d + per - 1) // per, i, t, r0, r1
+        cdef Py_ssize_t runs = (d + per - 1) // per, i
         if nt > runs:
             nt = <int>runs
         with nogil:

@@ -45,8 +45,8 @@ cdef inline void _copy_rows(float *dst, Py_ssize_t ldd, const float *src, Py_ssi
 
 # At most this many tokens run the F16 GEMM as their matvecs (CpuKernels._few_tokens, two tokens
 # a pass), in runs of rows of about gemm_few_run_bytes of weights. Zen 4, 2048x2048 from DRAM,
-# ms, the GEMM against the matvecs, 1 thread; 2 threads: 2 tokens 1.11 / 0.63; 0.67 / 0.41;
-# 4 tokens 1.20 / 0.90; 0.73 / 0.55; 6 tokens 1.32 / 1.16; 0.70 / 0.73; 8 even
+# ms, GEMM / matvecs at 1 thread | 2 threads: 2 tokens 1.11 / 0.63 | 0.67 / 0.41, 4 tokens
+# 1.20 / 0.90 | 0.73 / 0.55, 6 tokens 1.32 / 1.16 | 0.70 / 0.73, 8 even
 # (bench/results/cpu_quant_epyc_zen4.md)
 cdef Py_ssize_t gemm_few_tokens = 4
 cdef Py_ssize_t gemm_few_run_bytes = 262144
