@@ -78,8 +78,7 @@ cdef inline Py_ssize_t _runs(Py_ssize_t d, int nt, int f) noexcept nogil:
     if not (f == CYLLM_QF_Q4_K_R16 or f == CYLLM_QF_Q4_0_R16 or f == CYLLM_QF_Q8_0_R16
             or f == CYLLM_QF_Q4_1_R16):
         return nt
-    cdef Py_ssize_t u = CYLLM_R16 if cyllm_qf_is_r16(f) else 4
-    cdef Py_ssize_t units = (d + u - 1) // u
+    cdef Py_ssize_t units = (d + CYLLM_R16 - 1) // CYLLM_R16
     return units if units < <Py_ssize_t>nt * QGEMM_CHUNKS else <Py_ssize_t>nt * QGEMM_CHUNKS
 
 
