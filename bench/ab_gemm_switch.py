@@ -17,11 +17,24 @@ the last column is the second setting's speedup over the first.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
 
 from cyllm._ext import kernels as K
+from cyllm.errors import CyllmError
+
+
+def shape(text: str) -> tuple[int, int]:
+    """DxN -> (D, N), both >= 1 (argparse type)."""
+    try:
+        d, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is DxN, e.g. 2048x2048, got {text!r}") from None
+    if d < 1 or n < 1:
+        raise argparse.ArgumentTypeError(f"a shape's sizes must be >= 1, got {text!r}")
+    return d, n
 
 
 def settings(switch: str):
@@ -54,8 +67,7 @@ def shapes_table(args, sets) -> None:
     rng = np.random.default_rng(0)
     print("| shape | T | threads | " + " | ".join(f"{lab} GFLOP/s (ms)" for lab, _ in sets) + " | second / first |")
     print("|---|---:|---:|" + "---:|" * (len(sets) + 1))
-    for shape in args.shapes:
-        d, n = (int(v) for v in shape.split("x"))
+    for d, n in args.shapes:
         ws = [rng.standard_normal((d, n)).astype(np.float16) for _ in range(args.copies)]
         for T in args.tokens:
             x = rng.standard_normal((T, n)).astype(np.float32)
@@ -73,7 +85,7 @@ def shapes_table(args, sets) -> None:
                 med = alternate(sets, args.rounds, timed)
                 cells = " | ".join(f"{2 * T * d * n / s / 1e9:.1f} ({s * 1e3:.2f})" for s in med.values())
                 a, b2 = list(med.values())
-                print(f"| {shape} | {T} | {th} | {cells} | {a / b2:.3f} |")
+                print(f"| {d}x{n} | {T} | {th} | {cells} | {a / b2:.3f} |")
 
 
 def model_table(args, sets) -> None:
@@ -101,7 +113,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("switch", choices=["pad", "few"])
     ap.add_argument("-m", "--model", help="a model path: time its prefill instead of single GEMMs")
-    ap.add_argument("--shapes", nargs="*", default=["2048x2048"], help="DxN (weight rows x columns)")
+    ap.add_argument("--shapes", nargs="*", type=shape, default=[(2048, 2048)],
+                    help="DxN (weight rows x columns)")
     ap.add_argument("--tokens", nargs="*", type=int, default=[128], help="T, prompt tokens")
     ap.add_argument("--threads", nargs="*", type=int, default=[1, 2])
     ap.add_argument("--copies", type=int, default=1, help="copies of each matrix timed in turn")
@@ -114,6 +127,9 @@ def main(argv=None) -> int:
     sets = settings(args.switch)
     try:
         (model_table if args.model else shapes_table)(args, sets)
+    except CyllmError as e:                     # a model that does not load: one line
+        print(f"ab_gemm_switch: {e}", file=sys.stderr)
+        return 2
     finally:
         restore(args.switch, state)
     return 0
