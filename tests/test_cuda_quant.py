@@ -687,3 +687,87 @@ def test_mixed_gate_up(be, cp):
     be.gate_up(out, wg, be.upload(wf), be.upload(x), "silu")
     want = silu(deq64(rg, "q4_k", n) @ xq) * (wf.astype(np.float64) @ x)
     assert rel(be.to_host(out), want) < 1e-4
+
+
+# (format of q, k, the stack, wo, gate/up; format of down): one format, and mixes as in the
+# Q4_K_M / Q5_K_M recipes and a 32-element pair
+_CHAIN_CASES = [(f, f) for f in FMTS] + [("q4_k", "q6_k"), ("q5_k", "q6_k"), ("q4_0", "q8_0")]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt,fmt_down", _CHAIN_CASES)
+def test_matvec_chain(be, cp, fmt, fmt_down):
+    """Six quantized matvecs of a decode step as one persistent qchain launch (chain.py,
+    cuda/quant_chain.cu), captured and replayed: a folded norm; a matvec and a q/k/v stack
+    reading that norm's output (folded again, so no barrier); a residual add in place over
+    the vector the first norm read (a barrier: it reads q); a second norm folded into
+    gate+up (a barrier); down (a barrier). Rows of several chunks and blocks with two tiles."""
+    if not be.use_pdl:
+        pytest.skip("the chain needs sm_90")
+    rng = np.random.default_rng(61)
+    b = FORMATS[fmt].block
+    n, ff, act = 1024, 5120, "silu" if fmt != "q5_0" else "gelu_tanh"
+    dk, eps = 64, 1e-5
+    shapes_ = {"wq": (fmt, n, n), "wk": (fmt, dk, n), "s0": (fmt, 96, n), "s1": (fmt, dk, n), "s2": (fmt, dk, n),
+               "wo": (fmt, n, n), "wg": (fmt, ff, n), "wu": (fmt, ff, n), "wd": (fmt_down, n, ff)}
+    raws = {k: random_blocks(f, r, c, rng) for k, (f, r, c) in shapes_.items()}
+    ws = {k: be.upload(QuantMatrix(raws[k], f, (r, c))) for k, (f, r, c) in shapes_.items()}
+    W = {k: deq64(raws[k], f, c) for k, (f, r, c) in shapes_.items()}
+    stack = be.stack_rows((ws["s0"], ws["s1"], ws["s2"]))
+    Ws = np.concatenate([W["s0"], W["s1"], W["s2"]])
+    nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    nw2 = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    nwd, nw2d = be.upload(nw), be.upload(nw2)
+    x, x3, xb = be.empty(n), be.empty(n), be.empty(n)
+    q, k, s3, h = be.empty(n), be.empty(dk), be.empty(stack.rows), be.empty(ff)
+
+    def issue(token, pos):
+        be.rmsnorm(xb, x, nwd, eps)
+        be.matvec(q, ws["wq"], xb)
+        be.matvec(k, ws["wk"], xb)
+        be.matvec(s3, stack, xb)
+        be.matvec_add(x, ws["wo"], q)
+        be.rmsnorm(xb, x, nw2d, eps)
+        be.gate_up(h, ws["wg"], ws["wu"], xb, act)
+        be.matvec_add(x3, ws["wd"], h)
+
+    be.reset_graph()
+    chain, fold = be.chain_matvecs, be.fold_rope
+    be.chain_matvecs, be.fold_rope = True, False
+    be._chain_tables.clear()
+    try:
+        for step in range(3):
+            x0 = (rng.standard_normal(n) * 2).astype(np.float32)
+            x30 = rng.standard_normal(n).astype(np.float32)
+            x.set(x0)
+            x3.set(x30)
+            for buf in (q, k, s3, h, xb):
+                buf.fill(np.nan)
+            be.decode_step(issue, 1, step)
+            got = {name: be.to_host(a).astype(np.float64) for name, a in
+                   (("q", q), ("k", k), ("s3", s3), ("x", x), ("xb", xb), ("h", h), ("x3", x3))}
+            what = f"{fmt}/{fmt_down} step {step}"
+            inv = 1.0 / np.sqrt(np.mean(x0.astype(np.float64) ** 2) + eps)
+            xq = xq64(x0 * nw, fmt)
+            for name, M in (("q", W["wq"]), ("k", W["wk"]), ("s3", Ws)):
+                check_exact(got[name], inv * (M @ xq), inv * (np.abs(M) @ np.abs(xq)), f"{what} {name}")
+            qq = xq64(got["q"].astype(np.float32), fmt)
+            check_exact(got["x"], x0 + W["wo"] @ qq, np.abs(x0) + np.abs(W["wo"]) @ np.abs(qq), f"{what} x")
+            x1 = got["x"].astype(np.float32)
+            inv2 = 1.0 / np.sqrt(np.mean(x1.astype(np.float64) ** 2) + eps)
+            np.testing.assert_allclose(got["xb"], x1 * inv2 * nw2, rtol=2e-6, atol=1e-6)
+            xq2 = xq64(x1 * nw2, fmt)
+            g, u = inv2 * (W["wg"] @ xq2), inv2 * (W["wu"] @ xq2)
+            ref = (silu(g) if act == "silu" else gelu_tanh(g)) * u
+            mg, mu = inv2 * (np.abs(W["wg"]) @ np.abs(xq2)), inv2 * (np.abs(W["wu"]) @ np.abs(xq2))
+            tol = 1e-4 * (np.abs(u) * (mg + 1) + np.abs(g) * mu) + 1e-6 * np.abs(ref)
+            assert np.all(np.abs(got["h"] - ref) <= tol + 1e-12), what
+            hq = xq64(got["h"].astype(np.float32), fmt_down)
+            check_exact(got["x3"], x30 + W["wd"] @ hq, np.abs(x30) + np.abs(W["wd"]) @ np.abs(hq), f"{what} x3")
+            if step:
+                assert be._graph is not None
+        # one table of all six ops: the chain did run, as one launch
+        assert [len(t) // 112 for t in be._chain_tables] == [6]
+    finally:
+        be.chain_matvecs, be.fold_rope = chain, fold
+        be.reset_graph()
