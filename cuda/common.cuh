@@ -52,22 +52,6 @@ __device__ __forceinline__ float ld_act(const float* p) {
     return v;
 }
 
-// The same from L2 only (ld.global.cg): for a kernel that reads what other blocks of the same
-// grid wrote before a grid-wide barrier (cuda/quant_chain.cu). L1 is not coherent across
-// SMs, so a line this SM cached earlier in the kernel could be stale.
-__device__ __forceinline__ float4 ld_l2_4(const float4* p) {
-    float4 v;
-    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ float ld_l2(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
-    return v;
-}
-
 // Streamed weight loads: read once per token, so keep them out of L1 and leave
 // L1 to the activation vector that every warp re-reads.
 __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {

@@ -205,7 +205,7 @@ __device__ __forceinline__ void qload_cached(QItem<F>& it, const QGeo& g, int s,
 // Returns this lane's share of sum(x^2) (for the folded rmsnorm).
 #define QS_CHUNKS 4   // float4 chunks per lane staged together: loads hoisted, shuffle chains interleaved
 
-template <bool NORM, int BLK, bool L2ONLY = false>   // L2ONLY: x read with ld_l2 (quant_chain.cu)
+template <bool NORM, int BLK>
 __device__ __forceinline__ float qstage(const float* x, const float* __restrict__ nw,
                                         int e0, int e1, u32* __restrict__ xw, float4* __restrict__ xs,
                                         int lane)
@@ -222,10 +222,7 @@ __device__ __forceinline__ float qstage(const float* x, const float* __restrict_
             act[k] = c < c1;
             v[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (act[k]) {
-                const float4* x4 = reinterpret_cast<const float4*>(x) + c;
-                if (vec) v[k] = L2ONLY ? ld_l2_4(x4) : ld_act4(x4);
-                else if (L2ONLY) v[k] = make_float4(ld_l2(x + 4 * c), ld_l2(x + 4 * c + 1), ld_l2(x + 4 * c + 2),
-                                                    ld_l2(x + 4 * c + 3));
+                if (vec) v[k] = ld_act4(reinterpret_cast<const float4*>(x) + c);
                 else v[k] = make_float4(ld_act(x + 4 * c), ld_act(x + 4 * c + 1), ld_act(x + 4 * c + 2),
                                         ld_act(x + 4 * c + 3));
             }

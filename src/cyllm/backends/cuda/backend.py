@@ -31,7 +31,6 @@ from ...errors import CUDA_INSTALL_HINT, BackendUnavailableError, InvalidArgumen
 from ...quant.matrix import QuantMatrix
 from ..base import Backend, check_token
 from . import quant as cuda_quant
-from .chain import MatvecChaining
 from .checks import check_act as _check_act, check_window as _check_window
 from .graphs import GraphDecode
 from .kernel_names import ATTN_SPLIT_KERNELS, GATE_UP_OPS, MATVEC_KERNELS, MATVEC_SCALAR_KERNELS
@@ -55,7 +54,7 @@ _NEG1 = np.int32(-1)          # "read the step buffer" (see step_value in common
 _FIT_MARGIN = 512 << 20       # room left for scratch, cuBLAS workspace, the CUDA context
 
 
-class CudaBackend(MatvecChaining, RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
+class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
     name = "cuda"
     fuse_qkv = True       # upload copies anyway: one (q+2kv, dim) matrix, one matvec
     quant_row_views = False   # CudaQuantMatrix (tiled planes) has no row views: fused tensors are cut on the host
@@ -106,9 +105,6 @@ class CudaBackend(MatvecChaining, RopeFolding, NormFolding, GraphDecode, Prefill
         # CYLLM_CUDA_FOLD_ROPE=0 keeps two launches
         self.fold_rope = os.environ.get("CYLLM_CUDA_FOLD_ROPE", "1") != "0"
         self._pending_qkv = None        # (out, w, x, norm) of a q/k/v matvec not launched yet
-        # consecutive quantized decode matvecs as one persistent kernel (chain.py);
-        # CYLLM_CUDA_CHAIN=1 turns it on
-        self._chain_init(os.environ.get("CYLLM_CUDA_CHAIN", "0") == "1")
         self._scratch: dict = {}        # name -> device buffer reused by the batched ops
         # decode attention: the first K/V rows loaded before pdl_wait (None = at short contexts,
         # see _attn_early; True/False forces it; captured graphs keep their choice until
@@ -131,8 +127,6 @@ class CudaBackend(MatvecChaining, RopeFolding, NormFolding, GraphDecode, Prefill
 
     # -- kernels ----------------------------------------------------------------
     def _k(self, name: str):
-        if self._chain_items:           # whatever launches this kernel comes after them
-            self._launch_chain()
         k = self._kernels.get(name)
         if k is None:
             if self._module is None:
@@ -146,8 +140,6 @@ class CudaBackend(MatvecChaining, RopeFolding, NormFolding, GraphDecode, Prefill
         Under decode_step (and use_pdl) it goes out with programmatic dependent
         launch, so it overlaps the previous kernel's tail; otherwise as usual.
         """
-        if self._chain_items:           # held-back matvecs (chain.py) go first
-            self._launch_chain()
         k = self._k(name) if isinstance(name, str) else name     # a name, or a kernel of cuda_quant
         if self._device_mode and self.use_pdl:
             try:

@@ -38,22 +38,16 @@ class NormFolding:
         a0, b0 = a.data.ptr, b.data.ptr
         return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
 
-    def _flush_before_norm(self) -> None:
-        """What must go out before an rmsnorm is held back (the chain mixin keeps its ops)."""
-        self._flush()
-
     def rmsnorm(self, out, x, w, eps):
-        self._flush_before_norm()
+        self._flush()
         n = x.shape[0]
         if out.shape != x.shape or w.shape[0] != n:
-            self._flush()
             raise InvalidArgumentError(f"rmsnorm: x {tuple(x.shape)}, w {tuple(w.shape)} -> out {tuple(out.shape)}")
         if (self.fuse_norm and n % 8 == 0 and x.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
                 and x.flags.c_contiguous and out.flags.c_contiguous and w.flags.c_contiguous
                 and not self._overlap(out, x)):
             self._pending_norm = (out, x, w, float(eps))
             return
-        self._flush()
         self._rmsnorm_now(out, x, w, eps)
 
     def _take_norm(self, out, x):

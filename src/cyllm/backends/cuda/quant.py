@@ -31,9 +31,6 @@ tile of width W the units are stored (item, unit, row-in-tile) and each small pl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import numpy as np
 
 from ...errors import BackendUnavailableError, InvalidArgumentError, ModelLoadError
@@ -339,23 +336,6 @@ def matvec_warps(be, w, nm: int) -> int:
     return warps
 
 
-# a held-back matvec's mode in a chain (backends/cuda/chain.py, ChainOp.mode of quant_chain.cu)
-MODES = {"matvec": 0, "add": 1, "silu": 2, "gelu_tanh": 3}
-
-
-@dataclass
-class ChainItem:
-    """One held-back matvec: out (=|+=) W x over ``parts`` (a stack's q, k, v; gate_up: the
-    gate and up matrices), with a folded rmsnorm (xn, x_in, nw, eps) or none, and how to
-    launch it alone."""
-    mode: int
-    parts: tuple
-    out: object
-    x: object
-    norm: tuple | None
-    launch: Callable[[], None]
-
-
 _NULL = np.int64(0)       # a null pointer argument (kernels without the folded norm never read it)
 
 
@@ -394,12 +374,7 @@ def _qkv_launch(be, out, w: CudaQuantStack, x, norm, name: str, warps_per_tile: 
         args = head + (xin,) + dims + (nw, np.float32(eps), xn) + extra
     else:
         args = head + (x,) + dims + (_NULL, np.float32(0.0), _NULL) + extra
-
-    def go():
-        be._launch(k, (_tiles(w) // per_block,), (TILE * warps * per_block,), args, shared_mem=smem)
-    if not extra and be._chain_take(ChainItem(0, w.parts, out, x, norm, go)):
-        return
-    go()
+    be._launch(k, (_tiles(w) // per_block,), (TILE * warps * per_block,), args, shared_mem=smem)
 
 
 def qmatvec_qkv(be, out, w: CudaQuantStack, x, norm=_TAKE) -> None:
@@ -488,13 +463,7 @@ def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None) -> None
         args = (out, w0.data, w1.data, x, np.int32(d), np.int32(w0.nbi), _NULL, np.float32(0.0), _NULL)
     # every kernel, folded norm or not, goes out with programmatic dependent launch under
     # decode_step: activations are read with ordered coherent loads (ld_act in common.cuh)
-    def go():
-        be._launch(k, grid, block, args, shared_mem=smem)
-    item_mode = MODES[act] if mode == "gate_up" else MODES[mode]
-    parts = (w0, w1) if mode == "gate_up" else (w0,)
-    if be._chain_take(ChainItem(item_mode, parts, out, x, norm, go)):
-        return
-    go()
+    be._launch(k, grid, block, args, shared_mem=smem)
 
 
 _SMEM_SET: dict = {}      # id(kernel) -> dynamic shared memory limit raised to
