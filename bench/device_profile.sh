@@ -10,7 +10,7 @@
 #            and the family tests against transformers on cuda
 #   q7b      cyllm bench --backend cuda, Llama-2-7B shape quantized at load (q4_k = the Q4_K_M
 #            recipe, q8_0, q4_0) and F16: pp512, tg128, tg128 at depth 4096
-#   small    the same on SmolLM2-135M (untied: 163 M parameters), F16, q8_0, q4_0
+#   small    the same on SmolLM2-135M (untied: 163 M parameters), F16, q8_0, q4_0, q4_k
 # Usage on the device machine (repo root): bash bench/device_profile.sh [STEP...]
 # Device call: command `bash bench/device_profile.sh [STEP...]`, timeout_s 590 (carry
 # .carry/cuda_quant_material, .whl (the gguf wheel) and .carry/llamacpp-cache for `models`:
@@ -65,7 +65,7 @@ for step in ${*:-build tests prefill decode}; do
     bench 330 --synthetic llama2-7b --quantize q4_k -p 512 -n 128 -d 0,4096 ;;
   small)
     bench 40 --synthetic smollm2-135m-untied -p 512 -n 128
-    for q in q8_0 q4_0; do bench 40 --synthetic smollm2-135m-untied --quantize $q -p 512 -n 128; done ;;
+    for q in q8_0 q4_0 q4_k; do bench 40 --synthetic smollm2-135m-untied --quantize $q -p 512 -n 128; done ;;
   esac
 done
 say done

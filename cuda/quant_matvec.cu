@@ -126,14 +126,14 @@ __device__ __forceinline__ int byte_s(u32 v, int k) { return (int)(signed char)(
 // UPI: 16-byte units per item; EA: bytes of the 4/8-byte plane (0: none); EB: bytes of the
 // 2-byte plane (0: none); IE: elements per item; B: items per lane loaded together (a
 // batch). Two batches are in flight (one computed while the next loads): about 260-420
-// bytes per lane for one matrix (q4_0: 144, so that rows of 4096 get 16 warps per block at
-// under 128 registers; backends/cuda/quant.py LAYOUTS has the measurement); gate+up halves
-// B (q4_k/q5_k/q6_k: one batch instead).
+// bytes per lane for one matrix (the 32-element 4/5-bit formats: 144-192, so that rows of
+// 4096 get 16 warps per block at under 128 registers; backends/cuda/quant.py LAYOUTS has
+// the measurements); gate+up halves B (q4_k/q5_k/q6_k: one batch instead).
 struct QF_q8_0 { enum { UPI = 2,  EA = 0, EB = 2, IE = 32,  B = 4 }; };   // units: q[0:16], q[16:32]; B: d
 struct QF_q4_0 { enum { UPI = 1,  EA = 0, EB = 2, IE = 32,  B = 4 }; };   // unit: qs; B: d
-struct QF_q4_1 { enum { UPI = 1,  EA = 4, EB = 0, IE = 32,  B = 8 }; };   // unit: qs; A: d, m
-struct QF_q5_0 { enum { UPI = 1,  EA = 4, EB = 2, IE = 32,  B = 6 }; };   // unit: qs; A: qh; B: d
-struct QF_q5_1 { enum { UPI = 1,  EA = 8, EB = 0, IE = 32,  B = 6 }; };   // unit: qs; A: (d, m), qh
+struct QF_q4_1 { enum { UPI = 1,  EA = 4, EB = 0, IE = 32,  B = 4 }; };   // unit: qs; A: d, m
+struct QF_q5_0 { enum { UPI = 1,  EA = 4, EB = 2, IE = 32,  B = 4 }; };   // unit: qs; A: qh; B: d
+struct QF_q5_1 { enum { UPI = 1,  EA = 8, EB = 0, IE = 32,  B = 4 }; };   // unit: qs; A: (d, m), qh
 struct QF_q4_k { enum { UPI = 9,  EA = 0, EB = 0, IE = 256, B = 1 }; };   // units: d dmin scales, qs x8
 struct QF_q5_k { enum { UPI = 11, EA = 0, EB = 0, IE = 256, B = 1 }; };   // + qh x2 before qs
 struct QF_q6_k { enum { UPI = 13, EA = 0, EB = 2, IE = 256, B = 1 }; };   // ql x8, qh x4, scales; B: d

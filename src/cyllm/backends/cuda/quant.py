@@ -50,14 +50,15 @@ MAX_WARPS = 16            # warps per block of the matvec kernels
 # B: items per lane loaded together (QF_<fmt>::B of the kernels); two batches are in flight.
 # q4_0 at 4, not 8: twice the warps per block on rows of 4096 (16 instead of 8, 97 registers
 # instead of 128 with a spill), where one launch was latency-bound with 2 warps per scheduler;
-# Llama-2-7B Q4_0 decode on an H100 431 -> 477 tok/s, at depth 4096 323 -> 342
-# (bench/results/cuda_quant_model_h100.md)
+# Llama-2-7B Q4_0 decode on an H100 431 -> 477 tok/s, at depth 4096 323 -> 342. q4_1, q5_0
+# and q5_1 (the same structure) at 4 too, not 8, 6, 6: SmolLM2-135M Q4_K_M, whose rows of 576
+# fall back to q5_0, 957 -> 1019-1028 tok/s (bench/results/cuda_quant_model_h100.md)
 LAYOUTS: dict[str, tuple] = {
     "q8_0": (2, (2, 34), None, (0, 2), 4),
     "q4_0": (1, (2, 18), None, (0, 2), 4),
-    "q4_1": (1, (4, 20), (0, 4), None, 8),
-    "q5_0": (1, (6, 22), (2, 6), (0, 2), 6),
-    "q5_1": (1, (8, 24), (0, 8), None, 6),
+    "q4_1": (1, (4, 20), (0, 4), None, 4),
+    "q5_0": (1, (6, 22), (2, 6), (0, 2), 4),
+    "q5_1": (1, (8, 24), (0, 8), None, 4),
     "q4_k": (9, (0, 144), None, None, 1),
     "q5_k": (11, (0, 176), None, None, 1),
     "q6_k": (13, (0, 208), None, (208, 210), 1),
