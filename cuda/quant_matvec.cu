@@ -56,7 +56,9 @@
 //   q6_k | qmv_q6_k   | qmv_add_q6_k   | qmv_gate_up_silu_q6_k    | qmv_gate_up_gelu_q6_k    | qdeq_f16_q6_k | qrows_f32_q6_k
 //   plus, per format, qmv_qkv_<fmt> (q, k and v of a layer in one launch) and qmv_qkv_rope_<fmt>
 //   (the same with rope and the KV-cache store folded into the tail), each with its _norm
-//   twin, and qmv_xf32_q8_0 and qmv_xf32_q4_0 (the FP32-activation alternative, measured only).
+//   twin, qmv_xf32_q8_0 and qmv_xf32_q4_0 (the FP32-activation alternative, measured only),
+//   and in a pair module (-DQMV_PAIR_QK, -DQMV_PAIR_V) qmv_qkv_pair[_norm]: q and k of one
+//   format, v of another, in one launch.
 //
 // Reference: quant/reference.py (dequantize, quantize_act, the integer dot) through
 // backends/numpy_ref.py. Tests: tests/test_cuda_quant.py. Benchmark: bench/bench_cuda_quant.py.
@@ -988,6 +990,26 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
                              nw, eps, xn, t - (seg == 0 ? 0 : tq + (seg - 1) * tk));                 \
         TRACE_END((F::UPI << 8) | (F::EA << 4) | (NORM << 1) | 1);                               \
     }
+// q and k of one format, v of another (the Q4_K_M/Q5_K_M recipes give some layers' v more
+// bits): still one launch, for grids of one wave, where a launch costs more than its bytes
+// (backends/cuda/quant.py stack_rows). Each block runs the body of its own part's format (a
+// branch uniform per block); the registers are those of the larger body.
+#define CYLLM_QMV_QKV_PAIR_DEF(NAME, FQ, FV, NORM)                                                 \
+    extern "C" __global__ void __launch_bounds__(QMV_MAX_WARPS * 32) NAME(                           \
+            float* __restrict__ out, const unsigned char* __restrict__ wq,                           \
+            const unsigned char* __restrict__ wk, const unsigned char* __restrict__ wv, const float* x, \
+            int dq, int dk, int nbi_qk, int nbi_v, const float* __restrict__ nw, float eps,         \
+            float* __restrict__ xn) {                                                                \
+        const int tq = (dq + QMV_TILE - 1) / QMV_TILE, tk = (dk + QMV_TILE - 1) / QMV_TILE;          \
+        const int t = blockIdx.x;                                                                    \
+        if (t < tq + tk) {                                                                           \
+            const bool isq = t < tq;                                                                 \
+            qmv_body<FQ, 0, NORM>(out + (isq ? 0 : dq), isq ? wq : wk, isq ? wq : wk, x, isq ? dq : dk, \
+                                  nbi_qk, nw, eps, xn, isq ? t : t - tq);                            \
+        } else {                                                                                     \
+            qmv_body<FV, 0, NORM>(out + dq + dk, wv, wv, x, dk, nbi_v, nw, eps, xn, t - tq - tk);   \
+        }                                                                                            \
+    }
 // the same three with rope and the cache store of row pos folded in (qkv_rope_body)
 #define CYLLM_QMV_QKV_ROPE_DEF(NAME, F, NORM, BOUNDS)                                              \
     extern "C" __global__ void BOUNDS NAME(float* __restrict__ out, const unsigned char* __restrict__ wq, \
@@ -1020,6 +1042,12 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
         qrows_f32_body<F>(out, ldo, w, d, nbi, ids, host, scale);                                    \
     }
 
+// a pair module (backends/cuda/quant.py compiles one per format pair it meets):
+// -DQMV_PAIR_QK=QF_<fmt> -DQMV_PAIR_V=QF_<fmt>
+#if defined(QMV_PAIR_QK) && defined(QMV_PAIR_V)
+CYLLM_QMV_QKV_PAIR_DEF(qmv_qkv_pair,      QMV_PAIR_QK, QMV_PAIR_V, false)
+CYLLM_QMV_QKV_PAIR_DEF(qmv_qkv_pair_norm, QMV_PAIR_QK, QMV_PAIR_V, true)
+#endif
 #if defined(QMV_ALL) || defined(QMV_q8_0)
 CYLLM_QMV(qmv_q8_0,                    QF_q8_0, 0, false)
 CYLLM_QMV(qmv_q8_0_norm,               QF_q8_0, 0, true)

@@ -389,9 +389,31 @@ def test_qkv_stack(be, cp, fmt):
     assert be._pending_norm is None
     check_exact(be.to_host(out), inv * (W @ xq), inv * (np.abs(W) @ np.abs(xq)), f"{fmt} norm+qkv")
     np.testing.assert_allclose(be.to_host(xb), x * inv * nw, rtol=2e-6, atol=1e-6)
+    # v of another format: one launch where the stack fits one wave (qmv_qkv_pair), each
+    # part's x rounded to its own format's activation blocks; three launches otherwise
     other = "q8_0" if fmt != "q8_0" else "q4_0"
-    odd = be.upload(QuantMatrix(random_blocks(other, dk, n, rng), other, (dk, n)))
-    assert be.stack_rows((mats[0], mats[1], odd)) is None
+    raw_v = random_blocks(other, dk, n, rng)
+    odd = be.upload(QuantMatrix(raw_v, other, (dk, n)))
+    mixed = be.stack_rows((mats[0], mats[1], odd))
+    assert mixed is not None and mixed.fmt_v.name == other and mixed.fmt.name == fmt
+    assert CQ.stack_rows((mats[0], mats[1], odd), sm_count=6) is None      # 7 tiles: two waves
+    Wqk, Wv = W[:dq + dk], deq64(raw_v, other, n)
+    for norm in (False, True):
+        out = poisoned(cp, dq + 2 * dk)
+        if norm:
+            xb = poisoned(cp, n)
+            be.rmsnorm(xb, xd, nwd, eps)
+            be.matvec(out, mixed, xb)
+            scale, xs = inv, x * nw
+        else:
+            be.matvec(out, mixed, xd)
+            scale, xs = 1.0, x
+        xa, xv = xq64(xs, fmt), xq64(xs, other)
+        want = scale * np.concatenate([Wqk @ xa, Wv @ xv])
+        mag = scale * np.concatenate([np.abs(Wqk) @ np.abs(xa), np.abs(Wv) @ np.abs(xv)])
+        check_exact(be.to_host(out), want, mag, f"{fmt}+{other} qkv pair norm={norm}")
+        if norm:
+            np.testing.assert_allclose(be.to_host(xb), x * inv * nw, rtol=2e-6, atol=1e-6)
     assert be.stack_rows((mats[0], mats[1], mats[0])) is None        # v taller than k
 
 

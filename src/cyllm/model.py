@@ -274,7 +274,8 @@ class Model:
             else:
                 # quantized q/k/v stay three matrices (a concatenated copy of blocks would
                 # double their memory, and Q4_K_M often gives v its own format); the backend
-                # may stack them for decode (cuda: one launch when they share a format)
+                # may stack them for decode (cuda: one launch when they share a format, or when v has
+                # its own and the three fit one wave of blocks)
                 wq, wk, wv = split_qkv if split_qkv is not None else (up(get(r, i)) for r in QKV)
                 wqkv = b.stack_rows((wq, wk, wv)) if b.fuse_qkv else None
             if wqkv is not None and has_bias:

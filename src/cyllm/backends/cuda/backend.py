@@ -281,8 +281,8 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
                                       (out, w0, w1, x, np.int32(d), np.int32(n)))
 
     def stack_rows(self, mats):
-        """Same-format quantized q, k, v as one decode launch (see Backend.stack_rows)."""
-        return cuda_quant.stack_rows(mats)
+        """Quantized q, k, v as one decode launch (see Backend.stack_rows and quant.stack_rows)."""
+        return cuda_quant.stack_rows(mats, self.sm_count)
 
     def matvec(self, out, w, x):
         if isinstance(w, CudaQuantMatrix):

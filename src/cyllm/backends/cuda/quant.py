@@ -183,15 +183,17 @@ class CudaQuantMatrix(_RowsCols):
 
 
 class CudaQuantStack(_RowsCols):
-    """Quantized matrices of one format and width stacked by rows, for one decode launch
-    (a layer's q, k and v: ``qmv_qkv_<fmt>``). Holds the uploaded matrices themselves, no
-    bytes of its own; prefill keeps using each matrix on its own."""
+    """A layer's quantized q, k and v stacked by rows for one decode launch: ``qmv_qkv_<fmt>``
+    when the three share a format, ``qmv_qkv_pair`` (a module per format pair) when v has its
+    own. Holds the uploaded matrices themselves, no bytes of its own; prefill keeps using
+    each matrix on its own."""
 
-    __slots__ = ("parts", "fmt", "rows", "cols", "nbi")
+    __slots__ = ("parts", "fmt", "fmt_v", "rows", "cols", "nbi")
 
     def __init__(self, parts: tuple):
         self.parts = parts
-        self.fmt = parts[0].fmt
+        self.fmt = parts[0].fmt           # q's and k's
+        self.fmt_v = parts[2].fmt
         self.rows = sum(p.rows for p in parts)
         self.cols = parts[0].cols
         self.nbi = parts[0].nbi
@@ -204,17 +206,25 @@ class CudaQuantStack(_RowsCols):
         return f"CudaQuantStack({self.fmt.name}, {[p.shape for p in self.parts]})"
 
 
-def stack_rows(mats) -> CudaQuantStack | None:
-    """q, k, v -> one stack when the three are quantized matrices of one format and width
-    with k and v of one height (what qmv_qkv computes); None otherwise. (Where v has
-    another format -- some layers of Q4_K_M and Q5_K_M files -- a stack of q and k with v's
-    matvec launched before it measured 6-8% slower on Llama-2-7B Q4_K_M: not done.)"""
+def stack_rows(mats, sm_count: int = 0) -> CudaQuantStack | None:
+    """q, k, v -> one stack when the three are quantized matrices of one width, q and k of
+    one format, k and v of one height (what qmv_qkv computes); None otherwise.
+
+    v of another format (some layers of Q4_K_M and Q5_K_M files) is stacked only where the
+    three fit one wave of ``sm_count`` blocks: there a launch costs more than its bytes
+    (SmolLM2-135M Q4_K_M, whose rows of 576 fall back to q5_0 and q8_0). On Llama-2-7B
+    Q4_K_M such stacks measured 4-10% slower than three launches, both as one launch with
+    two code paths and as q and k stacked after v's own launch
+    (bench/results/cuda_quant_model_h100.md)."""
     if len(mats) != 3 or not all(isinstance(m, CudaQuantMatrix) for m in mats):
         return None
     q, k, v = mats
-    if not (k.fmt is q.fmt and v.fmt is q.fmt and k.cols == q.cols == v.cols and k.rows == v.rows):
+    if not (k.fmt is q.fmt and k.cols == q.cols == v.cols and k.rows == v.rows):
         return None
-    return CudaQuantStack(tuple(mats))
+    stack = CudaQuantStack(tuple(mats))
+    if v.fmt is not q.fmt and _tiles(stack) > sm_count:
+        return None
+    return stack
 
 
 def upload(be, qm: QuantMatrix) -> CudaQuantMatrix:
@@ -256,16 +266,22 @@ def _source() -> str:
 
 
 def _module(be, fmt: str):
+    """The compiled kernels of one format, or of a pair "qk+v" (qmv_qkv_pair only)."""
     defines = tuple(be.compile_defines)         # experiments and tracing (bench/trace_cuda_decode.py)
     key = (be.device.id, fmt, defines)
     mod = _MODULES.get(key)
     if mod is None:
         src = _source()
+        qk, pair, v = fmt.partition("+")
+        if pair:
+            which, first = (f"-DQMV_PAIR_QK=QF_{qk}", f"-DQMV_PAIR_V=QF_{v}"), "qmv_qkv_pair"
+        else:
+            which, first = (f"-DQMV_{fmt}",), f"qmv_{fmt}"
         errors = []
         for opts in ((), ("-DCYLLM_PLAIN_LOADS",)):
             try:
-                mod = cp.RawModule(code=src, options=(f"-DQMV_{fmt}",) + opts + defines)
-                mod.get_function(f"qmv_{fmt}")         # forces the NVRTC compile now
+                mod = cp.RawModule(code=src, options=which + opts + defines)
+                mod.get_function(first)                # forces the NVRTC compile now
                 break
             except Exception as e:  # noqa: BLE001 - CompileException, or a driver refusing the cubin
                 errors.append(e)
@@ -279,11 +295,11 @@ def _module(be, fmt: str):
 
 
 def kernel(be, name: str, fmt: str):
-    """The compiled kernel ``name`` of format ``fmt`` (cached on the backend)."""
+    """The compiled kernel ``name`` of format (or pair "qk+v") ``fmt`` (cached on the backend)."""
     cache = be.__dict__.setdefault("_qkernels", {})
-    k = cache.get(name)
+    k = cache.get((name, fmt))
     if k is None:
-        k = cache[name] = _module(be, fmt).get_function(name)
+        k = cache[(name, fmt)] = _module(be, fmt).get_function(name)
     return k
 
 
@@ -360,6 +376,9 @@ def _qkv_launch(be, out, w: CudaQuantStack, x, norm, name: str, warps_per_tile: 
     = 1 (qmv_qkv) or 2 (qmv_qkv_rope, ``extra`` its rope and cache arguments)."""
     wq, wk, wv = w.parts
     n, fmt = w.cols, w.fmt.name
+    pair = w.fmt_v is not w.fmt
+    if pair:        # q and k of one format, v of another (extra is empty: no rope fold)
+        name, fmt = "qmv_qkv_pair", f"{fmt}+{w.fmt_v.name}"
     k = kernel(be, f"{name}_norm" if norm is not None else name, fmt)
     per_block = 1 if not extra else 2
     cap = max(1, getattr(k, "max_threads_per_block", 1024) // (32 * per_block))
@@ -367,9 +386,11 @@ def _qkv_launch(be, out, w: CudaQuantStack, x, norm, name: str, warps_per_tile: 
     one = (_shared_bytes(n, warps, 1) + 15) & ~15
     smem = per_block * one + (4 * 4 * TILE if extra else 0)      # + the second tile's rows, cos, sin, pos
     _allow_smem(k, smem)
-    _carveout(be, k, fmt)
+    _carveout(be, k, w.fmt.name)
     head = (out, wq.data, wk.data, wv.data)
     dims = (np.int32(wq.rows), np.int32(wk.rows), np.int32(w.nbi))
+    if pair:
+        dims += (np.int32(wv.nbi),)
     if norm is not None:
         xn, xin, nw, eps = norm
         args = head + (xin,) + dims + (nw, np.float32(eps), xn) + extra
