@@ -1002,12 +1002,15 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
             float* __restrict__ xn) {                                                                \
         const int tq = (dq + QMV_TILE - 1) / QMV_TILE, tk = (dk + QMV_TILE - 1) / QMV_TILE;          \
         const int t = blockIdx.x;                                                                    \
+        TRACE_BEGIN();                                                                               \
         if (t < tq + tk) {                                                                           \
             const bool isq = t < tq;                                                                 \
             qmv_body<FQ, 0, NORM>(out + (isq ? 0 : dq), isq ? wq : wk, isq ? wq : wk, x, isq ? dq : dk, \
                                   nbi_qk, nw, eps, xn, isq ? t : t - tq);                            \
+            TRACE_END((FQ::UPI << 8) | (FQ::EA << 4) | (NORM << 1) | 1);                             \
         } else {                                                                                     \
             qmv_body<FV, 0, NORM>(out + dq + dk, wv, wv, x, dk, nbi_v, nw, eps, xn, t - tq - tk);   \
+            TRACE_END((FV::UPI << 8) | (FV::EA << 4) | (NORM << 1) | 1);                             \
         }                                                                                            \
     }
 // the same three with rope and the cache store of row pos folded in (qkv_rope_body)
