@@ -363,8 +363,9 @@ def test_norm_folded(be, cp, fmt):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_qkv_stack(be, cp, fmt):
     """q, k, v of one format stacked (one qmv_qkv launch): out = [Wq x | Wk x | Wv x], with and
-    without the folded norm; q's height not a multiple of the tile, k/v a few tiles; other
-    formats or heights give no stack."""
+    without the folded norm; q's height not a multiple of the tile, k/v a few tiles; a v of
+    another format stacks only where the three fit one wave (qmv_qkv_pair); a v taller than
+    k gives no stack."""
     rng = np.random.default_rng(29)
     b = FORMATS[fmt].block
     n, dq, dk = 3 * b if b == 256 else 576, 70, 40
