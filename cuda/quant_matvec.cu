@@ -57,8 +57,8 @@
 //   plus, per format, qmv_qkv_<fmt> (q, k and v of a layer in one launch) and qmv_qkv_rope_<fmt>
 //   (the same with rope and the KV-cache store folded into the tail), each with its _norm
 //   twin, qmv_xf32_q8_0 and qmv_xf32_q4_0 (the FP32-activation alternative, measured only),
-//   and in a pair module (-DQMV_PAIR_QK, -DQMV_PAIR_V) qmv_qkv_pair[_norm]: q and k of one
-//   format, v of another, in one launch.
+//   and in a pair module (-DQMV_PAIR_QK, -DQMV_PAIR_V) qmv_qkv_pair and qmv_qkv_rope_pair
+//   (each with _norm): q and k of one format, v of another, in one launch.
 //
 // Reference: quant/reference.py (dequantize, quantize_act, the integer dot) through
 // backends/numpy_ref.py. Tests: tests/test_cuda_quant.py. Benchmark: bench/bench_cuda_quant.py.
@@ -611,11 +611,15 @@ __device__ __forceinline__ void qmv_body(
 // each with its own staging; the blocks of v pair their tiles the same way and do not
 // rotate). Needs hd % 64 == 0, dq and dk multiples of hd, every dimension rotated. The
 // rotation table is read before pdl_wait (it is constant; pos comes from the step buffer,
-// written before the graph runs, or the host's argument in eager calls).
-template <class F, bool NORM>
+// written before the graph runs, or the host's argument in eager calls). FV: v's format
+// (qmv_qkv_rope_pair; FV = F otherwise, and the v branch compiles away), nbi_v its items.
+template <class A, class B> struct QSame { enum { value = 0 }; };
+template <class A> struct QSame<A, A> { enum { value = 1 }; };
+
+template <class F, bool NORM, class FV = F>
 __device__ __forceinline__ void qkv_rope_body(
     float* __restrict__ out, const unsigned char* __restrict__ wq, const unsigned char* __restrict__ wk,
-    const unsigned char* __restrict__ wv, const float* x, int dq, int dk, int nbi,
+    const unsigned char* __restrict__ wv, const float* x, int dq, int dk, int nbi, int nbi_v,
     const float* __restrict__ nw, float eps, float* __restrict__ xn,
     const float* __restrict__ cos_t, const float* __restrict__ sin_t,
     f16_t* __restrict__ k_cache, f16_t* __restrict__ v_cache,
@@ -646,8 +650,9 @@ __device__ __forceinline__ void qkv_rope_body(
     }
     const unsigned char* w = seg == 0 ? wq : seg == 1 ? wk : wv;
     const int tile = (head * hd + grp * half) / QMV_TILE + (pb - head * ppt);
-    const float r = qmv_tile<F, 0, NORM>(w, w, x, seg ? dk : dq, nbi, nw, eps, xn, tile, warp, S,
-                                         qmv_smem + grp * g_units);
+    const float r = (QSame<F, FV>::value || seg < 2)
+        ? qmv_tile<F, 0, NORM>(w, w, x, seg ? dk : dq, nbi, nw, eps, xn, tile, warp, S, qmv_smem + grp * g_units)
+        : qmv_tile<FV, 0, NORM>(w, w, x, dk, nbi_v, nw, eps, xn, tile, warp, S, qmv_smem + grp * g_units);
     if (grp == 1 && warp == 0) tail[lane] = r;
     __syncthreads();
     if (threadIdx.x < 32) {             // group 0's warp 0: both halves of its 32 pairs
@@ -1024,9 +1029,23 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
                                     f16_t* __restrict__ v_cache, const int* __restrict__ step,       \
                                     int pos_host, int n_pos, int max_ctx, int hd) {                  \
         TRACE_BEGIN();                                                                               \
-        qkv_rope_body<F, NORM>(out, wq, wk, wv, x, dq, dk, nbi, nw, eps, xn, cos_t, sin_t,           \
+        qkv_rope_body<F, NORM>(out, wq, wk, wv, x, dq, dk, nbi, nbi, nw, eps, xn, cos_t, sin_t,      \
                                k_cache, v_cache, step, pos_host, n_pos, max_ctx, hd);                \
         TRACE_END((F::UPI << 8) | (F::EA << 4) | (NORM << 1) | 1);                               \
+    }
+// the pair's (q and k of one format, v of another) with rope and the cache store folded in
+#define CYLLM_QMV_QKV_ROPE_PAIR_DEF(NAME, FQ, FV, NORM)                                            \
+    extern "C" __global__ void __launch_bounds__(QMV_MAX_WARPS * 32) NAME(                           \
+            float* __restrict__ out, const unsigned char* __restrict__ wq,                           \
+            const unsigned char* __restrict__ wk, const unsigned char* __restrict__ wv, const float* x, \
+            int dq, int dk, int nbi_qk, int nbi_v, const float* __restrict__ nw, float eps,         \
+            float* __restrict__ xn, const float* __restrict__ cos_t, const float* __restrict__ sin_t, \
+            f16_t* __restrict__ k_cache, f16_t* __restrict__ v_cache, const int* __restrict__ step,   \
+            int pos_host, int n_pos, int max_ctx, int hd) {                                          \
+        TRACE_BEGIN();                                                                               \
+        qkv_rope_body<FQ, NORM, FV>(out, wq, wk, wv, x, dq, dk, nbi_qk, nbi_v, nw, eps, xn, cos_t,   \
+                                    sin_t, k_cache, v_cache, step, pos_host, n_pos, max_ctx, hd);    \
+        TRACE_END((FQ::UPI << 8) | (FQ::EA << 4) | (NORM << 1) | 1);                             \
     }
 #define CYLLM_QMV(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, __launch_bounds__(QMV_MAX_WARPS * 32))
 #define CYLLM_QMV_WIDE(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, )
@@ -1048,8 +1067,10 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
 // a pair module (backends/cuda/quant.py compiles one per format pair it meets):
 // -DQMV_PAIR_QK=QF_<fmt> -DQMV_PAIR_V=QF_<fmt>
 #if defined(QMV_PAIR_QK) && defined(QMV_PAIR_V)
-CYLLM_QMV_QKV_PAIR_DEF(qmv_qkv_pair,      QMV_PAIR_QK, QMV_PAIR_V, false)
-CYLLM_QMV_QKV_PAIR_DEF(qmv_qkv_pair_norm, QMV_PAIR_QK, QMV_PAIR_V, true)
+CYLLM_QMV_QKV_PAIR_DEF(qmv_qkv_pair,                QMV_PAIR_QK, QMV_PAIR_V, false)
+CYLLM_QMV_QKV_PAIR_DEF(qmv_qkv_pair_norm,           QMV_PAIR_QK, QMV_PAIR_V, true)
+CYLLM_QMV_QKV_ROPE_PAIR_DEF(qmv_qkv_rope_pair,      QMV_PAIR_QK, QMV_PAIR_V, false)
+CYLLM_QMV_QKV_ROPE_PAIR_DEF(qmv_qkv_rope_pair_norm, QMV_PAIR_QK, QMV_PAIR_V, true)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q8_0)
 CYLLM_QMV(qmv_q8_0,                    QF_q8_0, 0, false)

@@ -426,23 +426,31 @@ def _rope64(v, n_heads, hd, c, s):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt,vfmt", [(f, f) for f in FMTS] + [("q5_0", "q8_0"), ("q4_k", "q6_k"), ("q8_0", "q4_k")])
 @pytest.mark.parametrize("nq,nkv,hd", [(3, 1, 64), (2, 2, 128)])
-def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, monkeypatch):
-    """matvec(qkv, stack, x) then rope_store on its q/k/v views run as one qmv_qkv_rope launch:
-    q and k rotated, k and v in cache row pos (f16 of the same values), every other cache row
-    untouched -- eager, with the norm folded in too, and replayed in a decode_step graph at two
-    positions. Partial rotary, and any op in between, take the matvec and rope_store apart."""
+def test_qkv_rope_folded(be, cp, fmt, vfmt, nq, nkv, hd, monkeypatch):
+    """matvec(qkv, stack, x) then rope_store on its q/k/v views run as one qmv_qkv_rope launch
+    (qmv_qkv_rope_pair where v has its own format, vfmt): q and k rotated, k and v in cache
+    row pos (f16 of the same values), every other cache row untouched -- eager, with the norm
+    folded in too, and replayed in a decode_step graph at two positions. Partial rotary, and
+    any op in between, take the matvec and rope_store apart."""
     calls = []
     real = CQ.qmatvec_qkv_rope
     monkeypatch.setattr(CQ, "qmatvec_qkv_rope", lambda *a: (calls.append(1), real(*a))[1])
     monkeypatch.setattr(be, "fold_rope", True)      # whatever CYLLM_CUDA_FOLD_ROPE says
     rng = np.random.default_rng(31)
-    b = FORMATS[fmt].block
+    b = max(FORMATS[fmt].block, FORMATS[vfmt].block)
     n, dq, dk, half, max_ctx, eps = (2 * b if b == 256 else 320), nq * hd, nkv * hd, hd // 2, 9, 1e-5
-    raws = [random_blocks(fmt, d, n, rng) for d in (dq, dk, dk)]
-    stack = be.stack_rows(tuple(be.upload(QuantMatrix(r, fmt, (r.shape[0], n))) for r in raws))
-    W = np.concatenate([deq64(r, fmt, n) for r in raws])
+    fmts = (fmt, fmt, vfmt)
+    raws = [random_blocks(f, d, n, rng) for f, d in zip(fmts, (dq, dk, dk))]
+    stack = be.stack_rows(tuple(be.upload(QuantMatrix(r, f, (r.shape[0], n))) for f, r in zip(fmts, raws)))
+    assert stack is not None and stack.fmt_v.name == vfmt
+    Wqk, Wv = np.concatenate([deq64(r, fmt, n) for r in raws[:2]]), deq64(raws[2], vfmt, n)
+
+    def plain(xv):
+        """[Wq | Wk] x and Wv x, each with x rounded to its format's activation blocks, and their magnitudes."""
+        a, c = xq64(xv, fmt), xq64(xv, vfmt)
+        return (np.concatenate([Wqk @ a, Wv @ c]), np.concatenate([np.abs(Wqk) @ np.abs(a), np.abs(Wv) @ np.abs(c)]))
     ang = rng.uniform(-np.pi, np.pi, (max_ctx, half))
     cos, sin = be.upload(np.cos(ang).astype(np.float32)), be.upload(np.sin(ang).astype(np.float32))
     nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
@@ -453,12 +461,9 @@ def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, monkeypatch):
     q, k, v = out[:dq], out[dq:dq + dk], out[dq + dk:]
 
     def want(xv, norm, pos):
-        if norm:
-            inv = 1.0 / np.sqrt(np.mean(xv.astype(np.float64) ** 2) + eps)
-            xq, scale = xq64(xv * nw, fmt), inv
-        else:
-            xq, scale = xq64(xv, fmt), 1.0
-        y, mag = scale * (W @ xq), scale * (np.abs(W) @ np.abs(xq))
+        scale = 1.0 / np.sqrt(np.mean(xv.astype(np.float64) ** 2) + eps) if norm else 1.0
+        y, mag = plain(xv * nw if norm else xv)
+        y, mag = scale * y, scale * mag
         c, s = np.cos(ang[pos]).astype(np.float32), np.sin(ang[pos]).astype(np.float32)
         y[:dq] = _rope64(y[:dq], nq, hd, c, s)
         y[dq:dq + dk] = _rope64(y[dq:dq + dk], nkv, hd, c, s)
@@ -510,19 +515,19 @@ def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, monkeypatch):
     # an op in between: the held matvec goes out first, unrotated, and before that op
     xv = (rng.standard_normal(n) * 2).astype(np.float32)
     xd.set(xv)
-    xq = xq64(xv, fmt)
+    y0, mag0 = plain(xv)
     be.matvec(out, stack, xd)
-    check_exact(be.to_host(out), W @ xq, np.abs(W) @ np.abs(xq), f"{fmt} held qkv read back")
+    check_exact(be.to_host(out), y0, mag0, f"{fmt} held qkv read back")
     twice = be.empty(dq + 2 * dk)
     be.matvec(out, stack, xd)
     be.add(twice, out, out)                 # reads the held matvec's output
-    check_exact(be.to_host(twice), 2 * (W @ xq), 2 * (np.abs(W) @ np.abs(xq)), f"{fmt} add after held qkv")
+    check_exact(be.to_host(twice), 2 * y0, 2 * mag0, f"{fmt} add after held qkv")
     # a position rope_store refuses: the matvec still goes out, the error is raised, no cache row moves
     be.matvec(out, stack, xd)
     with pytest.raises(InvalidArgumentError):
         be.rope_store(q, k, v, cos, sin, kc, vc, max_ctx)
     assert be._pending_qkv is None and len(calls) == 4
-    check_exact(be.to_host(out), W @ xq, np.abs(W) @ np.abs(xq), f"{fmt} held qkv, refused position")
+    check_exact(be.to_host(out), y0, mag0, f"{fmt} held qkv, refused position")
     assert (be.to_host(kc) == 0.25).all() and (be.to_host(vc) == 0.25).all()
     # partial rotary (the fused kernel rotates whole heads): matvec, then rope_store's own path
     rot = half // 2
@@ -531,7 +536,7 @@ def test_qkv_rope_folded(be, cp, fmt, nq, nkv, hd, monkeypatch):
     be.rope_store(q, k, v, cos_p, sin_p, kc, vc, 3)
     assert len(calls) == 4
     got = be.to_host(out)
-    y = W @ xq
+    y = y0.copy()
     c, s = np.cos(ang[3, :rot]).astype(np.float32), np.sin(ang[3, :rot]).astype(np.float32)
     for lo, nh in ((0, nq), (dq, nkv)):
         h = y[lo:lo + nh * hd].reshape(nh, hd).copy()

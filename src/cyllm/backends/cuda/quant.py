@@ -266,7 +266,7 @@ def _source() -> str:
 
 
 def _module(be, fmt: str):
-    """The compiled kernels of one format, or of a pair "qk+v" (qmv_qkv_pair only)."""
+    """The compiled kernels of one format, or of a pair "qk+v" (qmv_qkv_pair, qmv_qkv_rope_pair)."""
     defines = tuple(be.compile_defines)         # experiments and tracing (bench/trace_cuda_decode.py)
     key = (be.device.id, fmt, defines)
     mod = _MODULES.get(key)
@@ -377,8 +377,8 @@ def _qkv_launch(be, out, w: CudaQuantStack, x, norm, name: str, warps_per_tile: 
     wq, wk, wv = w.parts
     n, fmt = w.cols, w.fmt.name
     pair = w.fmt_v is not w.fmt
-    if pair:        # q and k of one format, v of another (extra is empty: no rope fold)
-        name, fmt = "qmv_qkv_pair", f"{fmt}+{w.fmt_v.name}"
+    if pair:        # q and k of one format, v of another: the pair module's kernels
+        name, fmt = ("qmv_qkv_rope_pair" if extra else "qmv_qkv_pair"), f"{fmt}+{w.fmt_v.name}"
     k = kernel(be, f"{name}_norm" if norm is not None else name, fmt)
     per_block = 1 if not extra else 2
     cap = max(1, getattr(k, "max_threads_per_block", 1024) // (32 * per_block))

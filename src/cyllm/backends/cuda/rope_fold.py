@@ -48,7 +48,7 @@ class RopeFolding:
 
     def _hold_qkv(self, out, w: CudaQuantStack, x) -> bool:
         """Hold back out = [Wq | Wk | Wv] x for a rope_store that may follow (True), or not."""
-        if not (self.fold_rope and w.fmt_v is w.fmt and all(p.rows % (2 * TILE) == 0 for p in w.parts)
+        if not (self.fold_rope and all(p.rows % (2 * TILE) == 0 for p in w.parts)
                 and cuda_quant.qkv_args_ok(out, w, x) and cuda_quant.rope_fold_pays(self, w)):
             return False
         norm = self._take_norm(out, x)
