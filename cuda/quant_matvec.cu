@@ -997,8 +997,8 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
     }
 // q and k of one format, v of another (the Q4_K_M/Q5_K_M recipes give some layers' v more
 // bits): still one launch, for grids of one wave, where a launch costs more than its bytes
-// (backends/cuda/quant.py stack_rows). Each block runs the body of its own part's format (a
-// branch uniform per block); the registers are those of the larger body.
+// (backends/cuda/quant.py stack_rows; not for q5_k or q6_k, whose bodies would spill under
+// this bound). Each block runs the body of its own part's format (a branch uniform per block).
 #define CYLLM_QMV_QKV_PAIR_DEF(NAME, FQ, FV, NORM)                                                 \
     extern "C" __global__ void __launch_bounds__(QMV_MAX_WARPS * 32) NAME(                           \
             float* __restrict__ out, const unsigned char* __restrict__ wq,                           \
@@ -1045,7 +1045,10 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
         TRACE_BEGIN();                                                                               \
         qkv_rope_body<FQ, NORM, FV>(out, wq, wk, wv, x, dq, dk, nbi_qk, nbi_v, nw, eps, xn, cos_t,   \
                                     sin_t, k_cache, v_cache, step, pos_host, n_pos, max_ctx, hd);    \
-        TRACE_END((FQ::UPI << 8) | (FQ::EA << 4) | (NORM << 1) | 1);                             \
+        if ((int)blockIdx.x < (dq + dk) / (2 * QMV_TILE))      /* q's and k's tile pairs */          \
+            TRACE_END((FQ::UPI << 8) | (FQ::EA << 4) | (NORM << 1) | 1);                             \
+        else                                                                                         \
+            TRACE_END((FV::UPI << 8) | (FV::EA << 4) | (NORM << 1) | 1);                             \
     }
 #define CYLLM_QMV(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, __launch_bounds__(QMV_MAX_WARPS * 32))
 #define CYLLM_QMV_WIDE(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, )

@@ -106,7 +106,8 @@ class Backend:
         """Uploaded matrices of one width -> one matrix of their rows stacked that ``matvec``
         takes (out = the parts' products side by side), holding no copy of their bytes; None
         where this backend has no such stack for them (the model then runs one matvec each).
-        The cuda backend stacks a layer's quantized q, k, v of one format: one launch."""
+        The cuda backend stacks a layer's quantized q, k, v of one format (and, where the
+        three fit one wave of blocks, a v of another format): one launch."""
         return None
 
     def upload(self, a: np.ndarray) -> Array:

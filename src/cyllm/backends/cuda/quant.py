@@ -203,7 +203,8 @@ class CudaQuantStack(_RowsCols):
         return 0        # the parts hold the bytes
 
     def __repr__(self) -> str:
-        return f"CudaQuantStack({self.fmt.name}, {[p.shape for p in self.parts]})"
+        v = "" if self.fmt_v is self.fmt else f" + v {self.fmt_v.name}"
+        return f"CudaQuantStack({self.fmt.name}{v}, {[p.shape for p in self.parts]})"
 
 
 def stack_rows(mats, sm_count: int = 0) -> CudaQuantStack | None:
@@ -215,16 +216,21 @@ def stack_rows(mats, sm_count: int = 0) -> CudaQuantStack | None:
     (SmolLM2-135M Q4_K_M, whose rows of 576 fall back to q5_0 and q8_0). On Llama-2-7B
     Q4_K_M such stacks measured 4-10% slower than three launches, both as one launch with
     two code paths and as q and k stacked after v's own launch
-    (bench/results/cuda_quant_model_h100.md)."""
+    (bench/results/cuda_quant_model_h100.md). Nor with q5_k or q6_k on either side: their
+    bodies want 160-200 registers, which the pair kernels' 512-thread bound would spill
+    (the single-format kernels of those two run unbounded), and such pairs were not timed."""
     if len(mats) != 3 or not all(isinstance(m, CudaQuantMatrix) for m in mats):
         return None
     q, k, v = mats
     if not (k.fmt is q.fmt and k.cols == q.cols == v.cols and k.rows == v.rows):
         return None
     stack = CudaQuantStack(tuple(mats))
-    if v.fmt is not q.fmt and _tiles(stack) > sm_count:
+    if v.fmt is not q.fmt and (_tiles(stack) > sm_count or {q.fmt.name, v.fmt.name} & _PAIR_HEAVY):
         return None
     return stack
+
+
+_PAIR_HEAVY = {"q5_k", "q6_k"}      # formats stack_rows keeps out of pairs (see there)
 
 
 def upload(be, qm: QuantMatrix) -> CudaQuantMatrix:
@@ -386,7 +392,7 @@ def _qkv_launch(be, out, w: CudaQuantStack, x, norm, name: str, warps_per_tile: 
     one = (_shared_bytes(n, warps, 1) + 15) & ~15
     smem = per_block * one + (4 * 4 * TILE if extra else 0)      # + the second tile's rows, cos, sin, pos
     _allow_smem(k, smem)
-    _carveout(be, k, w.fmt.name)
+    _carveout(be, k, w.fmt.name)        # a pair follows q's and k's format (the most tiles)
     head = (out, wq.data, wk.data, wv.data)
     dims = (np.int32(wq.rows), np.int32(wk.rows), np.int32(w.nbi))
     if pair:
@@ -405,7 +411,8 @@ def qmatvec_qkv(be, out, w: CudaQuantStack, x, norm=_TAKE) -> None:
     qmatvec calls."""
     if not qkv_args_ok(out, w, x):
         be._flush()
-        raise InvalidArgumentError(f"qmv_qkv_{w.fmt.name}: shapes {w.shape} @ {tuple(x.shape)} -> {tuple(out.shape)}")
+        raise InvalidArgumentError(f"q/k/v stack ({w.fmt.name}, v {w.fmt_v.name}): shapes {w.shape} @ "
+                                   f"{tuple(x.shape)} -> {tuple(out.shape)}")
     if norm is _TAKE:
         norm = be._take_norm(out, x)
     _qkv_launch(be, out, w, x, norm, f"qmv_qkv_{w.fmt.name}", matvec_warps(be, w, 1), ())
@@ -425,7 +432,7 @@ def rope_fold_pays(be, w: CudaQuantStack) -> bool:
 
 def qmatvec_qkv_rope(be, out, w: CudaQuantStack, x, norm, cos, sin, k_cache, v_cache, pos) -> None:
     """qmatvec_qkv then rope_store(q, k, v, cos, sin, k_cache, v_cache, pos) on its output, as
-    one launch (qmv_qkv_rope_<fmt>; the caller, RopeFolding, checked the shapes: head_dim %
+    one launch (qmv_qkv_rope_<fmt>, or qmv_qkv_rope_pair; the caller, RopeFolding, checked the shapes: head_dim %
     64 == 0, every dimension rotated). ``pos``: the kernel's position argument (-1: the step
     buffer)."""
     n_pos = cos.shape[0]

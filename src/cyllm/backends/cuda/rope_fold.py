@@ -5,7 +5,8 @@ qkv. rope_store reads a few KB and writes one cache row, yet as a kernel of its 
 costs a launch boundary and a chain of dependent memory round trips after its wait (1.8
 us per layer of a Llama-2-7B Q4_0 token on an H100, bench/trace_cuda_decode.py). So the
 matvec of a stacked quantized q/k/v is held back, and when the next op is the rope_store
-of its own output, one kernel (``qmv_qkv_rope_<fmt>``) does both: each block computes the
+of its own output, one kernel (``qmv_qkv_rope_<fmt>``, or ``qmv_qkv_rope_pair`` where v has
+its own format) does both: each block computes the
 two row tiles holding the halves of 32 rope pairs, rotates them in its tail and writes the
 cache row. Where that does not pay (quant.rope_fold_pays has the measured rule), shapes
 the fused kernel does not cover (partial rotary, head_dim not a multiple of 64), and when
