@@ -58,6 +58,12 @@ static inline float dot1(const uint16_t *w, const float *x, int64_t n) {
     return s;
 }
 
+/* one line of the linear weight stream ahead: into L1 and L2, or (l2) L2 only */
+static inline __attribute__((always_inline)) void pf_line(const char *p, const int l2) {
+    if (l2) _mm_prefetch(p, _MM_HINT_T1);
+    else _mm_prefetch(p, _MM_HINT_T0);
+}
+
 /* one row, 4 accumulators over 32 columns per step; prefetch one line per 32 columns
  * at `pf` (the linear stream `dist` bytes ahead), into L1 and L2 or (l2) L2 only */
 static inline __attribute__((always_inline)) float dot1_lin(const uint16_t *w, const float *x, int64_t n,
@@ -65,10 +71,7 @@ static inline __attribute__((always_inline)) float dot1_lin(const uint16_t *w, c
     __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps(), c = _mm256_setzero_ps(), d = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 32 <= n; j += 32) {
-        if (pf) {
-            if (l2) _mm_prefetch(pf + j * 2, _MM_HINT_T1);
-            else _mm_prefetch(pf + j * 2, _MM_HINT_T0);
-        }
+        if (pf) pf_line(pf + j * 2, l2);
         a = _mm256_fmadd_ps(load8h(w + j), _mm256_loadu_ps(x + j), a);
         b = _mm256_fmadd_ps(load8h(w + j + 8), _mm256_loadu_ps(x + j + 8), b);
         c = _mm256_fmadd_ps(load8h(w + j + 16), _mm256_loadu_ps(x + j + 16), c);
@@ -138,10 +141,7 @@ static inline __attribute__((always_inline)) void dot2_lin(const uint16_t *w, co
     __m256 a1 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(), d1 = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 32 <= n; j += 32) {
-        if (pf) {
-            if (l2) _mm_prefetch(pf + j * 2, _MM_HINT_T1);
-            else _mm_prefetch(pf + j * 2, _MM_HINT_T0);
-        }
+        if (pf) pf_line(pf + j * 2, l2);
         const __m256 w0 = load8h(w + j), w1 = load8h(w + j + 8), w2 = load8h(w + j + 16), w3 = load8h(w + j + 24);
         a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + j), a0);
         b0 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x0 + j + 8), b0);

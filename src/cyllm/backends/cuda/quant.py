@@ -207,6 +207,9 @@ class CudaQuantStack(_RowsCols):
         return f"CudaQuantStack({self.fmt.name}{v}, {[p.shape for p in self.parts]})"
 
 
+_PAIR_HEAVY = {"q5_k", "q6_k"}      # formats stack_rows keeps out of pairs (see there)
+
+
 def stack_rows(mats, sm_count: int = 0) -> CudaQuantStack | None:
     """q, k, v -> one stack when the three are quantized matrices of one width, q and k of
     one format, k and v of one height (what qmv_qkv computes); None otherwise.
@@ -229,8 +232,6 @@ def stack_rows(mats, sm_count: int = 0) -> CudaQuantStack | None:
         return None
     return stack
 
-
-_PAIR_HEAVY = {"q5_k", "q6_k"}      # formats stack_rows keeps out of pairs (see there)
 
 
 def upload(be, qm: QuantMatrix) -> CudaQuantMatrix:
@@ -377,14 +378,15 @@ def qkv_args_ok(out, w: CudaQuantStack, x) -> bool:
 _TAKE = object()          # qmatvec_qkv's default: take a held-back rmsnorm from the backend
 
 
-def _qkv_launch(be, out, w: CudaQuantStack, x, norm, name: str, warps_per_tile: int, extra: tuple) -> None:
+def _qkv_launch(be, out, w: CudaQuantStack, x, norm, warps_per_tile: int, extra: tuple) -> None:
     """One launch of a qmv_qkv kernel: ``warps_per_tile`` warps per row tile, tiles per block
-    = 1 (qmv_qkv) or 2 (qmv_qkv_rope, ``extra`` its rope and cache arguments)."""
+    = 1 (qmv_qkv) or 2 (qmv_qkv_rope, ``extra`` its rope and cache arguments); the pair
+    module's kernel (qmv_qkv[_rope]_pair) where v has its own format."""
     wq, wk, wv = w.parts
-    n, fmt = w.cols, w.fmt.name
+    n = w.cols
+    kind = "qmv_qkv_rope" if extra else "qmv_qkv"
     pair = w.fmt_v is not w.fmt
-    if pair:        # q and k of one format, v of another: the pair module's kernels
-        name, fmt = ("qmv_qkv_rope_pair" if extra else "qmv_qkv_pair"), f"{fmt}+{w.fmt_v.name}"
+    name, fmt = (f"{kind}_pair", f"{w.fmt.name}+{w.fmt_v.name}") if pair else (f"{kind}_{w.fmt.name}", w.fmt.name)
     k = kernel(be, f"{name}_norm" if norm is not None else name, fmt)
     per_block = 1 if not extra else 2
     cap = max(1, getattr(k, "max_threads_per_block", 1024) // (32 * per_block))
@@ -415,7 +417,7 @@ def qmatvec_qkv(be, out, w: CudaQuantStack, x, norm=_TAKE) -> None:
                                    f"{tuple(x.shape)} -> {tuple(out.shape)}")
     if norm is _TAKE:
         norm = be._take_norm(out, x)
-    _qkv_launch(be, out, w, x, norm, f"qmv_qkv_{w.fmt.name}", matvec_warps(be, w, 1), ())
+    _qkv_launch(be, out, w, x, norm, matvec_warps(be, w, 1), ())
 
 
 def rope_fold_pays(be, w: CudaQuantStack) -> bool:
@@ -440,7 +442,7 @@ def qmatvec_qkv_rope(be, out, w: CudaQuantStack, x, norm, cos, sin, k_cache, v_c
     extra = (cos, sin, k_cache, v_cache, be._step, pos, np.int32(n_pos), np.int32(max_ctx), np.int32(hd))
     forced = getattr(be, "qkv_rope_warps", None)        # experiments (bench/sweep_cuda_decode.py --vary)
     warps = int(forced) if forced else matvec_warps(be, w, 1)
-    _qkv_launch(be, out, w, x, norm, f"qmv_qkv_rope_{w.fmt.name}", warps, extra)
+    _qkv_launch(be, out, w, x, norm, warps, extra)
 
 
 def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None) -> None:
