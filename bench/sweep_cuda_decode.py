@@ -35,7 +35,10 @@ from shown_paths import shown_argv  # noqa: E402
 
 
 def _value(text: str):
-    """int, float, none, or a tuple of names joined by '+' (q4_0+q6_k; one name: q4_0+)."""
+    """int, float, none, a tuple of names joined by '+' (q4_0+q6_k; one name: q4_0+), or of
+    compiler defines (-DNAME+-DOTHER, for compile_defines: kernels built both ways)."""
+    if text.strip().startswith("-D"):
+        return tuple(x for x in text.strip().split("+") if x)
     t = text.strip().lower()
     if t == "none":
         return None
@@ -64,7 +67,8 @@ def main() -> int:
     ap.add_argument("--synthetic")
     ap.add_argument("--quantize", default="", help="comma-separated --quantize types (empty: as loaded)")
     ap.add_argument("--vary", action="append", default=[], metavar="ATTR=V1,V2",
-                    help="a backend attribute and its values (int, float, none or names joined by +); repeatable")
+                    help="a backend attribute and its values (int, float, none, names joined by +, or "
+                         "compile_defines=none,-DNAME+-DOTHER); repeatable")
     ap.add_argument("--bind-vary", action="append", default=[], metavar="ATTR=V1,V2",
                     help="the same for attributes read when the model is bound (one model each)")
     ap.add_argument("--profile", action="store_true", help="one token under cudaProfilerStart/Stop at the end")
@@ -78,7 +82,8 @@ def main() -> int:
         for v in given:
             attr, eq, vals = v.partition("=")
             try:
-                out.append((attr, [_value(x) for x in vals.split(",")]))
+                vals = [_value(x) for x in vals.split(",")]
+                out.append((attr, [v or () for v in vals] if attr == "compile_defines" else vals))
             except ValueError:
                 eq = ""
             if not (attr and eq):

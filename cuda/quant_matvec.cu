@@ -207,6 +207,80 @@ __device__ __forceinline__ void qload_cached(QItem<F>& it, const QGeo& g, int s,
 // Returns this lane's share of sum(x^2) (for the folded rmsnorm).
 #define QS_CHUNKS 4   // float4 chunks per lane staged together: loads hoisted, shuffle chains interleaved
 
+// K float4 chunks per lane (chunks base + lane + 32k, k < K, those below c1) into the
+// staging: one pass of qstage. Adds this lane's share of sum(x^2) to ss.
+template <bool NORM, int BLK, int K>
+__device__ __forceinline__ void qstage_pass(const float* x, const float* __restrict__ nw, bool vec,
+                                            int base, int c1, u32* __restrict__ xw, float4* __restrict__ xs,
+                                            int lane, float& ss)
+{
+    float4 v[K];
+    bool act[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int c = base + lane + 32 * k;
+        act[k] = c < c1;
+        v[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (act[k]) {
+            if (vec) v[k] = ld_act4(reinterpret_cast<const float4*>(x) + c);
+            else v[k] = make_float4(ld_act(x + 4 * c), ld_act(x + 4 * c + 1), ld_act(x + 4 * c + 2),
+                                    ld_act(x + 4 * c + 3));
+        }
+    }
+    if (NORM) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int c = base + lane + 32 * k;
+            float4 g = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (act[k]) {
+                if (vec) g = __ldg(reinterpret_cast<const float4*>(nw) + c);
+                else g = make_float4(nw[4 * c], nw[4 * c + 1], nw[4 * c + 2], nw[4 * c + 3]);
+            }
+            ss = fmaf(v[k].x, v[k].x, ss); ss = fmaf(v[k].y, v[k].y, ss);
+            ss = fmaf(v[k].z, v[k].z, ss); ss = fmaf(v[k].w, v[k].w, ss);
+            v[k].x *= g.x; v[k].y *= g.y; v[k].z *= g.z; v[k].w *= g.w;
+        }
+    }
+    float a[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+        a[k] = fmaxf(fmaxf(fabsf(v[k].x), fabsf(v[k].y)), fmaxf(fabsf(v[k].z), fabsf(v[k].w)));
+#pragma unroll
+    for (int off = 1; off < BLK / 4 && off < 32; off <<= 1)
+#pragma unroll
+        for (int k = 0; k < K; ++k) a[k] = fmaxf(a[k], __shfl_xor_sync(FULL_MASK, a[k], off));
+    if (BLK == 256) {       // a 256-block is chunks base + 64j .. +63: k = 2j and 2j + 1
+#pragma unroll
+        for (int k = 0; k < K; k += 2) a[k] = a[k + 1] = fmaxf(a[k], a[k + 1]);
+    }
+    int q[K][4], sm[K];
+    float dq[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        dq[k] = a[k] / 127.0f;
+        const float id = a[k] > 0.0f ? 127.0f / a[k] : 0.0f;
+        q[k][0] = __float2int_rn(v[k].x * id); q[k][1] = __float2int_rn(v[k].y * id);
+        q[k][2] = __float2int_rn(v[k].z * id); q[k][3] = __float2int_rn(v[k].w * id);
+        sm[k] = q[k][0] + q[k][1] + q[k][2] + q[k][3];
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1)       // lanes 0-3 of a group: q[0:16], 4-7: q[16:32]
+#pragma unroll
+        for (int k = 0; k < K; ++k) sm[k] += __shfl_xor_sync(FULL_MASK, sm[k], off);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int so = __shfl_xor_sync(FULL_MASK, sm[k], 4);
+        const int c = base + lane + 32 * k;
+        if (act[k]) {
+            xw[c] = ((u32)q[k][0] & 0xFFu) | (((u32)q[k][1] & 0xFFu) << 8)
+                  | (((u32)q[k][2] & 0xFFu) << 16) | ((u32)q[k][3] << 24);
+            if ((c & 7) == 0)
+                xs[c >> 3] = make_float4(dq[k], dq[k] * (float)(sm[k] + so),
+                                         __int_as_float(sm[k]), __int_as_float(so));
+        }
+    }
+}
+
 template <bool NORM, int BLK>
 __device__ __forceinline__ float qstage(const float* x, const float* __restrict__ nw,
                                         int e0, int e1, u32* __restrict__ xw, float4* __restrict__ xs,
@@ -215,72 +289,19 @@ __device__ __forceinline__ float qstage(const float* x, const float* __restrict_
     float ss = 0.0f;
     const bool vec = ((reinterpret_cast<size_t>(x) | (NORM ? reinterpret_cast<size_t>(nw) : 0)) & 15) == 0;
     const int c1 = e1 >> 2;
-    for (int base = e0 >> 2; base < c1; base += 32 * QS_CHUNKS) {   // uniform: shuffles see every lane
-        float4 v[QS_CHUNKS];
-        bool act[QS_CHUNKS];
-#pragma unroll
-        for (int k = 0; k < QS_CHUNKS; ++k) {
-            const int c = base + lane + 32 * k;
-            act[k] = c < c1;
-            v[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (act[k]) {
-                if (vec) v[k] = ld_act4(reinterpret_cast<const float4*>(x) + c);
-                else v[k] = make_float4(ld_act(x + 4 * c), ld_act(x + 4 * c + 1), ld_act(x + 4 * c + 2),
-                                        ld_act(x + 4 * c + 3));
-            }
-        }
-        if (NORM) {
-#pragma unroll
-            for (int k = 0; k < QS_CHUNKS; ++k) {
-                const int c = base + lane + 32 * k;
-                float4 g = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                if (act[k]) {
-                    if (vec) g = __ldg(reinterpret_cast<const float4*>(nw) + c);
-                    else g = make_float4(nw[4 * c], nw[4 * c + 1], nw[4 * c + 2], nw[4 * c + 3]);
-                }
-                ss = fmaf(v[k].x, v[k].x, ss); ss = fmaf(v[k].y, v[k].y, ss);
-                ss = fmaf(v[k].z, v[k].z, ss); ss = fmaf(v[k].w, v[k].w, ss);
-                v[k].x *= g.x; v[k].y *= g.y; v[k].z *= g.z; v[k].w *= g.w;
-            }
-        }
-        float a[QS_CHUNKS];
-#pragma unroll
-        for (int k = 0; k < QS_CHUNKS; ++k)
-            a[k] = fmaxf(fmaxf(fabsf(v[k].x), fabsf(v[k].y)), fmaxf(fabsf(v[k].z), fabsf(v[k].w)));
-#pragma unroll
-        for (int off = 1; off < BLK / 4 && off < 32; off <<= 1)
-#pragma unroll
-            for (int k = 0; k < QS_CHUNKS; ++k) a[k] = fmaxf(a[k], __shfl_xor_sync(FULL_MASK, a[k], off));
-        if (BLK == 256) {       // a 256-block is chunks base + 64j .. +63: k = 2j and 2j + 1
-#pragma unroll
-            for (int k = 0; k < QS_CHUNKS; k += 2) a[k] = a[k + 1] = fmaxf(a[k], a[k + 1]);
-        }
-        int q[QS_CHUNKS][4], sm[QS_CHUNKS];
-        float dq[QS_CHUNKS];
-#pragma unroll
-        for (int k = 0; k < QS_CHUNKS; ++k) {
-            dq[k] = a[k] / 127.0f;
-            const float id = a[k] > 0.0f ? 127.0f / a[k] : 0.0f;
-            q[k][0] = __float2int_rn(v[k].x * id); q[k][1] = __float2int_rn(v[k].y * id);
-            q[k][2] = __float2int_rn(v[k].z * id); q[k][3] = __float2int_rn(v[k].w * id);
-            sm[k] = q[k][0] + q[k][1] + q[k][2] + q[k][3];
-        }
-#pragma unroll
-        for (int off = 1; off < 4; off <<= 1)       // lanes 0-3 of a group: q[0:16], 4-7: q[16:32]
-#pragma unroll
-            for (int k = 0; k < QS_CHUNKS; ++k) sm[k] += __shfl_xor_sync(FULL_MASK, sm[k], off);
-#pragma unroll
-        for (int k = 0; k < QS_CHUNKS; ++k) {
-            const int so = __shfl_xor_sync(FULL_MASK, sm[k], 4);
-            const int c = base + lane + 32 * k;
-            if (act[k]) {
-                xw[c] = ((u32)q[k][0] & 0xFFu) | (((u32)q[k][1] & 0xFFu) << 8)
-                      | (((u32)q[k][2] & 0xFFu) << 16) | ((u32)q[k][3] << 24);
-                if ((c & 7) == 0)
-                    xs[c >> 3] = make_float4(dq[k], dq[k] * (float)(sm[k] + so),
-                                             __int_as_float(sm[k]), __int_as_float(so));
-            }
-        }
+    int base = e0 >> 2;
+    for (; base + 32 * QS_CHUNKS <= c1; base += 32 * QS_CHUNKS)     // uniform: shuffles see every lane
+        qstage_pass<NORM, BLK, QS_CHUNKS>(x, nw, vec, base, c1, xw, xs, lane, ss);
+    // The rest in one pass no wider than it needs. Short rows leave a warp 1-2 chunks a
+    // lane (SmolLM2's rows of 576: 64-96 elements a warp), and in these one-wave kernels
+    // every issued instruction is on the critical path: ncu counted ~1000 a warp there.
+    constexpr int K1 = BLK == 256 ? 2 : 1;        // a 256-block spans two chunks a lane
+    if (base + 32 * K1 >= c1) {
+        if (base < c1) qstage_pass<NORM, BLK, K1>(x, nw, vec, base, c1, xw, xs, lane, ss);
+    } else if (base + 64 >= c1) {
+        qstage_pass<NORM, BLK, 2>(x, nw, vec, base, c1, xw, xs, lane, ss);
+    } else {
+        qstage_pass<NORM, BLK, QS_CHUNKS>(x, nw, vec, base, c1, xw, xs, lane, ss);
     }
     return ss;
 }
@@ -478,8 +499,11 @@ __device__ __forceinline__ float qmv_tile(
     if (NM == 2) g[NM - 1] = qgeo<F>(w1, d, nbi, tile);
 
     // P batches go out before pdl_wait: weights never depend on the previous kernel.
-    // Zeroed first: the dots below run on every slot (branch-free, so the compiler can
-    // schedule the shared-memory loads early) and slots past the slice are discarded.
+    // Zeroed first: the dots below run on every slot of a batch that holds an item of the
+    // slice (branch-free, so the compiler can schedule the shared-memory loads early) and
+    // slots past the slice are discarded. A batch with none is skipped whole: short rows
+    // leave most slots empty (SmolLM2: 2-3 items a warp in 8 slots), and a branch per slot
+    // instead cost rows of 4096 2-3% (bench/results/cuda_quant_model_h100.md).
     QItem<F> it[P][B][NM];
 #pragma unroll
     for (int p = 0; p < P; ++p)
@@ -516,6 +540,7 @@ __device__ __forceinline__ float qmv_tile(
     for (int sb = s0; sb < s1; sb += P * B) {
 #pragma unroll
         for (int p = 0; p < P; ++p) {
+            if (sb + p * B >= s1) break;      // no item of this warp in this batch (uniform)
 #pragma unroll
             for (int u = 0; u < B; ++u) {
                 const int s = sb + p * B + u;

@@ -304,9 +304,10 @@ def _module(be, fmt: str):
 def kernel(be, name: str, fmt: str):
     """The compiled kernel ``name`` of format (or pair "qk+v") ``fmt`` (cached on the backend)."""
     cache = be.__dict__.setdefault("_qkernels", {})
-    k = cache.get((name, fmt))
+    key = (name, fmt, be.compile_defines)       # defines: kernels built two ways in one process (sweeps)
+    k = cache.get(key)
     if k is None:
-        k = cache[(name, fmt)] = _module(be, fmt).get_function(name)
+        k = cache[key] = _module(be, fmt).get_function(name)
     return k
 
 
