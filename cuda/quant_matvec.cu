@@ -537,6 +537,25 @@ __device__ __forceinline__ float qmv_tile(
     float acc[NM];
 #pragma unroll
     for (int m = 0; m < NM; ++m) acc[m] = 0.0f;
+    if (B > 1 && s1 - s0 <= B) {
+        // the whole slice sits in the first batch (short rows: SmolLM2's 2-3 items a warp of
+        // q5_0): a dot per item, none on empty slots. A path of its own, because the same
+        // guard in the loop below cost rows of 4096 2-3%; not for batches of one item (the
+        // K-quants), where the loop already does just this and the extra path cost the 7B
+        // shape's Q4_K_M decode 8% on an H100 (bench/results/cuda_quant_model_h100.md).
+#pragma unroll
+        for (int u = 0; u < B; ++u) {
+            const int s = s0 + u;
+            if (s >= s1) break;                                   // uniform
+            const uint4* xq = reinterpret_cast<const uint4*>(xw) + s * (F::IE / 16);
+            const float4* xe = xs + s * (F::IE / 32);
+#pragma unroll
+            for (int m = 0; m < NM; ++m) {
+                const float v = qdot(it[0][u][m], xq, xe);
+                acc[m] += live ? v : 0.0f;
+            }
+        }
+    } else
     for (int sb = s0; sb < s1; sb += P * B) {
 #pragma unroll
         for (int p = 0; p < P; ++p) {
