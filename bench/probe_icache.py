@@ -9,7 +9,7 @@ and after its last instruction (both tied to the chains by operands, so nothing 
 across them). Three cases per size:
   warm     the same kernel run just before (its code in the SM's instruction caches)
   evicted  another kernel of 128 KiB of code ran in between (the code comes from L2)
-  one SM   as evicted, but the block count is 16 (a one-wave grid of a small model: most
+  16 blocks  as evicted, but the grid is 16 blocks (a one-wave grid of a small model: most
            SMs have not run the kernel for several launches)
 Prints the median block's cycles and cycles per 128-byte line over the warm case.
 """
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 
-import cupy as cp
 import numpy as np
 
 CHAINS = 8
@@ -54,16 +54,29 @@ def main() -> int:
     ap.add_argument("--warps", default="1,8")
     ap.add_argument("-r", type=int, default=5)
     a = ap.parse_args()
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    try:
+        sizes = [int(x) for x in a.kib.split(",")]
+        warp_counts = [int(x) for x in a.warps.split(",")]
+    except ValueError:
+        ap.error("--kib and --warps take comma-separated integers")
+    if min(sizes) < 1 or max(sizes) > 1024 or min(warp_counts) < 1 or max(warp_counts) > 32 or a.r < 1:
+        ap.error("need 1 <= KiB <= 1024, 1 <= warps <= 32, -r >= 1")
+    try:
+        import cupy as cp
+        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    except Exception as e:  # noqa: BLE001 - no CuPy, no driver, no GPU: one line
+        print(f"probe_icache: no CUDA device ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+              file=sys.stderr)
+        return 2
     out = cp.zeros(sms * 1024, cp.float32)
     cyc = cp.zeros(sms, cp.int64)
     evict = cp.RawKernel(source("evict", 128 * 64, 500), "evict")
     print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, {sms} SMs\n")
     print("| code KiB | warps | warm cycles | evicted cycles | evicted, 16 blocks | extra cycles per 128 B line |")
     print("|---:|---:|---:|---:|---:|---:|")
-    for kib in (int(x) for x in a.kib.split(",")):
+    for kib in sizes:
         k = cp.RawKernel(source(f"code{kib}", kib * 64, kib), f"code{kib}")
-        for warps in (int(x) for x in a.warps.split(",")):
+        for warps in warp_counts:
             res = {"warm": [], "evicted": [], "small": []}
             for _ in range(a.r):
                 for case in res:

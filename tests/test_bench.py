@@ -213,6 +213,22 @@ def test_gpu_bench_scripts_bad_input_exit_2(script, args):
     assert "Traceback" not in r.stderr and err and err[-1].startswith(script.replace(".py", ""))
 
 
+def test_sweep_values():
+    """bench/sweep_cuda_decode.py's --vary values: numbers, none, format pairs, and compiler
+    defines kept as written (case matters to the preprocessor)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "sweep_cuda_decode.py"
+    spec = importlib.util.spec_from_file_location("sweep_cuda_decode", path)
+    sw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sw)
+    assert sw._value("8") == 8 and sw._value("0.5") == 0.5 and sw._value("None") is None
+    assert sw._value("q4_0+q6_k") == ("q4_0", "q6_k") and sw._value("q4_0+") == ("q4_0",)
+    assert sw._value("-DQMV_A+-DQMV_b") == ("-DQMV_A", "-DQMV_b")
+    with pytest.raises(ValueError):
+        sw._value("q4_0+q6-k")
+
+
 def test_trace_groups_block_records_into_launches():
     """bench/trace_cuda_decode.py's grouping of per-block records (tag<<40 | sm<<32 | block,
     start, wait return, end; ns): a kernel's blocks form one launch per block index, launches
