@@ -4,9 +4,9 @@
     python bench/probe_icache.py [--kib 4,8,16,32,64] [--warps 1,8]
 
 Straight-line kernels of K KiB of SASS (independent FFMA chains with immediates, one
-instruction = 16 bytes) run one block per SM; each block reads clock64 before its first
-and after its last instruction (both tied to the chains by operands, so nothing moves
-across them). Three cases per size:
+instruction = 16 bytes) run as a grid of one block per SM (spread by the scheduler, not
+pinned); each block reads clock64 before its first and after its last instruction (both
+tied to the chains by operands, so nothing moves across them). Three cases per size:
   warm     the same kernel run just before (its code in the SM's instruction caches)
   evicted  another kernel of 128 KiB of code ran in between (the code comes from L2)
   16 blocks  as evicted, but the grid is 16 blocks (a one-wave grid of a small model: most
@@ -71,7 +71,7 @@ def main() -> int:
     out = cp.zeros(sms * 1024, cp.float32)
     cyc = cp.zeros(sms, cp.int64)
     evict = cp.RawKernel(source("evict", 128 * 64, 500), "evict")
-    print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, {sms} SMs\n")
+    print(f"{cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)['name'].decode()}, {sms} SMs\n")
     print("| code KiB | warps | warm cycles | evicted cycles | evicted, 16 blocks | extra cycles per 128 B line |")
     print("|---:|---:|---:|---:|---:|---:|")
     for kib in sizes:

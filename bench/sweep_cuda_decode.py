@@ -53,6 +53,15 @@ def _value(text: str):
         return float(t)
 
 
+def _defines(v) -> tuple:
+    """A compile_defines value: none -> (), else every part a -D option."""
+    if v is None:
+        return ()
+    if isinstance(v, tuple) and all(isinstance(x, str) and x.startswith("-D") and len(x) > 2 for x in v):
+        return v
+    raise ValueError(v)
+
+
 def decode_tok_s(model, n: int, depth: int, rng) -> float:
     ids = rng.integers(0, model.config.vocab_size, size=n).tolist()
     t0 = time.perf_counter()
@@ -68,7 +77,8 @@ def main() -> int:
     ap.add_argument("--quantize", default="", help="comma-separated --quantize types (empty: as loaded)")
     ap.add_argument("--vary", action="append", default=[], metavar="ATTR=V1,V2",
                     help="a backend attribute and its values (int, float, none, names joined by +, or "
-                         "compile_defines=none,-DNAME+-DOTHER); repeatable")
+                         "compile_defines=none,-DNAME+-DOTHER: the quantized kernels, built per setting; the "
+                         "dense ones are built once); repeatable")
     ap.add_argument("--bind-vary", action="append", default=[], metavar="ATTR=V1,V2",
                     help="the same for attributes read when the model is bound (one model each)")
     ap.add_argument("--profile", action="store_true", help="one token under cudaProfilerStart/Stop at the end")
@@ -83,11 +93,14 @@ def main() -> int:
             attr, eq, vals = v.partition("=")
             try:
                 vals = [_value(x) for x in vals.split(",")]
-                out.append((attr, [v or () for v in vals] if attr == "compile_defines" else vals))
+                if attr == "compile_defines":
+                    vals = [_defines(x) for x in vals]
+                out.append((attr, vals))
             except ValueError:
                 eq = ""
             if not (attr and eq):
-                ap.error(f"{flag} {v!r}: expected ATTR=V1,V2 with int, float, none or name+name values")
+                ap.error(f"{flag} {v!r}: expected ATTR=V1,V2 with int, float, none or name+name values "
+                         "(compile_defines: none or -DNAME+-DOTHER)")
     try:
         depths = [int(d) for d in a.d.split(",")]
     except ValueError:

@@ -249,9 +249,10 @@ __device__ __forceinline__ void qstage_pass(const float* x, const float* __restr
     for (int off = 1; off < BLK / 4 && off < 32; off <<= 1)
 #pragma unroll
         for (int k = 0; k < K; ++k) a[k] = fmaxf(a[k], __shfl_xor_sync(FULL_MASK, a[k], off));
+    static_assert(BLK != 256 || K % 2 == 0, "a 256-block spans two chunks a lane");
     if (BLK == 256) {       // a 256-block is chunks base + 64j .. +63: k = 2j and 2j + 1
 #pragma unroll
-        for (int k = 0; k < K; k += 2) a[k] = a[k + 1] = fmaxf(a[k], a[k + 1]);
+        for (int k = 0; k + 1 < K; k += 2) a[k] = a[k + 1] = fmaxf(a[k], a[k + 1]);
     }
     int q[K][4], sm[K];
     float dq[K];
@@ -292,9 +293,10 @@ __device__ __forceinline__ float qstage(const float* x, const float* __restrict_
     int base = e0 >> 2;
     for (; base + 32 * QS_CHUNKS <= c1; base += 32 * QS_CHUNKS)     // uniform: shuffles see every lane
         qstage_pass<NORM, BLK, QS_CHUNKS>(x, nw, vec, base, c1, xw, xs, lane, ss);
-    // The rest in one pass no wider than it needs. Short rows leave a warp 1-2 chunks a
-    // lane (SmolLM2's rows of 576: 64-96 elements a warp), and in these one-wave kernels
-    // every issued instruction is on the critical path: ncu counted ~1000 a warp there.
+    // The rest in one pass no wider than it needs. Short rows leave a warp at most one
+    // chunk a lane (SmolLM2's rows of 576: 64-96 elements, 16-24 chunks a warp), 16-warp
+    // blocks on rows of 4096 two, and in these one-wave kernels every issued instruction is
+    // on the critical path: ncu counted ~1000 a warp there.
     constexpr int K1 = BLK == 256 ? 2 : 1;        // a 256-block spans two chunks a lane
     if (base + 32 * K1 >= c1) {
         if (base < c1) qstage_pass<NORM, BLK, K1>(x, nw, vec, base, c1, xw, xs, lane, ss);

@@ -196,6 +196,8 @@ def test_best_threads_prefers_fewer_within_tolerance():
     ("sweep_cuda_decode.py", ["--synthetic", "tiny", "--vary", "qmv_warps"]),
     ("sweep_cuda_decode.py", ["--synthetic", "tiny", "--bind-vary", "fuse_qkv=1,x"]),
     ("sweep_cuda_decode.py", ["--synthetic", "tiny", "--vary", "qmv_warps=8,q4_0+q6-k"]),
+    ("sweep_cuda_decode.py", ["--synthetic", "tiny", "--vary", "compile_defines=1"]),
+    ("sweep_cuda_decode.py", ["--synthetic", "tiny", "--vary", "compile_defines=-DA+q4_0"]),
     ("sweep_cuda_decode.py", ["--synthetic", "tiny", "-d", "0,x"]),
     ("sweep_cuda_decode.py", ["--synthetic", "tiny", "-n", "0"]),
     ("trace_cuda_decode.py", ["--synthetic", "tiny", "--tokens", "0"]),

@@ -304,7 +304,7 @@ def _module(be, fmt: str):
 def kernel(be, name: str, fmt: str):
     """The compiled kernel ``name`` of format (or pair "qk+v") ``fmt`` (cached on the backend)."""
     cache = be.__dict__.setdefault("_qkernels", {})
-    key = (name, fmt, be.compile_defines)       # defines: kernels built two ways in one process (sweeps)
+    key = (name, fmt, tuple(be.compile_defines))    # kernels built two ways in one process (sweeps)
     k = cache.get(key)
     if k is None:
         k = cache[key] = _module(be, fmt).get_function(name)
