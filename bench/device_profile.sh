@@ -11,6 +11,9 @@
 #   q7b      cyllm bench --backend cuda, Llama-2-7B shape quantized at load (q4_k = the Q4_K_M
 #            recipe, q8_0, q4_0) and F16: pp512, tg128, tg128 at depth 4096
 #   small    the same on SmolLM2-135M (untied: 163 M parameters), F16, q8_0, q4_0, q4_k
+#   ncu      one decode token under ncu per weight type (NCU_MODEL, default smollm2-135m-untied;
+#            NCU_TYPES, default "f16 q4_0 q4_k"): bench/ncu_table.py's table of time,
+#            instructions a warp and stall reasons per kernel (logs kept as $OUT/ncu_<type>.csv)
 # Usage on the device machine (repo root): bash bench/device_profile.sh [STEP...]
 # Device call: command `bash bench/device_profile.sh [STEP...]`, timeout_s 590 (carry
 # .carry/cuda_quant_material, .whl (the gguf wheel) and .carry/llamacpp-cache for `models`:
@@ -66,6 +69,15 @@ for step in ${*:-build tests prefill decode}; do
   small)
     bench 40 --synthetic smollm2-135m-untied -p 512 -n 128
     for q in q8_0 q4_0 q4_k; do bench 40 --synthetic smollm2-135m-untied --quantize $q -p 512 -n 128; done ;;
+  ncu)
+    for q in ${NCU_TYPES:-f16 q4_0 q4_k}; do
+      quant=(); [ "$q" = f16 ] || quant=(--quantize "$q")
+      run 200 ncu --clock-control none --cache-control none --profile-from-start off --csv \
+        --log-file "$OUT/ncu_$q.csv" --metrics "$($PY bench/ncu_table.py --metrics)" \
+        $PY -P bench/sweep_cuda_decode.py --synthetic "${NCU_MODEL:-smollm2-135m-untied}" "${quant[@]}" \
+        -n 16 -r 1 --profile > /dev/null 2>&1
+      $PY bench/ncu_table.py "$OUT/ncu_$q.csv"
+    done ;;
   esac
 done
 say done

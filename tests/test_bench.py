@@ -231,6 +231,40 @@ def test_sweep_values():
         sw._value("q4_0+q6-k")
 
 
+def test_ncu_table_groups_launches(tmp_path):
+    """bench/ncu_table.py on a log shaped like ncu --csv's: its notes skipped, launches grouped
+    by kernel and shape, instructions a warp = inst_executed / warps_launched (medians), kernels
+    ordered by summed time, an "n/a" value left out."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "ncu_table.py"
+    spec = importlib.util.spec_from_file_location("ncu_table", path)
+    nt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nt)
+    head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+            '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+
+    def rows(i, name, grid, us, inst, warps, wait="1.5"):
+        vals = {"gpu__time_duration.sum": f"{us * 1000:,.0f}", "smsp__inst_executed.sum": f"{inst:,}",
+                "smsp__warps_launched.sum": str(warps), nt.stall_metric("wait"): wait}
+        return [f'"{i}","1","py","h","{name}","1","7","(256, 1, 1)","({grid}, 1, 1)","0","9.0","s","{m}","u","{v}"'
+                for m, v in vals.items()]
+    log = ["==PROF== Connected to process 1", head]
+    log += rows(0, "attn", 3, 10.0, 24_000, 24) + rows(1, "qmv_add_q4_0", 18, 5.0, 144_000, 144)
+    log += rows(2, "qmv_add_q4_0", 18, 7.0, 216_000, 144, wait="n/a") + rows(3, "qmv_add_q4_0", 4096, 50.0, 10, 10)
+    f = tmp_path / "ncu.csv"
+    f.write_text("\n".join(log) + "\n")
+    groups = nt.read(str(f))
+    assert sorted(len(v) for v in groups.values()) == [1, 1, 2]
+    lines = nt.table(groups)
+    body = [ln for ln in lines[2:] if ln.startswith("|")]
+    assert [ln.split(" | ")[0] for ln in body] == ["| qmv_add_q4_0", "| qmv_add_q4_0", "| attn"]
+    q4 = body[1].split(" | ")
+    assert q4[1:7] == ["18 x 256", "2", "6.00", "12.0", "nan", "1250"]     # (1000 + 1500) / 2 a warp
+    assert q4[7 + nt.STALLS.index("wait")] == "1.50"                      # the n/a launch left out
+    assert lines[-1] == "\nsummed: 72.0 us over 4 launches"
+
+
 def test_trace_groups_block_records_into_launches():
     """bench/trace_cuda_decode.py's grouping of per-block records (tag<<40 | sm<<32 | block,
     start, wait return, end; ns): a kernel's blocks form one launch per block index, launches

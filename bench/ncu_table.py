@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""One decode token's kernels under ncu, as a table: time, instructions a warp, stalls.
+
+    ncu --clock-control none --cache-control none --profile-from-start off --csv \
+        --log-file ncu.csv --metrics "$(python bench/ncu_table.py --metrics)" \
+        python3 -P bench/sweep_cuda_decode.py --synthetic smollm2-135m-untied --quantize q4_k -n 16 -r 1 --profile
+    python bench/ncu_table.py ncu.csv [more.csv ...]
+
+(`bash bench/device_profile.sh build ncu` runs this for SmolLM2-135M in F16, Q4_0 and Q4_K_M.)
+ncu runs the graph's kernels one at a time, so the times are each kernel alone, without the
+overlap programmatic dependent launch buys. What the table is for: in a one-wave grid a
+kernel's time after its wait is the serial work of its warps, and "instructions a warp"
+(smsp__inst_executed / smsp__warps_launched) is that work's size -- how SmolLM2's quantized
+matvecs were found to issue 1000-1400 instructions a warp for ~150 of dots
+(bench/results/cuda_quant_model_h100.md). The stall columns are warps stalled per issued
+instruction, by reason (ncu's smsp__average_warps_issue_stalled_<reason>_per_issue_active).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import statistics
+import sys
+
+STALLS = ("no_instruction", "long_scoreboard", "wait", "short_scoreboard", "barrier", "branch_resolving",
+          "mio_throttle")
+SHORT = {"no_instruction": "no inst", "long_scoreboard": "long sb", "short_scoreboard": "short sb",
+         "branch_resolving": "branch", "mio_throttle": "mio"}
+BASE = ("gpu__time_duration.sum", "smsp__inst_executed.sum", "smsp__warps_launched.sum", "sm__cycles_active.max")
+
+
+def stall_metric(reason: str) -> str:
+    return f"smsp__average_warps_issue_stalled_{reason}_per_issue_active.ratio"
+
+
+def metrics() -> str:
+    return ",".join(BASE + tuple(stall_metric(r) for r in STALLS))
+
+
+def read(path: str) -> dict:
+    """ncu --csv output -> {(kernel, grid, block): [{metric: value}, one per launch]}."""
+    with open(path, newline="") as f:
+        rows = [ln for ln in f if ln.startswith('"')]        # ncu's own notes come first
+    launches: dict = collections.defaultdict(dict)
+    shape = {}
+    for row in csv.DictReader(rows):
+        i = int(row["ID"])
+        shape[i] = (row["Kernel Name"], row["Grid Size"], row["Block Size"])
+        try:
+            launches[i][row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
+        except ValueError:          # "n/a": a metric this kernel did not report
+            pass
+    out: dict = collections.defaultdict(list)
+    for i in sorted(launches):
+        out[shape[i]].append(launches[i])
+    return out
+
+
+def table(groups: dict) -> list[str]:
+    """Markdown rows, kernels by their summed time; medians over a kernel's launches."""
+    head = ["kernel", "grid x block", "launches", "us", "us summed", "cycles active", "instructions a warp"]
+    head += [SHORT.get(r, r) for r in STALLS]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    total = 0.0
+
+    def med(lst, name):
+        vals = [x[name] for x in lst if name in x]
+        return statistics.median(vals) if vals else float("nan")
+
+    order = sorted(groups.items(), key=lambda kv: -sum(x.get(BASE[0], 0.0) for x in kv[1]))
+    for (name, grid, block), lst in order:
+        us = med(lst, BASE[0]) / 1000
+        summed = sum(x.get(BASE[0], 0.0) for x in lst) / 1000
+        total += summed
+        warps = med(lst, BASE[2])
+        per_warp = med(lst, BASE[1]) / warps if warps else float("nan")
+        dims = f"{grid.strip('()').split(',')[0]} x {block.strip('()').split(',')[0]}"
+        cells = [name, dims, str(len(lst)), f"{us:.2f}", f"{summed:.1f}", f"{med(lst, BASE[3]):.0f}", f"{per_warp:.0f}"]
+        cells += [f"{med(lst, stall_metric(r)):.2f}" for r in STALLS]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append(f"\nsummed: {total:.1f} us over {sum(len(v) for v in groups.values())} launches")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("csv", nargs="*", help="ncu --csv logs")
+    ap.add_argument("--metrics", action="store_true", help="print the --metrics list for ncu and exit")
+    a = ap.parse_args(argv)
+    if a.metrics:
+        print(metrics())
+        return 0
+    if not a.csv:
+        ap.error("give one or more ncu --csv logs (or --metrics)")
+    for path in a.csv:
+        try:
+            groups = read(path)
+        except (OSError, KeyError, ValueError, csv.Error) as e:
+            print(f"ncu_table: {path}: not an ncu --csv log ({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
+        if not groups:
+            print(f"ncu_table: {path}: no kernels in it (did the profiled range run any?)", file=sys.stderr)
+            return 2
+        print(f"## {path}\n")
+        print("\n".join(table(groups)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
