@@ -233,7 +233,6 @@ def stack_rows(mats, sm_count: int = 0) -> CudaQuantStack | None:
     return stack
 
 
-
 def upload(be, qm: QuantMatrix) -> CudaQuantMatrix:
     """QuantMatrix (host block bytes) -> CudaQuantMatrix; reordered on the device.
 
