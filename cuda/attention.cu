@@ -185,12 +185,18 @@ __device__ __forceinline__ void attn_split_body(
             }
 #pragma unroll
             for (int u = 0; u < U; ++u) {
+                // uniform: a pass past the last row, or a head slot past the group, costs
+                // nothing (short caches: n_valid = pos + 1 leaves most of the U passes empty)
+                if (base + u * rp >= n_valid) break;
                 const int t = base + u * rp + row_in_pass;
 #pragma unroll
                 for (int gi = 0; gi < GT; ++gi) {
+                    if (GT > 1 && gi >= gt) break;
                     const float4* qv = reinterpret_cast<const float4*>(qs + gi * hd + e8 * 8);
                     float p = dot8(kv[u], qv[0], qv[1], 0.0f);
-                    for (int off = hd8 >> 1; off > 0; off >>= 1) p += __shfl_xor_sync(FULL_MASK, p, off);
+#pragma unroll
+                    for (int off = 16; off > 0; off >>= 1)      // unrolled: hd8 is not a constant
+                        if (off < hd8) p += __shfl_xor_sync(FULL_MASK, p, off);
                     if (e8 == 0 && t < n_valid) S[gi * chunk + t] = t < t_first ? NEG_INF : p;
                 }
             }
@@ -198,7 +204,7 @@ __device__ __forceinline__ void attn_split_body(
         __syncthreads();
 
         // ---- local softmax per head: one warp per head of the tile
-        for (int gi = warp; gi < GT; gi += ATT_WARPS) {
+        for (int gi = warp; gi < gt; gi += ATT_WARPS) {
             float m = NEG_INF;
             for (int t = lane; t < n_valid; t += 32) m = fmaxf(m, S[gi * chunk + t]);
             m = warp_max(m);
@@ -229,6 +235,7 @@ __device__ __forceinline__ void attn_split_body(
             }
 #pragma unroll
             for (int u = 0; u < U; ++u) {
+                if (base + u * rp >= n_valid) break;          // uniform
                 const int t = base + u * rp + row_in_pass;
                 if (t < n_valid) {
                     float vf[8];
@@ -239,6 +246,7 @@ __device__ __forceinline__ void attn_split_body(
                     p = h2x2f(vv[u].w); vf[6] = p.x; vf[7] = p.y;
 #pragma unroll
                     for (int gi = 0; gi < GT; ++gi) {
+                        if (GT > 1 && gi >= gt) break;
                         const float pw = S[gi * chunk + t];
 #pragma unroll
                         for (int j = 0; j < 8; ++j) acc[gi][j] = fmaf(pw, vf[j], acc[gi][j]);
@@ -248,11 +256,14 @@ __device__ __forceinline__ void attn_split_body(
         }
         // rows of one warp share e8 every hd8 lanes: fold them, then across warps in smem
 #pragma unroll
-        for (int gi = 0; gi < GT; ++gi)
+        for (int gi = 0; gi < GT; ++gi) {
+            if (GT > 1 && gi >= gt) break;
 #pragma unroll
             for (int j = 0; j < 8; ++j)
-                for (int off = hd8; off < 32; off <<= 1)
-                    acc[gi][j] += __shfl_xor_sync(FULL_MASK, acc[gi][j], off);
+#pragma unroll
+                for (int off = 1; off < 32; off <<= 1)
+                    if (off >= hd8) acc[gi][j] += __shfl_xor_sync(FULL_MASK, acc[gi][j], off);
+        }
         if (lane < hd8) {
 #pragma unroll
             for (int gi = 0; gi < GT; ++gi) {
