@@ -12,8 +12,12 @@
 #            recipe, q8_0, q4_0) and F16: pp512, tg128, tg128 at depth 4096
 #   small    the same on SmolLM2-135M (untied: 163 M parameters), F16, q8_0, q4_0, q4_k
 #   ncu      one decode token under ncu per weight type (NCU_MODEL, default smollm2-135m-untied;
-#            NCU_TYPES, default "f16 q4_0 q4_k"): bench/ncu_table.py's table of time,
-#            instructions a warp and stall reasons per kernel (logs kept as $OUT/ncu_<type>.csv)
+#            NCU_TYPES, default "f16 q4_0 q4_k"; NCU_KERNELS, an ncu -k regex such as
+#            'attn|qmv_add', default every kernel; NCU_CAP, seconds per type, default 200):
+#            bench/ncu_table.py's table of time, instructions a warp and stall reasons per kernel
+#            (logs kept as $OUT/ncu_<type>.csv). The 7B shape under ncu needs a filter or
+#            NCU_CAP=450: its whole token (~290 launches, each replayed per metric pass) did
+#            not finish in 200 s; -k 'attn|qmv_add_q4_0|qmv_qkv' on q4_0 took ~165 s.
 # Usage on the device machine (repo root): bash bench/device_profile.sh [STEP...]
 # Device call: command `bash bench/device_profile.sh [STEP...]`, timeout_s 590 (carry
 # .carry/cuda_quant_material, .whl (the gguf wheel) and .carry/llamacpp-cache for `models`:
@@ -72,8 +76,9 @@ for step in ${*:-build tests prefill decode}; do
   ncu)
     for q in ${NCU_TYPES:-f16 q4_0 q4_k}; do
       quant=(); [ "$q" = f16 ] || quant=(--quantize "$q")
-      run 200 ncu --clock-control none --cache-control none --profile-from-start off --csv \
-        --log-file "$OUT/ncu_$q.csv" --metrics "$($PY bench/ncu_table.py --metrics)" \
+      kfilter=(); [ -n "${NCU_KERNELS:-}" ] && kfilter=(-k "regex:$NCU_KERNELS")
+      run "${NCU_CAP:-200}" ncu --clock-control none --cache-control none --profile-from-start off --csv \
+        --log-file "$OUT/ncu_$q.csv" --metrics "$($PY bench/ncu_table.py --metrics)" "${kfilter[@]}" \
         $PY -P bench/sweep_cuda_decode.py --synthetic "${NCU_MODEL:-smollm2-135m-untied}" "${quant[@]}" \
         -n 16 -r 1 --profile > /dev/null 2>&1
       $PY bench/ncu_table.py "$OUT/ncu_$q.csv"
