@@ -40,7 +40,8 @@ AVX2_SOURCE = os.path.join(CSRC, "kernels_avx2.c")
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 AVX512_SOURCE = os.path.join(CSRC, "kernels_avx512.c")
 AVX512_FLAGS = AVX2_FLAGS + ["-mavx512f"]
-HEADERS = [os.path.join(CSRC, h) for h in ("kernels.h", "act.h", "fp16.h", "omp_shim.h", "gemm_pack.h")]
+HEADERS = [os.path.join(CSRC, h) for h in ("kernels.h", "act.h", "fp16.h", "omp_shim.h", "gemm_pack.h",
+                                           "thread_probe.h")]
 QUANT_HEADERS = [os.path.join(CSRC, h) for h in ("quant.h", "act.h", "quant_impl.h", "quant_x86.h", "fp16.h")]
 QUANT_GENERIC_SOURCE = os.path.join(CSRC, "quant_generic.c")
 QUANT_QUANTIZE_SOURCE = os.path.join(CSRC, "quant_quantize.c")
@@ -216,6 +217,7 @@ def extensions():
                  os.path.join(CSRC, "kernels_generic.c"),
                  os.path.join(CSRC, "dispatch.c"),
                  os.path.join(CSRC, "program.c"),
+                 os.path.join(CSRC, "thread_probe.c"),
                  os.path.join(CSRC, "quant_dispatch.c")],
         include_dirs=[numpy.get_include(), CSRC],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

@@ -5,6 +5,19 @@
 
 # Below these sizes an op runs on the calling thread: the parallel-region wake-up
 # would cost more than the work (f16 matvec: 64K weights = 128 KiB, ~4 us).
+cdef extern from "thread_probe.h":
+    int cyllm_probe_threads(int n) nogil
+
+
+def _probe_threads(int n):
+    """Of n threads (the caller counted), how many the system let run at once: n when it
+    allowed them all (csrc/thread_probe.c says why the CPU backend asks before OpenMP does)."""
+    cdef int got
+    with nogil:
+        got = cyllm_probe_threads(n)
+    return got
+
+
 cdef enum:
     MATVEC_PARALLEL_MIN = 65536      # weights read (d * n, both matrices for gate_up)
     VECTOR_PARALLEL_MIN = 65536      # elements of add / swiglu

@@ -1,5 +1,7 @@
 """Thread policy: flag > OMP_NUM_THREADS > saved tuning > physical cores."""
 
+import sys
+
 import pytest
 
 import cyllm
@@ -50,3 +52,47 @@ def test_threads_batch_differs_from_decode(clean_env, tiny):
 def test_omp_num_threads_list_takes_first_level(clean_env, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3,1")
     assert resolve_threads(None) == 3
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS is enforced on Linux")
+def test_thread_probe_counts_what_openmp_can_start():
+    """csrc/thread_probe.c against libgomp itself: every thread asked for starts on an
+    unconstrained system; under an address-space cap that the default 8 MB stacks exhaust,
+    fewer do, and the team the CPU backend then allows (the probe's count less its spare)
+    really runs an OpenMP parallel region (the read-bandwidth kernel) under the same cap,
+    where a team of the full 4000 ends the process with libgomp's "Thread creation failed"."""
+    import subprocess
+    import textwrap
+    from cyllm._ext import kernels as k
+    from cyllm.backends.cpu import kernel_info
+    if not kernel_info()["openmp"]:
+        pytest.skip("built without OpenMP: no team to start")
+    assert [k._probe_threads(n) for n in (0, 1, 2, 17)] == [0, 1, 2, 17]
+    code = textwrap.dedent("""
+        import resource, sys
+        from cyllm._ext import kernels as k
+        cap = 1536 << 20
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        n = int(sys.argv[1])
+        got = k._probe_threads(4000)
+        team = max(1, (got - 4) * 8 // 9) if n == 0 else n
+        k.read_bandwidth_gbs(team, 1 << 20, 1, None)
+        print(got, team)
+    """)
+    ok = subprocess.run([sys.executable, "-c", code, "0"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    got, team = map(int, ok.stdout.split())
+    assert 1 <= got < 4000 and team < got
+    over = subprocess.run([sys.executable, "-c", code, "4000"], capture_output=True, text=True, timeout=60)
+    assert over.returncode != 0 and "Thread creation failed" in over.stderr, (over.returncode, over.stderr)
+
+
+def test_too_many_threads_is_one_clear_error(tiny):
+    """A team the system refuses (here: stacks past an address-space cap, as with a pids limit
+    or ulimit -u) is one line and status 2, before OpenMP's "Thread creation failed" could end
+    the process (the fuzzer found `-t 1017` doing that)."""
+    from hostile import problem, run_cli
+    code, err = run_cli(["generate", "-m", str(tiny), "-p", "Hello", "--no-stats", "-t", "1017", "-n", "4"])
+    assert problem(code, err) is None, err
+    if code == 2:                           # a system with small default stacks may run them all
+        assert "cannot run 1017 threads here" in err and "ask for at most" in err, err
