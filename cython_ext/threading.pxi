@@ -3,8 +3,6 @@
 # fixed order (results do not depend on the thread count). The decode program's
 # barrier spin and software-prefetch knobs (benchmarks only). Included by kernels.pyx.
 
-# Below these sizes an op runs on the calling thread: the parallel-region wake-up
-# would cost more than the work (f16 matvec: 64K weights = 128 KiB, ~4 us).
 cdef extern from "thread_probe.h":
     int cyllm_probe_threads(int n) nogil
 
@@ -18,6 +16,8 @@ def _probe_threads(int n):
     return got
 
 
+# Below these sizes an op runs on the calling thread: the parallel-region wake-up
+# would cost more than the work (f16 matvec: 64K weights = 128 KiB, ~4 us).
 cdef enum:
     MATVEC_PARALLEL_MIN = 65536      # weights read (d * n, both matrices for gate_up)
     VECTOR_PARALLEL_MIN = 65536      # elements of add / swiglu

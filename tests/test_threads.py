@@ -92,7 +92,25 @@ def test_too_many_threads_is_one_clear_error(tiny):
     or ulimit -u) is one line and status 2, before OpenMP's "Thread creation failed" could end
     the process (the fuzzer found `-t 1017` doing that)."""
     from hostile import problem, run_cli
-    code, err = run_cli(["generate", "-m", str(tiny), "-p", "Hello", "--no-stats", "-t", "1017", "-n", "4"])
-    assert problem(code, err) is None, err
-    if code == 2:                           # a system with small default stacks may run them all
-        assert "cannot run 1017 threads here" in err and "ask for at most" in err, err
+    for flags in (["-t", "1017"], ["-t", "1", "-tb", "1017"]):     # the prompt's team too
+        code, err = run_cli(["generate", "-m", str(tiny), "-p", "Hello", "--no-stats", *flags, "-n", "4"])
+        assert problem(code, err) is None, (flags, err)
+        if code == 2:                       # a system with small default stacks may run them all
+            assert "cannot run 1017 threads here" in err and "ask for at most" in err, (flags, err)
+
+
+def test_refused_prompt_team_fails_when_set(clean_env, monkeypatch, tiny):
+    """A --threads-batch count the system refuses is refused by set_threads itself, not at the
+    first prompt, and leaves the model as it was. The system's limit is stood in for: a probe
+    that lets 8 threads start."""
+    import cyllm.backends.cpu as cpu
+    from cyllm.errors import InvalidArgumentError
+    monkeypatch.setattr(cpu, "_STARTABLE", [1])
+    monkeypatch.setattr(cpu._k, "_probe_threads", lambda n: min(n, 8))
+    model = cyllm.load(tiny, threads=1)
+    with pytest.raises(InvalidArgumentError, match="cannot run 64 threads here.*at most 3"):
+        model.set_threads(1, 64)
+    model.set_threads(1, 3)                 # 3 + 3 // 8 + 4 = 7 threads fit in 8
+    assert model.threads_prefill == 3 and model.backend.threads == model.threads_decode == 1
+    list(model.generate("Hello there", max_tokens=2))    # the prompt on 3 threads, then back to 1
+    assert model.backend.threads == 1

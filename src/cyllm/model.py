@@ -488,9 +488,20 @@ class Model:
     def set_threads(self, decode, prefill=None) -> None:
         """Kernel threads for decoding, and optionally a different count for prefill."""
         from .threads import parse_threads
-        self.threads_decode = parse_threads(decode)
-        self.threads_prefill = parse_threads(prefill, "threads-batch") if prefill is not None else self.threads_decode
-        self.backend.set_threads(self.threads_decode)
+        dec = parse_threads(decode)
+        pre = parse_threads(prefill, "threads-batch") if prefill is not None else dec
+        # the prompt's team is set once now too (the cpu backend asks the system for a count
+        # the first time it sees it), so a count it refuses fails here, not at the first
+        # prompt, and leaves the backend as it was
+        before = self.backend.threads
+        try:
+            if pre != dec:
+                self.backend.set_threads(pre)
+            self.backend.set_threads(dec)
+        except Exception:
+            self.backend.set_threads(before)
+            raise
+        self.threads_decode, self.threads_prefill = dec, pre
 
     # -- argument checks -------------------------------------------------------
     def _check_token(self, token) -> None:
