@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 from cyllm.errors import CyllmError  # noqa: E402
 
 CAP = 1 << 18       # records (cuda/common.cuh trace_end)
+WIDTH = 8           # a record's u64s: id, start, wait return, end, then TRACE_MARKS stage marks
 _FMT = {(2, 0): "q8_0", (1, 0): "q4_0", (1, 4): "q4_1/q5_0", (1, 8): "q5_1", (9, 0): "q4_k",
         (11, 0): "q5_k", (13, 0): "q6_k"}
 _MODE = {0: "matvec", 1: "add", 2: "gate_up", 3: "gate_up_gelu"}
@@ -51,6 +52,20 @@ def tag_name(tag: int) -> str:
     fmt = _FMT.get((tag >> 8, (tag >> 4) & 15), f"fmt{tag >> 8}")
     name = "qkv" if tag & 1 else _MODE[(tag >> 2) & 3]
     return f"{name}{'+norm' if tag & 2 else ''} {fmt}"
+
+
+def stages(g: np.ndarray) -> list[float] | None:
+    """Median over a launch's blocks that marked every stage (cuda/common.cuh TRACE_MARK) of
+    the time from the wait return to mark 1, between marks, and from the last mark to the
+    end, us; None where no block marked them all."""
+    if g.shape[1] <= 4:
+        return None
+    marks = g[:, 4:]
+    done = (marks > 0).all(axis=1) & (g[:, 2] > 0)
+    if not done.any():
+        return None
+    t = np.concatenate([g[done][:, 2:3], marks[done], g[done][:, 3:4]], axis=1).astype(np.int64)
+    return [float(v) / 1000 for v in np.median(np.diff(t, axis=1), axis=0)]
 
 
 def launches(rec: np.ndarray) -> list[dict]:
@@ -80,7 +95,7 @@ def launches(rec: np.ndarray) -> list[dict]:
                         "sms": len(np.unique((g[:, 0] >> 32) & 0xFF)),
                         "start": int(g[:, 1].min()), "wait": int(waits.min()) if len(waits) else None,
                         "wait_med": int(np.median(waits)) if len(waits) else None,
-                        "end": int(g[:, 3].max())})
+                        "end": int(g[:, 3].max()), "stages": stages(g)})
     out.sort(key=lambda x: x["end"])
     return out
 
@@ -95,7 +110,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=5, help="tokens traced (the per-layer table is their median)")
     ap.add_argument("--show", type=int, default=24, help="launches of the last token printed one by one")
     ap.add_argument("--dump", help="save the last token's block records here (.npy: rows of tag<<40 | sm<<32 |"
-                                   " block, start ns, wait-return ns (0: none), end ns)")
+                                   " block, start ns, wait-return ns (0: none), end ns, stage marks ns)")
     a = ap.parse_args()
     if a.tokens < 1 or a.pos < 4 or a.pos + a.tokens > a.context:
         ap.error(f"need --tokens >= 1 and 4 <= --pos, --pos + --tokens <= --context ({a.context})")
@@ -123,7 +138,7 @@ def trace(a) -> int:
     for i in range(4):                          # eager pass + capture: every module compiled
         model.forward(int(rng.integers(0, model.config.vocab_size)), a.pos - 4 + i)
     modules = [be._module] + list(cuda_quant._MODULES.values())
-    bufs = [cp.zeros(4 * CAP, dtype=cp.uint64) for _ in modules]    # one per module: each has its own counter
+    bufs = [cp.zeros(WIDTH * CAP, dtype=cp.uint64) for _ in modules]    # one per module: each has its own counter
     zero = np.zeros(1, dtype=np.uint32)
 
     def set_globals(on: bool) -> None:
@@ -143,7 +158,7 @@ def trace(a) -> int:
         model.forward(int(rng.integers(0, model.config.vocab_size)), a.pos + t)
         cp.cuda.Device().synchronize()
         set_globals(False)
-        rec = np.concatenate([b.get().reshape(CAP, 4) for b in bufs])
+        rec = np.concatenate([b.get().reshape(CAP, WIDTH) for b in bufs])
         rec = rec[rec[:, 3] > 0]
         for b in bufs:
             b.fill(0)
@@ -182,6 +197,16 @@ def trace(a) -> int:
         med = lambda key: statistics.median([x[key] for x in xs if x[key] is not None] or [0])  # noqa: E731
         print(f"| {k} | {len(xs) // a.tokens} | {med('exposed'):.2f} | {sum(x['exposed'] for x in xs) / a.tokens:.1f} | "
               f"{med('lag'):.2f} | {med('wait_med'):.2f} | {med('after'):.2f} | {med('pre'):.2f} |")
+    staged = {k: [x["stages"] for x in xs if x["stages"]] for k, xs in per_kind.items()}
+    staged = {k: v for k, v in staged.items() if v}
+    if staged:
+        # attention.cu's marks: q staged, scores, softmax, V summed per warp, then the output
+        print("\nStages of the blocks that marked them (median over launches of each launch's median),"
+              " us from the wait return:\n")
+        print("| kernel | to mark 1 | 1 to 2 | 2 to 3 | 3 to 4 | 4 to end |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for k, v in staged.items():
+            print(f"| {k} | " + " | ".join(f"{m:.2f}" for m in np.median(np.array(v), axis=0)) + " |")
     return 0
 
 

@@ -87,24 +87,36 @@ __device__ unsigned int cyllm_trace_cnt;
 __device__ __forceinline__ unsigned long long trace_now() {
     unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t;
 }
-__device__ __forceinline__ unsigned long long* trace_slots() { __shared__ unsigned long long s[2]; return s; }
-__device__ __forceinline__ void trace_begin() { if (threadIdx.x == 0) { trace_slots()[0] = trace_now(); trace_slots()[1] = 0; } }
+// per block, in shared memory: start, pdl_wait return, then TRACE_MARKS stage marks (0: none)
+#define TRACE_MARKS 4
+__device__ __forceinline__ unsigned long long* trace_slots() { __shared__ unsigned long long s[2 + TRACE_MARKS]; return s; }
+__device__ __forceinline__ void trace_begin() {
+    if (threadIdx.x == 0) {
+        trace_slots()[0] = trace_now();
+        for (int i = 1; i < 2 + TRACE_MARKS; ++i) trace_slots()[i] = 0;
+    }
+}
+// a record: tag<<40 | sm<<32 | blockIdx.y<<16 | blockIdx.x, start, wait return, end, marks 1..4 (ns)
 __device__ __forceinline__ void trace_end(unsigned tag) {
     if (threadIdx.x == 0 && cyllm_trace_buf != nullptr) {
         unsigned smid; asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
         const unsigned i = atomicAdd(&cyllm_trace_cnt, 1u);
         if (i < (1u << 18)) {
-            unsigned long long* e = cyllm_trace_buf + 4ull * i;
+            unsigned long long* e = cyllm_trace_buf + (4ull + TRACE_MARKS) * i;
             e[0] = ((unsigned long long)tag << 40) | ((unsigned long long)smid << 32) | (blockIdx.y << 16) | blockIdx.x;
             e[1] = trace_slots()[0]; e[2] = trace_slots()[1]; e[3] = trace_now();
+            for (int m = 0; m < TRACE_MARKS; ++m) e[4 + m] = trace_slots()[2 + m];
         }
     }
 }
 #define TRACE_BEGIN() trace_begin()
 #define TRACE_END(tag) trace_end(tag)
+// stage m (1..TRACE_MARKS) of the block done: place it after a __syncthreads
+#define TRACE_MARK(m) do { if (threadIdx.x == 0) trace_slots()[1 + (m)] = trace_now(); } while (0)
 #else
 #define TRACE_BEGIN()
 #define TRACE_END(tag)
+#define TRACE_MARK(m)
 #endif
 
 __device__ __forceinline__ void pdl_wait() {
