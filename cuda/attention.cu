@@ -94,8 +94,8 @@ __device__ __forceinline__ void attn_merge_heads(
 // Thread layout in a pass over rows: e8 = lane % hd8 picks a 16-byte column
 // word of the row, rows of a warp are lane / hd8; a pass covers
 // ATT_WARPS * (32 / hd8) consecutive positions with fully coalesced loads.
-// Dynamic shared memory: qs[GT*hd] | S[GT*C] | Wp[ATT_WARPS*GT*hd] | ml[2*GT] | lw[ATT_WARPS*GT] | wsm[ATT_WARPS*n_split]
-template <int GT, bool VE, bool X>
+// Dynamic shared memory: qs[GT*hd] | S[GT*C] | Wp[ATT_WARPS*GT*hd] | ml[2*GT] | wsm[ATT_WARPS*n_split]
+template <int GT, bool VE>
 __device__ __forceinline__ void attn_split_body(
     float* __restrict__ out, int* __restrict__ counters, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part,
     const float* q, const f16_t* k_cache,        // written by rope_store (or qmv_qkv_rope) just before: no
@@ -129,7 +129,6 @@ __device__ __forceinline__ void attn_split_body(
     float* S = qs + GT * hd;                      // GT * chunk
     float* Wp = S + GT * chunk;                   // ATT_WARPS * GT * hd
     float* ml = Wp + ATT_WARPS * GT * hd;         // GT maxima, GT sums
-    float* lw = ml + 2 * GT;                      // X: ATT_WARPS * GT per-warp sums of e^(s - m)
 
     const uint4* K = reinterpret_cast<const uint4*>(k_cache + ((size_t)kvh * max_ctx + t0) * hd);
     const uint4* V = reinterpret_cast<const uint4*>(v_cache + ((size_t)kvh * max_ctx + t0) * hd);
@@ -185,33 +184,6 @@ __device__ __forceinline__ void attn_split_body(
                 const int t = base + u * rp + row_in_pass;
                 kv[u] = (VE && base == 0) ? kpre[u] : t < n_valid ? K[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
             }
-            if (X) {
-                // passes that hold a row (uniform; short caches leave most of the U empty)
-                const int nu = min(U, (n_valid - base + rp - 1) / rp);
-#pragma unroll
-                for (int gi = 0; gi < GT; ++gi) {
-                    if (GT > 1 && gi >= gt) break;
-                    const float4* qv = reinterpret_cast<const float4*>(qs + gi * hd + e8 * 8);
-                    const float4 qa = qv[0], qb = qv[1];
-                    float p[U];
-#pragma unroll
-                    for (int u = 0; u < U; ++u) p[u] = u < nu ? dot8(kv[u], qa, qb, 0.0f) : 0.0f;
-                    // levels outer, passes inner: the U shuffles of a level do not wait on
-                    // each other (a pass's chain of four would, pass after pass)
-#pragma unroll
-                    for (int off = 16; off > 0; off >>= 1)
-                        if (off < hd8) {
-#pragma unroll
-                            for (int u = 0; u < U; ++u)
-                                if (u < nu) p[u] += __shfl_xor_sync(FULL_MASK, p[u], off);
-                        }
-#pragma unroll
-                    for (int u = 0; u < U; ++u) {
-                        const int t = base + u * rp + row_in_pass;
-                        if (u < nu && e8 == 0 && t < n_valid) S[gi * chunk + t] = t < t_first ? NEG_INF : p[u];
-                    }
-                }
-            } else
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 // uniform: a pass past the last row, or a head slot past the group, costs
@@ -233,28 +205,6 @@ __device__ __forceinline__ void attn_split_body(
         __syncthreads();
         TRACE_MARK(2);                            // scores
 
-        // X: every warp finds each head's maximum itself (the same value, bit for bit) and
-        // weighs its own rows with e^(s - m) in the V loop: no softmax stage, no barrier
-        float mx[GT], lsum[GT];
-        if (X) {
-#pragma unroll
-            for (int gi = 0; gi < GT; ++gi) {
-                mx[gi] = 0.0f;
-                lsum[gi] = 0.0f;
-                if (GT > 1 && gi >= gt) continue;
-                float mv[8];
-#pragma unroll
-                for (int k = 0; k < 8; ++k) {               // chunk <= 256 = 8 x 32
-                    const int t = lane + 32 * k;
-                    mv[k] = t < n_valid ? S[gi * chunk + t] : NEG_INF;
-                }
-                mx[gi] = warp_max(fmaxf(fmaxf(fmaxf(mv[0], mv[1]), fmaxf(mv[2], mv[3])),
-                                        fmaxf(fmaxf(mv[4], mv[5]), fmaxf(mv[6], mv[7]))));
-            }
-            if (threadIdx.x == 0)
-#pragma unroll
-                for (int gi = 0; gi < GT; ++gi) ml[gi] = mx[gi];
-        } else {
         // ---- local softmax per head: one warp per head of the tile
         for (int gi = warp; gi < gt; gi += ATT_WARPS) {
             float m = NEG_INF;
@@ -270,7 +220,6 @@ __device__ __forceinline__ void attn_split_body(
             if (lane == 0) { ml[gi] = m; ml[GT + gi] = l; }
         }
         __syncthreads();
-        }
         TRACE_MARK(3);                            // softmax
 
         // ---- un-normalised output: acc[gi][j] = sum_t p[gi][t] * v_t[e8*8 + j]
@@ -287,36 +236,6 @@ __device__ __forceinline__ void attn_split_body(
                 // rows past pos may hold garbage (even NaN): never load them
                 vv[u] = (VE && base == 0) ? vpre[u] : t < n_valid ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
             }
-            if (X) {
-                const int nu = min(U, (n_valid - base + rp - 1) / rp);
-                float pw[GT][U];          // e^(s - m) of this lane's rows, 0 past the cache
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int t = base + u * rp + row_in_pass;
-#pragma unroll
-                    for (int gi = 0; gi < GT; ++gi) {
-                        pw[gi][u] = (u < nu && t < n_valid && (GT == 1 || gi < gt))
-                                        ? expf(S[gi * chunk + t] - mx[gi]) : 0.0f;
-                        if (e8 == 0) lsum[gi] += pw[gi][u];
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    if (u >= nu) break;                               // uniform
-                    float vf[8];
-                    float2 p;
-                    p = h2x2f(vv[u].x); vf[0] = p.x; vf[1] = p.y;
-                    p = h2x2f(vv[u].y); vf[2] = p.x; vf[3] = p.y;
-                    p = h2x2f(vv[u].z); vf[4] = p.x; vf[5] = p.y;
-                    p = h2x2f(vv[u].w); vf[6] = p.x; vf[7] = p.y;
-#pragma unroll
-                    for (int gi = 0; gi < GT; ++gi) {
-                        if (GT > 1 && gi >= gt) break;
-#pragma unroll
-                        for (int j = 0; j < 8; ++j) acc[gi][j] = fmaf(pw[gi][u], vf[j], acc[gi][j]);
-                    }
-                }
-            } else
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 if (base + u * rp >= n_valid) break;          // uniform
@@ -348,13 +267,6 @@ __device__ __forceinline__ void attn_split_body(
                 for (int off = 1; off < 32; off <<= 1)
                     if (off >= hd8) acc[gi][j] += __shfl_xor_sync(FULL_MASK, acc[gi][j], off);
         }
-        if (X) {
-#pragma unroll
-            for (int gi = 0; gi < GT; ++gi) {
-                const float l = warp_sum(lsum[gi]);
-                if (lane == 0) lw[warp * GT + gi] = l;
-            }
-        }
         if (lane < hd8) {
 #pragma unroll
             for (int gi = 0; gi < GT; ++gi) {
@@ -371,50 +283,35 @@ __device__ __forceinline__ void attn_split_body(
             for (int w = 0; w < ATT_WARPS; ++w) s += Wp[w * GT * hd + i];
             const int gi = i / hd;
             const int h = kvh * group + g0 + gi;
-            float l = 0.0f;
-            if (X) {
-#pragma unroll
-                for (int w = 0; w < ATT_WARPS; ++w) l += lw[w * GT + gi];
-            } else {
-                l = ml[GT + gi];
-            }
-            if (single) out[(size_t)h * hd + (i - gi * hd)] = s / l;
+            if (single) out[(size_t)h * hd + (i - gi * hd)] = s / ml[GT + gi];
             else o_part[((size_t)h * n_split + split) * hd + (i - gi * hd)] = s;
         }
         if (!single && threadIdx.x < gt) {
             const int h = kvh * group + g0 + threadIdx.x;
-            float l = 0.0f;
-            if (X) {
-#pragma unroll
-                for (int w = 0; w < ATT_WARPS; ++w) l += lw[w * GT + threadIdx.x];
-            } else {
-                l = ml[GT + threadIdx.x];
-            }
             m_part[(size_t)h * n_split + split] = ml[threadIdx.x];
-            l_part[(size_t)h * n_split + split] = l;
+            l_part[(size_t)h * n_split + split] = ml[GT + threadIdx.x];
         }
     }
     if (single || !attn_last_block(counters + kvh, n_used - s0)) return;
     attn_merge_heads(out, o_part, m_part, l_part, kvh * group, group, hd, n_split, s0, n_used,
-                     lw + ATT_WARPS * GT);
+                     ml + 2 * GT);
     if (threadIdx.x == 0) counters[kvh] = 0;
 }
 
-#define CYLLM_ATTN_SPLIT1(NAME, GT, VE, X)                                                    \
+#define CYLLM_ATTN_SPLIT1(NAME, GT, VE)                                                      \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) NAME(                         \
         float* out, int* counters, float* o_part, float* m_part, float* l_part,              \
         const float* q, const f16_t* k_cache,                                                \
         const f16_t* v_cache, const int* step, int pos_host, int max_ctx, int n_kv,          \
         int group, int hd, int chunk, int n_split, float scale, int window) {                \
-        TRACE_BEGIN(); attn_split_body<GT, VE, X>(out, counters, o_part, m_part, l_part, q, k_cache, v_cache,  \
+        TRACE_BEGIN(); attn_split_body<GT, VE>(out, counters, o_part, m_part, l_part, q, k_cache, v_cache,  \
                                 step, pos_host,                                              \
                                 max_ctx, n_kv, group, hd, chunk, n_split, scale, window);    \
         TRACE_END(0x1000);                                                                   \
     }
 // NAME_ve: the first pass of K and V rows loaded before pdl_wait (short contexts: one round
 // trip after the wait instead of three; more registers; CudaBackend._attn_early picks it)
-#define CYLLM_ATTN_SPLIT(NAME, GT) CYLLM_ATTN_SPLIT1(NAME, GT, false, false) CYLLM_ATTN_SPLIT1(NAME##_ve, GT, true, false) \
-    CYLLM_ATTN_SPLIT1(NAME##_x, GT, false, true) CYLLM_ATTN_SPLIT1(NAME##_ve_x, GT, true, true)
+#define CYLLM_ATTN_SPLIT(NAME, GT) CYLLM_ATTN_SPLIT1(NAME, GT, false) CYLLM_ATTN_SPLIT1(NAME##_ve, GT, true)
 
 CYLLM_ATTN_SPLIT(attn_split_g1, 1)
 CYLLM_ATTN_SPLIT(attn_split_g2, 2)

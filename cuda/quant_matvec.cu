@@ -488,11 +488,7 @@ __device__ __forceinline__ float qmv_tile(
 {
     constexpr int NM = (MODE >= 2) ? 2 : 1;
     constexpr int B = (F::B / NM) > 0 ? F::B / NM : 1;          // items per batch
-#ifdef QMV_GU_P2
-    constexpr int P = 2;
-#else
     constexpr int P = (NM == 2 && F::B == 1) ? 1 : 2;           // batches in flight
-#endif
     const int lane = threadIdx.x & 31;
     const int W = min(QMV_TILE, d - QMV_TILE * tile);
     const bool live = lane < W;

@@ -430,7 +430,7 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
                 gt //= 2
         if gt:
             ve = self._attn_early(int(pos), n_kv, chunk)
-            self._launch(ATTN_SPLIT_KERNELS[(gt, ve)] + ("_x" if getattr(self, "attn_exp", int(os.environ.get("CYLLM_ATTN_EXP", "0"))) else ""), (n_kv, self._attn_splits(pos, n_split, chunk, ve)), (ATT_THREADS,),
+            self._launch(ATTN_SPLIT_KERNELS[(gt, ve)], (n_kv, self._attn_splits(pos, n_split, chunk, ve)), (ATT_THREADS,),
                          (out, counters, o_part, m_part, l_part) + args_tail,
                          shared_mem=self._attn_smem(gt, hd, chunk, n_split))
         else:

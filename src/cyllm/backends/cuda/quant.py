@@ -345,9 +345,6 @@ def matvec_warps(be, w, nm: int) -> int:
     forced = getattr(be, "qmv_warps", None)
     if forced:
         return max(1, min(int(forced), MAX_WARPS))
-    gu = getattr(be, "qmv_gu_warps", None)
-    if gu and nm == 2:
-        return int(gu)
     b = LAYOUTS[w.fmt.name][4]
     in_flight = 2 * max(1, b // nm) if (nm == 1 or b > 1) else 1
     warps = max(1, min(MAX_WARPS, -(-w.nbi // in_flight)))

@@ -70,4 +70,4 @@ def attn_chunk(n_kv: int, max_ctx: int, sm_count: int) -> int:
 
 def attn_smem(gt: int, hd: int, chunk: int, n_split: int) -> int:
     """Dynamic shared memory of the split decode attention with gt query heads per tile."""
-    return 4 * (gt * hd + gt * chunk + ATT_WARPS * gt * hd + 2 * gt + ATT_WARPS * gt + ATT_WARPS * n_split)
+    return 4 * (gt * hd + gt * chunk + ATT_WARPS * gt * hd + 2 * gt + ATT_WARPS * n_split)
