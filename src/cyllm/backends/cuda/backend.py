@@ -386,21 +386,6 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
             short = self._attn_short_pos
         return pos < short
 
-    def _attn_splits(self, pos, n_split: int, chunk: int, ve: bool) -> int:
-        """Splits (blocks per KV head) to launch: those that can hold a position this launch
-        serves. Eagerly, 0..pos; in the step's short-context graph (_regime), positions below
-        _attn_short_pos; in the long one every split of the cache. A launched split past the
-        position only leaves, but it holds a block slot until it does, and the next kernel
-        (wo, launched early) starts only once every block of this grid has started: at
-        position 64 of a 4736-position Llama-2-7B cache, 576 of the 608 blocks."""
-        if not getattr(self, "attn_trim", True):
-            return n_split
-        if not self._device_mode:
-            return min(n_split, int(pos) // chunk + 1)
-        if ve and self.attn_v_early is None:
-            return min(n_split, _blocks(self._attn_short_pos, chunk))
-        return n_split
-
     @staticmethod
     def _attn_smem(gt: int, hd: int, chunk: int, n_split: int) -> int:
         return attn_smem(gt, hd, chunk, n_split)
@@ -430,14 +415,14 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
                 gt //= 2
         if gt:
             ve = self._attn_early(int(pos), n_kv, chunk)
-            self._launch(ATTN_SPLIT_KERNELS[(gt, ve)], (n_kv, self._attn_splits(pos, n_split, chunk, ve)), (ATT_THREADS,),
+            self._launch(ATTN_SPLIT_KERNELS[(gt, ve)], (n_kv, n_split), (ATT_THREADS,),
                          (out, counters, o_part, m_part, l_part) + args_tail,
                          shared_mem=self._attn_smem(gt, hd, chunk, n_split))
         else:
             smem = 4 * (hd + chunk + ATT_WARPS + ATT_WARPS * n_split)
             if smem > SMEM_LIMIT:
                 raise InvalidArgumentError(f"attention: head_dim {hd} is too large for the cuda backend")
-            self._k("attn_split_generic")((n_heads, self._attn_splits(pos, n_split, chunk, False)), (ATT_THREADS,),
+            self._k("attn_split_generic")((n_heads, n_split), (ATT_THREADS,),
                                           (out, counters, o_part, m_part, l_part) + args_tail, shared_mem=smem)
 
     def swiglu(self, out, gate, up):
