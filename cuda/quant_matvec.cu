@@ -124,18 +124,6 @@ __device__ __forceinline__ u32 spread4(u32 v) {
 __device__ __forceinline__ int byte_u(u32 v, int k) { return (int)((v >> (8 * k)) & 0xFFu); }
 __device__ __forceinline__ int byte_s(u32 v, int k) { return (int)(signed char)((v >> (8 * k)) & 0xFFu); }
 
-// Batches of items beyond the ones in registers whose weights are asked into the L2 ahead
-// (cp.async.bulk.prefetch: no registers, nothing waits on it), so a refill's loads hit the L2.
-#ifndef QMV_AHEAD
-#define QMV_AHEAD 0
-#endif
-
-__device__ __forceinline__ void l2_prefetch(const void* p, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
-#endif
-}
-
 // ---- formats ------------------------------------------------------------------------
 // UPI: 16-byte units per item; EA: bytes of the 4/8-byte plane (0: none); EB: bytes of the
 // 2-byte plane (0: none); IE: elements per item; B: items per lane loaded together (a
@@ -531,16 +519,6 @@ __device__ __forceinline__ float qmv_tile(
                 it[p][u][m].b = 0;
                 if (live && s0 + p * B + u < s1) qload<F>(it[p][u][m], g[m], s0 + p * B + u, W, lane);
             }
-    // items [a0, a1) of this warp's slice into the L2 (lane 0: one bulk request per item and
-    // matrix; an item's units of the tile's W rows are one contiguous run)
-    auto ahead = [&](int a0, int a1) {
-        if (QMV_AHEAD > 0 && lane == 0)
-            for (int s = a0; s < min(a1, s1); ++s)
-#pragma unroll
-                for (int m = 0; m < NM; ++m)
-                    l2_prefetch(g[m].main + (size_t)s * F::UPI * W * 16, F::UPI * W * 16);
-    };
-    ahead(s0 + P * B, s0 + (P + QMV_AHEAD) * B);
     pdl_wait_after_loads(nbi);
 
     // the folded norm's output: this thread's first element is loaded now, with the staging
@@ -599,7 +577,6 @@ __device__ __forceinline__ float qmv_tile(
             }
             // refill this batch's slots with the batch after the next
             const int nb = sb + (p + P) * B;
-            ahead(nb + QMV_AHEAD * B, nb + (QMV_AHEAD + 1) * B);
             if (nb < s1) {
 #pragma unroll
                 for (int u = 0; u < B; ++u)
