@@ -289,6 +289,31 @@ def test_trace_groups_block_records_into_launches():
     assert ls[1]["wait_med"] == 900 and ls[2]["wait_med"] == 1200    # a block that never waited: left out
 
 
+def test_trace_stage_marks():
+    """The stage marks of cuda/common.cuh TRACE_MARK (record columns 4-7): per launch, the
+    median over the blocks that marked every stage of wait -> mark 1 -> ... -> mark 4 -> end,
+    in us; blocks with a missing mark, or that never waited, are left out."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "trace_cuda_decode.py"
+    spec = importlib.util.spec_from_file_location("trace_cuda_decode", path)
+    tr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tr)
+    att = 0x1000
+    rec = np.array([
+        # id, start, wait, end, marks 1..4 (ns)
+        ((att << 40) | 0, 0, 1000, 9000, 2000, 4000, 5000, 8000),
+        ((att << 40) | 1, 0, 1000, 11000, 3000, 6000, 7000, 10000),
+        ((att << 40) | 2, 0, 1000, 3000, 2000, 0, 0, 0),          # left early: no marks
+        ((att << 40) | 3, 0, 0, 500, 0, 0, 0, 0),                 # never waited
+    ], dtype=np.uint64)
+    (launch,) = tr.launches(rec)
+    assert launch["blocks"] == 4
+    assert launch["stages"] == [1.5, 2.5, 1.0, 3.0, 1.0]
+    assert tr.launches(rec[:, :4])[0]["stages"] is None            # records without marks
+    assert tr.launches(rec[2:])[0]["stages"] is None               # no block marked them all
+
+
 CUPY_SCRIPTS = {"bench_cuda.py", "bench_cuda_quant.py"}     # import CuPy at the top
 HELPERS = {"cuda_switches.py", "shown_paths.py"}               # imported by the scripts, no main
 
