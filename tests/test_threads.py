@@ -99,14 +99,32 @@ def test_too_many_threads_is_one_clear_error(tiny):
             assert "cannot run 1017 threads here" in err and "ask for at most" in err, (flags, err)
 
 
+def test_quantizer_refuses_a_team_the_system_refuses(tiny, tmp_path, monkeypatch):
+    """`cyllm quantize` runs its own OpenMP team (quant/convert.py, outside any backend):
+    the same probe, so `-t 1017` or OMP_NUM_THREADS=1017 under an address-space cap is one
+    line and status 2, not libgomp's "Thread creation failed" and status 1 as it was."""
+    from hostile import problem, run_cli
+    out = tmp_path / "out.gguf"
+    for flags, env in ((["-t", "1017"], None), ([], "1017")):
+        if env is None:
+            monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("OMP_NUM_THREADS", env)
+        code, err = run_cli(["quantize", *flags, "--type", "q8_0", "--force", str(tiny), str(out)])
+        assert problem(code, err) is None, (flags, env, err)
+        if code == 2:
+            assert "cannot run 1017 threads here" in err, (flags, env, err)
+
+
 def test_refused_prompt_team_fails_when_set(clean_env, monkeypatch, tiny):
     """A --threads-batch count the system refuses is refused by set_threads itself, not at the
     first prompt, and leaves the model as it was. The system's limit is stood in for: a probe
     that lets 8 threads start."""
-    import cyllm.backends.cpu as cpu
+    import cyllm.threads as threads
+    from cyllm._ext import kernels
     from cyllm.errors import InvalidArgumentError
-    monkeypatch.setattr(cpu, "_STARTABLE", [1])
-    monkeypatch.setattr(cpu._k, "_probe_threads", lambda n: min(n, 8))
+    monkeypatch.setattr(threads, "_STARTABLE", [1])
+    monkeypatch.setattr(kernels, "_probe_threads", lambda n: min(n, 8))
     model = cyllm.load(tiny, threads=1)
     with pytest.raises(InvalidArgumentError, match="cannot run 64 threads here.*at most 3"):
         model.set_threads(1, 64)

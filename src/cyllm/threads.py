@@ -78,3 +78,32 @@ def resolve_threads(threads=None, tuned: int | None = None) -> int:
     if tuned is not None:
         return parse_threads(tuned, "tuned threads")
     return physical_cores()
+
+
+_STARTABLE = [1]      # the largest team this process has seen the system allow
+
+
+def startable(n: int) -> int:
+    """n, once the system has let n threads and some to spare run at once; one clear error
+    if it refuses.
+
+    OpenMP would otherwise find out in the first parallel region, where libgomp prints
+    "Thread creation failed" and ends the process (a pids limit, ulimit -u, or an
+    address-space limit the thread stacks exhaust). The spare eighth (and four) leaves room
+    for what starts threads or maps memory after the probe: the model's file, a tokenizer's
+    pool; with none, a team at the exact limit of an address-space cap still failed once
+    the model was loaded. A count that passed is remembered."""
+    if n > _STARTABLE[0]:
+        try:
+            from ._ext import kernels
+        except ImportError:         # no compiled kernels: nothing in this process starts a team
+            return n
+        want = n + n // 8 + 4
+        got = kernels._probe_threads(want)
+        if got < want:
+            fits = max(1, (got - 4) * 8 // 9)
+            raise InvalidArgumentError(
+                f"cannot run {n} threads here: the system let only {got} start; ask for at most "
+                f"{fits} (this machine has {logical_cpus()} logical CPUs)")
+        _STARTABLE[0] = n
+    return n

@@ -27,7 +27,7 @@ from ..errors import BackendUnavailableError, InvalidArgumentError
 from ..memory import drop_array_file_pages
 from ..quant.formats import R16_OF, R16_ROWS
 from ..quant.matrix import QuantMatrix
-from ..threads import logical_cpus, resolve_threads
+from ..threads import resolve_threads, startable
 from .base import DECODE_OPS, Backend, HostArrays
 from .step_tuner import StepTuner
 
@@ -43,31 +43,6 @@ except ImportError as e:          # not built (source checkout without `pip inst
 # The ops a captured decode step may contain (see CpuBackend.decode_step): the decode
 # ops of the registry plus rmsnorm_batch, which per-head q/k norms issue on (heads, hd) views.
 _STEP_OPS = DECODE_OPS + ("rmsnorm_batch",)
-
-
-_STARTABLE = [1]      # the largest team this process has seen the system allow
-
-
-def _startable(n: int) -> int:
-    """n, once the system has let n threads and some to spare run at once; one clear error
-    if it refuses.
-
-    OpenMP would otherwise find out in the first parallel region, where libgomp prints
-    "Thread creation failed" and ends the process (a pids limit, ulimit -u, or an
-    address-space limit the thread stacks exhaust). The spare eighth (and four) leaves room
-    for what starts threads or maps memory after the probe: the model's file, a tokenizer's
-    pool; with none, a team at the exact limit of an address-space cap still failed once
-    the model was loaded. A count that passed is remembered."""
-    if n > _STARTABLE[0]:
-        want = n + n // 8 + 4
-        got = _k._probe_threads(want)
-        if got < want:
-            fits = max(1, (got - 4) * 8 // 9)
-            raise InvalidArgumentError(
-                f"cannot run {n} threads here: the system let only {got} start; ask for at most "
-                f"{fits} (this machine has {logical_cpus()} logical CPUs)")
-        _STARTABLE[0] = n
-    return n
 
 
 def _fused_default() -> bool:
@@ -103,7 +78,7 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         """threads: None -> OMP_NUM_THREADS or physical cores (cyllm.threads);
         variant: None -> $CYLLM_KERNELS or the best this CPU runs; "generic" | "avx2" | "avx512";
         fused: None -> $CYLLM_FUSED (default on): decode steps run as one captured program."""
-        super().__init__(_startable(resolve_threads(threads)), variant)
+        super().__init__(startable(resolve_threads(threads)), variant)
         self.fused = _fused_default() if fused is None else bool(fused)
         # a count left to us (no flag, no OMP_NUM_THREADS) is an upper bound: each decode
         # step's team size follows measured step times (step_tuner.py); CYLLM_ADAPTIVE_THREADS=0|1
@@ -184,7 +159,7 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
     # kernel_variant and threads are properties of CpuKernels
 
     def set_threads(self, n) -> None:
-        self.threads = _startable(resolve_threads(n))
+        self.threads = startable(resolve_threads(n))
         self._tuner.set_max(self.threads)
 
     @property
@@ -252,7 +227,7 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
     def measure_read_bandwidth(self, threads: int | None = None, nbytes: int = 512 << 20,
                                reps: int = 5) -> float:
         """Memory read bandwidth in GB/s with this backend's variant (roofline for `cyllm bench`)."""
-        return measure_read_bandwidth(self.threads if threads is None else _startable(threads),
+        return measure_read_bandwidth(self.threads if threads is None else startable(threads),
                                       nbytes, reps, self.kernel_variant)
 
     def __repr__(self) -> str:

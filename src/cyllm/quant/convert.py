@@ -41,9 +41,8 @@ def quantize_rows_f32(x: np.ndarray, fmt: WeightFormat | str, name: str = "weigh
     if k is None:
         from .reference import quantize
         return quantize(x, fmt)
-    if threads is None:
-        from ..threads import resolve_threads
-        threads = resolve_threads(None)
+    from ..threads import resolve_threads, startable
+    threads = startable(resolve_threads(threads))     # a team the system refuses: one clear error
     out = np.empty((x.shape[0], fmt.row_bytes(x.shape[1])), np.uint8)
     k.quantize_rows(out, x, fmt.name, threads)
     return out
