@@ -243,7 +243,57 @@ def test_cli_directory_without_config(tmp_path):
                         "--type", "q8_0"], capture_output=True, text=True, timeout=60)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "config.json" in lines[0], r.stderr
-    assert not (tmp_path / "o.gguf").exists() and not (tmp_path / "o.gguf.part").exists()
+    assert not list(tmp_path.glob("o.gguf*"))          # nor a partial file left behind
+
+
+def _tiny_gguf(tmp_path, qtype="F16"):
+    from test_gguf import write_tiny_gguf
+    p = tmp_path / f"tiny-{qtype}.gguf"
+    write_tiny_gguf(p, qtype=getattr(gguf.GGMLQuantizationType, qtype))
+    return p
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_cli_output_that_is_not_a_regular_file(tmp_path):
+    """The file is written aside and renamed over the output, so an output that is a pipe or
+    a device would be replaced by a regular file (run as root, `quantize ... /dev/null
+    --force` replaced /dev/null itself): refused in one line, the pipe left as it was."""
+    import stat
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    r = subprocess.run([sys.executable, "-m", "cyllm", "quantize", str(_tiny_gguf(tmp_path)), str(pipe),
+                        "--type", "q8_0", "--force"], capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "not a regular file" in lines[0], r.stderr
+    assert stat.S_ISFIFO(os.lstat(pipe).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe", "tiny-F16.gguf"]
+
+
+def test_partial_file_has_a_name_of_its_own(tmp_path):
+    """The partial output is not `OUT.part`, which may be someone's file: that one is left
+    alone, and nothing partial stays behind."""
+    from cyllm.tools.quantize import quantize
+    out = tmp_path / "o.gguf"
+    theirs = tmp_path / "o.gguf.part"
+    theirs.write_text("mine")
+    quantize(_tiny_gguf(tmp_path), out, "q8_0", threads=1)
+    assert theirs.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.gguf", "o.gguf.part", "tiny-F16.gguf"]
+    assert gguf.GGUFReader(str(out)).tensors
+
+
+def test_notes_go_to_sys_stderr_of_the_call(tmp_path, monkeypatch):
+    """The requantizing note goes to sys.stderr as it is when quantize runs: a default bound at
+    import wrote to whatever stream was current then (a closed one, in the fuzzer's worker:
+    an internal error)."""
+    import io
+
+    from cyllm.tools.quantize import quantize
+    src = _tiny_gguf(tmp_path, "Q8_0")
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    quantize(src, tmp_path / "o.gguf", "q4_0", threads=1)
+    assert "requantizing Q8_0 tensors" in err.getvalue()
 
 
 @pytest.mark.slow

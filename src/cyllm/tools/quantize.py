@@ -25,6 +25,7 @@ that; a note says so). The output is streamed: memory stays near one matrix.
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,10 +101,15 @@ def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
         raise InvalidArgumentError("the output must not be the input file")
     if dst.is_dir():
         raise InvalidArgumentError(f"{dst} is a directory; the output is a .gguf file")
+    if dst.exists() and not dst.is_file():
+        # the file is written aside and renamed over the output: that would put a regular
+        # file in place of a device or a pipe (as root, /dev/null itself)
+        raise InvalidArgumentError(f"{dst} is not a regular file (a device, pipe or socket); "
+                                   "the output is a .gguf file")
 
 
 def quantize(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, overwrite: bool = False,
-             threads: int | None = None, log=sys.stderr) -> dict:
+             threads: int | None = None, log=None) -> dict:
     """Write `dst`, the model `src` (a GGUF file or a Hugging Face directory) quantized to
     `qtype` (see FILE_TYPES). Returns {type name: number of tensors} of what was written."""
     src = Path(src)
@@ -141,10 +147,11 @@ def quantize_hf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, over
 
 
 def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, overwrite: bool = False,
-                  threads: int | None = None, log=sys.stderr) -> dict:
+                  threads: int | None = None, log=None) -> dict:
     """Write `dst`, the GGUF file `src` quantized to `qtype` (see FILE_TYPES).
 
-    Returns {format name: number of tensors} of what was written."""
+    Returns {format name: number of tensors} of what was written. Notes go to `log`
+    (default: sys.stderr as it is at the call, not as it was at import)."""
     import gguf
 
     from ..loading.gguf import SUPPORTED_TENSOR_TYPES, _dequantize, config_from_gguf, read_gguf
@@ -165,7 +172,8 @@ def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, ov
                       if fmt is not None and info.ggml_type not in _FLOAT_TYPES})
     if requant:
         print(f"cyllm: note: requantizing {', '.join(requant)} tensors: the result carries both "
-              "quantization errors (quantize an F16/BF16/F32 file for the best quality)", file=log)
+              "quantization errors (quantize an F16/BF16/F32 file for the best quality)",
+              file=sys.stderr if log is None else log)
 
     reader = gguf.GGUFReader(str(src))
     kvs = []
@@ -224,7 +232,9 @@ def _write(dst: Path, arch: str, kvs: list, items: list[_Item], threads: int | N
                               it.nbytes, raw_dtype=gguf.GGMLQuantizationType(it.raw_type))
         counts[it.type_name] = counts.get(it.type_name, 0) + 1
 
-    tmp = dst.with_name(dst.name + ".part")
+    # a name of its own beside dst, renamed over it at the end (never someone's X.part;
+    # created by the writer, so the file gets the usual permissions)
+    tmp = dst.with_name(f"{dst.name}.{os.getpid()}-{secrets.token_hex(4)}.part")
     try:
         w.path = tmp
         w.open_output_file(tmp)
@@ -252,8 +262,7 @@ def _write(dst: Path, arch: str, kvs: list, items: list[_Item], threads: int | N
     except OSError as e:
         raise InvalidArgumentError(f"cannot write {dst} ({e.strerror or e})") from None
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
     return counts
 
 
