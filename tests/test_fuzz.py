@@ -6,7 +6,8 @@ mutations of them (a config value of the wrong type or range, a JSON nested
 50,000 deep, a safetensors header entry, a GGUF metadata value of another type,
 a tensor record, a hostile chat template, command-line flags), every case is
 written to disk, and one worker process (tests/fuzz_worker.py) runs
-``cyllm generate`` on each under an address-space limit and a time limit.
+``cyllm generate`` on each (or perplexity, quantize and convert on hostile files and
+output paths) under an address-space limit and a time limit.
 
 Each case must end with exit status 0, or 2 and one line ``cyllm: error: ...``;
 never a traceback, a signal, more than CASE_SECONDS or more than MEM_MB.
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
+import stat
 import struct
 from pathlib import Path
 
@@ -371,6 +374,74 @@ def test_fuzz_cli_flags(hf_seed, tmp_path):
             argv += ["-n", "4"]
         cases.append((argv, "flags " + " ".join(argv[3:])))
     _assert_all_clean(cases, tmp_path, template_seconds=1.0)
+
+
+# ============================================================================ the commands that read and write files
+
+# what perplexity reads and what quantize and convert write to: only paths under the test's
+# own directory (a regression must not clobber a system file), among them the kinds that broke
+# them -- a named pipe as the output of quantize was replaced by a regular file, as was
+# /dev/null when run as root
+TEXTS = {"empty": b"", "one": b"a", "binary": bytes(range(256)) * 40, "nul": b"hello\x00world " * 400,
+         "bad-utf8": b"\xff\xfe\xfa" * 1000, "long-line": b"x" * 200_000,
+         "text": "the cat sat on the mat; \u00e9t\u00e9 \u2028 ".encode() * 300}
+QUANT_TYPES = ["q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k", "Q4_K_M", "q4_k", "f16", "", "iq4_xs"]
+
+file_commands = st.one_of(
+    st.tuples(st.just("perplexity"), st.sampled_from(["hf", "gguf", "text"]),
+              st.sampled_from(sorted(TEXTS) + ["dir", "missing"]),
+              st.lists(st.tuples(st.sampled_from(["-c", "-t", "-tb", "--quantize"]),
+                                 st.one_of(FLAG_VALUES, st.sampled_from(QUANT_TYPES))), max_size=2)),
+    st.tuples(st.just("quantize"), st.sampled_from(["hf", "gguf", "text", "missing", "dir"]),
+              st.sampled_from(["new", "pipe", "dir", "no-parent", "input", "existing"]),
+              st.tuples(st.sampled_from(QUANT_TYPES), st.booleans(), st.one_of(st.none(), FLAG_VALUES))),
+    st.tuples(st.just("convert"), st.sampled_from(["gguf", "hf", "text", "missing"]),
+              st.sampled_from(["new", "pipe", "dir-full", "no-parent", "text"]), st.booleans()),
+)
+
+
+def test_fuzz_file_commands(hf_seed, gguf_seed, tmp_path):
+    """perplexity, quantize and convert on hostile inputs and outputs: the same promise."""
+    gguf_path = tmp_path / "seed.gguf"
+    gguf_path.write_bytes(gguf_seed.to_bytes())
+    paths = {"hf": str(hf_seed), "gguf": str(gguf_path), "missing": str(tmp_path / "missing")}
+    for name, data in TEXTS.items():
+        paths[name] = str(tmp_path / f"{name}.txt")
+        Path(paths[name]).write_bytes(data)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir-full").mkdir()
+    (tmp_path / "dir-full" / "keep.txt").write_text("x")
+    paths.update({"dir": str(tmp_path / "dir"), "dir-full": str(tmp_path / "dir-full")})
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    existing = tmp_path / "existing.out"            # --force may replace this one
+    existing.write_text("x")
+    # every output kind from a good input, then what Hypothesis draws
+    grid = [("quantize", src, dst, ("q8_0", True, "1")) for src in ("hf", "gguf")
+            for dst in ("new", "pipe", "dir", "dir-full", "no-parent", "input", "existing")]
+    cases = []
+    for i, (cmd, src, dst, extra) in enumerate(grid + _collect(file_commands)):
+        outs = {"new": str(tmp_path / f"out{i}.gguf"), "pipe": str(pipe), "dir": paths["dir"],
+                "dir-full": paths["dir-full"], "no-parent": str(tmp_path / "nowhere" / f"o{i}"),
+                "input": paths.get(src, paths["missing"]), "existing": str(existing),
+                "text": paths["text"]}
+        if cmd == "perplexity":
+            argv = ["perplexity", "-m", paths[src], "-f", paths[dst], "--no-progress"]
+            for f, v in extra:
+                argv += [f, v]
+        elif cmd == "quantize":
+            qtype, force, threads = extra
+            argv = ["quantize", "--type", qtype, paths[src], outs[dst]]
+            argv += ["--force"] if force else []
+            argv += ["-t", threads] if threads is not None else []
+        else:
+            argv = ["convert", paths[src], outs[dst] if dst != "new" else str(tmp_path / f"conv{i}")]
+            argv += ["--force"] if extra else []
+        cases.append((argv, " ".join(argv)))
+    _assert_all_clean(cases, tmp_path)
+    assert stat.S_ISFIFO(os.lstat(pipe).st_mode), "an output replaced the named pipe"
+    assert (tmp_path / "dir-full" / "keep.txt").read_text() == "x"
+    assert Path(paths["text"]).read_bytes() == TEXTS["text"]
 
 
 # ============================================================================ the JSON reader, in process
