@@ -13,7 +13,8 @@
 #   small    the same on SmolLM2-135M (untied: 163 M parameters), F16, q8_0, q4_0, q4_k
 #   ncu      one decode token under ncu per weight type (NCU_MODEL, default smollm2-135m-untied;
 #            NCU_TYPES, default "f16 q4_0 q4_k"; NCU_KERNELS, an ncu -k regex such as
-#            'attn|qmv_add', default every kernel; NCU_CAP, seconds per type, default 200):
+#            'attn|qmv_add', default every kernel; NCU_CAP, seconds per type, default 200;
+#            NCU_SET=memory for DRAM bytes and throughput, L2 hit rate, occupancy instead of stalls):
 #            bench/ncu_table.py's table of time, instructions a warp and stall reasons per kernel
 #            (logs kept as $OUT/ncu_<type>.csv). The 7B shape under ncu needs a filter or
 #            NCU_CAP=450: its whole token (~290 launches, each replayed per metric pass) did
@@ -78,7 +79,7 @@ for step in ${*:-build tests prefill decode}; do
       quant=(); [ "$q" = f16 ] || quant=(--quantize "$q")
       kfilter=(); [ -n "${NCU_KERNELS:-}" ] && kfilter=(-k "regex:$NCU_KERNELS")
       run "${NCU_CAP:-200}" ncu --clock-control none --cache-control none --profile-from-start off --csv \
-        --log-file "$OUT/ncu_$q.csv" --metrics "$($PY bench/ncu_table.py --metrics)" "${kfilter[@]}" \
+        --log-file "$OUT/ncu_$q.csv" --metrics "$($PY bench/ncu_table.py --metrics --set "${NCU_SET:-stalls}")" "${kfilter[@]}" \
         $PY -P bench/sweep_cuda_decode.py --synthetic "${NCU_MODEL:-smollm2-135m-untied}" "${quant[@]}" \
         -n 16 -r 1 --profile > /dev/null 2>&1
       $PY bench/ncu_table.py "$OUT/ncu_$q.csv"

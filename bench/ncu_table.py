@@ -14,6 +14,11 @@ kernel's time after its wait is the serial work of its warps, and "instructions 
 matvecs were found to issue 1000-1400 instructions a warp for ~150 of dots
 (bench/results/cuda_quant_model_h100.md). The stall columns are warps stalled per issued
 instruction, by reason (ncu's smsp__average_warps_issue_stalled_<reason>_per_issue_active).
+
+`--metrics --set memory` (device_profile.sh: NCU_SET=memory) asks instead for the memory side:
+DRAM bytes read and their rate, DRAM throughput as % of its peak, the L2 hit rate, achieved
+occupancy and global-load sectors per request -- for a matvec that streams below the copy
+bandwidth, whether the DRAM, the L2 or the SM's supply of requests is what falls short.
 """
 
 from __future__ import annotations
@@ -35,7 +40,18 @@ def stall_metric(reason: str) -> str:
     return f"smsp__average_warps_issue_stalled_{reason}_per_issue_active.ratio"
 
 
-def metrics() -> str:
+# the memory view: (metric, column, format); GB/s is derived from bytes and time
+MEMORY = (("dram__bytes_read.sum", "MB read", lambda v: f"{v / 1e6:.1f}"),
+          ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "DRAM % peak", lambda v: f"{v:.1f}"),
+          ("lts__t_sector_hit_rate.pct", "L2 hit %", lambda v: f"{v:.1f}"),
+          ("sm__warps_active.avg.pct_of_peak_sustained_active", "occupancy %", lambda v: f"{v:.1f}"),
+          ("l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum", None, None),
+          ("l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum", None, None))
+
+
+def metrics(kind: str = "stalls") -> str:
+    if kind == "memory":
+        return ",".join(BASE[:1] + tuple(m for m, _, _ in MEMORY))
     return ",".join(BASE + tuple(stall_metric(r) for r in STALLS))
 
 
@@ -59,9 +75,14 @@ def read(path: str) -> dict:
 
 
 def table(groups: dict) -> list[str]:
-    """Markdown rows, kernels by their summed time; medians over a kernel's launches."""
-    head = ["kernel", "grid x block", "launches", "us", "us summed", "cycles active", "instructions a warp"]
-    head += [SHORT.get(r, r) for r in STALLS]
+    """Markdown rows, kernels by their summed time; medians over a kernel's launches. A log of
+    the memory metrics (--set memory) gets the memory columns, any other the stall ones."""
+    memory = any(MEMORY[0][0] in x for lst in groups.values() for x in lst)
+    head = ["kernel", "grid x block", "launches", "us", "us summed"]
+    if memory:
+        head += ["GB/s"] + [col for _, col, _ in MEMORY if col] + ["sectors a request"]
+    else:
+        head += ["cycles active", "instructions a warp"] + [SHORT.get(r, r) for r in STALLS]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     total = 0.0
 
@@ -74,11 +95,18 @@ def table(groups: dict) -> list[str]:
         us = med(lst, BASE[0]) / 1000
         summed = sum(x.get(BASE[0], 0.0) for x in lst) / 1000
         total += summed
-        warps = med(lst, BASE[2])
-        per_warp = med(lst, BASE[1]) / warps if warps else float("nan")
         dims = f"{grid.strip('()').split(',')[0]} x {block.strip('()').split(',')[0]}"
-        cells = [name, dims, str(len(lst)), f"{us:.2f}", f"{summed:.1f}", f"{med(lst, BASE[3]):.0f}", f"{per_warp:.0f}"]
-        cells += [f"{med(lst, stall_metric(r)):.2f}" for r in STALLS]
+        cells = [name, dims, str(len(lst)), f"{us:.2f}", f"{summed:.1f}"]
+        if memory:
+            gbs = med(lst, MEMORY[0][0]) / (us * 1e3) if us else float("nan")     # bytes / ns
+            cells += [f"{gbs:.0f}"] + [fmt(med(lst, m)) for m, col, fmt in MEMORY if col]
+            req = med(lst, MEMORY[5][0])
+            cells += [f"{med(lst, MEMORY[4][0]) / req:.1f}" if req else "nan"]
+        else:
+            warps = med(lst, BASE[2])
+            per_warp = med(lst, BASE[1]) / warps if warps else float("nan")
+            cells += [f"{med(lst, BASE[3]):.0f}", f"{per_warp:.0f}"]
+            cells += [f"{med(lst, stall_metric(r)):.2f}" for r in STALLS]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append(f"\nsummed: {total:.1f} us over {sum(len(v) for v in groups.values())} launches")
     return lines
@@ -88,9 +116,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", nargs="*", help="ncu --csv logs")
     ap.add_argument("--metrics", action="store_true", help="print the --metrics list for ncu and exit")
+    ap.add_argument("--set", choices=("stalls", "memory"), default="stalls",
+                    help="which metrics --metrics lists (default: time, instructions and stalls)")
     a = ap.parse_args(argv)
     if a.metrics:
-        print(metrics())
+        print(metrics(a.set))
         return 0
     if not a.csv:
         ap.error("give one or more ncu --csv logs (or --metrics)")
