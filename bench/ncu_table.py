@@ -55,8 +55,14 @@ def metrics(kind: str = "stalls") -> str:
     return ",".join(BASE + tuple(stall_metric(r) for r in STALLS))
 
 
+# ncu scales units unless told --print-units base: values in ns and bytes whatever it chose
+_SCALE = {"nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9,
+          "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
+
+
 def read(path: str) -> dict:
-    """ncu --csv output -> {(kernel, grid, block): [{metric: value}, one per launch]}."""
+    """ncu --csv output -> {(kernel, grid, block): [{metric: value}, one per launch]}; times
+    in ns and sizes in bytes, whatever unit the log gives them in."""
     with open(path, newline="") as f:
         rows = [ln for ln in f if ln.startswith('"')]        # ncu's own notes come first
     launches: dict = collections.defaultdict(dict)
@@ -65,7 +71,8 @@ def read(path: str) -> dict:
         i = int(row["ID"])
         shape[i] = (row["Kernel Name"], row["Grid Size"], row["Block Size"])
         try:
-            launches[i][row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
+            scale = _SCALE.get(row.get("Metric Unit", ""), 1.0)
+            launches[i][row["Metric Name"]] = float(row["Metric Value"].replace(",", "")) * scale
         except ValueError:          # "n/a": a metric this kernel did not report
             pass
     out: dict = collections.defaultdict(list)

@@ -174,7 +174,7 @@ __device__ __forceinline__ void attn_split_body(
             qs[i] = gi < gt ? q[(size_t)(kvh * group + g0 + gi) * hd + (i - gi * hd)] * scale : 0.0f;
         }
         __syncthreads();
-        TRACE_MARK(1);                            // bench/trace_cuda_decode.py: q staged
+        if (g0 == 0) TRACE_MARK(1);               // bench/trace_cuda_decode.py, first head tile: q staged
 
         // ---- scores S[gi][t] = (q_g . k_t) * scale
         for (int base = 0; base < n_valid; base += rp * U) {
@@ -203,7 +203,7 @@ __device__ __forceinline__ void attn_split_body(
             }
         }
         __syncthreads();
-        TRACE_MARK(2);                            // scores
+        if (g0 == 0) TRACE_MARK(2);               // scores
 
         // ---- local softmax per head: one warp per head of the tile
         for (int gi = warp; gi < gt; gi += ATT_WARPS) {
@@ -220,7 +220,7 @@ __device__ __forceinline__ void attn_split_body(
             if (lane == 0) { ml[gi] = m; ml[GT + gi] = l; }
         }
         __syncthreads();
-        TRACE_MARK(3);                            // softmax
+        if (g0 == 0) TRACE_MARK(3);               // softmax
 
         // ---- un-normalised output: acc[gi][j] = sum_t p[gi][t] * v_t[e8*8 + j]
         float acc[GT][8];
@@ -276,7 +276,7 @@ __device__ __forceinline__ void attn_split_body(
             }
         }
         __syncthreads();
-        TRACE_MARK(4);                            // V rows summed per warp
+        if (g0 == 0) TRACE_MARK(4);               // V rows summed per warp
         for (int i = threadIdx.x; i < gt * hd; i += ATT_THREADS) {
             float s = 0.0f;
 #pragma unroll

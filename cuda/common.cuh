@@ -116,7 +116,7 @@ __device__ __forceinline__ void trace_end(unsigned tag) {
 #else
 #define TRACE_BEGIN()
 #define TRACE_END(tag)
-#define TRACE_MARK(m)
+#define TRACE_MARK(m) do { } while (0)
 #endif
 
 __device__ __forceinline__ void pdl_wait() {

@@ -267,7 +267,8 @@ def test_ncu_table_groups_launches(tmp_path):
 
 def test_ncu_table_memory_view(tmp_path):
     """--set memory: the metric list ncu is given, and a log of it tabled as GB/s (DRAM bytes
-    over the kernel's time), DRAM % of peak, L2 hit rate, occupancy and sectors a request."""
+    over the kernel's time), DRAM % of peak, L2 hit rate, occupancy and sectors a request;
+    values in the scaled units ncu prints by default (usecond, Mbyte) read as ns and bytes."""
     import importlib.util
     from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "bench" / "ncu_table.py"
@@ -279,13 +280,14 @@ def test_ncu_table_memory_view(tmp_path):
     assert not any(m.startswith("smsp__average_warps_issue_stalled") for m in listed)
     head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
             '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
-    vals = {"gpu__time_duration.sum": "10,000", "dram__bytes_read.sum": "30,000,000",
-            "dram__throughput.avg.pct_of_peak_sustained_elapsed": "62.5", "lts__t_sector_hit_rate.pct": "3.25",
-            "sm__warps_active.avg.pct_of_peak_sustained_active": "18.75",
-            "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum": "4,000",
-            "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum": "1,000"}
+    vals = {"gpu__time_duration.sum": ("usecond", "10"), "dram__bytes_read.sum": ("Mbyte", "30"),
+            "dram__throughput.avg.pct_of_peak_sustained_elapsed": ("%", "62.5"),
+            "lts__t_sector_hit_rate.pct": ("%", "3.25"),
+            "sm__warps_active.avg.pct_of_peak_sustained_active": ("%", "18.75"),
+            "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum": ("sector", "4,000"),
+            "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum": ("", "1,000")}
     log = [head] + [f'"0","1","py","h","qmv_gate_up_silu_q4_k_norm","1","7","(128, 1, 1)","(344, 1, 1)","0",'
-                    f'"9.0","s","{m}","u","{v}"' for m, v in vals.items()]
+                    f'"9.0","s","{m}","{u}","{v}"' for m, (u, v) in vals.items()]
     f = tmp_path / "ncu.csv"
     f.write_text("\n".join(log) + "\n")
     lines = nt.table(nt.read(str(f)))

@@ -282,6 +282,45 @@ def test_partial_file_has_a_name_of_its_own(tmp_path):
     assert gguf.GGUFReader(str(out)).tensors
 
 
+def test_failed_write_is_one_error_and_leaves_nothing(tmp_path, monkeypatch):
+    """A write that fails -- after the partial file is open, or before (the output's parent is a
+    file) -- is one InvalidArgumentError naming the output, never the partial file, and leaves
+    no partial file behind."""
+    import errno
+
+    import cyllm.quant.convert as convert
+    from cyllm.errors import InvalidArgumentError
+    from cyllm.tools.quantize import quantize
+    src = _tiny_gguf(tmp_path)
+    out = tmp_path / "o.gguf"
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(convert, "quantize_rows_f32", full)
+        with pytest.raises(InvalidArgumentError, match=r"cannot write .*o\.gguf \(No space left on device\)"):
+            quantize(src, out, "q8_0", threads=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-F16.gguf"]
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(InvalidArgumentError, match=r"cannot write .*afile/o\.gguf \(Not a directory\)"):
+        quantize(src, afile / "o.gguf", "q8_0", threads=1)
+    long_name = tmp_path / ("o" * 240 + ".gguf")             # 245 bytes: a valid name
+    quantize(src, long_name, "q8_0", threads=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", long_name.name, "tiny-F16.gguf"]
+
+
+def test_dangling_symlink_output_needs_force(tmp_path):
+    """A symlink at the output counts as an existing output even when it points nowhere."""
+    from cyllm.errors import InvalidArgumentError
+    from cyllm.tools.quantize import quantize
+    link = tmp_path / "o.gguf"
+    link.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(InvalidArgumentError, match="exists; choose another name or pass --force"):
+        quantize(_tiny_gguf(tmp_path), link, "q8_0", threads=1)
+    assert link.is_symlink()
+
+
 def test_notes_go_to_sys_stderr_of_the_call(tmp_path, monkeypatch):
     """The requantizing note goes to sys.stderr as it is when quantize runs: a default bound at
     import wrote to whatever stream was current then (a closed one, in the fuzzer's worker:

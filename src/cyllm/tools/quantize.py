@@ -24,6 +24,7 @@ that; a note says so). The output is streamed: memory stays near one matrix.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import sys
@@ -95,7 +96,7 @@ def _check_type(qtype) -> str:
 def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
     if not src.exists():
         raise InvalidArgumentError(f"input not found: {src}")
-    if dst.exists() and not overwrite:
+    if os.path.lexists(dst) and not overwrite:       # a dangling symlink too
         raise InvalidArgumentError(f"{dst} exists; choose another name or pass --force")
     if dst.exists() and dst.resolve() == src.resolve():
         raise InvalidArgumentError("the output must not be the input file")
@@ -232,9 +233,10 @@ def _write(dst: Path, arch: str, kvs: list, items: list[_Item], threads: int | N
                               it.nbytes, raw_dtype=gguf.GGMLQuantizationType(it.raw_type))
         counts[it.type_name] = counts.get(it.type_name, 0) + 1
 
-    # a name of its own beside dst, renamed over it at the end (never someone's X.part;
-    # created by the writer, so the file gets the usual permissions)
-    tmp = dst.with_name(f"{dst.name}.{os.getpid()}-{secrets.token_hex(4)}.part")
+    # a short name of its own beside dst, renamed over it at the end (never someone's X.part,
+    # never too long where dst is not; created by the writer, so the file gets the usual
+    # permissions). A symlink at dst (with --force) is replaced, not written through.
+    tmp = dst.with_name(f".{dst.name[:40]}.{os.getpid()}-{secrets.token_hex(4)}.part")
     try:
         w.path = tmp
         w.open_output_file(tmp)
@@ -262,7 +264,9 @@ def _write(dst: Path, arch: str, kvs: list, items: list[_Item], threads: int | N
     except OSError as e:
         raise InvalidArgumentError(f"cannot write {dst} ({e.strerror or e})") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        w.close()                               # left open by an error
+        with contextlib.suppress(OSError):      # never created (the open failed): nothing to remove
+            tmp.unlink()
     return counts
 
 
