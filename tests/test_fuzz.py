@@ -444,6 +444,78 @@ def test_fuzz_file_commands(hf_seed, gguf_seed, tmp_path):
     assert Path(paths["text"]).read_bytes() == TEXTS["text"]
 
 
+# ============================================================================ the server's request bodies
+
+SERVER_KEYS = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty",
+               "frequency_penalty", "presence_penalty", "seed", "stop", "stream", "stream_options", "logprobs",
+               "top_logprobs", "response_format", "model", "n", "tools", "user", "logit_bias", "echo", "suffix"]
+HOSTILE_SCHEMAS = [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                   {"type": "array", "items": {"$ref": "#"}}, {"$ref": "#/definitions/missing"},
+                   {"type": "string", "pattern": "(a|b)*c{1000000}"}, {"enum": list(range(100_000))},
+                   {"type": "string", "minLength": 10 ** 9}, {"anyOf": [{"type": "null"}] * 1000},
+                   {"type": "object", "properties": {str(i): {"type": "string"} for i in range(2000)}},
+                   "not a schema", None]
+messages = st.lists(st.fixed_dictionaries(
+    {"role": st.one_of(st.sampled_from(["user", "assistant", "system", "tool", "x"]), scalars),
+     "content": st.one_of(st.sampled_from(["Hi", "", "x" * 3000]), json_values)},
+    optional={"name": json_values, "tool_calls": json_values}), max_size=3)
+good_messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
+                                               "content": st.text(max_size=40)}), min_size=1, max_size=3)
+requests = st.tuples(
+    st.booleans(),                                                      # chat or text completion
+    st.one_of(good_messages, messages, json_values),                    # messages
+    st.one_of(st.sampled_from(["Hello", "", [1, 2, 3], [-1], [10 ** 9], ["a", "b"], [[1]]]), json_values),
+    st.dictionaries(st.sampled_from(SERVER_KEYS), json_values, max_size=4),
+    st.one_of(st.none(), st.sampled_from(HOSTILE_SCHEMAS)))
+
+
+def test_fuzz_server_requests(hf_seed):
+    """Hostile JSON bodies against `cyllm serve` (the app in this process, over the tiny model):
+    every answer is 200, or 4xx with an OpenAI error body; never a 500 or a dropped connection,
+    never longer than CASE_SECONDS; and the server still answers afterwards."""
+    import time
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    import cyllm
+    from hostile import CASE_SECONDS
+    from test_server import start_server
+    model = cyllm.load(str(hf_seed), threads=1)
+    srv, thread, url = start_server(model)
+    bad, ok = [], {True: 0, False: 0}
+    try:
+        with httpx.Client(timeout=CASE_SECONDS + 30) as c:
+            # well-formed requests first (each endpoint answers some), then what Hypothesis draws
+            hi = [{"role": "user", "content": "Hi"}]
+            grid = [(chat, hi, "Hello", params, schema) for chat in (True, False)
+                    for params, schema in (({}, None), ({"stream": True}, None), ({"logprobs": 2}, None),
+                                           ({"seed": 1, "temperature": 0.7}, HOSTILE_SCHEMAS[0]))]
+            for chat, msgs, prompt, params, schema in grid + _collect(requests):
+                body = {"messages": msgs} if chat else {"prompt": prompt}
+                body.update(params)
+                if schema is not None:
+                    body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+                body.setdefault("max_tokens", 4)
+                data = json.dumps(body, allow_nan=True)
+                t0 = time.monotonic()
+                try:
+                    r = c.post(url + ("/v1/chat/completions" if chat else "/v1/completions"), content=data,
+                               headers={"content-type": "application/json"})
+                    code, text = r.status_code, r.text
+                except httpx.HTTPError as e:
+                    code, text = "dropped", repr(e)
+                seconds = time.monotonic() - t0
+                ok[chat] += code == 200
+                if code == "dropped" or code >= 500 or seconds > CASE_SECONDS or (
+                        code != 200 and '"error"' not in text):
+                    bad.append(f"{code} after {seconds:.1f} s: {data[:300]} -> {text[:300]}")
+            assert c.get(url + "/health").status_code == 200
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+    assert not bad, f"{len(bad)} requests broke the promise:\n" + "\n".join(bad[:8])
+    assert ok[True] and ok[False], f"too few requests were answered to test much: {ok}"
+
+
 # ============================================================================ the JSON reader, in process
 
 @settings(max_examples=400, derandomize=True, database=None, deadline=None)
