@@ -218,6 +218,54 @@ def test_fit_keeps_the_system_prompt_and_drops_whole_turns(tiny_model):
     assert repl.count(msgs[:1] + msgs[dropped - 1:]) > tiny_model.context - repl.reserve()   # minimal drop
 
 
+def _fit_turn_by_turn(repl, messages):
+    """The reference: drop the oldest turn and count again, until it fits."""
+    msgs = list(messages)
+    limit = repl.model.context - repl.reserve()
+    dropped, n = 0, repl.count(msgs)
+    while n > limit:
+        first = 1 if msgs and msgs[0]["role"] == "system" else 0
+        if first >= len(msgs) - 1:
+            break
+        del msgs[first]
+        dropped += 1
+        if first < len(msgs) - 1 and msgs[first]["role"] == "assistant":
+            del msgs[first]
+            dropped += 1
+        n = repl.count(msgs)
+    return msgs, dropped, n
+
+
+def test_fit_bisects_to_what_dropping_turn_by_turn_gives(tiny_model):
+    """fit finds the drops by bisection: the same messages as dropping one turn at a time and
+    counting again, on conversations of every shape (system prompt or none, answers missing or
+    doubled, a last message too long to fit alone), in a few renders of the template where a
+    loaded conversation of 3000 messages took one render per turn (minutes)."""
+    import random
+
+    from cyllm.generate import Chat
+    repl = ChatRepl(tiny_model, Chat(tiny_model), max_tokens=8, stop=[], verbose=False, quiet=True,
+                    interactive=False)
+    rng = random.Random(0)
+    for case in range(40):
+        msgs = [{"role": "system", "content": "sys " * rng.randint(0, 6)}] if case % 2 else []
+        for _ in range(rng.randint(0, 12)):
+            msgs.append({"role": rng.choice(["user", "user", "assistant"]), "content": "w " * rng.randint(0, 12)})
+        msgs.append({"role": "user", "content": "last " * (40 if case % 7 == 0 else rng.randint(1, 4))})
+        assert repl.fit(msgs) == _fit_turn_by_turn(repl, msgs), case
+    long = [{"role": "system", "content": "s"}]
+    for i in range(1500):
+        long += [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
+    long.append({"role": "user", "content": "last"})
+    calls = []
+    count = repl.count
+    repl.count = lambda m: calls.append(len(m)) or count(m)
+    kept, dropped, n = repl.fit(long)
+    assert kept[0] == long[0] and kept[-1] == long[-1] and kept[1:] == long[1 + dropped:] and dropped % 2 == 0
+    assert n <= tiny_model.context - repl.reserve() < count(long[:1] + long[dropped - 1:])
+    assert len(calls) <= 14, len(calls)          # 1 + log2(1501) + 1
+
+
 def test_read_conversation_checks_what_it_loads(tmp_path):
     f = tmp_path / "c.json"
     cases = {

@@ -241,23 +241,40 @@ class ChatRepl:
 
     def fit(self, messages: list[dict]) -> tuple[list[dict], int, int]:
         """Drop the oldest turns (never the system prompt, never the last message) until the
-        conversation and room for an answer fit; returns (messages, dropped, tokens)."""
+        conversation and room for an answer fit; returns (messages, dropped, tokens).
+
+        Turns go in one order (the oldest first, a user message with the answer after it) and
+        fewer messages never take more tokens, so the fewest drops that fit are found by
+        bisection: a few renders of the template, not one per dropped turn (a /load of a few
+        thousand messages rendered and tokenized the conversation thousands of times)."""
         msgs = list(messages)
         limit = self.model.context - self.reserve()
-        dropped = 0
         n = self.count(msgs)
-        while n > limit:
-            first = 1 if msgs and msgs[0]["role"] == "system" else 0
-            if first >= len(msgs) - 1:
-                break
-            del msgs[first]
-            dropped += 1
-            # a turn is a user message and the answer to it: drop them together
-            if first < len(msgs) - 1 and msgs[first]["role"] == "assistant":
-                del msgs[first]
-                dropped += 1
-            n = self.count(msgs)
-        return msgs, dropped, n
+        if n <= limit:
+            return msgs, 0, n
+        first = 1 if msgs and msgs[0]["role"] == "system" else 0
+        cuts = [0]                  # cuts[k]: messages gone after k turns are dropped
+        while first + cuts[-1] < len(msgs) - 1:
+            d = cuts[-1] + 1
+            if first + d < len(msgs) - 1 and msgs[first + d]["role"] == "assistant":
+                d += 1              # a turn is a user message and the answer to it
+            cuts.append(d)
+
+        def kept(k: int) -> list[dict]:
+            return msgs[:first] + msgs[first + cuts[k]:]
+        lo, hi, best = 1, len(cuts) - 1, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            m = self.count(kept(mid))
+            if m <= limit:
+                best, hi = (mid, m), mid - 1
+            else:
+                lo = mid + 1
+        if best is None:            # not even the last message alone fits: keep just it
+            k = len(cuts) - 1
+            best = (k, self.count(kept(k)) if k else n)
+        k, m = best
+        return kept(k), cuts[k], m
 
     def _system(self) -> str | None:
         m = self.chat.messages
