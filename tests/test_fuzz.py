@@ -516,6 +516,44 @@ def test_fuzz_server_requests(hf_seed):
     assert ok[True] and ok[False], f"too few requests were answered to test much: {ok}"
 
 
+def test_server_refuses_bodies_built_to_break_the_parser(hf_seed, monkeypatch):
+    """Bodies that broke `cyllm serve`'s JSON parsing with a 500 (nesting past the recursion
+    limit, an integer past Python's digit limit) are 400s; a body past the size cap is a 413,
+    whether it declares its length or comes chunked; the server answers normally afterwards."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    import cyllm
+    import cyllm.tools.server.app as app
+    from test_server import start_server
+    monkeypatch.setattr(app, "MAX_BODY_BYTES", 1 << 20)
+    srv, thread, url = start_server(cyllm.load(str(hf_seed), threads=1))
+    hi = b'[{"role": "user", "content": "hi"}]'
+    cases = [
+        (b"[" * 100_000, 400, "nests 100000 levels"),
+        (b'{"messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", 400, "nests 50001 levels"),
+        (b'{"messages": ' + hi + b', "response_format": {"type": "json_schema", "json_schema": {"name": "x", '
+         b'"schema": ' + b'{"items": ' * 3000 + b"{}" + b"}" * 3000 + b"}}}", 400, "levels deep"),
+        (b'{"messages": ' + hi + b', "max_tokens": ' + b"9" * 5000 + b"}", 400, "parse the JSON"),
+        (b'"just a string"', 400, "must be a JSON object"),
+        (b'{"messages": ' + hi + b', "user": "' + b"x" * (2 << 20) + b'"}', 413, "larger than 1 MiB"),
+    ]
+    try:
+        with httpx.Client(timeout=60) as c:
+            def post(content):
+                return c.post(url + "/v1/chat/completions", content=content,
+                              headers={"content-type": "application/json"})
+            for body, status, words in cases:
+                r = post(body)
+                assert r.status_code == status and words in r.json()["error"]["message"], (body[:60], r.text[:300])
+            r = post(iter([b'{"messages": ' + hi + b', "user": "'] + [b"x" * 65536] * 40 + [b'"}']))   # chunked
+            assert r.status_code == 413, r.text[:300]
+            r = post(b'{"messages": ' + hi + b', "max_tokens": 2}')
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
 # ============================================================================ the JSON reader, in process
 
 @settings(max_examples=400, derandomize=True, database=None, deadline=None)

@@ -21,10 +21,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import completions
 from ...errors import ContextFullError, CyllmError
+from ...jsonio import nesting_depth
+from ...oneline import one_line
 from .worker import DONE, Job, Worker
 
 log = logging.getLogger("cyllm.server")
 RESERVED = ("llm", "stats", "cancel")          # keyword arguments of completions that a body cannot set
+# a request body is read whole before it is parsed: far above any context's worth of text
+# (a million tokens is ~4 MB), so only a body meant to exhaust memory is refused (413)
+MAX_BODY_BYTES = 64 << 20
+MAX_BODY_DEPTH = 256          # JSON nesting; json.loads recurses once per level
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None,
@@ -146,14 +152,37 @@ def create_app(llm, model_name: str, api_key: str | None = None, cache_bytes: in
 
 
 async def _json_body(request: Request):
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return error_response(400, f"We could not parse the JSON body of your request ({e})")
+    """The request's JSON object, or the OpenAI error response to send instead."""
+    too_big = f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB"
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        return error_response(413, too_big)
+    parts, size = [], 0
+    async for part in request.stream():        # chunked bodies declare no length
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            return error_response(413, too_big)
+        parts.append(part)
+    # a large body takes a while to scan and parse: off the event loop, like the rest
+    body, problem = await asyncio.to_thread(_parse_body, b"".join(parts))
+    if problem is not None:
+        return error_response(400, problem)
     if not isinstance(body, dict):
         return error_response(400, "the request body must be a JSON object")
     return body
+
+
+def _parse_body(raw: bytes) -> tuple:
+    """(the parsed body, None), or (None, the message saying why it cannot be parsed)."""
+    try:
+        text = raw.decode("utf-8")
+        depth = nesting_depth(text)
+        if depth > MAX_BODY_DEPTH:
+            return None, f"the JSON body nests {depth} levels deep (at most {MAX_BODY_DEPTH})"
+        return json.loads(text), None
+    except (ValueError, RecursionError) as e:
+        # JSONDecodeError, UnicodeDecodeError, and an integer past Python's digit limit
+        return None, f"We could not parse the JSON body of your request ({one_line(str(e), 200)})"
 
 
 async def _wait_disconnect(receive) -> None:
