@@ -229,6 +229,16 @@ def test_create_chat_completion_rejects_bad_arguments(default_model, kw):
         default_model.create_chat_completion([{"role": "user", "content": "hi"}], **kw)
 
 
+@pytest.mark.parametrize("key", ["temperature", "top_k", "seed", "max_tokens", "logprobs", "model", "stop",
+                                 "frobnicate"])
+def test_a_huge_bad_value_makes_a_short_error_line(default_model, key):
+    """A refused value is shown shortened: an 8 MB string in a request made an 8 MB error
+    line (and server response)."""
+    with pytest.raises(CyllmError) as e:
+        default_model.create_chat_completion([{"role": "user", "content": "hi"}], **{key: {"x" * (8 << 20): 1}})
+    assert len(str(e.value)) < 300 and "\n" not in str(e.value), str(e.value)[:300]
+
+
 def test_cancel_stops_generation(default_model):
     stats = GenerationStats()
     calls = []

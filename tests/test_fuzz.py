@@ -519,7 +519,8 @@ def test_fuzz_server_requests(hf_seed):
 def test_server_refuses_bodies_built_to_break_the_parser(hf_seed, monkeypatch):
     """Bodies that broke `cyllm serve`'s JSON parsing with a 500 (nesting past the recursion
     limit, an integer past Python's digit limit) are 400s; a body past the size cap is a 413,
-    whether it declares its length or comes chunked; the server answers normally afterwards."""
+    whether it declares its length or comes chunked; a huge bad value is not echoed whole in
+    the error; the server answers normally afterwards."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     import cyllm
@@ -535,6 +536,8 @@ def test_server_refuses_bodies_built_to_break_the_parser(hf_seed, monkeypatch):
          b'"schema": ' + b'{"items": ' * 3000 + b"{}" + b"}" * 3000 + b"}}}", 400, "levels deep"),
         (b'{"messages": ' + hi + b', "max_tokens": ' + b"9" * 5000 + b"}", 400, "parse the JSON"),
         (b'"just a string"', 400, "must be a JSON object"),
+        (b'{"messages": ' + hi + b', "temperature": "' + b"x" * (512 << 10) + b'"}', 400, "temperature must be"),
+        (b'{"messages": ' + hi + b', "' + b"k" * (512 << 10) + b'": 1}', 400, "unsupported parameter"),
         (b'{"messages": ' + hi + b', "user": "' + b"x" * (2 << 20) + b'"}', 413, "larger than 1 MiB"),
     ]
     try:
@@ -545,6 +548,7 @@ def test_server_refuses_bodies_built_to_break_the_parser(hf_seed, monkeypatch):
             for body, status, words in cases:
                 r = post(body)
                 assert r.status_code == status and words in r.json()["error"]["message"], (body[:60], r.text[:300])
+                assert len(r.content) < 1000, (body[:60], len(r.content))     # a value is not echoed whole
             r = post(iter([b'{"messages": ' + hi + b', "user": "'] + [b"x" * 65536] * 40 + [b'"}']))   # chunked
             assert r.status_code == 413, r.text[:300]
             r = post(b'{"messages": ' + hi + b', "max_tokens": 2}')

@@ -31,6 +31,7 @@ import numpy as np
 
 from .errors import ContextFullError, InvalidArgumentError, TokenizerError
 from .generate import GenerationStats, Session, StopScanner, check_stop, generate_tokens, sampling_params
+from .jsonio import short
 from .sampling import LogprobReader, Sampler, SamplingParams
 
 DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
@@ -147,14 +148,14 @@ def _check_other(other: dict) -> None:
         if key in _OFF_VALUES:
             if any(value == ok and type(value) is type(ok) for ok in _OFF_VALUES[key]):
                 continue
-            raise InvalidArgumentError(f"{key}={value!r} is not supported (cyllm serves one completion "
+            raise InvalidArgumentError(f"{key}={short(value)} is not supported (cyllm serves one completion "
                                        "per request, without tool calls or logit bias)")
-        raise InvalidArgumentError(f"unsupported parameter: {key!r}")
+        raise InvalidArgumentError(f"unsupported parameter: {short(key)}")
 
 
 def _num(name, v, lo=None, hi=None) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-        raise InvalidArgumentError(f"{name} must be a number, got {type(v).__name__} {v!r}")
+        raise InvalidArgumentError(f"{name} must be a number, got {type(v).__name__} {short(v)}")
     v = float(v)
     if not np.isfinite(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
         raise InvalidArgumentError(f"{name} must be in [{lo}, {hi}], got {v}")
@@ -163,7 +164,7 @@ def _num(name, v, lo=None, hi=None) -> float:
 
 def _int(name, v, lo=None, hi=None) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise InvalidArgumentError(f"{name} must be an integer, got {type(v).__name__} {v!r}")
+        raise InvalidArgumentError(f"{name} must be an integer, got {type(v).__name__} {short(v)}")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise InvalidArgumentError(f"{name} must be {bounds}, got {v}")
@@ -172,7 +173,7 @@ def _int(name, v, lo=None, hi=None) -> int:
 
 def _bool(name, v) -> bool:
     if not isinstance(v, bool):
-        raise InvalidArgumentError(f"{name} must be true or false, got {v!r}")
+        raise InvalidArgumentError(f"{name} must be true or false, got {short(v)}")
     return v
 
 
@@ -205,7 +206,7 @@ def _request(llm, obj, ids, max_tokens, sampling, stop, stream, stream_options, 
             raise InvalidArgumentError("stream_options needs stream: true")
         include_usage = _bool("stream_options.include_usage", stream_options.get("include_usage", False))
     if model_name is not None and not isinstance(model_name, str):
-        raise InvalidArgumentError(f"model must be a string, got {model_name!r}")
+        raise InvalidArgumentError(f"model must be a string, got {short(model_name)}")
     grammar = grammar_for(response_format)
     if grammar is not None:
         from .grammar import GrammarConstraint
@@ -263,7 +264,7 @@ def _chat_ids(llm, messages) -> list[int]:
             raise InvalidArgumentError(f"messages[{i}] must be an object with a 'role'")
         if m["role"] not in CHAT_ROLES:
             raise InvalidArgumentError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
-                                       f"got {m['role']!r}")
+                                       f"got {short(m['role'])}")
         msg = dict(m)      # other keys (name, tool_calls, tool_call_id) go to the template as they are
         msg["content"] = _content_text(i, m.get("content"))
         if msg["role"] == "developer":      # OpenAI's newer name for the system role

@@ -297,7 +297,7 @@ def check_stop(stop) -> list[str]:
 
 def _check_generation_args(max_tokens) -> None:
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise InvalidArgumentError(f"the number of tokens to generate must be >= 0, got {max_tokens!r}")
+        raise InvalidArgumentError(f"the number of tokens to generate must be >= 0, got {short(max_tokens)}")
 
 
 def sampling_params(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
@@ -314,10 +314,10 @@ def sampling_params(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0
                   frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
     for name, v in floats.items():
         if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
-            raise InvalidArgumentError(f"{name} must be a number, got {v!r}")
+            raise InvalidArgumentError(f"{name} must be a number, got {short(v)}")
     for name, v in (("top_k", top_k), ("repeat_last_n", repeat_last_n)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise InvalidArgumentError(f"{name} must be an integer, got {v!r}")
+            raise InvalidArgumentError(f"{name} must be an integer, got {short(v)}")
     return SamplingParams(top_k=int(top_k), repeat_last_n=int(repeat_last_n), seed=seed,
                           **{k: float(v) for k, v in floats.items()})
 

@@ -21,6 +21,7 @@ import weakref
 import numpy as np
 
 from .errors import CyllmError, InvalidArgumentError
+from .jsonio import short
 
 # JSON layout: one space after ':' and ',' (how people and models write JSON),
 # no free whitespace (a small model could otherwise loop on newlines)
@@ -77,7 +78,7 @@ def grammar_for(response_format) -> str | None:
         schema = spec.get("schema", {})
     else:
         raise InvalidArgumentError(
-            f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+            f"response_format.type must be 'text', 'json_object' or 'json_schema', got {short(kind)}")
     if not isinstance(schema, (dict, bool)):
         raise InvalidArgumentError("the JSON schema must be an object")
     llg = _llguidance()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import CyllmError, InvalidArgumentError
+from .jsonio import short
 
 
 @dataclass
@@ -51,7 +52,7 @@ class SamplingParams:
             if not np.isfinite(v) or not -2.0 <= v <= 2.0:
                 bad(f"{name} must be in [-2, 2], got {v}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            bad(f"seed must be an integer, got {self.seed!r}")
+            bad(f"seed must be an integer, got {short(self.seed)}")
         if self.seed == -1:
             self.seed = None               # llama.cpp's spelling of "a random seed"
         elif self.seed is not None and not 0 <= self.seed < 1 << 64:

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import completions
 from ...errors import ContextFullError, CyllmError
-from ...jsonio import nesting_depth
+from ...jsonio import nesting_depth, short
 from ...oneline import one_line
 from .worker import DONE, Job, Worker
 
@@ -111,15 +111,15 @@ def create_app(llm, model_name: str, api_key: str | None = None, cache_bytes: in
             return error_response(400, f"Missing required parameter: '{required}'")
         bad = [k for k in body if k in RESERVED]
         if bad:
-            return error_response(400, f"unsupported parameter: {bad[0]!r}")
+            return error_response(400, f"unsupported parameter: {short(bad[0])}")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
-            return error_response(400, f"stream must be true or false, got {stream!r}")
+            return error_response(400, f"stream must be true or false, got {short(stream)}")
         if not stream and body.get("stream_options") is not None:
             return error_response(400, "stream_options is only allowed when stream is true")
         name = body.pop("model", None)
         if name is not None and not isinstance(name, str):
-            return error_response(400, f"model must be a string, got {name!r}")
+            return error_response(400, f"model must be a string, got {short(name)}")
         body.update(stream=True, model=model_name)
         if not stream:
             body["stream_options"] = {"include_usage": True}
