@@ -215,15 +215,21 @@ def test_gpu_bench_scripts_bad_input_exit_2(script, args):
     assert "Traceback" not in r.stderr and err and err[-1].startswith(script.replace(".py", ""))
 
 
+def _bench_module(name: str):
+    """bench/NAME.py imported as a module (the scripts are not a package)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_sweep_values():
     """bench/sweep_cuda_decode.py's --vary values: numbers, none, format pairs, and compiler
     defines kept as written (case matters to the preprocessor)."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "bench" / "sweep_cuda_decode.py"
-    spec = importlib.util.spec_from_file_location("sweep_cuda_decode", path)
-    sw = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sw)
+    sw = _bench_module("sweep_cuda_decode")
     assert sw._value("8") == 8 and sw._value("0.5") == 0.5 and sw._value("None") is None
     assert sw._value("q4_0+q6_k") == ("q4_0", "q6_k") and sw._value("q4_0+") == ("q4_0",)
     assert sw._value("-DQMV_A+-DQMV_b") == ("-DQMV_A", "-DQMV_b")
@@ -235,12 +241,7 @@ def test_ncu_table_groups_launches(tmp_path):
     """bench/ncu_table.py on a log shaped like ncu --csv's: its notes skipped, launches grouped
     by kernel and shape, instructions a warp = inst_executed / warps_launched (medians), kernels
     ordered by summed time, an "n/a" value left out."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "bench" / "ncu_table.py"
-    spec = importlib.util.spec_from_file_location("ncu_table", path)
-    nt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(nt)
+    nt = _bench_module("ncu_table")
     head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
             '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
 
@@ -269,12 +270,7 @@ def test_ncu_table_memory_view(tmp_path):
     """--set memory: the metric list ncu is given, and a log of it tabled as GB/s (DRAM bytes
     over the kernel's time), DRAM % of peak, L2 hit rate, occupancy and sectors a request;
     values in the scaled units ncu prints by default (usecond, Mbyte) read as ns and bytes."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "bench" / "ncu_table.py"
-    spec = importlib.util.spec_from_file_location("ncu_table", path)
-    nt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(nt)
+    nt = _bench_module("ncu_table")
     listed = nt.metrics("memory").split(",")
     assert listed[0] == "gpu__time_duration.sum" and "lts__t_sector_hit_rate.pct" in listed
     assert not any(m.startswith("smsp__average_warps_issue_stalled") for m in listed)
@@ -301,12 +297,7 @@ def test_trace_groups_block_records_into_launches():
     """bench/trace_cuda_decode.py's grouping of per-block records (tag<<40 | sm<<32 | block,
     start, wait return, end; ns): a kernel's blocks form one launch per block index, launches
     come in order of their last end, and the first and median wait returns are kept."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "bench" / "trace_cuda_decode.py"
-    spec = importlib.util.spec_from_file_location("trace_cuda_decode", path)
-    tr = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tr)
+    tr = _bench_module("trace_cuda_decode")
     att, mv = 0x1000, (1 << 8) | 1 << 2          # attention; q4_0 out += W x
 
     def rows(tag, blocks):
@@ -325,12 +316,7 @@ def test_trace_stage_marks():
     """The stage marks of cuda/common.cuh TRACE_MARK (record columns 4-7): per launch, the
     median over the blocks that marked every stage of wait -> mark 1 -> ... -> mark 4 -> end,
     in us; blocks with a missing mark, or that never waited, are left out."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "bench" / "trace_cuda_decode.py"
-    spec = importlib.util.spec_from_file_location("trace_cuda_decode", path)
-    tr = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tr)
+    tr = _bench_module("trace_cuda_decode")
     att = 0x1000
     rec = np.array([
         # id, start, wait, end, marks 1..4 (ns)

@@ -58,8 +58,10 @@ def nesting_depth(text: str) -> int:
     return deepest
 
 
-def parse_json(text: str | bytes, where: str, err: type[CyllmError] = ModelLoadError) -> Any:
-    """``text`` parsed as JSON, or ``err`` with one line naming ``where``."""
+def parse_json(text: str | bytes, where: str, err: type[CyllmError] = ModelLoadError,
+               max_depth: int = MAX_DEPTH) -> Any:
+    """``text`` parsed as JSON, or ``err`` with one line naming ``where``; ``max_depth``: the
+    deepest nesting taken (a server's request bodies carry JSON schemas, deeper than configs)."""
     if isinstance(text, (bytes, bytearray, memoryview)):
         try:
             text = bytes(text).decode("utf-8")
@@ -68,8 +70,8 @@ def parse_json(text: str | bytes, where: str, err: type[CyllmError] = ModelLoadE
     if len(text) > MAX_FILE_BYTES:
         raise err(f"{where} is {len(text)} characters long, beyond any real config ({MAX_FILE_BYTES})")
     depth = nesting_depth(text)
-    if depth > MAX_DEPTH:
-        raise err(f"{where} nests {depth} levels deep (at most {MAX_DEPTH}); it is not a real config file")
+    if depth > max_depth:
+        raise err(f"{where} nests {depth} levels deep (at most {max_depth})")
 
     def parse_int(s: str) -> int:
         if len(s) > MAX_INT_DIGITS:

@@ -20,9 +20,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import completions
-from ...errors import ContextFullError, CyllmError
-from ...jsonio import nesting_depth, short
-from ...oneline import one_line
+from ...errors import ContextFullError, CyllmError, InvalidArgumentError
+from ...jsonio import parse_json, short
 from .worker import DONE, Job, Worker
 
 log = logging.getLogger("cyllm.server")
@@ -30,7 +29,7 @@ RESERVED = ("llm", "stats", "cancel")          # keyword arguments of completion
 # a request body is read whole before it is parsed: far above any context's worth of text
 # (a million tokens is ~4 MB), so only a body meant to exhaust memory is refused (413)
 MAX_BODY_BYTES = 64 << 20
-MAX_BODY_DEPTH = 256          # JSON nesting; json.loads recurses once per level
+MAX_BODY_DEPTH = 256          # JSON nesting (json.loads recurses once per level)
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None,
@@ -173,16 +172,12 @@ async def _json_body(request: Request):
 
 
 def _parse_body(raw: bytes) -> tuple:
-    """(the parsed body, None), or (None, the message saying why it cannot be parsed)."""
+    """(the parsed body, None), or (None, the message saying why it cannot be parsed): jsonio's
+    bounded parser (nesting, integer digits), so no body makes json.loads raise past us."""
     try:
-        text = raw.decode("utf-8")
-        depth = nesting_depth(text)
-        if depth > MAX_BODY_DEPTH:
-            return None, f"the JSON body nests {depth} levels deep (at most {MAX_BODY_DEPTH})"
-        return json.loads(text), None
-    except (ValueError, RecursionError) as e:
-        # JSONDecodeError, UnicodeDecodeError, and an integer past Python's digit limit
-        return None, f"We could not parse the JSON body of your request ({one_line(str(e), 200)})"
+        return parse_json(raw, "it", InvalidArgumentError, max_depth=MAX_BODY_DEPTH), None
+    except CyllmError as e:
+        return None, f"We could not parse the JSON body of your request: {e}"
 
 
 async def _wait_disconnect(receive) -> None:
