@@ -29,10 +29,11 @@ import csv
 import statistics
 import sys
 
+# lg_throttle: the SM's queue of global loads is full (too many requests in flight from it)
 STALLS = ("no_instruction", "long_scoreboard", "wait", "short_scoreboard", "barrier", "branch_resolving",
-          "mio_throttle")
+          "mio_throttle", "lg_throttle")
 SHORT = {"no_instruction": "no inst", "long_scoreboard": "long sb", "short_scoreboard": "short sb",
-         "branch_resolving": "branch", "mio_throttle": "mio"}
+         "branch_resolving": "branch", "mio_throttle": "mio", "lg_throttle": "lg"}
 BASE = ("gpu__time_duration.sum", "smsp__inst_executed.sum", "smsp__warps_launched.sum", "sm__cycles_active.max")
 
 

@@ -203,6 +203,26 @@ def test_rope_fold_rule():
         assert CQ.rope_fold_pays(be, stack(fmt, 576, 576, 192))      # SmolLM2-135M
 
 
+def test_balanced_carveout_rule():
+    """The gate+up carveout of the 32-element 4/5-bit formats holds ceil(tiles / SMs) blocks (with the
+    driver's reserve each) and is the smallest percent that does; -1 (the driver's) when the
+    device did not say its capacity, 100 at most."""
+    from types import SimpleNamespace
+    cap = 228 * 1024                                 # an H100's or H200's shared memory an SM
+    be = SimpleNamespace(sm_count=132, smem_per_sm=cap, smem_reserved_per_block=1024)
+    smem = CQ._shared_bytes(4096, 4, 2)
+    assert CQ._balanced_carveout(be, smem, 344) == 11           # Llama-2-7B's q4_0 gate+up: 3 blocks
+    for tiles in (133, 264, 265, 344, 396, 397, 2000):
+        for sm in (512, smem, 20000, 48 * 1024):
+            pct = CQ._balanced_carveout(be, sm, tiles)
+            need = -(-tiles // 132) * (sm + 1024)
+            if need <= cap:
+                assert pct * cap >= 100 * need > (pct - 1) * cap, (tiles, sm, pct)
+            else:
+                assert pct == 100
+    assert CQ._balanced_carveout(SimpleNamespace(sm_count=132, smem_per_sm=0), smem, 344) == -1
+
+
 def test_references_agree():
     """deq64 (the tests' float64 weights) matches reference.dequantize for every format."""
     rng = np.random.default_rng(3)
@@ -609,6 +629,31 @@ def test_weight_loads_issued_before_pdl_wait(tmp_path):
     for name in ("qmv_qkv_pair", "qmv_qkv_pair_norm", "qmv_qkv_rope_pair", "qmv_qkv_rope_pair_norm"):
         assert re.search(rf"Function : {name}\s*\n", sass), f"{name} missing from the pair module's SASS"
     assert not late, f"no weight load before the wait in {late}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["q4_0", "q5_1"])
+def test_gate_up_carveout_keeps_a_balanced_wave(be, cp, fmt):
+    """A gate+up of more tiles than SMs (its carveout sized for ceil(tiles / SMs) blocks) still
+    has that many blocks resident an SM by the occupancy API, and computes the same products."""
+    rng = np.random.default_rng(31)
+    f = FORMATS[fmt]
+    d, n = 32 * (2 * be.sm_count + 5), 4096                       # 2 SMs' worth of tiles and more
+    raws = [random_blocks(fmt, d, n, rng) for _ in range(2)]
+    wg, wu = (be.upload(QuantMatrix(r, fmt, (d, n))) for r in raws)
+    x = rng.standard_normal(n).astype(np.float32)
+    out = be.empty(d)
+    be.gate_up(out, wg, wu, be.upload(x), "silu")
+    k = CQ.kernel(be, f"qmv_gate_up_silu_{fmt}", fmt)
+    warps = CQ.matvec_warps(be, wg, 2)
+    want = -(-(d // 32) // be.sm_count)
+    occ = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(k.kernel.ptr, 32 * warps,
+                                                                  CQ._shared_bytes(n, warps, 2))
+    regs_cap = 65536 // (32 * warps * max(k.num_regs, 1))     # blocks the registers allow
+    assert occ >= min(want, regs_cap), (occ, want, regs_cap)
+    xq = xq64(x, fmt)
+    g, u = (deq64(r, fmt, n) @ xq for r in raws)
+    assert rel(be.to_host(out), silu(g) * u) < 1e-4, f.name
 
 
 @pytest.mark.cuda

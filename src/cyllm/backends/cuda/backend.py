@@ -77,6 +77,10 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
         name = props.get("name", b"GPU")
         self.device_name = name.decode() if isinstance(name, bytes) else str(name)
         self.sm_count = int(props.get("multiProcessorCount", 1))
+        # the unified L1/shared array's shared part at most, and what the driver keeps of it per
+        # block (cuda_quant sizes some launches' carveouts from these)
+        self.smem_per_sm = int(props.get("sharedMemPerMultiprocessor", 0) or 0)
+        self.smem_reserved_per_block = int(props.get("reservedSharedMemPerBlock", 1024) or 0)
 
         self._module = None
         self._kernels: dict = {}
