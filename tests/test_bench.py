@@ -332,7 +332,7 @@ def test_trace_stage_marks():
     assert tr.launches(rec[2:])[0]["stages"] is None               # no block marked them all
 
 
-CUPY_SCRIPTS = {"bench_cuda.py", "bench_cuda_quant.py"}     # import CuPy at the top
+CUPY_SCRIPTS = {"bench_cuda.py", "bench_cuda_quant.py", "probe_cuda_read.py"}     # import CuPy at the top
 HELPERS = {"cuda_switches.py", "shown_paths.py"}               # imported by the scripts, no main
 
 
