@@ -84,6 +84,9 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
 
         self._module = None
         self._kernels: dict = {}
+        self._matvec_carveout = None    # percent (-1: the driver's) of the last quantized matvec
+        self._carveouts: dict = {}      # kernel name -> the carveout _same_carveout set on it
+        self.match_carveout = True      # False: the driver's for them, as before (measurements)
         self.plain_loads = False        # True when the module was built without the PTX load hints
         # decode_step state: step = {token, pos} on the device, read by the graph's kernels
         self._step = cp.zeros(2, dtype=cp.int32)
@@ -136,6 +139,23 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
             if self._module is None:
                 self._module, self.plain_loads = module_for(self.device.id, self.compile_defines)
             k = self._kernels[name] = self._module.get_function(name)
+        return k
+
+    def _same_carveout(self, name: str):
+        """The kernel ``name`` with the shared-memory carveout of the quantized matvec launched
+        last, where cuda_quant asks for that (``_matvec_carveout``: the K-quants), else the
+        driver's. Llama-2-7B Q4_K_M decode on an H100, attention and rope_store at the driver's
+        choice against the q4_k/q6_k matvecs' largest carveout: 340.2 tok/s at depth 4096 and
+        508.1 at 0; matched, 353.9 and 514.9 (two runs, bench/results/cuda_quant_model_h100.md,
+        eighteenth session). Likely because an SM changes its L1/shared split only between
+        blocks, so kernels of different carveouts cannot overlap under PDL -- yet q8_0's
+        decode at depth lost as much matched, so the rule stays where it was measured."""
+        k = self._k(name)
+        want = self._matvec_carveout if self.match_carveout else None
+        want = -1 if want is None else want
+        if self._carveouts.get(name, -1) != want:
+            k.preferred_shared_memory_carveout = want
+            self._carveouts[name] = want
         return k
 
     def _launch(self, name: str, grid, block, args, shared_mem: int = 0) -> None:
@@ -346,7 +366,7 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
         if k.shape[0] != n_kv * hd or v.shape[0] != n_kv * hd:
             raise InvalidArgumentError(f"rope_store: k {tuple(k.shape)} does not fit a cache of {n_kv} heads x {hd}")
         nq = q.shape[0] // hd
-        self._launch("rope_store_f32", (_blocks((nq + n_kv) * half, 256),), (256,),
+        self._launch(self._same_carveout("rope_store_f32"), (_blocks((nq + n_kv) * half, 256),), (256,),
                      (q, k, v, cos, sin, k_cache, v_cache, self._step, p, np.int32(n_pos),
                       np.int32(max_ctx), np.int32(nq), np.int32(n_kv), np.int32(half)))
 
@@ -419,7 +439,7 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
                 gt //= 2
         if gt:
             ve = self._attn_early(int(pos), n_kv, chunk)
-            self._launch(ATTN_SPLIT_KERNELS[(gt, ve)], (n_kv, n_split), (ATT_THREADS,),
+            self._launch(self._same_carveout(ATTN_SPLIT_KERNELS[(gt, ve)]), (n_kv, n_split), (ATT_THREADS,),
                          (out, counters, o_part, m_part, l_part) + args_tail,
                          shared_mem=self._attn_smem(gt, hd, chunk, n_split))
         else:
