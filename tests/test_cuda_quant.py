@@ -223,6 +223,36 @@ def test_balanced_carveout_rule():
     assert CQ._balanced_carveout(SimpleNamespace(sm_count=132, smem_per_sm=0), smem, 344) == -1
 
 
+def test_decode_kernels_follow_the_k_quant_carveout():
+    """Attention and rope_store take the carveout of the quantized matvec launched last when it
+    is a K-quant's (the largest), and the driver's (-1) again after a q8_0 or q4_0 matvec, or
+    with match_carveout off; the attribute is set only when it changes."""
+    from types import SimpleNamespace
+    from cyllm.backends.cuda.backend import CudaBackend
+    sets = []
+
+    class Kern:
+        def __setattr__(self, name, value):
+            sets.append((name, value))
+
+    kern = Kern()
+    be = SimpleNamespace(_matvec_carveout=None, _carveouts={}, match_carveout=True, _k=lambda name: kern)
+    follow = lambda: CudaBackend._same_carveout(be, "attn")       # noqa: E731
+    mv = Kern()
+    CQ._CARVEOUT.clear()
+    for fmt, want in (("q4_k", 100), ("q6_k", 100), ("q8_0", -1), ("q4_0", -1), ("q5_k", 100)):
+        CQ._carveout(be, mv, fmt)
+        sets.clear()
+        assert follow() is kern
+        assert be._carveouts["attn"] == want, fmt
+        follow()
+        assert len(sets) <= 1                                       # once per change
+    be.match_carveout = False
+    follow()
+    assert be._carveouts["attn"] == -1 and sets[-1] == ("preferred_shared_memory_carveout", -1)
+    CQ._CARVEOUT.clear()
+
+
 def test_references_agree():
     """deq64 (the tests' float64 weights) matches reference.dequantize for every format."""
     rng = np.random.default_rng(3)
