@@ -202,17 +202,23 @@ def main(argv=None) -> int:
             kf = mod.get_function(kn)
             probe(f"{kn}, {w} warps", lambda g, u, kf=kf, w=w: (
                 lambda: kf((tiles,), (32 * w,), (g, u, sink, np.int32(nbi)), stream=be._stream)))
+    def residency():
+        """(warps a block, registers, blocks an SM by the occupancy API) of the real gate+up as
+        last launched (its carveout included)."""
+        k = CQ.kernel(be, f"qmv_gate_up_silu_{args.fmt}", args.fmt)
+        warps = CQ.matvec_warps(be, gs[0], 2)
+        occ = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            k.kernel.ptr, 32 * warps, CQ._shared_bytes(n, warps, 2))
+        return warps, k.num_regs, occ
+
     for setting in args.defines.split(","):
         be.compile_defines = () if setting == "none" else tuple(setting.split("+"))
         for pdl in (False,) if args.profile else (False, True):
             fns = [lambda a=a, b=b: be.gate_up(o, a, b, x, "silu") for a, b in zip(gs, us)] * 3
             c, t = timed(2 * size, fns, pdl)
-            k = CQ.kernel(be, f"qmv_gate_up_silu_{args.fmt}", args.fmt)
-            warps = CQ.matvec_warps(be, gs[0], 2)
-            occ = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                k.kernel.ptr, 32 * warps, CQ._shared_bytes(n, warps, 2))
+            warps, regs, occ = residency()
             print(f"| cyllm gate_up {args.fmt} {setting} ({'pdl' if pdl else 'plain'}; {warps} warps, "
-                  f"{k.num_regs} registers, {occ} blocks an SM) | {c} | {t:.2f} |", flush=True)
+                  f"{regs} registers, {occ} blocks an SM) | {c} | {t:.2f} |", flush=True)
     be.compile_defines = ()
     if args.carveouts:
         g4, size4 = BQ.upload_copies(be, args.fmt, 4096, 4096, l2)
@@ -225,10 +231,7 @@ def main(argv=None) -> int:
             c1, t1 = timed(2 * size, fns, True)
             fns = [lambda a=a: be.matvec(o4, a, x4) for a in g4] * 3
             c2, t2 = timed(size4, fns, True)
-            k = CQ.kernel(be, f"qmv_gate_up_silu_{args.fmt}", args.fmt)
-            warps = CQ.matvec_warps(be, gs[0], 2)
-            occ = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                k.kernel.ptr, 32 * warps, CQ._shared_bytes(n, warps, 2))
+            occ = residency()[2]
             print(f"| carveout {c}%: gate_up {args.fmt} (pdl; {occ} blocks an SM) | {c1} | {t1:.2f} "
                   f"| 4096x4096 matvec | {c2} | {t2:.2f} |", flush=True)
         be.qmv_carveout = None
