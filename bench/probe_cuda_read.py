@@ -9,7 +9,7 @@ The decode gate+up matvec (cuda/quant_matvec.cu, qmv_tile) gives a block one row
 the next. This probe reads the same bytes in the same order with read-only kernels of its
 own, so that what the access pattern costs and what the dot's work costs come apart:
 
-  flat        a grid-stride read of both matrices (4 loads a thread in flight): the ceiling
+  flat        a grid-stride read of both matrices (8 loads a thread in flight): the ceiling
   tile        the kernel's mapping, one item a matrix in flight, a trivial use of the words
   tile+work   the same with ~the dot's instructions on the words (2 dp4a and 2 ands a word)
   ...P2       two items a matrix in flight (the next item's loads out before the use)
@@ -17,8 +17,11 @@ own, so that what the access pattern costs and what the dot's work costs come ap
 
 next to the real gate+up kernel (be.gate_up over uploaded random blocks) and the F16 one
 of the same shape. Every kernel is timed as a captured graph of launches over copies of
-the matrices totalling > 4x L2 (the bytes come from DRAM), plain launches; GB/s are the
+the matrices totalling > 4x L2 (the bytes come from DRAM), plain launches (the real
+kernels also under programmatic dependent launch, as decode runs them); GB/s are the
 matrices' bytes per second, and % is of the copy bandwidth measured in the same run.
+--defines times the real kernel built with throwaway compile switches, --carveouts under
+forced shared-memory carveouts (with the blocks an SM the occupancy API then reports).
 """
 from __future__ import annotations
 
@@ -164,7 +167,6 @@ def main(argv=None) -> int:
     raw = [cp.random.randint(0, 2**31, size=(units, 4), dtype=cp.int64).astype(cp.uint32) for _ in range(2 * ncop)]
     sink = cp.zeros(1, dtype=cp.int32)
     mod = cp.RawModule(code=SRC, options=("-std=c++17", f"-DUPIV={upi}"))
-    rows = []
 
     def cellp(nbytes, secs):
         gbs = nbytes / secs / 1e9
@@ -189,7 +191,6 @@ def main(argv=None) -> int:
     def probe(label, fn_of):
         fns = [fn_of(raw[2 * c], raw[2 * c + 1]) for c in range(ncop)] * 3
         c, t = timed(pbytes, fns, False)
-        rows.append((label, c, t))
         print(f"| {label} | {c} | {t:.2f} |", flush=True)
 
     sm = cp.cuda.Device().attributes["MultiProcessorCount"]
@@ -235,6 +236,8 @@ def main(argv=None) -> int:
             print(f"| carveout {c}%: gate_up {args.fmt} (pdl; {occ} blocks an SM) | {c1} | {t1:.2f} "
                   f"| 4096x4096 matvec | {c2} | {t2:.2f} |", flush=True)
         be.qmv_carveout = None
+        for name in (f"qmv_gate_up_silu_{args.fmt}", f"qmv_{args.fmt}"):    # back to the rule's
+            CQ.set_carveout(CQ.kernel(be, name, args.fmt), -1)
         CQ._CARVEOUT.clear()
         del g4
     del gs, us

@@ -84,8 +84,7 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
 
         self._module = None
         self._kernels: dict = {}
-        self._matvec_carveout = None    # percent (-1: the driver's) of the last quantized matvec
-        self._carveouts: dict = {}      # kernel name -> the carveout _same_carveout set on it
+        self._matvec_carveout = None    # the K-quant matvec's carveout for attention (_same_carveout)
         self.match_carveout = True      # False: the driver's for them, as before (measurements)
         self.plain_loads = False        # True when the module was built without the PTX load hints
         # decode_step state: step = {token, pos} on the device, read by the graph's kernels
@@ -143,23 +142,23 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
 
     def _same_carveout(self, name: str):
         """The kernel ``name`` with the shared-memory carveout of the quantized matvec launched
-        last, where cuda_quant asks for that (``_matvec_carveout``: the K-quants), else the
-        driver's. Llama-2-7B Q4_K_M decode on an H100, attention and rope_store at the driver's
-        choice against the q4_k/q6_k matvecs' largest carveout: 340.2 tok/s at depth 4096 and
-        508.1 at 0; matched, 353.9 and 514.9 (two runs, bench/results/cuda_quant_model_h100.md,
-        eighteenth session). Likely because an SM changes its L1/shared split only between
-        blocks, so kernels of different carveouts cannot overlap under PDL -- yet q8_0's
-        decode at depth lost as much matched, so the rule stays where it was measured."""
+        last where cuda_quant asks for that (``_matvec_carveout``: the K-quants' largest), else
+        the driver's. In decode that matvec is the layer's q/k/v, so a model of one q/k/v
+        format keeps one value through a captured step. Llama-2-7B Q4_K_M decode on an H100,
+        attention and rope_store at the driver's choice against the q4_k/q6_k matvecs' largest
+        carveout: 340.2 and 341.5 tok/s at depth 4096 in two runs, 508.1 at depth 0; matched,
+        353.9, 353.2 and 514.9 (bench/results/cuda_quant_model_h100.md, eighteenth session).
+        Why is not known: kernels of one carveout overlapping better under PDL is a guess that
+        q8_0 contradicts (its decode at depth lost as much matched), so the rule stays where it
+        was measured."""
         k = self._k(name)
         want = self._matvec_carveout if self.match_carveout else None
-        want = -1 if want is None else want
-        if self._carveouts.get(name, -1) != want:
-            k.preferred_shared_memory_carveout = want
-            self._carveouts[name] = want
+        cuda_quant.set_carveout(k, -1 if want is None else want)
         return k
 
-    def _launch(self, name: str, grid, block, args, shared_mem: int = 0) -> None:
-        """Launch a decode kernel whose dependent accesses follow pdl_wait.
+    def _launch(self, name, grid, block, args, shared_mem: int = 0) -> None:
+        """Launch a decode kernel (``name``: its name, or the kernel) whose dependent accesses
+        follow pdl_wait.
 
         Under decode_step (and use_pdl) it goes out with programmatic dependent
         launch, so it overlaps the previous kernel's tail; otherwise as usual.
@@ -277,6 +276,7 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
                             self.matvec_unroll, self.matvec_unroll_wide, self.matvec_shape_rule)
 
     def _mv(self, base: str, out, w0, w1, x, rmax: int):
+        self._matvec_carveout = None    # FP16 weights: attention keeps the driver's carveout
         d, n = w0.shape
         if x.shape[0] != n or out.shape[0] != d:
             self._flush()
@@ -446,7 +446,7 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
             smem = 4 * (hd + chunk + ATT_WARPS + ATT_WARPS * n_split)
             if smem > SMEM_LIMIT:
                 raise InvalidArgumentError(f"attention: head_dim {hd} is too large for the cuda backend")
-            self._k("attn_split_generic")((n_heads, n_split), (ATT_THREADS,),
+            self._same_carveout("attn_split_generic")((n_heads, n_split), (ATT_THREADS,),
                                           (out, counters, o_part, m_part, l_part) + args_tail, shared_mem=smem)
 
     def swiglu(self, out, gate, up):

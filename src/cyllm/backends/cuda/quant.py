@@ -310,7 +310,10 @@ def kernel(be, name: str, fmt: str):
     return k
 
 
-_CARVEOUT: dict = {}      # id(kernel) -> shared-memory carveout (%) set on it
+# CUfunction handle -> the shared-memory carveout (%) set on it. The attribute belongs to the
+# function, which every backend of the process shares (the compiled modules are cached per
+# device), so this cache is the process's too; absent = unknown, set at the next use.
+_CARVEOUT: dict = {}
 # formats whose matvec runs faster with the largest shared-memory carveout (percent of the
 # unified L1/shared array), measured on an H100 under PDL (bench/results/cuda_quant_h100.md):
 # one-wave grids (4096 rows) gain -- q4_k 4096x4096 61% -> 77% of copy bandwidth, q6_k 70 -> 80,
@@ -321,12 +324,22 @@ _CARVEOUT: dict = {}      # id(kernel) -> shared-memory carveout (%) set on it
 # choice (cuLaunchKernelEx's preferred-carveout launch attribute, one-wave launches only) is
 # the measured-best rule, not done here.
 _CARVEOUT_MAX = ("q8_0", "q4_k", "q5_k", "q6_k")
-_MATCH_CARVEOUT = ("q4_k", "q5_k", "q6_k")
+_MATCH_CARVEOUT = ("q4_k", "q5_k", "q6_k")     # measured on q4_k + q6_k (Q4_K_M); q5_k by kinship
+
+
+def set_carveout(k, want: int) -> None:
+    """Set kernel ``k``'s preferred shared-memory carveout (percent, -1 = the driver's choice)
+    unless it already has that value."""
+    fn = getattr(k, "kernel", k)                # RawKernel -> its cupy.cuda.Function
+    key = getattr(fn, "ptr", None) or id(k)
+    if _CARVEOUT.get(key) != want:
+        k.preferred_shared_memory_carveout = want
+        _CARVEOUT[key] = want
 
 
 def _carveout(be, k, fmt: str, want: int | None = None) -> None:
-    """Set the kernel's preferred shared-memory carveout once: ``want`` (percent, -1 = the
-    driver's choice) or the table above (``be.qmv_carveout`` overrides both, for experiments)."""
+    """Set a quantized matvec's carveout: ``want`` or the table above (``be.qmv_carveout``
+    overrides both, for experiments)."""
     forced = getattr(be, "qmv_carveout", None)
     if want is None:
         want = 100 if fmt in _CARVEOUT_MAX else -1
@@ -335,22 +348,18 @@ def _carveout(be, k, fmt: str, want: int | None = None) -> None:
     # attention and rope_store follow the K-quants' (CudaBackend._same_carveout); q8_0's decode
     # at depth 4096 was 3.6% slower with them at its largest carveout (H100), so not q8_0's
     be._matvec_carveout = want if fmt in _MATCH_CARVEOUT else None
-    key = id(k)
-    if forced is not None or _CARVEOUT.get(key, -1) != want:
-        k.preferred_shared_memory_carveout = want
-        _CARVEOUT[key] = want
+    set_carveout(k, want)
 
 
 # gate+up of the 32-element 4/5-bit formats over several blocks an SM: a carveout that holds
 # only the blocks a balanced wave needs (ceil(tiles / SMs)), not more. Llama-2-7B's 344 tiles
 # of q4_0 (4 warps, 7.2 KB a block) fit 4 blocks an SM under the driver's carveout and 3 under
-# this one: alone, 65% -> 76% of copy bandwidth on an H200 and 80% -> 85% on an H100; in decode,
-# 604 -> 619 tok/s (H200) and 534 -> 543 (H100), the same at depth 4096. Not q8_0 and the
-# K-quants, whose matvecs keep the largest carveout: q8_0's gate+up alone gained (86% -> 91%,
-# H200) and its decode did not (H100: +4% at depth 0, -4% at 4096), nor q4_k's (584 vs 581,
-# H200) -- likely because an SM switches its L1/shared split only between blocks, so a gate+up
-# of another carveout than its neighbours cannot overlap them under PDL. Nor one-wave
-# launches (small models): their next kernel's blocks must fit beside them under PDL
+# this one: alone, 65% -> 76% of copy bandwidth on an H200 and 79% -> 85% on an H100; in decode
+# at depth 0, 597 -> 618 and 604 -> 619 tok/s in two H200 runs and +0.9% to +1.7% in three H100
+# runs (530 -> 535 the last), unchanged at depth 4096 (H100). Not q8_0 and the K-quants, whose
+# matvecs keep the largest carveout: q8_0's gate+up alone gained (86% -> 91%, H200) and its
+# decode did not (H100: +4% at depth 0, -4% at 4096), nor q4_k's (584 vs 581, H200). Nor
+# one-wave launches (small models): their next kernel's blocks must fit beside them under PDL
 # (bench/results/cuda_quant_model_h100.md, eighteenth session).
 _BALANCED_GATE_UP = ("q4_0", "q4_1", "q5_0", "q5_1")
 
