@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -280,6 +281,39 @@ def test_partial_file_has_a_name_of_its_own(tmp_path):
     assert theirs.read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.gguf", "o.gguf.part", "tiny-F16.gguf"]
     assert gguf.GGUFReader(str(out)).tensors
+
+
+def test_partial_files_of_killed_runs_are_removed(tmp_path, capsys):
+    """A run killed with SIGKILL leaves its partial file; the next run to the same output
+    removes it (and says so), but not a partial file whose process still runs, one written to
+    recently, another output's, or a file of another name."""
+    from cyllm.tools import quantize as Q
+    src = _tiny_gguf(tmp_path)
+    out = tmp_path / "o.gguf"
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        killed.kill()
+        killed.wait()
+        old = time.time() - 2 * Q.STALE_AFTER_S
+        made = {}
+        for key, name in (("stale", f".o.gguf.{killed.pid}-0123abcd.part"),
+                          ("fresh", f".o.gguf.{killed.pid}-89abcdef.part"),
+                          ("running", f".o.gguf.{alive.pid}-00000000.part"),
+                          ("other output", f".p.gguf.{killed.pid}-0123abcd.part"),
+                          ("other name", f".o.gguf.{killed.pid}.part")):
+            made[key] = tmp_path / name
+            made[key].write_bytes(b"x" * 4096)
+            if key != "fresh":
+                os.utime(made[key], (old, old))
+        Q.quantize(src, out, "q8_0", threads=1)
+        assert not made["stale"].exists()
+        assert all(p.exists() for k, p in made.items() if k != "stale")
+        assert "removed 4 kB of partial files" in capsys.readouterr().err
+        assert gguf.GGUFReader(str(out)).tensors
+    finally:
+        alive.kill()
+        alive.wait()
 
 
 def test_failed_write_is_one_error_and_leaves_nothing(tmp_path, monkeypatch):

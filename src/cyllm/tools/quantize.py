@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
+import stat
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -236,6 +239,7 @@ def _write(dst: Path, arch: str, kvs: list, items: list[_Item], threads: int | N
     # a short name of its own beside dst, renamed over it at the end (never someone's X.part,
     # never too long where dst is not; created by the writer, so the file gets the usual
     # permissions). A symlink at dst (with --force) is replaced, not written through.
+    remove_stale_partials(dst)
     tmp = dst.with_name(f".{dst.name[:40]}.{os.getpid()}-{secrets.token_hex(4)}.part")
     try:
         w.path = tmp
@@ -271,6 +275,51 @@ def _write(dst: Path, arch: str, kvs: list, items: list[_Item], threads: int | N
 
 
 _STEP_ELEMS = 1 << 22
+STALE_AFTER_S = 120         # a partial file untouched this long, of a process gone, is an orphan
+
+
+def remove_stale_partials(dst: Path) -> int:
+    """Remove the partial files of ``dst`` that a killed run (kill -9, a crash, a lost machine)
+    left beside it: named by _write, their process no longer running here, and not written to
+    for STALE_AFTER_S (a run on another machine sharing the folder keeps its file fresh). Each
+    holds up to a whole model, and their unique names would otherwise pile up. Returns the
+    bytes removed; a note says so."""
+    pat = re.compile(r"\." + re.escape(dst.name[:40]) + r"\.(\d+)-[0-9a-f]{8}\.part")
+    freed = 0
+    try:
+        names = [e.name for e in os.scandir(dst.parent) if pat.fullmatch(e.name)]
+    except OSError:
+        return 0                    # no folder to look in: the write says why
+    now = time.time()
+    for name in names:
+        pid = int(pat.fullmatch(name).group(1))
+        path = dst.parent / name
+        try:
+            st = path.lstat()
+            if pid == os.getpid() or not stat.S_ISREG(st.st_mode) or now - st.st_mtime < STALE_AFTER_S:
+                continue
+            if _running(pid):
+                continue
+            path.unlink()
+            freed += st.st_size
+        except OSError:
+            continue                # gone meanwhile, or not ours to remove
+    if freed:
+        from ..memory import fmt_bytes
+        print(f"cyllm: note: removed {fmt_bytes(freed)} of partial files an interrupted run "
+              f"left beside {dst.name}", file=sys.stderr)
+    return freed
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (one we may not signal counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 def _float_tensor(it: _Item) -> np.ndarray:
