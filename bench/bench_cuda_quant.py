@@ -181,12 +181,10 @@ def bench_residency(be, bw, l2, lines):
             occ = f"? ({type(e).__name__})"
         cells = []
         for c in (-1, None, 100):
-            be.qmv_carveout = c
-            CQ._CARVEOUT.clear()
+            be.qmv_carveout = c                 # None: the rule's (cuda_quant._carveout)
             cells.append(cell(size / time_graph(be, fns, True) / 1e9, bw))
         be.qmv_carveout = None
-        CQ._CARVEOUT.clear()
-        k.preferred_shared_memory_carveout = -1
+        CQ._CARVEOUT.clear()                    # unknown again: the next launch sets the rule's
         lines.append(f"| {fmt} | {warps} | {k.num_regs} | {smem} | {occ} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
         del ws, fns

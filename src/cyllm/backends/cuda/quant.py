@@ -355,8 +355,9 @@ def _carveout(be, k, fmt: str, want: int | None = None) -> None:
 # only the blocks a balanced wave needs (ceil(tiles / SMs)), not more. Llama-2-7B's 344 tiles
 # of q4_0 (4 warps, 7.2 KB a block) fit 4 blocks an SM under the driver's carveout and 3 under
 # this one: alone, 65% -> 76% of copy bandwidth on an H200 and 79% -> 85% on an H100; in decode
-# at depth 0, 597 -> 618 and 604 -> 619 tok/s in two H200 runs and +0.9% to +1.7% in three H100
-# runs (530 -> 535 the last), unchanged at depth 4096 (H100). Not q8_0 and the K-quants, whose
+# at depth 0, 597 -> 618 and 604 -> 619 tok/s in two H200 runs (a fixed 8%: the same 3 blocks;
+# this rule itself ran on the H100 only) and +0.9% to +1.7% in three H100 runs (530 -> 535 the
+# last), unchanged at depth 4096 (H100). Not q8_0 and the K-quants, whose
 # matvecs keep the largest carveout: q8_0's gate+up alone gained (86% -> 91%, H200) and its
 # decode did not (H100: +4% at depth 0, -4% at 4096), nor q4_k's (584 vs 581, H200). Nor
 # one-wave launches (small models): their next kernel's blocks must fit beside them under PDL
