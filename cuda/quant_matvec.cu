@@ -535,6 +535,7 @@ __device__ __forceinline__ float qmv_tile(
     float* red = reinterpret_cast<float*>(xs + n / 32);      // NM*S*32 partial sums, then S sums of x^2
     const float ss = qstage<NORM, F::IE>(x, nw, s0 * F::IE, s1 * F::IE, xw, xs, lane);
     __syncwarp();
+    TRACE_MARK(1);                                // bench/trace_cuda_decode.py: warp 0's x staged
 
     float acc[NM];
 #pragma unroll
@@ -593,7 +594,9 @@ __device__ __forceinline__ float qmv_tile(
         const float t = warp_sum(ss);
         if (lane == 0) red[NM * S * 32 + warp] = t;
     }
+    TRACE_MARK(2);                                // warp 0's dots done
     __syncthreads();
+    TRACE_MARK(3);                                // every warp's
     float inv = 1.0f;
     if (NORM) {
         // rmsnorm folded in: W (x * w * inv) = inv * (W (x * w)); the S slices cover all of x
@@ -617,6 +620,7 @@ __device__ __forceinline__ float qmv_tile(
         res = (MODE == 2) ? silu_f(r[0]) * r[NM - 1]
             : (MODE == 3) ? gelu_tanh_f(r[0]) * r[NM - 1] : r[0];
     }
+    TRACE_MARK(4);                                // warp 0's row sums
     if (NORM && xn != nullptr) {
         // the normed vector is written too, so the rmsnorm op's output exists as asked; every
         // block knows inv, so the blocks share the writes (one block alone would add a chain
