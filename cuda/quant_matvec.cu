@@ -199,17 +199,17 @@ __device__ __forceinline__ void qload_cached(QItem<F>& it, const QGeo& g, int s,
 // ---- activations in shared memory -----------------------------------------------------
 // x (n floats) -> int8 codes, 16 bytes per unit (xq: n/16 uint4), and one entry per
 // 32 elements: {d, d * sum(q), sum(q[0:16]) (int bits), sum(q[16:32]) (int bits)}.
-// The codes and d are the CPU kernels' activation (reference.quantize_act) bit for bit:
-// BLK = 32, q8_0 (the 32-element formats); BLK = 256, q8_k's codes and d (the K-quants: one
-// amax per 256 elements, so every 32-entry of a superblock carries the same d, and the
-// CPU and GPU round x alike). A warp stages elements [e0, e1) (multiples of BLK); 8 lanes
-// share one 32-block, two chunk rows of the warp one 256-block.
+// The codes and d are the CPU kernels' q8_0 activation (reference.quantize_act) bit for bit,
+// for every format: the K-quant dots take each 32-entry's d as it comes, so they need not
+// share one d per 256 elements as the CPU's q8_K does, and a vector prequantized by the
+// matvec that wrote it (qx_produce: 32-row tiles) rounds as one staged here.
+// A warp stages elements [e0, e1) (multiples of 32); 8 lanes share one 32-block.
 // Returns this lane's share of sum(x^2) (for the folded rmsnorm).
 #define QS_CHUNKS 4   // float4 chunks per lane staged together: loads hoisted, shuffle chains interleaved
 
 // K float4 chunks per lane (chunks base + lane + 32k, k < K, those below c1) into the
 // staging: one pass of qstage. Adds this lane's share of sum(x^2) to ss.
-template <bool NORM, int BLK, int K>
+template <bool NORM, int K>
 __device__ __forceinline__ void qstage_pass(const float* x, const float* __restrict__ nw, bool vec,
                                             int base, int c1, u32* __restrict__ xw, float4* __restrict__ xs,
                                             int lane, float& ss)
@@ -246,14 +246,9 @@ __device__ __forceinline__ void qstage_pass(const float* x, const float* __restr
     for (int k = 0; k < K; ++k)
         a[k] = fmaxf(fmaxf(fabsf(v[k].x), fabsf(v[k].y)), fmaxf(fabsf(v[k].z), fabsf(v[k].w)));
 #pragma unroll
-    for (int off = 1; off < BLK / 4 && off < 32; off <<= 1)
+    for (int off = 1; off < 8; off <<= 1)       // the 8 lanes of a 32-block
 #pragma unroll
         for (int k = 0; k < K; ++k) a[k] = fmaxf(a[k], __shfl_xor_sync(FULL_MASK, a[k], off));
-    static_assert(BLK != 256 || K % 2 == 0, "a 256-block spans two chunks a lane");
-    if (BLK == 256) {       // a 256-block is chunks base + 64j .. +63: k = 2j and 2j + 1
-#pragma unroll
-        for (int k = 0; k + 1 < K; k += 2) a[k] = a[k + 1] = fmaxf(a[k], a[k + 1]);
-    }
     int q[K][4], sm[K];
     float dq[K];
 #pragma unroll
@@ -282,7 +277,59 @@ __device__ __forceinline__ void qstage_pass(const float* x, const float* __restr
     }
 }
 
-template <bool NORM, int BLK>
+// The same staging from a prequantized x (qx_produce below, in the kernel that wrote x):
+// qx = n codes | n/32 entries (16 B) | n/32 sums of x^2 (4 B), BLK = 32 for every format
+// (the K-quant dots take each 32-entry's d as it comes). A copy of the slice, no arithmetic:
+// staging from floats costs each block a read of all of x (and of the norm weight) from the
+// L2 and the quantizing -- 1.4-4.4 us after the wait in Llama-2-7B's decode (H100).
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* src) {
+    // global -> shared without registers; .cg: from the L2 (written by the previous kernel)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                 :: "r"((unsigned)__cvta_generic_to_shared(smem_dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ float qstage_qx(const unsigned char* qx, int n, int e0, int e1,
+                                           u32* __restrict__ xw, float4* __restrict__ xs, int lane)
+{
+    const uint4* codes = reinterpret_cast<const uint4*>(qx);              // 16 codes each
+    const uint4* ent = reinterpret_cast<const uint4*>(qx + n);
+    const float* sq = reinterpret_cast<const float*>(qx + n + n / 2);
+    uint4* dw = reinterpret_cast<uint4*>(xw);
+    for (int i = (e0 >> 4) + lane; i < (e1 >> 4); i += 32) cp_async16(dw + i, codes + i);
+    for (int i = (e0 >> 5) + lane; i < (e1 >> 5); i += 32) cp_async16(xs + i, ent + i);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    float ss = 0.0f;
+    for (int i = (e0 >> 5) + lane; i < (e1 >> 5); i += 32) ss += ld_act(sq + i);
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    return ss;          // the caller's __syncwarp makes the lanes' copies visible to the warp
+}
+
+// The producing side: warp 0 of a block holds its tile's 32 outputs v (lane = row), one
+// 32-block of the next matvec's x; it writes that block's codes, entry and sum of squares
+// as qstage (BLK = 32) would have made them from x * nw (nw: the next op's rmsnorm weight
+// at this row, 1 without one). Every lane of the warp takes part (full tiles only).
+__device__ __forceinline__ void qx_produce(unsigned char* __restrict__ qxo, int n, int row, float v, float nwr,
+                                           int lane)
+{
+    const float xv = v * nwr;
+    const float a = warp_max(fabsf(xv));
+    const float dq = a / 127.0f;
+    const float id = a > 0.0f ? 127.0f / a : 0.0f;
+    const int q = __float2int_rn(xv * id);
+    int sm = q;
+#pragma unroll
+    for (int off = 1; off < 16; off <<= 1) sm += __shfl_xor_sync(FULL_MASK, sm, off);   // per half warp
+    const int so = __shfl_xor_sync(FULL_MASK, sm, 16);
+    const float sq = warp_sum(v * v);
+    reinterpret_cast<signed char*>(qxo)[row] = (signed char)q;
+    if (lane == 0) {
+        reinterpret_cast<float4*>(qxo + n)[row >> 5] = make_float4(dq, dq * (float)(sm + so),
+                                                                    __int_as_float(sm), __int_as_float(so));
+        reinterpret_cast<float*>(qxo + n + n / 2)[row >> 5] = sq;
+    }
+}
+
+template <bool NORM>
 __device__ __forceinline__ float qstage(const float* x, const float* __restrict__ nw,
                                         int e0, int e1, u32* __restrict__ xw, float4* __restrict__ xs,
                                         int lane)
@@ -292,18 +339,17 @@ __device__ __forceinline__ float qstage(const float* x, const float* __restrict_
     const int c1 = e1 >> 2;
     int base = e0 >> 2;
     for (; base + 32 * QS_CHUNKS <= c1; base += 32 * QS_CHUNKS)     // uniform: shuffles see every lane
-        qstage_pass<NORM, BLK, QS_CHUNKS>(x, nw, vec, base, c1, xw, xs, lane, ss);
+        qstage_pass<NORM, QS_CHUNKS>(x, nw, vec, base, c1, xw, xs, lane, ss);
     // The rest in one pass no wider than it needs. Short rows leave a warp at most one
     // chunk a lane (SmolLM2's rows of 576: 64-96 elements, 16-24 chunks a warp), 16-warp
     // blocks on rows of 4096 two, and in these one-wave kernels every issued instruction is
     // on the critical path: ncu counted ~1000 a warp there.
-    constexpr int K1 = BLK == 256 ? 2 : 1;        // a 256-block spans two chunks a lane
-    if (base + 32 * K1 >= c1) {
-        if (base < c1) qstage_pass<NORM, BLK, K1>(x, nw, vec, base, c1, xw, xs, lane, ss);
+    if (base + 32 >= c1) {
+        if (base < c1) qstage_pass<NORM, 1>(x, nw, vec, base, c1, xw, xs, lane, ss);
     } else if (base + 64 >= c1) {
-        qstage_pass<NORM, BLK, 2>(x, nw, vec, base, c1, xw, xs, lane, ss);
+        qstage_pass<NORM, 2>(x, nw, vec, base, c1, xw, xs, lane, ss);
     } else {
-        qstage_pass<NORM, BLK, QS_CHUNKS>(x, nw, vec, base, c1, xw, xs, lane, ss);
+        qstage_pass<NORM, QS_CHUNKS>(x, nw, vec, base, c1, xw, xs, lane, ss);
     }
     return ss;
 }
@@ -479,12 +525,12 @@ __device__ __forceinline__ float qdot(const QItem<QF_q6_k>& it, const uint4* xq,
 // One row tile by S warps (warp: 0..S-1 of them), staging in smem (qmv_smem_bytes(n, S)).
 // Returns the tile's row 32*tile + lane in warp 0 (lane < the tile's width); the other
 // warps' values are meaningless. Every thread of the block must call it (block barrier).
-template <class F, int MODE, bool NORM>
+template <class F, int MODE, bool NORM, bool QX>
 __device__ __forceinline__ float qmv_tile(
     const unsigned char* __restrict__ w0, const unsigned char* __restrict__ w1,
     const float* x, int d, int nbi,
     const float* __restrict__ nw, float eps, float* __restrict__ xn, int tile,
-    int warp, int S, uint4* __restrict__ smem)
+    int warp, int S, uint4* __restrict__ smem, const unsigned char* qx)
 {
     constexpr int NM = (MODE >= 2) ? 2 : 1;
     constexpr int B = (F::B / NM) > 0 ? F::B / NM : 1;          // items per batch
@@ -533,7 +579,10 @@ __device__ __forceinline__ float qmv_tile(
     u32* xw = reinterpret_cast<u32*>(smem);
     float4* xs = reinterpret_cast<float4*>(xw + n / 4);
     float* red = reinterpret_cast<float*>(xs + n / 32);      // NM*S*32 partial sums, then S sums of x^2
-    const float ss = qstage<NORM, F::IE>(x, nw, s0 * F::IE, s1 * F::IE, xw, xs, lane);
+    // QX: the kernels named ..._qx, whose x came prequantized (a variant of its own: both
+    // stagings in one body cost the K-quants' gate+up 60 registers)
+    const float ss = QX ? qstage_qx(qx, n, s0 * F::IE, s1 * F::IE, xw, xs, lane)
+                        : qstage<NORM>(x, nw, s0 * F::IE, s1 * F::IE, xw, xs, lane);
     __syncwarp();
     TRACE_MARK(1);                                // bench/trace_cuda_decode.py: warp 0's x staged
 
@@ -637,19 +686,28 @@ __host__ __device__ constexpr int qmv_smem_bytes(int n, int S, int NM) {
     return (n + 16 * (n / 32) + 4 * (NM * S * QMV_TILE + S) + 15) & ~15;
 }
 
-template <class F, int MODE, bool NORM>
+template <class F, int MODE, bool NORM, bool QX>
 __device__ __forceinline__ void qmv_body(
     float* __restrict__ out, const unsigned char* __restrict__ w0, const unsigned char* __restrict__ w1,
     const float* x, int d, int nbi,
-    const float* __restrict__ nw, float eps, float* __restrict__ xn, int tile)
+    const float* __restrict__ nw, float eps, float* __restrict__ xn, int tile,
+    const unsigned char* qx, unsigned char* __restrict__ qxo, const float* __restrict__ qnw)
 {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = QMV_TILE * tile + lane;
     pdl_trigger();      // the next kernel may start loading its weights now
-    const float res = qmv_tile<F, MODE, NORM>(w0, w1, x, d, nbi, nw, eps, xn, tile, warp, blockDim.x >> 5, qmv_smem);
-    if (warp == 0 && lane < min(QMV_TILE, d - QMV_TILE * tile)) {
-        const int row = QMV_TILE * tile + lane;
-        if (MODE == 1) out[row] += res;
-        else out[row] = res;
+    // qxo: this launch also writes its output prequantized for the next matvec (qx_produce;
+    // the host passes it only where d is whole tiles); its norm weight is constant, read now
+    const float nwr = (qxo != nullptr && qnw != nullptr && warp == 0) ? __ldg(qnw + row) : 1.0f;
+    const float res = qmv_tile<F, MODE, NORM, QX>(w0, w1, x, d, nbi, nw, eps, xn, tile, warp, blockDim.x >> 5, qmv_smem,
+                                              qx);
+    if (warp == 0) {
+        float v = res;
+        if (lane < min(QMV_TILE, d - QMV_TILE * tile)) {
+            if (MODE == 1) v += out[row];
+            out[row] = v;
+        }
+        if (qxo != nullptr) qx_produce(qxo, d, row, v, nwr, lane);      // uniform
     }
 }
 
@@ -666,14 +724,14 @@ __device__ __forceinline__ void qmv_body(
 template <class A, class B> struct QSame { enum { value = 0 }; };
 template <class A> struct QSame<A, A> { enum { value = 1 }; };
 
-template <class F, bool NORM, class FV = F>
+template <class F, bool NORM, bool QX, class FV = F>
 __device__ __forceinline__ void qkv_rope_body(
     float* __restrict__ out, const unsigned char* __restrict__ wq, const unsigned char* __restrict__ wk,
     const unsigned char* __restrict__ wv, const float* x, int dq, int dk, int nbi, int nbi_v,
     const float* __restrict__ nw, float eps, float* __restrict__ xn,
     const float* __restrict__ cos_t, const float* __restrict__ sin_t,
     f16_t* __restrict__ k_cache, f16_t* __restrict__ v_cache,
-    const int* __restrict__ step, int pos_host, int n_pos, int max_ctx, int hd)
+    const int* __restrict__ step, int pos_host, int n_pos, int max_ctx, int hd, const unsigned char* qx)
 {
     pdl_trigger();      // the next kernel may start loading its weights now
     // which pair of tiles: recomputed from blockIdx where needed, so nothing but the matvec's
@@ -701,8 +759,8 @@ __device__ __forceinline__ void qkv_rope_body(
     const unsigned char* w = seg == 0 ? wq : seg == 1 ? wk : wv;
     const int tile = (head * hd + grp * half) / QMV_TILE + (pb - head * ppt);
     const float r = (QSame<F, FV>::value || seg < 2)
-        ? qmv_tile<F, 0, NORM>(w, w, x, seg ? dk : dq, nbi, nw, eps, xn, tile, warp, S, qmv_smem + grp * g_units)
-        : qmv_tile<FV, 0, NORM>(w, w, x, dk, nbi_v, nw, eps, xn, tile, warp, S, qmv_smem + grp * g_units);
+        ? qmv_tile<F, 0, NORM, QX>(w, w, x, seg ? dk : dq, nbi, nw, eps, xn, tile, warp, S, qmv_smem + grp * g_units, qx)
+        : qmv_tile<FV, 0, NORM, QX>(w, w, x, dk, nbi_v, nw, eps, xn, tile, warp, S, qmv_smem + grp * g_units, qx);
     if (grp == 1 && warp == 0) tail[lane] = r;
     __syncthreads();
     if (threadIdx.x < 32) {             // group 0's warp 0: both halves of its 32 pairs
@@ -1021,55 +1079,64 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
 // blocks (this kernel's and, under programmatic dependent launch, the next one's) fit on one
 // SM. CYLLM_QMV_WIDE: no bound, for the kernels that would spill under it (q5_k, q6_k, and
 // gate+up of the K-quants: 150-200 registers).
-#define CYLLM_QMV_DEF(NAME, F, MODE, NORM, BOUNDS)                                                 \
+#define CYLLM_QMV_DEF(NAME, F, MODE, NORM, BOUNDS) CYLLM_QMV_DEF1(NAME, F, MODE, NORM, BOUNDS, false) \
+    CYLLM_QMV_DEF1(NAME##_qx, F, MODE, NORM, BOUNDS, true)
+#define CYLLM_QMV_DEF1(NAME, F, MODE, NORM, BOUNDS, QX)                                            \
     extern "C" __global__ void BOUNDS NAME(float* __restrict__ out, const unsigned char* __restrict__ w0, \
                                     const unsigned char* __restrict__ w1, const float* x,             \
                                     int d, int nbi, const float* __restrict__ nw, float eps,         \
-                                    float* __restrict__ xn) {                                        \
-        TRACE_BEGIN(); qmv_body<F, MODE, NORM>(out, w0, w1, x, d, nbi, nw, eps, xn, blockIdx.x);     \
+                                    float* __restrict__ xn, const unsigned char* qx,                 \
+                                    unsigned char* __restrict__ qxo, const float* __restrict__ qnw) { \
+        TRACE_BEGIN(); qmv_body<F, MODE, NORM, QX>(out, w0, w1, x, d, nbi, nw, eps, xn, blockIdx.x, qx, qxo, qnw); \
         TRACE_END((F::UPI << 8) | (F::EA << 4) | (MODE << 2) | (NORM << 1));                     \
     }
 // q, k and v of one layer in one launch (three matrices of one format, one x): blocks
 // [0, tq) are q's row tiles, then k's, then v's; out is q | k | v side by side (dk = dv)
-#define CYLLM_QMV_QKV_DEF(NAME, F, NORM, BOUNDS)                                                   \
+#define CYLLM_QMV_QKV_DEF(NAME, F, NORM, BOUNDS) CYLLM_QMV_QKV_DEF1(NAME, F, NORM, BOUNDS, false)   \
+    CYLLM_QMV_QKV_DEF1(NAME##_qx, F, NORM, BOUNDS, true)
+#define CYLLM_QMV_QKV_DEF1(NAME, F, NORM, BOUNDS, QX)                                              \
     extern "C" __global__ void BOUNDS NAME(float* __restrict__ out, const unsigned char* __restrict__ wq, \
                                     const unsigned char* __restrict__ wk,                            \
                                     const unsigned char* __restrict__ wv, const float* x,            \
                                     int dq, int dk, int nbi, const float* __restrict__ nw, float eps, \
-                                    float* __restrict__ xn) {                                        \
+                                    float* __restrict__ xn, const unsigned char* qx) {               \
         const int tq = (dq + QMV_TILE - 1) / QMV_TILE, tk = (dk + QMV_TILE - 1) / QMV_TILE;          \
         const int t = blockIdx.x;                                                                    \
         const int seg = t < tq ? 0 : t < tq + tk ? 1 : 2;                                            \
         const unsigned char* w = seg == 0 ? wq : seg == 1 ? wk : wv;                                 \
-        TRACE_BEGIN(); qmv_body<F, 0, NORM>(out + (seg == 0 ? 0 : dq + (seg - 1) * dk), w, w, x, seg ? dk : dq, nbi, \
-                             nw, eps, xn, t - (seg == 0 ? 0 : tq + (seg - 1) * tk));                 \
+        TRACE_BEGIN(); qmv_body<F, 0, NORM, QX>(out + (seg == 0 ? 0 : dq + (seg - 1) * dk), w, w, x, seg ? dk : dq, nbi, \
+                             nw, eps, xn, t - (seg == 0 ? 0 : tq + (seg - 1) * tk), qx, nullptr, nullptr); \
         TRACE_END((F::UPI << 8) | (F::EA << 4) | (NORM << 1) | 1);                               \
     }
 // q and k of one format, v of another (the Q4_K_M/Q5_K_M recipes give some layers' v more
 // bits): still one launch, for grids of one wave, where a launch costs more than its bytes
 // (backends/cuda/quant.py stack_rows; not for q5_k or q6_k, whose bodies would spill under
 // this bound). Each block runs the body of its own part's format (a branch uniform per block).
-#define CYLLM_QMV_QKV_PAIR_DEF(NAME, FQ, FV, NORM)                                                 \
+#define CYLLM_QMV_QKV_PAIR_DEF(NAME, FQ, FV, NORM) CYLLM_QMV_QKV_PAIR_DEF1(NAME, FQ, FV, NORM, false) \
+    CYLLM_QMV_QKV_PAIR_DEF1(NAME##_qx, FQ, FV, NORM, true)
+#define CYLLM_QMV_QKV_PAIR_DEF1(NAME, FQ, FV, NORM, QX)                                            \
     extern "C" __global__ void __launch_bounds__(QMV_MAX_WARPS * 32) NAME(                           \
             float* __restrict__ out, const unsigned char* __restrict__ wq,                           \
             const unsigned char* __restrict__ wk, const unsigned char* __restrict__ wv, const float* x, \
             int dq, int dk, int nbi_qk, int nbi_v, const float* __restrict__ nw, float eps,         \
-            float* __restrict__ xn) {                                                                \
+            float* __restrict__ xn, const unsigned char* qx) {                                       \
         const int tq = (dq + QMV_TILE - 1) / QMV_TILE, tk = (dk + QMV_TILE - 1) / QMV_TILE;          \
         const int t = blockIdx.x;                                                                    \
         TRACE_BEGIN();                                                                               \
         if (t < tq + tk) {                                                                           \
             const bool isq = t < tq;                                                                 \
-            qmv_body<FQ, 0, NORM>(out + (isq ? 0 : dq), isq ? wq : wk, isq ? wq : wk, x, isq ? dq : dk, \
-                                  nbi_qk, nw, eps, xn, isq ? t : t - tq);                            \
+            qmv_body<FQ, 0, NORM, QX>(out + (isq ? 0 : dq), isq ? wq : wk, isq ? wq : wk, x, isq ? dq : dk, \
+                                  nbi_qk, nw, eps, xn, isq ? t : t - tq, qx, nullptr, nullptr);      \
             TRACE_END((FQ::UPI << 8) | (FQ::EA << 4) | (NORM << 1) | 1);                             \
         } else {                                                                                     \
-            qmv_body<FV, 0, NORM>(out + dq + dk, wv, wv, x, dk, nbi_v, nw, eps, xn, t - tq - tk);   \
+            qmv_body<FV, 0, NORM, QX>(out + dq + dk, wv, wv, x, dk, nbi_v, nw, eps, xn, t - tq - tk, qx, nullptr, nullptr); \
             TRACE_END((FV::UPI << 8) | (FV::EA << 4) | (NORM << 1) | 1);                             \
         }                                                                                            \
     }
 // the same three with rope and the cache store of row pos folded in (qkv_rope_body)
-#define CYLLM_QMV_QKV_ROPE_DEF(NAME, F, NORM, BOUNDS)                                              \
+#define CYLLM_QMV_QKV_ROPE_DEF(NAME, F, NORM, BOUNDS) CYLLM_QMV_QKV_ROPE_DEF1(NAME, F, NORM, BOUNDS, false) \
+    CYLLM_QMV_QKV_ROPE_DEF1(NAME##_qx, F, NORM, BOUNDS, true)
+#define CYLLM_QMV_QKV_ROPE_DEF1(NAME, F, NORM, BOUNDS, QX)                                         \
     extern "C" __global__ void BOUNDS NAME(float* __restrict__ out, const unsigned char* __restrict__ wq, \
                                     const unsigned char* __restrict__ wk,                            \
                                     const unsigned char* __restrict__ wv, const float* x,            \
@@ -1077,24 +1144,27 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
                                     float* __restrict__ xn, const float* __restrict__ cos_t,         \
                                     const float* __restrict__ sin_t, f16_t* __restrict__ k_cache,    \
                                     f16_t* __restrict__ v_cache, const int* __restrict__ step,       \
-                                    int pos_host, int n_pos, int max_ctx, int hd) {                  \
+                                    int pos_host, int n_pos, int max_ctx, int hd,                    \
+                                    const unsigned char* qx) {                                       \
         TRACE_BEGIN();                                                                               \
-        qkv_rope_body<F, NORM>(out, wq, wk, wv, x, dq, dk, nbi, nbi, nw, eps, xn, cos_t, sin_t,      \
-                               k_cache, v_cache, step, pos_host, n_pos, max_ctx, hd);                \
+        qkv_rope_body<F, NORM, QX>(out, wq, wk, wv, x, dq, dk, nbi, nbi, nw, eps, xn, cos_t, sin_t,      \
+                               k_cache, v_cache, step, pos_host, n_pos, max_ctx, hd, qx);            \
         TRACE_END((F::UPI << 8) | (F::EA << 4) | (NORM << 1) | 1);                               \
     }
 // the pair's (q and k of one format, v of another) with rope and the cache store folded in
-#define CYLLM_QMV_QKV_ROPE_PAIR_DEF(NAME, FQ, FV, NORM)                                            \
+#define CYLLM_QMV_QKV_ROPE_PAIR_DEF(NAME, FQ, FV, NORM) CYLLM_QMV_QKV_ROPE_PAIR_DEF1(NAME, FQ, FV, NORM, false) \
+    CYLLM_QMV_QKV_ROPE_PAIR_DEF1(NAME##_qx, FQ, FV, NORM, true)
+#define CYLLM_QMV_QKV_ROPE_PAIR_DEF1(NAME, FQ, FV, NORM, QX)                                       \
     extern "C" __global__ void __launch_bounds__(QMV_MAX_WARPS * 32) NAME(                           \
             float* __restrict__ out, const unsigned char* __restrict__ wq,                           \
             const unsigned char* __restrict__ wk, const unsigned char* __restrict__ wv, const float* x, \
             int dq, int dk, int nbi_qk, int nbi_v, const float* __restrict__ nw, float eps,         \
             float* __restrict__ xn, const float* __restrict__ cos_t, const float* __restrict__ sin_t, \
             f16_t* __restrict__ k_cache, f16_t* __restrict__ v_cache, const int* __restrict__ step,   \
-            int pos_host, int n_pos, int max_ctx, int hd) {                                          \
+            int pos_host, int n_pos, int max_ctx, int hd, const unsigned char* qx) {                 \
         TRACE_BEGIN();                                                                               \
-        qkv_rope_body<FQ, NORM, FV>(out, wq, wk, wv, x, dq, dk, nbi_qk, nbi_v, nw, eps, xn, cos_t,   \
-                                    sin_t, k_cache, v_cache, step, pos_host, n_pos, max_ctx, hd);    \
+        qkv_rope_body<FQ, NORM, QX, FV>(out, wq, wk, wv, x, dq, dk, nbi_qk, nbi_v, nw, eps, xn, cos_t,   \
+                                    sin_t, k_cache, v_cache, step, pos_host, n_pos, max_ctx, hd, qx); \
         if ((int)blockIdx.x < (dq + dk) / (2 * QMV_TILE))      /* q's and k's tile pairs */          \
             TRACE_END((FQ::UPI << 8) | (FQ::EA << 4) | (NORM << 1) | 1);                             \
         else                                                                                         \

@@ -25,7 +25,6 @@ import pytest
 from cyllm.backends.cuda import quant as CQ
 from cyllm.errors import InvalidArgumentError
 from cyllm.quant import FORMATS, QuantMatrix
-from cyllm.quant.formats import ACT_FORMATS
 from cyllm.quant import reference as R
 
 FMTS = list(CQ.SUPPORTED)
@@ -71,13 +70,12 @@ def deq64(data: np.ndarray, fmt: str, cols: int) -> np.ndarray:
     return w.reshape(rows, cols)
 
 
-def xq64(x: np.ndarray, fmt: str) -> np.ndarray:
-    """x as the kernels for weights of `fmt` see it: rounded to the format's int8 activation
-    blocks (reference.quantize_act: q8_0 per 32, q8_k per 256 for the K-quants), float64."""
-    act = FORMATS[fmt].act
-    a = R.quantize_act(x, act)
-    blk = ACT_FORMATS[act][0]
-    return (a["q"].reshape(-1, blk).astype(np.float64) * a["d"].astype(np.float64)[:, None]).reshape(-1)
+def xq64(x: np.ndarray) -> np.ndarray:
+    """x as the decode kernels see it, for every weight format: rounded to int8 blocks of 32
+    (reference.quantize_act's q8_0; the K-quants too, whose dots take a d per 32-entry, so a
+    vector prequantized by the matvec that wrote it rounds alike), float64."""
+    a = R.quantize_act(x, "q8_0")
+    return (a["q"].reshape(-1, 32).astype(np.float64) * a["d"].astype(np.float64)[:, None]).reshape(-1)
 
 
 # -- host side ---------------------------------------------------------------------------------
@@ -356,7 +354,7 @@ def test_matvec_variants(be, cp, fmt):
                 xd = be.upload(np.concatenate([[0.0], x]).astype(np.float32))[1:]
             else:
                 xd = be.upload(x)
-            xq = xq64(x, fmt)
+            xq = xq64(x)
             want, mag = W @ xq, np.abs(W) @ np.abs(xq)
             out = poisoned(cp, d)
             be.matvec(out, w, xd)
@@ -395,7 +393,7 @@ def test_realistic_weights(be, cp, fmt):
     out = poisoned(cp, d)
     be.matvec(out, w, be.upload(x))
     W = deq64(raw, fmt, n)
-    xq = xq64(x, fmt)
+    xq = xq64(x)
     check_exact(be.to_host(out), W @ xq, np.abs(W) @ np.abs(xq), f"{fmt} realistic")
 
 
@@ -414,7 +412,7 @@ def test_norm_folded(be, cp, fmt):
         x = (rng.standard_normal(n) * 3).astype(np.float32)
         nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
         inv = 1.0 / np.sqrt(np.mean(x.astype(np.float64) ** 2) + eps)
-        xq = xq64(x * nw, fmt)                                   # the kernel quantizes x * nw
+        xq = xq64(x * nw)                                   # the kernel quantizes x * nw
         want, mag = inv * (W @ xq), inv * (np.abs(W) @ np.abs(xq))
         want2 = inv * (W2 @ xq)
         xd, nwd = be.upload(x), be.upload(nw)
@@ -461,10 +459,10 @@ def test_qkv_stack(be, cp, fmt):
     xd, nwd = be.upload(x), be.upload(nw)
     out = poisoned(cp, dq + 2 * dk)
     be.matvec(out, stack, xd)
-    xq = xq64(x, fmt)
+    xq = xq64(x)
     check_exact(be.to_host(out), W @ xq, np.abs(W) @ np.abs(xq), f"{fmt} qkv")
     inv = 1.0 / np.sqrt(np.mean(x.astype(np.float64) ** 2) + eps)
-    xq = xq64(x * nw, fmt)
+    xq = xq64(x * nw)
     xb, out = poisoned(cp, n), poisoned(cp, dq + 2 * dk)
     be.rmsnorm(xb, xd, nwd, eps)
     be.matvec(out, stack, xb)
@@ -494,9 +492,9 @@ def test_qkv_stack(be, cp, fmt):
         else:
             be.matvec(out, mixed, xd)
             scale, xs = 1.0, x
-        xa, xv = xq64(xs, fmt), xq64(xs, other)
-        want = scale * np.concatenate([Wqk @ xa, Wv @ xv])
-        mag = scale * np.concatenate([np.abs(Wqk) @ np.abs(xa), np.abs(Wv) @ np.abs(xv)])
+        xa = xq64(xs)
+        want = scale * np.concatenate([Wqk @ xa, Wv @ xa])
+        mag = scale * np.concatenate([np.abs(Wqk) @ np.abs(xa), np.abs(Wv) @ np.abs(xa)])
         check_exact(be.to_host(out), want, mag, f"{fmt}+{other} qkv pair norm={norm}")
         if norm:
             np.testing.assert_allclose(be.to_host(xb), x * inv * nw, rtol=2e-6, atol=1e-6)
@@ -534,9 +532,9 @@ def test_qkv_rope_folded(be, cp, fmt, vfmt, nq, nkv, hd, monkeypatch):
     Wqk, Wv = np.concatenate([deq64(r, fmt, n) for r in raws[:2]]), deq64(raws[2], vfmt, n)
 
     def plain(xv):
-        """[Wq | Wk] x and Wv x, each with x rounded to its format's activation blocks, and their magnitudes."""
-        a, c = xq64(xv, fmt), xq64(xv, vfmt)
-        return (np.concatenate([Wqk @ a, Wv @ c]), np.concatenate([np.abs(Wqk) @ np.abs(a), np.abs(Wv) @ np.abs(c)]))
+        """[Wq | Wk] x and Wv x with x rounded to the activation blocks, and their magnitudes."""
+        a = xq64(xv)
+        return (np.concatenate([Wqk @ a, Wv @ a]), np.concatenate([np.abs(Wqk) @ np.abs(a), np.abs(Wv) @ np.abs(a)]))
     ang = rng.uniform(-np.pi, np.pi, (max_ctx, half))
     cos, sin = be.upload(np.cos(ang).astype(np.float32)), be.upload(np.sin(ang).astype(np.float32))
     nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
@@ -696,7 +694,7 @@ def test_gate_up_carveout_keeps_a_balanced_wave(be, cp, fmt):
     per_warp = -(-32 * max(k.num_regs, 1) // 256) * 256
     regs_cap = cp.cuda.Device().attributes["MaxRegistersPerMultiprocessor"] // (warps * per_warp)
     assert occ == min(want, regs_cap), (occ, want, regs_cap)      # enough for one wave, no more
-    xq = xq64(x, fmt)
+    xq = xq64(x)
     g, u = (deq64(r, fmt, n) @ xq for r in raws)
     assert rel(be.to_host(out), silu(g) * u) < 1e-4, f.name
 
@@ -735,14 +733,72 @@ def test_decode_graph(be, cp, fmt):
         if step:
             assert be._graph is not None
         inv = 1.0 / np.sqrt(np.mean(xv.astype(np.float64) ** 2) + eps)
-        xq = xq64(xv * nw, fmt)
+        xq = xq64(xv * nw)
         want = inv * (Ws["wo"] @ xq)
         hv = silu(inv * (Ws["wg"] @ xq)) * (inv * (Ws["wu"] @ xq))
-        hq = xq64(be.to_host(h).astype(np.float32), fmt)
+        hq = xq64(be.to_host(h).astype(np.float32))
         assert rel(be.to_host(h), hv) < 1e-4
         want = want + Ws["wd"] @ hq
         mag = inv * (np.abs(Ws["wo"]) @ np.abs(xq)) + np.abs(Ws["wd"]) @ np.abs(hq)
         check_exact(be.to_host(o), want, mag, f"{fmt} graph step {step}")
+    be.reset_graph()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", FMTS)
+def test_decode_prequantized_chain(be, cp, fmt):
+    """Inside decode_step a matvec hands its output to the next quantized one prequantized
+    (prequant.py): out += W x, rmsnorm, gate+up reading it through the folded norm (codes of
+    h * w, the norm's sum of squares from the producer), down reading gate+up's output. Each
+    against NumPy, and the same ops outside decode_step, where every matvec stages its own x."""
+    be.reset_graph()
+    rng = np.random.default_rng(37)
+    f = FORMATS[fmt]
+    n = 8 * f.block if f.block == 256 else 576
+    ff = 3 * n // 2 if f.block == 32 else 3 * n // 2 // 256 * 256
+    eps = 1e-5
+    shp = {"wa": (n, n), "wg": (ff, n), "wu": (ff, n), "wd": (n, ff)}
+    raws = {k: random_blocks(fmt, r, c, rng) for k, (r, c) in shp.items()}
+    ws = {k: be.upload(QuantMatrix(raws[k], fmt, shp[k])) for k in shp}
+    Ws = {k: deq64(raws[k], fmt, shp[k][1]) for k in shp}
+    nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    nwd = be.upload(nw)
+    x, h, o = be.upload(np.zeros(n, np.float32)), be.empty(n), be.empty(n)
+    xb, g = be.empty(n), be.empty(ff)
+
+    def issue(token, pos):
+        be.matvec_add(h, ws["wa"], x)            # producer: h += Wa x
+        be.rmsnorm(xb, h, nwd, eps)
+        be.gate_up(g, ws["wg"], ws["wu"], xb, "silu")   # consumer through the norm, producer
+        be.matvec_add(o, ws["wd"], g)            # consumer: o += Wd g
+
+    def expect(xv, h0, o0, hv, gv):
+        """h, gate+up and down as NumPy computes them (gate+up's and down's x from the GPU's
+        h and g, so that rounding at a boundary cannot differ)."""
+        h_want = h0 + Ws["wa"] @ xq64(xv)
+        inv = 1.0 / np.sqrt(np.mean(hv.astype(np.float64) ** 2) + eps)
+        hq = xq64(hv * nw)
+        g_want = silu(inv * (Ws["wg"] @ hq)) * (inv * (Ws["wu"] @ hq))
+        gq = xq64(gv)
+        return h_want, g_want, o0 + Ws["wd"] @ gq, np.abs(Ws["wd"]) @ np.abs(gq) + np.abs(o0)
+
+    def run(ops, what):
+        xv = rng.standard_normal(n).astype(np.float32)
+        h0 = rng.standard_normal(n).astype(np.float32)
+        o0 = rng.standard_normal(n).astype(np.float32)
+        for a, v in ((x, xv), (h, h0), (o, o0)):
+            a.set(v)
+        ops()
+        hv, gv, ov = (be.to_host(a).astype(np.float32) for a in (h, g, o))
+        h_want, g_want, o_want, mag = expect(xv, h0, o0, hv, gv)
+        assert rel(hv, h_want) < 1e-5, f"{fmt} {what}: h"
+        assert rel(gv, g_want) < 1e-4, f"{fmt} {what}: gate+up"
+        check_exact(ov, o_want, mag, f"{fmt} {what}: down")
+
+    for step in range(3):
+        run(lambda: be.decode_step(issue, 1, step), f"step {step}")
+    assert (be._qx_bufs is not None) == be.prequant
+    run(lambda: issue(1, 0), "outside decode_step")     # every matvec stages its own x
     be.reset_graph()
 
 
@@ -823,7 +879,7 @@ def test_mixed_gate_up(be, cp):
     wg = be.upload(QuantMatrix(rg, "q4_k", (d, n)))
     wu = be.upload(QuantMatrix(ru, "q6_k", (d, n)))
     x = rng.standard_normal(n).astype(np.float32)
-    xq = xq64(x, "q4_k")                    # both K-quants: x rounded per 256
+    xq = xq64(x)
     out = poisoned(cp, d)
     be.gate_up(out, wg, wu, be.upload(x), "silu")
     want = silu(deq64(rg, "q4_k", n) @ xq) * (deq64(ru, "q6_k", n) @ xq)

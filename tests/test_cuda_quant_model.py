@@ -141,11 +141,18 @@ def _assert_same_greedy(gpu_ids, cpu_ids, cpu_model, prompt, what, tie=1e-2):
 
 def _cuda_math_backend():
     """numpy_ref computing what the CUDA backend computes: dequantized weights; products in
-    float in prefill (cuBLAS on FP16 tiles); in decode with x rounded to the int8 blocks of
-    each weight's format (the CPU kernels' activations, bit for bit)."""
+    float in prefill (cuBLAS on FP16 tiles); in decode with x rounded to int8 blocks of 32
+    for every format (q8_0's activation; the CPU's K-quant kernels round per 256)."""
     from cyllm.backends.numpy_ref import NumpyBackend
+    from cyllm.quant.matrix import QuantMatrix
 
     class CudaMath(NumpyBackend):
+        def upload(self, a):
+            w = super().upload(a)
+            if isinstance(a, QuantMatrix):
+                w.act = "q8_0"
+            return w
+
         def matmul(self, out, w, x):
             super().matmul(out, np.asarray(w), x)          # a plain ndarray: float products
 

@@ -38,6 +38,7 @@ from .norm_fold import NormFolding
 from .nvrtc import module_for
 from .pdl import PdlLauncher
 from .prefill import PrefillOps
+from .prequant import PrequantFolding
 from .rope_fold import RopeFolding
 from .quant import CudaQuantMatrix, CudaQuantStack
 from .shapes import ATT_THREADS, ATT_WARPS, MV_LARGE, SMEM_LIMIT, attn_chunk, attn_smem, matvec_shape
@@ -54,7 +55,7 @@ _NEG1 = np.int32(-1)          # "read the step buffer" (see step_value in common
 _FIT_MARGIN = 512 << 20       # room left for scratch, cuBLAS workspace, the CUDA context
 
 
-class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
+class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
     name = "cuda"
     fuse_qkv = True       # upload copies anyway: one (q+2kv, dim) matrix, one matvec
     quant_row_views = False   # CudaQuantMatrix (tiled planes) has no row views: fused tensors are cut on the host
@@ -110,7 +111,13 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
         # rope_store folded into the stacked quantized q/k/v matvec (rope_fold.py);
         # CYLLM_CUDA_FOLD_ROPE=0 keeps two launches
         self.fold_rope = os.environ.get("CYLLM_CUDA_FOLD_ROPE", "1") != "0"
-        self._pending_qkv = None        # (out, w, x, norm) of a q/k/v matvec not launched yet
+        self._pending_qkv = None        # (out, w, x, norm, qx) of a q/k/v matvec not launched yet
+        # a quantized matvec's output handed to the next one quantized (prequant.py);
+        # CYLLM_CUDA_PREQUANT=0 has every matvec quantize its input itself
+        self.prequant = os.environ.get("CYLLM_CUDA_PREQUANT", "1") != "0"
+        self._held_mv = None            # a quantized decode matvec not launched yet (prequant._Held)
+        self._qx_bufs = None            # the two buffers prequantized vectors go through
+        self._qx_flip = 0
         self._scratch: dict = {}        # name -> device buffer reused by the batched ops
         # decode attention: the first K/V rows loaded before pdl_wait (None = at short contexts,
         # see _attn_early; True/False forces it; captured graphs keep their choice until
@@ -282,6 +289,7 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
             self._flush()
             raise InvalidArgumentError(f"{base}: shapes {tuple(w0.shape)} @ {tuple(x.shape)} -> {tuple(out.shape)}")
         norm = self._take_norm(out, x)
+        self._launch_producer(None, None)     # a held quantized matvec writing x goes first
         if (n % 8 == 0 and w0.data.ptr % 16 == 0 and w1.data.ptr % 16 == 0 and x.data.ptr % 16 == 0
                 and w0.flags.c_contiguous and w1.flags.c_contiguous):
             r, warps, u = self._matvec_shape(d, n, rmax)
@@ -310,7 +318,7 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
 
     def matvec(self, out, w, x):
         if isinstance(w, CudaQuantMatrix):
-            cuda_quant.qmatvec(self, out, w, x, "matvec")
+            cuda_quant.qmatvec(self, out, w, x, "matvec", hold=True)
             return
         if isinstance(w, CudaQuantStack):
             if not self._hold_qkv(out, w, x):
@@ -320,13 +328,13 @@ class CudaBackend(RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
 
     def matvec_add(self, out, w, x):
         if isinstance(w, CudaQuantMatrix):
-            cuda_quant.qmatvec(self, out, w, x, "add")
+            cuda_quant.qmatvec(self, out, w, x, "add", hold=True)
             return
         self._mv("matvec_add", out, w, w, x, 4)
 
     def gate_up(self, out, w_gate, w_up, x, act="silu"):
         if isinstance(w_gate, CudaQuantMatrix) or isinstance(w_up, CudaQuantMatrix):
-            cuda_quant.qmatvec(self, out, (w_gate, w_up), x, "gate_up", _check_act(act))
+            cuda_quant.qmatvec(self, out, (w_gate, w_up), x, "gate_up", _check_act(act), hold=True)
             return
         if w_gate.shape != w_up.shape:
             self._flush()

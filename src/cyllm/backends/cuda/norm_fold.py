@@ -43,12 +43,17 @@ class NormFolding:
         n = x.shape[0]
         if out.shape != x.shape or w.shape[0] != n:
             raise InvalidArgumentError(f"rmsnorm: x {tuple(x.shape)}, w {tuple(w.shape)} -> out {tuple(out.shape)}")
-        if (self.fuse_norm and n % 8 == 0 and x.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
-                and x.flags.c_contiguous and out.flags.c_contiguous and w.flags.c_contiguous
-                and not self._overlap(out, x)):
+        if self._norm_foldable(out, x, w):
             self._pending_norm = (out, x, w, float(eps))
             return
         self._rmsnorm_now(out, x, w, eps)
+
+    def _norm_foldable(self, out, x, w) -> bool:
+        """Whether rmsnorm(out, x, w) (shapes checked) is held back for the next matvec."""
+        n = x.shape[0]
+        return bool(self.fuse_norm and n % 8 == 0 and x.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
+                    and x.flags.c_contiguous and out.flags.c_contiguous and w.flags.c_contiguous
+                    and not self._overlap(out, x))
 
     def _take_norm(self, out, x):
         """The held-back rmsnorm whose output is ``x``, if the matvec into ``out`` can fold it in."""

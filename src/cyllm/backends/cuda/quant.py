@@ -420,16 +420,17 @@ def qkv_args_ok(out, w: CudaQuantStack, x) -> bool:
 _TAKE = object()          # qmatvec_qkv's default: take a held-back rmsnorm from the backend
 
 
-def _qkv_launch(be, out, w: CudaQuantStack, x, norm, warps_per_tile: int, extra: tuple) -> None:
+def _qkv_launch(be, out, w: CudaQuantStack, x, norm, warps_per_tile: int, extra: tuple, qx=None) -> None:
     """One launch of a qmv_qkv kernel: ``warps_per_tile`` warps per row tile, tiles per block
     = 1 (qmv_qkv) or 2 (qmv_qkv_rope, ``extra`` its rope and cache arguments); the pair
-    module's kernel (qmv_qkv[_rope]_pair) where v has its own format."""
+    module's kernel (qmv_qkv[_rope]_pair) where v has its own format; its ``_qx`` variant
+    where x comes prequantized in ``qx`` (prequant.py)."""
     wq, wk, wv = w.parts
     n = w.cols
     kind = "qmv_qkv_rope" if extra else "qmv_qkv"
     pair = w.fmt_v is not w.fmt
     name, fmt = (f"{kind}_pair", f"{w.fmt.name}+{w.fmt_v.name}") if pair else (f"{kind}_{w.fmt.name}", w.fmt.name)
-    k = kernel(be, f"{name}_norm" if norm is not None else name, fmt)
+    k = kernel(be, (f"{name}_norm" if norm is not None else name) + ("_qx" if qx is not None else ""), fmt)
     per_block = 1 if not extra else 2
     cap = max(1, getattr(k, "max_threads_per_block", 1024) // (32 * per_block))
     warps = min(warps_per_tile, cap)
@@ -446,20 +447,22 @@ def _qkv_launch(be, out, w: CudaQuantStack, x, norm, warps_per_tile: int, extra:
         args = head + (xin,) + dims + (nw, np.float32(eps), xn) + extra
     else:
         args = head + (x,) + dims + (_NULL, np.float32(0.0), _NULL) + extra
+    args += (qx if qx is not None else _NULL,)
     be._launch(k, (_tiles(w) // per_block,), (TILE * warps * per_block,), args, shared_mem=smem)
 
 
-def qmatvec_qkv(be, out, w: CudaQuantStack, x, norm=_TAKE) -> None:
+def qmatvec_qkv(be, out, w: CudaQuantStack, x, norm=_TAKE, qx=None) -> None:
     """out (dq + 2 dk,) = [Wq x | Wk x | Wv x] in one launch (a held-back rmsnorm whose
-    output is x folded in, as in qmatvec; ``norm``: one taken already); the bits of three
-    qmatvec calls."""
+    output is x folded in, as in qmatvec; ``norm``: one taken already, with ``qx``, x
+    prequantized by the held-back producer taken with it); the bits of three qmatvec calls."""
     if not qkv_args_ok(out, w, x):
         be._flush()
         raise InvalidArgumentError(f"q/k/v stack ({w.fmt.name}, v {w.fmt_v.name}): shapes {w.shape} @ "
                                    f"{tuple(x.shape)} -> {tuple(out.shape)}")
     if norm is _TAKE:
         norm = be._take_norm(out, x)
-    _qkv_launch(be, out, w, x, norm, matvec_warps(be, w, 1), ())
+        qx = _take_producer(be, x, norm)
+    _qkv_launch(be, out, w, x, norm, matvec_warps(be, w, 1), (), qx)
 
 
 def rope_fold_pays(be, w: CudaQuantStack) -> bool:
@@ -474,7 +477,7 @@ def rope_fold_pays(be, w: CudaQuantStack) -> bool:
     return _tiles(w) // 2 <= be.sm_count or matvec_warps(be, w, 1) <= 4
 
 
-def qmatvec_qkv_rope(be, out, w: CudaQuantStack, x, norm, cos, sin, k_cache, v_cache, pos) -> None:
+def qmatvec_qkv_rope(be, out, w: CudaQuantStack, x, norm, cos, sin, k_cache, v_cache, pos, qx=None) -> None:
     """qmatvec_qkv then rope_store(q, k, v, cos, sin, k_cache, v_cache, pos) on its output, as
     one launch (qmv_qkv_rope_<fmt>, or qmv_qkv_rope_pair; the caller, RopeFolding, checked the shapes: head_dim %
     64 == 0, every dimension rotated). ``pos``: the kernel's position argument (-1: the step
@@ -484,15 +487,25 @@ def qmatvec_qkv_rope(be, out, w: CudaQuantStack, x, norm, cos, sin, k_cache, v_c
     extra = (cos, sin, k_cache, v_cache, be._step, pos, np.int32(n_pos), np.int32(max_ctx), np.int32(hd))
     forced = getattr(be, "qkv_rope_warps", None)        # experiments (bench/sweep_cuda_decode.py --vary)
     warps = int(forced) if forced else matvec_warps(be, w, 1)
-    _qkv_launch(be, out, w, x, norm, warps, extra)
+    _qkv_launch(be, out, w, x, norm, warps, extra, qx)
 
 
-def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None) -> None:
+def _take_producer(be, x, norm):
+    """x prequantized by the held-back producer (None: staged from floats), see prequant.py."""
+    take = getattr(be, "_take_producer", None)
+    if take is None:
+        return None
+    return take(norm[1], norm[2]) if norm is not None else take(x, None)
+
+
+def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None, hold: bool = False) -> None:
     """Decode matvec on quantized weights.
 
     mode "matvec": out (d,) = W x;  "add": out += W x;  "gate_up": w = (w_gate, w_up),
     out = act(w_gate x) * (w_up x) with act "silu" or "gelu_tanh". x (n,) float32.
-    A held-back rmsnorm whose output is x is folded into the kernel.
+    A held-back rmsnorm whose output is x is folded into the kernel, and x taken
+    prequantized from a held-back matvec that writes it; ``hold``: this launch may itself
+    be held back for the next op (prequant.py; the backend's own matvec ops).
     """
     if mode == "gate_up":
         if not (isinstance(w, tuple) and len(w) == 2):
@@ -521,8 +534,9 @@ def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None) -> None
         be._flush()
         raise InvalidArgumentError(f"{prefix}{w0.fmt.name}: x and out must be contiguous")
     norm = be._take_norm(out, x)
+    qx = _take_producer(be, x, norm)
     fmt = w0.fmt.name
-    name = f"{prefix}{fmt}" + ("_norm" if norm is not None else "")
+    name = f"{prefix}{fmt}" + ("_norm" if norm is not None else "") + ("_qx" if qx is not None else "")
     k = kernel(be, name, fmt)
     warps = min(matvec_warps(be, w0, nm), max(1, getattr(k, "max_threads_per_block", 1024) // 32))
     smem = _shared_bytes(n, warps, nm)
@@ -536,9 +550,12 @@ def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None) -> None
         args = (out, w0.data, w1.data, xin, np.int32(d), np.int32(w0.nbi), nw, np.float32(eps), xn)
     else:
         args = (out, w0.data, w1.data, x, np.int32(d), np.int32(w0.nbi), _NULL, np.float32(0.0), _NULL)
+    args += (qx if qx is not None else _NULL,)
+    if hold and be._hold_producer(k, grid, block, args, smem, out):
+        return
     # every kernel, folded norm or not, goes out with programmatic dependent launch under
     # decode_step: activations are read with ordered coherent loads (ld_act in common.cuh)
-    be._launch(k, grid, block, args, shared_mem=smem)
+    be._launch(k, grid, block, args + (_NULL, _NULL), shared_mem=smem)
 
 
 _SMEM_SET: dict = {}      # id(kernel) -> dynamic shared memory limit raised to
@@ -563,6 +580,7 @@ def _gate_up_split(be, out, wg, wu, x, act) -> None:
     # a held-back rmsnorm folds into the gate matvec, whose block 0 writes x for the up matvec
     be.matvec(out, wg, x)
     be.matvec(up, wu, x)
+    be._flush()                 # the up matvec may be held back (prequant.py): it goes first
     n = out.shape[0]
     be._k(_GLU_KERNELS[act])((-(-n // 256),), (256,), (out, out, up, np.int32(n)))
 

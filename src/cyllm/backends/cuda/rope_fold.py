@@ -24,9 +24,9 @@ from .quant import TILE, CudaQuantStack
 
 class RopeFolding:
     """Needs from the backend: ``fold_rope`` (bool), ``_pending_qkv`` (None, or the
-    (out, w, x, norm) of a q/k/v matvec held back), ``_take_norm``/``_flush`` of
+    (out, w, x, norm, qx) of a q/k/v matvec held back), ``_take_norm``/``_flush`` of
     NormFolding (next in the MRO), ``_device_mode``, ``_pos``, ``_step``, ``sm_count`` and
-    ``_launch``."""
+    ``_launch``; ``_take_producer`` of PrequantFolding (before it in the MRO)."""
 
     def _flush(self) -> None:
         self._launch_held_qkv()
@@ -44,8 +44,8 @@ class RopeFolding:
         p = self._pending_qkv
         if p is not None:
             self._pending_qkv = None
-            out, w, x, norm = p
-            cuda_quant.qmatvec_qkv(self, out, w, x, norm=norm)
+            out, w, x, norm, qx = p
+            cuda_quant.qmatvec_qkv(self, out, w, x, norm=norm, qx=qx)
 
     def _hold_qkv(self, out, w: CudaQuantStack, x) -> bool:
         """Hold back out = [Wq | Wk | Wv] x for a rope_store that may follow (True), or not."""
@@ -53,7 +53,8 @@ class RopeFolding:
                 and cuda_quant.qkv_args_ok(out, w, x) and cuda_quant.rope_fold_pays(self, w)):
             return False
         norm = self._take_norm(out, x)
-        self._pending_qkv = (out, w, x, norm)
+        qx = self._take_producer(*((norm[1], norm[2]) if norm is not None else (x, None)))
+        self._pending_qkv = (out, w, x, norm, qx)
         return True
 
     def _fold_rope_store(self, q, k, v, cos, sin, k_cache, v_cache, pos) -> bool:
@@ -61,7 +62,7 @@ class RopeFolding:
         p = self._pending_qkv
         if p is None:
             return False
-        out, w, x, norm = p
+        out, w, x, norm, qx = p
         wq, wk, wv = w.parts
         n_pos, half = cos.shape
         n_kv, max_ctx, hd = k_cache.shape
@@ -81,7 +82,7 @@ class RopeFolding:
         self._pending_qkv = None
         try:
             cuda_quant.qmatvec_qkv_rope(self, out, w, x, norm, cos, sin, k_cache, v_cache,
-                                        self._pos(pos, limit))
+                                        self._pos(pos, limit), qx)
         except Exception:  # noqa: BLE001 - e.g. the two tiles' shared memory refused: not launched
             self._pending_qkv = p           # the two ops as they were (rope_store's path)
             return False

@@ -1,0 +1,117 @@
+"""A quantized matvec's output handed to the next one already quantized (a mixin of CudaBackend).
+
+A decode matvec on quantized weights stages its activation x as int8 codes with a scale per
+32 elements before its dots (cuda/quant_matvec.cu, qstage): every block reads all of x (and
+the folded norm's weight) from the L2 and quantizes it. On Llama-2-7B's decode that took
+1.4-4.4 us after each kernel's wait (H100, bench/trace_cuda_decode.py stage marks), time in
+which the DRAM streams nothing. So under decode_step a quantized matvec (the producer) is
+held back until the next op shows what reads its output. Where that is a quantized matvec
+reading it directly or through a held-back rmsnorm, the producer's blocks also write their
+32-row tiles of the output as those codes (of output * the norm's weight), the 32-blocks'
+scales and sums, and the sums of squares the folded norm needs (qx_produce); the consumer,
+a ``..._qx`` kernel, copies its slice (qstage_qx). Any other op launches the producer as it
+was, first, so the order of effects is the one the caller wrote.
+
+The codes are the 32-element activation quantization of the q8_0-family kernels for every
+format; the K-quant kernels staging from floats take one scale per 256 elements (the CPU
+kernels' q8_K), so a K-quant matvec reading a prequantized x rounds it at a finer grain.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .quant import TILE
+
+try:  # CuPy is optional: this module imports without it, like the others of the backend
+    import cupy as cp
+except Exception:  # noqa: BLE001 - reported by CudaBackend when it is constructed
+    cp = None
+
+_NULL = np.int64(0)
+
+
+class _Held:
+    """A quantized matvec launch not issued yet: kernel, launch shape, its arguments up to
+    the consumer's qx, and the output vector it writes."""
+
+    __slots__ = ("k", "grid", "block", "args", "smem", "out")
+
+    def __init__(self, k, grid, block, args, smem, out):
+        self.k, self.grid, self.block, self.args, self.smem, self.out = k, grid, block, args, smem, out
+
+
+def _same(a, b) -> bool:
+    return a.data.ptr == b.data.ptr and a.size == b.size
+
+
+def qx_bytes(n: int) -> int:
+    """Bytes of a prequantized n-vector: n codes, n/32 entries of 16 bytes, n/32 sums of squares."""
+    return n + n // 2 + n // 8
+
+
+class PrequantFolding:
+    """Needs from the backend: ``prequant`` (bool), ``_held_mv`` (None or a _Held),
+    ``_qx_bufs`` (two device byte buffers or None) and ``_qx_flip``, ``_device_mode``,
+    ``_launch``, and NormFolding's ``_norm_foldable`` and ``rmsnorm`` (next in the MRO)."""
+
+    def _flush(self) -> None:
+        self._launch_producer(None, None)
+        super()._flush()
+
+    def _drop_held(self) -> None:
+        self._held_mv = None
+        super()._drop_held()
+
+    def rmsnorm(self, out, x, w, eps):
+        p = self._held_mv
+        if (p is not None and _same(p.out, x) and out.shape == x.shape and w.shape[0] == x.shape[0]
+                and self._norm_foldable(out, x, w)):
+            # the norm will be held too (nothing else is: holding the producer flushed the
+            # rest), and the matvec that folds it in may take the producer's output quantized
+            self._held_mv = None
+            super().rmsnorm(out, x, w, eps)
+            self._held_mv = p
+            return
+        super().rmsnorm(out, x, w, eps)
+
+    def _hold_producer(self, k, grid, block, args, smem, out) -> bool:
+        """Hold back a quantized matvec launch whose output the next op may take quantized
+        (True), or not: outside decode_step, with rows that end in a partial tile."""
+        if not (self.prequant and self._device_mode and out.size % TILE == 0):
+            return False
+        self._held_mv = _Held(k, grid, block, args, smem, out)
+        return True
+
+    def _take_producer(self, x, nw):
+        """The held-back producer goes out now; the device buffer it writes x's codes to
+        (x * nw where the consumer folds an rmsnorm of weight nw), or None when it does not
+        write x or no buffer can be had (then it goes out as it was)."""
+        p = self._held_mv
+        if p is None:
+            return None
+        qx = self._qx_buffer(x.size) if _same(p.out, x) else None
+        self._launch_producer(qx, nw)
+        return qx
+
+    def _launch_producer(self, qx, nw) -> None:
+        p = self._held_mv
+        if p is None:
+            return
+        self._held_mv = None
+        extra = (qx, nw if nw is not None else _NULL) if qx is not None else (_NULL, _NULL)
+        self._launch(p.k, p.grid, p.block, p.args + extra, shared_mem=p.smem)
+
+    def _qx_buffer(self, n: int):
+        """One of two device buffers, in turn, of at least qx_bytes(n): a kernel that reads
+        one while writing the next must never write the one it reads, and the kernel after
+        it starts writing only once this one has finished (pdl_wait)."""
+        need = qx_bytes(n)
+        bufs = self._qx_bufs
+        if bufs is None or bufs[0].size < need:
+            stream = cp.cuda.get_current_stream()
+            if getattr(stream, "is_capturing", lambda: False)():
+                return None         # not inside a graph: the eager pass before it allocates
+            bufs = self._qx_bufs = (cp.empty(need, dtype=cp.uint8), cp.empty(need, dtype=cp.uint8))
+        self._qx_flip ^= 1
+        return bufs[self._qx_flip]
