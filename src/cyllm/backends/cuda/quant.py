@@ -5,12 +5,12 @@ bytes, reordered once on the device into the "lane = row" layout of cuda/quant_m
 (the same number of bytes: no dequantized copy is kept), plus format and shape.
 
 Decode (one token): ``qmatvec`` runs one kernel per op -- out = W x, out += W x, or
-act(Wg x) * (Wu x) -- with the activation quantized to int8 inside the kernel exactly as
-the CPU kernels quantize it (q8_0 blocks of 32 for the 32-element formats, q8_k's one scale
-per 256 for the K-quants) and a held-back rmsnorm folded in, like
-the F16 ``_norm`` kernels. Launched through ``CudaBackend._launch``, so inside
-``decode_step`` they go out with programmatic dependent launch and are captured in the
-step's CUDA graph. Nothing here allocates on the decode path.
+act(Wg x) * (Wu x) -- with the activation quantized to int8 blocks of 32 (the CPU kernels'
+q8_0 activation, for every format: the CPU's K-quant kernels round per 256) and a held-back
+rmsnorm folded in, like the F16 ``_norm`` kernels. Inside ``decode_step`` the activation
+usually comes already quantized by the matvec that wrote it (prequant.py); they go out with
+programmatic dependent launch (``CudaBackend._launch``) and are captured in the step's CUDA
+graph. Nothing here allocates on the decode path.
 
 Prefill (T tokens): ``qmatmul`` dequantizes row tiles of W to FP16 into one reused
 scratch tile and multiplies with cuBLAS, as the F16 path does. x stays float (FP16): rounding
