@@ -282,10 +282,21 @@ __device__ __forceinline__ void qstage_pass(const float* x, const float* __restr
 // (the K-quant dots take each 32-entry's d as it comes). A copy of the slice, no arithmetic:
 // staging from floats costs each block a read of all of x (and of the norm weight) from the
 // L2 and the quantizing -- 1.4-4.4 us after the wait in Llama-2-7B's decode (H100).
+// cp.async (sm_80+): global -> shared without registers; .cg: from the L2, where the previous
+// kernel wrote it. Older GPUs copy through registers (a load, then a store).
 __device__ __forceinline__ void cp_async16(void* smem_dst, const void* src) {
-    // global -> shared without registers; .cg: from the L2 (written by the previous kernel)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
                  :: "r"((unsigned)__cvta_generic_to_shared(smem_dst)), "l"(src) : "memory");
+#else
+    *reinterpret_cast<float4*>(smem_dst) = ld_act4(reinterpret_cast<const float4*>(src));
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ float qstage_qx(const unsigned char* qx, int n, int e0, int e1,
@@ -297,10 +308,9 @@ __device__ __forceinline__ float qstage_qx(const unsigned char* qx, int n, int e
     uint4* dw = reinterpret_cast<uint4*>(xw);
     for (int i = (e0 >> 4) + lane; i < (e1 >> 4); i += 32) cp_async16(dw + i, codes + i);
     for (int i = (e0 >> 5) + lane; i < (e1 >> 5); i += 32) cp_async16(xs + i, ent + i);
-    asm volatile("cp.async.commit_group;" ::: "memory");
     float ss = 0.0f;
     for (int i = (e0 >> 5) + lane; i < (e1 >> 5); i += 32) ss += ld_act(sq + i);
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    cp_async_wait_all();
     return ss;          // the caller's __syncwarp makes the lanes' copies visible to the warp
 }
 

@@ -169,3 +169,13 @@ def test_dropped_pass_forgets_the_producer(be):
     be._drop_held()
     be._flush()
     assert be.launches == []
+
+
+def test_a_second_norm_of_the_output_never_runs_before_the_producer(be):
+    h, xb1, xb2, w = Vec(0x1000, 4096), Vec(0x9000, 4096), Vec(0xD000, 4096), Vec(0x20000, 4096)
+    hold(be, h)
+    be.rmsnorm(xb1, h, w, 1e-5)                 # held with the producer
+    be.rmsnorm(xb2, h, w, 1e-5)                 # the first norm goes out: after the producer
+    assert [k for k, _ in be.launches] == ["p", "rmsnorm_f32"]
+    be._flush()
+    assert [k for k, _ in be.launches] == ["p", "rmsnorm_f32", "rmsnorm_f32"]

@@ -164,6 +164,9 @@ def test_kernel_table_agrees():
         assert main[1] - main[0] == 16 * units
     for name in ("qmv_qkv_pair", "qmv_qkv_pair_norm", "qmv_qkv_rope_pair", "qmv_qkv_rope_pair_norm"):
         assert re.search(rf"\({name},", src), name
+    # each of them has its prequantized twin NAME_qx (prequant.py), made by the defining macro
+    for mac in ("QMV", "QMV_QKV", "QMV_QKV_PAIR", "QMV_QKV_ROPE", "QMV_QKV_ROPE_PAIR"):
+        assert re.search(rf"#define CYLLM_{mac}_DEF\(.*\n\s*CYLLM_{mac}_DEF1\(NAME##_qx,", src), mac
 
 
 def test_stack_rows_rule():
@@ -746,7 +749,7 @@ def test_decode_graph(be, cp, fmt):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", FMTS)
-def test_decode_prequantized_chain(be, cp, fmt):
+def test_decode_prequantized_chain(be, cp, fmt, monkeypatch):
     """Inside decode_step a matvec hands its output to the next quantized one prequantized
     (prequant.py): out += W x, rmsnorm, gate+up reading it through the folded norm (codes of
     h * w, the norm's sum of squares from the producer), down reading gate+up's output. Each
@@ -795,9 +798,14 @@ def test_decode_prequantized_chain(be, cp, fmt):
         assert rel(gv, g_want) < 1e-4, f"{fmt} {what}: gate+up"
         check_exact(ov, o_want, mag, f"{fmt} {what}: down")
 
+    launched = []
+    launch = be._launch
+    monkeypatch.setattr(be, "_launch", lambda k, *a, **kw: (launched.append(k), launch(k, *a, **kw)))
     for step in range(3):
         run(lambda: be.decode_step(issue, 1, step), f"step {step}")
-    assert (be._qx_bufs is not None) == be.prequant
+    if be.prequant:     # gate+up and down read their x prequantized
+        for name in (f"qmv_gate_up_silu_{fmt}_norm_qx", f"qmv_add_{fmt}_qx"):
+            assert CQ.kernel(be, name, fmt) in launched, name
     run(lambda: issue(1, 0), "outside decode_step")     # every matvec stages its own x
     be.reset_graph()
 

@@ -17,13 +17,14 @@ cyllm's own default-model cache. Tests skip with the reason when material is mis
 Checks (rel_err = max |a - b| / max |b|, over every position and the whole vocabulary):
 - against the CUDA path's own math computed by numpy_ref (``CudaMath`` below: the
   dequantized weights; prefill products in float, as cuBLAS on FP16 tiles computes them;
-  decode products with x rounded to int8 blocks as the CPU kernels round it -- q8_0 per 32
-  elements for the 32-element formats, q8_k's one scale per 256 for the K-quants): prefill
+  decode products with x rounded to int8 blocks of 32 for every format, as the CPU kernels
+  round it for the 32-element formats (q8_0); the CPU rounds the K-quants' per 256): prefill
   logits rel_err < 1e-2 (the issue's bound), token-by-token decode logits (the captured CUDA
   graph) < DECODE_RTOL on the tiny random models (see there), greedy text identical or
   different only after a near-tie of the reference's logits (then xfail);
-- against the CPU backend on the same file: decode within DECODE_RTOL (both round x alike
-  for every format), prefill within CPU_RTOL (the CPU rounds x to int8 in prefill too),
+- against the CPU backend on the same file: decode within DECODE_RTOL where both round x
+  alike (files of 32-element formats only), else CPU_RTOL; prefill within CPU_RTOL (the CPU
+  rounds x to int8 in prefill too),
   argmax agreement; the default model's perplexity within 0.5% of the CPU's (the issue's
   criterion that holds: its logits criterion, < 1e-2 against the CPU, does not, see CPU_RTOL);
 - the quantized matrices of the file are on the GPU byte for byte (no dequantized copy),
@@ -62,7 +63,9 @@ DECODE_RTOL = 5e-2
 # CUDA's prefill round x too was measured: 6.2e-2, no closer (the FP16 rounding of weights
 # and x then flips a few percent of the codes). So the issue's 1e-2 between backends holds
 # only for float math; for int8 activations the perplexity criterion (0.5%) is the one kept.
-# A kernel bug is O(1).
+# Decode of files with K-quant matrices, whose x CUDA rounds per 32 and the CPU per 256:
+# measured (the per-32 numpy_ref model against the CPU backend, every K-quant family file)
+# 0 .. 5.7e-2, argmax agreement 0.87-1. A kernel bug is O(1).
 CPU_RTOL = 1e-1
 PPL_RTOL = 5e-3            # perplexity within 0.5%
 SEQ = 70                   # crosses the material's sliding windows (16) and rope contexts (32)
@@ -171,15 +174,24 @@ def _reference_model(path, context=None):
     return Model.from_weights(cfg, w, tok, backend=_cuda_math_backend(), context=context)
 
 
-def _quant_bytes(model) -> int:
-    """Bytes of the distinct CudaQuantMatrix weights the model holds (tied tables once)."""
+def _quant_mats(model) -> list:
+    """The distinct CudaQuantMatrix weights the model holds (tied tables once)."""
     from cyllm.backends.cuda.quant import CudaQuantMatrix
     seen = {id(model.embedding): model.embedding, id(model.output): model.output}
     for L in model.layers:
         for a in (L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down, L.wqkv):
             if a is not None:
                 seen[id(a)] = a
-    return sum(a.nbytes for a in seen.values() if isinstance(a, CudaQuantMatrix))
+    return [a for a in seen.values() if isinstance(a, CudaQuantMatrix)]
+
+
+def _quant_bytes(model) -> int:
+    return sum(a.nbytes for a in _quant_mats(model))
+
+
+def _rounds_apart(model) -> bool:
+    """Whether the CPU rounds some matrix's x otherwise than CUDA (blocks of 32): a K-quant."""
+    return any(a.fmt.act != "q8_0" for a in _quant_mats(model))
 
 
 def _file_bytes(path) -> tuple[int, int]:
@@ -257,7 +269,7 @@ def test_family_file_cuda_matches_reference_and_cpu(name):
     cpu_errs = {"prefill": rel_err(got, c_pre), "decode": rel_err(got_dec, c_dec)}
     agree = float(np.mean(got_dec.argmax(-1) == c_dec.argmax(-1)))
     print(f"{name}: vs the CPU backend {cpu_errs}, decode argmax agreement {agree:.3f}")
-    lim = {"prefill": CPU_RTOL, "decode": DECODE_RTOL}
+    lim = {"prefill": CPU_RTOL, "decode": CPU_RTOL if _rounds_apart(gpu) else DECODE_RTOL}
     assert all(cpu_errs[k] < lim[k] for k in lim), f"{name}: vs the CPU backend {cpu_errs} (limits {lim})"
     assert agree >= 0.8
     prompt = ids[:PROMPT]

@@ -54,7 +54,8 @@ def qx_bytes(n: int) -> int:
 class PrequantFolding:
     """Needs from the backend: ``prequant`` (bool), ``_held_mv`` (None or a _Held),
     ``_qx_bufs`` (two device byte buffers or None) and ``_qx_flip``, ``_device_mode``,
-    ``_launch``, and NormFolding's ``_norm_foldable`` and ``rmsnorm`` (next in the MRO)."""
+    ``_launch``, RopeFolding's ``_pending_qkv`` and NormFolding's ``_pending_norm``,
+    ``_norm_foldable`` and ``rmsnorm`` (after it in the MRO)."""
 
     def _flush(self) -> None:
         self._launch_producer(None, None)
@@ -66,10 +67,12 @@ class PrequantFolding:
 
     def rmsnorm(self, out, x, w, eps):
         p = self._held_mv
-        if (p is not None and _same(p.out, x) and out.shape == x.shape and w.shape[0] == x.shape[0]
+        if (p is not None and self._pending_norm is None and self._pending_qkv is None
+                and _same(p.out, x) and out.shape == x.shape and w.shape[0] == x.shape[0]
                 and self._norm_foldable(out, x, w)):
-            # the norm will be held too (nothing else is: holding the producer flushed the
-            # rest), and the matvec that folds it in may take the producer's output quantized
+            # the norm will be held too (nothing else is, so its own flush launches nothing
+            # before the producer), and the matvec that folds it in may take the producer's
+            # output quantized
             self._held_mv = None
             super().rmsnorm(out, x, w, eps)
             self._held_mv = p
