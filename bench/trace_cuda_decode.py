@@ -49,9 +49,11 @@ def tag_name(tag: int) -> str:
         return "attention"
     if tag == 0x1001:
         return "rope_store"
+    qx = " qx" if tag & 0x2000 else ""       # x came prequantized (a _qx kernel)
+    tag &= ~0x2000
     fmt = _FMT.get((tag >> 8, (tag >> 4) & 15), f"fmt{tag >> 8}")
     name = "qkv" if tag & 1 else _MODE[(tag >> 2) & 3]
-    return f"{name}{'+norm' if tag & 2 else ''} {fmt}"
+    return f"{name}{'+norm' if tag & 2 else ''} {fmt}{qx}"
 
 
 def stages(g: np.ndarray) -> list[float] | None:

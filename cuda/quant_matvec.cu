@@ -1089,6 +1089,8 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
 // blocks (this kernel's and, under programmatic dependent launch, the next one's) fit on one
 // SM. CYLLM_QMV_WIDE: no bound, for the kernels that would spill under it (q5_k, q6_k, and
 // gate+up of the K-quants: 150-200 registers).
+// trace tags (bench/trace_cuda_decode.py tag_name): format, mode, norm, q/k/v, and 0x2000 for _qx
+#define QMV_TAG_QX(QX) ((QX) ? 0x2000 : 0)
 #define CYLLM_QMV_DEF(NAME, F, MODE, NORM, BOUNDS) CYLLM_QMV_DEF1(NAME, F, MODE, NORM, BOUNDS, false) \
     CYLLM_QMV_DEF1(NAME##_qx, F, MODE, NORM, BOUNDS, true)
 #define CYLLM_QMV_DEF1(NAME, F, MODE, NORM, BOUNDS, QX)                                            \
@@ -1098,7 +1100,7 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
                                     float* __restrict__ xn, const unsigned char* qx,                 \
                                     unsigned char* __restrict__ qxo, const float* __restrict__ qnw) { \
         TRACE_BEGIN(); qmv_body<F, MODE, NORM, QX>(out, w0, w1, x, d, nbi, nw, eps, xn, blockIdx.x, qx, qxo, qnw); \
-        TRACE_END((F::UPI << 8) | (F::EA << 4) | (MODE << 2) | (NORM << 1));                     \
+        TRACE_END(QMV_TAG_QX(QX) | (F::UPI << 8) | (F::EA << 4) | (MODE << 2) | (NORM << 1));                     \
     }
 // q, k and v of one layer in one launch (three matrices of one format, one x): blocks
 // [0, tq) are q's row tiles, then k's, then v's; out is q | k | v side by side (dk = dv)
@@ -1116,7 +1118,7 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
         const unsigned char* w = seg == 0 ? wq : seg == 1 ? wk : wv;                                 \
         TRACE_BEGIN(); qmv_body<F, 0, NORM, QX>(out + (seg == 0 ? 0 : dq + (seg - 1) * dk), w, w, x, seg ? dk : dq, nbi, \
                              nw, eps, xn, t - (seg == 0 ? 0 : tq + (seg - 1) * tk), qx, nullptr, nullptr); \
-        TRACE_END((F::UPI << 8) | (F::EA << 4) | (NORM << 1) | 1);                               \
+        TRACE_END(QMV_TAG_QX(QX) | (F::UPI << 8) | (F::EA << 4) | (NORM << 1) | 1);                               \
     }
 // q and k of one format, v of another (the Q4_K_M/Q5_K_M recipes give some layers' v more
 // bits): still one launch, for grids of one wave, where a launch costs more than its bytes
@@ -1137,10 +1139,10 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
             const bool isq = t < tq;                                                                 \
             qmv_body<FQ, 0, NORM, QX>(out + (isq ? 0 : dq), isq ? wq : wk, isq ? wq : wk, x, isq ? dq : dk, \
                                   nbi_qk, nw, eps, xn, isq ? t : t - tq, qx, nullptr, nullptr);      \
-            TRACE_END((FQ::UPI << 8) | (FQ::EA << 4) | (NORM << 1) | 1);                             \
+            TRACE_END(QMV_TAG_QX(QX) | (FQ::UPI << 8) | (FQ::EA << 4) | (NORM << 1) | 1);                             \
         } else {                                                                                     \
             qmv_body<FV, 0, NORM, QX>(out + dq + dk, wv, wv, x, dk, nbi_v, nw, eps, xn, t - tq - tk, qx, nullptr, nullptr); \
-            TRACE_END((FV::UPI << 8) | (FV::EA << 4) | (NORM << 1) | 1);                             \
+            TRACE_END(QMV_TAG_QX(QX) | (FV::UPI << 8) | (FV::EA << 4) | (NORM << 1) | 1);                             \
         }                                                                                            \
     }
 // the same three with rope and the cache store of row pos folded in (qkv_rope_body)
@@ -1159,7 +1161,7 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
         TRACE_BEGIN();                                                                               \
         qkv_rope_body<F, NORM, QX>(out, wq, wk, wv, x, dq, dk, nbi, nbi, nw, eps, xn, cos_t, sin_t,      \
                                k_cache, v_cache, step, pos_host, n_pos, max_ctx, hd, qx);            \
-        TRACE_END((F::UPI << 8) | (F::EA << 4) | (NORM << 1) | 1);                               \
+        TRACE_END(QMV_TAG_QX(QX) | (F::UPI << 8) | (F::EA << 4) | (NORM << 1) | 1);                               \
     }
 // the pair's (q and k of one format, v of another) with rope and the cache store folded in
 #define CYLLM_QMV_QKV_ROPE_PAIR_DEF(NAME, FQ, FV, NORM) CYLLM_QMV_QKV_ROPE_PAIR_DEF1(NAME, FQ, FV, NORM, false) \
@@ -1176,9 +1178,9 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
         qkv_rope_body<FQ, NORM, QX, FV>(out, wq, wk, wv, x, dq, dk, nbi_qk, nbi_v, nw, eps, xn, cos_t,   \
                                     sin_t, k_cache, v_cache, step, pos_host, n_pos, max_ctx, hd, qx); \
         if ((int)blockIdx.x < (dq + dk) / (2 * QMV_TILE))      /* q's and k's tile pairs */          \
-            TRACE_END((FQ::UPI << 8) | (FQ::EA << 4) | (NORM << 1) | 1);                             \
+            TRACE_END(QMV_TAG_QX(QX) | (FQ::UPI << 8) | (FQ::EA << 4) | (NORM << 1) | 1);                             \
         else                                                                                         \
-            TRACE_END((FV::UPI << 8) | (FV::EA << 4) | (NORM << 1) | 1);                             \
+            TRACE_END(QMV_TAG_QX(QX) | (FV::UPI << 8) | (FV::EA << 4) | (NORM << 1) | 1);                             \
     }
 #define CYLLM_QMV(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, __launch_bounds__(QMV_MAX_WARPS * 32))
 #define CYLLM_QMV_WIDE(NAME, F, MODE, NORM) CYLLM_QMV_DEF(NAME, F, MODE, NORM, )
