@@ -179,3 +179,14 @@ def test_a_second_norm_of_the_output_never_runs_before_the_producer(be):
     assert [k for k, _ in be.launches] == ["p", "rmsnorm_f32"]
     be._flush()
     assert [k for k, _ in be.launches] == ["p", "rmsnorm_f32", "rmsnorm_f32"]
+
+
+def test_an_fp16_matvec_takes_the_norm_and_the_producer_goes_first(be):
+    """CudaBackend._mv (FP16 weights) folds the norm but reads x as floats: the held producer
+    goes out as it was, before it."""
+    h, xb, w = Vec(0x1000, 4096), Vec(0x9000, 4096), Vec(0x20000, 4096)
+    hold(be, h)
+    be.rmsnorm(xb, h, w, 1e-5)
+    norm, qx = be._take_input(Vec(0x40000, 4096), xb, quantized=False)
+    assert norm is not None and qx is None
+    assert be.launches == [("p", (prequant._NULL, prequant._NULL))]

@@ -288,8 +288,7 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         if x.shape[0] != n or out.shape[0] != d:
             self._flush()
             raise InvalidArgumentError(f"{base}: shapes {tuple(w0.shape)} @ {tuple(x.shape)} -> {tuple(out.shape)}")
-        norm = self._take_norm(out, x)
-        self._launch_producer(None, None)     # a held quantized matvec writing x goes first
+        norm, _ = self._take_input(out, x, quantized=False)
         if (n % 8 == 0 and w0.data.ptr % 16 == 0 and w1.data.ptr % 16 == 0 and x.data.ptr % 16 == 0
                 and w0.flags.c_contiguous and w1.flags.c_contiguous):
             r, warps, u = self._matvec_shape(d, n, rmax)

@@ -33,8 +33,8 @@ _NULL = np.int64(0)
 
 
 class _Held:
-    """A quantized matvec launch not issued yet: kernel, launch shape, its arguments up to
-    the consumer's qx, and the output vector it writes."""
+    """A quantized matvec launch not issued yet: kernel, launch shape, its arguments but the
+    last two (qxo and qnw, known once the next op shows its reader), and the vector it writes."""
 
     __slots__ = ("k", "grid", "block", "args", "smem", "out")
 
@@ -86,6 +86,18 @@ class PrequantFolding:
             return False
         self._held_mv = _Held(k, grid, block, args, smem, out)
         return True
+
+    def _take_input(self, out, x, quantized: bool = True):
+        """(norm, qx) for a matvec into ``out`` reading ``x``: the held-back rmsnorm whose
+        output is x (NormFolding), or None; and, for a quantized matvec, x prequantized by the
+        held-back producer (of the norm's input where a norm is folded), or None: staged from
+        floats. The held-back producer, if any, goes out before the caller's launch."""
+        norm = self._take_norm(out, x)
+        if not quantized:
+            self._launch_producer(None, None)
+            return norm, None
+        return norm, (self._take_producer(norm[1], norm[2]) if norm is not None
+                      else self._take_producer(x, None))
 
     def _take_producer(self, x, nw):
         """The held-back producer goes out now; the device buffer it writes x's codes to

@@ -460,8 +460,7 @@ def qmatvec_qkv(be, out, w: CudaQuantStack, x, norm=_TAKE, qx=None) -> None:
         raise InvalidArgumentError(f"q/k/v stack ({w.fmt.name}, v {w.fmt_v.name}): shapes {w.shape} @ "
                                    f"{tuple(x.shape)} -> {tuple(out.shape)}")
     if norm is _TAKE:
-        norm = be._take_norm(out, x)
-        qx = _take_producer(be, x, norm)
+        norm, qx = be._take_input(out, x)
     _qkv_launch(be, out, w, x, norm, matvec_warps(be, w, 1), (), qx)
 
 
@@ -488,14 +487,6 @@ def qmatvec_qkv_rope(be, out, w: CudaQuantStack, x, norm, cos, sin, k_cache, v_c
     forced = getattr(be, "qkv_rope_warps", None)        # experiments (bench/sweep_cuda_decode.py --vary)
     warps = int(forced) if forced else matvec_warps(be, w, 1)
     _qkv_launch(be, out, w, x, norm, warps, extra, qx)
-
-
-def _take_producer(be, x, norm):
-    """x prequantized by the held-back producer (None: staged from floats), see prequant.py."""
-    take = getattr(be, "_take_producer", None)
-    if take is None:
-        return None
-    return take(norm[1], norm[2]) if norm is not None else take(x, None)
 
 
 def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None, hold: bool = False) -> None:
@@ -533,8 +524,7 @@ def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None, hold: b
     if not (x.flags.c_contiguous and out.flags.c_contiguous):
         be._flush()
         raise InvalidArgumentError(f"{prefix}{w0.fmt.name}: x and out must be contiguous")
-    norm = be._take_norm(out, x)
-    qx = _take_producer(be, x, norm)
+    norm, qx = be._take_input(out, x)
     fmt = w0.fmt.name
     name = f"{prefix}{fmt}" + ("_norm" if norm is not None else "") + ("_qx" if qx is not None else "")
     k = kernel(be, name, fmt)

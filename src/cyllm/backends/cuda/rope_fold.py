@@ -26,7 +26,7 @@ class RopeFolding:
     """Needs from the backend: ``fold_rope`` (bool), ``_pending_qkv`` (None, or the
     (out, w, x, norm, qx) of a q/k/v matvec held back), ``_take_norm``/``_flush`` of
     NormFolding (next in the MRO), ``_device_mode``, ``_pos``, ``_step``, ``sm_count`` and
-    ``_launch``; ``_take_producer`` of PrequantFolding (before it in the MRO)."""
+    ``_launch``; ``_take_input`` of PrequantFolding (before it in the MRO)."""
 
     def _flush(self) -> None:
         self._launch_held_qkv()
@@ -52,8 +52,7 @@ class RopeFolding:
         if not (self.fold_rope and all(p.rows % (2 * TILE) == 0 for p in w.parts)
                 and cuda_quant.qkv_args_ok(out, w, x) and cuda_quant.rope_fold_pays(self, w)):
             return False
-        norm = self._take_norm(out, x)
-        qx = self._take_producer(*((norm[1], norm[2]) if norm is not None else (x, None)))
+        norm, qx = self._take_input(out, x)
         self._pending_qkv = (out, w, x, norm, qx)
         return True
 
