@@ -52,7 +52,8 @@ __device__ __forceinline__ bool attn_last_block(int* counter, int n_used)
 // written by other blocks, so read them from L2, never from a stale L1 line.
 __device__ __forceinline__ void attn_merge_heads(
     float* __restrict__ out, const float* o_part, const float* m_part, const float* l_part,
-    int h0, int nh, int hd, int n_split, int s0, int n_used, float* wsm)
+    int h0, int nh, int hd, int n_split, int s0, int n_used, float* wsm,
+    unsigned char* __restrict__ qxo = nullptr, int n_out = 0)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int t0 = 0; t0 < nh; t0 += ATT_WARPS) {
@@ -85,6 +86,9 @@ __device__ __forceinline__ void attn_merge_heads(
 #pragma unroll 8
             for (int s = s0; s < n_used; ++s) acc = fmaf(__ldcg(op + (size_t)s * hd), w[s], acc);
             out[(size_t)h * hd + e] = acc;
+            // qxo: also prequantized for the matvec that reads out (hd % 32 == 0: each warp
+            // of an iteration holds one 32-block, and every lane of it is in range)
+            if (qxo != nullptr) qx_produce(qxo, n_out, h * hd + e, acc, 1.0f, threadIdx.x & 31);
         }
         __syncthreads();
     }
@@ -100,7 +104,8 @@ __device__ __forceinline__ void attn_split_body(
     float* __restrict__ out, int* __restrict__ counters, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part,
     const float* q, const f16_t* k_cache,        // written by rope_store (or qmv_qkv_rope) just before: no
     const f16_t* v_cache, const int* __restrict__ step, int pos_host,   // __restrict__, no nc loads
-    int max_ctx, int n_kv, int group, int hd, int chunk, int n_split, float scale, int window)
+    int max_ctx, int n_kv, int group, int hd, int chunk, int n_split, float scale, int window,
+    unsigned char* __restrict__ qxo)
 {
     extern __shared__ __align__(16) float smem[];
     // fewer loads in flight for wide head tiles keeps registers (and so resident blocks) in check
@@ -283,8 +288,14 @@ __device__ __forceinline__ void attn_split_body(
             for (int w = 0; w < ATT_WARPS; ++w) s += Wp[w * GT * hd + i];
             const int gi = i / hd;
             const int h = kvh * group + g0 + gi;
-            if (single) out[(size_t)h * hd + (i - gi * hd)] = s / ml[GT + gi];
-            else o_part[((size_t)h * n_split + split) * hd + (i - gi * hd)] = s;
+            if (single) {
+                const float v = s / ml[GT + gi];
+                out[(size_t)h * hd + (i - gi * hd)] = v;
+                // qxo: as in attn_merge_heads (an iteration's warps hold whole 32-blocks)
+                if (qxo != nullptr) qx_produce(qxo, n_kv * group * hd, h * hd + (i - gi * hd), v, 1.0f, lane);
+            } else {
+                o_part[((size_t)h * n_split + split) * hd + (i - gi * hd)] = s;
+            }
         }
         if (!single && threadIdx.x < gt) {
             const int h = kvh * group + g0 + threadIdx.x;
@@ -294,7 +305,7 @@ __device__ __forceinline__ void attn_split_body(
     }
     if (single || !attn_last_block(counters + kvh, n_used - s0)) return;
     attn_merge_heads(out, o_part, m_part, l_part, kvh * group, group, hd, n_split, s0, n_used,
-                     ml + 2 * GT);
+                     ml + 2 * GT, qxo, n_kv * group * hd);
     if (threadIdx.x == 0) counters[kvh] = 0;
 }
 
@@ -303,10 +314,11 @@ __device__ __forceinline__ void attn_split_body(
         float* out, int* counters, float* o_part, float* m_part, float* l_part,              \
         const float* q, const f16_t* k_cache,                                                \
         const f16_t* v_cache, const int* step, int pos_host, int max_ctx, int n_kv,          \
-        int group, int hd, int chunk, int n_split, float scale, int window) {                \
+        int group, int hd, int chunk, int n_split, float scale, int window,                  \
+        unsigned char* qxo) {                                                                \
         TRACE_BEGIN(); attn_split_body<GT, VE>(out, counters, o_part, m_part, l_part, q, k_cache, v_cache,  \
                                 step, pos_host,                                              \
-                                max_ctx, n_kv, group, hd, chunk, n_split, scale, window);    \
+                                max_ctx, n_kv, group, hd, chunk, n_split, scale, window, qxo); \
         TRACE_END(0x1000);                                                                   \
     }
 // NAME_ve: the first pass of K and V rows loaded before pdl_wait (short contexts: one round

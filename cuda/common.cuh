@@ -161,6 +161,33 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// A vector handed to the next quantized matvec already quantized (backends/cuda/prequant.py):
+// a warp holding 32 consecutive outputs v (element `row` in this lane, row % 32 == lane)
+// writes their 32-block's int8 codes, entry {d, d * sum(q), sum(q[0:16]), sum(q[16:32])}
+// and sum of squares into qxo (n codes | n/32 entries | n/32 sums) as quant_matvec.cu's
+// qstage would have made them from v * nw (nw: the reader's rmsnorm weight at this element,
+// 1 without one). Every lane of the warp takes part.
+__device__ __forceinline__ void qx_produce(unsigned char* __restrict__ qxo, int n, int row, float v, float nwr,
+                                           int lane)
+{
+    const float xv = v * nwr;
+    const float a = warp_max(fabsf(xv));
+    const float dq = a / 127.0f;
+    const float id = a > 0.0f ? 127.0f / a : 0.0f;
+    const int q = __float2int_rn(xv * id);
+    int sm = q;
+#pragma unroll
+    for (int off = 1; off < 16; off <<= 1) sm += __shfl_xor_sync(FULL_MASK, sm, off);   // per half warp
+    const int so = __shfl_xor_sync(FULL_MASK, sm, 16);
+    const float sq = warp_sum(v * v);
+    reinterpret_cast<signed char*>(qxo)[row] = (signed char)q;
+    if (lane == 0) {
+        reinterpret_cast<float4*>(qxo + n)[row >> 5] = make_float4(dq, dq * (float)(sm + so),
+                                                                    __int_as_float(sm), __int_as_float(so));
+        reinterpret_cast<float*>(qxo + n + n / 2)[row >> 5] = sq;
+    }
+}
+
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 // GELU, tanh approximation (Gemma's gelu_pytorch_tanh)
 __device__ __forceinline__ float gelu_tanh_f(float x) {

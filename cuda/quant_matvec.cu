@@ -277,7 +277,7 @@ __device__ __forceinline__ void qstage_pass(const float* x, const float* __restr
     }
 }
 
-// The same staging from a prequantized x (qx_produce below, in the kernel that wrote x):
+// The same staging from a prequantized x (qx_produce in common.cuh, in the kernel that wrote x):
 // qx = n codes | n/32 entries (16 B) | n/32 sums of x^2 (4 B), BLK = 32 for every format
 // (the K-quant dots take each 32-entry's d as it comes). A copy of the slice, no arithmetic:
 // staging from floats costs each block a read of all of x (and of the norm weight) from the
@@ -312,31 +312,6 @@ __device__ __forceinline__ float qstage_qx(const unsigned char* qx, int n, int e
     for (int i = (e0 >> 5) + lane; i < (e1 >> 5); i += 32) ss += ld_act(sq + i);
     cp_async_wait_all();
     return ss;          // the caller's __syncwarp makes the lanes' copies visible to the warp
-}
-
-// The producing side: warp 0 of a block holds its tile's 32 outputs v (lane = row), one
-// 32-block of the next matvec's x; it writes that block's codes, entry and sum of squares
-// as qstage (BLK = 32) would have made them from x * nw (nw: the next op's rmsnorm weight
-// at this row, 1 without one). Every lane of the warp takes part (full tiles only).
-__device__ __forceinline__ void qx_produce(unsigned char* __restrict__ qxo, int n, int row, float v, float nwr,
-                                           int lane)
-{
-    const float xv = v * nwr;
-    const float a = warp_max(fabsf(xv));
-    const float dq = a / 127.0f;
-    const float id = a > 0.0f ? 127.0f / a : 0.0f;
-    const int q = __float2int_rn(xv * id);
-    int sm = q;
-#pragma unroll
-    for (int off = 1; off < 16; off <<= 1) sm += __shfl_xor_sync(FULL_MASK, sm, off);   // per half warp
-    const int so = __shfl_xor_sync(FULL_MASK, sm, 16);
-    const float sq = warp_sum(v * v);
-    reinterpret_cast<signed char*>(qxo)[row] = (signed char)q;
-    if (lane == 0) {
-        reinterpret_cast<float4*>(qxo + n)[row >> 5] = make_float4(dq, dq * (float)(sm + so),
-                                                                    __int_as_float(sm), __int_as_float(so));
-        reinterpret_cast<float*>(qxo + n + n / 2)[row >> 5] = sq;
-    }
 }
 
 template <bool NORM>

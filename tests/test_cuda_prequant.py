@@ -55,6 +55,7 @@ class Be(PrequantFolding, RopeFolding, NormFolding):
         self._pending_norm = None
         self.fold_rope = True
         self._pending_qkv = None
+        self._qx_norm = None
         self.launches = []          # (what, extra arguments)
 
     def _launch(self, k, grid, block, args, shared_mem=0):
@@ -190,3 +191,47 @@ def test_an_fp16_matvec_takes_the_norm_and_the_producer_goes_first(be):
     norm, qx = be._take_input(Vec(0x40000, 4096), xb, quantized=False)
     assert norm is not None and qx is None
     assert be.launches == [("p", (prequant._NULL, prequant._NULL))]
+
+
+def test_attention_hands_over_codes_but_never_through_a_norm(be):
+    """A producer that cannot apply a norm's weight (attention: scales=False) has one extra
+    argument; a consumer through a folded norm gets no codes from it."""
+    o, h, xb, w = Vec(0x1000, 4096), Vec(0x5000, 4096), Vec(0x9000, 4096), Vec(0x20000, 4096)
+    assert be._hold_producer("attn", (32, 1), (256,), ("args", 0), 0, o, scales=False)
+    qx = be._take_producer(o, None)
+    assert qx is not None and be.launches == [("attn", (0, qx))]     # the recorder keeps the last two
+    assert be._hold_producer("attn", (32, 1), (256,), ("args", 0), 0, o, scales=False)
+    be.rmsnorm(xb, o, w, 1e-5)
+    norm = be._take_norm(h, xb)
+    assert be._take_producer(norm[1], norm[2]) is None
+    assert be.launches[-1] == ("attn", (0, prequant._NULL))       # its one extra: null
+
+
+def test_k_and_v_fold_the_norm_from_the_codes_q_read(be):
+    """q folds the norm of h and reads h's codes; k and v, reading the norm's output, take the
+    same codes and norm (not writing its output again); not after another op, nor after a
+    matvec that wrote the norm's output."""
+    h, xb, w = Vec(0x1000, 4096), Vec(0x9000, 4096), Vec(0x20000, 4096)
+    q, k, v = Vec(0x40000, 4096), Vec(0x50000, 1024), Vec(0x60000, 1024)
+    hold(be, h, "down")
+    be.rmsnorm(xb, h, w, 1e-5)
+    norm, qx = be._take_input(q, xb)
+    assert norm is not None and norm[0] is xb and qx is not None
+    hold(be, q, "q")
+    nk, qk = be._take_input(k, xb)
+    assert be.launches[-1] == ("q", (prequant._NULL, prequant._NULL))     # q goes out as it was
+    assert qk is qx and nk == (None, xb, w, 1e-5)
+    hold(be, k, "k")
+    nv, qv = be._take_input(v, xb)
+    assert qv is qx and nv[0] is None
+    be._flush()                                 # e.g. rope_store
+    assert be._take_input(v, xb) == (None, None)
+
+
+def test_codes_of_the_norm_output_are_dropped_when_it_is_written(be):
+    h, xb, w, q = Vec(0x1000, 4096), Vec(0x9000, 4096), Vec(0x20000, 4096), Vec(0x40000, 4096)
+    hold(be, h, "down")
+    be.rmsnorm(xb, h, w, 1e-5)
+    be._take_input(q, xb)
+    assert be._take_input(xb, q) == (None, None)     # a matvec writing xb
+    assert be._take_input(q, xb) == (None, None)

@@ -811,6 +811,96 @@ def test_decode_prequantized_chain(be, cp, fmt, monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q4_0", "q8_0"])
+def test_decode_attention_hands_wo_its_output_prequantized(be, cp, fmt, monkeypatch):
+    """Inside decode_step attention writes its output prequantized for a quantized wo
+    (prequant.py): at a position of one split (the output written by the block itself) and of
+    two (merged by the last block); attention against numpy_ref, wo against NumPy."""
+    from cyllm.backends.numpy_ref import NumpyBackend
+    be.reset_graph()
+    rng = np.random.default_rng(41)
+    nh, nkv, hd, max_ctx = 8, 4, 128, 600
+    n = nh * hd
+    raw = random_blocks(fmt, n, n, rng)
+    wo, Wo = be.upload(QuantMatrix(raw, fmt, (n, n))), deq64(raw, fmt, n)
+    kc = (rng.standard_normal((nkv, max_ctx, hd)) * 0.5).astype(np.float16)
+    vc = rng.standard_normal((nkv, max_ctx, hd)).astype(np.float16)
+    kd, vd = be.upload(kc), be.upload(vc)
+    qd, o, h = be.empty(n), be.empty(n), be.empty(n)
+    launched = []
+    launch = be._launch
+    monkeypatch.setattr(be, "_launch", lambda k, *a, **kw: (launched.append(k), launch(k, *a, **kw)))
+
+    def issue(token, pos):
+        be.attention(o, qd, kd, vd, pos)
+        be.matvec_add(h, wo, o)             # h += Wo attention(q)
+
+    for pos in (5, 6, max_ctx - 10):
+        qv = rng.standard_normal(n).astype(np.float32)
+        h0 = rng.standard_normal(n).astype(np.float32)
+        qd.set(qv)
+        h.set(h0)
+        be.decode_step(issue, 1, pos)
+        want = np.zeros(n, np.float32)
+        NumpyBackend().attention(want, qv, kc, vc, pos)
+        ov = be.to_host(o).astype(np.float32)
+        assert rel(ov, want) < 1e-4, f"{fmt} attention at {pos}"
+        oq = xq64(ov)
+        check_exact(be.to_host(h), h0 + Wo @ oq, np.abs(Wo) @ np.abs(oq) + np.abs(h0), f"{fmt} wo at {pos}")
+    if be.prequant:
+        assert CQ.kernel(be, f"qmv_add_{fmt}_qx", fmt) in launched
+    be.reset_graph()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q4_0"])
+def test_decode_separate_qkv_share_the_codes(be, cp, fmt, monkeypatch):
+    """q, k and v as three matvecs after a folded norm of a prequantized h (the Q4_K_M layers
+    whose v has another format): k and v take q's codes and fold the same norm (prequant.py,
+    _take_input); each against NumPy; the norm's output as the rmsnorm op would leave it."""
+    be.reset_graph()
+    rng = np.random.default_rng(43)
+    n = 1024
+    eps = 1e-5
+    shp = {"wd": (n, n), "wq": (n, n), "wk": (256, n), "wv": (256, n)}
+    raws = {k: random_blocks(fmt, r, c, rng) for k, (r, c) in shp.items()}
+    ws = {k: be.upload(QuantMatrix(raws[k], fmt, shp[k])) for k in shp}
+    Ws = {k: deq64(raws[k], fmt, shp[k][1]) for k in shp}
+    nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    nwd = be.upload(nw)
+    x, h, xb = be.upload(np.zeros(n, np.float32)), be.empty(n), be.empty(n)
+    q, k, v = be.empty(n), be.empty(256), be.empty(256)
+    launched = []
+    launch = be._launch
+    monkeypatch.setattr(be, "_launch", lambda kk, *a, **kw: (launched.append(kk), launch(kk, *a, **kw)))
+
+    def issue(token, pos):
+        be.matvec_add(h, ws["wd"], x)           # h += Wd x: the producer
+        be.rmsnorm(xb, h, nwd, eps)
+        be.matvec(q, ws["wq"], xb)              # folds the norm, reads h's codes
+        be.matvec(k, ws["wk"], xb)              # the same codes and norm
+        be.matvec(v, ws["wv"], xb)
+
+    for step in range(3):
+        xv = rng.standard_normal(n).astype(np.float32)
+        h0 = rng.standard_normal(n).astype(np.float32)
+        x.set(xv)
+        h.set(h0)
+        be.decode_step(issue, 1, step)
+        hv = be.to_host(h).astype(np.float32)
+        assert rel(hv, h0 + Ws["wd"] @ xq64(xv)) < 1e-5
+        inv = 1.0 / np.sqrt(np.mean(hv.astype(np.float64) ** 2) + eps)
+        hq = xq64(hv * nw)
+        for name, out in (("wq", q), ("wk", k), ("wv", v)):
+            check_exact(be.to_host(out), inv * (Ws[name] @ hq), inv * (np.abs(Ws[name]) @ np.abs(hq)),
+                        f"{fmt} {name} step {step}")
+        np.testing.assert_allclose(be.to_host(xb), hv * inv * nw, rtol=2e-6, atol=1e-6)
+    if be.prequant:
+        assert launched.count(CQ.kernel(be, f"qmv_{fmt}_norm_qx", fmt)) >= 3
+    be.reset_graph()
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("fmt", FMTS)
 def test_prefill_matmul(be, cp, fmt):
     """matmul / matmul_add / gate_up_batch on dequantized FP16 tiles (several tiles: a small tile size)."""

@@ -51,6 +51,7 @@ except Exception as e:  # noqa: BLE001 - reported when the backend is constructe
     cp = None
     _CUPY_ERROR = e
 
+_NULL = np.int64(0)           # a null pointer argument
 _NEG1 = np.int32(-1)          # "read the step buffer" (see step_value in common.cuh)
 _FIT_MARGIN = 512 << 20       # room left for scratch, cuBLAS workspace, the CUDA context
 
@@ -118,6 +119,7 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         self._held_mv = None            # a quantized decode matvec not launched yet (prequant._Held)
         self._qx_bufs = None            # the two buffers prequantized vectors go through
         self._qx_flip = 0
+        self._qx_norm = None            # (normed vector, its codes' buffer, norm weight, eps), prequant.py
         self._scratch: dict = {}        # name -> device buffer reused by the batched ops
         # decode attention: the first K/V rows loaded before pdl_wait (None = at short contexts,
         # see _attn_early; True/False forces it; captured graphs keep their choice until
@@ -446,9 +448,13 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
                 gt //= 2
         if gt:
             ve = self._attn_early(int(pos), n_kv, chunk)
-            self._launch(self._same_carveout(ATTN_SPLIT_KERNELS[(gt, ve)]), (n_kv, n_split), (ATT_THREADS,),
-                         (out, counters, o_part, m_part, l_part) + args_tail,
-                         shared_mem=self._attn_smem(gt, hd, chunk, n_split))
+            k = self._same_carveout(ATTN_SPLIT_KERNELS[(gt, ve)])
+            args = (out, counters, o_part, m_part, l_part) + args_tail
+            grid, smem = (n_kv, n_split), self._attn_smem(gt, hd, chunk, n_split)
+            # a quantized wo may take the output prequantized (prequant.py): whole 32-blocks a head
+            if hd % 32 == 0 and self._hold_producer(k, grid, (ATT_THREADS,), args, smem, out, scales=False):
+                return
+            self._launch(k, grid, (ATT_THREADS,), args + (_NULL,), shared_mem=smem)
         else:
             smem = 4 * (hd + chunk + ATT_WARPS + ATT_WARPS * n_split)
             if smem > SMEM_LIMIT:

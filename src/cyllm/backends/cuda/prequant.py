@@ -10,7 +10,8 @@ reading it directly or through a held-back rmsnorm, the producer's blocks also w
 32-row tiles of the output as those codes (of output * the norm's weight), the 32-blocks'
 scales and sums, and the sums of squares the folded norm needs (qx_produce); the consumer,
 a ``..._qx`` kernel, copies its slice (qstage_qx). Any other op launches the producer as it
-was, first, so the order of effects is the one the caller wrote.
+was, first, so the order of effects is the one the caller wrote. Decode attention (its fast
+path, head_dim a multiple of 32) is a producer too, for wo; it has no norm weight to apply.
 
 The codes are those a matvec staging x itself makes (int8 blocks of 32, one scale each, for
 every format), so a step rounds alike whichever way each matvec got its x. Llama-2-7B decode
@@ -33,17 +34,23 @@ _NULL = np.int64(0)
 
 
 class _Held:
-    """A quantized matvec launch not issued yet: kernel, launch shape, its arguments but the
-    last two (qxo and qnw, known once the next op shows its reader), and the vector it writes."""
+    """A launch not issued yet: kernel, launch shape, its arguments but the last (a quantized
+    matvec's qxo and qnw; attention's qxo alone: ``scales`` False, it cannot apply a norm's
+    weight), and the output vector it writes."""
 
-    __slots__ = ("k", "grid", "block", "args", "smem", "out")
+    __slots__ = ("k", "grid", "block", "args", "smem", "out", "scales")
 
-    def __init__(self, k, grid, block, args, smem, out):
+    def __init__(self, k, grid, block, args, smem, out, scales=True):
         self.k, self.grid, self.block, self.args, self.smem, self.out = k, grid, block, args, smem, out
+        self.scales = scales
 
 
 def _same(a, b) -> bool:
     return a.data.ptr == b.data.ptr and a.size == b.size
+
+
+def _overlaps(a, b) -> bool:
+    return a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
 
 
 def qx_bytes(n: int) -> int:
@@ -59,11 +66,44 @@ class PrequantFolding:
 
     def _flush(self) -> None:
         self._launch_producer(None, None)
+        self._qx_norm = None
         super()._flush()
 
     def _drop_held(self) -> None:
         self._held_mv = None
+        self._qx_norm = None
         super()._drop_held()
+
+    def _take_input(self, out, x, quantized: bool = True):
+        """(norm, qx) for a matvec into ``out`` reading ``x``: the held-back rmsnorm whose
+        output is x (NormFolding), or None; and, for a quantized matvec, x prequantized by the
+        held-back producer (of the norm's input where a norm is folded), or None: staged from
+        floats. The held-back producer, if any, goes out before the caller's launch.
+
+        A matvec that folded a norm in and read the codes of its input (q after the down
+        projection) leaves them for the matvecs that read the norm's output after it (k and
+        v, where v's format keeps q, k and v apart): they fold the same norm from the same
+        codes (its sums of squares included) instead of staging the normed vector, and do
+        not write it again (xn None). Until any other op, a production into the buffers, or
+        a matvec writing that output."""
+        norm = self._take_norm(out, x)
+        if not quantized:
+            self._launch_producer(None, None)
+            if self._qx_norm is not None and _overlaps(out, self._qx_norm[0]):
+                self._qx_norm = None
+            return norm, None
+        if norm is not None:
+            qx = self._take_producer(norm[1], norm[2])
+            if qx is not None:
+                self._qx_norm = (norm[0], qx, norm[2], norm[3])
+            return norm, qx
+        qx = self._take_producer(x, None)
+        r = self._qx_norm
+        if r is not None and _overlaps(out, r[0]):
+            self._qx_norm = r = None
+        if qx is None and r is not None and _same(r[0], x):
+            return (None, x, r[2], r[3]), r[1]
+        return None, qx
 
     def rmsnorm(self, out, x, w, eps):
         p = self._held_mv
@@ -79,25 +119,14 @@ class PrequantFolding:
             return
         super().rmsnorm(out, x, w, eps)
 
-    def _hold_producer(self, k, grid, block, args, smem, out) -> bool:
-        """Hold back a quantized matvec launch whose output the next op may take quantized
-        (True), or not: outside decode_step, with rows that end in a partial tile."""
+    def _hold_producer(self, k, grid, block, args, smem, out, scales=True) -> bool:
+        """Hold back a launch (a quantized matvec, or attention with ``scales`` False) whose
+        output the next op may take quantized (True), or not: outside decode_step, or an
+        output that ends in a partial 32-block."""
         if not (self.prequant and self._device_mode and out.size % TILE == 0):
             return False
-        self._held_mv = _Held(k, grid, block, args, smem, out)
+        self._held_mv = _Held(k, grid, block, args, smem, out, scales)
         return True
-
-    def _take_input(self, out, x, quantized: bool = True):
-        """(norm, qx) for a matvec into ``out`` reading ``x``: the held-back rmsnorm whose
-        output is x (NormFolding), or None; and, for a quantized matvec, x prequantized by the
-        held-back producer (of the norm's input where a norm is folded), or None: staged from
-        floats. The held-back producer, if any, goes out before the caller's launch."""
-        norm = self._take_norm(out, x)
-        if not quantized:
-            self._launch_producer(None, None)
-            return norm, None
-        return norm, (self._take_producer(norm[1], norm[2]) if norm is not None
-                      else self._take_producer(x, None))
 
     def _take_producer(self, x, nw):
         """The held-back producer goes out now; the device buffer it writes x's codes to
@@ -106,7 +135,7 @@ class PrequantFolding:
         p = self._held_mv
         if p is None:
             return None
-        qx = self._qx_buffer(x.size) if _same(p.out, x) else None
+        qx = self._qx_buffer(x.size) if _same(p.out, x) and (nw is None or p.scales) else None
         self._launch_producer(qx, nw)
         return qx
 
@@ -115,7 +144,11 @@ class PrequantFolding:
         if p is None:
             return
         self._held_mv = None
-        extra = (qx, nw if nw is not None else _NULL) if qx is not None else (_NULL, _NULL)
+        if qx is not None:
+            self._qx_norm = None        # the codes it leaves may be in the buffer written now
+        extra = (qx if qx is not None else _NULL,)
+        if p.scales:
+            extra += (nw if qx is not None and nw is not None else _NULL,)
         self._launch(p.k, p.grid, p.block, p.args + extra, shared_mem=p.smem)
 
     def _qx_buffer(self, n: int):

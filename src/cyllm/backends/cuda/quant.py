@@ -444,7 +444,7 @@ def _qkv_launch(be, out, w: CudaQuantStack, x, norm, warps_per_tile: int, extra:
         dims += (np.int32(wv.nbi),)
     if norm is not None:
         xn, xin, nw, eps = norm
-        args = head + (xin,) + dims + (nw, np.float32(eps), xn) + extra
+        args = head + (xin,) + dims + (nw, np.float32(eps), _NULL if xn is None else xn) + extra
     else:
         args = head + (x,) + dims + (_NULL, np.float32(0.0), _NULL) + extra
     args += (qx if qx is not None else _NULL,)
@@ -537,7 +537,8 @@ def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None, hold: b
     _carveout(be, k, fmt, _balanced_carveout(be, smem, grid[0]) if balanced else None)
     if norm is not None:
         xn, xin, nw, eps = norm
-        args = (out, w0.data, w1.data, xin, np.int32(d), np.int32(w0.nbi), nw, np.float32(eps), xn)
+        args = (out, w0.data, w1.data, xin, np.int32(d), np.int32(w0.nbi), nw, np.float32(eps),
+                _NULL if xn is None else xn)
     else:
         args = (out, w0.data, w1.data, x, np.int32(d), np.int32(w0.nbi), _NULL, np.float32(0.0), _NULL)
     args += (qx if qx is not None else _NULL,)
