@@ -712,11 +712,7 @@ def test_decode_graph(be, cp, fmt):
     n = 8 * f.block if f.block == 256 else 576
     d, ff = n, 3 * n // 2 if f.block == 32 else 3 * n // 2 // 256 * 256
     eps = 1e-5
-    raws = {k: random_blocks(fmt, r, c, rng) for k, (r, c) in
-            {"wo": (d, n), "wg": (ff, n), "wu": (ff, n), "wd": (d, ff)}.items()}
-    ws = {k: be.upload(QuantMatrix(v, fmt, v.shape[0:1] + (v.shape[1] // f.block_bytes * f.block,)))
-          for k, v in raws.items()}
-    Ws = {k: deq64(v, fmt, v.shape[1] // f.block_bytes * f.block) for k, v in raws.items()}
+    ws, Ws = _upload_weights(be, fmt, {"wo": (d, n), "wg": (ff, n), "wu": (ff, n), "wd": (d, ff)}, rng)
     nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
     x = be.upload(np.zeros(n, np.float32))
     xb, h, o = be.empty(n), be.empty(ff), be.empty(d)
@@ -747,6 +743,22 @@ def test_decode_graph(be, cp, fmt):
     be.reset_graph()
 
 
+def _upload_weights(be, fmt, shapes, rng):
+    """{name: random fmt blocks of that (rows, cols)} uploaded, and their float64 dequantized
+    matrices."""
+    raws = {k: random_blocks(fmt, r, c, rng) for k, (r, c) in shapes.items()}
+    return ({k: be.upload(QuantMatrix(raws[k], fmt, shapes[k])) for k in shapes},
+            {k: deq64(raws[k], fmt, shapes[k][1]) for k in shapes})
+
+
+def _record_launches(be, monkeypatch) -> list:
+    """The names of the kernels the backend launches from now on, in order."""
+    launched = []
+    launch = be._launch
+    monkeypatch.setattr(be, "_launch", lambda k, *a, **kw: (launched.append(k), launch(k, *a, **kw)))
+    return launched
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", FMTS)
 def test_decode_prequantized_chain(be, cp, fmt, monkeypatch):
@@ -761,9 +773,7 @@ def test_decode_prequantized_chain(be, cp, fmt, monkeypatch):
     ff = 3 * n // 2 if f.block == 32 else 3 * n // 2 // 256 * 256
     eps = 1e-5
     shp = {"wa": (n, n), "wg": (ff, n), "wu": (ff, n), "wd": (n, ff)}
-    raws = {k: random_blocks(fmt, r, c, rng) for k, (r, c) in shp.items()}
-    ws = {k: be.upload(QuantMatrix(raws[k], fmt, shp[k])) for k in shp}
-    Ws = {k: deq64(raws[k], fmt, shp[k][1]) for k in shp}
+    ws, Ws = _upload_weights(be, fmt, shp, rng)
     nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
     nwd = be.upload(nw)
     x, h, o = be.upload(np.zeros(n, np.float32)), be.empty(n), be.empty(n)
@@ -798,9 +808,7 @@ def test_decode_prequantized_chain(be, cp, fmt, monkeypatch):
         assert rel(gv, g_want) < 1e-4, f"{fmt} {what}: gate+up"
         check_exact(ov, o_want, mag, f"{fmt} {what}: down")
 
-    launched = []
-    launch = be._launch
-    monkeypatch.setattr(be, "_launch", lambda k, *a, **kw: (launched.append(k), launch(k, *a, **kw)))
+    launched = _record_launches(be, monkeypatch)
     for step in range(3):
         run(lambda: be.decode_step(issue, 1, step), f"step {step}")
     if be.prequant:     # gate+up and down read their x prequantized
@@ -827,9 +835,7 @@ def test_decode_attention_hands_wo_its_output_prequantized(be, cp, fmt, monkeypa
     vc = rng.standard_normal((nkv, max_ctx, hd)).astype(np.float16)
     kd, vd = be.upload(kc), be.upload(vc)
     qd, o, h = be.empty(n), be.empty(n), be.empty(n)
-    launched = []
-    launch = be._launch
-    monkeypatch.setattr(be, "_launch", lambda k, *a, **kw: (launched.append(k), launch(k, *a, **kw)))
+    launched = _record_launches(be, monkeypatch)
 
     def issue(token, pos):
         be.attention(o, qd, kd, vd, pos)
@@ -863,16 +869,12 @@ def test_decode_separate_qkv_share_the_codes(be, cp, fmt, monkeypatch):
     n = 1024
     eps = 1e-5
     shp = {"wd": (n, n), "wq": (n, n), "wk": (256, n), "wv": (256, n)}
-    raws = {k: random_blocks(fmt, r, c, rng) for k, (r, c) in shp.items()}
-    ws = {k: be.upload(QuantMatrix(raws[k], fmt, shp[k])) for k in shp}
-    Ws = {k: deq64(raws[k], fmt, shp[k][1]) for k in shp}
+    ws, Ws = _upload_weights(be, fmt, shp, rng)
     nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
     nwd = be.upload(nw)
     x, h, xb = be.upload(np.zeros(n, np.float32)), be.empty(n), be.empty(n)
     q, k, v = be.empty(n), be.empty(256), be.empty(256)
-    launched = []
-    launch = be._launch
-    monkeypatch.setattr(be, "_launch", lambda kk, *a, **kw: (launched.append(kk), launch(kk, *a, **kw)))
+    launched = _record_launches(be, monkeypatch)
 
     def issue(token, pos):
         be.matvec_add(h, ws["wd"], x)           # h += Wd x: the producer

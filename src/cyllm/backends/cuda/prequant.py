@@ -15,8 +15,10 @@ path, head_dim a multiple of 32) is a producer too, for wo; it has no norm weigh
 
 The codes are those a matvec staging x itself makes (int8 blocks of 32, one scale each, for
 every format), so a step rounds alike whichever way each matvec got its x. Llama-2-7B decode
-on an H100 (bench/sweep_cuda_decode.py --vary prequant=1,0): Q4_K_M 502 -> 568 tok/s (67.7%
--> 76.6% of the roofline), Q4_0 540 -> 575, Q8_0 336 -> 372; at depth 4096 +5-7%.
+on an H100 (bench/sweep_cuda_decode.py --vary prequant=1,0, matvecs only): Q4_K_M 502 -> 568
+tok/s (67.7% -> 76.6% of the roofline), Q4_0 540 -> 575, Q8_0 336 -> 372; at depth 4096
++5-7%. Attention's hand-over to wo and k/v reusing q's codes added Q4_K_M 545 -> 569, Q4_0
+560 -> 570, SmolLM2-135M Q8_0 1702 -> 1832 (bench/results/cuda_quant_model_h100.md).
 """
 
 from __future__ import annotations
