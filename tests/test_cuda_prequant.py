@@ -235,3 +235,12 @@ def test_codes_of_the_norm_output_are_dropped_when_it_is_written(be):
     be._take_input(q, xb)
     assert be._take_input(xb, q) == (None, None)     # a matvec writing xb
     assert be._take_input(q, xb) == (None, None)
+
+
+def test_codes_of_the_norm_output_are_dropped_when_an_fp16_matvec_writes_it(be):
+    h, xb, w, q = Vec(0x1000, 4096), Vec(0x9000, 4096), Vec(0x20000, 4096), Vec(0x40000, 4096)
+    hold(be, h, "down")
+    be.rmsnorm(xb, h, w, 1e-5)
+    be._take_input(q, xb)
+    assert be._take_input(xb, q, quantized=False) == (None, None)
+    assert be._take_input(q, xb) == (None, None)

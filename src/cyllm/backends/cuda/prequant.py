@@ -104,6 +104,8 @@ class PrequantFolding:
         if r is not None and _overlaps(out, r[0]):
             self._qx_norm = r = None
         if qx is None and r is not None and _same(r[0], x):
+            # only with its codes: a kernel given them never reads x (the normed vector, here
+            # its input slot) unless xn is set; one staging x would apply the norm twice
             return (None, x, r[2], r[3]), r[1]
         return None, qx
 
