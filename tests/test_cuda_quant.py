@@ -818,17 +818,29 @@ def test_decode_prequantized_chain(be, cp, fmt, monkeypatch):
     be.reset_graph()
 
 
+# (heads, kv heads, head_dim, window, K/V rows before the wait): groups of 2, 3 (a partial
+# tile of 4), 5 (of 8) and 8; head_dim 32 to 256, a window, the kernels without early rows;
+# head_dim 16 (the fast path, not whole 32-blocks a head) and 80 (the generic kernel) are not
+# handed over: wo stages attention's output itself
+ATTN_HANDOVER_SHAPES = [(8, 4, 128, 0, None), (12, 4, 64, 40, None), (20, 4, 64, 0, False),
+                        (16, 2, 32, 0, None), (4, 2, 256, 100, False), (16, 4, 16, 0, None),
+                        (16, 4, 80, 0, None)]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q4_0", "q8_0"])
-def test_decode_attention_hands_wo_its_output_prequantized(be, cp, fmt, monkeypatch):
+@pytest.mark.parametrize("shape", ATTN_HANDOVER_SHAPES, ids=lambda s: "h{}kv{}d{}w{}e{}".format(*s))
+def test_decode_attention_hands_wo_its_output_prequantized(be, cp, fmt, shape, monkeypatch):
     """Inside decode_step attention writes its output prequantized for a quantized wo
-    (prequant.py): at a position of one split (the output written by the block itself) and of
-    two (merged by the last block); attention against numpy_ref, wo against NumPy."""
+    (prequant.py): at positions of one split (the output written by the block itself) and of
+    several (merged by the last block); attention against numpy_ref, wo against NumPy."""
     from cyllm.backends.numpy_ref import NumpyBackend
     be.reset_graph()
     rng = np.random.default_rng(41)
-    nh, nkv, hd, max_ctx = 8, 4, 128, 600
+    nh, nkv, hd, window, early = shape
+    max_ctx = 600
     n = nh * hd
+    monkeypatch.setattr(be, "attn_v_early", early)
     raw = random_blocks(fmt, n, n, rng)
     wo, Wo = be.upload(QuantMatrix(raw, fmt, (n, n))), deq64(raw, fmt, n)
     kc = (rng.standard_normal((nkv, max_ctx, hd)) * 0.5).astype(np.float16)
@@ -838,7 +850,7 @@ def test_decode_attention_hands_wo_its_output_prequantized(be, cp, fmt, monkeypa
     launched = _record_launches(be, monkeypatch)
 
     def issue(token, pos):
-        be.attention(o, qd, kd, vd, pos)
+        be.attention(o, qd, kd, vd, pos, window)
         be.matvec_add(h, wo, o)             # h += Wo attention(q)
 
     for pos in (5, 6, max_ctx - 10):
@@ -848,13 +860,13 @@ def test_decode_attention_hands_wo_its_output_prequantized(be, cp, fmt, monkeypa
         h.set(h0)
         be.decode_step(issue, 1, pos)
         want = np.zeros(n, np.float32)
-        NumpyBackend().attention(want, qv, kc, vc, pos)
+        NumpyBackend().attention(want, qv, kc, vc, pos, window)
         ov = be.to_host(o).astype(np.float32)
         assert rel(ov, want) < 1e-4, f"{fmt} attention at {pos}"
         oq = xq64(ov)
         check_exact(be.to_host(h), h0 + Wo @ oq, np.abs(Wo) @ np.abs(oq) + np.abs(h0), f"{fmt} wo at {pos}")
-    if be.prequant:
-        assert CQ.kernel(be, f"qmv_add_{fmt}_qx", fmt) in launched
+    handed = CQ.kernel(be, f"qmv_add_{fmt}_qx", fmt) in launched
+    assert handed == (be.prequant and hd % 32 == 0 and hd <= 256), f"{fmt} head_dim {hd}: wo read codes: {handed}"
     be.reset_graph()
 
 
