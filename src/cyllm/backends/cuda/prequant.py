@@ -62,7 +62,8 @@ def qx_bytes(n: int) -> int:
 
 class PrequantFolding:
     """Needs from the backend: ``prequant`` (bool), ``_held_mv`` (None or a _Held),
-    ``_qx_bufs`` (two device byte buffers or None) and ``_qx_flip``, ``_device_mode``,
+    ``_qx_bufs`` (two device byte buffers or None) and ``_qx_flip``, ``_qx_norm`` (None or
+    the codes a norm-folding matvec read, see _take_input), ``_device_mode``,
     ``_launch``, RopeFolding's ``_pending_qkv`` and NormFolding's ``_pending_norm``,
     ``_norm_foldable`` and ``rmsnorm`` (after it in the MRO)."""
 
@@ -89,10 +90,10 @@ class PrequantFolding:
         not write it again (xn None). Until any other op, a production into the buffers, or
         a matvec writing that output."""
         norm = self._take_norm(out, x)
+        if self._qx_norm is not None and _overlaps(out, self._qx_norm[0]):
+            self._qx_norm = None            # this matvec writes the vector those codes stand for
         if not quantized:
             self._launch_producer(None, None)
-            if self._qx_norm is not None and _overlaps(out, self._qx_norm[0]):
-                self._qx_norm = None
             return norm, None
         if norm is not None:
             qx = self._take_producer(norm[1], norm[2])
@@ -100,9 +101,7 @@ class PrequantFolding:
                 self._qx_norm = (norm[0], qx, norm[2], norm[3])
             return norm, qx
         qx = self._take_producer(x, None)
-        r = self._qx_norm
-        if r is not None and _overlaps(out, r[0]):
-            self._qx_norm = r = None
+        r = self._qx_norm                   # None again if that producer wrote into the buffers
         if qx is None and r is not None and _same(r[0], x):
             # only with its codes: a kernel given them never reads x (the normed vector, here
             # its input slot) unless xn is set; one staging x would apply the norm twice
