@@ -228,19 +228,12 @@ def test_k_and_v_fold_the_norm_from_the_codes_q_read(be):
     assert be._take_input(v, xb) == (None, None)
 
 
-def test_codes_of_the_norm_output_are_dropped_when_it_is_written(be):
+@pytest.mark.parametrize("quantized", [True, False])
+def test_codes_of_the_norm_output_are_dropped_when_it_is_written(be, quantized):
+    """A matvec (quantized or FP16) writing xb: the codes q read no longer stand for it."""
     h, xb, w, q = Vec(0x1000, 4096), Vec(0x9000, 4096), Vec(0x20000, 4096), Vec(0x40000, 4096)
     hold(be, h, "down")
     be.rmsnorm(xb, h, w, 1e-5)
     be._take_input(q, xb)
-    assert be._take_input(xb, q) == (None, None)     # a matvec writing xb
-    assert be._take_input(q, xb) == (None, None)
-
-
-def test_codes_of_the_norm_output_are_dropped_when_an_fp16_matvec_writes_it(be):
-    h, xb, w, q = Vec(0x1000, 4096), Vec(0x9000, 4096), Vec(0x20000, 4096), Vec(0x40000, 4096)
-    hold(be, h, "down")
-    be.rmsnorm(xb, h, w, 1e-5)
-    be._take_input(q, xb)
-    assert be._take_input(xb, q, quantized=False) == (None, None)
+    assert be._take_input(xb, q, quantized=quantized) == (None, None)
     assert be._take_input(q, xb) == (None, None)
