@@ -210,8 +210,9 @@ def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, ov
 
 
 def _write(dst: Path, arch: str, kvs: list, items: list[_Item], threads: int | None) -> dict:
-    """Stream `items` into the GGUF `dst` (written as dst.part, then renamed): memory stays
-    near one row chunk of one tensor (plus one quantized matrix)."""
+    """Stream `items` into the GGUF `dst` (written to a partial file of its own beside it,
+    then renamed over it): memory stays near one row chunk of one tensor (plus one quantized
+    matrix)."""
     import gguf
 
     from ..quant.convert import quantize_rows_f32

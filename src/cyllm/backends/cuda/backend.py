@@ -40,7 +40,7 @@ from .pdl import PdlLauncher
 from .prefill import PrefillOps
 from .prequant import PrequantFolding
 from .rope_fold import RopeFolding
-from .quant import CudaQuantMatrix, CudaQuantStack
+from .quant import NULL_ARG as _NULL, CudaQuantMatrix, CudaQuantStack
 from .shapes import ATT_THREADS, ATT_WARPS, MV_LARGE, SMEM_LIMIT, attn_chunk, attn_smem, matvec_shape
 from .shapes import blocks as _blocks
 
@@ -51,7 +51,6 @@ except Exception as e:  # noqa: BLE001 - reported when the backend is constructe
     cp = None
     _CUPY_ERROR = e
 
-_NULL = np.int64(0)           # a null pointer argument
 _NEG1 = np.int32(-1)          # "read the step buffer" (see step_value in common.cuh)
 _FIT_MARGIN = 512 << 20       # room left for scratch, cuBLAS workspace, the CUDA context
 

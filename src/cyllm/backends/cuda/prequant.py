@@ -23,16 +23,13 @@ tok/s (67.7% -> 76.6% of the roofline), Q4_0 540 -> 575, Q8_0 336 -> 372; at dep
 
 from __future__ import annotations
 
-import numpy as np
-
-from .quant import TILE
+from .quant import NULL_ARG as _NULL, TILE
 
 try:  # CuPy is optional: this module imports without it, like the others of the backend
     import cupy as cp
 except Exception:  # noqa: BLE001 - reported by CudaBackend when it is constructed
     cp = None
 
-_NULL = np.int64(0)
 
 
 class _Held:

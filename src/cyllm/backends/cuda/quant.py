@@ -402,7 +402,7 @@ def matvec_warps(be, w, nm: int) -> int:
     return warps
 
 
-_NULL = np.int64(0)       # a null pointer argument (kernels without the folded norm never read it)
+NULL_ARG = np.int64(0)    # a null pointer argument (kernels without the folded norm never read it)
 
 
 def _tiles(w) -> int:
@@ -444,10 +444,10 @@ def _qkv_launch(be, out, w: CudaQuantStack, x, norm, warps_per_tile: int, extra:
         dims += (np.int32(wv.nbi),)
     if norm is not None:
         xn, xin, nw, eps = norm
-        args = head + (xin,) + dims + (nw, np.float32(eps), _NULL if xn is None else xn) + extra
+        args = head + (xin,) + dims + (nw, np.float32(eps), NULL_ARG if xn is None else xn) + extra
     else:
-        args = head + (x,) + dims + (_NULL, np.float32(0.0), _NULL) + extra
-    args += (qx if qx is not None else _NULL,)
+        args = head + (x,) + dims + (NULL_ARG, np.float32(0.0), NULL_ARG) + extra
+    args += (qx if qx is not None else NULL_ARG,)
     be._launch(k, (_tiles(w) // per_block,), (TILE * warps * per_block,), args, shared_mem=smem)
 
 
@@ -538,15 +538,15 @@ def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None, hold: b
     if norm is not None:
         xn, xin, nw, eps = norm
         args = (out, w0.data, w1.data, xin, np.int32(d), np.int32(w0.nbi), nw, np.float32(eps),
-                _NULL if xn is None else xn)
+                NULL_ARG if xn is None else xn)
     else:
-        args = (out, w0.data, w1.data, x, np.int32(d), np.int32(w0.nbi), _NULL, np.float32(0.0), _NULL)
-    args += (qx if qx is not None else _NULL,)
+        args = (out, w0.data, w1.data, x, np.int32(d), np.int32(w0.nbi), NULL_ARG, np.float32(0.0), NULL_ARG)
+    args += (qx if qx is not None else NULL_ARG,)
     if hold and be._hold_producer(k, grid, block, args, smem, out):
         return
     # every kernel, folded norm or not, goes out with programmatic dependent launch under
     # decode_step: activations are read with ordered coherent loads (ld_act in common.cuh)
-    be._launch(k, grid, block, args + (_NULL, _NULL), shared_mem=smem)
+    be._launch(k, grid, block, args + (NULL_ARG, NULL_ARG), shared_mem=smem)
 
 
 _SMEM_SET: dict = {}      # id(kernel) -> dynamic shared memory limit raised to
@@ -670,6 +670,6 @@ def _rows_f32(be, out, w, ldo, ids, host_row, nrows, scale) -> None:
                                          ids, np.int32(host_row), np.float32(scale)))
 
 
-__all__ = ["CudaQuantMatrix", "CudaQuantStack", "LAYOUTS", "SUPPORTED", "dequantize", "dequantize_rows", "kernel",
+__all__ = ["CudaQuantMatrix", "CudaQuantStack", "LAYOUTS", "NULL_ARG", "SUPPORTED", "dequantize", "dequantize_rows", "kernel",
            "matvec_warps", "qembed", "qembed_batch", "qgate_up_batch", "qmatmul", "qmatvec", "qmatvec_qkv", "repack", "stack_rows", "unpack",
            "upload"]
