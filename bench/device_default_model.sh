@@ -33,7 +33,7 @@ case "${1:-}" in
     [ -f "$KEPT/part.aa" ] || { echo "part.aa is gone: the machine went cold between the calls" >&2; exit 2; }
     name=$(PYTHONPATH=src python3 -c 'from cyllm.default_model import FILE_NAME; print(FILE_NAME)')
     cat "$KEPT/part.aa" "$DIR"/part.ab > "$DIR/material/$name"
-    PYTHONPATH=src CYLLM_CUDA_MATERIAL="$(pwd)/$DIR/material" PYTHONUNBUFFERED=1 timeout 500 \
+    PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" CYLLM_CUDA_MATERIAL="$(pwd)/$DIR/material" PYTHONUNBUFFERED=1 timeout 500 \
       python3 -P -m pytest -q -p no:cacheprovider -rfEs --tb=short -m cuda tests/test_cuda_quant_model.py \
       -k default -s 2>&1 | tee "$OUT/dm.log" | grep -E "default model|passed|failed|PPL|perplexity|Error" ;;
   *) echo "usage: bash bench/device_default_model.sh split|keep|test" >&2; exit 2 ;;

@@ -130,7 +130,8 @@ __device__ __forceinline__ int byte_s(u32 v, int k) { return (int)(signed char)(
 // batch). Two batches are in flight (one computed while the next loads): about 260-420
 // bytes per lane for one matrix (the 32-element 4/5-bit formats: 144-192, so that rows of
 // 4096 get 16 warps per block at under 128 registers; backends/cuda/quant.py LAYOUTS has
-// the measurements); gate+up halves B (q4_k/q5_k/q6_k: one batch instead).
+// the measurements); gate+up halves B (q4_k/q5_k/q6_k: one batch instead). The prequantized
+// kernels of the 32-element 4/5-bit formats go deeper (qmv_tile's batch shape).
 struct QF_q8_0 { enum { UPI = 2,  EA = 0, EB = 2, IE = 32,  B = 4 }; };   // units: q[0:16], q[16:32]; B: d
 struct QF_q4_0 { enum { UPI = 1,  EA = 0, EB = 2, IE = 32,  B = 4 }; };   // unit: qs; B: d
 struct QF_q4_1 { enum { UPI = 1,  EA = 4, EB = 0, IE = 32,  B = 4 }; };   // unit: qs; A: d, m
@@ -518,8 +519,17 @@ __device__ __forceinline__ float qmv_tile(
     int warp, int S, uint4* __restrict__ smem, const unsigned char* qx)
 {
     constexpr int NM = (MODE >= 2) ? 2 : 1;
-    constexpr int B = (F::B / NM) > 0 ? F::B / NM : 1;          // items per batch
-    constexpr int P = (NM == 2 && F::B == 1) ? 1 : 2;           // batches in flight
+    // Batch shape: B items a batch (of each matrix), P batches in flight. The prequantized
+    // kernels of the 16-byte-item formats (q4_0, q4_1, q5_0, q5_1) hold the fewest bytes a lane
+    // and have registers to spare, so they keep more in flight: three batches for one matrix
+    // (192 B a lane), and for gate+up a whole batch a matrix where the item's side data is at
+    // most 4 bytes (q4_0, q4_1: 256 B; q5's qh would spill). Llama-2-7B Q4_0 decode on an H100,
+    // 564.9 -> 608.8 tok/s at depth 0, 377.7 -> 389.2 at 4096 (bench/results/
+    // cuda_quant_model_h100.md, twenty-first session). The staged kernels keep two batches:
+    // the same shapes spill there. quant.py's _items_in_flight mirrors this.
+    constexpr bool WIDE = QX && F::UPI == 1;
+    constexpr int B = (NM == 2 && WIDE && F::EA + F::EB <= 4) ? F::B : ((F::B / NM) > 0 ? F::B / NM : 1);
+    constexpr int P = (NM == 2 && F::B == 1) ? 1 : (NM == 1 && WIDE) ? 3 : 2;
     const int lane = threadIdx.x & 31;
     const int W = min(QMV_TILE, d - QMV_TILE * tile);
     const bool live = lane < W;

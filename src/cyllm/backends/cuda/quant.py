@@ -381,14 +381,25 @@ def _shared_bytes(n: int, warps: int, nm: int) -> int:
     return n + 16 * (n // 32) + 4 * (nm * warps * TILE + warps)
 
 
-def matvec_warps(be, w, nm: int) -> int:
+def _items_in_flight(fmt: str, nm: int, qx: bool) -> int:
+    """Items of each matrix a warp holds in flight in qmv_tile (quant_matvec.cu's batch shape:
+    B items a batch, P batches) over nm matrices (2: gate+up); qx: the prequantized kernel."""
+    units, (_, item_bytes), b = LAYOUTS[fmt][0], LAYOUTS[fmt][1], LAYOUTS[fmt][4]
+    wide = qx and units == 1        # 16-byte items, prequantized: deeper (qmv_tile says why)
+    if nm == 1:
+        return (3 if wide else 2) * b
+    if wide and item_bytes - 16 <= 4:
+        return 2 * b                # gate+up, a whole batch a matrix
+    return 2 * (b // 2) if b > 1 else 1     # gate+up halves the batch; the K-quants: one batch
+
+
+def matvec_warps(be, w, nm: int, qx: bool = False) -> int:
     """Warps per block: enough that each warp's item slice is about one batch of loads.
     w: a CudaQuantMatrix or CudaQuantStack (its tiles are launched as one grid)."""
     forced = getattr(be, "qmv_warps", None)
     if forced:
         return max(1, min(int(forced), MAX_WARPS))
-    b = LAYOUTS[w.fmt.name][4]
-    in_flight = 2 * max(1, b // nm) if (nm == 1 or b > 1) else 1
+    in_flight = _items_in_flight(w.fmt.name, nm, qx)
     warps = max(1, min(MAX_WARPS, -(-w.nbi // in_flight)))
     if _tiles(w) <= be.sm_count:
         # one wave with items to spare (short rows, small models): at least 8 warps, so each
@@ -461,7 +472,7 @@ def qmatvec_qkv(be, out, w: CudaQuantStack, x, norm=_TAKE, qx=None) -> None:
                                    f"{tuple(x.shape)} -> {tuple(out.shape)}")
     if norm is _TAKE:
         norm, qx = be._take_input(out, x)
-    _qkv_launch(be, out, w, x, norm, matvec_warps(be, w, 1), (), qx)
+    _qkv_launch(be, out, w, x, norm, matvec_warps(be, w, 1, qx is not None), (), qx)
 
 
 def rope_fold_pays(be, w: CudaQuantStack) -> bool:
@@ -485,7 +496,7 @@ def qmatvec_qkv_rope(be, out, w: CudaQuantStack, x, norm, cos, sin, k_cache, v_c
     n_kv, max_ctx, hd = k_cache.shape
     extra = (cos, sin, k_cache, v_cache, be._step, pos, np.int32(n_pos), np.int32(max_ctx), np.int32(hd))
     forced = getattr(be, "qkv_rope_warps", None)        # experiments (bench/sweep_cuda_decode.py --vary)
-    warps = int(forced) if forced else matvec_warps(be, w, 1)
+    warps = int(forced) if forced else matvec_warps(be, w, 1, qx is not None)
     _qkv_launch(be, out, w, x, norm, warps, extra, qx)
 
 
@@ -528,7 +539,7 @@ def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None, hold: b
     fmt = w0.fmt.name
     name = f"{prefix}{fmt}" + ("_norm" if norm is not None else "") + ("_qx" if qx is not None else "")
     k = kernel(be, name, fmt)
-    warps = min(matvec_warps(be, w0, nm), max(1, getattr(k, "max_threads_per_block", 1024) // 32))
+    warps = min(matvec_warps(be, w0, nm, qx is not None), max(1, getattr(k, "max_threads_per_block", 1024) // 32))
     smem = _shared_bytes(n, warps, nm)
     _allow_smem(k, smem)
     grid, block = (-(-d // TILE),), (TILE * warps,)
