@@ -19,6 +19,9 @@ block index once) and each launch is shown with
   after     its last end minus its first pdl_wait return (work on the critical path)
   pre       its first block start before the previous launch's last end (overlap bought by
             the early launch)
+  pre med   the same for its median block, and early: the share of its blocks that started
+            before that end (blocks that find no room beside the previous kernel's start
+            late, and their weight loads go out only then)
 
 then the same averaged per position in a layer. No nsys on the device machines; this is
 the timeline the profiler would give, at the granularity of %globaltimer (printed).
@@ -95,7 +98,8 @@ def launches(rec: np.ndarray) -> list[dict]:
             waits = g[:, 2][g[:, 2] > 0]
             out.append({"tag": int(tag), "name": tag_name(int(tag)), "blocks": len(g),
                         "sms": len(np.unique((g[:, 0] >> 32) & 0xFF)),
-                        "start": int(g[:, 1].min()), "wait": int(waits.min()) if len(waits) else None,
+                        "start": int(g[:, 1].min()), "start_med": int(np.median(g[:, 1])),
+                        "starts": np.sort(g[:, 1]), "wait": int(waits.min()) if len(waits) else None,
                         "wait_med": int(np.median(waits)) if len(waits) else None,
                         "end": int(g[:, 3].max()), "stages": stages(g)})
     out.sort(key=lambda x: x["end"])
@@ -178,6 +182,8 @@ def trace(a) -> int:
             x["wait_med"] = (x["wait_med"] - prev_end) / 1000 if (prev_end is not None and x["wait_med"]) else None
             x["after"] = (x["end"] - x["wait"]) / 1000 if x["wait"] else None
             x["pre"] = (prev_end - x["start"]) / 1000 if prev_end is not None else None
+            x["pre_med"] = (prev_end - x["start_med"]) / 1000 if prev_end is not None else None
+            x["early"] = 100.0 * float(np.mean(x["starts"] < prev_end)) if prev_end is not None else None
             prev_end = x["end"]
             seq.append(x)
         for x in seq[1:]:
@@ -193,12 +199,14 @@ def trace(a) -> int:
                       f"{f(x['exposed'])} | {f(x['lag'])} | {f(x['wait_med'])} | {f(x['after'])} | {f(x['pre'])} |")
     print(f"\nglobaltimer step seen: {grain} ns; traced span of a token (first block start to last end): "
           f"{statistics.median(totals):.1f} us (median of {len(totals)})\n")
-    print("| kernel | launches | exposed us (median) | sum us per token | lag us | wait med us | after us | pre us |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| kernel | launches | exposed us (median) | sum us per token | lag us | wait med us | after us | pre us "
+          "| pre med us | early % |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for k, xs in sorted(per_kind.items(), key=lambda kv: -sum(x["exposed"] for x in kv[1])):
         med = lambda key: statistics.median([x[key] for x in xs if x[key] is not None] or [0])  # noqa: E731
         print(f"| {k} | {len(xs) // a.tokens} | {med('exposed'):.2f} | {sum(x['exposed'] for x in xs) / a.tokens:.1f} | "
-              f"{med('lag'):.2f} | {med('wait_med'):.2f} | {med('after'):.2f} | {med('pre'):.2f} |")
+              f"{med('lag'):.2f} | {med('wait_med'):.2f} | {med('after'):.2f} | {med('pre'):.2f} | "
+              f"{med('pre_med'):.2f} | {med('early'):.0f} |")
     staged = {k: [x["stages"] for x in xs if x["stages"]] for k, xs in per_kind.items()}
     staged = {k: v for k, v in staged.items() if v}
     if staged:

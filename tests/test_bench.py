@@ -310,6 +310,8 @@ def test_trace_groups_block_records_into_launches():
     assert [x["blocks"] for x in ls] == [2, 3, 2] and [x["sms"] for x in ls] == [2, 3, 2]
     assert [(x["start"], x["wait"], x["end"]) for x in ls] == [(100, 150, 310), (250, 400, 1000), (1100, 1200, 1400)]
     assert ls[1]["wait_med"] == 900 and ls[2]["wait_med"] == 1200    # a block that never waited: left out
+    assert [x["start_med"] for x in ls] == [105, 260, 1110]
+    assert ls[1]["starts"].tolist() == [250, 260, 270]
     # the kernels' tags by name: a _qx variant (0x2000), norm and q/k/v bits, a K-quant
     assert tr.tag_name(0x2000 | mv) == "add q4_0 qx"
     assert tr.tag_name((9 << 8) | 2 << 2 | 2) == "gate_up+norm q4_k"
