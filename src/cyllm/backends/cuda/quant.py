@@ -47,7 +47,8 @@ TILE = 32                 # rows per tile = lanes per warp (QMV_TILE)
 MAX_WARPS = 16            # warps per block of the matvec kernels
 
 # fmt -> (16-byte units per item, their byte range in the block, plane A range, plane B range, B)
-# B: items per lane loaded together (QF_<fmt>::B of the kernels); two batches are in flight.
+# B: items per lane loaded together (QF_<fmt>::B of the kernels); two batches are in flight
+# (three in the prequantized kernels of the 16-byte-item formats: _items_in_flight).
 # q4_0 at 4, not 8: twice the warps per block on rows of 4096 (16 instead of 8, 97 registers
 # instead of 128 with a spill), where one launch was latency-bound with 2 warps per scheduler;
 # Llama-2-7B Q4_0 decode on an H100 431 -> 477 tok/s, at depth 4096 323 -> 342. q4_1, q5_0
