@@ -11,6 +11,10 @@
 #   q7b      cyllm bench --backend cuda, Llama-2-7B shape quantized at load (q4_k = the Q4_K_M
 #            recipe, q8_0, q4_0) and F16: pp512, tg128, tg128 at depth 4096
 #   small    the same on SmolLM2-135M (untied: 163 M parameters), F16, q8_0, q4_0, q4_k
+#   rows     the decode cells the README quotes, as it says they were made: bench/sweep_cuda_decode.py
+#            on the 7B shape (q8_0, q4_0, q4_k; -r 3, depths 0 and 4096) and on SmolLM2 (F16 and
+#            the three; -r 5), one process each (~400 s after the build: q4_k's quantization at load
+#            alone takes ~90 s, a SmolLM2 sweep ~40 s)
 #   ncu      one decode token under ncu per weight type (NCU_MODEL, default smollm2-135m-untied;
 #            NCU_TYPES, default "f16 q4_0 q4_k"; NCU_KERNELS, an ncu -k regex such as
 #            'attn|qmv_add', default every kernel; NCU_CAP, seconds per type, default 200;
@@ -74,6 +78,16 @@ for step in ${*:-build tests prefill decode}; do
   small)
     bench 40 --synthetic smollm2-135m-untied -p 512 -n 128
     for q in q8_0 q4_0 q4_k; do bench 40 --synthetic smollm2-135m-untied --quantize $q -p 512 -n 128; done ;;
+  rows)
+    for q in q8_0 q4_0 q4_k; do
+      run 170 $PY -P bench/sweep_cuda_decode.py --synthetic llama2-7b --quantize $q -n 128 -r 3 -d 0,4096 2>&1 \
+        | grep -E '^\| [fq]|copy bandwidth|rror'
+    done
+    for q in f16 q8_0 q4_0 q4_k; do
+      quant=(); [ "$q" = f16 ] || quant=(--quantize "$q")
+      run 60 $PY -P bench/sweep_cuda_decode.py --synthetic smollm2-135m-untied "${quant[@]}" -n 128 -r 5 2>&1 \
+        | grep -E '^\| [a-z]|copy bandwidth|rror' | grep -v '^| weights'
+    done ;;
   ncu)
     for q in ${NCU_TYPES:-f16 q4_0 q4_k}; do
       quant=(); [ "$q" = f16 ] || quant=(--quantize "$q")
