@@ -759,9 +759,18 @@ def _record_launches(be, monkeypatch) -> list:
     return launched
 
 
+# (n, ff) of the prequantized chain, items of 32 and of 256 elements. short: SmolLM2's rows,
+# a warp's slice inside its first batch. long: rows of the 7B shape's kind, where the loop
+# refills batches and ends on a partial one (32-element formats on 132 SMs: out += W x of 129
+# tiles in one wave, ~12 items a warp; gate+up of 300 tiles, ~32 items a warp; down in one
+# wave, ~19 items a warp against the 12 a _qx kernel holds in flight)
+CHAIN_SHAPES = {"short": ((576, 864), (2048, 3072)), "long": ((4128, 9600), (4352, 9728))}
+
+
 @pytest.mark.cuda
+@pytest.mark.parametrize("rows", list(CHAIN_SHAPES))
 @pytest.mark.parametrize("fmt", FMTS)
-def test_decode_prequantized_chain(be, cp, fmt, monkeypatch):
+def test_decode_prequantized_chain(be, cp, fmt, rows, monkeypatch):
     """Inside decode_step a matvec hands its output to the next quantized one prequantized
     (prequant.py): out += W x, rmsnorm, gate+up reading it through the folded norm (codes of
     h * w, the norm's sum of squares from the producer), down reading gate+up's output. Each
@@ -769,8 +778,7 @@ def test_decode_prequantized_chain(be, cp, fmt, monkeypatch):
     be.reset_graph()
     rng = np.random.default_rng(37)
     f = FORMATS[fmt]
-    n = 8 * f.block if f.block == 256 else 576
-    ff = 3 * n // 2 if f.block == 32 else 3 * n // 2 // 256 * 256
+    n, ff = CHAIN_SHAPES[rows][f.block == 256]
     eps = 1e-5
     shp = {"wa": (n, n), "wg": (ff, n), "wu": (ff, n), "wd": (n, ff)}
     ws, Ws = _upload_weights(be, fmt, shp, rng)
