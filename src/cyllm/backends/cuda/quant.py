@@ -385,11 +385,12 @@ def _shared_bytes(n: int, warps: int, nm: int) -> int:
 def _items_in_flight(fmt: str, nm: int, qx: bool) -> int:
     """Items of each matrix a warp holds in flight in qmv_tile (quant_matvec.cu's batch shape:
     B items a batch, P batches) over nm matrices (2: gate+up); qx: the prequantized kernel."""
-    units, (_, item_bytes), b = LAYOUTS[fmt][0], LAYOUTS[fmt][1], LAYOUTS[fmt][4]
+    units, _, pa, pb, b = LAYOUTS[fmt]
+    side = sum(hi - lo for lo, hi in (pa or (0, 0), pb or (0, 0)))    # bytes of the planes: EA + EB
     wide = qx and units == 1        # 16-byte items, prequantized: deeper (qmv_tile says why)
     if nm == 1:
         return (3 if wide else 2) * b
-    if wide and item_bytes - 16 <= 4:
+    if wide and side <= 4:
         return 2 * b                # gate+up, a whole batch a matrix
     return 2 * (b // 2) if b > 1 else 1     # gate+up halves the batch; the K-quants: one batch
 
