@@ -31,7 +31,6 @@ except Exception:  # noqa: BLE001 - reported by CudaBackend when it is construct
     cp = None
 
 
-
 class _Held:
     """A launch not issued yet: kernel, launch shape, its arguments but the last (a quantized
     matvec's qxo and qnw; attention's qxo alone: ``scales`` False, it cannot apply a norm's

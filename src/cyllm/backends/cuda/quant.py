@@ -683,6 +683,6 @@ def _rows_f32(be, out, w, ldo, ids, host_row, nrows, scale) -> None:
                                          ids, np.int32(host_row), np.float32(scale)))
 
 
-__all__ = ["CudaQuantMatrix", "CudaQuantStack", "LAYOUTS", "NULL_ARG", "SUPPORTED", "dequantize", "dequantize_rows", "kernel",
-           "matvec_warps", "qembed", "qembed_batch", "qgate_up_batch", "qmatmul", "qmatvec", "qmatvec_qkv", "repack", "stack_rows", "unpack",
-           "upload"]
+__all__ = ["CudaQuantMatrix", "CudaQuantStack", "LAYOUTS", "NULL_ARG", "SUPPORTED", "dequantize",
+           "dequantize_rows", "kernel", "matvec_warps", "qembed", "qembed_batch", "qgate_up_batch",
+           "qmatmul", "qmatvec", "qmatvec_qkv", "repack", "stack_rows", "unpack", "upload"]
