@@ -210,7 +210,9 @@ def trace(a) -> int:
     staged = {k: [x["stages"] for x in xs if x["stages"]] for k, xs in per_kind.items()}
     staged = {k: v for k, v in staged.items() if v}
     if staged:
-        # attention.cu's marks: q staged, scores, softmax, V summed per warp, then the output
+        # attention.cu's marks: q staged, scores, softmax, V summed per warp, then the output;
+        # at short caches (online softmax): q staged, a warp's rows, folded in the warp, every
+        # warp's partials in shared memory, then the output
         print("\nStages of the blocks that marked them (median over launches of each launch's median),"
               " us from the wait return:\n")
         print("| kernel | to mark 1 | 1 to 2 | 2 to 3 | 3 to 4 | 4 to end |")

@@ -181,126 +181,247 @@ __device__ __forceinline__ void attn_split_body(
         __syncthreads();
         if (g0 == 0) TRACE_MARK(1);               // bench/trace_cuda_decode.py, first head tile: q staged
 
-        // ---- scores S[gi][t] = (q_g . k_t) * scale
-        for (int base = 0; base < n_valid; base += rp * U) {
-            uint4 kv[U];
+        if (VE && GT == 1) {
+            // Short caches (the variant that loads early), one query head a tile: each warp
+            // runs an online softmax over the rows it reads (scores, max, sum and V in
+            // registers, no block barrier between them), then the warps' partials are combined
+            // once: two barriers a head tile instead of four. At a short depth attention is
+            // latency, not bytes (~1 us a barrier-separated stage); Llama-2-7B decode at depth 0
+            // on an H100, Q4_K_M 565.0 -> 577.6 tok/s, Q4_0 601.9 -> 613.2, Q8_0 level
+            // (bench/results/cuda_quant_model_h100.md, twenty-second session). Wider head tiles
+            // keep the staged scores below: SmolLM2-135M (GT 4: 78 -> 154 registers) decoded
+            // 2-4% slower this way. Long caches too: the online update's registers (GT 1: 124
+            // -> 193) fit the one wave VE runs in, but would halve a long cache's resident blocks.
+            float* mlw = S;                           // ATT_WARPS * GT (max, sum) pairs; chunk >= 64
+            float mx[GT], sm[GT], acc[GT][8];
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int t = base + u * rp + row_in_pass;
-                kv[u] = (VE && base == 0) ? kpre[u] : t < n_valid ? K[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+            for (int gi = 0; gi < GT; ++gi) {
+                mx[gi] = NEG_INF; sm[gi] = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[gi][j] = 0.0f;
             }
+            for (int base = 0; base < n_valid; base += rp * U) {
+                uint4 kv[U], vv[U];
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                // uniform: a pass past the last row, or a head slot past the group, costs
-                // nothing (short caches: n_valid = pos + 1 leaves most of the U passes empty)
-                if (base + u * rp >= n_valid) break;
-                const int t = base + u * rp + row_in_pass;
-#pragma unroll
-                for (int gi = 0; gi < GT; ++gi) {
-                    if (GT > 1 && gi >= gt) break;
-                    const float4* qv = reinterpret_cast<const float4*>(qs + gi * hd + e8 * 8);
-                    float p = dot8(kv[u], qv[0], qv[1], 0.0f);
-#pragma unroll
-                    for (int off = 16; off > 0; off >>= 1)      // unrolled: hd8 is not a constant
-                        if (off < hd8) p += __shfl_xor_sync(FULL_MASK, p, off);
-                    if (e8 == 0 && t < n_valid) S[gi * chunk + t] = t < t_first ? NEG_INF : p;
+                for (int u = 0; u < U; ++u) {
+                    const int t = base + u * rp + row_in_pass;
+                    // rows past pos may hold garbage (even NaN): never load them
+                    kv[u] = base == 0 ? kpre[u] : t < n_valid ? K[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+                    vv[u] = base == 0 ? vpre[u] : t < n_valid ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
                 }
-            }
-        }
-        __syncthreads();
-        if (g0 == 0) TRACE_MARK(2);               // scores
-
-        // ---- local softmax per head: one warp per head of the tile
-        for (int gi = warp; gi < gt; gi += ATT_WARPS) {
-            float m = NEG_INF;
-            for (int t = lane; t < n_valid; t += 32) m = fmaxf(m, S[gi * chunk + t]);
-            m = warp_max(m);
-            float l = 0.0f;
-            for (int t = lane; t < n_valid; t += 32) {
-                const float e = expf(S[gi * chunk + t] - m);
-                S[gi * chunk + t] = e;
-                l += e;
-            }
-            l = warp_sum(l);
-            if (lane == 0) { ml[gi] = m; ml[GT + gi] = l; }
-        }
-        __syncthreads();
-        if (g0 == 0) TRACE_MARK(3);               // softmax
-
-        // ---- un-normalised output: acc[gi][j] = sum_t p[gi][t] * v_t[e8*8 + j]
-        float acc[GT][8];
 #pragma unroll
-        for (int gi = 0; gi < GT; ++gi)
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc[gi][j] = 0.0f;
-        for (int base = 0; base < n_valid; base += rp * U) {
-            uint4 vv[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int t = base + u * rp + row_in_pass;
-                // rows past pos may hold garbage (even NaN): never load them
-                vv[u] = (VE && base == 0) ? vpre[u] : t < n_valid ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                if (base + u * rp >= n_valid) break;          // uniform
-                const int t = base + u * rp + row_in_pass;
-                if (t < n_valid) {
+                for (int u = 0; u < U; ++u) {
+                    if (base + u * rp >= n_valid) break;          // uniform
+                    const int t = base + u * rp + row_in_pass;
+                    const bool ok = t < n_valid && t >= t_first;
                     float vf[8];
-                    float2 p;
-                    p = h2x2f(vv[u].x); vf[0] = p.x; vf[1] = p.y;
-                    p = h2x2f(vv[u].y); vf[2] = p.x; vf[3] = p.y;
-                    p = h2x2f(vv[u].z); vf[4] = p.x; vf[5] = p.y;
-                    p = h2x2f(vv[u].w); vf[6] = p.x; vf[7] = p.y;
+                    float2 h2;
+                    h2 = h2x2f(vv[u].x); vf[0] = h2.x; vf[1] = h2.y;
+                    h2 = h2x2f(vv[u].y); vf[2] = h2.x; vf[3] = h2.y;
+                    h2 = h2x2f(vv[u].z); vf[4] = h2.x; vf[5] = h2.y;
+                    h2 = h2x2f(vv[u].w); vf[6] = h2.x; vf[7] = h2.y;
 #pragma unroll
                     for (int gi = 0; gi < GT; ++gi) {
-                        if (GT > 1 && gi >= gt) break;
-                        const float pw = S[gi * chunk + t];
+                        if (GT > 1 && gi >= gt) break;            // uniform
+                        const float4* qv = reinterpret_cast<const float4*>(qs + gi * hd + e8 * 8);
+                        float p = dot8(kv[u], qv[0], qv[1], 0.0f);
 #pragma unroll
-                        for (int j = 0; j < 8; ++j) acc[gi][j] = fmaf(pw, vf[j], acc[gi][j]);
+                        for (int off = 16; off > 0; off >>= 1)   // every lane of the row gets the score
+                            if (off < hd8) p += __shfl_xor_sync(FULL_MASK, p, off);
+                        const float sc = ok ? p : NEG_INF;
+                        const float mn = fmaxf(mx[gi], sc);
+                        if (mn == NEG_INF) continue;              // no valid row yet in this lane's rows
+                        const float c = expf(mx[gi] - mn), e = expf(sc - mn);
+                        sm[gi] = fmaf(sm[gi], c, e);
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) acc[gi][j] = fmaf(acc[gi][j], c, e * vf[j]);
+                        mx[gi] = mn;
                     }
                 }
             }
-        }
-        // rows of one warp share e8 every hd8 lanes: fold them, then across warps in smem
-#pragma unroll
-        for (int gi = 0; gi < GT; ++gi) {
-            if (GT > 1 && gi >= gt) break;
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-#pragma unroll
-                for (int off = 1; off < 32; off <<= 1)
-                    if (off >= hd8) acc[gi][j] += __shfl_xor_sync(FULL_MASK, acc[gi][j], off);
-        }
-        if (lane < hd8) {
+            if (g0 == 0) TRACE_MARK(2);               // a warp's rows: scores, softmax and V
+            // the rows of one warp share e8 every hd8 lanes: fold their (max, sum, output)
 #pragma unroll
             for (int gi = 0; gi < GT; ++gi) {
-                float4* dst = reinterpret_cast<float4*>(Wp + (warp * GT + gi) * hd + e8 * 8);
-                dst[0] = make_float4(acc[gi][0], acc[gi][1], acc[gi][2], acc[gi][3]);
-                dst[1] = make_float4(acc[gi][4], acc[gi][5], acc[gi][6], acc[gi][7]);
-            }
-        }
-        __syncthreads();
-        if (g0 == 0) TRACE_MARK(4);               // V rows summed per warp
-        for (int i = threadIdx.x; i < gt * hd; i += ATT_THREADS) {
-            float s = 0.0f;
+                if (GT > 1 && gi >= gt) break;
 #pragma unroll
-            for (int w = 0; w < ATT_WARPS; ++w) s += Wp[w * GT * hd + i];
-            const int gi = i / hd;
-            const int h = kvh * group + g0 + gi;
-            if (single) {
-                const float v = s / ml[GT + gi];
-                out[(size_t)h * hd + (i - gi * hd)] = v;
-                // qxo: as in attn_merge_heads (an iteration's warps hold whole 32-blocks)
-                if (qxo != nullptr) qx_produce(qxo, n_kv * group * hd, h * hd + (i - gi * hd), v, 1.0f, lane);
-            } else {
-                o_part[((size_t)h * n_split + split) * hd + (i - gi * hd)] = s;
+                for (int off = 1; off < 32; off <<= 1) {
+                    if (off < hd8) continue;                      // uniform
+                    const float mo = __shfl_xor_sync(FULL_MASK, mx[gi], off);
+                    const float so = __shfl_xor_sync(FULL_MASK, sm[gi], off);
+                    const float M = fmaxf(mx[gi], mo);
+                    const float a = mx[gi] == NEG_INF ? 0.0f : expf(mx[gi] - M);
+                    const float b = mo == NEG_INF ? 0.0f : expf(mo - M);
+                    sm[gi] = sm[gi] * a + so * b;
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        const float ao = __shfl_xor_sync(FULL_MASK, acc[gi][j], off);
+                        acc[gi][j] = acc[gi][j] * a + ao * b;
+                    }
+                    mx[gi] = M;
+                }
             }
-        }
-        if (!single && threadIdx.x < gt) {
-            const int h = kvh * group + g0 + threadIdx.x;
-            m_part[(size_t)h * n_split + split] = ml[threadIdx.x];
-            l_part[(size_t)h * n_split + split] = ml[GT + threadIdx.x];
+            if (lane < hd8) {
+#pragma unroll
+                for (int gi = 0; gi < GT; ++gi) {
+                    if (GT > 1 && gi >= gt) break;
+                    float4* dst = reinterpret_cast<float4*>(Wp + (warp * GT + gi) * hd + e8 * 8);
+                    dst[0] = make_float4(acc[gi][0], acc[gi][1], acc[gi][2], acc[gi][3]);
+                    dst[1] = make_float4(acc[gi][4], acc[gi][5], acc[gi][6], acc[gi][7]);
+                    if (lane == 0) { mlw[2 * (warp * GT + gi)] = mx[gi]; mlw[2 * (warp * GT + gi) + 1] = sm[gi]; }
+                }
+            }
+            if (g0 == 0) TRACE_MARK(3);               // folded in the warp
+            __syncthreads();
+            if (g0 == 0) TRACE_MARK(4);               // every warp's partials in shared memory
+            for (int i = threadIdx.x; i < gt * hd; i += ATT_THREADS) {
+                const int gi = i / hd;
+                float M = NEG_INF;
+#pragma unroll
+                for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, mlw[2 * (w * GT + gi)]);
+                float o = 0.0f, L = 0.0f;
+#pragma unroll
+                for (int w = 0; w < ATT_WARPS; ++w) {
+                    const float mw = mlw[2 * (w * GT + gi)];
+                    const float f = mw == NEG_INF ? 0.0f : expf(mw - M);
+                    L = fmaf(mlw[2 * (w * GT + gi) + 1], f, L);
+                    o = fmaf(Wp[(w * GT + gi) * hd + (i - gi * hd)], f, o);
+                }
+                const int h = kvh * group + g0 + gi;
+                if (single) {
+                    const float v = o / L;
+                    out[(size_t)h * hd + (i - gi * hd)] = v;
+                    if (qxo != nullptr) qx_produce(qxo, n_kv * group * hd, h * hd + (i - gi * hd), v, 1.0f, lane);
+                } else {
+                    o_part[((size_t)h * n_split + split) * hd + (i - gi * hd)] = o;
+                    if (i - gi * hd == 0) {               // one thread a head: the split's max and sum
+                        m_part[(size_t)h * n_split + split] = M;
+                        l_part[(size_t)h * n_split + split] = L;
+                    }
+                }
+            }
+        } else {
+            // ---- scores S[gi][t] = (q_g . k_t) * scale
+            for (int base = 0; base < n_valid; base += rp * U) {
+                uint4 kv[U];
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int t = base + u * rp + row_in_pass;
+                    kv[u] = (VE && base == 0) ? kpre[u] : t < n_valid ? K[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    // uniform: a pass past the last row, or a head slot past the group, costs
+                    // nothing (short caches: n_valid = pos + 1 leaves most of the U passes empty)
+                    if (base + u * rp >= n_valid) break;
+                    const int t = base + u * rp + row_in_pass;
+#pragma unroll
+                    for (int gi = 0; gi < GT; ++gi) {
+                        if (GT > 1 && gi >= gt) break;
+                        const float4* qv = reinterpret_cast<const float4*>(qs + gi * hd + e8 * 8);
+                        float p = dot8(kv[u], qv[0], qv[1], 0.0f);
+#pragma unroll
+                        for (int off = 16; off > 0; off >>= 1)      // unrolled: hd8 is not a constant
+                            if (off < hd8) p += __shfl_xor_sync(FULL_MASK, p, off);
+                        if (e8 == 0 && t < n_valid) S[gi * chunk + t] = t < t_first ? NEG_INF : p;
+                    }
+                }
+            }
+            __syncthreads();
+            if (g0 == 0) TRACE_MARK(2);               // scores
+
+            // ---- local softmax per head: one warp per head of the tile
+            for (int gi = warp; gi < gt; gi += ATT_WARPS) {
+                float m = NEG_INF;
+                for (int t = lane; t < n_valid; t += 32) m = fmaxf(m, S[gi * chunk + t]);
+                m = warp_max(m);
+                float l = 0.0f;
+                for (int t = lane; t < n_valid; t += 32) {
+                    const float e = expf(S[gi * chunk + t] - m);
+                    S[gi * chunk + t] = e;
+                    l += e;
+                }
+                l = warp_sum(l);
+                if (lane == 0) { ml[gi] = m; ml[GT + gi] = l; }
+            }
+            __syncthreads();
+            if (g0 == 0) TRACE_MARK(3);               // softmax
+
+            // ---- un-normalised output: acc[gi][j] = sum_t p[gi][t] * v_t[e8*8 + j]
+            float acc[GT][8];
+#pragma unroll
+            for (int gi = 0; gi < GT; ++gi)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[gi][j] = 0.0f;
+            for (int base = 0; base < n_valid; base += rp * U) {
+                uint4 vv[U];
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int t = base + u * rp + row_in_pass;
+                    // rows past pos may hold garbage (even NaN): never load them
+                    vv[u] = (VE && base == 0) ? vpre[u] : t < n_valid ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    if (base + u * rp >= n_valid) break;          // uniform
+                    const int t = base + u * rp + row_in_pass;
+                    if (t < n_valid) {
+                        float vf[8];
+                        float2 p;
+                        p = h2x2f(vv[u].x); vf[0] = p.x; vf[1] = p.y;
+                        p = h2x2f(vv[u].y); vf[2] = p.x; vf[3] = p.y;
+                        p = h2x2f(vv[u].z); vf[4] = p.x; vf[5] = p.y;
+                        p = h2x2f(vv[u].w); vf[6] = p.x; vf[7] = p.y;
+#pragma unroll
+                        for (int gi = 0; gi < GT; ++gi) {
+                            if (GT > 1 && gi >= gt) break;
+                            const float pw = S[gi * chunk + t];
+#pragma unroll
+                            for (int j = 0; j < 8; ++j) acc[gi][j] = fmaf(pw, vf[j], acc[gi][j]);
+                        }
+                    }
+                }
+            }
+            // rows of one warp share e8 every hd8 lanes: fold them, then across warps in smem
+#pragma unroll
+            for (int gi = 0; gi < GT; ++gi) {
+                if (GT > 1 && gi >= gt) break;
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+#pragma unroll
+                    for (int off = 1; off < 32; off <<= 1)
+                        if (off >= hd8) acc[gi][j] += __shfl_xor_sync(FULL_MASK, acc[gi][j], off);
+            }
+            if (lane < hd8) {
+#pragma unroll
+                for (int gi = 0; gi < GT; ++gi) {
+                    float4* dst = reinterpret_cast<float4*>(Wp + (warp * GT + gi) * hd + e8 * 8);
+                    dst[0] = make_float4(acc[gi][0], acc[gi][1], acc[gi][2], acc[gi][3]);
+                    dst[1] = make_float4(acc[gi][4], acc[gi][5], acc[gi][6], acc[gi][7]);
+                }
+            }
+            __syncthreads();
+            if (g0 == 0) TRACE_MARK(4);               // V rows summed per warp
+            for (int i = threadIdx.x; i < gt * hd; i += ATT_THREADS) {
+                float s = 0.0f;
+#pragma unroll
+                for (int w = 0; w < ATT_WARPS; ++w) s += Wp[w * GT * hd + i];
+                const int gi = i / hd;
+                const int h = kvh * group + g0 + gi;
+                if (single) {
+                    const float v = s / ml[GT + gi];
+                    out[(size_t)h * hd + (i - gi * hd)] = v;
+                    // qxo: as in attn_merge_heads (an iteration's warps hold whole 32-blocks)
+                    if (qxo != nullptr) qx_produce(qxo, n_kv * group * hd, h * hd + (i - gi * hd), v, 1.0f, lane);
+                } else {
+                    o_part[((size_t)h * n_split + split) * hd + (i - gi * hd)] = s;
+                }
+            }
+            if (!single && threadIdx.x < gt) {
+                const int h = kvh * group + g0 + threadIdx.x;
+                m_part[(size_t)h * n_split + split] = ml[threadIdx.x];
+                l_part[(size_t)h * n_split + split] = ml[GT + threadIdx.x];
+            }
         }
     }
     if (single || !attn_last_block(counters + kvh, n_used - s0)) return;
