@@ -5,7 +5,8 @@
 // Block (kv head, split) handles positions [split*C, split*C + C) for all the
 // query heads of its group (GQA: the K/V tile is read once per tile of GT
 // heads): scores into shared memory, a local softmax (max m, sum l), and the
-// un-normalised output sum_t exp(s_t - m) v_t. The last block of a group to
+// un-normalised output sum_t exp(s_t - m) v_t (at short caches with one head a tile, an
+// online softmax per warp instead, combined across warps). The last block of a group to
 // finish combines the splits of each head with the online-softmax rescaling
 // exp(m_s - max m), so attention is one launch.
 // Nothing is accumulated with global atomics: every partial is written once
