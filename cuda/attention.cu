@@ -216,11 +216,7 @@ __device__ __forceinline__ void attn_split_body(
                     const int t = base + u * rp + row_in_pass;
                     const bool ok = t < n_valid && t >= t_first;
                     float vf[8];
-                    float2 h2;
-                    h2 = h2x2f(vv[u].x); vf[0] = h2.x; vf[1] = h2.y;
-                    h2 = h2x2f(vv[u].y); vf[2] = h2.x; vf[3] = h2.y;
-                    h2 = h2x2f(vv[u].z); vf[4] = h2.x; vf[5] = h2.y;
-                    h2 = h2x2f(vv[u].w); vf[6] = h2.x; vf[7] = h2.y;
+                    h8f(vv[u], vf);
 #pragma unroll
                     for (int gi = 0; gi < GT; ++gi) {
                         if (GT > 1 && gi >= gt) break;            // uniform
@@ -368,11 +364,7 @@ __device__ __forceinline__ void attn_split_body(
                     const int t = base + u * rp + row_in_pass;
                     if (t < n_valid) {
                         float vf[8];
-                        float2 p;
-                        p = h2x2f(vv[u].x); vf[0] = p.x; vf[1] = p.y;
-                        p = h2x2f(vv[u].y); vf[2] = p.x; vf[3] = p.y;
-                        p = h2x2f(vv[u].z); vf[4] = p.x; vf[5] = p.y;
-                        p = h2x2f(vv[u].w); vf[6] = p.x; vf[7] = p.y;
+                        h8f(vv[u], vf);
 #pragma unroll
                         for (int gi = 0; gi < GT; ++gi) {
                             if (GT > 1 && gi >= gt) break;

@@ -31,6 +31,15 @@ __device__ __forceinline__ float2 h2x2f(u32 v) {
     return make_float2(lo, hi);
 }
 
+// The eight halves of a 16-byte word (a KV-cache row's slice) as floats.
+__device__ __forceinline__ void h8f(uint4 v, float (&f)[8]) {
+    float2 p;
+    p = h2x2f(v.x); f[0] = p.x; f[1] = p.y;
+    p = h2x2f(v.y); f[2] = p.x; f[3] = p.y;
+    p = h2x2f(v.z); f[4] = p.x; f[5] = p.y;
+    p = h2x2f(v.w); f[6] = p.x; f[7] = p.y;
+}
+
 // Activation loads: x, the residual stream, anything a previous kernel of the step wrote.
 // Never __ldg / ld.global.nc for these: the non-coherent path is only for data that is
 // read-only for the kernel's whole lifetime, and under programmatic dependent launch a
