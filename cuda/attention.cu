@@ -192,15 +192,12 @@ __device__ __forceinline__ void attn_split_body(
             // (bench/results/cuda_quant_model_h100.md, twenty-second session). Wider head tiles
             // keep the staged scores below: SmolLM2-135M (GT 4: 78 -> 154 registers) decoded
             // 2-4% slower this way. Long caches too: the online update's registers (GT 1: 124
-            // -> 193) fit the one wave VE runs in, but would halve a long cache's resident blocks.
-            float* mlw = S;                           // ATT_WARPS * GT (max, sum) pairs; chunk >= 64
-            float mx[GT], sm[GT], acc[GT][8];
+            // -> 188) fit the one wave VE runs in, but would halve a long cache's resident blocks.
+            float* mlw = S;                           // ATT_WARPS (max, sum) pairs; chunk >= 64
+            const float4* qv = reinterpret_cast<const float4*>(qs + e8 * 8);
+            float mx = NEG_INF, sm = 0.0f, acc[8];
 #pragma unroll
-            for (int gi = 0; gi < GT; ++gi) {
-                mx[gi] = NEG_INF; sm[gi] = 0.0f;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[gi][j] = 0.0f;
-            }
+            for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
             for (int base = 0; base < n_valid; base += rp * U) {
                 uint4 kv[U], vv[U];
 #pragma unroll
@@ -214,88 +211,74 @@ __device__ __forceinline__ void attn_split_body(
                 for (int u = 0; u < U; ++u) {
                     if (base + u * rp >= n_valid) break;          // uniform
                     const int t = base + u * rp + row_in_pass;
-                    const bool ok = t < n_valid && t >= t_first;
                     float vf[8];
                     h8f(vv[u], vf);
+                    float p = dot8(kv[u], qv[0], qv[1], 0.0f);
 #pragma unroll
-                    for (int gi = 0; gi < GT; ++gi) {
-                        if (GT > 1 && gi >= gt) break;            // uniform
-                        const float4* qv = reinterpret_cast<const float4*>(qs + gi * hd + e8 * 8);
-                        float p = dot8(kv[u], qv[0], qv[1], 0.0f);
+                    for (int off = 16; off > 0; off >>= 1)       // every lane of the row gets the score
+                        if (off < hd8) p += __shfl_xor_sync(FULL_MASK, p, off);
+                    const float sc = (t < n_valid && t >= t_first) ? p : NEG_INF;
+                    const float mn = fmaxf(mx, sc);
+                    if (mn == NEG_INF) continue;                  // no valid row yet in this lane's rows
+                    const float c = expf(mx - mn), e = expf(sc - mn);
+                    sm = fmaf(sm, c, e);
 #pragma unroll
-                        for (int off = 16; off > 0; off >>= 1)   // every lane of the row gets the score
-                            if (off < hd8) p += __shfl_xor_sync(FULL_MASK, p, off);
-                        const float sc = ok ? p : NEG_INF;
-                        const float mn = fmaxf(mx[gi], sc);
-                        if (mn == NEG_INF) continue;              // no valid row yet in this lane's rows
-                        const float c = expf(mx[gi] - mn), e = expf(sc - mn);
-                        sm[gi] = fmaf(sm[gi], c, e);
-#pragma unroll
-                        for (int j = 0; j < 8; ++j) acc[gi][j] = fmaf(acc[gi][j], c, e * vf[j]);
-                        mx[gi] = mn;
-                    }
+                    for (int j = 0; j < 8; ++j) acc[j] = fmaf(acc[j], c, e * vf[j]);
+                    mx = mn;
                 }
             }
             if (g0 == 0) TRACE_MARK(2);               // a warp's rows: scores, softmax and V
             // the rows of one warp share e8 every hd8 lanes: fold their (max, sum, output)
 #pragma unroll
-            for (int gi = 0; gi < GT; ++gi) {
-                if (GT > 1 && gi >= gt) break;
+            for (int off = 1; off < 32; off <<= 1) {
+                if (off < hd8) continue;                          // uniform
+                const float mo = __shfl_xor_sync(FULL_MASK, mx, off);
+                const float so = __shfl_xor_sync(FULL_MASK, sm, off);
+                const float M = fmaxf(mx, mo);
+                const float a = mx == NEG_INF ? 0.0f : expf(mx - M);
+                const float b = mo == NEG_INF ? 0.0f : expf(mo - M);
+                sm = sm * a + so * b;
 #pragma unroll
-                for (int off = 1; off < 32; off <<= 1) {
-                    if (off < hd8) continue;                      // uniform
-                    const float mo = __shfl_xor_sync(FULL_MASK, mx[gi], off);
-                    const float so = __shfl_xor_sync(FULL_MASK, sm[gi], off);
-                    const float M = fmaxf(mx[gi], mo);
-                    const float a = mx[gi] == NEG_INF ? 0.0f : expf(mx[gi] - M);
-                    const float b = mo == NEG_INF ? 0.0f : expf(mo - M);
-                    sm[gi] = sm[gi] * a + so * b;
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        const float ao = __shfl_xor_sync(FULL_MASK, acc[gi][j], off);
-                        acc[gi][j] = acc[gi][j] * a + ao * b;
-                    }
-                    mx[gi] = M;
+                for (int j = 0; j < 8; ++j) {
+                    const float ao = __shfl_xor_sync(FULL_MASK, acc[j], off);
+                    acc[j] = acc[j] * a + ao * b;
                 }
+                mx = M;
             }
             if (lane < hd8) {
-#pragma unroll
-                for (int gi = 0; gi < GT; ++gi) {
-                    if (GT > 1 && gi >= gt) break;
-                    float4* dst = reinterpret_cast<float4*>(Wp + (warp * GT + gi) * hd + e8 * 8);
-                    dst[0] = make_float4(acc[gi][0], acc[gi][1], acc[gi][2], acc[gi][3]);
-                    dst[1] = make_float4(acc[gi][4], acc[gi][5], acc[gi][6], acc[gi][7]);
-                    if (lane == 0) { mlw[2 * (warp * GT + gi)] = mx[gi]; mlw[2 * (warp * GT + gi) + 1] = sm[gi]; }
-                }
+                float4* dst = reinterpret_cast<float4*>(Wp + warp * hd + e8 * 8);
+                dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+                if (lane == 0) { mlw[2 * warp] = mx; mlw[2 * warp + 1] = sm; }
             }
             if (g0 == 0) TRACE_MARK(3);               // folded in the warp
             __syncthreads();
             if (g0 == 0) TRACE_MARK(4);               // every warp's partials in shared memory
-            for (int i = threadIdx.x; i < gt * hd; i += ATT_THREADS) {
-                const int gi = i / hd;
-                float M = NEG_INF;
+            float M = NEG_INF;
 #pragma unroll
-                for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, mlw[2 * (w * GT + gi)]);
-                float o = 0.0f, L = 0.0f;
+            for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, mlw[2 * w]);
+            float f[ATT_WARPS], L = 0.0f;             // each warp's weight e^(m_w - M)
 #pragma unroll
-                for (int w = 0; w < ATT_WARPS; ++w) {
-                    const float mw = mlw[2 * (w * GT + gi)];
-                    const float f = mw == NEG_INF ? 0.0f : expf(mw - M);
-                    L = fmaf(mlw[2 * (w * GT + gi) + 1], f, L);
-                    o = fmaf(Wp[(w * GT + gi) * hd + (i - gi * hd)], f, o);
-                }
-                const int h = kvh * group + g0 + gi;
+            for (int w = 0; w < ATT_WARPS; ++w) {
+                f[w] = mlw[2 * w] == NEG_INF ? 0.0f : expf(mlw[2 * w] - M);
+                L = fmaf(mlw[2 * w + 1], f[w], L);
+            }
+            const int h = kvh * group + g0;
+            for (int e = threadIdx.x; e < hd; e += ATT_THREADS) {
+                float o = 0.0f;
+#pragma unroll
+                for (int w = 0; w < ATT_WARPS; ++w) o = fmaf(Wp[w * hd + e], f[w], o);
                 if (single) {
                     const float v = o / L;
-                    out[(size_t)h * hd + (i - gi * hd)] = v;
-                    if (qxo != nullptr) qx_produce(qxo, n_kv * group * hd, h * hd + (i - gi * hd), v, 1.0f, lane);
+                    out[(size_t)h * hd + e] = v;
+                    if (qxo != nullptr) qx_produce(qxo, n_kv * group * hd, h * hd + e, v, 1.0f, lane);
                 } else {
-                    o_part[((size_t)h * n_split + split) * hd + (i - gi * hd)] = o;
-                    if (i - gi * hd == 0) {               // one thread a head: the split's max and sum
-                        m_part[(size_t)h * n_split + split] = M;
-                        l_part[(size_t)h * n_split + split] = L;
-                    }
+                    o_part[((size_t)h * n_split + split) * hd + e] = o;
                 }
+            }
+            if (!single && threadIdx.x == 0) {        // the split's max and sum
+                m_part[(size_t)h * n_split + split] = M;
+                l_part[(size_t)h * n_split + split] = L;
             }
         } else {
             // ---- scores S[gi][t] = (q_g . k_t) * scale
