@@ -5,10 +5,10 @@
 // Block (kv head, split) handles positions [split*C, split*C + C) for all the
 // query heads of its group (GQA: the K/V tile is read once per tile of GT
 // heads): scores into shared memory, a local softmax (max m, sum l), and the
-// un-normalised output sum_t exp(s_t - m) v_t (at short caches with one head a tile, an
-// online softmax per warp instead, combined across warps). The last block of a group to
-// finish combines the splits of each head with the online-softmax rescaling
-// exp(m_s - max m), so attention is one launch.
+// un-normalised output sum_t exp(s_t - m) v_t (at short caches an online softmax per
+// warp instead, each head of the tile on warps of its own, combined across them). The
+// last block of a group to finish combines the splits of each head with the
+// online-softmax rescaling exp(m_s - max m), so attention is one launch.
 // Nothing is accumulated with global atomics: every partial is written once
 // and merged by one block, so tiny terms are never flushed.
 //
@@ -97,8 +97,9 @@ __device__ __forceinline__ void attn_merge_heads(
 
 // Fast path: head_dim % 8 == 0 and hd8 = head_dim / 8 a power of two <= 32.
 // Thread layout in a pass over rows: e8 = lane % hd8 picks a 16-byte column
-// word of the row, rows of a warp are lane / hd8; a pass covers
-// ATT_WARPS * (32 / hd8) consecutive positions with fully coalesced loads.
+// word of the row, rows of a warp are lane / hd8; a pass covers WPH * (32 / hd8)
+// consecutive positions with fully coalesced loads, WPH the warps that work on one head
+// (all ATT_WARPS on the staged path, ATT_WARPS / GT on the online one).
 // Dynamic shared memory: qs[GT*hd] | S[GT*C] | Wp[ATT_WARPS*GT*hd] | ml[2*GT] | wsm[ATT_WARPS*n_split]
 template <int GT, bool VE>
 __device__ __forceinline__ void attn_split_body(
@@ -109,8 +110,11 @@ __device__ __forceinline__ void attn_split_body(
     unsigned char* __restrict__ qxo)
 {
     extern __shared__ __align__(16) float smem[];
-    // fewer loads in flight for wide head tiles keeps registers (and so resident blocks) in check
-    constexpr int U = (GT >= 4) ? 4 : ATT_UNROLL;
+    // fewer loads in flight for wide head tiles keeps registers (and so resident blocks) in
+    // check; the online path (VE) holds one head a warp, whatever the tile
+    constexpr int U = (GT >= 4 && !VE) ? 4 : ATT_UNROLL;
+    // warps a head: the online path gives each head of the tile its own group of warps
+    constexpr int WPH = VE ? ATT_WARPS / GT : ATT_WARPS;
     const int kvh = blockIdx.x;
     const int split = blockIdx.y;
     pdl_trigger();                                // wo's matvec may start loading its weights
@@ -125,11 +129,11 @@ __device__ __forceinline__ void attn_split_body(
 
     const int hd8 = hd >> 3;
     const int rpw = 32 / hd8;                     // rows per warp per pass
-    const int rp = ATT_WARPS * rpw;               // rows per pass
+    const int rp = WPH * rpw;                     // rows per pass (of a head's warps)
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int e8 = lane % hd8;
-    const int row_in_pass = warp * rpw + lane / hd8;
+    const int row_in_pass = (warp % WPH) * rpw + lane / hd8;
 
     float* qs = smem;                             // GT * hd
     float* S = qs + GT * hd;                      // GT * chunk
@@ -182,23 +186,30 @@ __device__ __forceinline__ void attn_split_body(
         __syncthreads();
         if (g0 == 0) TRACE_MARK(1);               // bench/trace_cuda_decode.py, first head tile: q staged
 
-        if (VE && GT == 1) {
-            // Short caches (the variant that loads early), one query head a tile: each warp
-            // runs an online softmax over the rows it reads (scores, max, sum and V in
-            // registers, no block barrier between them), then the warps' partials are combined
-            // once: two barriers a head tile instead of four. At a short depth attention is
-            // latency, not bytes (~1 us a barrier-separated stage); Llama-2-7B decode at depth 0
-            // on an H100, Q4_K_M 565.0 -> 577.6 tok/s, Q4_0 601.9 -> 613.2, Q8_0 level
-            // (bench/results/cuda_quant_model_h100.md, twenty-second session). Wider head tiles
-            // keep the staged scores below: SmolLM2-135M (GT 4: 78 -> 154 registers) decoded
-            // 2-4% slower this way. Long caches too: the online update's registers (GT 1: 124
-            // -> 188) fit the one wave VE runs in, but would halve a long cache's resident blocks.
+        if (VE) {
+            // Short caches (the variant that loads early): each head of the tile gets WPH of
+            // the block's warps, and each warp runs an online softmax over the rows it reads
+            // (scores, max, sum and V in registers, no block barrier between them); then the
+            // partials of a head's warps are combined once: two barriers a head tile instead
+            // of the staged path's four. At a short depth attention is latency, not bytes
+            // (~1 us a barrier-separated stage). One head a warp keeps the registers of one
+            // head whatever the tile (an earlier form, every warp on all GT heads of its rows,
+            // took g4_ve from 78 to 154 registers and SmolLM2-135M decode 2-4% slower).
+            // Decode at depth 0 on an H100 against the staged path: Llama-2-7B (GT 1) Q4_K_M
+            // 565.0 -> 577.6 tok/s, Q4_0 601.9 -> 613.2, Q8_0 level; SmolLM2-135M Q4_K_M
+            // (groups of 3 in tiles of 4) 1508.7 -> 1619.6; Mistral-7B Q4_0 (tiles of 4)
+            // 517.5 -> 523.7 (bench/results/cuda_quant_model_h100.md, twenty-second and
+            // twenty-third sessions). Long caches keep the staged path: the online update's
+            // registers (about 195 against 64-124) fit the one wave VE runs in, but would
+            // halve a long cache's resident blocks.
             float* mlw = S;                           // ATT_WARPS (max, sum) pairs; chunk >= 64
-            const float4* qv = reinterpret_cast<const float4*>(qs + e8 * 8);
+            const int gw = warp / WPH;                // this warp's head in the tile (uniform)
+            const float4* qv = reinterpret_cast<const float4*>(qs + gw * hd + e8 * 8);
             float mx = NEG_INF, sm = 0.0f, acc[8];
 #pragma unroll
             for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-            for (int base = 0; base < n_valid; base += rp * U) {
+            // warps of a head slot past the group (gw >= gt) only take part in the barriers
+            for (int base = 0; gw < gt && base < n_valid; base += rp * U) {
                 uint4 kv[U], vv[U];
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
@@ -254,31 +265,33 @@ __device__ __forceinline__ void attn_split_body(
             if (g0 == 0) TRACE_MARK(3);               // folded in the warp
             __syncthreads();
             if (g0 == 0) TRACE_MARK(4);               // every warp's partials in shared memory
-            float M = NEG_INF;
+            // element e of head slot gi: its WPH warps' partials, each weighed by e^(m_w - M)
+            for (int i = threadIdx.x; i < gt * hd; i += ATT_THREADS) {
+                const int gi = i / hd, e = i - gi * hd;
+                const float* ml_h = mlw + 2 * WPH * gi;
+                float M = NEG_INF;
 #pragma unroll
-            for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, mlw[2 * w]);
-            float f[ATT_WARPS], L = 0.0f;             // each warp's weight e^(m_w - M)
+                for (int w = 0; w < WPH; ++w) M = fmaxf(M, ml_h[2 * w]);
+                float o = 0.0f, L = 0.0f;
 #pragma unroll
-            for (int w = 0; w < ATT_WARPS; ++w) {
-                f[w] = mlw[2 * w] == NEG_INF ? 0.0f : expf(mlw[2 * w] - M);
-                L = fmaf(mlw[2 * w + 1], f[w], L);
-            }
-            const int h = kvh * group + g0;
-            for (int e = threadIdx.x; e < hd; e += ATT_THREADS) {
-                float o = 0.0f;
-#pragma unroll
-                for (int w = 0; w < ATT_WARPS; ++w) o = fmaf(Wp[w * hd + e], f[w], o);
+                for (int w = 0; w < WPH; ++w) {
+                    const float f = ml_h[2 * w] == NEG_INF ? 0.0f : expf(ml_h[2 * w] - M);
+                    L = fmaf(ml_h[2 * w + 1], f, L);
+                    o = fmaf(Wp[(WPH * gi + w) * hd + e], f, o);
+                }
+                const int h = kvh * group + g0 + gi;
                 if (single) {
                     const float v = o / L;
                     out[(size_t)h * hd + e] = v;
+                    // qxo: as in attn_merge_heads (an iteration's warps hold whole 32-blocks)
                     if (qxo != nullptr) qx_produce(qxo, n_kv * group * hd, h * hd + e, v, 1.0f, lane);
                 } else {
                     o_part[((size_t)h * n_split + split) * hd + e] = o;
+                    if (e == 0) {                     // the split's max and sum
+                        m_part[(size_t)h * n_split + split] = M;
+                        l_part[(size_t)h * n_split + split] = L;
+                    }
                 }
-            }
-            if (!single && threadIdx.x == 0) {        // the split's max and sum
-                m_part[(size_t)h * n_split + split] = M;
-                l_part[(size_t)h * n_split + split] = L;
             }
         } else {
             // ---- scores S[gi][t] = (q_g . k_t) * scale
@@ -287,7 +300,7 @@ __device__ __forceinline__ void attn_split_body(
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int t = base + u * rp + row_in_pass;
-                    kv[u] = (VE && base == 0) ? kpre[u] : t < n_valid ? K[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+                    kv[u] = t < n_valid ? K[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
                 }
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
@@ -339,7 +352,7 @@ __device__ __forceinline__ void attn_split_body(
                 for (int u = 0; u < U; ++u) {
                     const int t = base + u * rp + row_in_pass;
                     // rows past pos may hold garbage (even NaN): never load them
-                    vv[u] = (VE && base == 0) ? vpre[u] : t < n_valid ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+                    vv[u] = t < n_valid ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
                 }
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
@@ -406,7 +419,7 @@ __device__ __forceinline__ void attn_split_body(
     if (threadIdx.x == 0) counters[kvh] = 0;
 }
 
-#define CYLLM_ATTN_SPLIT1(NAME, GT, VE)                                                      \
+#define CYLLM_ATTN_SPLIT1(NAME, GT, VE)                                                        \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) NAME(                         \
         float* out, int* counters, float* o_part, float* m_part, float* l_part,              \
         const float* q, const f16_t* k_cache,                                                \
