@@ -148,7 +148,7 @@ __device__ __forceinline__ void attn_split_body(
     // pos, which rope_store writes now, waits; at short contexts the kernel then has one
     // memory round trip after the wait (q and row pos) instead of three (q, K, V), and
     // those loads overlap the qkv matvec and rope_store. The cost: 2U more 16-byte values
-    // per thread (one head per block: 63 -> 128 registers).
+    // per thread (one head a block: 64 -> 122 registers, the online path below).
     const int t_new = pos - t0;                   // this split's row written by rope_store
     uint4 kpre[VE ? U : 1], vpre[VE ? U : 1];
     if (VE) {
@@ -199,9 +199,9 @@ __device__ __forceinline__ void attn_split_body(
             // 565.0 -> 577.6 tok/s, Q4_0 601.9 -> 613.2, Q8_0 level; SmolLM2-135M Q4_K_M
             // (groups of 3 in tiles of 4) 1508.7 -> 1619.6; Mistral-7B Q4_0 (tiles of 4)
             // 517.5 -> 523.7 (bench/results/cuda_quant_model_h100.md, twenty-second and
-            // twenty-third sessions). Long caches keep the staged path: the online update's
-            // registers (about 195 against 64-124) fit the one wave VE runs in, but would
-            // halve a long cache's resident blocks.
+            // twenty-third sessions). Long caches keep the staged path, chosen when this path
+            // took 196 registers (it would have halved their resident blocks); at 118-122
+            // against the staged kernels' 64-124 that has not been timed again.
             float* mlw = S;                           // ATT_WARPS (max, sum) pairs; chunk >= 64
             const int gw = warp / WPH;                // this warp's head in the tile (uniform)
             const float4* qv = reinterpret_cast<const float4*>(qs + gw * hd + e8 * 8);
@@ -210,21 +210,27 @@ __device__ __forceinline__ void attn_split_body(
             for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
             // warps of a head slot past the group (gw >= gt) only take part in the barriers
             for (int base = 0; gw < gt && base < n_valid; base += rp * U) {
-                uint4 kv[U], vv[U];
+                // the first pass is the rows loaded before pdl_wait; later passes (and a second
+                // head tile's first) load into the same registers, so the early rows hold no
+                // registers of their own past it: g1_ve 196 -> 122 registers, g2/g4/g8_ve 118-119
+                // (nvcc 13.0, sm_90a), and an SM holds the block beside a q/k/v matvec block
+                if (base > 0 || g0 > 0) {
 #pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int t = base + u * rp + row_in_pass;
-                    // rows past pos may hold garbage (even NaN): never load them
-                    kv[u] = base == 0 ? kpre[u] : t < n_valid ? K[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
-                    vv[u] = base == 0 ? vpre[u] : t < n_valid ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+                    for (int u = 0; u < U; ++u) {
+                        const int t = base + u * rp + row_in_pass;
+                        // rows past pos may hold garbage (even NaN): never load them. From L2:
+                        // row pos is this step's, and L1 may hold its sector from an early load
+                        kpre[u] = t < n_valid ? __ldcg(K + (size_t)t * hd8 + e8) : make_uint4(0, 0, 0, 0);
+                        vpre[u] = t < n_valid ? __ldcg(V + (size_t)t * hd8 + e8) : make_uint4(0, 0, 0, 0);
+                    }
                 }
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     if (base + u * rp >= n_valid) break;          // uniform
                     const int t = base + u * rp + row_in_pass;
                     float vf[8];
-                    h8f(vv[u], vf);
-                    float p = dot8(kv[u], qv[0], qv[1], 0.0f);
+                    h8f(vpre[u], vf);
+                    float p = dot8(kpre[u], qv[0], qv[1], 0.0f);
 #pragma unroll
                     for (int off = 16; off > 0; off >>= 1)       // every lane of the row gets the score
                         if (off < hd8) p += __shfl_xor_sync(FULL_MASK, p, off);
