@@ -208,7 +208,8 @@ __device__ __forceinline__ void attn_split_body(
             float mx = NEG_INF, sm = 0.0f, acc[8];
 #pragma unroll
             for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-            // warps of a head slot past the group (gw >= gt) only take part in the barriers
+            // warps of a head slot past the group (gw >= gt) read no rows: their partials
+            // (max -inf, sum 0) go to slots that no head's combine reads
             for (int base = 0; gw < gt && base < n_valid; base += rp * U) {
                 // the first pass is the rows loaded before pdl_wait; later passes (and a second
                 // head tile's first) load into the same registers, so the early rows hold no

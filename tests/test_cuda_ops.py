@@ -192,12 +192,12 @@ def test_norm_fold_off(ref):
     assert b._pending_norm is None
 
 
-# (n_heads, n_kv_heads, head_dim, max_ctx): MHA, GQA, MQA, groups of 2, 3, 4, 5, 6 and 16
-# (head tiles of 1, 2, 4 and 8, partly filled, and two tiles a group), odd head dims
+# (n_heads, n_kv_heads, head_dim, max_ctx): MHA, GQA, MQA, groups of 2, 3, 4, 5, 6, 8 and 16
+# (head tiles of 1, 2, 4 and 8, partly filled, and two tiles a group), head_dim 8 to 256, odd ones
 ATT_CASES = [(4, 4, 64, 50), (8, 2, 128, 300), (9, 3, 64, 1000), (6, 1, 32, 70),
              (12, 2, 128, 700), (4, 4, 256, 300), (4, 2, 6, 40), (2, 1, 40, 100),
              (3, 3, 16, 9), (32, 32, 128, 4096), (16, 16, 8, 65), (8, 4, 64, 260), (10, 2, 64, 130),
-             (16, 1, 64, 300)]
+             (16, 1, 64, 300), (8, 2, 16, 300), (8, 1, 8, 80)]
 
 
 # -- attention: splits, tiles and the kernel variants the table does not pick ------------------

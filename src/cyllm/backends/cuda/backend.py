@@ -405,10 +405,12 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
     def _attn_early(self, pos: int, n_kv: int, chunk: int) -> bool:
         """Whether attention at pos runs the variant that loads its first K/V rows before
         pdl_wait: while the blocks holding positions 0..pos fit in one wave of the SMs.
-        Past that its extra registers (one head a block: 122 against 64; 128 when this was
-        measured) halve the resident blocks of a long cache. Llama-2-7B on an H100 (32 KV heads, chunks of 256):
-        up to position 1023; tg128 Q4_K_M +3.8%, Q8_0 +2.0%, at depth 4096 Q8_0 -1.2% had it
-        stayed on (bench/results/cuda_quant_model_h100.md)."""
+        Past that its extra registers (122 against 64 for tiles of one head, 118 against 78
+        for two and four; 128 against 64 when this was measured) halve the resident blocks of
+        a long cache (tiles of eight: 119 against 124, not timed apart). Llama-2-7B on an H100
+        (32 KV heads, chunks of 256): up to position 1023; tg128 Q4_K_M +3.8%, Q8_0 +2.0%, at
+        depth 4096 Q8_0 -1.2% had it stayed on; with 122 registers, Q4_0 at depth 4096 is
+        level either way (bench/results/cuda_quant_model_h100.md)."""
         if self.attn_v_early is not None:
             return bool(self.attn_v_early)
         short = chunk * max(1, self.sm_count // n_kv)
