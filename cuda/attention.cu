@@ -3,12 +3,14 @@
 // Cache layout per layer: (n_kv_heads, max_ctx, head_dim) f16, so the keys of
 // one KV head over a range of positions form one contiguous block of memory.
 // Block (kv head, split) handles positions [split*C, split*C + C) for all the
-// query heads of its group (GQA: the K/V tile is read once per tile of GT
-// heads): scores into shared memory, a local softmax (max m, sum l), and the
+// query heads of its group, or for hpb of them (then a KV head has several blocks a split,
+// each reading the same rows, the later ones from L2), in tiles of GT heads (GQA: the K/V
+// tile is read once per tile): scores into shared memory, a local softmax (max m, sum l), and the
 // un-normalised output sum_t exp(s_t - m) v_t (at short caches an online softmax per
 // warp instead, each head of the tile on warps of its own, combined across them). The
-// last block of a group to finish combines the splits of each head with the
-// online-softmax rescaling exp(m_s - max m), so attention is one launch.
+// last block of a column (the same heads, every split) to finish combines the splits of
+// each of its heads with the online-softmax rescaling exp(m_s - max m), so attention is
+// one launch. CudaBackend._attn_plan picks hpb and the variant by the cache's length.
 // Nothing is accumulated with global atomics: every partial is written once
 // and merged by one block, so tiny terms are never flushed.
 //
@@ -30,7 +32,7 @@
 #define ATT_UNROLL 8
 
 
-// The block that finishes a head group's splits last merges them: every block
+// The block that finishes a column's splits last merges them: every block
 // writes its partials, fences, and bumps the group's counter once; the block
 // that sees count == n_used - 1 knows every partial is visible, combines them
 // with the online-softmax weights e^(m_s - M) and resets the counter for the
@@ -106,7 +108,7 @@ __device__ __forceinline__ void attn_split_body(
     float* __restrict__ out, int* __restrict__ counters, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part,
     const float* q, const f16_t* k_cache,        // written by rope_store (or qmv_qkv_rope) just before: no
     const f16_t* v_cache, const int* __restrict__ step, int pos_host,   // __restrict__, no nc loads
-    int max_ctx, int n_kv, int group, int hd, int chunk, int n_split, float scale, int window,
+    int max_ctx, int n_kv, int group, int hpb, int hd, int chunk, int n_split, float scale, int window,
     unsigned char* __restrict__ qxo)
 {
     extern __shared__ __align__(16) float smem[];
@@ -115,7 +117,12 @@ __device__ __forceinline__ void attn_split_body(
     constexpr int U = (GT >= 4 && !VE) ? 4 : ATT_UNROLL;
     // warps a head: the online path gives each head of the tile its own group of warps
     constexpr int WPH = VE ? ATT_WARPS / GT : ATT_WARPS;
-    const int kvh = blockIdx.x;
+    // block x: heads g_lo .. g_hi-1 of KV head kvh's group, hpb of them (the whole group,
+    // or fewer so that a short cache's few rows spread over more blocks)
+    const int nhs = (group + hpb - 1) / hpb;      // blocks a KV head
+    const int kvh = blockIdx.x / nhs;
+    const int g_lo = (blockIdx.x - kvh * nhs) * hpb;
+    const int g_hi = min(group, g_lo + hpb);
     const int split = blockIdx.y;
     pdl_trigger();                                // wo's matvec may start loading its weights
     int pos = step_value(step, 1, pos_host);      // the step buffer is written before the graph
@@ -176,15 +183,15 @@ __device__ __forceinline__ void attn_split_body(
     const int s0 = start / chunk;
     const bool single = n_used - s0 == 1;
 
-    for (int g0 = 0; g0 < group; g0 += GT) {
-        const int gt = min(GT, group - g0);
+    for (int g0 = g_lo; g0 < g_hi; g0 += GT) {
+        const int gt = min(GT, g_hi - g0);
         __syncthreads();                          // smem reuse across head tiles
         for (int i = threadIdx.x; i < GT * hd; i += ATT_THREADS) {
             const int gi = i / hd;
             qs[i] = gi < gt ? q[(size_t)(kvh * group + g0 + gi) * hd + (i - gi * hd)] * scale : 0.0f;
         }
         __syncthreads();
-        if (g0 == 0) TRACE_MARK(1);               // bench/trace_cuda_decode.py, first head tile: q staged
+        if (g0 == g_lo) TRACE_MARK(1);               // bench/trace_cuda_decode.py, first head tile: q staged
 
         if (VE) {
             // Short caches (the variant that loads early): each head of the tile gets WPH of
@@ -215,7 +222,7 @@ __device__ __forceinline__ void attn_split_body(
                 // head tile's first) load into the same registers, so the early rows hold no
                 // registers of their own past it: g1_ve 196 -> 122 registers, g2/g4/g8_ve 118-119
                 // (nvcc 13.0, sm_90a), and an SM holds the block beside a q/k/v matvec block
-                if (base > 0 || g0 > 0) {
+                if (base > 0 || g0 > g_lo) {
 #pragma unroll
                     for (int u = 0; u < U; ++u) {
                         const int t = base + u * rp + row_in_pass;
@@ -245,7 +252,7 @@ __device__ __forceinline__ void attn_split_body(
                     mx = mn;
                 }
             }
-            if (g0 == 0) TRACE_MARK(2);               // a warp's rows: scores, softmax and V
+            if (g0 == g_lo) TRACE_MARK(2);               // a warp's rows: scores, softmax and V
             // the rows of one warp share e8 every hd8 lanes: fold their (max, sum, output)
 #pragma unroll
             for (int off = 1; off < 32; off <<= 1) {
@@ -269,9 +276,9 @@ __device__ __forceinline__ void attn_split_body(
                 dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
                 if (lane == 0) { mlw[2 * warp] = mx; mlw[2 * warp + 1] = sm; }
             }
-            if (g0 == 0) TRACE_MARK(3);               // folded in the warp
+            if (g0 == g_lo) TRACE_MARK(3);               // folded in the warp
             __syncthreads();
-            if (g0 == 0) TRACE_MARK(4);               // every warp's partials in shared memory
+            if (g0 == g_lo) TRACE_MARK(4);               // every warp's partials in shared memory
             // element e of head slot gi: its WPH warps' partials, each weighed by e^(m_w - M)
             for (int i = threadIdx.x; i < gt * hd; i += ATT_THREADS) {
                 const int gi = i / hd, e = i - gi * hd;
@@ -328,7 +335,7 @@ __device__ __forceinline__ void attn_split_body(
                 }
             }
             __syncthreads();
-            if (g0 == 0) TRACE_MARK(2);               // scores
+            if (g0 == g_lo) TRACE_MARK(2);               // scores
 
             // ---- local softmax per head: one warp per head of the tile
             for (int gi = warp; gi < gt; gi += ATT_WARPS) {
@@ -345,7 +352,7 @@ __device__ __forceinline__ void attn_split_body(
                 if (lane == 0) { ml[gi] = m; ml[GT + gi] = l; }
             }
             __syncthreads();
-            if (g0 == 0) TRACE_MARK(3);               // softmax
+            if (g0 == g_lo) TRACE_MARK(3);               // softmax
 
             // ---- un-normalised output: acc[gi][j] = sum_t p[gi][t] * v_t[e8*8 + j]
             float acc[GT][8];
@@ -397,7 +404,7 @@ __device__ __forceinline__ void attn_split_body(
                 }
             }
             __syncthreads();
-            if (g0 == 0) TRACE_MARK(4);               // V rows summed per warp
+            if (g0 == g_lo) TRACE_MARK(4);               // V rows summed per warp
             for (int i = threadIdx.x; i < gt * hd; i += ATT_THREADS) {
                 float s = 0.0f;
 #pragma unroll
@@ -420,10 +427,10 @@ __device__ __forceinline__ void attn_split_body(
             }
         }
     }
-    if (single || !attn_last_block(counters + kvh, n_used - s0)) return;
-    attn_merge_heads(out, o_part, m_part, l_part, kvh * group, group, hd, n_split, s0, n_used,
-                     ml + 2 * GT, qxo, n_kv * group * hd);
-    if (threadIdx.x == 0) counters[kvh] = 0;
+    if (single || !attn_last_block(counters + blockIdx.x, n_used - s0)) return;
+    attn_merge_heads(out, o_part, m_part, l_part, kvh * group + g_lo, g_hi - g_lo, hd, n_split, s0,
+                     n_used, ml + 2 * GT, qxo, n_kv * group * hd);
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
 #define CYLLM_ATTN_SPLIT1(NAME, GT, VE)                                                        \
@@ -431,11 +438,11 @@ __device__ __forceinline__ void attn_split_body(
         float* out, int* counters, float* o_part, float* m_part, float* l_part,              \
         const float* q, const f16_t* k_cache,                                                \
         const f16_t* v_cache, const int* step, int pos_host, int max_ctx, int n_kv,          \
-        int group, int hd, int chunk, int n_split, float scale, int window,                  \
+        int group, int hpb, int hd, int chunk, int n_split, float scale, int window,         \
         unsigned char* qxo) {                                                                \
         TRACE_BEGIN(); attn_split_body<GT, VE>(out, counters, o_part, m_part, l_part, q, k_cache, v_cache,  \
-                                step, pos_host,                                              \
-                                max_ctx, n_kv, group, hd, chunk, n_split, scale, window, qxo); \
+                                step, pos_host, max_ctx, n_kv, group, hpb, hd, chunk,        \
+                                n_split, scale, window, qxo);                                \
         TRACE_END(0x1000);                                                                   \
     }
 // NAME_ve: the first pass of K and V rows loaded before pdl_wait (short contexts: one round

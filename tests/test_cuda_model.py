@@ -158,28 +158,30 @@ def test_graph_replay_identical_to_eager(case, monkeypatch):
 
 
 def test_graph_per_attention_regime(case, monkeypatch):
-    """Positions on both sides of the short-context bound of decode attention (lowered to 5
-    here) replay two graphs, with and without the K/V rows loaded before pdl_wait, each
-    bit for bit the eager ops; going back below the bound replays the first graph again."""
+    """Positions in each of decode attention's three ranges (bounds lowered to 3 and 6 here:
+    one head a block, then two, then the whole group and no K/V rows before pdl_wait) replay
+    three graphs, each bit for bit the eager ops; going back below a bound replays the
+    first graph again."""
     _, path = case
     graph = cyllm.load(path, backend="cuda")
     monkeypatch.setenv("CYLLM_CUDA_GRAPHS", "0")
     eager = cyllm.load(path, backend="cuda")
     for be in (graph.backend, eager.backend):
-        def early(pos, n_kv, chunk, be=be):
-            be._attn_short_pos = 5
-            return pos < 5
-        be._attn_early = early
+        def plan(pos, n_kv, group, chunk, be=be):
+            if be._device_mode:
+                be._attn_bounds = (3, 6)
+            return pos < 6, 1 if pos < 3 else min(2, group) if pos < 6 else group
+        be._attn_plan = plan
     ids = graph.tokenizer.encode(PROMPT)[:10]
     for pos, tok in enumerate(ids):
         np.testing.assert_array_equal(graph.forward(tok, pos), eager.forward(tok, pos))
-    if graph.backend._attn_short_pos is None:      # head_dim off the fast path (24): one graph
+    if graph.backend._attn_bounds is None:      # head_dim off the fast path (24): one graph
         assert set(graph.backend._graphs) == {None}
         return
-    assert set(graph.backend._graphs) == {True, False}
-    short = graph.backend._graphs[True]
-    np.testing.assert_array_equal(graph.forward(ids[2], 2), eager.forward(ids[2], 2))
-    assert graph.backend._graph is short
+    assert set(graph.backend._graphs) == {0, 1, 2}
+    first = graph.backend._graphs[0]
+    np.testing.assert_array_equal(graph.forward(ids[1], 1), eager.forward(ids[1], 1))
+    assert graph.backend._graph is first
 
 
 def test_norm_folding_matches_unfolded(case, monkeypatch):

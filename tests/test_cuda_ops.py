@@ -201,17 +201,9 @@ ATT_CASES = [(4, 4, 64, 50), (8, 2, 128, 300), (9, 3, 64, 1000), (6, 1, 32, 70),
 
 
 # -- attention: splits, tiles and the kernel variants the table does not pick ------------------
-@pytest.mark.parametrize("window", [0, 37])
-@pytest.mark.parametrize("v_early", [True, False])
-@pytest.mark.parametrize("nh,nkv,hd,max_ctx", ATT_CASES)
-def test_attention_splits(ref, nh, nkv, hd, max_ctx, v_early, window):
-    """Decode attention over caches of up to 4096 positions (the split count and chunk
-    depend on max_ctx and the SM count), in both variants: the first K/V rows loaded
-    before pdl_wait or each pass's rows when it runs (attn_v_early; by default chosen by
-    position). Eager calls: the ordering against rope_store under PDL is exercised by
-    the graph tests of test_cuda_model.py."""
-    be = CudaBackend()
-    be.attn_v_early = v_early
+def check_attention(be, nh, nkv, hd, max_ctx, window):
+    """be.attention at positions 0, 1, a third of the cache and its last, against numpy_ref."""
+    ref = NumpyBackend()
     kc = f16(nkv, max_ctx, hd)
     vc = f16(nkv, max_ctx, hd)
     for pos in sorted({0, 1, max_ctx // 3, max_ctx - 1}):
@@ -224,6 +216,34 @@ def test_attention_splits(ref, nh, nkv, hd, max_ctx, v_early, window):
         want = np.zeros(nh * hd, np.float32)
         ref.attention(want, q, kc, vc, pos, window)
         assert rel_err(host(be, out), want) < 1e-4, f"pos {pos}"
+
+
+@pytest.mark.parametrize("window", [0, 37])
+@pytest.mark.parametrize("v_early", [True, False])
+@pytest.mark.parametrize("nh,nkv,hd,max_ctx", ATT_CASES)
+def test_attention_splits(nh, nkv, hd, max_ctx, v_early, window):
+    """Decode attention over caches of up to 4096 positions (the split count and chunk
+    depend on max_ctx and the SM count), in both variants: the first K/V rows loaded
+    before pdl_wait or each pass's rows when it runs (attn_v_early; by default chosen by
+    position). Eager calls: the ordering against rope_store under PDL is exercised by
+    the graph tests of test_cuda_model.py."""
+    be = CudaBackend()
+    be.attn_v_early = v_early
+    check_attention(be, nh, nkv, hd, max_ctx, window)
+
+
+@pytest.mark.parametrize("hpb", [1, 2, 3, 8])
+@pytest.mark.parametrize("v_early", [True, False])
+@pytest.mark.parametrize("nh,nkv,hd,max_ctx", [(8, 2, 128, 300), (10, 2, 64, 130), (16, 1, 64, 300),
+                                               (9, 3, 64, 1000), (8, 1, 8, 80)])
+def test_attention_heads_per_block(nh, nkv, hd, max_ctx, v_early, hpb):
+    """A group's query heads over several blocks a split (attn_heads_per_block below the
+    group: the last block partly filled, tiles narrower than the group), each block merging
+    its own heads' splits."""
+    be = CudaBackend()
+    be.attn_v_early = v_early
+    be.attn_heads_per_block = hpb
+    check_attention(be, nh, nkv, hd, max_ctx, 37 if hpb == 3 else 0)
 
 
 def test_attention_peaked_scores(be, ref):

@@ -120,10 +120,11 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         self._qx_flip = 0
         self._qx_norm = None            # (normed vector, its codes' buffer, norm weight, eps), prequant.py
         self._scratch: dict = {}        # name -> device buffer reused by the batched ops
-        # decode attention: the first K/V rows loaded before pdl_wait (None = at short contexts,
-        # see _attn_early; True/False forces it; captured graphs keep their choice until
-        # reset_graph)
+        # decode attention: the first K/V rows loaded before pdl_wait, and query heads a
+        # block (None = by position, see _attn_plan; a value forces it; captured graphs keep
+        # their choice until reset_graph)
         self.attn_v_early: bool | None = None
+        self.attn_heads_per_block: int | None = None
         self.attn_batch_vec = True      # float4 variant of attention_batch where head_dim % 4 == 0
         # programmatic dependent launch of the decode kernels inside decode_step (sm_90+);
         # CYLLM_CUDA_PDL=0 turns it off
@@ -402,23 +403,41 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
                                       cp.empty(n_heads * n_split, dtype=cp.float32))
         return s[1:]
 
-    def _attn_early(self, pos: int, n_kv: int, chunk: int) -> bool:
-        """Whether attention at pos runs the variant that loads its first K/V rows before
-        pdl_wait: while the blocks holding positions 0..pos fit in one wave of the SMs.
-        Past that its extra registers (122 against 64 for tiles of one head, 118 against 78
-        for two and four; 128 against 64 when this was measured) halve the resident blocks of
-        a long cache (tiles of eight: 119 against 124, not timed apart). Llama-2-7B on an H100
-        (32 KV heads, chunks of 256): up to position 1023; tg128 Q4_K_M +3.8%, Q8_0 +2.0%, at
-        depth 4096 Q8_0 -1.2% had it stayed on; with 122 registers, Q4_0 at depth 4096 is
-        level either way (bench/results/cuda_quant_model_h100.md)."""
-        if self.attn_v_early is not None:
-            return bool(self.attn_v_early)
+    def _attn_plan(self, pos: int, n_kv: int, group: int, chunk: int) -> tuple[bool, int]:
+        """(early, hpb) of decode attention at pos: whether it runs the variant that loads its
+        first K/V rows before pdl_wait, and how many query heads of a group a block takes.
+
+        Early rows while the blocks holding positions 0..pos fit in one wave of the SMs
+        (pos < short). Past that their registers (122 against 64 for tiles of one head, 118
+        against 78 for two and four; 128 against 64 when this was measured) halve the
+        resident blocks of a long cache. Llama-2-7B on an H100 (32 KV heads, chunks of 256):
+        up to position 1023; tg128 Q4_K_M +3.8%, Q8_0 +2.0%; at depth 4096 Q8_0 -1.2% had it
+        stayed on, Q4_0 level with 122 registers.
+
+        Heads a block: a GQA group's whole tile would leave a short cache's few rows on n_kv
+        blocks (Mistral-7B at depth 64: 8 blocks, 9.9 us a layer against Llama-2-7B's 5.8).
+        Below one chunk each query head gets a block of its own (the sibling blocks read the
+        same rows, from L2); up to ``short`` two heads a block, which halves those reads
+        where the cache has grown; past it the whole group, the rows read once. Against
+        whole groups (H100 and H200, Q4_0 unless said; bench/results/cuda_quant_model_h100.md):
+        Mistral-7B H100 depth 0 532.8 -> 581.0 (one a block), H200 depth 3000 427.4 -> 528.5
+        (two; one 508.9); TinyLlama-1.1B (groups of 8) H200 depth 1800 1210.9 -> 1398.2 (two;
+        one 1104.3); SmolLM2-135M Q4_K_M H200 depth 2048 1343.0 -> 1582.7 (two). The bound
+        between one and two is not tuned per shape: Mistral-7B at depth 1024 (H200) ran 609.5
+        with one a block and 545.4 with two (whole groups, H100: 397.5 against 510.0).
+
+        In a captured step (``_device_mode``) both bounds go to _attn_bounds, which picks
+        the step's graph (graphs._regime), so a graph's launches hold for its positions."""
         short = chunk * max(1, self.sm_count // n_kv)
-        if self._device_mode:                   # the step's graphs are chosen by it (_regime)
-            if self._attn_short_pos is None or short < self._attn_short_pos:
-                self._attn_short_pos = short
-            short = self._attn_short_pos
-        return pos < short
+        near = min(chunk, short) if group > 1 else 0
+        if self._device_mode:
+            self._attn_bounds = tuple(sorted(set(self._attn_bounds or ()) | {b for b in (near, short) if b > 0}))
+        early = pos < short if self.attn_v_early is None else bool(self.attn_v_early)
+        if self.attn_heads_per_block is not None:
+            hpb = int(self.attn_heads_per_block)
+        else:
+            hpb = 1 if pos < near else 2 if pos < short else group
+        return early, max(1, min(hpb, group))
 
     @staticmethod
     def _attn_smem(gt: int, hd: int, chunk: int, n_split: int) -> int:
@@ -437,21 +456,20 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         n_split = _blocks(max_ctx, chunk)
         counters, o_part, m_part, l_part = self._attn_buffers(n_heads, n_split, hd)
         sc = np.float32(1.0 / math.sqrt(hd) if scale is None else scale)
-        args_tail = (q, k_cache, v_cache, self._step, p, np.int32(max_ctx), np.int32(n_kv),
-                     np.int32(group), np.int32(hd), np.int32(chunk), np.int32(n_split), sc,
-                     np.int32(_check_window(window)))
+        head = (q, k_cache, v_cache, self._step, p, np.int32(max_ctx), np.int32(n_kv), np.int32(group))
+        tail = (np.int32(hd), np.int32(chunk), np.int32(n_split), sc, np.int32(_check_window(window)))
         hd8 = hd // 8
         gt = 0
         if (hd % 8 == 0 and 0 < hd8 <= 32 and hd8 & (hd8 - 1) == 0
                 and k_cache.data.ptr % 16 == 0 and v_cache.data.ptr % 16 == 0):
-            gt = 1 if group == 1 else 2 if group == 2 else 4 if group <= 4 else 8
+            ve, hpb = self._attn_plan(int(pos), n_kv, group, chunk)
+            gt = 1 if hpb == 1 else 2 if hpb == 2 else 4 if hpb <= 4 else 8
             while gt and self._attn_smem(gt, hd, chunk, n_split) > SMEM_LIMIT:
                 gt //= 2
         if gt:
-            ve = self._attn_early(int(pos), n_kv, chunk)
             k = self._same_carveout(ATTN_SPLIT_KERNELS[(gt, ve)])
-            args = (out, counters, o_part, m_part, l_part) + args_tail
-            grid, smem = (n_kv, n_split), self._attn_smem(gt, hd, chunk, n_split)
+            args = (out, counters, o_part, m_part, l_part) + head + (np.int32(hpb),) + tail
+            grid, smem = (n_kv * -(-group // hpb), n_split), self._attn_smem(gt, hd, chunk, n_split)
             # a quantized wo may take the output prequantized (prequant.py): whole 32-blocks a head
             if hd % 32 == 0 and self._hold_producer(k, grid, (ATT_THREADS,), args, smem, out, scales=False):
                 return
@@ -461,7 +479,7 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
             if smem > SMEM_LIMIT:
                 raise InvalidArgumentError(f"attention: head_dim {hd} is too large for the cuda backend")
             self._same_carveout("attn_split_generic")((n_heads, n_split), (ATT_THREADS,),
-                                          (out, counters, o_part, m_part, l_part) + args_tail, shared_mem=smem)
+                                          (out, counters, o_part, m_part, l_part) + head + tail, shared_mem=smem)
 
     def swiglu(self, out, gate, up):
         self._flush()

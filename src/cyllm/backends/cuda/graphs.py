@@ -5,9 +5,9 @@ writes that buffer, then replays a CUDA graph of the whole forward pass, so a to
 costs one graph launch instead of hundreds of Python-side launches. One graph serves a
 whole range of positions because no kernel's launch shape depends on the position
 (attention's grid is sized for the whole cache and blocks past the position leave at
-once); there are two ranges, short and long contexts, which differ in the attention
-kernel variant (_regime), so at most two graphs are captured per forward pass, each on
-first use. ``CYLLM_CUDA_GRAPHS=0`` turns graphs off (eager ops, still reading the step
+once); the attention op splits positions into up to three ranges, which differ in its
+kernel variant and grid (_regime), so at most three graphs are captured per forward pass,
+each on first use. ``CYLLM_CUDA_GRAPHS=0`` turns graphs off (eager ops, still reading the step
 buffer).
 """
 
@@ -33,7 +33,7 @@ class GraphDecode:
         self._graph = None              # the graph of the last step
         self._graph_key = None          # the issue_ops the graphs were captured from
         self._graphs = {}               # regime (_regime) -> graph
-        self._attn_short_pos = None     # set by the attention op: see _regime
+        self._attn_bounds = None        # set by the attention op: see _regime
         self._vocab = None
         self._max_pos = None
 
@@ -101,10 +101,12 @@ class GraphDecode:
         self._graph = self._graphs[self._regime(pos)] = graph
 
     def _regime(self, pos: int):
-        """Which of the step's graphs serves position pos. Decode attention has a variant
-        for short contexts (the first K/V rows loaded before pdl_wait, attention.cu) whose
-        extra registers cost resident blocks once a long cache spreads over many blocks,
-        so below the attention op's _attn_short_pos the step runs a graph captured with
-        it and above one captured without, each captured on first use (None: the first
-        step, or no attention op that has the variant)."""
-        return None if self._attn_short_pos is None else pos < self._attn_short_pos
+        """Which of the step's graphs serves position pos: the number of the attention op's
+        bounds (_attn_bounds, CudaBackend._attn_plan) at or below it. Decode attention's
+        variant and grid change with the cache's length (K/V rows loaded before pdl_wait
+        while a short cache spreads over one wave; query heads a block), and a graph keeps
+        the launches it was captured with, so each range of positions has a graph of its
+        own, captured on first use (None: the first step, or no attention op that varies)."""
+        if not self._attn_bounds:
+            return None
+        return sum(pos >= b for b in self._attn_bounds)
