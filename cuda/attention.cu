@@ -446,7 +446,7 @@ __device__ __forceinline__ void attn_split_body(
         TRACE_END(0x1000);                                                                   \
     }
 // NAME_ve: the first pass of K and V rows loaded before pdl_wait (short contexts: one round
-// trip after the wait instead of three; more registers; CudaBackend._attn_early picks it)
+// trip after the wait instead of three; more registers; CudaBackend._attn_plan picks it)
 #define CYLLM_ATTN_SPLIT(NAME, GT) CYLLM_ATTN_SPLIT1(NAME, GT, false) CYLLM_ATTN_SPLIT1(NAME##_ve, GT, true)
 
 CYLLM_ATTN_SPLIT(attn_split_g1, 1)
