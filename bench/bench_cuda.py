@@ -139,6 +139,8 @@ def bench_matvec(be, bw, l2_bytes, lines, quick):
 
 
 def bench_attention(be, bw, lines):
+    # heads a block follow CudaBackend._attn_plan (by position); each K/V row counts once,
+    # however many of a group's blocks read it
     lines.append("\n## attention, context 4096 (GB/s of K+V bytes read; % of copy bandwidth)\n")
     lines.append("| heads / kv heads / head_dim | pos | K, V before the wait: us, GB/s, % | K, V in their passes: us, GB/s, % |")
     lines.append("|---|---|---|---|")

@@ -33,7 +33,7 @@
 
 
 // The block that finishes a column's splits last merges them: every block
-// writes its partials, fences, and bumps the group's counter once; the block
+// writes its partials, fences, and bumps its column's counter once; the block
 // that sees count == n_used - 1 knows every partial is visible, combines them
 // with the online-softmax weights e^(m_s - M) and resets the counter for the
 // next launch (the next layer reuses the same scratch). The partial sums are
@@ -155,7 +155,7 @@ __device__ __forceinline__ void attn_split_body(
     // pos, which rope_store writes now, waits; at short contexts the kernel then has one
     // memory round trip after the wait (q and row pos) instead of three (q, K, V), and
     // those loads overlap the qkv matvec and rope_store. The cost: 2U more 16-byte values
-    // per thread (one head a block: 64 -> 122 registers, the online path below).
+    // per thread (tiles of one head: 64 -> 124 registers, the online path below).
     const int t_new = pos - t0;                   // this split's row written by rope_store
     uint4 kpre[VE ? U : 1], vpre[VE ? U : 1];
     if (VE) {
@@ -207,8 +207,8 @@ __device__ __forceinline__ void attn_split_body(
             // (groups of 3 in tiles of 4) 1508.7 -> 1619.6; Mistral-7B Q4_0 (tiles of 4)
             // 517.5 -> 523.7 (bench/results/cuda_quant_model_h100.md, twenty-second and
             // twenty-third sessions). Long caches keep the staged path, chosen when this path
-            // took 196 registers (it would have halved their resident blocks); at 118-122
-            // against the staged kernels' 64-124 that has not been timed again.
+            // took 196 registers (it would have halved their resident blocks); at 123-124
+            // against the staged kernels' 64-118 that has not been timed again.
             float* mlw = S;                           // ATT_WARPS (max, sum) pairs; chunk >= 64
             const int gw = warp / WPH;                // this warp's head in the tile (uniform)
             const float4* qv = reinterpret_cast<const float4*>(qs + gw * hd + e8 * 8);
@@ -221,7 +221,8 @@ __device__ __forceinline__ void attn_split_body(
                 // the first pass is the rows loaded before pdl_wait; later passes (and a second
                 // head tile's first) load into the same registers, so the early rows hold no
                 // registers of their own past it: g1_ve 196 -> 122 registers, g2/g4/g8_ve 118-119
-                // (nvcc 13.0, sm_90a), and an SM holds the block beside a q/k/v matvec block
+                // (nvcc 13.0, sm_90a; 123-124 since hpb), and an SM holds the block (128
+                // allocated a thread) beside a q/k/v matvec block (124-128: 64 K between them)
                 if (base > 0 || g0 > g_lo) {
 #pragma unroll
                     for (int u = 0; u < U; ++u) {

@@ -192,8 +192,10 @@ def test_norm_fold_off(ref):
     assert b._pending_norm is None
 
 
-# (n_heads, n_kv_heads, head_dim, max_ctx): MHA, GQA, MQA, groups of 2, 3, 4, 5, 6, 8 and 16
-# (head tiles of 1, 2, 4 and 8, partly filled, and two tiles a group), head_dim 8 to 256, odd ones
+# (n_heads, n_kv_heads, head_dim, max_ctx): MHA, GQA, MQA, groups of 2, 3, 4, 5, 6, 8 and 16,
+# head_dim 8 to 256, odd ones (by default a GQA group's heads go one or two a block at these
+# positions: CudaBackend._attn_plan; whole groups, in tiles of 1, 2, 4 and 8, partly filled,
+# and two tiles a block: test_attention_heads_per_block)
 ATT_CASES = [(4, 4, 64, 50), (8, 2, 128, 300), (9, 3, 64, 1000), (6, 1, 32, 70),
              (12, 2, 128, 700), (4, 4, 256, 300), (4, 2, 6, 40), (2, 1, 40, 100),
              (3, 3, 16, 9), (32, 32, 128, 4096), (16, 16, 8, 65), (8, 4, 64, 260), (10, 2, 64, 130),
@@ -232,14 +234,15 @@ def test_attention_splits(nh, nkv, hd, max_ctx, v_early, window):
     check_attention(be, nh, nkv, hd, max_ctx, window)
 
 
-@pytest.mark.parametrize("hpb", [1, 2, 3, 8])
+@pytest.mark.parametrize("hpb", [1, 2, 3, 8, 16])
 @pytest.mark.parametrize("v_early", [True, False])
 @pytest.mark.parametrize("nh,nkv,hd,max_ctx", [(8, 2, 128, 300), (10, 2, 64, 130), (16, 1, 64, 300),
-                                               (9, 3, 64, 1000), (8, 1, 8, 80)])
+                                               (9, 3, 64, 1000), (8, 1, 8, 80), (16, 2, 256, 300)])
 def test_attention_heads_per_block(nh, nkv, hd, max_ctx, v_early, hpb):
-    """A group's query heads over several blocks a split (attn_heads_per_block below the
-    group: the last block partly filled, tiles narrower than the group), each block merging
-    its own heads' splits."""
+    """A group's query heads over one or several blocks a split (attn_heads_per_block,
+    clamped to the group: the last block partly filled, tiles of 1, 2, 4 and 8 partly filled,
+    and two tiles a block: 16 heads in tiles of 8, and head_dim 256 where shared memory
+    narrows a tile of 8 to 4), each block merging its own heads' splits."""
     be = CudaBackend()
     be.attn_v_early = v_early
     be.attn_heads_per_block = hpb

@@ -826,18 +826,20 @@ def test_decode_prequantized_chain(be, cp, fmt, rows, monkeypatch):
     be.reset_graph()
 
 
-# (heads, kv heads, head_dim, window, K/V rows before the wait): groups of 2, 3 (a partial
-# tile of 4), 5 (of 8) and 8; head_dim 32 to 256, a window, the kernels without early rows;
-# head_dim 16 (the fast path, not whole 32-blocks a head) and 80 (the generic kernel) are not
-# handed over: wo stages attention's output itself
-ATTN_HANDOVER_SHAPES = [(8, 4, 128, 0, None), (12, 4, 64, 40, None), (20, 4, 64, 0, False),
-                        (16, 2, 32, 0, None), (4, 2, 256, 100, False), (16, 4, 16, 0, None),
-                        (16, 4, 80, 0, None)]
+# (heads, kv heads, head_dim, window, K/V rows before the wait, heads a block): groups of 2,
+# 3 (whole groups a block: a partial tile of 4), 5 (of 8) and 8; head_dim 32 to 256, a window,
+# the kernels without early rows; head_dim 16 (the fast path, not whole 32-blocks a head) and 80
+# (the generic kernel) are not handed over: wo stages attention's output itself. None: the
+# plan's choice by position (one head a block at these positions below a chunk, two past it)
+ATTN_HANDOVER_SHAPES = [(8, 4, 128, 0, None, None), (12, 4, 64, 40, None, 3),
+                        (20, 4, 64, 0, False, 5), (16, 2, 32, 0, None, None),
+                        (4, 2, 256, 100, False, None), (16, 4, 16, 0, None, None),
+                        (16, 4, 80, 0, None, None)]
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q4_0", "q8_0"])
-@pytest.mark.parametrize("shape", ATTN_HANDOVER_SHAPES, ids=lambda s: "h{}kv{}d{}w{}e{}".format(*s))
+@pytest.mark.parametrize("shape", ATTN_HANDOVER_SHAPES, ids=lambda s: "h{}kv{}d{}w{}e{}b{}".format(*s))
 def test_decode_attention_hands_wo_its_output_prequantized(be, cp, fmt, shape, monkeypatch):
     """Inside decode_step attention writes its output prequantized for a quantized wo
     (prequant.py): at positions of one split (the output written by the block itself) and of
@@ -845,10 +847,11 @@ def test_decode_attention_hands_wo_its_output_prequantized(be, cp, fmt, shape, m
     from cyllm.backends.numpy_ref import NumpyBackend
     be.reset_graph()
     rng = np.random.default_rng(41)
-    nh, nkv, hd, window, early = shape
+    nh, nkv, hd, window, early, hpb = shape
     max_ctx = 600
     n = nh * hd
     monkeypatch.setattr(be, "attn_v_early", early)
+    monkeypatch.setattr(be, "attn_heads_per_block", hpb)
     raw = random_blocks(fmt, n, n, rng)
     wo, Wo = be.upload(QuantMatrix(raw, fmt, (n, n))), deq64(raw, fmt, n)
     kc = (rng.standard_normal((nkv, max_ctx, hd)) * 0.5).astype(np.float16)

@@ -408,11 +408,12 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         first K/V rows before pdl_wait, and how many query heads of a group a block takes.
 
         Early rows while the blocks holding positions 0..pos fit in one wave of the SMs
-        (pos < short). Past that their registers (122 against 64 for tiles of one head, 118
-        against 78 for two and four; 128 against 64 when this was measured) halve the
-        resident blocks of a long cache. Llama-2-7B on an H100 (32 KV heads, chunks of 256):
-        up to position 1023; tg128 Q4_K_M +3.8%, Q8_0 +2.0%; at depth 4096 Q8_0 -1.2% had it
-        stayed on, Q4_0 level with 122 registers.
+        (pos < short; with two heads a block up to ceil(group / 2) times as many blocks, which
+        the timings below cover). Past that their registers (124 against 64 for tiles of one
+        head, 123 against 78 for two and four; 128 against 64 when this was measured) halve
+        the resident blocks of a long cache. Llama-2-7B on an H100 (32 KV heads, chunks of
+        256): up to position 1023; tg128 Q4_K_M +3.8%, Q8_0 +2.0%; at depth 4096 Q8_0 -1.2% had
+        it stayed on, Q4_0 level with 122 registers.
 
         Heads a block: a GQA group's whole tile would leave a short cache's few rows on n_kv
         blocks (Mistral-7B at depth 64: 8 blocks, 9.9 us a layer against Llama-2-7B's 5.8).
@@ -461,7 +462,8 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         hd8 = hd // 8
         gt = 0
         if (hd % 8 == 0 and 0 < hd8 <= 32 and hd8 & (hd8 - 1) == 0
-                and k_cache.data.ptr % 16 == 0 and v_cache.data.ptr % 16 == 0):
+                and k_cache.data.ptr % 16 == 0 and v_cache.data.ptr % 16 == 0
+                and self._attn_smem(1, hd, chunk, n_split) <= SMEM_LIMIT):
             ve, hpb = self._attn_plan(int(pos), n_kv, group, chunk)
             gt = 1 if hpb == 1 else 2 if hpb == 2 else 4 if hpb <= 4 else 8
             while gt and self._attn_smem(gt, hd, chunk, n_split) > SMEM_LIMIT:

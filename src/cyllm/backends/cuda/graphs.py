@@ -3,11 +3,11 @@
 Per-step values (token id, position) come from a two-int device buffer: ``decode_step``
 writes that buffer, then replays a CUDA graph of the whole forward pass, so a token
 costs one graph launch instead of hundreds of Python-side launches. One graph serves a
-whole range of positions because no kernel's launch shape depends on the position
-(attention's grid is sized for the whole cache and blocks past the position leave at
-once); the attention op splits positions into up to three ranges, which differ in its
-kernel variant and grid (_regime), so at most three graphs are captured per forward pass,
-each on first use. ``CYLLM_CUDA_GRAPHS=0`` turns graphs off (eager ops, still reading the step
+range of positions: attention's grid is sized for the whole cache (blocks past the position
+leave at once), and the attention op names the positions where its kernel variant or grid
+changes (_attn_bounds), so each range between them has a graph of its own, captured on
+first use (_regime): three for the decode attention of a grouped-query model, two for
+multi-head attention, when every layer has the same heads. ``CYLLM_CUDA_GRAPHS=0`` turns graphs off (eager ops, still reading the step
 buffer).
 """
 
