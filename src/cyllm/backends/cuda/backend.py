@@ -432,7 +432,7 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         short = chunk * max(1, self.sm_count // n_kv)
         near = min(chunk, short) if group > 1 else 0
         if self._device_mode:
-            self._attn_bounds = tuple(sorted(set(self._attn_bounds or ()) | {b for b in (near, short) if b > 0}))
+            self._note_attn_bounds(near, short)
         early = pos < short if self.attn_v_early is None else bool(self.attn_v_early)
         if self.attn_heads_per_block is not None:
             hpb = int(self.attn_heads_per_block)

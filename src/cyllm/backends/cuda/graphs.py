@@ -7,11 +7,13 @@ range of positions: attention's grid is sized for the whole cache (blocks past t
 leave at once), and the attention op names the positions where its kernel variant or grid
 changes (_attn_bounds), so each range between them has a graph of its own, captured on
 first use (_regime): three for the decode attention of a grouped-query model, two for
-multi-head attention, when every layer has the same heads. ``CYLLM_CUDA_GRAPHS=0`` turns graphs off (eager ops, still reading the step
-buffer).
+multi-head attention, when every layer has the same heads. ``CYLLM_CUDA_GRAPHS=0`` turns
+graphs off (eager ops, still reading the step buffer).
 """
 
 from __future__ import annotations
+
+from bisect import bisect_right
 
 from ...errors import InvalidArgumentError
 from ..base import check_token
@@ -107,6 +109,11 @@ class GraphDecode:
         while a short cache spreads over one wave; query heads a block), and a graph keeps
         the launches it was captured with, so each range of positions has a graph of its
         own, captured on first use (None: the first step, or no attention op that varies)."""
-        if not self._attn_bounds:
-            return None
-        return sum(pos >= b for b in self._attn_bounds)
+        return bisect_right(self._attn_bounds, pos) if self._attn_bounds else None
+
+    def _note_attn_bounds(self, *bounds: int) -> None:
+        """The attention op's positions where its launches change (0: none); each starts a
+        graph regime. Called per layer while a step is recorded, so known ones change nothing."""
+        known = self._attn_bounds or ()
+        if any(b > 0 and b not in known for b in bounds):
+            self._attn_bounds = tuple(sorted({*known, *(b for b in bounds if b > 0)}))
