@@ -31,6 +31,51 @@
 #define ATT_WARPS (ATT_THREADS / 32)
 #define ATT_UNROLL 8
 
+// BULK variants: a split's K and V rows before pos are copied into shared memory by the Tensor
+// Memory Accelerator (cp.async.bulk, sm_90+), one request each, issued by thread 0 before
+// pdl_wait: every byte the block streams is asked for at its start, with no registers held.
+// The register-loaded staged path keeps 16-32 KB a block in flight (U passes of rows), which
+// for GQA tiles (U = 4, 3 blocks an SM) left Mistral-7B's long-cache attention latency-bound:
+// 3x the time of Llama-2-7B's for the same bytes. The rows stay f16 in shared memory; the
+// score and V loops read them there. Before sm_90 the block copies them itself.
+__device__ __forceinline__ unsigned attn_smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void attn_bulk_rows(uint4* Ks, uint4* Vs, const uint4* K, const uint4* V,
+                                               int n16, unsigned long long* mbar)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0 && n16 > 0) {
+        const unsigned bk = attn_smem_u32(mbar), bv = attn_smem_u32(mbar + 1), bytes = (unsigned)n16 * 16u;
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bk) : "memory");
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bv) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");      // the inits, to the async proxy
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bk), "r"(bytes) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     :: "r"(attn_smem_u32(Ks)), "l"(K), "r"(bytes), "r"(bk) : "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bv), "r"(bytes) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     :: "r"(attn_smem_u32(Vs)), "l"(V), "r"(bytes), "r"(bv) : "memory");
+    }
+#else
+    for (int i = threadIdx.x; i < n16; i += ATT_THREADS) { Ks[i] = K[i]; Vs[i] = V[i]; }
+#endif
+}
+
+// Wait for K (which = 0) or V (1) of attn_bulk_rows. Every thread of the block may wait: the
+// barrier completes its phase 0 once, and a second wait (a second head tile) returns at once.
+// The callers' __syncthreads after attn_bulk_rows orders the init before any wait.
+__device__ __forceinline__ void attn_bulk_wait(unsigned long long* mbar, int which, int n16)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (n16 <= 0) return;
+    const unsigned b = attn_smem_u32(mbar + which);
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(b) : "memory");
+#endif
+}
+
 
 // The block that finishes a column's splits last merges them: every block
 // writes its partials, fences, and bumps its column's counter once; the block
@@ -102,8 +147,9 @@ __device__ __forceinline__ void attn_merge_heads(
 // word of the row, rows of a warp are lane / hd8; a pass covers WPH * (32 / hd8)
 // consecutive positions with fully coalesced loads, WPH the warps that work on one head
 // (all ATT_WARPS on the staged path, ATT_WARPS / GT on the online one).
-// Dynamic shared memory: qs[GT*hd] | S[GT*C] | Wp[ATT_WARPS*GT*hd] | ml[2*GT] | wsm[ATT_WARPS*n_split]
-template <int GT, bool VE>
+// Dynamic shared memory: qs[GT*hd] | S[GT*C] | Wp[ATT_WARPS*GT*hd] | ml[2*GT] | wsm[ATT_WARPS*n_split],
+// then for BULK, from the next 16 bytes: two mbarriers (16 B) | K rows[C*hd] f16 | V rows[C*hd] f16
+template <int GT, bool VE, bool BULK>
 __device__ __forceinline__ void attn_split_body(
     float* __restrict__ out, int* __restrict__ counters, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part,
     const float* q, const f16_t* k_cache,        // written by rope_store (or qmv_qkv_rope) just before: no
@@ -149,6 +195,25 @@ __device__ __forceinline__ void attn_split_body(
 
     const uint4* K = reinterpret_cast<const uint4*>(k_cache + ((size_t)kvh * max_ctx + t0) * hd);
     const uint4* V = reinterpret_cast<const uint4*>(v_cache + ((size_t)kvh * max_ctx + t0) * hd);
+    const int t_new = pos - t0;                   // this split's row written by rope_store
+
+    // BULK: rows 0 .. n_old-1 (all but row pos, which this step writes) into shared memory now,
+    // row pos after pdl_wait; the loops below then read Kr/Vr from shared memory
+    const uint4* Kr = K;
+    const uint4* Vr = V;
+    unsigned long long* mbar = nullptr;
+    int n_old16 = 0;
+    if (BULK) {
+        const int nf = GT * hd + GT * chunk + ATT_WARPS * GT * hd + 2 * GT + ATT_WARPS * n_split;
+        unsigned char* base = reinterpret_cast<unsigned char*>(smem) + (((size_t)nf * 4 + 15) & ~(size_t)15);
+        mbar = reinterpret_cast<unsigned long long*>(base);
+        uint4* Ks = reinterpret_cast<uint4*>(base + 16);
+        uint4* Vs = Ks + (size_t)chunk * hd8;
+        n_old16 = (t_new < n_valid ? t_new : n_valid) * hd8;
+        attn_bulk_rows(Ks, Vs, K, V, n_old16, mbar);
+        Kr = Ks;
+        Vr = Vs;
+    }
 
     // VE: the first pass of K and V rows goes out before pdl_wait. Rows before pos were
     // written by earlier tokens' launches (stream-ordered before this graph), so only row
@@ -156,7 +221,6 @@ __device__ __forceinline__ void attn_split_body(
     // memory round trip after the wait (q and row pos) instead of three (q, K, V), and
     // those loads overlap the qkv matvec and rope_store. The cost: 2U more 16-byte values
     // per thread (tiles of one head: 64 -> 124 registers, the online path below).
-    const int t_new = pos - t0;                   // this split's row written by rope_store
     uint4 kpre[VE ? U : 1], vpre[VE ? U : 1];
     if (VE) {
 #pragma unroll
@@ -168,6 +232,13 @@ __device__ __forceinline__ void attn_split_body(
         }
     }
     pdl_wait();                                   // q and cache row pos come from rope_store (or qmv_qkv_rope)
+    if (BULK && t_new < n_valid && threadIdx.x < 2 * hd8) {
+        // row pos, from L2 (as the early rows' row pos below); the q staging's barrier publishes it
+        uint4* dst = const_cast<uint4*>(threadIdx.x < hd8 ? Kr : Vr);
+        const uint4* src = threadIdx.x < hd8 ? K : V;
+        const int e = threadIdx.x < hd8 ? threadIdx.x : threadIdx.x - hd8;
+        dst[(size_t)t_new * hd8 + e] = __ldcg(src + (size_t)t_new * hd8 + e);
+    }
     if (VE) {
 #pragma unroll
         for (int u = 0; u < U; ++u)
@@ -310,12 +381,13 @@ __device__ __forceinline__ void attn_split_body(
             }
         } else {
             // ---- scores S[gi][t] = (q_g . k_t) * scale
+            if (BULK) attn_bulk_wait(mbar, 0, n_old16);
             for (int base = 0; base < n_valid; base += rp * U) {
                 uint4 kv[U];
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int t = base + u * rp + row_in_pass;
-                    kv[u] = t < n_valid ? K[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+                    kv[u] = t < n_valid ? Kr[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
                 }
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
@@ -361,13 +433,14 @@ __device__ __forceinline__ void attn_split_body(
             for (int gi = 0; gi < GT; ++gi)
 #pragma unroll
                 for (int j = 0; j < 8; ++j) acc[gi][j] = 0.0f;
+            if (BULK) attn_bulk_wait(mbar, 1, n_old16);
             for (int base = 0; base < n_valid; base += rp * U) {
                 uint4 vv[U];
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int t = base + u * rp + row_in_pass;
                     // rows past pos may hold garbage (even NaN): never load them
-                    vv[u] = t < n_valid ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+                    vv[u] = t < n_valid ? Vr[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
                 }
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
@@ -434,21 +507,23 @@ __device__ __forceinline__ void attn_split_body(
     if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
-#define CYLLM_ATTN_SPLIT1(NAME, GT, VE)                                                        \
+#define CYLLM_ATTN_SPLIT1(NAME, GT, VE, BULK)                                                  \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) NAME(                         \
         float* out, int* counters, float* o_part, float* m_part, float* l_part,              \
         const float* q, const f16_t* k_cache,                                                \
         const f16_t* v_cache, const int* step, int pos_host, int max_ctx, int n_kv,          \
         int group, int hpb, int hd, int chunk, int n_split, float scale, int window,         \
         unsigned char* qxo) {                                                                \
-        TRACE_BEGIN(); attn_split_body<GT, VE>(out, counters, o_part, m_part, l_part, q, k_cache, v_cache,  \
+        TRACE_BEGIN(); attn_split_body<GT, VE, BULK>(out, counters, o_part, m_part, l_part, q, k_cache, v_cache,  \
                                 step, pos_host, max_ctx, n_kv, group, hpb, hd, chunk,        \
                                 n_split, scale, window, qxo);                                \
         TRACE_END(0x1000);                                                                   \
     }
 // NAME_ve: the first pass of K and V rows loaded before pdl_wait (short contexts: one round
-// trip after the wait instead of three; more registers; CudaBackend._attn_plan picks it)
-#define CYLLM_ATTN_SPLIT(NAME, GT) CYLLM_ATTN_SPLIT1(NAME, GT, false) CYLLM_ATTN_SPLIT1(NAME##_ve, GT, true)
+// trip after the wait instead of three; more registers; CudaBackend._attn_plan picks it).
+// NAME_bulk: the staged path with the split's rows copied into shared memory (long caches).
+#define CYLLM_ATTN_SPLIT(NAME, GT) CYLLM_ATTN_SPLIT1(NAME, GT, false, false)                    \
+    CYLLM_ATTN_SPLIT1(NAME##_ve, GT, true, false) CYLLM_ATTN_SPLIT1(NAME##_bulk, GT, false, true)
 
 CYLLM_ATTN_SPLIT(attn_split_g1, 1)
 CYLLM_ATTN_SPLIT(attn_split_g2, 2)
