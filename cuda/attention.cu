@@ -31,49 +31,64 @@
 #define ATT_WARPS (ATT_THREADS / 32)
 #define ATT_UNROLL 8
 
-// BULK variants: a split's K and V rows before pos are copied into shared memory by the Tensor
-// Memory Accelerator (cp.async.bulk, sm_90+), one request each, issued by thread 0 before
-// pdl_wait: every byte the block streams is asked for at its start, with no registers held.
-// The register-loaded staged path keeps 16-32 KB a block in flight (U passes of rows), which
-// for GQA tiles (U = 4, 3 blocks an SM) left Mistral-7B's long-cache attention latency-bound:
-// 3x the time of Llama-2-7B's for the same bytes. The rows stay f16 in shared memory; the
-// score and V loops read them there. Before sm_90 the block copies them itself.
-__device__ __forceinline__ unsigned attn_smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+// LV bits of the staged path's variants (EXPERIMENT, session 25): 1 = the split's K and V rows
+// before pos asked into L2 by one bulk prefetch each before pdl_wait; 2 = the scores of a batch of
+// U rows x GT heads summed across a row's lanes by one reduce-scatter butterfly.
+#define ATT_L2 1
+#define ATT_BF 2
 
-__device__ __forceinline__ void attn_bulk_rows(uint4* Ks, uint4* Vs, const uint4* K, const uint4* V,
-                                               int n16, unsigned long long* mbar)
+__device__ __forceinline__ void attn_prefetch_l2(const void* p, int bytes)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (threadIdx.x == 0 && n16 > 0) {
-        const unsigned bk = attn_smem_u32(mbar), bv = attn_smem_u32(mbar + 1), bytes = (unsigned)n16 * 16u;
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bk) : "memory");
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bv) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");      // the inits, to the async proxy
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bk), "r"(bytes) : "memory");
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                     :: "r"(attn_smem_u32(Ks)), "l"(K), "r"(bytes), "r"(bk) : "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bv), "r"(bytes) : "memory");
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                     :: "r"(attn_smem_u32(Vs)), "l"(V), "r"(bytes), "r"(bv) : "memory");
-    }
-#else
-    for (int i = threadIdx.x; i < n16; i += ATT_THREADS) { Ks[i] = K[i]; Vs[i] = V[i]; }
+    if (bytes > 0)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
 #endif
 }
 
-// Wait for K (which = 0) or V (1) of attn_bulk_rows. Every thread of the block may wait: the
-// barrier completes its phase 0 once, and a second wait (a second head tile) returns at once.
-// The callers' __syncthreads after attn_bulk_rows orders the init before any wait.
-__device__ __forceinline__ void attn_bulk_wait(unsigned long long* mbar, int which, int n16)
+// v[0..NV) summed across the SEG lanes of a row segment (lane bits 0 .. log2(SEG)-1), scattered:
+// at the levels of the lowest H = min(log2 NV, log2 SEG) bits each lane keeps half of its values
+// and adds its partner's copy of that half, so the lane ends holding NV >> H sums, value k being
+// the original index k + sum_i bit_i(lane) * (NV >> (i + 1)); the levels above H add plainly.
+// NV * (1 - 2^-H) + (log2 SEG - H) * (NV >> H) shuffles instead of NV * log2 SEG.
+template <int NV, int SEG>
+__device__ __forceinline__ void seg_reduce_scatter(float (&v)[NV], int lane)
 {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (n16 <= 0) return;
-    const unsigned b = attn_smem_u32(mbar + which);
-    unsigned done = 0;
-    while (!done)
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done) : "r"(b) : "memory");
-#endif
+    constexpr int LNV = NV >= 32 ? 5 : NV >= 16 ? 4 : NV >= 8 ? 3 : NV >= 4 ? 2 : NV >= 2 ? 1 : 0;
+    constexpr int LSEG = SEG >= 32 ? 5 : SEG >= 16 ? 4 : SEG >= 8 ? 3 : SEG >= 4 ? 2 : SEG >= 2 ? 1 : 0;
+    constexpr int H = LNV < LSEG ? LNV : LSEG;
+    int n = NV;
+#pragma unroll
+    for (int i = 0; i < H; ++i) {
+        const int o = 1 << i;
+        const bool hi = (lane & o) != 0;
+        n >>= 1;
+#pragma unroll
+        for (int k = 0; k < NV / 2; ++k) {
+            if (k < n) {
+                const float send = hi ? v[k] : v[k + n];
+                const float keep = hi ? v[k + n] : v[k];
+                v[k] = keep + __shfl_xor_sync(FULL_MASK, send, o);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = H; i < LSEG; ++i)
+#pragma unroll
+        for (int k = 0; k < (NV >> H); ++k) v[k] += __shfl_xor_sync(FULL_MASK, v[k], 1 << i);
+}
+
+// Original index of value k after seg_reduce_scatter<NV, SEG> in this lane.
+template <int NV, int SEG>
+__device__ __forceinline__ int seg_scatter_index(int k, int lane)
+{
+    constexpr int LNV = NV >= 32 ? 5 : NV >= 16 ? 4 : NV >= 8 ? 3 : NV >= 4 ? 2 : NV >= 2 ? 1 : 0;
+    constexpr int LSEG = SEG >= 32 ? 5 : SEG >= 16 ? 4 : SEG >= 8 ? 3 : SEG >= 4 ? 2 : SEG >= 2 ? 1 : 0;
+    constexpr int H = LNV < LSEG ? LNV : LSEG;
+    int j = k;
+#pragma unroll
+    for (int i = 0; i < H; ++i)
+        if (lane & (1 << i)) j += NV >> (i + 1);
+    return j;
 }
 
 
@@ -147,9 +162,29 @@ __device__ __forceinline__ void attn_merge_heads(
 // word of the row, rows of a warp are lane / hd8; a pass covers WPH * (32 / hd8)
 // consecutive positions with fully coalesced loads, WPH the warps that work on one head
 // (all ATT_WARPS on the staged path, ATT_WARPS / GT on the online one).
-// Dynamic shared memory: qs[GT*hd] | S[GT*C] | Wp[ATT_WARPS*GT*hd] | ml[2*GT] | wsm[ATT_WARPS*n_split],
-// then for BULK, from the next 16 bytes: two mbarriers (16 B) | K rows[C*hd] f16 | V rows[C*hd] f16
-template <int GT, bool VE, bool BULK>
+// The scores of a batch (pv[u * GT + gi]: row u of the batch, head gi; each lane's part of the
+// dot) summed over the SEG lanes of a row by one butterfly, and stored to S by the lanes
+// holding them (the first NV of a segment where NV < SEG: the others hold copies).
+template <int U, int GT, int SEG>
+__device__ __forceinline__ void attn_store_scores(float (&pv)[U * GT], float* S, int lane, int e8, int base,
+                                                  int rp, int row_in_pass, int chunk, int gt, int n_valid,
+                                                  int t_first)
+{
+    constexpr int NV = U * GT;
+    constexpr int NK = NV >= SEG ? NV / SEG : 1;
+    seg_reduce_scatter<NV, SEG>(pv, lane);
+    if (NV < SEG && e8 >= NV) return;
+#pragma unroll
+    for (int k = 0; k < NK; ++k) {
+        const int j = seg_scatter_index<NV, SEG>(k, lane);
+        const int u = j / GT, gi = j - u * GT;
+        const int t = base + u * rp + row_in_pass;
+        if (gi < gt && t < n_valid) S[gi * chunk + t] = t < t_first ? NEG_INF : pv[k];
+    }
+}
+
+// Dynamic shared memory: qs[GT*hd] | S[GT*C] | Wp[ATT_WARPS*GT*hd] | ml[2*GT] | wsm[ATT_WARPS*n_split]
+template <int GT, bool VE, int LV>
 __device__ __forceinline__ void attn_split_body(
     float* __restrict__ out, int* __restrict__ counters, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part,
     const float* q, const f16_t* k_cache,        // written by rope_store (or qmv_qkv_rope) just before: no
@@ -195,24 +230,11 @@ __device__ __forceinline__ void attn_split_body(
 
     const uint4* K = reinterpret_cast<const uint4*>(k_cache + ((size_t)kvh * max_ctx + t0) * hd);
     const uint4* V = reinterpret_cast<const uint4*>(v_cache + ((size_t)kvh * max_ctx + t0) * hd);
-    const int t_new = pos - t0;                   // this split's row written by rope_store
-
-    // BULK: rows 0 .. n_old-1 (all but row pos, which this step writes) into shared memory now,
-    // row pos after pdl_wait; the loops below then read Kr/Vr from shared memory
-    const uint4* Kr = K;
-    const uint4* Vr = V;
-    unsigned long long* mbar = nullptr;
-    int n_old16 = 0;
-    if (BULK) {
-        const int nf = GT * hd + GT * chunk + ATT_WARPS * GT * hd + 2 * GT + ATT_WARPS * n_split;
-        unsigned char* base = reinterpret_cast<unsigned char*>(smem) + (((size_t)nf * 4 + 15) & ~(size_t)15);
-        mbar = reinterpret_cast<unsigned long long*>(base);
-        uint4* Ks = reinterpret_cast<uint4*>(base + 16);
-        uint4* Vs = Ks + (size_t)chunk * hd8;
-        n_old16 = (t_new < n_valid ? t_new : n_valid) * hd8;
-        attn_bulk_rows(Ks, Vs, K, V, n_old16, mbar);
-        Kr = Ks;
-        Vr = Vs;
+    if ((LV & ATT_L2) && threadIdx.x == 0) {
+        // rows before pos only: row pos is this step's, and the prefetch must not race its write
+        const int n_old = min(n_valid, pos - t0);
+        attn_prefetch_l2(K, n_old * hd * 2);
+        attn_prefetch_l2(V, n_old * hd * 2);
     }
 
     // VE: the first pass of K and V rows goes out before pdl_wait. Rows before pos were
@@ -221,6 +243,7 @@ __device__ __forceinline__ void attn_split_body(
     // memory round trip after the wait (q and row pos) instead of three (q, K, V), and
     // those loads overlap the qkv matvec and rope_store. The cost: 2U more 16-byte values
     // per thread (tiles of one head: 64 -> 124 registers, the online path below).
+    const int t_new = pos - t0;                   // this split's row written by rope_store
     uint4 kpre[VE ? U : 1], vpre[VE ? U : 1];
     if (VE) {
 #pragma unroll
@@ -232,13 +255,6 @@ __device__ __forceinline__ void attn_split_body(
         }
     }
     pdl_wait();                                   // q and cache row pos come from rope_store (or qmv_qkv_rope)
-    if (BULK && t_new < n_valid && threadIdx.x < 2 * hd8) {
-        // row pos, from L2 (as the early rows' row pos below); the q staging's barrier publishes it
-        uint4* dst = const_cast<uint4*>(threadIdx.x < hd8 ? Kr : Vr);
-        const uint4* src = threadIdx.x < hd8 ? K : V;
-        const int e = threadIdx.x < hd8 ? threadIdx.x : threadIdx.x - hd8;
-        dst[(size_t)t_new * hd8 + e] = __ldcg(src + (size_t)t_new * hd8 + e);
-    }
     if (VE) {
 #pragma unroll
         for (int u = 0; u < U; ++u)
@@ -381,13 +397,27 @@ __device__ __forceinline__ void attn_split_body(
             }
         } else {
             // ---- scores S[gi][t] = (q_g . k_t) * scale
-            if (BULK) attn_bulk_wait(mbar, 0, n_old16);
             for (int base = 0; base < n_valid; base += rp * U) {
                 uint4 kv[U];
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int t = base + u * rp + row_in_pass;
-                    kv[u] = t < n_valid ? Kr[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+                    kv[u] = t < n_valid ? K[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+                if ((LV & ATT_BF) && (hd8 == 16 || hd8 == 8)) {
+                    // every (row, head) partial first, then one butterfly for the batch
+                    float pv[U * GT];
+#pragma unroll
+                    for (int u = 0; u < U; ++u)
+#pragma unroll
+                        for (int gi = 0; gi < GT; ++gi) {
+                            const float4* qv = reinterpret_cast<const float4*>(qs + gi * hd + e8 * 8);
+                            pv[u * GT + gi] = dot8(kv[u], qv[0], qv[1], 0.0f);
+                        }
+                    if (hd8 == 16) attn_store_scores<U, GT, 16>(pv, S, lane, e8, base, rp, row_in_pass, chunk, gt, n_valid, t_first);
+                    else attn_store_scores<U, GT, 8>(pv, S, lane, e8, base, rp, row_in_pass, chunk, gt, n_valid, t_first);
+                    continue;
                 }
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
@@ -433,14 +463,13 @@ __device__ __forceinline__ void attn_split_body(
             for (int gi = 0; gi < GT; ++gi)
 #pragma unroll
                 for (int j = 0; j < 8; ++j) acc[gi][j] = 0.0f;
-            if (BULK) attn_bulk_wait(mbar, 1, n_old16);
             for (int base = 0; base < n_valid; base += rp * U) {
                 uint4 vv[U];
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int t = base + u * rp + row_in_pass;
                     // rows past pos may hold garbage (even NaN): never load them
-                    vv[u] = t < n_valid ? Vr[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+                    vv[u] = t < n_valid ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
                 }
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
@@ -507,23 +536,23 @@ __device__ __forceinline__ void attn_split_body(
     if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
-#define CYLLM_ATTN_SPLIT1(NAME, GT, VE, BULK)                                                  \
+#define CYLLM_ATTN_SPLIT1(NAME, GT, VE, LV)                                                    \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) NAME(                         \
         float* out, int* counters, float* o_part, float* m_part, float* l_part,              \
         const float* q, const f16_t* k_cache,                                                \
         const f16_t* v_cache, const int* step, int pos_host, int max_ctx, int n_kv,          \
         int group, int hpb, int hd, int chunk, int n_split, float scale, int window,         \
         unsigned char* qxo) {                                                                \
-        TRACE_BEGIN(); attn_split_body<GT, VE, BULK>(out, counters, o_part, m_part, l_part, q, k_cache, v_cache,  \
+        TRACE_BEGIN(); attn_split_body<GT, VE, LV>(out, counters, o_part, m_part, l_part, q, k_cache, v_cache,  \
                                 step, pos_host, max_ctx, n_kv, group, hpb, hd, chunk,        \
                                 n_split, scale, window, qxo);                                \
         TRACE_END(0x1000);                                                                   \
     }
 // NAME_ve: the first pass of K and V rows loaded before pdl_wait (short contexts: one round
-// trip after the wait instead of three; more registers; CudaBackend._attn_plan picks it).
-// NAME_bulk: the staged path with the split's rows copied into shared memory (long caches).
-#define CYLLM_ATTN_SPLIT(NAME, GT) CYLLM_ATTN_SPLIT1(NAME, GT, false, false)                    \
-    CYLLM_ATTN_SPLIT1(NAME##_ve, GT, true, false) CYLLM_ATTN_SPLIT1(NAME##_bulk, GT, false, true)
+// trip after the wait instead of three; more registers; CudaBackend._attn_plan picks it)
+#define CYLLM_ATTN_SPLIT(NAME, GT) CYLLM_ATTN_SPLIT1(NAME, GT, false, 0) CYLLM_ATTN_SPLIT1(NAME##_ve, GT, true, 0) \
+    CYLLM_ATTN_SPLIT1(NAME##_l2, GT, false, ATT_L2) CYLLM_ATTN_SPLIT1(NAME##_bf, GT, false, ATT_BF)          \
+    CYLLM_ATTN_SPLIT1(NAME##_l2bf, GT, false, ATT_L2 | ATT_BF)
 
 CYLLM_ATTN_SPLIT(attn_split_g1, 1)
 CYLLM_ATTN_SPLIT(attn_split_g2, 2)

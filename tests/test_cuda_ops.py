@@ -249,18 +249,17 @@ def test_attention_heads_per_block(nh, nkv, hd, max_ctx, v_early, hpb):
     check_attention(be, nh, nkv, hd, max_ctx, 37 if hpb == 3 else 0)
 
 
+@pytest.mark.parametrize("lv", ["l2", "bf", "l2bf"])
 @pytest.mark.parametrize("hpb", [None, 1, 16])
-@pytest.mark.parametrize("chunk", [None, 64])
 @pytest.mark.parametrize("nh,nkv,hd,max_ctx", ATT_CASES)
-def test_attention_bulk_rows(nh, nkv, hd, max_ctx, chunk, hpb):
-    """The staged attention whose splits copy their K and V rows into shared memory (one TMA
-    request each before pdl_wait, row pos after it; attn_bulk), at the plan's chunk and at 64
-    positions a split, with whole groups, one head a block, and two tiles of 8 a block; a
-    window where the group is odd. On GPUs before sm_90 the plan keeps the other variants."""
+def test_attention_staged_variants(nh, nkv, hd, max_ctx, hpb, lv):
+    """The staged attention's variants: its rows asked into L2 before pdl_wait (l2), its scores
+    summed across a row's lanes by one butterfly a batch (bf), both; whole groups, one head a
+    block, two tiles of 8 a block; a window where the group is odd."""
     be = CudaBackend()
     be.attn_v_early = False
-    be.attn_bulk = True
-    be.attn_bulk_chunk = chunk
+    be.attn_l2 = "l2" in lv
+    be.attn_bf = "bf" in lv
     be.attn_heads_per_block = hpb if hpb is not None else nh // nkv
     check_attention(be, nh, nkv, hd, max_ctx, 37 if (nh // nkv) % 2 else 0)
 

@@ -33,7 +33,7 @@ from ..base import Backend, check_token
 from . import quant as cuda_quant
 from .checks import check_act as _check_act, check_window as _check_window
 from .graphs import GraphDecode
-from .kernel_names import ATTN_BULK_KERNELS, ATTN_SPLIT_KERNELS, GATE_UP_OPS, MATVEC_KERNELS, MATVEC_SCALAR_KERNELS
+from .kernel_names import ATTN_SPLIT_KERNELS, ATTN_STAGED_KERNELS, GATE_UP_OPS, MATVEC_KERNELS, MATVEC_SCALAR_KERNELS
 from .norm_fold import NormFolding
 from .nvrtc import module_for
 from .pdl import PdlLauncher
@@ -82,9 +82,6 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         # block (cuda_quant sizes some launches' carveouts from these)
         self.smem_per_sm = int(props.get("sharedMemPerMultiprocessor", 0) or 0)
         self.smem_reserved_per_block = int(props.get("reservedSharedMemPerBlock", 1024) or 0)
-        # what one block may ask for past the default 48 KB (attention's bulk rows)
-        self.smem_per_block_optin = int(props.get("sharedMemPerBlockOptin", 0) or 0)
-        self._cc_major = int(props.get("major", 0))
 
         self._module = None
         self._kernels: dict = {}
@@ -128,10 +125,9 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         # their choice until reset_graph)
         self.attn_v_early: bool | None = None
         self.attn_heads_per_block: int | None = None
-        # past the short bound, the staged attention with its rows copied into shared memory by
-        # the TMA (sm_90+; None = the rule in _attn_bulk), and that variant's positions a split
-        self.attn_bulk: bool | None = None
-        self.attn_bulk_chunk: int | None = None
+        # EXPERIMENT: the staged path's rows prefetched into L2, its scores reduced by a butterfly
+        self.attn_l2 = False
+        self.attn_bf = False
         self.attn_batch_vec = True      # float4 variant of attention_batch where head_dim % 4 == 0
         # programmatic dependent launch of the decode kernels inside decode_step (sm_90+);
         # CYLLM_CUDA_PDL=0 turns it off
@@ -448,21 +444,8 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         return early, max(1, min(hpb, group))
 
     @staticmethod
-    def _attn_smem(gt: int, hd: int, chunk: int, n_split: int, bulk: bool = False) -> int:
-        return attn_smem(gt, hd, chunk, n_split, bulk)
-
-    def _attn_bulk(self, early: bool, gt: int, hd: int, chunk: int, max_ctx: int) -> int:
-        """Positions a split of the bulk variant (0: not this launch): the staged attention whose
-        split copies its K and V rows into shared memory with one TMA request each before
-        pdl_wait. Only where the early rows are off (long caches) and on sm_90+."""
-        want = False if self.attn_bulk is None else bool(self.attn_bulk)
-        if early or not want or self._cc_major < 9:
-            return 0
-        c = min(chunk, int(self.attn_bulk_chunk or chunk))
-        n_split = _blocks(max_ctx, c)
-        if self._attn_smem(gt, hd, c, n_split, True) > self.smem_per_block_optin - self.smem_reserved_per_block:
-            return 0
-        return c
+    def _attn_smem(gt: int, hd: int, chunk: int, n_split: int) -> int:
+        return attn_smem(gt, hd, chunk, n_split)
 
     def attention(self, out, q, k_cache, v_cache, pos, window=0, scale=None):
         self._flush()
@@ -475,14 +458,12 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         p = self._pos(pos, max_ctx)
         chunk = self._attn_chunk(n_kv, max_ctx)
         n_split = _blocks(max_ctx, chunk)
-        # the scratch holds the splits of the smallest chunk any variant takes, so that every
-        # graph regime of a cache shares one allocation
-        bulk_min = min(chunk, int(self.attn_bulk_chunk or chunk))
-        counters, o_part, m_part, l_part = self._attn_buffers(n_heads, _blocks(max_ctx, bulk_min), hd)
+        counters, o_part, m_part, l_part = self._attn_buffers(n_heads, n_split, hd)
         sc = np.float32(1.0 / math.sqrt(hd) if scale is None else scale)
         head = (q, k_cache, v_cache, self._step, p, np.int32(max_ctx), np.int32(n_kv), np.int32(group))
+        tail = (np.int32(hd), np.int32(chunk), np.int32(n_split), sc, np.int32(_check_window(window)))
         hd8 = hd // 8
-        gt = bulk = 0
+        gt = 0
         if (hd % 8 == 0 and 0 < hd8 <= 32 and hd8 & (hd8 - 1) == 0
                 and k_cache.data.ptr % 16 == 0 and v_cache.data.ptr % 16 == 0
                 and self._attn_smem(1, hd, chunk, n_split) <= SMEM_LIMIT):
@@ -490,22 +471,11 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
             gt = 1 if hpb == 1 else 2 if hpb == 2 else 4 if hpb <= 4 else 8
             while gt and self._attn_smem(gt, hd, chunk, n_split) > SMEM_LIMIT:
                 gt //= 2
-            bulk = self._attn_bulk(ve, gt, hd, chunk, max_ctx) if gt else 0
-        if bulk:
-            chunk, n_split = bulk, _blocks(max_ctx, bulk)
-        tail = (np.int32(hd), np.int32(chunk), np.int32(n_split), sc, np.int32(_check_window(window)))
         if gt:
-            if bulk:
-                # all of shared memory: the rows decide how many blocks an SM holds
-                k = self._k(ATTN_BULK_KERNELS[gt])
-                smem = self._attn_smem(gt, hd, chunk, n_split, True)
-                cuda_quant.set_carveout(k, 100)
-                cuda_quant._allow_smem(k, smem)
-            else:
-                k = self._same_carveout(ATTN_SPLIT_KERNELS[(gt, ve)])
-                smem = self._attn_smem(gt, hd, chunk, n_split)
+            lv = ("l2" if self.attn_l2 else "") + ("bf" if self.attn_bf else "")
+            k = self._same_carveout(ATTN_STAGED_KERNELS[(gt, lv)] if lv and not ve else ATTN_SPLIT_KERNELS[(gt, ve)])
             args = (out, counters, o_part, m_part, l_part) + head + (np.int32(hpb),) + tail
-            grid = (n_kv * -(-group // hpb), n_split)
+            grid, smem = (n_kv * -(-group // hpb), n_split), self._attn_smem(gt, hd, chunk, n_split)
             # a quantized wo may take the output prequantized (prequant.py): whole 32-blocks a head
             if hd % 32 == 0 and self._hold_producer(k, grid, (ATT_THREADS,), args, smem, out, scales=False):
                 return

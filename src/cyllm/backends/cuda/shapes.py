@@ -68,8 +68,6 @@ def attn_chunk(n_kv: int, max_ctx: int, sm_count: int) -> int:
     return chunk
 
 
-def attn_smem(gt: int, hd: int, chunk: int, n_split: int, bulk: bool = False) -> int:
-    """Dynamic shared memory of the split decode attention with gt query heads per tile
-    (bulk: then two mbarriers and the split's K and V rows, f16, from a 16-byte boundary)."""
-    floats = 4 * (gt * hd + gt * chunk + ATT_WARPS * gt * hd + 2 * gt + ATT_WARPS * n_split)
-    return (floats + 15) // 16 * 16 + 16 + 4 * chunk * hd if bulk else floats
+def attn_smem(gt: int, hd: int, chunk: int, n_split: int) -> int:
+    """Dynamic shared memory of the split decode attention with gt query heads per tile."""
+    return 4 * (gt * hd + gt * chunk + ATT_WARPS * gt * hd + 2 * gt + ATT_WARPS * n_split)
