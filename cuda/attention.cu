@@ -31,20 +31,6 @@
 #define ATT_WARPS (ATT_THREADS / 32)
 #define ATT_UNROLL 8
 
-// LV bits of the staged path's variants (EXPERIMENT, session 25): 1 = the split's K and V rows
-// before pos asked into L2 by one bulk prefetch each before pdl_wait; 2 = the scores of a batch of
-// U rows x GT heads summed across a row's lanes by one reduce-scatter butterfly.
-#define ATT_L2 1
-#define ATT_BF 2
-
-__device__ __forceinline__ void attn_prefetch_l2(const void* p, int bytes)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (bytes > 0)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
-#endif
-}
-
 // v[0..NV) summed across the SEG lanes of a row segment (lane bits 0 .. log2(SEG)-1), scattered:
 // at the levels of the lowest H = min(log2 NV, log2 SEG) bits each lane keeps half of its values
 // and adds its partner's copy of that half, so the lane ends holding NV >> H sums, value k being
@@ -184,7 +170,7 @@ __device__ __forceinline__ void attn_store_scores(float (&pv)[U * GT], float* S,
 }
 
 // Dynamic shared memory: qs[GT*hd] | S[GT*C] | Wp[ATT_WARPS*GT*hd] | ml[2*GT] | wsm[ATT_WARPS*n_split]
-template <int GT, bool VE, int LV>
+template <int GT, bool VE, bool BF>
 __device__ __forceinline__ void attn_split_body(
     float* __restrict__ out, int* __restrict__ counters, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part,
     const float* q, const f16_t* k_cache,        // written by rope_store (or qmv_qkv_rope) just before: no
@@ -230,12 +216,6 @@ __device__ __forceinline__ void attn_split_body(
 
     const uint4* K = reinterpret_cast<const uint4*>(k_cache + ((size_t)kvh * max_ctx + t0) * hd);
     const uint4* V = reinterpret_cast<const uint4*>(v_cache + ((size_t)kvh * max_ctx + t0) * hd);
-    if ((LV & ATT_L2) && threadIdx.x == 0) {
-        // rows before pos only: row pos is this step's, and the prefetch must not race its write
-        const int n_old = min(n_valid, pos - t0);
-        attn_prefetch_l2(K, n_old * hd * 2);
-        attn_prefetch_l2(V, n_old * hd * 2);
-    }
 
     // VE: the first pass of K and V rows goes out before pdl_wait. Rows before pos were
     // written by earlier tokens' launches (stream-ordered before this graph), so only row
@@ -404,9 +384,14 @@ __device__ __forceinline__ void attn_split_body(
                     const int t = base + u * rp + row_in_pass;
                     kv[u] = t < n_valid ? K[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
                 }
-#pragma unroll
-                if ((LV & ATT_BF) && (hd8 == 16 || hd8 == 8)) {
-                    // every (row, head) partial first, then one butterfly for the batch
+                if (BF && (hd8 == 8 || hd8 == 16)) {
+                    // Every (row, head) partial of the batch first, then one butterfly sums them
+                    // across each row's lanes: U * GT * (1 - 1/hd8) shuffles for the batch where
+                    // a fold a score took U * GT * log2(hd8). With a GQA tile the folds, not the
+                    // bytes, had set the pace of a long cache: Mistral-7B Q4_0 (tiles of 4 heads)
+                    // on an H200, depth 4096 433.9 -> 509.5 tok/s, 16384 290.8 -> 359.9;
+                    // Llama-2-7B (one head) level (bench/results/cuda_quant_model_h100.md,
+                    // twenty-fifth session)
                     float pv[U * GT];
 #pragma unroll
                     for (int u = 0; u < U; ++u)
@@ -415,6 +400,8 @@ __device__ __forceinline__ void attn_split_body(
                             const float4* qv = reinterpret_cast<const float4*>(qs + gi * hd + e8 * 8);
                             pv[u * GT + gi] = dot8(kv[u], qv[0], qv[1], 0.0f);
                         }
+                    // head_dim 64 and 128 only: a third width (256) took g4 from 80 to 95
+                    // registers (nvcc 13.0, sm_90a), two resident blocks an SM instead of three
                     if (hd8 == 16) attn_store_scores<U, GT, 16>(pv, S, lane, e8, base, rp, row_in_pass, chunk, gt, n_valid, t_first);
                     else attn_store_scores<U, GT, 8>(pv, S, lane, e8, base, rp, row_in_pass, chunk, gt, n_valid, t_first);
                     continue;
@@ -536,23 +523,24 @@ __device__ __forceinline__ void attn_split_body(
     if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
-#define CYLLM_ATTN_SPLIT1(NAME, GT, VE, LV)                                                    \
+#define CYLLM_ATTN_SPLIT1(NAME, GT, VE, BF)                                                    \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) NAME(                         \
         float* out, int* counters, float* o_part, float* m_part, float* l_part,              \
         const float* q, const f16_t* k_cache,                                                \
         const f16_t* v_cache, const int* step, int pos_host, int max_ctx, int n_kv,          \
         int group, int hpb, int hd, int chunk, int n_split, float scale, int window,         \
         unsigned char* qxo) {                                                                \
-        TRACE_BEGIN(); attn_split_body<GT, VE, LV>(out, counters, o_part, m_part, l_part, q, k_cache, v_cache,  \
+        TRACE_BEGIN(); attn_split_body<GT, VE, BF>(out, counters, o_part, m_part, l_part, q, k_cache, v_cache,  \
                                 step, pos_host, max_ctx, n_kv, group, hpb, hd, chunk,        \
                                 n_split, scale, window, qxo);                                \
         TRACE_END(0x1000);                                                                   \
     }
 // NAME_ve: the first pass of K and V rows loaded before pdl_wait (short contexts: one round
-// trip after the wait instead of three; more registers; CudaBackend._attn_plan picks it)
-#define CYLLM_ATTN_SPLIT(NAME, GT) CYLLM_ATTN_SPLIT1(NAME, GT, false, 0) CYLLM_ATTN_SPLIT1(NAME##_ve, GT, true, 0) \
-    CYLLM_ATTN_SPLIT1(NAME##_l2, GT, false, ATT_L2) CYLLM_ATTN_SPLIT1(NAME##_bf, GT, false, ATT_BF)          \
-    CYLLM_ATTN_SPLIT1(NAME##_l2bf, GT, false, ATT_L2 | ATT_BF)
+// trip after the wait instead of three; more registers; CudaBackend._attn_plan picks it).
+// NAME_pr: the staged path with a fold a score instead of the batch's butterfly (measurements:
+// CudaBackend.attn_butterfly).
+#define CYLLM_ATTN_SPLIT(NAME, GT) CYLLM_ATTN_SPLIT1(NAME, GT, false, true)                     \
+    CYLLM_ATTN_SPLIT1(NAME##_ve, GT, true, false) CYLLM_ATTN_SPLIT1(NAME##_pr, GT, false, false)
 
 CYLLM_ATTN_SPLIT(attn_split_g1, 1)
 CYLLM_ATTN_SPLIT(attn_split_g2, 2)

@@ -157,11 +157,9 @@ def test_graph_replay_identical_to_eager(case, monkeypatch):
     np.testing.assert_array_equal(graph.forward(ids[3], 3), eager.forward(ids[3], 3))
 
 
-@pytest.mark.parametrize("staged", ["", "l2bf"])
-def test_graph_per_attention_regime(case, monkeypatch, staged):
+def test_graph_per_attention_regime(case, monkeypatch):
     """Positions in each of decode attention's three ranges (bounds lowered to 3 and 6 here:
-    one head a block, then two, then the whole group and no K/V rows before pdl_wait; with
-    ``staged`` "l2bf" the last range's variant that prefetches its rows into L2) replay
+    one head a block, then two, then the whole group and no K/V rows before pdl_wait) replay
     three graphs, each bit for bit the eager ops; going back below a bound replays the
     first graph again."""
     _, path = case
@@ -169,7 +167,6 @@ def test_graph_per_attention_regime(case, monkeypatch, staged):
     monkeypatch.setenv("CYLLM_CUDA_GRAPHS", "0")
     eager = cyllm.load(path, backend="cuda")
     for be in (graph.backend, eager.backend):
-        be.attn_l2 = be.attn_bf = staged == "l2bf"
         def plan(pos, n_kv, group, chunk, be=be):
             if be._device_mode:
                 be._attn_bounds = (3, 6)

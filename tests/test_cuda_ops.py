@@ -249,17 +249,17 @@ def test_attention_heads_per_block(nh, nkv, hd, max_ctx, v_early, hpb):
     check_attention(be, nh, nkv, hd, max_ctx, 37 if hpb == 3 else 0)
 
 
-@pytest.mark.parametrize("lv", ["l2", "bf", "l2bf"])
+@pytest.mark.parametrize("butterfly", [True, False])
 @pytest.mark.parametrize("hpb", [None, 1, 16])
-@pytest.mark.parametrize("nh,nkv,hd,max_ctx", ATT_CASES)
-def test_attention_staged_variants(nh, nkv, hd, max_ctx, hpb, lv):
-    """The staged attention's variants: its rows asked into L2 before pdl_wait (l2), its scores
-    summed across a row's lanes by one butterfly a batch (bf), both; whole groups, one head a
-    block, two tiles of 8 a block; a window where the group is odd."""
+@pytest.mark.parametrize("nh,nkv,hd,max_ctx", ATT_CASES + [(24, 3, 32, 500)])
+def test_attention_staged_scores(nh, nkv, hd, max_ctx, hpb, butterfly):
+    """The staged (long-cache) attention's scores summed across a row's lanes by one butterfly
+    a batch (head_dim 64 and 128; the others fold each score) or by a fold a score
+    (attn_butterfly=False), over whole groups (tiles of 1 to 8 heads, partly filled), one head
+    a block and two tiles of 8 a block; a window where the group is odd."""
     be = CudaBackend()
     be.attn_v_early = False
-    be.attn_l2 = "l2" in lv
-    be.attn_bf = "bf" in lv
+    be.attn_butterfly = butterfly
     be.attn_heads_per_block = hpb if hpb is not None else nh // nkv
     check_attention(be, nh, nkv, hd, max_ctx, 37 if (nh // nkv) % 2 else 0)
 

@@ -33,7 +33,7 @@ from ..base import Backend, check_token
 from . import quant as cuda_quant
 from .checks import check_act as _check_act, check_window as _check_window
 from .graphs import GraphDecode
-from .kernel_names import ATTN_SPLIT_KERNELS, ATTN_STAGED_KERNELS, GATE_UP_OPS, MATVEC_KERNELS, MATVEC_SCALAR_KERNELS
+from .kernel_names import ATTN_FOLD_KERNELS, ATTN_SPLIT_KERNELS, GATE_UP_OPS, MATVEC_KERNELS, MATVEC_SCALAR_KERNELS
 from .norm_fold import NormFolding
 from .nvrtc import module_for
 from .pdl import PdlLauncher
@@ -125,9 +125,9 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         # their choice until reset_graph)
         self.attn_v_early: bool | None = None
         self.attn_heads_per_block: int | None = None
-        # EXPERIMENT: the staged path's rows prefetched into L2, its scores reduced by a butterfly
-        self.attn_l2 = False
-        self.attn_bf = False
+        # the staged (long-cache) attention sums a batch's scores across a row's lanes by one
+        # butterfly; False: a fold a score, as before (measurements)
+        self.attn_butterfly = True
         self.attn_batch_vec = True      # float4 variant of attention_batch where head_dim % 4 == 0
         # programmatic dependent launch of the decode kernels inside decode_step (sm_90+);
         # CYLLM_CUDA_PDL=0 turns it off
@@ -472,8 +472,8 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
             while gt and self._attn_smem(gt, hd, chunk, n_split) > SMEM_LIMIT:
                 gt //= 2
         if gt:
-            lv = ("l2" if self.attn_l2 else "") + ("bf" if self.attn_bf else "")
-            k = self._same_carveout(ATTN_STAGED_KERNELS[(gt, lv)] if lv and not ve else ATTN_SPLIT_KERNELS[(gt, ve)])
+            fold = not ve and not self.attn_butterfly
+            k = self._same_carveout(ATTN_FOLD_KERNELS[gt] if fold else ATTN_SPLIT_KERNELS[(gt, ve)])
             args = (out, counters, o_part, m_part, l_part) + head + (np.int32(hpb),) + tail
             grid, smem = (n_kv * -(-group // hpb), n_split), self._attn_smem(gt, hd, chunk, n_split)
             # a quantized wo may take the output prequantized (prequant.py): whole 32-blocks a head

@@ -39,11 +39,8 @@ ATTN_SPLIT_KERNELS = {(1, False): "attn_split_g1", (1, True): "attn_split_g1_ve"
                        (2, False): "attn_split_g2", (2, True): "attn_split_g2_ve",
                        (4, False): "attn_split_g4", (4, True): "attn_split_g4_ve",
                        (8, False): "attn_split_g8", (8, True): "attn_split_g8_ve"}
-# EXPERIMENT: the staged path's variants by (query heads per tile, "l2" / "bf" / "l2bf")
-ATTN_STAGED_KERNELS = {(1, "l2"): "attn_split_g1_l2", (1, "bf"): "attn_split_g1_bf", (1, "l2bf"): "attn_split_g1_l2bf",
-                       (2, "l2"): "attn_split_g2_l2", (2, "bf"): "attn_split_g2_bf", (2, "l2bf"): "attn_split_g2_l2bf",
-                       (4, "l2"): "attn_split_g4_l2", (4, "bf"): "attn_split_g4_bf", (4, "l2bf"): "attn_split_g4_l2bf",
-                       (8, "l2"): "attn_split_g8_l2", (8, "bf"): "attn_split_g8_bf", (8, "l2bf"): "attn_split_g8_l2bf"}
+# the staged decode attention with a fold a score instead of the batch's butterfly (measurements)
+ATTN_FOLD_KERNELS = {1: "attn_split_g1_pr", 2: "attn_split_g2_pr", 4: "attn_split_g4_pr", 8: "attn_split_g8_pr"}
 # prefill attention by (columns per lane, float4 rows)
 ATTN_BATCH_KERNELS = {(1, False): "attn_batch_c1", (1, True): "attn_batch_c1_v4",
                        (2, False): "attn_batch_c2", (2, True): "attn_batch_c2_v4",
