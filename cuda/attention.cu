@@ -5,7 +5,8 @@
 // Block (kv head, split) handles positions [split*C, split*C + C) for all the
 // query heads of its group, or for hpb of them (then a KV head has several blocks a split,
 // each reading the same rows, the later ones from L2), in tiles of GT heads (GQA: the K/V
-// tile is read once per tile): scores into shared memory, a local softmax (max m, sum l), and the
+// tile is read once per tile): scores into shared memory (a batch's rows x heads summed across
+// each row's lanes by one butterfly), a local softmax (max m, sum l), and the
 // un-normalised output sum_t exp(s_t - m) v_t (at short caches an online softmax per
 // warp instead, each head of the tile on warps of its own, combined across them). The
 // last block of a column (the same heads, every split) to finish combines the splits of
@@ -36,12 +37,21 @@
 // and adds its partner's copy of that half, so the lane ends holding NV >> H sums, value k being
 // the original index k + sum_i bit_i(lane) * (NV >> (i + 1)); the levels above H add plainly.
 // NV * (1 - 2^-H) + (log2 SEG - H) * (NV >> H) shuffles instead of NV * log2 SEG.
+__device__ constexpr int log2_pow2(int x) { return x <= 1 ? 0 : 1 + log2_pow2(x >> 1); }
+
+// the halving levels H of seg_reduce_scatter<NV, SEG>, and the segment's levels
+template <int NV, int SEG>
+struct SegLevels {
+    static_assert(NV > 0 && (NV & (NV - 1)) == 0 && SEG > 0 && SEG <= 32 && (SEG & (SEG - 1)) == 0,
+                  "powers of two, a segment within a warp");
+    static constexpr int SEGL = log2_pow2(SEG);
+    static constexpr int H = log2_pow2(NV) < SEGL ? log2_pow2(NV) : SEGL;
+};
+
 template <int NV, int SEG>
 __device__ __forceinline__ void seg_reduce_scatter(float (&v)[NV], int lane)
 {
-    constexpr int LNV = NV >= 32 ? 5 : NV >= 16 ? 4 : NV >= 8 ? 3 : NV >= 4 ? 2 : NV >= 2 ? 1 : 0;
-    constexpr int LSEG = SEG >= 32 ? 5 : SEG >= 16 ? 4 : SEG >= 8 ? 3 : SEG >= 4 ? 2 : SEG >= 2 ? 1 : 0;
-    constexpr int H = LNV < LSEG ? LNV : LSEG;
+    constexpr int H = SegLevels<NV, SEG>::H, LSEG = SegLevels<NV, SEG>::SEGL;
     int n = NV;
 #pragma unroll
     for (int i = 0; i < H; ++i) {
@@ -67,9 +77,7 @@ __device__ __forceinline__ void seg_reduce_scatter(float (&v)[NV], int lane)
 template <int NV, int SEG>
 __device__ __forceinline__ int seg_scatter_index(int k, int lane)
 {
-    constexpr int LNV = NV >= 32 ? 5 : NV >= 16 ? 4 : NV >= 8 ? 3 : NV >= 4 ? 2 : NV >= 2 ? 1 : 0;
-    constexpr int LSEG = SEG >= 32 ? 5 : SEG >= 16 ? 4 : SEG >= 8 ? 3 : SEG >= 4 ? 2 : SEG >= 2 ? 1 : 0;
-    constexpr int H = LNV < LSEG ? LNV : LSEG;
+    constexpr int H = SegLevels<NV, SEG>::H;
     int j = k;
 #pragma unroll
     for (int i = 0; i < H; ++i)
@@ -537,10 +545,10 @@ __device__ __forceinline__ void attn_split_body(
     }
 // NAME_ve: the first pass of K and V rows loaded before pdl_wait (short contexts: one round
 // trip after the wait instead of three; more registers; CudaBackend._attn_plan picks it).
-// NAME_pr: the staged path with a fold a score instead of the batch's butterfly (measurements:
+// NAME_fold: the staged path with a fold a score instead of the batch's butterfly (measurements:
 // CudaBackend.attn_butterfly).
 #define CYLLM_ATTN_SPLIT(NAME, GT) CYLLM_ATTN_SPLIT1(NAME, GT, false, true)                     \
-    CYLLM_ATTN_SPLIT1(NAME##_ve, GT, true, false) CYLLM_ATTN_SPLIT1(NAME##_pr, GT, false, false)
+    CYLLM_ATTN_SPLIT1(NAME##_ve, GT, true, false) CYLLM_ATTN_SPLIT1(NAME##_fold, GT, false, false)
 
 CYLLM_ATTN_SPLIT(attn_split_g1, 1)
 CYLLM_ATTN_SPLIT(attn_split_g2, 2)
