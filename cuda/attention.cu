@@ -151,11 +151,6 @@ __device__ __forceinline__ void attn_merge_heads(
     }
 }
 
-// Fast path: head_dim % 8 == 0 and hd8 = head_dim / 8 a power of two <= 32.
-// Thread layout in a pass over rows: e8 = lane % hd8 picks a 16-byte column
-// word of the row, rows of a warp are lane / hd8; a pass covers WPH * (32 / hd8)
-// consecutive positions with fully coalesced loads, WPH the warps that work on one head
-// (all ATT_WARPS on the staged path, ATT_WARPS / GT on the online one).
 // The scores of a batch (pv[u * GT + gi]: row u of the batch, head gi; each lane's part of the
 // dot) summed over the SEG lanes of a row by one butterfly, and stored to S by the lanes
 // holding them (the first NV of a segment where NV < SEG: the others hold copies).
@@ -177,6 +172,11 @@ __device__ __forceinline__ void attn_store_scores(float (&pv)[U * GT], float* S,
     }
 }
 
+// Fast path: head_dim % 8 == 0 and hd8 = head_dim / 8 a power of two <= 32.
+// Thread layout in a pass over rows: e8 = lane % hd8 picks a 16-byte column
+// word of the row, rows of a warp are lane / hd8; a pass covers WPH * (32 / hd8)
+// consecutive positions with fully coalesced loads, WPH the warps that work on one head
+// (all ATT_WARPS on the staged path, ATT_WARPS / GT on the online one).
 // Dynamic shared memory: qs[GT*hd] | S[GT*C] | Wp[ATT_WARPS*GT*hd] | ml[2*GT] | wsm[ATT_WARPS*n_split]
 template <int GT, bool VE, bool BF>
 __device__ __forceinline__ void attn_split_body(
@@ -283,7 +283,7 @@ __device__ __forceinline__ void attn_split_body(
             // 517.5 -> 523.7 (bench/results/cuda_quant_model_h100.md, twenty-second and
             // twenty-third sessions). Long caches keep the staged path, chosen when this path
             // took 196 registers (it would have halved their resident blocks); at 123-124
-            // against the staged kernels' 64-118 that has not been timed again.
+            // against the staged kernels' 64-122 that has not been timed again.
             float* mlw = S;                           // ATT_WARPS (max, sum) pairs; chunk >= 64
             const int gw = warp / WPH;                // this warp's head in the tile (uniform)
             const float4* qv = reinterpret_cast<const float4*>(qs + gw * hd + e8 * 8);
@@ -394,8 +394,9 @@ __device__ __forceinline__ void attn_split_body(
                 }
                 if (BF && (hd8 == 8 || hd8 == 16)) {
                     // Every (row, head) partial of the batch first, then one butterfly sums them
-                    // across each row's lanes: U * GT * (1 - 1/hd8) shuffles for the batch where
-                    // a fold a score took U * GT * log2(hd8). With a GQA tile the folds, not the
+                    // across each row's lanes: U * GT * (1 - 1/hd8) shuffles for the batch (8
+                    // for one head's 8 rows at head_dim 128) where a fold a score took
+                    // U * GT * log2(hd8). With a GQA tile the folds, not the
                     // bytes, had set the pace of a long cache: Mistral-7B Q4_0 (tiles of 4 heads)
                     // on an H200, depth 4096 433.9 -> 509.5 tok/s, 16384 290.8 -> 359.9;
                     // Llama-2-7B (one head) level (bench/results/cuda_quant_model_h100.md,

@@ -126,7 +126,8 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         self.attn_v_early: bool | None = None
         self.attn_heads_per_block: int | None = None
         # the staged (long-cache) attention sums a batch's scores across a row's lanes by one
-        # butterfly; False: a fold a score, as before (measurements)
+        # butterfly; False: a fold a score, as before (measurements; captured graphs keep the
+        # choice until reset_graph)
         self.attn_butterfly = True
         self.attn_batch_vec = True      # float4 variant of attention_batch where head_dim % 4 == 0
         # programmatic dependent launch of the decode kernels inside decode_step (sm_90+);
@@ -413,7 +414,7 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         Early rows while the blocks holding positions 0..pos fit in one wave of the SMs
         (pos < short; with two heads a block up to ceil(group / 2) times as many blocks, which
         the timings below cover). Past that their registers (124 against 64 for tiles of one
-        head, 123 against 78 for two and four; 128 against 64 when this was measured) halve
+        head, 123 against 80 for two and four; 128 against 64 when this was measured) halve
         the resident blocks of a long cache. Llama-2-7B on an H100 (32 KV heads, chunks of
         256): up to position 1023; tg128 Q4_K_M +3.8%, Q8_0 +2.0%; at depth 4096 Q8_0 -1.2% had
         it stayed on, Q4_0 level with 122 registers.
