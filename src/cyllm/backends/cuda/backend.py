@@ -430,7 +430,7 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         one 1104.3); SmolLM2-135M Q4_K_M H200 depth 2048 1343.0 -> 1582.7 (two). The bound
         between one and two is not tuned per shape: Mistral-7B at depth 1024 (H200) ran 609.5
         with one a block and 545.4 with two (whole groups, H100: 397.5 against 510.0). Past
-        ``short`` two a block ran +6-8% at the bound and -6-9% at twice it (Mistral-7B and
+        ``short`` two a block ran +6-8% at the bound and -6-10% at twice it (Mistral-7B and
         Llama-3.2-1B, H200, twenty-fifth session), so the whole group stays there.
 
         In a captured step (``_device_mode``) both bounds go to _attn_bounds, which picks
