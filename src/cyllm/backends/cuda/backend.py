@@ -41,7 +41,8 @@ from .prefill import PrefillOps
 from .prequant import PrequantFolding
 from .rope_fold import RopeFolding
 from .quant import NULL_ARG as _NULL, CudaQuantMatrix, CudaQuantStack
-from .shapes import ATT_THREADS, ATT_WARPS, MV_LARGE, SMEM_LIMIT, attn_chunk, attn_smem, matvec_shape
+from .shapes import (ATT_THREADS, ATT_WARPS, MV_LARGE, SMEM_LIMIT, attn_bounds, attn_chunk, attn_heads_per_block,
+                     attn_smem, matvec_shape)
 from .shapes import blocks as _blocks
 
 try:  # CuPy is an optional extra; a broken CUDA install can raise more than ImportError
@@ -419,32 +420,30 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         256): up to position 1023; tg128 Q4_K_M +3.8%, Q8_0 +2.0%; at depth 4096 Q8_0 -1.2% had
         it stayed on, Q4_0 level with 122 registers.
 
-        Heads a block: a GQA group's whole tile would leave a short cache's few rows on n_kv
-        blocks (Mistral-7B at depth 64: 8 blocks, 9.9 us a layer against Llama-2-7B's 5.8).
-        Below one chunk each query head gets a block of its own (the sibling blocks read the
-        same rows, from L2); up to ``short`` two heads a block, which halves those reads
-        where the cache has grown; past it the whole group, the rows read once. Against
-        whole groups (H100 and H200, Q4_0 unless said; bench/results/cuda_quant_model_h100.md):
-        Mistral-7B H100 depth 0 532.8 -> 581.0 (one a block), H200 depth 3000 427.4 -> 528.5
-        (two; one 508.9); TinyLlama-1.1B (groups of 8) H200 depth 1800 1210.9 -> 1398.2 (two;
-        one 1104.3); SmolLM2-135M Q4_K_M H200 depth 2048 1343.0 -> 1582.7 (two). The bound
-        between one and two is not tuned per shape: Mistral-7B at depth 1024 (H200) ran 609.5
-        with one a block and 545.4 with two (whole groups, H100: 397.5 against 510.0). Past
-        ``short`` two a block ran +6-8% at the bound and -6-10% at twice it (Mistral-7B and
-        Llama-3.2-1B, H200, twenty-fifth session), so the whole group stays there.
+        Heads a block (shapes.attn_bounds): a GQA group's whole tile would leave a short
+        cache's few rows on n_kv blocks (Mistral-7B at depth 64: 8 blocks, 9.9 us a layer
+        against Llama-2-7B's 5.8). Below one chunk each query head gets a block of its own (the
+        sibling blocks read the same rows, from L2); up to 1.5 x ``short`` two heads a block,
+        which halves those reads where the cache has grown; past it the whole group, the rows
+        read once. Against whole groups (H100 and H200, Q4_0 unless said;
+        bench/results/cuda_quant_model_h100.md): Mistral-7B H100 depth 0 532.8 -> 581.0 (one a
+        block), H200 depth 3000 427.4 -> 528.5 (two; one 508.9); TinyLlama-1.1B (groups of 8)
+        H200 depth 1800 1210.9 -> 1398.2 (two; one 1104.3); SmolLM2-135M Q4_K_M H200 depth 2048
+        1343.0 -> 1582.7 (two). Past ``short`` (4096 for both below), H200, twenty-sixth
+        session: Mistral-7B depth 4096 510.3 -> 536.3, 5120 491.0 -> 528.7; Llama-3.2-1B 4096
+        1620.7 -> 1779.3, 5120 1583.8 -> 1729.4; at 7168 (1.75 x) two a block lost 3% and 8%.
+        The bound between one and two is not tuned per shape: Mistral-7B at depth 1024 (H200)
+        ran 609.5 with one a block and 545.4 with two (whole groups, H100: 397.5 against 510.0).
 
-        In a captured step (``_device_mode``) both bounds go to _attn_bounds, which picks
-        the step's graph (graphs._regime), so a graph's launches hold for its positions."""
-        short = chunk * max(1, self.sm_count // n_kv)
-        near = min(chunk, short) if group > 1 else 0
+        In a captured step (``_device_mode``) the bounds go to _attn_bounds, which picks the
+        step's graph (graphs._regime), so a graph's launches hold for its positions."""
+        near, short, far = attn_bounds(n_kv, group, chunk, self.sm_count)
         if self._device_mode:
-            self._note_attn_bounds(near, short)
+            self._note_attn_bounds(near, short, far)
         early = pos < short if self.attn_v_early is None else bool(self.attn_v_early)
         if self.attn_heads_per_block is not None:
-            hpb = int(self.attn_heads_per_block)
-        else:
-            hpb = 1 if pos < near else 2 if pos < short else group
-        return early, max(1, min(hpb, group))
+            return early, max(1, min(int(self.attn_heads_per_block), group))
+        return early, attn_heads_per_block(pos, near, short, far, group)
 
     @staticmethod
     def _attn_smem(gt: int, hd: int, chunk: int, n_split: int) -> int:

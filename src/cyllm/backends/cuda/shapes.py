@@ -68,6 +68,28 @@ def attn_chunk(n_kv: int, max_ctx: int, sm_count: int) -> int:
     return chunk
 
 
+def attn_bounds(n_kv: int, group: int, chunk: int, sm_count: int) -> tuple[int, int, int]:
+    """(near, short, far): the cache positions where decode attention changes plan.
+
+    ``short`` is where the blocks holding positions 0..pos stop fitting one wave of the SMs
+    (whole-group blocks, one a split of ``chunk`` positions a KV head). Below ``near`` each
+    query head of a GQA group gets a block of its own; below ``far`` two share one; past it
+    the whole group shares one (attn_heads_per_block). 0 means no such range: MHA has no
+    group to split, and a group of 2 is whole at two a block. CudaBackend._attn_plan gives
+    the timings behind each bound.
+    """
+    short = chunk * max(1, sm_count // n_kv)
+    near = min(chunk, short) if group > 1 else 0
+    far = short * 3 // 2 if group > 2 else 0
+    return near, short, far
+
+
+def attn_heads_per_block(pos: int, near: int, short: int, far: int, group: int) -> int:
+    """Query heads of a GQA group that one decode-attention block takes at ``pos``."""
+    hpb = 1 if pos < near else 2 if pos < max(short, far) else group
+    return max(1, min(hpb, group))
+
+
 def attn_smem(gt: int, hd: int, chunk: int, n_split: int) -> int:
     """Dynamic shared memory of the split decode attention with gt query heads per tile."""
     return 4 * (gt * hd + gt * chunk + ATT_WARPS * gt * hd + 2 * gt + ATT_WARPS * n_split)
