@@ -318,13 +318,16 @@ _CARVEOUT: dict = {}
 # formats whose matvec runs faster with the largest shared-memory carveout (percent of the
 # unified L1/shared array), measured on an H100 under PDL (bench/results/cuda_quant_h100.md):
 # one-wave grids (4096 rows) gain -- q4_k 4096x4096 61% -> 77% of copy bandwidth, q6_k 70 -> 80,
-# q5_k 66 -> 73, q8_0 87 -> 93 -- while grids of several waves lose a little (q4_k 11008x4096
-# 82 -> 74, 32000x4096 94 -> 90). The 32-element 4/5-bit formats lose at 4096x4096 too (q4_0
-# 51 -> 46): the driver's choice stays for them. Asking only for room for two blocks did not
-# help, so co-residency does not explain it all. The attribute is per kernel; a per-launch
-# choice (cuLaunchKernelEx's preferred-carveout launch attribute, one-wave launches only) is
-# the measured-best rule, not done here.
-_CARVEOUT_MAX = ("q8_0", "q4_k", "q5_k", "q6_k")
+# q5_k 66 -> 73 -- while grids of several waves lose a little (q4_k 11008x4096 82 -> 74,
+# 32000x4096 94 -> 90). The 32-element 4/5-bit formats lose at 4096x4096 too (q4_0 51 -> 46):
+# the driver's choice stays for them. Asking only for room for two blocks did not help, so
+# co-residency does not explain it all. The attribute is per kernel; a per-launch choice
+# (cuLaunchKernelEx's preferred-carveout launch attribute, one-wave launches only) is the
+# measured-best rule, not done here. q8_0 left this list: alone its 4096x4096 matvec gained
+# (87 -> 93), but Llama-2-7B's Q8_0 decode with every q8_0 matvec at the driver's choice ran
+# 466.7 -> 489.3 tok/s at depth 0 and 353.6 -> 376.4 at 4096 on an H200, 366.5 -> 368.9 and
+# 273.8 -> 281.5 on an H100 (bench/results/cuda_quant_model_h100.md, twenty-sixth session).
+_CARVEOUT_MAX = ("q4_k", "q5_k", "q6_k")
 _MATCH_CARVEOUT = ("q4_k", "q5_k", "q6_k")     # measured on q4_k + q6_k (Q4_K_M); q5_k by kinship
 
 
@@ -347,7 +350,7 @@ def _carveout(be, k, fmt: str, want: int | None = None) -> None:
     if forced is not None:
         want = int(forced)
     # attention and rope_store follow the K-quants' (CudaBackend._same_carveout); q8_0's decode
-    # at depth 4096 was 3.6% slower with them at its largest carveout (H100), so not q8_0's
+    # at depth 4096 was 3.6% slower with them at its then largest carveout (H100)
     be._matvec_carveout = want if fmt in _MATCH_CARVEOUT else None
     set_carveout(k, want)
 
@@ -358,11 +361,13 @@ def _carveout(be, k, fmt: str, want: int | None = None) -> None:
 # this one: alone, 65% -> 76% of copy bandwidth on an H200 and 79% -> 85% on an H100; in decode
 # at depth 0, 597 -> 618 and 604 -> 619 tok/s in two H200 runs (a fixed 8%: the same 3 blocks;
 # this rule itself ran on the H100 only) and +0.9% to +1.7% in three H100 runs (530 -> 535 the
-# last), unchanged at depth 4096 (H100). Not q8_0 and the K-quants, whose
-# matvecs keep the largest carveout: q8_0's gate+up alone gained (86% -> 91%, H200) and its
-# decode did not (H100: +4% at depth 0, -4% at 4096), nor q4_k's (584 vs 581, H200). Nor
-# one-wave launches (small models): their next kernel's blocks must fit beside them under PDL
-# (bench/results/cuda_quant_model_h100.md, eighteenth session).
+# last), unchanged at depth 4096 (H100). Not q8_0: its gate+up alone gained (86% -> 91%, H200)
+# and its decode, against the largest carveout it had then, not at depth (H100: +4% at depth 0,
+# -4% at 4096; H200: 466.7 -> 486.9 tok/s at depth 0, 353.6 -> 349.7 at 4096), where the
+# driver's choice for all its matvecs (its rule now) ran 489.3 and 376.4; nor the K-quants,
+# whose matvecs keep the largest carveout (q4_k 584 vs 581, H200). Nor one-wave launches
+# (small models): their next kernel's blocks must fit beside them under PDL
+# (bench/results/cuda_quant_model_h100.md, eighteenth and twenty-sixth sessions).
 _BALANCED_GATE_UP = ("q4_0", "q4_1", "q5_0", "q5_1")
 
 
