@@ -158,10 +158,10 @@ def test_graph_replay_identical_to_eager(case, monkeypatch):
 
 
 def test_graph_per_attention_regime(case, monkeypatch):
-    """Positions in each of decode attention's three ranges (bounds lowered to 3 and 6 here:
-    one head a block, then two, then the whole group and no K/V rows before pdl_wait) replay
-    three graphs, each bit for bit the eager ops; going back below a bound replays the
-    first graph again."""
+    """Positions in each of decode attention's four ranges (bounds lowered to 3, 6 and 8 here:
+    one head a block, then two, then two without K/V rows before pdl_wait, then the whole
+    group) replay four graphs, each bit for bit the eager ops; going back below a bound
+    replays the first graph again."""
     _, path = case
     graph = cyllm.load(path, backend="cuda")
     monkeypatch.setenv("CYLLM_CUDA_GRAPHS", "0")
@@ -169,8 +169,8 @@ def test_graph_per_attention_regime(case, monkeypatch):
     for be in (graph.backend, eager.backend):
         def plan(pos, n_kv, group, chunk, be=be):
             if be._device_mode:
-                be._attn_bounds = (3, 6)
-            return pos < 6, 1 if pos < 3 else min(2, group) if pos < 6 else group
+                be._attn_bounds = (3, 6, 8)
+            return pos < 6, 1 if pos < 3 else min(2, group) if pos < 8 else group
         be._attn_plan = plan
     ids = graph.tokenizer.encode(PROMPT)[:10]
     for pos, tok in enumerate(ids):
@@ -178,7 +178,7 @@ def test_graph_per_attention_regime(case, monkeypatch):
     if graph.backend._attn_bounds is None:      # head_dim off the fast path (24): one graph
         assert set(graph.backend._graphs) == {None}
         return
-    assert set(graph.backend._graphs) == {0, 1, 2}
+    assert set(graph.backend._graphs) == {0, 1, 2, 3}
     first = graph.backend._graphs[0]
     np.testing.assert_array_equal(graph.forward(ids[1], 1), eager.forward(ids[1], 1))
     assert graph.backend._graph is first

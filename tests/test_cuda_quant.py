@@ -236,8 +236,9 @@ class _Kern:
 
 def test_matvec_carveout_by_format():
     """The K-quants' matvecs ask for the largest carveout; q8_0 and the 32-element 4/5-bit
-    formats leave it to the driver (-1): Llama-2-7B Q8_0 decode ran 4.8% faster at depth 0
-    and 6.4% at 4096 that way on an H200 (twenty-sixth session)."""
+    formats leave it to the driver (-1) unless a rule passes a value (the balanced gate+up,
+    test_balanced_carveout_rule): Llama-2-7B Q8_0 decode ran 4.8% faster at depth 0 and 6.4%
+    at 4096 that way on an H200 (twenty-sixth session)."""
     from types import SimpleNamespace
     be = SimpleNamespace(_matvec_carveout=None)
     for fmt, want in (("q4_k", 100), ("q5_k", 100), ("q6_k", 100), ("q8_0", -1), ("q4_0", -1),

@@ -162,9 +162,10 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         attention and rope_store at the driver's choice against the q4_k/q6_k matvecs' largest
         carveout: 340.2 and 341.5 tok/s at depth 4096 in two runs, 508.1 at depth 0; matched,
         353.9, 353.2 and 514.9 (bench/results/cuda_quant_model_h100.md, eighteenth session).
-        Why is not known: kernels of one carveout overlapping better under PDL is a guess that
-        q8_0 contradicts (its decode at depth lost as much matched), so the rule stays where it
-        was measured."""
+        Why is not known: kernels of one carveout overlapping better under PDL is a guess. q8_0
+        first seemed to contradict it (its decode at depth lost as much with attention at its
+        matvecs' then largest carveout); since every q8_0 kernel takes the driver's choice, its
+        decode is 5-6% faster on an H200 (quant._CARVEOUT_MAX), which fits the guess."""
         k = self._k(name)
         want = self._matvec_carveout if self.match_carveout else None
         cuda_quant.set_carveout(k, -1 if want is None else want)
@@ -431,7 +432,8 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         H200 depth 1800 1210.9 -> 1398.2 (two; one 1104.3); SmolLM2-135M Q4_K_M H200 depth 2048
         1343.0 -> 1582.7 (two). Past ``short`` (4096 for both below), H200, twenty-sixth
         session: Mistral-7B depth 4096 510.3 -> 536.3, 5120 491.0 -> 528.7; Llama-3.2-1B 4096
-        1620.7 -> 1779.3, 5120 1583.8 -> 1729.4; at 7168 (1.75 x) two a block lost 3% and 8%.
+        1620.7 -> 1779.3, 5120 1583.8 -> 1729.4; at 6144 (1.5 x) +7% and +2%, at 7168 (1.75 x)
+        -3% and -8%, so the bound is the last depth where both shapes won clearly.
         The bound between one and two is not tuned per shape: Mistral-7B at depth 1024 (H200)
         ran 609.5 with one a block and 545.4 with two (whole groups, H100: 397.5 against 510.0).
 

@@ -367,7 +367,7 @@ def _carveout(be, k, fmt: str, want: int | None = None) -> None:
 # driver's choice for all its matvecs (its rule now) ran 489.3 and 376.4; nor the K-quants,
 # whose matvecs keep the largest carveout (q4_k 584 vs 581, H200). Nor one-wave launches
 # (small models): their next kernel's blocks must fit beside them under PDL
-# (bench/results/cuda_quant_model_h100.md, eighteenth and twenty-sixth sessions).
+# (bench/results/cuda_quant_model_h100.md, eighteenth session; q8_0's figures, twenty-sixth).
 _BALANCED_GATE_UP = ("q4_0", "q4_1", "q5_0", "q5_1")
 
 
