@@ -411,8 +411,10 @@ __device__ __forceinline__ void attn_split_body(
                         }
                     // head_dim 64 and 128 only: a third width (256) took g4 from 80 to 95
                     // registers (nvcc 13.0, sm_90a), two resident blocks an SM instead of three
-                    if (hd8 == 16) attn_store_scores<U, GT, 16>(pv, S, lane, e8, base, rp, row_in_pass, chunk, gt, n_valid, t_first);
-                    else attn_store_scores<U, GT, 8>(pv, S, lane, e8, base, rp, row_in_pass, chunk, gt, n_valid, t_first);
+                    if (hd8 == 16)
+                        attn_store_scores<U, GT, 16>(pv, S, lane, e8, base, rp, row_in_pass, chunk, gt, n_valid, t_first);
+                    else
+                        attn_store_scores<U, GT, 8>(pv, S, lane, e8, base, rp, row_in_pass, chunk, gt, n_valid, t_first);
                     continue;
                 }
 #pragma unroll

@@ -7,8 +7,8 @@ range of positions: attention's grid is sized for the whole cache (blocks past t
 leave at once), and the attention op names the positions where its kernel variant or grid
 changes (_attn_bounds), so each range between them has a graph of its own, captured on
 first use (_regime): up to four for the decode attention of a grouped-query model (three for
-groups of 2), two for multi-head attention, when every layer has the same heads. ``CYLLM_CUDA_GRAPHS=0`` turns
-graphs off (eager ops, still reading the step buffer).
+groups of 2), two for multi-head attention, when every layer has the same heads.
+``CYLLM_CUDA_GRAPHS=0`` turns graphs off (eager ops, still reading the step buffer).
 """
 
 from __future__ import annotations
