@@ -663,6 +663,7 @@ def make_runner(kind):
         cp = require_cuda()
         from cyllm.backends.cuda import CudaBackend
         be = CudaBackend()
+        be.widen_kib_per_sm = 0     # each case's format on its own kernels (widening keeps values)
         return CudaGraphRunner(be, cp) if kind == "cuda-graph" else HostRunner(be)
     parts = kind.split("-")             # cpu-<variant>-t<threads> | cpu-step-<variant>
     if parts[1] == "step":

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from cyllm.backends.cuda import quant as CQ
+from cyllm.backends.cuda import widen as WD
 from cyllm.errors import InvalidArgumentError
 from cyllm.quant import FORMATS, QuantMatrix
 from cyllm.quant import reference as R
@@ -285,6 +286,41 @@ def test_decode_kernels_follow_the_k_quant_carveout():
     CQ._CARVEOUT.clear()
 
 
+def test_widen_keeps_every_value():
+    """q5_0 blocks widened to q8_0 hold the same values: random bytes give every code and
+    fifth-bit pattern; the codes lose their offset and the f16 scale is copied."""
+    rng = np.random.default_rng(11)
+    for rows, cols in ((1, 32), (7, 96), (33, 576)):
+        raw = random_blocks("q5_0", rows, cols, rng)
+        wide = WD.widen_q8_0(np, raw)
+        assert wide.shape == (rows, cols // 32 * 34) and wide.dtype == np.uint8
+        assert wide.nbytes == WD.widened_bytes(rows, cols)
+        a, b = R.decode(raw, "q5_0"), R.decode(wide, "q8_0")
+        np.testing.assert_array_equal(b["q"], a["q"])
+        np.testing.assert_array_equal(b["d"], a["d"])
+        np.testing.assert_array_equal(deq64(wide, "q8_0", cols), deq64(raw, "q5_0", cols))
+
+
+def test_widen_rule():
+    """Which matrices are uploaded as q8_0: small q5_0 ones only, and q, k and v of one width
+    alike (they are one launch only when their formats agree)."""
+    q5 = FORMATS["q5_0"]
+    sm, cap = 132, 24
+    # SmolLM2-135M (H100/H200: 132 multiprocessors): every layer matrix, not the 49152-row table
+    for rows, cols in ((576, 576), (192, 576), (1536, 576), (576, 1536)):
+        assert WD.widens(q5, rows, cols, sm, cap)
+    assert WD.widens(q5, 2560, 960, sm, cap) and not WD.widens(q5, 960, 2560, sm, cap)   # SmolLM2-360M
+    assert not WD.widens(q5, 49152, 576, sm, cap)
+    assert not WD.widens(q5, 2048, 2048, sm, cap)                  # Llama-3.2-1B: bytes decide there
+    assert not WD.widens(q5, 576, 1536, 16, cap)                   # fewer multiprocessors, less room
+    for dim in range(256, 8193, 32):
+        for kv in (dim, dim // 4, dim // 8):
+            assert WD.widens(q5, kv, dim, sm, cap) == WD.widens(q5, dim, dim, sm, cap), (dim, kv)
+    for name in ("q8_0", "q4_0", "q4_1", "q5_1", "q4_k", "q5_k", "q6_k"):
+        assert not WD.widens(FORMATS[name], 32, 256, sm, cap)
+    assert not WD.widens(q5, 32, 32, sm, 0) and not WD.widens(q5, 32, 32, 0, cap)
+
+
 def test_references_agree():
     """deq64 (the tests' float64 weights) matches reference.dequantize for every format."""
     rng = np.random.default_rng(3)
@@ -311,7 +347,9 @@ def cp():
 @pytest.fixture(scope="module")
 def be(cp):
     from cyllm.backends.cuda import CudaBackend
-    return CudaBackend()
+    b = CudaBackend()
+    b.widen_kib_per_sm = 0      # every format's own kernels (widening: test_small_matrix_widened)
+    return b
 
 
 def shapes(fmt):
@@ -354,6 +392,33 @@ def test_upload_is_the_file_bytes(be, cp, fmt):
     w = be.upload(QuantMatrix(raw, fmt, (45, 2 * FORMATS[fmt].block)))
     assert isinstance(w, CQ.CudaQuantMatrix) and w.nbytes == raw.nbytes and w.shape == (45, 2 * FORMATS[fmt].block)
     np.testing.assert_array_equal(CQ.unpack(np, cp.asnumpy(w.data), fmt, *w.shape), raw)
+
+
+@pytest.mark.cuda
+def test_small_matrix_widened(cp):
+    """Under the cap a q5_0 matrix is uploaded as q8_0 of the same values and the q8_0
+    kernels give its products; over it (or with the cap at 0) it keeps its format."""
+    from cyllm.backends.cuda import CudaBackend
+    wb = CudaBackend()
+    assert wb.widen_kib_per_sm > 0, "widening is on by default"
+    rng = np.random.default_rng(29)
+    fmt, d, n = "q5_0", 45, 576
+    raw = random_blocks(fmt, d, n, rng)
+    wb.widen_kib_per_sm = 1 << 20
+    w = wb.upload(QuantMatrix(raw, fmt, (d, n)))
+    assert (w.fmt.name, w.file_fmt.name) == ("q8_0", fmt)
+    assert w.nbytes == WD.widened_bytes(d, n) and w.file_nbytes == raw.nbytes
+    np.testing.assert_array_equal(CQ.unpack(np, cp.asnumpy(w.data), "q8_0", d, n),
+                                  WD.widen_q8_0(np, raw))
+    W = deq64(raw, fmt, n)
+    x = rng.standard_normal(n).astype(np.float32)
+    xq = xq64(x)
+    out = poisoned(cp, d)
+    wb.matvec(out, w, wb.upload(x))
+    check_exact(wb.to_host(out), W @ xq, np.abs(W) @ np.abs(xq), f"{fmt} widened")
+    wb.widen_kib_per_sm = 0
+    kept = wb.upload(QuantMatrix(raw, fmt, (d, n)))
+    assert kept.fmt.name == kept.file_fmt.name == fmt and kept.nbytes == raw.nbytes
 
 
 @pytest.mark.cuda

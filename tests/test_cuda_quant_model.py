@@ -186,7 +186,17 @@ def _quant_mats(model) -> list:
 
 
 def _quant_bytes(model) -> int:
-    return sum(a.nbytes for a in _quant_mats(model))
+    """Bytes of the model's quantized matrices in the file's formats, after checking that each
+    holds exactly those bytes or, where widen.py's rule says so, the q8_0 blocks of its values."""
+    from cyllm.backends.cuda import widen
+    be = model.backend
+    for a in _quant_mats(model):
+        if a.file_fmt is a.fmt:
+            assert a.nbytes == a.file_nbytes, a
+        else:
+            assert a.fmt is widen.Q8_0 and a.nbytes == widen.widened_bytes(a.rows, a.cols), a
+            assert widen.widens(a.file_fmt, a.rows, a.cols, be.sm_count, be.widen_kib_per_sm), a
+    return sum(a.file_nbytes for a in _quant_mats(model))
 
 
 def _rounds_apart(model) -> bool:
@@ -250,8 +260,9 @@ def test_family_file_cuda_matches_reference_and_cpu(name):
     if not path.is_file():
         pytest.skip(f"no {name}")
     gpu = cyllm.load(path, backend="cuda")
-    # every quantized matrix of the file is on the GPU in its own format, byte for byte
-    # (fused Phi-3 tensors cut in parts, tied tables once): nothing was dequantized
+    # every quantized matrix of the file is on the GPU in its own format, byte for byte, or
+    # small q5_0 ones as q8_0 of the same values (fused Phi-3 tensors cut in parts, tied
+    # tables once): nothing was dequantized
     _, quant = _file_bytes(path)
     assert quant > 0, f"{name} has no quantized matrix: the material is wrong"
     assert _quant_bytes(gpu) == quant
@@ -364,8 +375,9 @@ def test_default_model_gpu_memory_is_file_bytes():
     c = m.config
     kv = 2 * c.n_layers * c.n_kv_heads * ctx * c.head_dim * 2
     assert _quant_bytes(m) == quant > 0
-    detail = (f"pool used after load {after_load / 2**20:.1f} MiB; file tensors {file_bytes / 2**20:.1f} MiB, "
-              f"KV cache {kv / 2**20:.1f} MiB, allowance {WORKSPACE / 2**20:.0f} MiB")
+    file_bytes += sum(a.nbytes - a.file_nbytes for a in _quant_mats(m))    # widened matrices, if any
+    detail = (f"pool used after load {after_load / 2**20:.1f} MiB; file tensors {file_bytes / 2**20:.1f} MiB "
+              f"(with any widening), KV cache {kv / 2**20:.1f} MiB, allowance {WORKSPACE / 2**20:.0f} MiB")
     assert file_bytes + kv <= after_load <= file_bytes + kv + WORKSPACE, detail
     # decoding (graph capture, attention scratch, the gate/up split buffer) adds little
     ids = m.tokenizer.encode("Hello there")

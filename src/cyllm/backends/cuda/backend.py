@@ -54,6 +54,7 @@ except Exception as e:  # noqa: BLE001 - reported when the backend is constructe
 
 _NEG1 = np.int32(-1)          # "read the step buffer" (see step_value in common.cuh)
 _FIT_MARGIN = 512 << 20       # room left for scratch, cuBLAS workspace, the CUDA context
+WIDEN_KIB_PER_SM = 24         # widen.py: measured in bench/results/cuda_quant_model_h100.md
 
 
 class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
@@ -117,6 +118,9 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         # CYLLM_CUDA_PREQUANT=0 has every matvec quantize its input itself
         self.prequant = os.environ.get("CYLLM_CUDA_PREQUANT", "1") != "0"
         self._held_mv = None            # a quantized decode matvec not launched yet (prequant._Held)
+        # small q5_0 matrices uploaded as q8_0 of the same values (widen.py); the cap is
+        # KiB of a matrix's widened bytes a multiprocessor; CYLLM_CUDA_WIDEN=0 keeps every format
+        self.widen_kib_per_sm = WIDEN_KIB_PER_SM if os.environ.get("CYLLM_CUDA_WIDEN", "1") != "0" else 0
         self._qx_bufs = None            # the two buffers prequantized vectors go through
         self._qx_flip = 0
         self._qx_norm = None            # (normed vector, its codes' buffer, norm weight, eps), prequant.py

@@ -36,6 +36,7 @@ import numpy as np
 from ...errors import BackendUnavailableError, InvalidArgumentError, ModelLoadError
 from ...quant.formats import FORMATS, WeightFormat
 from ...quant.matrix import QuantMatrix
+from . import widen
 from .source import assemble
 
 try:  # CuPy is optional: this module imports without it (the layout helpers use numpy)
@@ -166,21 +167,28 @@ class _RowsCols:
 class CudaQuantMatrix(_RowsCols):
     """A quantized (rows, cols) weight on the GPU: repacked block bytes + format + shape."""
 
-    __slots__ = ("data", "fmt", "rows", "cols", "nbi")
+    __slots__ = ("data", "fmt", "rows", "cols", "nbi", "file_fmt")
 
-    def __init__(self, data, fmt: WeightFormat, rows: int, cols: int):
+    def __init__(self, data, fmt: WeightFormat, rows: int, cols: int, file_fmt: WeightFormat | None = None):
         self.data = data            # flat uint8 device array in the kernel layout
         self.fmt = fmt
         self.rows = int(rows)
         self.cols = int(cols)
         self.nbi = self.cols // fmt.block      # items per row: blocks, or superblocks of the K-quants
+        self.file_fmt = file_fmt or fmt        # the file's format: q5_0 where widened (widen.py)
 
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
 
+    @property
+    def file_nbytes(self) -> int:
+        """Bytes of the matrix in the file's format (nbytes unless widened)."""
+        return self.rows * (self.cols // self.file_fmt.block) * self.file_fmt.block_bytes
+
     def __repr__(self) -> str:
-        return f"CudaQuantMatrix({self.fmt.name}, shape={self.shape}, {self.nbytes} bytes)"
+        wide = "" if self.file_fmt is self.fmt else f" widened from {self.file_fmt.name}"
+        return f"CudaQuantMatrix({self.fmt.name}{wide}, shape={self.shape}, {self.nbytes} bytes)"
 
 
 class CudaQuantStack(_RowsCols):
@@ -241,17 +249,23 @@ def upload(be, qm: QuantMatrix) -> CudaQuantMatrix:
     is reordered from is allocated outside the pool and freed at once. Freed back into the
     pool, such transients were carved up by the next tensors' arrays, and the pieces left
     free could never be returned: 1.1 GiB over the file's tensors and the KV cache on a
-    Llama-2-7B Q8_0 (bench/results/cuda_quant_model_h100.md)."""
+    Llama-2-7B Q8_0 (bench/results/cuda_quant_model_h100.md). A small q5_0 matrix
+    is uploaded as q8_0 of the same values where ``be.widen_kib_per_sm`` allows (widen.py)."""
     _layout(qm.fmt)
-    be.check_fits(2 * qm.nbytes)        # the raw copy lives until the repacked one exists
+    fmt, nbytes = qm.fmt, qm.nbytes
+    if widen.widens(fmt, qm.rows, qm.cols, be.sm_count, be.widen_kib_per_sm):
+        fmt, nbytes = widen.Q8_0, widen.widened_bytes(qm.rows, qm.cols)
+    be.check_fits(qm.nbytes + nbytes)   # the raw copy lives until the repacked one exists
     try:
-        flat = cp.empty(qm.nbytes, dtype=cp.uint8)
+        flat = cp.empty(nbytes, dtype=cp.uint8)
         pool = cp.get_default_memory_pool()
         if pool.free_bytes():
             pool.free_all_blocks()      # check_fits counted them, and cudaMalloc cannot use them
         with cp.cuda.using_allocator(None):         # cudaMalloc / cudaFree, no pool
             raw = cp.asarray(np.ascontiguousarray(qm.data))
-            repack(cp, raw, qm.fmt, out=flat)
+            if fmt is not qm.fmt:
+                raw = widen.widen_q8_0(cp, raw.reshape(qm.rows, -1))
+            repack(cp, raw, fmt, out=flat)
             del raw
     except (cp.cuda.memory.OutOfMemoryError, cp.cuda.runtime.CUDARuntimeError) as e:
         # the pool reports OutOfMemoryError; cudaMalloc outside it, a CUDARuntimeError
@@ -261,7 +275,7 @@ def upload(be, qm: QuantMatrix) -> CudaQuantMatrix:
         raise ModelLoadError(
             f"{what} uploading a {qm.nbytes / 2**20:.1f} MiB {qm.fmt.name} tensor "
             f"to {be.device_name}") from None
-    return CudaQuantMatrix(flat, qm.fmt, qm.rows, qm.cols)
+    return CudaQuantMatrix(flat, fmt, qm.rows, qm.cols, file_fmt=qm.fmt)
 
 
 # -- kernels --------------------------------------------------------------------------------
