@@ -6,10 +6,10 @@ Where a matrix's launch is a short wave of blocks that each finish in a few micr
 token's time goes to the instructions each warp issues, not to the bytes it reads: q8_0's dot
 unpacks nothing, q5_0's first spreads a fifth bit into every code. Q4_K_M and Q5_K_M files of
 models whose width is no multiple of 256 (SmolLM2's 576 and 960, Qwen2.5-0.5B's 896) hold
-most layer matrices as q5_0, the fallback of q4_k and q5_k. NVIDIA H200, one process each
-(bench/results/cuda_quant_model_h100.md, twenty-seventh session): SmolLM2-135M Q4_K_M 1502 ->
-1572 tok/s (its F16: 1527), SmolLM2-360M 1188 -> 1291. There the 1.55x bytes cost less than the
-instructions they save; on large matrices the bytes decide, so only small ones are widened.
+most layer matrices as q5_0, the fallback of q4_k and q5_k. Kept against widened, one process a
+model (bench/results/cuda_quant_model_h100.md, twenty-seventh session): SmolLM2-135M Q4_K_M
+1502 -> 1572 tok/s on an H200 (its F16: 1527), 1483 -> 1621 on an H100 (F16: 1542); SmolLM2-360M
+1188 -> 1291 and 1320 -> 1431. There the 1.55x bytes cost less than the instructions they save; on large matrices the bytes decide, so only small ones are widened.
 q4_0 (1.9x the bytes) gained nothing on SmolLM2-135M and lost 6% on Llama-3.2-1B's 2048-wide
 matrices, so it keeps its format.
 
