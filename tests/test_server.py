@@ -158,6 +158,26 @@ def test_logprobs_equal_a_fresh_forward_pass(client, default_model):
     assert content[0].logprob <= 0 and bytes(content[0].bytes).decode() == content[0].token
 
 
+def test_logprob_bytes_of_split_characters(client):
+    """Tokens that hold part of a character (a byte-level vocabulary splits emoji) carry
+    their own bytes, so the entries' bytes joined are the content's UTF-8 (OpenAI's reason
+    for the field), and name themselves ``bytes:\\x..`` rather than a replacement char."""
+    schema = {"type": "object", "properties": {"e": {"const": "\U0001f409\U0001f525"}}, "required": ["e"],
+              "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Two emoji please"}], max_tokens=64, temperature=0,
+        logprobs=True, top_logprobs=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "e", "schema": schema}})
+    text = r.choices[0].message.content
+    assert json.loads(text) == {"e": "\U0001f409\U0001f525"}, text
+    content = r.choices[0].logprobs.content
+    assert b"".join(bytes(e.bytes) for e in content) == text.encode("utf-8")
+    split = [e for e in content if e.token.startswith("bytes:")]
+    assert split, "no token held part of a character: the test proves nothing"
+    for e in split:
+        assert "\ufffd" not in e.token and e.token == "bytes:" + "".join(f"\\x{b:02x}" for b in e.bytes)
+
+
 def test_json_schema_output_validates(client):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                                "age": {"type": "integer", "minimum": 0, "maximum": 120}},

@@ -146,6 +146,30 @@ def test_stream_decoder_split_utf8_bytes(pair):
     assert len(ids) > 3 and any(p == "" for p in parts)   # something was held back
 
 
+def test_token_bytes_rebuild_the_text(pair):
+    """Each token's bytes, joined, are the UTF-8 of transformers' decode of the ids (with the
+    space marker decode strips at a text's start); an emoji's tokens are parts of a character."""
+    ours, ref = pair
+    for text in TEXTS:
+        ids = ours.encode(text, add_special_tokens=False)
+        joined = b"".join(ours.token_bytes(i) for i in ids)
+        want = ref.decode(ids).encode("utf-8")
+        assert joined in (want, b" " + want), (text, joined, want)
+    ids = ours.encode("\U0001f980\U0001f980", add_special_tokens=False)
+    parts = [ours.token_bytes(i) for i in ids]
+    assert b"".join(parts).strip() == "\U0001f980\U0001f980".encode()
+    bad = 0
+    for p in parts:
+        try:
+            p.decode("utf-8")
+        except UnicodeDecodeError:
+            bad += 1
+    assert bad, f"no token holds part of a character ({parts}): the test would prove nothing"
+    assert ours.token_bytes(2) == ref.convert_ids_to_tokens(2).encode()       # an added token: its content
+    with pytest.raises(InvalidArgumentError):
+        ours.token_bytes(ours.vocab_size)
+
+
 def test_bad_ids(pair):
     ours, _ = pair
     with pytest.raises(InvalidArgumentError):

@@ -345,13 +345,19 @@ def usage(req: Request, stats: GenerationStats) -> dict:
 
 
 def _token_text(tok, token_id: int) -> str:
-    return tok.decode([token_id])
+    """A token as logprobs name it: its text, or, where its bytes are part of a UTF-8
+    character (byte-level vocabularies split emoji and CJK), ``bytes:\\xNN...`` as OpenAI
+    writes such tokens, so that no two of them share a name."""
+    b = tok.token_bytes(token_id)
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
 
 
 def _chat_logprobs(tok, entries) -> list[dict]:
     def one(i, lp):
-        t = _token_text(tok, i)
-        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+        return {"token": _token_text(tok, i), "logprob": lp, "bytes": list(tok.token_bytes(i))}
     return [dict(one(i, lp), top_logprobs=[one(j, l) for j, l in top]) for i, lp, top, _ in entries]
 
 

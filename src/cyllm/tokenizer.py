@@ -12,6 +12,7 @@ same prompt string here as there; template_sandbox bounds their time and size.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -48,6 +49,7 @@ class Tokenizer:
         self._template_vars = dict(template_vars or {})
         self._compiled = None
         self._bytes = None
+        self._pieces = None     # _PieceBytes, built on the first token_bytes()
 
     # ----------------------------------------------------------------- basics
     @property
@@ -113,6 +115,16 @@ class Tokenizer:
                 i for t, i in self._tok.get_vocab(with_added_tokens=False).items()
                 if len(t) == 6 and t.startswith("<0x") and t.endswith(">"))
         return self._bytes
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for inside a text: for byte-level and byte-fallback
+        vocabularies possibly part of one UTF-8 character (what OpenAI's logprob ``bytes``
+        carry). A leading-space marker counts as its space, which ``decode`` strips at the
+        start of a text; an added token is its content."""
+        (token_id,) = self._check_ids([token_id])
+        if self._pieces is None:
+            self._pieces = _PieceBytes(self._tok)
+        return self._pieces.of(token_id)
 
     def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, skip_special_tokens)
@@ -261,6 +273,68 @@ class StreamDecoder:
         delta = text[self._emitted:]
         self._emitted = len(text)
         return delta
+
+
+class _PieceBytes:
+    """Token id -> the bytes it decodes to, read from the tokenizer's decoder chain: ByteLevel
+    (GPT-2's byte-to-character table, inverted), ByteFallback (``<0xNN>`` pieces) and the
+    Replace/Metaspace steps that turn a space marker back into a space. Strip is left out:
+    it applies to the start of a whole text, not to a token inside one."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        steps = []
+
+        def walk(d):
+            if isinstance(d, dict):
+                steps.append(d)
+                for sub in d.get("decoders") or ():
+                    walk(sub)
+        try:
+            walk(json.loads(tok.to_str()).get("decoder"))
+        except (ValueError, TypeError, AttributeError):
+            steps = []
+        kinds = {d.get("type") for d in steps}
+        self._byte_level = _unicode_to_byte() if "ByteLevel" in kinds else None
+        self._byte_fallback = "ByteFallback" in kinds
+        self._replace: list[tuple[str, str]] = []
+        for d in steps:
+            if d.get("type") == "Replace" and isinstance(d.get("pattern"), dict):
+                pat, content = d["pattern"].get("String"), d.get("content")
+                if isinstance(pat, str) and pat and isinstance(content, str):
+                    self._replace.append((pat, content))
+            elif d.get("type") == "Metaspace":
+                mark = d.get("replacement", "\u2581")
+                if isinstance(mark, str) and mark:
+                    self._replace.append((mark, " "))
+        self._added = {i: t.content for i, t in tok.get_added_tokens_decoder().items()}
+
+    def of(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode("utf-8")
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level is not None and all(c in self._byte_level for c in piece):
+            return bytes(self._byte_level[c] for c in piece)
+        if (self._byte_fallback and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+                and all(c in "0123456789abcdefABCDEF" for c in piece[3:5])):
+            return bytes([int(piece[3:5], 16)])
+        for pat, content in self._replace:
+            piece = piece.replace(pat, content)
+        return piece.encode("utf-8")
+
+
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the character that stands for each byte."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
 
 
 # ---------------------------------------------------------------- helpers
