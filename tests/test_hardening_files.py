@@ -416,3 +416,72 @@ def test_tokenizer_regex_that_backtracks_forever(tiny, tmp_path):
     tok = load_path(d)[2]
     assert tok.encode("ab") is not None
     one_line_error(TokenizerError, tok.encode, "a" * 40 + "b", needles=["tokenizer"])
+
+
+# ============================================================================ class 5: values float32 cannot carry
+# Finite in the file or in float64, but NaN or inf where the engine computes (float16 weights,
+# float32 tables): refused with one line, never turned into text.
+
+def _patched(tiny_gguf, tmp_path, name, tensor, index, value) -> Path:
+    """The tiny F16 GGUF with element ``index`` of ``tensor`` set to ``value``."""
+    g = G.RawGGUF.parse(tiny_gguf.read_bytes())
+    off = next(t[3] for t in g.tensors if t[0] == tensor)
+    data = bytearray(g.data)
+    data[off + 2 * index:off + 2 * index + 2] = np.float16(value).tobytes()
+    g.data = bytes(data)
+    p = tmp_path / name
+    p.write_bytes(g.to_bytes())
+    return p
+
+
+@pytest.mark.parametrize("tensor", ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_up.weight"])
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_weight_is_an_error_not_text(tiny_gguf, tmp_path, tensor, value):
+    """One nan or inf among F16 weights: the cpu kernels' softmax exponent once clamped a NaN score
+    into a finite one, so a corrupt q or k matrix generated text; now the logits check stops it."""
+    p = _patched(tiny_gguf, tmp_path, "bad.gguf", tensor, 5, value)
+    code, err = run_cli(["generate", "-m", str(p), "-p", "hi there", "-n", "4", "--temp", "0"])
+    assert code == 2 and problem(code, err) is None, (code, err)
+    assert "not finite" in err
+
+
+@pytest.mark.parametrize("key,vtype,value,needle", [
+    ("llama.rope.freq_base", G.FLOAT64, 1e39, "theta"),
+    ("llama.attention.layer_norm_rms_epsilon", G.FLOAT64, 1e300, "rms_norm_eps"),
+    ("llama.attention.layer_norm_rms_epsilon", G.FLOAT64, 1e-50, "rms_norm_eps"),
+])
+def test_values_beyond_float32_refused(tiny_gguf, tmp_path, key, vtype, value, needle):
+    p = _gguf_with(tiny_gguf, tmp_path, "f32.gguf", lambda g: g.set(key, vtype, value))
+    one_line_error(ModelLoadError, load_path, p, needles=[needle, "float32"])
+
+
+def test_rope_scaling_beyond_float32_refused(tiny_gguf, tmp_path):
+    """A linear factor so small that the scaled frequencies overflow float32: cos and sin of inf
+    are nan (with numpy's warnings on stderr before); refused where the tables are made."""
+    def edit(g):
+        g.set("llama.rope.scaling.type", G.STRING, "linear")
+        g.set("llama.rope.scaling.factor", G.FLOAT32, 1e-45)
+    p = _gguf_with(tiny_gguf, tmp_path, "scale.gguf", edit)
+    code, err = run_cli(["generate", "-m", str(p), "-p", "hi", "-n", "2"])
+    assert code == 2 and problem(code, err) is None, (code, err)
+    assert "float32" in err and "Warning" not in err
+
+
+def test_gguf_token_list_shorter_than_the_embedding(tiny_gguf, tmp_path):
+    """llama.cpp refuses it too: a sampled id past the list would stop the text midway."""
+    g = G.RawGGUF.parse(tiny_gguf.read_bytes())
+    n = len(g.get("tokenizer.ggml.tokens").items)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        a = g.get(key)
+        g.set(key, G.ARRAY, G.Array(a.etype, a.items[:n - 7]))
+    p = tmp_path / "short.gguf"
+    p.write_bytes(g.to_bytes())
+    one_line_error(TokenizerError, load_path, p, needles=[f"{n - 7} tokens", f"{n}"])
+
+
+def test_perplexity_beyond_float64_is_inf():
+    from cyllm.tools.perplexity import format_ppl, ppl_from_sums
+    ppl, err = ppl_from_sums(800.0 * 64, 640000.0 * 64, 64)       # a mean of 800 nats a token
+    assert ppl == float("inf") and err == float("inf")
+    assert format_ppl(ppl, err) == "PPL = inf +/- inf"
+    assert ppl_from_sums(2.0 * 10, 4.5 * 10, 10)[0] == pytest.approx(np.exp(2.0))

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+import gguf_raw as G
 from gguf_raw import RawGGUF
 
 gguf = pytest.importorskip("gguf")
@@ -119,3 +120,46 @@ def test_unknown_quantize_type_lists_supported(base, tmp_path, flag):
     want = ("q8_0", "q4_0", "q4_k") if flag[0] == "generate" else ("q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k")
     for t in want:
         assert t in line, line
+
+
+def _metadata(key, vtype, value):
+    def change(g, rec):
+        g.set(key, vtype, value)
+    return change
+
+
+def _zero_columns(g, rec):
+    rec[1] = [0, rec[1][1]]
+
+
+def _scale_nan(g, rec):
+    data = bytearray(g.data)
+    data[rec[3]:rec[3] + 2] = b"\x00\x7e"            # the first block's f16 scale: a nan
+    g.data = bytes(data)
+
+
+# files our reader (and `generate`) takes or refuses cleanly, where the gguf package's reader or
+# writer, which `cyllm quantize` uses to carry the metadata over, failed with an exception
+QUANTIZE_CASES = {
+    "empty_metadata_array": (_metadata("x.empty", G.ARRAY, G.Array(G.UINT32, [])), ("x.empty", "empty array")),
+    "huge_metadata_array": (_metadata("x.blob", G.ARRAY, G.Array(G.UINT8, [0] * 2_000_000)),
+                            ("x.blob", "2000000 entries")),
+    "bool_alignment": (_metadata("general.alignment", G.BOOL, True), ("metadata", "alignment")),
+    "zero_columns": (_zero_columns, ("blk.0.ffn_up.weight", "shape")),
+}
+
+
+@pytest.mark.parametrize("case", list(QUANTIZE_CASES))
+def test_quantize_tool_metadata_and_shapes(base, tmp_path, case):
+    change, needles = QUANTIZE_CASES[case]
+    p = _edit(base, tmp_path, f"{case}.gguf", change)
+    out = tmp_path / "out.gguf"
+    _one_line(_cli("quantize", p, out, "--type", "q4_0"), *needles)
+    assert not out.exists()
+
+
+def test_nan_scale_refused_on_the_float16_path_too(base, tmp_path):
+    """CYLLM_QUANT=f16 dequantizes to float16: a nan block scale was carried into the weights."""
+    p = _edit(base, tmp_path, "nan.gguf", _scale_nan)
+    for quant in ("f16", "native"):
+        _one_line(_cli("generate", "-m", p, "-p", "hi", "-n", "1", "--backend", "cpu", quant=quant), "nan")

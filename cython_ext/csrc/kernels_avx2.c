@@ -198,7 +198,9 @@ static void rows2_avx2(float *out, int64_t ldo, const uint16_t *w, const uint16_
  * Inputs below -87.3 give ~1e-38 instead of 0, which no softmax sum notices; inputs
  * are capped at 88.3 (below float overflow). */
 static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    /* the constant first: MAXPS/MINPS return their second operand when one is NaN, so a NaN
+     * input stays NaN (bad weights then reach the logits' finiteness check, not text) */
+    x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));
     __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);

@@ -29,7 +29,8 @@
 
 /* e^x, Cephes-style polynomial (~1-2 ulp); x clamped to [-87.3, 88.3] (no inf/denormal) */
 static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    /* the constant first: a NaN input stays NaN (see exp8 in kernels_avx2.c) */
+    x = _mm512_min_ps(_mm512_set1_ps(88.3f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x));
     __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);

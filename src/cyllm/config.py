@@ -172,9 +172,15 @@ def _finite_positive(value, what: str) -> float:
         v = float(value)
     except (TypeError, ValueError, OverflowError):
         raise ModelLoadError(f"config: {what} must be a number, got {_short(value)}") from None
-    if not math.isfinite(v) or v <= 0:
-        raise ModelLoadError(f"config: {what} must be a finite number > 0, got {_short(value)}")
+    # the kernels compute in float32: a value it rounds to 0 or inf would be taken silently
+    if not math.isfinite(v) or not _F32_TINY <= v <= _F32_MAX:
+        raise ModelLoadError(f"config: {what} must be a finite number > 0 within float32's range, "
+                             f"got {_short(value)}")
     return v
+
+
+_F32_TINY = float(np.finfo(np.float32).smallest_subnormal)
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def token_id_list(value) -> list[int]:

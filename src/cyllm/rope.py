@@ -19,6 +19,7 @@ from .errors import ModelLoadError, UnsupportedModelError
 from .oneline import one_line
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+_F32_MAX = float(np.finfo(np.float32).max)      # the tables are float32, as in transformers
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,9 @@ class RopeSpec:
 
     def __post_init__(self) -> None:
         if (isinstance(self.theta, bool) or not isinstance(self.theta, (int, float))
-                or not math.isfinite(self.theta) or self.theta <= 1.0):
-            raise ModelLoadError(f"config: rope theta must be a finite number > 1, got {_short(self.theta)}")
+                or not math.isfinite(self.theta) or not 1.0 < self.theta <= _F32_MAX):
+            raise ModelLoadError(f"config: rope theta must be a number > 1 within float32's range, "
+                                 f"got {_short(self.theta)}")
         if self.dim <= 0 or self.dim % 2:
             raise ModelLoadError(f"config: the rotary dimension must be even and positive, got {self.dim}")
         kind = self.rope_type
@@ -45,12 +47,19 @@ class RopeSpec:
         return (self.scaling or {}).get("rope_type", "default")
 
     def inv_freq(self, context: int) -> np.ndarray:
-        """(dim // 2,) float32 inverse frequencies, scaling applied for a cache of ``context``."""
-        base = 1.0 / (self.theta ** (np.arange(0, self.dim, 2, dtype=np.int64).astype(np.float32) / self.dim))
-        div = self.divisors(context)
-        if div is None:
-            return base.astype(np.float32)
-        return (base.astype(np.float64) / div).astype(np.float32)
+        """(dim // 2,) float32 inverse frequencies, scaling applied for a cache of ``context``.
+
+        A theta or scaling finite in float64 can still overflow float32 (as in transformers,
+        whose float32 arithmetic this follows): a base frequency that does becomes 0; a
+        scaled one that is not finite is refused."""
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore", under="ignore"):
+            base = 1.0 / (self.theta ** (np.arange(0, self.dim, 2, dtype=np.int64).astype(np.float32) / self.dim))
+            div = self.divisors(context)
+            inv = base.astype(np.float32) if div is None else (base.astype(np.float64) / div).astype(np.float32)
+        if not np.all(np.isfinite(inv)):
+            raise ModelLoadError(f"config: rope theta {_short(self.theta)} with {self.rope_type} scaling gives "
+                                 "frequencies float32 cannot hold")
+        return inv
 
     def divisors(self, context: int) -> np.ndarray | None:
         s = self.scaling or {}
@@ -84,11 +93,15 @@ class RopeSpec:
     def tables(self, n_pos: int, context: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin, each (n_pos, dim // 2) float32."""
         inv = self.inv_freq(n_pos if context is None else context)
-        freqs = np.outer(np.arange(n_pos, dtype=np.float32), inv).astype(np.float32)   # (n_pos, half)
-        cos, sin = np.cos(freqs), np.sin(freqs)
-        m = self.magnitude()
-        if m != 1.0:
-            cos, sin = cos * np.float32(m), sin * np.float32(m)
+        with np.errstate(over="ignore", invalid="ignore"):
+            freqs = np.outer(np.arange(n_pos, dtype=np.float32), inv).astype(np.float32)   # (n_pos, half)
+            cos, sin = np.cos(freqs), np.sin(freqs)
+            m = self.magnitude()
+            if m != 1.0:
+                cos, sin = cos * np.float32(m), sin * np.float32(m)
+        if not (np.all(np.isfinite(cos)) and np.all(np.isfinite(sin))):
+            raise ModelLoadError(f"config: the rope tables of theta {_short(self.theta)} with {self.rope_type} "
+                                 "scaling are not finite in float32")
         return cos.astype(np.float32), sin.astype(np.float32)
 
 

@@ -180,7 +180,9 @@ def _dequantize(gf: GGUFFile, info: GGUFTensorInfo, rows: slice | None = None) -
     from gguf import quants
     from gguf.constants import GGMLQuantizationType
     try:
-        out = quants.dequantize(raw, GGMLQuantizationType(t))
+        # an inf or nan scale makes its arithmetic warn; the caller refuses the non-finite result
+        with np.errstate(all="ignore"):
+            out = quants.dequantize(raw, GGMLQuantizationType(t))
     except Exception as e:   # the gguf package is third-party: never let its errors escape raw
         raise ModelLoadError(f"{gf.path}: cannot dequantize tensor {clip(info.name)} ({type(e).__name__}: {clip(e, 200)})") from None
     return out.reshape(shape)
@@ -211,6 +213,8 @@ def _to_f16(a: np.ndarray, name: str, path) -> np.ndarray:
     if a.dtype == np.float16:
         return a
     big = max(float(a.max(initial=0.0)), -float(a.min(initial=0.0)))   # no |a| temporary
+    if math.isnan(big):             # numpy's max and min propagate a nan
+        raise ModelLoadError(f"{path}: tensor {clip(name)} holds nan values")
     if big > _FP16_MAX:
         raise UnsupportedModelError(
             f"{path}: tensor {clip(name)} has values up to {big:g}, beyond float16 range")
@@ -290,6 +294,9 @@ def plan_tensors(gf: GGUFFile, cfg: ModelConfig, native: bool = False) -> list[P
         heads = 0
         if fam.permute_qk and t.permute:
             heads = cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
+            if want[0] % (2 * heads):      # llama.cpp's converter pairs the rows of each head
+                raise ModelLoadError(f"{gf.path}: tensor {clip(name)} has {want[0]} rows for {heads} heads: "
+                                     "a head of an odd size cannot hold the row pairs of this family's layout")
         dtype = np.dtype(np.float16 if len(want) == 2 else np.float32)
         fmt = None
         if native and len(want) == 2 and info.ggml_type not in (F32, F16, BF16):

@@ -152,9 +152,11 @@ def _check_vocabulary(where: str, tokens, vocab_size: int | None) -> None:
                              "an array of strings)")
     if len(tokens) > MAX_TOKENS:
         raise TokenizerError(f"{where}: GGUF tokenizer has {len(tokens)} tokens (at most {MAX_TOKENS})")
-    if vocab_size is not None and len(tokens) > vocab_size:
-        raise TokenizerError(f"{where}: GGUF tokenizer has {len(tokens)} tokens, more than the "
-                             f"model's vocabulary of {vocab_size}")
+    # one token a row of the embedding, as llama.cpp requires (its converter pads the list):
+    # with fewer, a sampled id past the list would stop the text midway
+    if vocab_size is not None and len(tokens) != vocab_size:
+        raise TokenizerError(f"{where}: GGUF tokenizer has {len(tokens)} tokens, but the model's "
+                             f"vocabulary has {vocab_size}")
     longest = max(map(len, tokens))
     if longest > MAX_TOKEN_CHARS:
         raise TokenizerError(f"{where}: GGUF tokenizer has a token of {longest} characters "

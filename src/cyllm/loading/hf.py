@@ -15,6 +15,7 @@ from .weights import validate_weights
 from .safetensors import SafetensorsFile, bf16_bits_to_f32, open_checkpoint
 
 F16_MAX = 65504.0
+F32_MAX = float(np.finfo(np.float32).max)
 # elements converted per step: bounds the float32 temporary of a BF16/F32 ->
 # F16 conversion (a whole 128k x 4096 embedding would need 2 GB at once)
 _CHUNK_ELEMS = 1 << 22
@@ -73,6 +74,10 @@ def _to_f32(name: str, f: SafetensorsFile, tname: str) -> np.ndarray:
         return raw
     if tag == "BF16":
         return bf16_bits_to_f32(raw)
+    if tag == "F64":
+        big = max(float(raw.max(initial=0.0)), -float(raw.min(initial=0.0)))
+        if not big <= F32_MAX:          # nan compares false too
+            raise ModelLoadError(f"tensor {name} in {f.path} has values ({big:g}) float32 cannot hold")
     if tag in ("F16", "F64"):
         return raw.astype(np.float32)
     raise UnsupportedModelError(f"tensor {name} in {f.path} has dtype {tag}; expected F16, BF16 or F32")

@@ -97,7 +97,7 @@ def perplexity(model, text: str, ctx: int, progress: bool = True) -> tuple[float
             total2 += float((nll * nll).sum())
             count += len(nll)
             if bar is not None:
-                bar.set_postfix_str(f"ppl={math.exp(total / count):.4f}", refresh=False)
+                bar.set_postfix_str(f"ppl={_exp(total / count):.4f}", refresh=False)
                 bar.update(1)
     finally:
         if bar is not None:
@@ -112,9 +112,20 @@ def _stderr_is_tty() -> bool:
         return False
 
 
+def _exp(x: float) -> float:
+    """e^x, inf past float64's range: a model whose mean negative log-likelihood is above ~709
+    nats has a perplexity that no float holds, and says so as inf rather than an error."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
 def ppl_from_sums(total: float, total2: float, count: int) -> tuple[float, float]:
     mean = total / count
-    ppl = math.exp(mean)
+    ppl = _exp(mean)
+    if math.isinf(ppl):
+        return ppl, math.inf
     var = total2 / count - mean * mean
     err = math.sqrt(var / (count - 1)) * ppl if var > 0 and count > 1 else 0.0
     return ppl, err

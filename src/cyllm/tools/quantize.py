@@ -38,6 +38,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import InvalidArgumentError, ModelLoadError
+from ..oneline import one_line
 from ..quant.recipe import FILE_TYPES, LLAMA_FTYPE, recipe
 
 _SKIP_KEYS = {"general.architecture", "general.file_type", "general.quantization_version",
@@ -158,7 +159,7 @@ def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, ov
     (default: sys.stderr as it is at the call, not as it was at import)."""
     import gguf
 
-    from ..loading.gguf import SUPPORTED_TENSOR_TYPES, _dequantize, config_from_gguf, read_gguf
+    from ..loading.gguf import SUPPORTED_TENSOR_TYPES, _dequantize, config_from_gguf, plan_tensors, read_gguf
 
     key = _check_type(qtype)
     src, dst = Path(src), Path(dst)
@@ -167,26 +168,35 @@ def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, ov
     _check_paths(src, dst, overwrite)
     gf = read_gguf(src)
     cfg = config_from_gguf(gf)                 # the model must be one cyllm knows
+    plan_tensors(gf, cfg)                      # ... and its tensors the shapes the family has
+    _check_metadata_size(gf)
     rec = recipe(key, cfg.n_layers, has_output="output.weight" in gf.tensors)
     plan = _plan(gf, rec)
     for name, info, _ in plan:
         if info.ggml_type not in SUPPORTED_TENSOR_TYPES:
             raise ModelLoadError(f"{src}: tensor {name} has type {info.type_name}, which cannot be read")
+    kvs = []
+    try:            # the gguf package's reader is stricter than ours in places (string encoding, key types)
+        reader = gguf.GGUFReader(str(src))
+        for k, field in reader.fields.items():
+            if k in _SKIP_KEYS or k.startswith("GGUF."):
+                continue
+            vtype = field.types[0]
+            sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY and len(field.types) > 1 else None
+            value = field.contents()
+            if vtype == gguf.GGUFValueType.ARRAY and not len(value):
+                raise ModelLoadError(f"{src}: metadata key {one_line(k, 60)} is an empty array, which the gguf "
+                                     "package cannot write")
+            kvs.append((k, value, vtype, sub))
+    except (ValueError, UnicodeDecodeError, KeyError, IndexError, TypeError) as e:
+        raise ModelLoadError(f"{src}: the gguf package cannot read this file's metadata, so it cannot be "
+                             f"rewritten ({type(e).__name__}: {one_line(e, 120)})") from None
     requant = sorted({info.type_name for _, info, fmt in plan
                       if fmt is not None and info.ggml_type not in _FLOAT_TYPES})
     if requant:
         print(f"cyllm: note: requantizing {', '.join(requant)} tensors: the result carries both "
               "quantization errors (quantize an F16/BF16/F32 file for the best quality)",
               file=sys.stderr if log is None else log)
-
-    reader = gguf.GGUFReader(str(src))
-    kvs = []
-    for k, field in reader.fields.items():
-        if k in _SKIP_KEYS or k.startswith("GGUF."):
-            continue
-        vtype = field.types[0]
-        sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY and len(field.types) > 1 else None
-        kvs.append((k, field.contents(), vtype, sub))
     kvs.append(("general.file_type", LLAMA_FTYPE[key], gguf.GGUFValueType.UINT32, None))
     kvs.append(("general.quantization_version", gguf.GGML_QUANT_VERSION, gguf.GGUFValueType.UINT32, None))
 
@@ -207,6 +217,20 @@ def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, ov
             items.append(_Item(name, info.shape, "raw", raw_type=info.ggml_type, nbytes=info.nbytes,
                                raw=lambda info=info: gf.tensor_bytes(info), release=release))
     return _write(dst, cfg_arch(gf), kvs, items, threads)
+
+
+# metadata arrays past this many elements are refused: the gguf package's reader builds a
+# numpy view per element (~700 bytes each), and the largest real arrays are vocabularies and
+# merge lists of a few hundred thousand entries
+MAX_META_ARRAY = 1 << 20
+
+
+def _check_metadata_size(gf) -> None:
+    for k, v in gf.metadata.items():
+        n = len(v) if isinstance(v, (list, tuple, np.ndarray)) else 0
+        if n > MAX_META_ARRAY:
+            raise ModelLoadError(f"{gf.path}: metadata array {one_line(k, 60)} has {n} entries, beyond any "
+                                 f"real model's (at most {MAX_META_ARRAY} are rewritten)")
 
 
 def _write(dst: Path, arch: str, kvs: list, items: list[_Item], threads: int | None) -> dict:
