@@ -10,6 +10,7 @@ rewrites the file byte for byte otherwise.
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
 
@@ -161,5 +162,19 @@ def test_quantize_tool_metadata_and_shapes(base, tmp_path, case):
 def test_nan_scale_refused_on_the_float16_path_too(base, tmp_path):
     """CYLLM_QUANT=f16 dequantizes to float16: a nan block scale was carried into the weights."""
     p = _edit(base, tmp_path, "nan.gguf", _scale_nan)
+    for quant in ("f16", "native"):
+        _one_line(_cli("generate", "-m", p, "-p", "hi", "-n", "1", "--backend", "cpu", quant=quant), "nan")
+
+
+@pytest.mark.parametrize("tensor", ["blk.0.attn_norm.weight", "output_norm.weight"])
+def test_nan_norm_weight_refused(base, tmp_path, tensor):
+    """A nan in a norm of a quantized model: the next matvec rounds its input to int8 blocks,
+    which turned the nan into finite noise and the model into wrong text with no error."""
+    def change(g, rec):
+        off = next(t[3] for t in g.tensors if t[0] == tensor)
+        data = bytearray(g.data)
+        data[off + 12:off + 16] = struct.pack("<f", float("nan"))
+        g.data = bytes(data)
+    p = _edit(base, tmp_path, "norm.gguf", change)
     for quant in ("f16", "native"):
         _one_line(_cli("generate", "-m", p, "-p", "hi", "-n", "1", "--backend", "cpu", quant=quant), "nan")

@@ -47,3 +47,8 @@ def validate_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> Non
         want = np.float16 if len(shape) == 2 else np.float32
         if arr.dtype != want:
             raise ModelLoadError(f"tensor {name} has dtype {arr.dtype}, expected {np.dtype(want)}")
+        # norms and biases (a few KB each): a nan there reaches the next quantized matvec, whose
+        # int8 rounding of its input turns it into finite noise -- wrong text, no error.
+        # (Matrices are too big to scan at load; a nan in a float16 one reaches the logits check.)
+        if len(shape) == 1 and not np.all(np.isfinite(arr)):
+            raise ModelLoadError(f"tensor {name} holds inf or nan values")
