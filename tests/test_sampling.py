@@ -56,6 +56,18 @@ def test_top_p_keeps_smallest_nucleus():
     assert counts[3:].sum() == 0 and counts[2] > 0
 
 
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_top_p_zero_keeps_only_the_best_token_even_among_ties(top_k):
+    """OpenAI's top_p is in [0, 1]; 0 keeps the most probable token alone: the one greedy
+    decoding (np.argmax: the first of equal best logits) picks, never no token at all."""
+    rng = np.random.default_rng(3)
+    for trial in range(20):
+        x = rng.standard_normal(100).astype(np.float32)
+        x[rng.choice(100, size=3, replace=False)] = x.max() + 1        # three tokens tie for the top
+        s = Sampler(100, SamplingParams(temperature=1.0, top_p=0.0, top_k=top_k, seed=trial))
+        assert [s.sample(x) for _ in range(20)] == [int(np.argmax(x))] * 20
+
+
 def test_min_p_cuts_relative_to_best():
     # min_p 0.3 keeps p >= 0.12: tokens 0, 1, 2
     counts = draw(LOGITS, temperature=1.0, min_p=0.3)
@@ -72,7 +84,7 @@ def test_repetition_penalty_follows_ctrl_rule():
     assert x[0] == 2.0
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0.0),
+@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_k=-1), dict(top_p=-0.1), dict(top_p=float("nan")),
                                 dict(top_p=1.5), dict(min_p=2.0), dict(repetition_penalty=0.0)])
 def test_bad_parameters_raise(kw):
     with pytest.raises(InvalidArgumentError):

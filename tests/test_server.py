@@ -7,8 +7,10 @@ forward pass (model.logits) with NumPy's log-softmax, JSON checked by
 `jsonschema`.
 """
 
+import asyncio
 import json
 import logging
+import socket
 import threading
 import time
 
@@ -24,6 +26,7 @@ from cyllm.generate import Chat, GenerationStats, Session  # noqa: E402
 from cyllm.tools.server.app import create_app  # noqa: E402
 from cyllm.tools.server.cli import listen, server_for  # noqa: E402
 from cyllm.tools.server.prompt_cache import PromptCache  # noqa: E402
+from cyllm.tools.server.worker import DONE, Job, ShuttingDown, Worker  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is the capital of Japan?"}]
 
@@ -127,6 +130,17 @@ def test_completion_stop_string_and_list(client):
     assert cut.choices[0].text == " 4,"
 
 
+def test_top_p_zero_is_greedy_whatever_the_seed(client):
+    """top_p is in [0, 1] (OpenAI); 0 keeps only the most probable token, so at temperature 1 every
+    seed gives the greedy (temperature 0) text, where top_p 1 lets the seeds differ."""
+    kw = dict(model="m", prompt="Once upon a time", max_tokens=24)
+    greedy = client.completions.create(temperature=0, **kw).choices[0].text
+    for seed in (1, 2, 3, 4):
+        assert client.completions.create(temperature=1.0, top_p=0, seed=seed, **kw).choices[0].text == greedy
+    free = {client.completions.create(temperature=1.0, top_p=1, seed=seed, **kw).choices[0].text for seed in (1, 2)}
+    assert free != {greedy}
+
+
 def test_seed_repeats_and_differs(client):
     kw = dict(model="m", prompt="Once upon a time", max_tokens=24, temperature=1.0)
     a = client.completions.create(seed=5, **kw).choices[0].text
@@ -195,6 +209,24 @@ def test_json_schema_output_validates(client):
         assert r.choices[0].message.content.startswith("{")
 
 
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#"},                  # llguidance compiles it, and finds the dead end at the first token
+    {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]},   # ... after '{"a": '
+], ids=["at-the-start", "mid-value"])
+def test_json_schema_that_matches_nothing_is_an_error_not_empty_content(client, schema):
+    """No JSON value matches these schemas: the answer is an error naming the schema, never
+    a 200 whose content is empty or cut and still says finish_reason "stop"."""
+    kw = dict(model="m", messages=[{"role": "user", "content": "A JSON value please."}], max_tokens=20,
+              temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kw)
+    assert "schema" in e.value.message and "no JSON value matches" in e.value.message
+    # streamed: refused before the stream starts, or an error event where the value cannot go on
+    with pytest.raises(openai.APIError, match="no JSON value matches"):
+        for _ in client.chat.completions.create(stream=True, **kw):
+            pass
+
+
 # ---------------------------------------------------------- errors, routes
 def post(url, body, path="/v1/chat/completions", **kw):
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
@@ -216,6 +248,7 @@ def post(url, body, path="/v1/chat/completions", **kw):
     ({"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, "frobnicate"),
     ({"messages": [{"role": "user", "content": "hi"}], "stats": 1}, "stats"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream": 0}, "stream"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, "stream"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}}, "response_format"),
@@ -227,6 +260,24 @@ def test_bad_requests_get_openai_errors(server, body, words):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and words.lower() in err["message"].lower()
+
+
+@pytest.mark.parametrize("raw", [b"1e400", b"-1e400", b"NaN"])
+def test_non_finite_numbers_are_refused_in_words(server, raw):
+    """JSON's 1e400 parses as inf (and Python's json reads NaN): the message says what is wrong
+    with the value, not a range made of None."""
+    r = post(server[0], b'{"messages": [{"role": "user", "content": "hi"}], "temperature": ' + raw + b"}")
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith("temperature must be a finite number, got ") and "None" not in message, message
+
+
+def test_stream_null_means_not_streamed(server):
+    """OpenAI's schema has stream: boolean | null; null is the default, false."""
+    body = {"messages": QUESTION, "max_tokens": 4, "temperature": 0, "stream": None, "stream_options": None}
+    r = post(server[0], body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json"), r.text
+    assert r.json()["object"] == "chat.completion" and r.json()["usage"]["completion_tokens"] == 4
 
 
 def test_prompt_longer_than_context_is_400(server, default_model):
@@ -309,6 +360,23 @@ def test_client_dropping_mid_stream_stops_its_generation(server):
     assert generated < 100          # not the 3000 it asked for
 
 
+def test_client_leaving_while_uploading_its_body_is_one_quiet_log_line(server):
+    """A body cut short (Content-Length says 1000, 14 bytes come, the socket closes) is logged as
+    one line saying the client disconnected: no traceback, no 500, and the server serves on."""
+    url, records = server
+    n_before = len(records.lines)
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"messages\": [")
+        time.sleep(0.3)             # the server is now reading the body
+    lines = wait_for_lines(records, n_before, "POST /v1/chat/completions")
+    assert len(lines) == 1 and lines[0].endswith("| client disconnected"), records.lines[n_before:]
+    assert " 500 " not in lines[0] and "request failed" not in records.lines[n_before:]
+    r = post(url, {"prompt": "Hello", "max_tokens": 2, "temperature": 0}, "/v1/completions")
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
 def test_follow_up_turn_reuses_the_cache_with_fresh_run_logits(client, default_model, server):
     url, records = server
     system = {"role": "system", "content": "You are a terse geography tutor."}
@@ -377,3 +445,79 @@ def test_prompt_cache_keeps_within_its_capacity(default_model):
         np.testing.assert_allclose(logits, fresh_logits(default_model, ids[2])[-1], atol=2e-3, rtol=1e-3)
     finally:
         default_model.prompt_cache = previous
+
+
+# ---------------------------------------------------------------- shutdown
+def endless_job(loop) -> Job:
+    """A job whose chunks never end by themselves; like a generation's, they poll the cancel flag
+    and, when it fires, end with stop_reason "cancelled"."""
+    job = Job(None, loop)
+
+    def chunks(cancel):
+        while not cancel():
+            yield {"choices": []}
+            time.sleep(0.01)
+        job.stats.stop_reason = "cancelled"
+
+    job.start = chunks
+    return job
+
+
+def job_items(loop, job) -> list:
+    """What the worker posted to ``job`` (its items arrive through ``loop``)."""
+    loop.run_until_complete(asyncio.sleep(0.05))
+    items = []
+    while not job.items.empty():
+        items.append(job.items.get_nowait())
+    return items
+
+
+def test_worker_close_stops_running_and_queued_jobs_with_shutting_down():
+    """Closing the worker cancels a running job (instead of waiting for it) and a queued one:
+    each ends with a ShuttingDown error, then DONE."""
+    loop = asyncio.new_event_loop()
+    try:
+        worker = Worker()
+        running, queued = endless_job(loop), endless_job(loop)
+        worker.submit(running)
+        worker.submit(queued)
+        deadline = time.time() + 10
+        while running.t_started is None:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        t0 = time.perf_counter()
+        worker.close()
+        assert time.perf_counter() - t0 < 1.0
+        for job in (running, queued):
+            items = job_items(loop, job)
+            assert isinstance(items[-2], ShuttingDown) and items[-1] is DONE, items[-3:]
+            assert job.shutdown and job.cancelled.is_set()
+        late = endless_job(loop)            # submitted after the shutdown began: ended at once
+        worker.submit(late)
+        items = job_items(loop, late)
+        assert len(items) == 2 and isinstance(items[0], ShuttingDown) and items[1] is DONE
+    finally:
+        loop.close()
+
+
+def test_cancelled_collect_cancels_its_job():
+    """The task gathering a plain answer can be cancelled from outside (the server's graceful
+    timeout): the job's generation must stop with it instead of running on."""
+    from starlette.requests import Request
+
+    from cyllm.tools.server.app import _collect
+
+    async def never_disconnects():
+        await asyncio.sleep(3600)
+
+    async def scenario():
+        job = Job(None, asyncio.get_running_loop())
+        request = Request({"type": "http", "method": "POST", "path": "/", "headers": []}, never_disconnects)
+        task = asyncio.ensure_future(_collect(request, job))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return job.cancelled.is_set()
+
+    assert asyncio.run(scenario())

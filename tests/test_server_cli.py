@@ -1,10 +1,12 @@
 """`cyllm serve` as a user runs it: a subprocess on a free port, its errors, its log lines."""
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -47,23 +49,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_answers_openai_requests_and_logs_one_line_each(default_model_file):
+def serve(model_file, *args, env=None):
+    """`cyllm serve` on a free port: (the process, its base URL, its first stderr line), once
+    /health answers. The caller stops the process."""
     port = free_port()
-    env = dict(os.environ, CYLLM_API_KEY="k")
-    p = subprocess.Popen([sys.executable, "-m", "cyllm", "serve", "-m", str(default_model_file), "--port",
-                          str(port), "-c", "512"], stderr=subprocess.PIPE, text=True, env=env)
+    p = subprocess.Popen([sys.executable, "-m", "cyllm", "serve", "-m", str(model_file), "--port", str(port), *args],
+                         stderr=subprocess.PIPE, text=True, env=env)
+    line = p.stderr.readline()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return p, url, line
+        except httpx.TransportError:
+            assert time.time() < deadline and p.poll() is None, line
+            time.sleep(0.1)
+
+
+def test_serve_answers_openai_requests_and_logs_one_line_each(default_model_file):
+    p, url, line = serve(default_model_file, "-c", "512", env=dict(os.environ, CYLLM_API_KEY="k"))
     try:
-        line = p.stderr.readline()
-        assert f"http://127.0.0.1:{port}/v1" in line and "API key required" in line, line
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.time() < deadline
-                time.sleep(0.1)
+        assert f"{url}/v1" in line and "API key required" in line, line
         headers = {"authorization": "Bearer k"}
         r = httpx.post(url + "/v1/chat/completions", headers=headers, timeout=120, json={
             "model": "x", "messages": [{"role": "user", "content": "What is the capital of Japan?"}],
@@ -81,3 +88,72 @@ def test_serve_answers_openai_requests_and_logs_one_line_each(default_model_file
     assert any("POST /v1/completions 400" in ln for ln in logged), err
     assert any("GET /v1/models 401" in ln for ln in logged), err
     assert "Traceback" not in err
+
+
+LONG_STORY = {"messages": [{"role": "user", "content": "Tell a very long story."}], "max_tokens": 4000,
+              "temperature": 0}
+
+
+def plain_request(url, answers):
+    r = httpx.post(url + "/v1/chat/completions", json=LONG_STORY, timeout=60)
+    answers.append((r.status_code, r.json()))
+
+
+def streamed_request(url, answers, started: threading.Event):
+    """Appends the SSE data lines of one streamed request; ``started`` is set at its first content."""
+    with httpx.stream("POST", url + "/v1/chat/completions", json=dict(LONG_STORY, stream=True), timeout=60) as r:
+        lines = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+                if '"content":"' in line and '"content":""' not in line:
+                    started.set()
+        answers.append(lines)
+
+
+@pytest.mark.parametrize("stream, sig", [(False, signal.SIGTERM), (True, signal.SIGTERM), (False, signal.SIGINT)],
+                         ids=["plain-SIGTERM", "streamed-SIGTERM", "plain-SIGINT"])
+def test_shutdown_ends_running_and_queued_requests_at_once(default_model_file, stream, sig):
+    """A signal while one generation runs and another waits: both clients get OpenAI's error
+    (plain: a 503 error object; streamed: an error event, then the stream ends without [DONE]),
+    the process exits well within uvicorn's 3 s graceful timeout, and the log has no traceback."""
+    p, url, _ = serve(default_model_file, "-c", "2048")      # room for ~2000 tokens: far longer than the test
+    answers, started, clients = [], threading.Event(), []
+    try:
+        for _ in range(2):          # the first one runs, the second waits in the queue
+            target, args = (streamed_request, (url, answers, started)) if stream else (plain_request, (url, answers))
+            clients.append(threading.Thread(target=target, args=args, daemon=True))
+            clients[-1].start()
+        if stream:
+            assert started.wait(30), "no token came"
+        else:
+            time.sleep(1.5)         # the requests arrive; the first one is generating
+        t0 = time.perf_counter()
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=30)
+        exit_s = time.perf_counter() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    for c in clients:
+        c.join(timeout=10)
+    assert exit_s < 2.0, (exit_s, err)
+    assert "Traceback" not in err and "Exception in ASGI application" not in err, err
+    assert len(answers) == 2, (answers, err)
+    errors = [shutdown_error(answer, stream) for answer in answers]
+    assert all(e["message"] == "the server is shutting down" and e["type"] == "server_error" for e in errors), errors
+    logged = [line for line in err.splitlines() if "POST /v1/chat/completions" in line]
+    assert len(logged) == 2 and all(line.endswith("| server shutting down") for line in logged), err
+    assert all((" 200 " if stream else " 503 ") in line for line in logged), err
+
+
+def shutdown_error(answer, stream: bool) -> dict:
+    """The error object that ended one client's answer."""
+    if not stream:
+        status, body = answer
+        assert status == 503, answer
+        return body["error"]
+    assert "[DONE]" not in answer, answer[-3:]
+    assert all("error" not in json.loads(line) for line in answer[:-1]), answer[-3:]
+    return json.loads(answer[-1])["error"]

@@ -156,9 +156,16 @@ def _check_other(other: dict) -> None:
 def _num(name, v, lo=None, hi=None) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
         raise InvalidArgumentError(f"{name} must be a number, got {type(v).__name__} {short(v)}")
-    v = float(v)
-    if not np.isfinite(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise InvalidArgumentError(f"{name} must be in [{lo}, {hi}], got {v}")
+    try:
+        v = float(v)
+    except OverflowError:            # an int past float's range (10**400)
+        v = float("inf")
+    # NaN compares false with every bound, and 1e400 in JSON parses as inf: neither is a setting
+    if not np.isfinite(v):
+        raise InvalidArgumentError(f"{name} must be a finite number, got {v}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        bounds = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
+        raise InvalidArgumentError(f"{name} must be {bounds}, got {v}")
     return v
 
 

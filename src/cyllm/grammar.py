@@ -10,6 +10,14 @@ takes the tokenizer as it is and computes a mask in well under a millisecond).
 A GrammarConstraint plugs into sampling.Sampler: ``apply(x)`` sets the
 logits of tokens the grammar forbids to -inf, ``accept(token)`` advances it.
 When the JSON value is complete only the end-of-sequence token is allowed.
+
+Some schemas match no value at all although llguidance compiles them (a
+``$ref`` that leads only back to itself, {"$ref": "#"}): llguidance finds the
+dead end only when it computes a token mask, and then allows nothing but the
+end-of-sequence token, which would end the answer as an empty (or cut) value
+with finish_reason "stop". So the constraint computes its first mask when it
+is built (the request is refused before it runs) and checks every later one
+(the generation stops with that error).
 """
 
 from __future__ import annotations
@@ -104,14 +112,29 @@ class GrammarConstraint:
         self._vocab = vocab
         self._mask = np.zeros((vocab + 31) // 32, np.int32)     # (words,) one bit per token
         self._bits = np.empty(vocab, np.uint8)                   # (vocab,) 1 = allowed
+        self._mask_ready = False                                 # _mask is the one for the next token
+        self._compute_mask()
+        if self._m.is_error():
+            raise InvalidArgumentError("invalid JSON schema: no JSON value matches it "
+                                       "(a $ref that leads only back to itself, like {\"$ref\": \"#\"}?)")
+
+    def _compute_mask(self) -> None:
+        self._m.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+        self._mask_ready = True
 
     def apply(self, x: np.ndarray) -> None:
         """Forbidden tokens of logits x (vocab,) f32 -> -inf, in place."""
-        self._m.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+        if not self._mask_ready:         # the first one was computed by __init__
+            self._compute_mask()
+        self._mask_ready = False
+        if self._m.is_error():
+            raise InvalidArgumentError("the JSON schema allows no way to go on from the output so far: "
+                                       "no JSON value matches it (a $ref that leads only back to itself?)")
         self._bits[:] = np.unpackbits(self._mask.view(np.uint8), count=self._vocab, bitorder="little")
         np.copyto(x, np.float32(-np.inf), where=self._bits == 0)
 
     def accept(self, token: int) -> None:
+        self._mask_ready = False
         if not self._m.consume_token(token):
             # cannot happen for a token drawn under the mask; say so clearly if it does
             raise CyllmError(f"the grammar rejected token {token}: {self._m.get_error()}")

@@ -24,7 +24,7 @@ from .jsonio import short
 class SamplingParams:
     temperature: float = 0.0          # 0 = greedy
     top_k: int = 0                    # 0 = off
-    top_p: float = 1.0                # 1 = off
+    top_p: float = 1.0                # 1 = off, 0 = only the most probable token (OpenAI's range [0, 1])
     min_p: float = 0.0                # 0 = off
     repetition_penalty: float = 1.0   # 1 = off
     repeat_last_n: int = 64           # window of recent tokens the penalty looks at
@@ -39,8 +39,8 @@ class SamplingParams:
             bad(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             bad(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.top_p <= 1.0:
+            bad(f"top_p must be in [0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
         if not np.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
@@ -131,12 +131,13 @@ class Sampler:
         if x is not logits:
             np.copyto(x, logits)
         vocab = x.shape[0]
-        # candidate set: indices sorted by descending logit, cut by top-k
+        # candidate set: indices sorted by descending logit, cut by top-k; equal logits keep
+        # ascending index order, so the first candidate is argmax's (greedy's) choice
         if 0 < p.top_k < vocab:
-            cand = np.argpartition(x, vocab - p.top_k)[vocab - p.top_k:]
+            cand = np.sort(np.argpartition(x, vocab - p.top_k)[vocab - p.top_k:])
         else:
             cand = np.arange(vocab)
-        cand = cand[np.argsort(x[cand], kind="stable")[::-1]]
+        cand = cand[np.argsort(-x[cand], kind="stable")]
         # the temperature divides differences from the best logit in float64: nothing overflows
         # (a temperature of 1e-40 makes every other token's weight exactly 0: greedy)
         top = float(x[cand[0]])
@@ -148,7 +149,8 @@ class Sampler:
         probs /= probs.sum()
         keep = len(cand)
         if p.top_p < 1.0:
-            # smallest prefix whose mass reaches top_p (always at least one token)
+            # smallest prefix whose mass reaches top_p: at least the best token, which is all
+            # that top_p=0 keeps (searchsorted finds index 0), even where others tie with it
             keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
         if p.min_p > 0.0:
             keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0]))))

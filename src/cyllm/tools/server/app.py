@@ -5,6 +5,11 @@ names as OpenAI's fields), which checks them all before anything runs; a
 CyllmError becomes a 400 OpenAI error object. Every other failure is an
 OpenAI error object too (401, 404, 405, 500): the server never dies on a
 request. One log line per request (logger "cyllm.server").
+
+Shutdown (Ctrl-C, SIGTERM): the server calls ``cancel_all`` on the app the
+moment it begins, so generations stop within one token and their clients get
+a 503 error object (streams: an error event, then the end of the stream)
+instead of waiting for a graceful timeout that would cut them anyway.
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ... import completions
 from ...errors import ContextFullError, CyllmError, InvalidArgumentError
 from ...jsonio import parse_json, short
-from .worker import DONE, Job, Worker
+from .worker import DONE, Job, ShuttingDown, Worker
 
 log = logging.getLogger("cyllm.server")
 RESERVED = ("llm", "stats", "cancel")          # keyword arguments of completions that a body cannot set
@@ -42,9 +48,18 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
     return JSONResponse(error_body(message, type_, code), status_code=status)
 
 
-def _cyllm_error(e: CyllmError) -> JSONResponse:
-    code = "context_length_exceeded" if isinstance(e, ContextFullError) else None
-    return error_response(400, str(e), code=code)
+def _failure(e: Exception) -> tuple[int, dict]:
+    """(HTTP status, OpenAI error body) for the exception that refused or ended a generation."""
+    if isinstance(e, ShuttingDown):
+        return 503, error_body(str(e), "server_error")
+    if isinstance(e, CyllmError):
+        return 400, error_body(str(e), code="context_length_exceeded" if isinstance(e, ContextFullError) else None)
+    return 500, error_body(f"internal error: {type(e).__name__}: {e}", "server_error")
+
+
+def _failure_response(e: Exception) -> JSONResponse:
+    status, body = _failure(e)
+    return JSONResponse(body, status_code=status)
 
 
 def create_app(llm, model_name: str, api_key: str | None = None, cache_bytes: int = 1 << 30) -> FastAPI:
@@ -111,7 +126,8 @@ def create_app(llm, model_name: str, api_key: str | None = None, cache_bytes: in
         bad = [k for k in body if k in RESERVED]
         if bad:
             return error_response(400, f"unsupported parameter: {short(bad[0])}")
-        stream = body.get("stream", False)
+        stream = body.get("stream")
+        stream = False if stream is None else stream        # OpenAI's schema: boolean or null (= false)
         if not isinstance(stream, bool):
             return error_response(400, f"stream must be true or false, got {short(stream)}")
         if not stream and body.get("stream_options") is not None:
@@ -127,7 +143,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, cache_bytes: in
             # checks, chat template, tokenization, grammar compilation: off the event loop
             chunks = await asyncio.to_thread(create, llm, stats=job.stats, cancel=job.cancelled.is_set, **body)
         except CyllmError as e:
-            return _cyllm_error(e)
+            return _failure_response(e)
         except TypeError as e:         # a field given twice or in an impossible shape
             return error_response(400, f"invalid request: {e}")
         job.start = lambda cancel: chunks
@@ -147,7 +163,11 @@ def create_app(llm, model_name: str, api_key: str | None = None, cache_bytes: in
     async def text_completions(request: Request):
         return await generation(request, completions.create_completion, "prompt")
 
-    return Gate(app, api_key)
+    def cancel_all() -> None:
+        if worker is not None:
+            worker.cancel_all()
+
+    return Gate(app, api_key, cancel_all)
 
 
 async def _json_body(request: Request):
@@ -157,11 +177,16 @@ async def _json_body(request: Request):
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         return error_response(413, too_big)
     parts, size = [], 0
-    async for part in request.stream():        # chunked bodies declare no length
-        size += len(part)
-        if size > MAX_BODY_BYTES:
-            return error_response(413, too_big)
-        parts.append(part)
+    try:
+        async for part in request.stream():        # chunked bodies declare no length
+            size += len(part)
+            if size > MAX_BODY_BYTES:
+                return error_response(413, too_big)
+            parts.append(part)
+    except ClientDisconnect:
+        # nobody will read this answer: it exists for the log line, which says why
+        request.state.disconnected = True
+        return error_response(400, "the client disconnected before sending the whole request body")
     # a large body takes a while to scan and parse: off the event loop, like the rest
     body, problem = await asyncio.to_thread(_parse_body, b"".join(parts))
     if problem is not None:
@@ -194,18 +219,19 @@ async def _collect(request: Request, job: Job):
 
     waiter = asyncio.ensure_future(gather())
     gone = asyncio.ensure_future(_wait_disconnect(request.receive))
-    await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if not waiter.done():
-        job.cancelled.set()
-        request.state.disconnected = True
-        await waiter
-    gone.cancel()
+    try:
+        await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not waiter.done():
+            job.cancelled.set()
+            request.state.disconnected = True
+            await waiter
+    finally:
+        gone.cancel()
+        waiter.cancel()             # already done, unless this task is cancelled itself:
+        job.cancelled.set()         # then the worker stops too (harmless after the end)
     items = waiter.result()
     if items and isinstance(items[-1], Exception):
-        e = items[-1]
-        if isinstance(e, CyllmError):
-            return _cyllm_error(e)
-        return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+        return _failure_response(items[-1])
     return JSONResponse(completions.collect(iter(items)))
 
 
@@ -241,15 +267,14 @@ class EventStream(Response):
                                     (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
             async for item in _items(job):
                 if isinstance(item, Exception):
-                    if isinstance(item, CyllmError):
-                        payload = error_body(str(item))
-                    else:
-                        payload = error_body(f"internal error: {type(item).__name__}: {item}", "server_error")
-                    await send(_event(payload))
+                    await send(_event(_failure(item)[1]))
                     break
                 await send(_event(item))
-            if not job.cancelled.is_set():
-                await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+            else:
+                # the items ended without an error: the answer is complete unless the client left
+                # (a job cancelled by the shutdown ends with an error instead)
+                if not gone.done():
+                    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:             # the connection broke while writing
             pass
@@ -266,12 +291,17 @@ def _event(obj) -> dict:
 
 
 class Gate:
-    """Outermost ASGI layer: the API key check and one log line per request."""
+    """Outermost ASGI layer: the API key check and one log line per request.
 
-    def __init__(self, app, api_key: str | None):
+    ``cancel_all()`` stops every generation, queued or running (the server calls it when
+    its shutdown begins).
+    """
+
+    def __init__(self, app, api_key: str | None, cancel_all=lambda: None):
         self.app = app
         self.api_key = api_key
         self.state = app.state
+        self.cancel_all = cancel_all
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -312,6 +342,8 @@ def _log_line(scope, status: int, seconds: float) -> str:
         line += (f" | prompt {s.prompt_tokens + s.cached_tokens} tokens ({s.cached_tokens} cached)"
                  f" | generated {s.generated_tokens} tokens, {s.decode_tps:.1f} tok/s"
                  f" | ttft {job.ttft_s * 1000:.0f} ms | {s.stop_reason or '-'}")
+        if job.shutdown:
+            line += " | server shutting down"
     if state.get("disconnected"):
         line += " | client disconnected"
     return line

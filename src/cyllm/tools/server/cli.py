@@ -91,12 +91,23 @@ def listen(host: str, port: int):
 
 
 def server_for(app, sock):
-    """A uvicorn server for ``app`` on an already bound socket (run it with .run(sockets=[sock]))."""
+    """A uvicorn server for ``app`` on an already bound socket (run it with .run(sockets=[sock])).
+
+    When its shutdown begins (a signal, or ``should_exit``) it first calls ``app.cancel_all()``
+    where the app has one: uvicorn would otherwise wait for the running requests up to its
+    graceful timeout and then cancel their tasks, which gives their clients a bare 500 or a
+    cut stream and logs a traceback, while the generation runs on.
+    """
     import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            getattr(app, "cancel_all", lambda: None)()
+            await super().shutdown(sockets)
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=3)
-    return uvicorn.Server(config)
+    return Server(config)
 
 
 def serve(app, sock) -> None:
