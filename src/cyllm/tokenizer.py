@@ -290,8 +290,9 @@ class _PieceBytes:
                 steps.append(d)
                 for sub in d.get("decoders") or ():
                     walk(sub)
-        try:
-            walk(json.loads(tok.to_str()).get("decoder"))
+        try:        # the decoder's own JSON: to_str() would serialize the whole vocabulary
+            decoder = tok.decoder
+            walk(json.loads(decoder.__getstate__()) if decoder is not None else None)
         except (ValueError, TypeError, AttributeError):
             steps = []
         kinds = {d.get("type") for d in steps}
