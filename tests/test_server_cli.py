@@ -90,8 +90,11 @@ def test_serve_answers_openai_requests_and_logs_one_line_each(default_model_file
     assert "Traceback" not in err
 
 
+# a JSON string of at least 6000 characters: the grammar allows no end before the context is full,
+# so the first generation is still running when the signal comes, however fast the machine
 LONG_STORY = {"messages": [{"role": "user", "content": "Tell a very long story."}], "max_tokens": 4000,
-              "temperature": 0}
+              "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {
+                  "name": "story", "schema": {"type": "string", "minLength": 6000}}}}
 
 
 def plain_request(url, answers):

@@ -15,7 +15,7 @@ import numpy as np
 
 from .errors import ModelLoadError
 from .oneline import one_line
-from .rope import RopeSpec
+from .rope import F32_MAX, RopeSpec
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full", "sliding")
@@ -173,14 +173,13 @@ def _finite_positive(value, what: str) -> float:
     except (TypeError, ValueError, OverflowError):
         raise ModelLoadError(f"config: {what} must be a number, got {_short(value)}") from None
     # the kernels compute in float32: a value it rounds to 0 or inf would be taken silently
-    if not math.isfinite(v) or not _F32_TINY <= v <= _F32_MAX:
+    if not math.isfinite(v) or not _F32_TINY <= v <= F32_MAX:
         raise ModelLoadError(f"config: {what} must be a finite number > 0 within float32's range, "
                              f"got {_short(value)}")
     return v
 
 
 _F32_TINY = float(np.finfo(np.float32).smallest_subnormal)
-_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def token_id_list(value) -> list[int]:

@@ -19,7 +19,7 @@ from .errors import ModelLoadError, UnsupportedModelError
 from .oneline import one_line
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
-_F32_MAX = float(np.finfo(np.float32).max)      # the tables are float32, as in transformers
+F32_MAX = float(np.finfo(np.float32).max)       # the engine's arithmetic (and these tables) is float32
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class RopeSpec:
 
     def __post_init__(self) -> None:
         if (isinstance(self.theta, bool) or not isinstance(self.theta, (int, float))
-                or not math.isfinite(self.theta) or not 1.0 < self.theta <= _F32_MAX):
+                or not math.isfinite(self.theta) or not 1.0 < self.theta <= F32_MAX):
             raise ModelLoadError(f"config: rope theta must be a number > 1 within float32's range, "
                                  f"got {_short(self.theta)}")
         if self.dim <= 0 or self.dim % 2:

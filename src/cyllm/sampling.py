@@ -137,7 +137,9 @@ class Sampler:
             cand = np.sort(np.argpartition(x, vocab - p.top_k)[vocab - p.top_k:])
         else:
             cand = np.arange(vocab)
-        cand = cand[np.argsort(-x[cand], kind="stable")]
+        neg = x[cand]
+        np.negative(neg, out=neg)               # descending by logit, ties in index order
+        cand = cand[np.argsort(neg, kind="stable")]
         # the temperature divides differences from the best logit in float64: nothing overflows
         # (a temperature of 1e-40 makes every other token's weight exactly 0: greedy)
         top = float(x[cand[0]])

@@ -123,7 +123,7 @@ class Tokenizer:
         start of a text; an added token is its content."""
         (token_id,) = self._check_ids([token_id])
         if self._pieces is None:
-            self._pieces = _PieceBytes(self._tok)
+            self._pieces = _PieceBytes(self)
         return self._pieces.of(token_id)
 
     def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
@@ -281,8 +281,8 @@ class _PieceBytes:
     Replace/Metaspace steps that turn a space marker back into a space. Strip is left out:
     it applies to the start of a whole text, not to a token inside one."""
 
-    def __init__(self, tok):
-        self._tok = tok
+    def __init__(self, tokenizer: Tokenizer):
+        tok = self._tok = tokenizer.backend
         steps = []
 
         def walk(d):
@@ -297,7 +297,7 @@ class _PieceBytes:
             steps = []
         kinds = {d.get("type") for d in steps}
         self._byte_level = _unicode_to_byte() if "ByteLevel" in kinds else None
-        self._byte_fallback = "ByteFallback" in kinds
+        self._byte_ids = tokenizer._byte_ids() if "ByteFallback" in kinds else frozenset()
         self._replace: list[tuple[str, str]] = []
         for d in steps:
             if d.get("type") == "Replace" and isinstance(d.get("pattern"), dict):
@@ -318,9 +318,8 @@ class _PieceBytes:
             return b""
         if self._byte_level is not None and all(c in self._byte_level for c in piece):
             return bytes(self._byte_level[c] for c in piece)
-        if (self._byte_fallback and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
-                and all(c in "0123456789abcdefABCDEF" for c in piece[3:5])):
-            return bytes([int(piece[3:5], 16)])
+        if token_id in self._byte_ids and all(c in "0123456789abcdefABCDEF" for c in piece[3:5]):
+            return bytes([int(piece[3:5], 16)])         # a <0xNN> piece
         for pat, content in self._replace:
             piece = piece.replace(pat, content)
         return piece.encode("utf-8")

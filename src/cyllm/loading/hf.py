@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ModelConfig
+from ..rope import F32_MAX
 from ..families import config_from_hf, family
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..jsonio import JsonObject, read_json_file
@@ -15,7 +16,6 @@ from .weights import validate_weights
 from .safetensors import SafetensorsFile, bf16_bits_to_f32, open_checkpoint
 
 F16_MAX = 65504.0
-F32_MAX = float(np.finfo(np.float32).max)
 # elements converted per step: bounds the float32 temporary of a BF16/F32 ->
 # F16 conversion (a whole 128k x 4096 embedding would need 2 GB at once)
 _CHUNK_ELEMS = 1 << 22

@@ -264,7 +264,7 @@ def upload(be, qm: QuantMatrix) -> CudaQuantMatrix:
         with cp.cuda.using_allocator(None):         # cudaMalloc / cudaFree, no pool
             raw = cp.asarray(np.ascontiguousarray(qm.data))
             if fmt is not qm.fmt:
-                raw = widen.widen_q8_0(cp, raw.reshape(qm.rows, -1))
+                raw = widen.widen_q8_0(cp, raw)
             repack(cp, raw, fmt, out=flat)
             del raw
     except (cp.cuda.memory.OutOfMemoryError, cp.cuda.runtime.CUDARuntimeError) as e:
