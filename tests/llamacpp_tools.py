@@ -54,7 +54,7 @@ _VENDOR = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
 # what we take from the vendored llama.cpp tree: the converter, llama.cpp's tokenizer test
 # vectors of the families' vocabularies (a vocab-only GGUF + .inp texts + .out token ids) and
 # the real chat templates it tests with
-VOCABS = ("llama-bpe", "qwen2", "phi-3", "llama-spm", "gpt-2")
+VOCABS = ("llama-bpe", "qwen2", "phi-3", "llama-spm", "gpt-2", "deepseek-llm", "deepseek-coder", "qwen35")
 _MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "LICENSE",
             "models/templates/") + tuple(f"models/ggml-vocab-{v}.gguf" for v in VOCABS)
 _LAYOUT = "\n".join(_MEMBERS)   # a cache extracted with other members is extracted again

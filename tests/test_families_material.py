@@ -514,7 +514,10 @@ def test_q8_0_gguf_stays_close(family_material, family_gguf, hf_logits):
 # vocab -> (general.architecture, tokenizer.ggml.model, tokenizer.ggml.pre, tokens)
 _VOCABS = {"llama-bpe": ("llama", "gpt2", "llama-bpe", 128256), "qwen2": ("qwen2", "gpt2", "qwen2", 151936),
            "phi-3": ("phi3", "llama", "default", 32064), "llama-spm": ("llama", "llama", "default", 32000),
-           "gpt-2": ("gpt2", "gpt2", "gpt-2", 50257)}
+           "gpt-2": ("gpt2", "gpt2", "gpt-2", 50257),
+           "deepseek-llm": ("llama", "gpt2", "deepseek-llm", 102400),
+           "deepseek-coder": ("llama", "gpt2", "deepseek-coder", 32256),
+           "qwen35": ("qwen2", "gpt2", "qwen35", 151936)}
 
 
 def _llamacpp(fn, *args):

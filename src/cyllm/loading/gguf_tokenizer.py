@@ -56,11 +56,38 @@ _GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm
                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
                 r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5: Qwen2's with combining marks (\p{M}) kept inside words
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE_SPLITS = {
     **{k: _LLAMA3_SPLIT for k in ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe", "pixtral")},
     **{k: _QWEN2_SPLIT for k in ("qwen2", "deepseek-r1-qwen")},
+    "qwen35": _QWEN35_SPLIT,
     "tekken": _TEKKEN_SPLIT,
     "gpt-4o": _GPT4O_SPLIT,          # Phi-4-mini
+}
+# DeepSeek's first models (llama architecture: DeepSeek-LLM 7B/67B, DeepSeek-Coder 1.3-33B):
+# several splits, each applied to the pieces the one before it left (their tokenizer.json's
+# Sequence of isolated Splits, as llama.cpp runs them)
+_DEEPSEEK_LETTERS = ("A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293"
+                     "\u0295-\u02af\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c"
+                     "\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5"
+                     "\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77"
+                     "\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59"
+                     "\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc"
+                     "\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107"
+                     "\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139"
+                     "\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee"
+                     "\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e"
+                     "\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f"
+                     "\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2"
+                     "\U000118a0-\U000118df\U0001e900-\U0001e943")
+_CJK_RUNS = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+_PRE_SEQUENCES = {
+    "deepseek-llm": (r"[\r\n]", r"\s?[" + _DEEPSEEK_LETTERS + "]+",
+                     r"\s?[!-/:-~" + "\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$",
+                     _CJK_RUNS, r"\p{N}+"),
+    "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_RUNS, r"\p{N}"),
 }
 # these split every digit apart before the GPT-2 pattern (their HF tokenizers use Digits)
 _PRE_DIGITS = {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"}
@@ -69,7 +96,7 @@ _PRE_GPT2 = {None, "", "default", "gpt-2", "gpt2", "phi-2", "stablelm2", "olmo",
 
 
 def known_pre_tokenizer(pre) -> bool:
-    return pre in _PRE_SPLITS or pre in _PRE_DIGITS or pre in _PRE_GPT2
+    return pre in _PRE_SPLITS or pre in _PRE_SEQUENCES or pre in _PRE_DIGITS or pre in _PRE_GPT2
 
 
 def _byte_level_pre_tokenizer(pre: str | None, path=None):
@@ -79,10 +106,11 @@ def _byte_level_pre_tokenizer(pre: str | None, path=None):
         import sys
         print(f"cyllm: warning: {path}: unknown pre-tokenizer {clip(repr(pre))}; splitting text "
               "the GPT-2 way, which may differ from the model's training", file=sys.stderr)
-    if pre in _PRE_SPLITS:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    splits = (_PRE_SPLITS[pre],) if pre in _PRE_SPLITS else _PRE_SEQUENCES.get(pre)
+    if splits:
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _PRE_DIGITS:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
