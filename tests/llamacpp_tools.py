@@ -55,8 +55,11 @@ _VENDOR = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
 # vectors of the families' vocabularies (a vocab-only GGUF + .inp texts + .out token ids) and
 # the real chat templates it tests with
 VOCABS = ("llama-bpe", "qwen2", "phi-3", "llama-spm", "gpt-2", "deepseek-llm", "deepseek-coder", "qwen35")
+# and vocabularies for decoding only: MPT's spells 23 pieces twice (runs of spaces as byte-level
+# pieces and again as raw-text user-defined tokens)
+DECODE_VOCABS = ("mpt",)
 _MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "LICENSE",
-            "models/templates/") + tuple(f"models/ggml-vocab-{v}.gguf" for v in VOCABS)
+            "models/templates/") + tuple(f"models/ggml-vocab-{v}.gguf" for v in VOCABS + DECODE_VOCABS)
 _LAYOUT = "\n".join(_MEMBERS)   # a cache extracted with other members is extracted again
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -155,6 +158,13 @@ def llamacpp_vocab(name: str) -> tuple[Path, list[tuple[str, list[int]]]]:
     if len(texts) != len(outs):
         raise RuntimeError(f"{path}: {len(texts)} test texts but {len(outs)} id lines")
     return path, [(t, [int(x) for x in o.split()]) for t, o in zip(texts, outs)]
+
+
+def llamacpp_vocab_file(name: str) -> Path:
+    """A real vocabulary-only GGUF of llama.cpp's tests (VOCABS or DECODE_VOCABS), without vectors."""
+    if name not in VOCABS + DECODE_VOCABS:
+        raise ValueError(f"vocab must be one of {VOCABS + DECODE_VOCABS}, not {name!r}")
+    return llamacpp_dir() / "models" / f"ggml-vocab-{name}.gguf"
 
 
 def llamacpp_template(name: str) -> str:

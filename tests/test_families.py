@@ -16,7 +16,8 @@ pytest.importorskip("transformers")
 
 import cyllm  # noqa: E402
 from conftest import HOST_BACKENDS, cuda_available  # noqa: E402
-from llamacpp_tools import VOCABS, family_material, llamacpp_template, llamacpp_vocab  # noqa: E402,F401
+from llamacpp_tools import (VOCABS, family_material, llamacpp_template, llamacpp_vocab,  # noqa: E402,F401
+                            llamacpp_vocab_file)
 from tinymodels import FAMILY_FEATURES, FAMILY_KINDS, GGUF_FAITHFUL, load_reference  # noqa: E402
 
 SEQ = 70          # crosses every window (16) and original rope context (32) of the material
@@ -160,6 +161,47 @@ def test_gguf_tokenizer_matches_llamacpp_test_vectors(vocab):
     bad = [(text, want, got) for text, want in cases
            if (got := tok.encode(text, add_special_tokens=False)) != want]
     assert not bad, f"{len(bad)}/{len(cases)} texts differ, first: {bad[0]!r}"
+
+
+def test_gguf_pieces_spelled_twice_decode_as_written():
+    """A real vocabulary (llama.cpp's MPT test GGUF) spells 23 pieces twice: runs of spaces as
+    byte-level pieces and again, later, as raw-text user-defined tokens. Each such id decodes
+    to the text the file gives it (llama.cpp's detokenizer writes a user-defined token as it
+    is), and every id of the list decodes, alone and streamed, where the later twins and
+    every id past the vocabulary's distinct pieces had been out of range."""
+    from cyllm.loading.gguf import read_gguf
+    from cyllm.loading.gguf_tokenizer import TOKEN_USER_DEFINED, build_tokenizer, make_tokenizer
+    gf = read_gguf(llamacpp_vocab_file("mpt"))
+    tokens, types = gf.metadata["tokenizer.ggml.tokens"], gf.metadata["tokenizer.ggml.token_type"]
+    tok = make_tokenizer(build_tokenizer(gf))
+    assert tok.vocab_size == len(tokens)
+    twins = [i for i, t in enumerate(tokens) if types[i] == TOKEN_USER_DEFINED and t.strip(" ") == ""]
+    assert len(twins) == 23
+    for i in twins:
+        assert tok.decode([i]) == tokens[i]
+        assert tok.token_bytes(i) == tokens[i].encode()
+    ids = list(range(len(tokens) - 200, len(tokens))) + twins
+    sd = tok.stream_decoder()
+    assert "".join(sd.add(i) for i in ids) + sd.flush() == tok.decode(ids)
+
+
+def test_padded_embedding_rows_decode_like_transformers(family_material):
+    """Phi-3 (here its tiny model) has 3 more embedding rows than tokenizer pieces, as Qwen2.5
+    and Phi-3 do: a sampled id there decodes as transformers decodes it (to no text), alone and
+    streamed, instead of stopping the generation as out of range."""
+    from transformers import AutoTokenizer
+    d = family_material.hf_dir("phi3")
+    llm = cyllm.load(d, backend="numpy")
+    hf = AutoTokenizer.from_pretrained(d)
+    n = llm.config.vocab_size
+    assert n == len(hf) + 3
+    ids = [5, len(hf), n - 1, 7, n - 2, 9]
+    assert llm.tokenizer.decode(ids) == hf.decode(ids)
+    sd = llm.tokenizer.stream_decoder()
+    assert "".join(sd.add(i) for i in ids) + sd.flush() == hf.decode(ids)
+    assert llm.tokenizer.token_bytes(n - 1) == b""
+    with pytest.raises(cyllm.errors.InvalidArgumentError):
+        llm.tokenizer.decode([n])
 
 
 @pytest.mark.parametrize("name", ["Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B", "HuggingFaceTB-SmolLM3-3B",

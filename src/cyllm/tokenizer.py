@@ -27,9 +27,13 @@ REPLACEMENT_CHAR = "\ufffd"
 class Tokenizer:
     def __init__(self, tok, bos_id: int | None, eos_ids, chat_template: str | None = None,
                  bos_token: str | None = None, eos_token: str | None = None,
-                 add_bos: bool | None = None, template_vars: dict | None = None):
+                 add_bos: bool | None = None, template_vars: dict | None = None,
+                 aliases: dict[int, int] | None = None):
         self._tok = tok
         self._vocab = tok.get_vocab_size(with_added_tokens=True)
+        # id -> the id of the same piece: a GGUF token list may spell one piece twice, and the
+        # tokenizer keeps the first, so the second must decode as the first does
+        self._aliases = dict(aliases or {})
         self.bos_id = bos_id
         order: list[int] = []
         for i in eos_ids or ():
@@ -56,6 +60,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._vocab
 
+    def cover_ids(self, n: int) -> None:
+        """Accept every id of a model's vocabulary of ``n`` (its embedding rows). Models pad
+        their embeddings past the tokenizer's pieces (Qwen2.5: 151936 rows, 151665 pieces);
+        an id without a piece decodes to no text, as transformers decodes it, instead of
+        stopping a generation that sampled it."""
+        self._vocab = max(self._vocab, int(n))
+
     @property
     def eos_ids(self) -> frozenset[int]:
         return self._eos
@@ -72,7 +83,7 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
-        return self._tok.id_to_token(token_id)
+        return self._tok.id_to_token(self._aliases.get(token_id, token_id))
 
     @property
     def backend(self):
@@ -99,7 +110,7 @@ class Tokenizer:
                 raise InvalidArgumentError(f"token id {i!r} is not an integer") from None
             if v != i or not 0 <= v < self._vocab:
                 raise InvalidArgumentError(f"token id {i!r} is out of range [0, {self._vocab})")
-            out.append(v)
+            out.append(self._aliases.get(v, v))
         return out
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:

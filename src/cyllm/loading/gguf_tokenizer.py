@@ -171,6 +171,8 @@ class GGUFTokenizerInfo:
     add_bos: bool
     add_eos: bool
     chat_template: str | None
+    aliases: dict[int, int]         # ids whose piece an earlier id spells too -> that id
+    n_tokens: int                   # the token list's length: every id below it decodes
 
 
 def _check_vocabulary(where: str, tokens, vocab_size: int | None) -> None:
@@ -251,6 +253,7 @@ def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenize
         if v is not None and v not in eos_ids:
             eos_ids.append(v)
 
+    aliases: dict[int, int] = {}    # a later id of a piece spelled twice -> its first id
     try:
         if kind == "gpt2":
             pre = _text(md, where, "tokenizer.ggml.pre")
@@ -260,7 +263,8 @@ def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenize
             for i, t in enumerate(tokens):
                 # a piece written in raw text (not the byte alphabet) is respelled byte-wise
                 spelled = t if set(t) <= alphabet else "".join(alphabet_map[b] for b in t.encode("utf-8"))
-                vocab.setdefault(spelled, i)
+                if vocab.setdefault(spelled, i) != i:
+                    aliases[i] = vocab[spelled]     # GPT-NeoX's "  " beside "ĠĠ", Command-R's 43
             merges_raw = _merges(md, where)
             if merges_raw is None:
                 raise TokenizerError(f"{where}: GGUF gpt2 tokenizer has no merges")
@@ -284,7 +288,8 @@ def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenize
                 scores = np.zeros(len(tokens), dtype=np.float32)
             vocab = {}
             for i, t in enumerate(tokens):
-                vocab.setdefault(t, i)
+                if vocab.setdefault(t, i) != i:
+                    aliases[i] = vocab[t]
             merges_raw = _merges(md, where)
             if merges_raw:
                 merges = [tuple(m.split(" ", 1)) for m in merges_raw]
@@ -338,11 +343,14 @@ def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenize
         eos_token=name(eos_ids[0]) if eos_ids else None, unk_token=name(unk_id), pad_token=name(pad_id),
         add_bos=_flag(md, where, "tokenizer.ggml.add_bos_token", add_bos_default),
         add_eos=_flag(md, where, "tokenizer.ggml.add_eos_token", False),
-        chat_template=template)
+        chat_template=template, aliases=aliases, n_tokens=len(tokens))
 
 
 def make_tokenizer(info: GGUFTokenizerInfo):
     """The project's Tokenizer around a built GGUF tokenizer."""
     from ..tokenizer import Tokenizer
-    return Tokenizer(info.tokenizer, info.bos_id, list(info.eos_ids), chat_template=info.chat_template,
-                     bos_token=info.bos_token, eos_token=info.eos_token, add_bos=info.add_bos)
+    tok = Tokenizer(info.tokenizer, info.bos_id, list(info.eos_ids), chat_template=info.chat_template,
+                    bos_token=info.bos_token, eos_token=info.eos_token, add_bos=info.add_bos,
+                    aliases=info.aliases)
+    tok.cover_ids(info.n_tokens)
+    return tok
