@@ -60,8 +60,9 @@ _GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm
 _QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
                  r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE_SPLITS = {
-    **{k: _LLAMA3_SPLIT for k in ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe", "pixtral")},
-    **{k: _QWEN2_SPLIT for k in ("qwen2", "deepseek-r1-qwen")},
+    **{k: _LLAMA3_SPLIT for k in ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe", "pixtral",
+                                  "midm-2.0")},
+    **{k: _QWEN2_SPLIT for k in ("qwen2", "deepseek-r1-qwen", "stablelm2")},
     "qwen35": _QWEN35_SPLIT,
     "tekken": _TEKKEN_SPLIT,
     "gpt-4o": _GPT4O_SPLIT,          # Phi-4-mini
@@ -92,7 +93,8 @@ _PRE_SEQUENCES = {
 # these split every digit apart before the GPT-2 pattern (their HF tokenizers use Digits)
 _PRE_DIGITS = {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"}
 # names whose split is GPT-2's own pattern
-_PRE_GPT2 = {None, "", "default", "gpt-2", "gpt2", "phi-2", "stablelm2", "olmo", "mpt", "jais", "roberta-bpe"}
+_PRE_GPT2 = {None, "", "default", "gpt-2", "gpt2", "phi-2", "olmo", "mpt", "jais", "roberta-bpe",
+            "a.x-4.0", "mellum"}
 
 
 def known_pre_tokenizer(pre) -> bool:
