@@ -448,7 +448,8 @@ def test_fuzz_file_commands(hf_seed, gguf_seed, tmp_path):
 
 SERVER_KEYS = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty",
                "frequency_penalty", "presence_penalty", "seed", "stop", "stream", "stream_options", "logprobs",
-               "top_logprobs", "response_format", "model", "n", "tools", "user", "logit_bias", "echo", "suffix"]
+               "top_logprobs", "response_format", "model", "n", "tools", "tool_choice", "parallel_tool_calls",
+               "user", "logit_bias", "echo", "suffix"]
 HOSTILE_SCHEMAS = [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
                    {"type": "array", "items": {"$ref": "#"}}, {"$ref": "#/definitions/missing"},
                    {"type": "string", "pattern": "(a|b)*c{1000000}"}, {"enum": list(range(100_000))},

@@ -33,6 +33,7 @@ from .errors import ContextFullError, InvalidArgumentError, TokenizerError
 from .generate import GenerationStats, Session, StopScanner, check_stop, generate_tokens, sampling_params
 from .jsonio import short
 from .sampling import LogprobReader, Sampler, SamplingParams
+from .toolcalls import ToolRequest, call_start, check_tools, new_call_id, parse_calls, tool_grammar
 
 DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
                 frequency_penalty=0.0, presence_penalty=0.0)
@@ -44,8 +45,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # only at the value that means "off"
 _IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
 _OFF_VALUES = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-               "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
-               "functions": (None, []), "function_call": (None, "none", "auto")}
+               "logit_bias": (None, {}), "functions": (None, []), "function_call": (None, "none", "auto")}
 
 
 @dataclass
@@ -62,6 +62,7 @@ class Request:
     include_usage: bool
     id: str
     created: int
+    tools: ToolRequest | None = None    # chat: the functions the answer may call
 
 
 # ----------------------------------------------------------------- public API
@@ -101,19 +102,25 @@ def create_chat_completion(llm, messages, *, max_tokens: int | None = None,
                            seed: int | None = None, stop: str | list[str] | None = None, stream: bool = False,
                            stream_options: dict | None = None, logprobs: bool | None = None,
                            top_logprobs: int | None = None, response_format: dict | None = None,
+                           tools: list | None = None, tool_choice=None,
                            model: str | None = None, stats: GenerationStats | None = None,
                            cancel: Callable[[], bool] | None = None, **other):
     """Answer a conversation ([{"role", "content"}, ...]) with the model's chat template.
 
     Returns a "chat.completion" dict, or with ``stream=True`` an iterator of
     "chat.completion.chunk" dicts. Without a token limit the answer may run
-    until the context window is full.
+    until the context window is full. ``tools`` and ``tool_choice`` are OpenAI's
+    (see toolcalls.py for the call formats and what tool_choice can enforce).
     """
     _check_other(other)
     if max_tokens is not None and max_completion_tokens is not None and max_tokens != max_completion_tokens:
         raise InvalidArgumentError("max_tokens and max_completion_tokens are the same option: give one")
     limit = max_completion_tokens if max_completion_tokens is not None else max_tokens
-    ids = _chat_ids(llm, messages)
+    calls = check_tools(tools, tool_choice, _tokenizer(llm).chat_template)
+    forced = tool_grammar(calls) if calls is not None else None
+    if forced is not None and response_format is not None and response_format != {"type": "text"}:
+        raise InvalidArgumentError("response_format cannot be combined with a tool_choice that forces a call")
+    ids = _chat_ids(llm, messages, calls.tools if calls is not None else None)
     want = False if logprobs is None else _bool("logprobs", logprobs)
     if top_logprobs is not None:
         top = _int("top_logprobs", top_logprobs, 0, MAX_TOP_LOGPROBS)
@@ -124,7 +131,8 @@ def create_chat_completion(llm, messages, *, max_tokens: int | None = None,
     req = _request(llm, "chat.completion", ids, limit, dict(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed),
-        stop, stream, stream_options, top if want else None, response_format, model)
+        stop, stream, stream_options, top if want else None, response_format, model, forced)
+    req.tools = calls
     return run(llm, req, stream, stats, cancel)
 
 
@@ -149,7 +157,7 @@ def _check_other(other: dict) -> None:
             if any(value == ok and type(value) is type(ok) for ok in _OFF_VALUES[key]):
                 continue
             raise InvalidArgumentError(f"{key}={short(value)} is not supported (cyllm serves one completion "
-                                       "per request, without tool calls or logit bias)")
+                                       "per request, without logit bias or the legacy functions API)")
         raise InvalidArgumentError(f"unsupported parameter: {short(key)}")
 
 
@@ -185,7 +193,7 @@ def _bool(name, v) -> bool:
 
 
 def _request(llm, obj, ids, max_tokens, sampling, stop, stream, stream_options, logprobs,
-             response_format, model_name) -> Request:
+             response_format, model_name, grammar: str | None = None) -> Request:
     from .grammar import grammar_for
 
     room = llm.context - len(ids)
@@ -214,7 +222,8 @@ def _request(llm, obj, ids, max_tokens, sampling, stop, stream, stream_options, 
         include_usage = _bool("stream_options.include_usage", stream_options.get("include_usage", False))
     if model_name is not None and not isinstance(model_name, str):
         raise InvalidArgumentError(f"model must be a string, got {short(model_name)}")
-    grammar = grammar_for(response_format)
+    if grammar is None:
+        grammar = grammar_for(response_format)
     if grammar is not None:
         from .grammar import GrammarConstraint
         GrammarConstraint(llm, grammar)       # a bad schema fails now, before any response starts
@@ -261,7 +270,7 @@ def _content_text(i: int, content) -> str:
     raise InvalidArgumentError(f"messages[{i}].content must be a string or a list of text parts")
 
 
-def _chat_ids(llm, messages) -> list[int]:
+def _chat_ids(llm, messages, tools: list | None = None) -> list[int]:
     tok = _tokenizer(llm)
     if not isinstance(messages, list) or not messages:
         raise InvalidArgumentError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
@@ -277,7 +286,8 @@ def _chat_ids(llm, messages) -> list[int]:
         if msg["role"] == "developer":      # OpenAI's newer name for the system role
             msg["role"] = "system"
         rendered.append(msg)
-    text = tok.apply_chat_template(rendered, add_generation_prompt=True)
+    extra = {"tools": tools} if tools else {}
+    text = tok.apply_chat_template(rendered, add_generation_prompt=True, **extra)
     ids = tok.encode(text, add_special_tokens=False)     # the template writes BOS itself
     if not ids:
         raise InvalidArgumentError("the conversation renders to an empty prompt")
@@ -386,14 +396,49 @@ def _chat_chunks(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[
         return c
 
     yield chunk({"role": "assistant", "content": ""})
+    scan = _CallScan(req.tools) if req.tools is not None else None
     for text, entries in _events(llm, req, stats, cancel):
         lp = {"content": _chat_logprobs(tok, entries), "refusal": None} if req.logprobs is not None else None
+        if scan is not None:
+            text = scan.push(text)        # a call's text is held back until it is whole
         yield chunk({"content": text}, logprobs=lp)
     if stats.stop_reason == "cancelled":
         return
-    yield chunk({}, finish=_finish_reason(stats))
+    finish = _finish_reason(stats)
+    if scan is not None:
+        rest, calls = scan.finish()
+        if rest:
+            yield chunk({"content": rest})
+        if calls:
+            yield chunk({"tool_calls": [
+                {"index": i, "id": new_call_id(), "type": "function",
+                 "function": {"name": c["name"], "arguments": c["arguments"]}} for i, c in enumerate(calls)]})
+            finish = "tool_calls"
+    yield chunk({}, finish=finish)
     if req.include_usage:
         yield dict(base, choices=[], usage=usage(req, stats))
+
+
+class _CallScan:
+    """Streamed content of an answer that may call tools: text goes out until a call may
+    start (toolcalls.call_start); the rest waits for the end, when it is parsed."""
+
+    def __init__(self, req: ToolRequest):
+        self._req = req
+        self._text = ""
+        self._released = 0
+
+    def push(self, piece: str) -> str:
+        self._text += piece
+        cut = max(call_start(self._req, self._text), self._released)
+        out = self._text[self._released:cut]
+        self._released = cut
+        return out
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """(content not yet released, calls)."""
+        content, calls = parse_calls(self._req, self._text)
+        return content[self._released:], calls
 
 
 def _text_chunks(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[dict]:
@@ -418,6 +463,7 @@ def _text_chunks(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[
 def collect(chunks: Iterator[dict]) -> dict:
     """The non-streamed response from a stream of chunks (that ends with the usage chunk)."""
     text, finish, first, use = [], None, None, None
+    calls: dict[int, dict] = {}       # index -> the call, its arguments joined from the deltas
     chat_lp: list | None = None
     text_lp: dict | None = None
     for c in chunks:
@@ -426,6 +472,11 @@ def collect(chunks: Iterator[dict]) -> dict:
         for choice in c["choices"]:
             piece = choice["delta"].get("content", "") if "delta" in choice else choice["text"]
             text.append(piece)
+            for d in choice.get("delta", {}).get("tool_calls") or ():
+                c = calls.setdefault(d["index"], {"id": d.get("id"), "type": "function",
+                                                  "function": {"name": "", "arguments": ""}})
+                c["function"]["name"] += d["function"].get("name") or ""
+                c["function"]["arguments"] += d["function"].get("arguments") or ""
             finish = choice["finish_reason"] or finish
             lp = choice["logprobs"]
             if lp is not None and "content" in lp:
@@ -438,7 +489,12 @@ def collect(chunks: Iterator[dict]) -> dict:
         return {}
     base = {"id": first["id"], "created": first["created"], "model": first["model"]}
     if first["object"] == "chat.completion.chunk":
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+        message = {"role": "assistant", "content": "".join(text)}
+        if calls:
+            message["tool_calls"] = [calls[i] for i in sorted(calls)]
+            if not message["content"].strip():
+                message["content"] = None         # as OpenAI answers a call without text
+        choice = {"index": 0, "message": message,
                   "logprobs": None if chat_lp is None else {"content": chat_lp, "refusal": None},
                   "finish_reason": finish}
         return dict(base, object="chat.completion", choices=[choice], usage=use)

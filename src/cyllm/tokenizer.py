@@ -52,6 +52,7 @@ class Tokenizer:
         self.add_bos = add_bos
         self._template_vars = dict(template_vars or {})
         self._compiled = None
+        self._compiled_from: str | None = None     # the source _compiled was built from
         self._bytes = None
         self._pieces = None     # _PieceBytes, built on the first token_bytes()
 
@@ -142,18 +143,21 @@ class Tokenizer:
 
     # ---------------------------------------------------------- chat template
     def _template(self):
-        if self._compiled is None:
+        # compiled for the source it was built from: chat_template is a plain attribute, and a
+        # template assigned to it later must not render with the old one
+        if self._compiled is None or self._compiled_from is not self.chat_template:
             if not self.chat_template:
                 raise TokenizerError(
                     "this model has no chat template (no chat_template in tokenizer_config.json "
                     "or chat_template.jinja); pass a plain prompt instead")
             self._compiled = _compile_template(self.chat_template)
+            self._compiled_from = self.chat_template
         return self._compiled
 
     def set_chat_template(self, source: str) -> None:
         """Use ``source`` (jinja text) as the chat template; compiled now, so a bad one fails at once."""
         self._compiled = _compile_template(source)
-        self.chat_template = source
+        self._compiled_from = self.chat_template = source
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
         """Render ``messages`` ([{"role", "content"}, ...]) to the prompt string.

@@ -1,0 +1,216 @@
+"""OpenAI tool calling (cyllm/toolcalls.py, completions.py).
+
+References: transformers' apply_chat_template(tools=...) renders the prompt of real chat
+templates (llama.cpp's test copies of Qwen2.5's, Qwen3's, Llama 3.2's, Mistral Nemo's and
+Hermes 3's); the official `openai` client reads the answers, streamed and whole, from the
+HTTP server; `jsonschema` checks each call's arguments against the tool's parameters. The
+models are the tiny random ones of the family tests, so a call only comes out whole where
+tool_choice forces it (a grammar); the formats' parsing is checked on written answers.
+"""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llamacpp_tools import LlamaCppUnavailable, family_material, llamacpp_template  # noqa: E402,F401
+
+import cyllm  # noqa: E402
+from cyllm.completions import _CallScan  # noqa: E402
+from cyllm.errors import CyllmError, InvalidArgumentError  # noqa: E402
+from cyllm.toolcalls import ToolRequest, check_tools, parse_calls, tool_format  # noqa: E402
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                   "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "a + b",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+                   "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                  "b": {"type": "integer", "minimum": 0, "maximum": 9}}}}}
+TOOLS = [WEATHER, ADD]
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+# a conversation that went through one call (ids of 9 letters and digits: Mistral's rule)
+HISTORY = QUESTION + [
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "a1b2c3d4e", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+    {"role": "tool", "tool_call_id": "a1b2c3d4e", "name": "get_weather", "content": "sunny, 21 C"}]
+
+# (template, tiny model kind whose tokenizer renders it, call format)
+TEMPLATES = [("Qwen-Qwen2.5-7B-Instruct", "qwen2", "hermes"), ("Qwen-Qwen3-0.6B", "qwen3", "hermes"),
+             ("meta-llama-Llama-3.2-3B-Instruct", "llama32", "llama3"),
+             ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "llama32", "hermes"),
+             ("mistralai-Mistral-Nemo-Instruct-2407", "mistral_swa", "mistral")]
+
+
+def _template(name):
+    try:
+        return llamacpp_template(name)
+    except LlamaCppUnavailable as e:
+        pytest.skip(f"llama.cpp's templates are unavailable: {e}")
+
+
+@pytest.fixture(scope="module")
+def models(family_material):
+    """kind -> a loaded tiny model (its template replaced per test)."""
+    cache = {}
+
+    def get(kind, template):
+        if kind not in cache:
+            cache[kind] = cyllm.load(family_material.hf_dir(kind), backend="numpy", context=4096)
+        cache[kind].tokenizer.chat_template = template
+        return cache[kind]
+    return get
+
+
+@pytest.mark.parametrize("name,kind,fmt", TEMPLATES)
+def test_tools_render_as_transformers_renders_them(family_material, models, name, kind, fmt):
+    """The prompt of a request with tools, and of a conversation that went through a call, is
+    the one transformers renders from the same template; each template's format is detected."""
+    from transformers import AutoTokenizer
+    template = _template(name)
+    assert tool_format(template) == fmt
+    llm = models(kind, template)
+    hf = AutoTokenizer.from_pretrained(family_material.hf_dir(kind))
+    for messages in (QUESTION, HISTORY):
+        want = hf.apply_chat_template(messages, tools=TOOLS, chat_template=template, tokenize=False,
+                                      add_generation_prompt=True)
+        assert llm.tokenizer.apply_chat_template(messages, tools=TOOLS) == want
+        assert "get_weather" in want
+
+
+def _schema(name):
+    return {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[name]
+
+
+@pytest.mark.parametrize("name,kind", [("Qwen-Qwen3-0.6B", "qwen3"), ("meta-llama-Llama-3.2-3B-Instruct", "llama32")])
+def test_forced_calls_through_the_openai_client(models, name, kind):
+    """tool_choice "required" and a named function, on the HTTP server, read by the openai
+    client: one call of an offered function, its arguments valid for its parameters
+    (jsonschema), finish_reason "tool_calls" and no content; streamed deltas give the same."""
+    openai = pytest.importorskip("openai")
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    from test_server import start_server
+    llm = models(kind, _template(name))
+    srv, thread, url = start_server(llm)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        for choice, want in (("required", None), ({"type": "function", "function": {"name": "add"}}, "add")):
+            for seed in (1, 2):
+                r = client.chat.completions.create(model="m", messages=QUESTION, tools=TOOLS, tool_choice=choice,
+                                                   max_tokens=80, seed=seed)
+                c = r.choices[0]
+                assert c.finish_reason == "tool_calls" and c.message.content is None
+                (call,) = c.message.tool_calls
+                assert call.type == "function" and len(call.id) == 9 and call.id.isalnum()
+                assert call.function.name in ("get_weather", "add") and want in (None, call.function.name)
+                jsonschema.validate(json.loads(call.function.arguments), _schema(call.function.name))
+                stream = client.chat.completions.create(model="m", messages=QUESTION, tools=TOOLS,
+                                                        tool_choice=choice, max_tokens=80, seed=seed, stream=True)
+                name_, args, finish, text = "", "", None, ""
+                for chunk in stream:
+                    d = chunk.choices[0].delta
+                    text += d.content or ""
+                    for tc in d.tool_calls or ():
+                        assert tc.index == 0
+                        name_ += tc.function.name or ""
+                        args += tc.function.arguments or ""
+                    finish = chunk.choices[0].finish_reason or finish
+                assert (name_, json.loads(args), finish, text.strip()) == (
+                    call.function.name, json.loads(call.function.arguments), "tool_calls", "")
+        # the answer goes back to the model as a tool message (content null, as clients send a
+        # call's turn): the conversation renders and runs
+        history = [dict(m, content=None) if m.get("tool_calls") else m for m in HISTORY]
+        r = client.chat.completions.create(model="m", messages=history, tools=TOOLS, max_tokens=4, seed=1)
+        assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        llm.prompt_cache = None
+
+
+def test_tool_requests_checked(models):
+    llm = models("qwen3", _template("Qwen-Qwen3-0.6B"))
+    ask = dict(messages=QUESTION, max_tokens=1)
+    for bad, msg in ((dict(tools={"a": 1}), "list"), (dict(tools=[{"type": "function"}]), "tools[0]"),
+                     (dict(tools=[{"type": "function", "function": {"name": "no spaces"}}]), "name"),
+                     (dict(tools=[WEATHER, WEATHER]), "second function"),
+                     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "not among"),
+                     (dict(tools=TOOLS, tool_choice="always"), "tool_choice"),
+                     (dict(tool_choice="required"), "needs tools"),
+                     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]), "schema"),
+                     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
+                      "response_format")):
+        with pytest.raises(InvalidArgumentError, match=re.escape(msg)):
+            llm.create_chat_completion(**ask, **bad)
+    # a template that teaches no call format takes no tools; "none" renders without them
+    llm = models("qwen3", "{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(InvalidArgumentError, match="no tool-call format"):
+        llm.create_chat_completion(**ask, tools=TOOLS)
+    assert llm.create_chat_completion(**ask, tools=TOOLS, tool_choice="none")["choices"][0]["finish_reason"]
+    mistral = _template("mistralai-Mistral-Nemo-Instruct-2407")
+    with pytest.raises(InvalidArgumentError, match="control token"):
+        check_tools(TOOLS, "required", mistral)
+
+
+def _req(fmt):
+    return ToolRequest(tools=TOOLS, choice="auto", format=fmt)
+
+
+CALL = {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}
+ADD_CALL = {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+
+
+@pytest.mark.parametrize("fmt,answer,content,calls", [
+    ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+               '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+     "Let me look.\n", [CALL, ADD_CALL]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}', "", [CALL]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', None, []),
+    ("hermes", '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>', None, []),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+                '{"name": "add", "arguments": {"a": 1, "b": 2}}]', "", [CALL, ADD_CALL]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}',
+     "", [CALL, ADD_CALL]),
+    ("llama3", ' {"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}', " ", [CALL]),
+    ("llama3", '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}', "", [ADD_CALL]),
+    ("llama3", '{"name": "get_weather"', None, []),
+    ("llama3", "The weather is fine.", None, []),
+])
+def test_answers_parse_into_calls(fmt, answer, content, calls):
+    """Each format's calls (several, unclosed at the end of the answer, the two Mistral forms);
+    a cut or unknown call stays content. Streamed in pieces of 3 characters, the content that
+    goes out before the end never holds a call's text."""
+    req = _req(fmt)
+    got_content, got_calls = parse_calls(req, answer)
+    assert got_calls == calls
+    assert got_content == (answer if content is None else content)
+    scan = _CallScan(req)
+    streamed = "".join(scan.push(answer[i:i + 3]) for i in range(0, len(answer), 3))
+    rest, final = scan.finish()
+    assert final == calls and streamed + rest == got_content
+    if calls:
+        assert "get_weather" not in streamed and "add" not in streamed.replace("Let me look", "")
+
+
+def test_hostile_parameter_schemas(models):
+    """A tool's parameters that no grammar can hold, that match nothing or that fill the
+    prompt are a clear error (or, where the grammar engine bounds them, an answer) under a
+    forced call: never a crash or a hang (the schemas of the server's fuzz test)."""
+    from test_fuzz import HOSTILE_SCHEMAS
+    pytest.importorskip("llguidance")
+    llm = models("qwen3", _template("Qwen-Qwen3-0.6B"))
+    for schema in HOSTILE_SCHEMAS:
+        tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+        try:
+            r = llm.create_chat_completion(messages=QUESTION, tools=[tool], tool_choice="required", max_tokens=8)
+        except CyllmError:          # InvalidArgumentError, or ContextFullError: the tools fill the prompt
+            continue
+        assert r["choices"][0]["finish_reason"] in ("length", "tool_calls", "stop")
