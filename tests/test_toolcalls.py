@@ -85,6 +85,39 @@ def test_tools_render_as_transformers_renders_them(family_material, models, name
         assert "get_weather" in want
 
 
+def test_tool_use_template_as_transformers_picks_it(family_material, tmp_path):
+    """A model that ships two named templates ("default" and "tool_use", as Hermes 2 Pro and
+    Command R do in tokenizer_config.json) renders requests with tools with the second and
+    the rest with the first, as transformers picks them."""
+    import shutil
+
+    from transformers import AutoTokenizer
+    d = tmp_path / "two-templates"
+    shutil.copytree(family_material.hf_dir("qwen3"), d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [{"name": "default", "template": _template("Qwen-Qwen2.5-7B-Instruct")},
+                            {"name": "tool_use", "template": _template("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use")}]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (d / "chat_template.jinja").unlink(missing_ok=True)
+    llm = cyllm.load(d, backend="numpy")
+    hf = AutoTokenizer.from_pretrained(d)
+    for tools in (None, TOOLS):
+        want = hf.apply_chat_template(QUESTION, tools=tools, tokenize=False, add_generation_prompt=True)
+        assert llm.tokenizer.apply_chat_template(QUESTION, **({"tools": tools} if tools else {})) == want
+    assert "You are a function calling AI model" in want
+    # llama.cpp's converter writes the second as tokenizer.chat_template.tool_use
+    from llamacpp_tools import convert_hf_to_gguf
+    from tinymodels import GGUF_PRE, KIND_TOKENIZER
+    try:
+        gguf = convert_hf_to_gguf(d, tmp_path / "two.gguf", "f32", pre=GGUF_PRE[KIND_TOKENIZER["qwen3"]])
+    except LlamaCppUnavailable as e:
+        pytest.skip(f"llama.cpp's converter is unavailable: {e}")
+    tok = cyllm.load(gguf, backend="numpy").tokenizer
+    assert tok.apply_chat_template(QUESTION, tools=TOOLS) == want
+    assert tok.apply_chat_template(QUESTION) == hf.apply_chat_template(QUESTION, tokenize=False,
+                                                                       add_generation_prompt=True)
+
+
 def _schema(name):
     return {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[name]
 

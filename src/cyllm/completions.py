@@ -116,7 +116,7 @@ def create_chat_completion(llm, messages, *, max_tokens: int | None = None,
     if max_tokens is not None and max_completion_tokens is not None and max_tokens != max_completion_tokens:
         raise InvalidArgumentError("max_tokens and max_completion_tokens are the same option: give one")
     limit = max_completion_tokens if max_completion_tokens is not None else max_tokens
-    calls = check_tools(tools, tool_choice, _tokenizer(llm).chat_template)
+    calls = check_tools(tools, tool_choice, _tokenizer(llm).template_source(tools=bool(tools)))
     forced = tool_grammar(calls) if calls is not None else None
     if forced is not None and response_format is not None and response_format != {"type": "text"}:
         raise InvalidArgumentError("response_format cannot be combined with a tool_choice that forces a call")

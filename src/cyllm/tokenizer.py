@@ -28,7 +28,7 @@ class Tokenizer:
     def __init__(self, tok, bos_id: int | None, eos_ids, chat_template: str | None = None,
                  bos_token: str | None = None, eos_token: str | None = None,
                  add_bos: bool | None = None, template_vars: dict | None = None,
-                 aliases: dict[int, int] | None = None):
+                 aliases: dict[int, int] | None = None, tool_template: str | None = None):
         self._tok = tok
         self._vocab = tok.get_vocab_size(with_added_tokens=True)
         # id -> the id of the same piece: a GGUF token list may spell one piece twice, and the
@@ -42,6 +42,9 @@ class Tokenizer:
         self._eos_order = order
         self._eos = frozenset(order)
         self.chat_template = chat_template
+        # the template a model ships for requests with tools, where it ships two (tokenizer_config's
+        # "tool_use" entry, GGUF's tokenizer.chat_template.tool_use: Hermes 2 Pro, Command R)
+        self.tool_template = tool_template
         # special-token strings for the template; fall back to the vocab's spelling
         if bos_token is None and bos_id is not None:
             bos_token = tok.id_to_token(bos_id)
@@ -51,8 +54,7 @@ class Tokenizer:
         self.eos_token = eos_token
         self.add_bos = add_bos
         self._template_vars = dict(template_vars or {})
-        self._compiled = None
-        self._compiled_from: str | None = None     # the source _compiled was built from
+        self._compiled: dict[str, tuple] = {}       # "chat" | "tool" -> (source, compiled template)
         self._bytes = None
         self._pieces = None     # _PieceBytes, built on the first token_bytes()
 
@@ -142,22 +144,30 @@ class Tokenizer:
         return StreamDecoder(self, skip_special_tokens)
 
     # ---------------------------------------------------------- chat template
-    def _template(self):
+    def template_source(self, tools: bool = False) -> str | None:
+        """The template a conversation renders with: the tool-use one for requests with tools,
+        where the model ships one."""
+        return self.tool_template if tools and self.tool_template else self.chat_template
+
+    def _template(self, tools: bool = False):
         # compiled for the source it was built from: chat_template is a plain attribute, and a
         # template assigned to it later must not render with the old one
-        if self._compiled is None or self._compiled_from is not self.chat_template:
-            if not self.chat_template:
+        kind = "tool" if tools and self.tool_template else "chat"
+        source = self.template_source(tools)
+        done = self._compiled.get(kind)
+        if done is None or done[0] is not source:
+            if not source:
                 raise TokenizerError(
                     "this model has no chat template (no chat_template in tokenizer_config.json "
                     "or chat_template.jinja); pass a plain prompt instead")
-            self._compiled = _compile_template(self.chat_template)
-            self._compiled_from = self.chat_template
-        return self._compiled
+            done = self._compiled[kind] = (source, _compile_template(source))
+        return done[1]
 
     def set_chat_template(self, source: str) -> None:
         """Use ``source`` (jinja text) as the chat template; compiled now, so a bad one fails at once."""
-        self._compiled = _compile_template(source)
-        self._compiled_from = self.chat_template = source
+        self._compiled["chat"] = (source, _compile_template(source))
+        self.chat_template = source
+        self.tool_template = None           # a template given by hand renders tool requests too
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
         """Render ``messages`` ([{"role", "content"}, ...]) to the prompt string.
@@ -169,7 +179,7 @@ class Tokenizer:
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise InvalidArgumentError(
                 "messages must be a list of {'role': ..., 'content': ...} dicts")
-        template = self._template()
+        template = self._template(tools=bool(kwargs.get("tools")))
         variables = dict(self._template_vars)
         variables.update(bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         variables.update(kwargs)
@@ -212,6 +222,7 @@ class Tokenizer:
             bos_id = None
 
         template = _pick_template(tcfg)
+        tool_template = _pick_template(tcfg, "tool_use")
         jpath = d / "chat_template.jinja"
         if jpath.is_file():
             template = read_template_file(jpath)
@@ -226,7 +237,7 @@ class Tokenizer:
             extra["additional_special_tokens"] = [t for t in (_token_value(tcfg, "additional_special_tokens", x)
                                                               for x in add) if t]
         return cls(tok, bos_id, eos_ids, chat_template=template, bos_token=bos_token,
-                   eos_token=eos_token, add_bos=None, template_vars=extra)
+                   eos_token=eos_token, add_bos=None, template_vars=extra, tool_template=tool_template)
 
 
 class StreamDecoder:
@@ -404,20 +415,20 @@ def _token_str(cfg: JsonObject, key: str) -> str | None:
     return _token_value(cfg, key, cfg.get(key))
 
 
-def _pick_template(cfg: JsonObject) -> str | None:
+def _pick_template(cfg: JsonObject, name: str = "default") -> str | None:
     """chat_template of tokenizer_config.json: a string, or a list of {"name", "template"}
-    (the one named "default", or the only one)."""
+    (the one named ``name``; for "default", else the only one)."""
     value = cfg.get("chat_template")
     if value is None or isinstance(value, str):
-        return value
+        return value if name == "default" else None
     want = 'a string or a list of {"name": string, "template": string}'
     if not isinstance(value, list) or not all(
             isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
             for t in value):
         raise cfg.fail("chat_template", want, value)
     named = {t["name"]: t["template"] for t in value}
-    if "default" in named:
-        return named["default"]
-    if len(named) == 1:
+    if name in named:
+        return named[name]
+    if name == "default" and len(named) == 1:
         return next(iter(named.values()))
     return None

@@ -173,6 +173,7 @@ class GGUFTokenizerInfo:
     add_bos: bool
     add_eos: bool
     chat_template: str | None
+    tool_template: str | None       # tokenizer.chat_template.tool_use (a second template, for tools)
     aliases: dict[int, int]         # ids whose piece an earlier id spells too -> that id
     n_tokens: int                   # the token list's length: every id below it decodes
 
@@ -345,7 +346,8 @@ def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenize
         eos_token=name(eos_ids[0]) if eos_ids else None, unk_token=name(unk_id), pad_token=name(pad_id),
         add_bos=_flag(md, where, "tokenizer.ggml.add_bos_token", add_bos_default),
         add_eos=_flag(md, where, "tokenizer.ggml.add_eos_token", False),
-        chat_template=template, aliases=aliases, n_tokens=len(tokens))
+        chat_template=template, tool_template=_text(md, where, "tokenizer.chat_template.tool_use"),
+        aliases=aliases, n_tokens=len(tokens))
 
 
 def make_tokenizer(info: GGUFTokenizerInfo):
@@ -353,6 +355,6 @@ def make_tokenizer(info: GGUFTokenizerInfo):
     from ..tokenizer import Tokenizer
     tok = Tokenizer(info.tokenizer, info.bos_id, list(info.eos_ids), chat_template=info.chat_template,
                     bos_token=info.bos_token, eos_token=info.eos_token, add_bos=info.add_bos,
-                    aliases=info.aliases)
+                    aliases=info.aliases, tool_template=info.tool_template)
     tok.cover_ids(info.n_tokens)
     return tok
