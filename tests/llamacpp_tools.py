@@ -313,6 +313,13 @@ except ImportError:   # imported outside pytest: no fixtures
     pytest = None
 
 if pytest is not None:
+    def or_skip(fn, *args):
+        """fn(*args), the test skipped (not failed) where llama.cpp's source cannot be had."""
+        try:
+            return fn(*args)
+        except LlamaCppUnavailable as e:
+            pytest.skip(f"llama.cpp's source is unavailable (no network to PyPI?): {e}")
+
     @pytest.fixture(scope="session")
     def family_material(tmp_path_factory) -> FamilyMaterial:
         """One FamilyMaterial per test session (shared by every module that imports this)."""
@@ -324,8 +331,5 @@ if pytest is not None:
     def family_gguf(family_material):
         """``family_gguf(kind, outtype="f32") -> Path``; skips when llama.cpp's source cannot be had."""
         def get(kind: str, outtype: str = "f32") -> Path:
-            try:
-                return family_material.gguf(kind, outtype)
-            except LlamaCppUnavailable as e:
-                pytest.skip(f"llama.cpp's converter is unavailable (no network to PyPI?): {e}")
+            return or_skip(family_material.gguf, kind, outtype)
         return get

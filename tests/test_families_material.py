@@ -30,8 +30,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from llamacpp_tools import (GGUF_KINDS, VOCABS, LlamaCppUnavailable, family_gguf,  # noqa: E402,F401
-                            family_material, llamacpp_template, llamacpp_vocab)
+from llamacpp_tools import (GGUF_KINDS, VOCABS, family_gguf,  # noqa: E402,F401
+                            family_material, llamacpp_template, llamacpp_vocab, or_skip)
 from tinymodels import (CORPUS, FAMILY_FEATURES, FAMILY_KINDS, GGUF_PRE, KIND_TOKENIZER,  # noqa: E402
                         KINDS)
 
@@ -520,20 +520,13 @@ _VOCABS = {"llama-bpe": ("llama", "gpt2", "llama-bpe", 128256), "qwen2": ("qwen2
            "qwen35": ("qwen2", "gpt2", "qwen35", 151936)}
 
 
-def _llamacpp(fn, *args):
-    try:
-        return fn(*args)
-    except LlamaCppUnavailable as e:
-        pytest.skip(f"llama.cpp's source is unavailable (no network to PyPI?): {e}")
-
-
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_llamacpp_vocab_vectors(vocab):
     """The real vocabularies and llama.cpp's expected token ids are there: material for the
     GGUF tokenizer tests (texts with emoji, CJK, digits, apostrophes, runs of spaces and
     newlines). The gguf package parses the two 32k SentencePiece ones here; the 50k-150k
     BPE ones take it 10-50 s on this machine, so only their magic is checked."""
-    path, cases = _llamacpp(llamacpp_vocab, vocab)
+    path, cases = or_skip(llamacpp_vocab, vocab)
     arch, model, pre, n = _VOCABS[vocab]
     assert path.read_bytes()[:4] == b"GGUF"
     if n <= 32064:
@@ -552,5 +545,5 @@ def test_llamacpp_vocab_vectors(vocab):
                                   "microsoft-Phi-3.5-mini-instruct", "google-gemma-2-2b-it",
                                   "mistralai-Mistral-Nemo-Instruct-2407"])
 def test_llamacpp_real_chat_templates(name):
-    text = _llamacpp(llamacpp_template, name)
+    text = or_skip(llamacpp_template, name)
     assert "{%" in text and "messages" in text

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llamacpp_tools import LlamaCppUnavailable, family_material, llamacpp_template  # noqa: E402,F401
+from llamacpp_tools import family_material, llamacpp_template, or_skip  # noqa: E402,F401
 
 import cyllm  # noqa: E402
 from cyllm.completions import _CallScan  # noqa: E402
@@ -50,10 +50,7 @@ TEMPLATES = [("Qwen-Qwen2.5-7B-Instruct", "qwen2", "hermes"), ("Qwen-Qwen3-0.6B"
 
 
 def _template(name):
-    try:
-        return llamacpp_template(name)
-    except LlamaCppUnavailable as e:
-        pytest.skip(f"llama.cpp's templates are unavailable: {e}")
+    return or_skip(llamacpp_template, name)
 
 
 @pytest.fixture(scope="module")
@@ -108,10 +105,7 @@ def test_tool_use_template_as_transformers_picks_it(family_material, tmp_path):
     # llama.cpp's converter writes the second as tokenizer.chat_template.tool_use
     from llamacpp_tools import convert_hf_to_gguf
     from tinymodels import GGUF_PRE, KIND_TOKENIZER
-    try:
-        gguf = convert_hf_to_gguf(d, tmp_path / "two.gguf", "f32", pre=GGUF_PRE[KIND_TOKENIZER["qwen3"]])
-    except LlamaCppUnavailable as e:
-        pytest.skip(f"llama.cpp's converter is unavailable: {e}")
+    gguf = or_skip(convert_hf_to_gguf, d, tmp_path / "two.gguf", "f32", GGUF_PRE[KIND_TOKENIZER["qwen3"]])
     tok = cyllm.load(gguf, backend="numpy").tokenizer
     assert tok.apply_chat_template(QUESTION, tools=TOOLS) == want
     assert tok.apply_chat_template(QUESTION) == hf.apply_chat_template(QUESTION, tokenize=False,
