@@ -13,6 +13,7 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -21,7 +22,8 @@ from llamacpp_tools import family_material, llamacpp_template, or_skip  # noqa: 
 import cyllm  # noqa: E402
 from cyllm.completions import _CallScan  # noqa: E402
 from cyllm.errors import CyllmError, InvalidArgumentError  # noqa: E402
-from cyllm.toolcalls import ToolRequest, check_tools, parse_calls, tool_format  # noqa: E402
+from cyllm.toolcalls import (ToolRequest, check_tools, history_arguments, parse_calls, tool_format,  # noqa: E402
+                             tool_grammar)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city",
@@ -33,6 +35,12 @@ ADD = {"type": "function", "function": {
     "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"],
                    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
                                   "b": {"type": "integer", "minimum": 0, "maximum": 9}}}}}
+# parameters as pydantic (and openai.pydantic_function_tool) write them: "#/$defs/..." references
+WHERE = {"type": "function", "function": {
+    "name": "where", "description": "where a city is",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "$defs": {"City": {"type": "string", "enum": ["Paris", "Lima"]}},
+                   "properties": {"city": {"$ref": "#/$defs/City"}}}}}
 TOOLS = [WEATHER, ADD]
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 # a conversation that went through one call (ids of 9 letters and digits: Mistral's rule)
@@ -76,10 +84,12 @@ def test_tools_render_as_transformers_renders_them(family_material, models, name
     llm = models(kind, template)
     hf = AutoTokenizer.from_pretrained(family_material.hf_dir(kind))
     for messages in (QUESTION, HISTORY):
-        want = hf.apply_chat_template(messages, tools=TOOLS, chat_template=template, tokenize=False,
-                                      add_generation_prompt=True)
-        assert llm.tokenizer.apply_chat_template(messages, tools=TOOLS) == want
-        assert "get_weather" in want
+        # earlier calls' arguments as objects, as cyllm hands them to the template
+        want = hf.apply_chat_template(history_arguments(messages), tools=TOOLS, chat_template=template,
+                                      tokenize=False, add_generation_prompt=True)
+        assert "get_weather" in want and '\\"city' not in want
+        got = llm.create_chat_completion(messages=messages, tools=TOOLS, max_tokens=1)["usage"]["prompt_tokens"]
+        assert got == len(llm.tokenizer.encode(want, add_special_tokens=False))
 
 
 def test_tool_use_template_as_transformers_picks_it(family_material, tmp_path):
@@ -110,17 +120,30 @@ def test_tool_use_template_as_transformers_picks_it(family_material, tmp_path):
     assert tok.apply_chat_template(QUESTION, tools=TOOLS) == want
     assert tok.apply_chat_template(QUESTION) == hf.apply_chat_template(QUESTION, tokenize=False,
                                                                        add_generation_prompt=True)
+    # and cyllm's own writers keep it: quantize (HF -> GGUF) and convert (GGUF -> HF, read by transformers)
+    from cyllm.tools.convert import convert_gguf_to_hf
+    from cyllm.tools.quantize import quantize
+    quantize(d, tmp_path / "two-q8.gguf", "q8_0")
+    assert cyllm.load(tmp_path / "two-q8.gguf", backend="numpy").tokenizer.apply_chat_template(
+        QUESTION, tools=TOOLS) == want
+    back = AutoTokenizer.from_pretrained(convert_gguf_to_hf(gguf, tmp_path / "back"))
+    assert back.apply_chat_template(QUESTION, tools=TOOLS, tokenize=False, add_generation_prompt=True) == want
+    # a template set by hand renders tool requests too
+    tok.chat_template = _template("Qwen-Qwen3-0.6B")
+    assert tok.apply_chat_template(QUESTION, tools=TOOLS) == hf.apply_chat_template(
+        QUESTION, tools=TOOLS, chat_template=_template("Qwen-Qwen3-0.6B"), tokenize=False, add_generation_prompt=True)
 
 
 def _schema(name):
-    return {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[name]
+    return {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS + [WHERE]}[name]
 
 
 @pytest.mark.parametrize("name,kind", [("Qwen-Qwen3-0.6B", "qwen3"), ("meta-llama-Llama-3.2-3B-Instruct", "llama32")])
 def test_forced_calls_through_the_openai_client(models, name, kind):
     """tool_choice "required" and a named function, on the HTTP server, read by the openai
     client: one call of an offered function, its arguments valid for its parameters
-    (jsonschema), finish_reason "tool_calls" and no content; streamed deltas give the same."""
+    (jsonschema, which follows WHERE's $defs), finish_reason "tool_calls" and no content;
+    streamed deltas give the same."""
     openai = pytest.importorskip("openai")
     jsonschema = pytest.importorskip("jsonschema")
     pytest.importorskip("llguidance")
@@ -129,17 +152,19 @@ def test_forced_calls_through_the_openai_client(models, name, kind):
     srv, thread, url = start_server(llm)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-        for choice, want in (("required", None), ({"type": "function", "function": {"name": "add"}}, "add")):
+        tools = TOOLS + [WHERE]
+        for choice, want in (("required", None), ({"type": "function", "function": {"name": "add"}}, "add"),
+                             ({"type": "function", "function": {"name": "where"}}, "where")):
             for seed in (1, 2):
-                r = client.chat.completions.create(model="m", messages=QUESTION, tools=TOOLS, tool_choice=choice,
+                r = client.chat.completions.create(model="m", messages=QUESTION, tools=tools, tool_choice=choice,
                                                    max_tokens=80, seed=seed)
                 c = r.choices[0]
                 assert c.finish_reason == "tool_calls" and c.message.content is None
                 (call,) = c.message.tool_calls
                 assert call.type == "function" and len(call.id) == 9 and call.id.isalnum()
-                assert call.function.name in ("get_weather", "add") and want in (None, call.function.name)
+                assert call.function.name in ("get_weather", "add", "where") and want in (None, call.function.name)
                 jsonschema.validate(json.loads(call.function.arguments), _schema(call.function.name))
-                stream = client.chat.completions.create(model="m", messages=QUESTION, tools=TOOLS,
+                stream = client.chat.completions.create(model="m", messages=QUESTION, tools=tools,
                                                         tool_choice=choice, max_tokens=80, seed=seed, stream=True)
                 name_, args, finish, text = "", "", None, ""
                 for chunk in stream:
@@ -182,9 +207,55 @@ def test_tool_requests_checked(models):
     with pytest.raises(InvalidArgumentError, match="no tool-call format"):
         llm.create_chat_completion(**ask, tools=TOOLS)
     assert llm.create_chat_completion(**ask, tools=TOOLS, tool_choice="none")["choices"][0]["finish_reason"]
-    mistral = _template("mistralai-Mistral-Nemo-Instruct-2407")
-    with pytest.raises(InvalidArgumentError, match="control token"):
-        check_tools(TOOLS, "required", mistral)
+    # a non-object schema cannot be a function's arguments; parallel_tool_calls is a boolean
+    for bad, msg in (({"type": "string"}, "schema of an object"), ({"type": "array"}, "schema of an object")):
+        with pytest.raises(InvalidArgumentError, match=msg):
+            check_tools([{"type": "function", "function": {"name": "f", "parameters": bad}}], "auto",
+                        _template("Qwen-Qwen3-0.6B"))
+    with pytest.raises(InvalidArgumentError, match="parallel_tool_calls"):
+        check_tools(TOOLS, "auto", _template("Qwen-Qwen3-0.6B"), "yes")
+    # Mistral's forced call starts with its control token: a vocabulary without one cannot
+    req = check_tools(TOOLS, "required", _template("mistralai-Mistral-Nemo-Instruct-2407"))
+    with pytest.raises(InvalidArgumentError, match="no \\[TOOL_CALLS\\] token"):
+        tool_grammar(req, lambda text: None)
+
+
+@pytest.mark.parametrize("name,fmt", [("Qwen3-Coder", None), ("GLM-4.6", None), ("unsloth-Apriel-1.5", None),
+                                      ("CohereForAI-c4ai-command-r7b-12-2024-tool_use", None),
+                                      ("Qwen-QwQ-32B", "hermes"), ("meta-llama-Llama-3.3-70B-Instruct", "llama3"),
+                                      ("Mistral-Small-3.2-24B-Instruct-2506", "mistral"),
+                                      ("unsloth-mistral-Devstral-Small-2507", "mistral")])
+def test_call_formats_of_more_templates(name, fmt):
+    """Templates whose calls this module does not read (Qwen3-Coder's XML, GLM's, Apriel's
+    list, Command R's) take no tools; the rest get their format."""
+    assert tool_format(_template(name)) == fmt
+
+
+def test_forced_grammars_compile(models):
+    """The grammars of every format and choice compile against a real vocabulary, a forced
+    Mistral call opens with the control token alone, and a schema with $defs keeps them."""
+    llg = pytest.importorskip("llguidance")
+    from cyllm.grammar import GrammarConstraint, ll_tokenizer
+    llm = models("qwen3", _template("Qwen-Qwen3-0.6B"))
+    lt = ll_tokenizer(llm)
+    special = llm.tokenizer.token_to_id("<|im_start|>")
+    refs = {"type": "object", "$defs": {"City": {"type": "string", "enum": ["Paris", "Lima"]}},
+            "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"]}
+    tools = TOOLS + [{"type": "function", "function": {"name": "where", "parameters": refs}}]
+    for fmt, args_form in (("hermes", False), ("llama3", False), ("mistral", False), ("mistral", True)):
+        for choice in ("required", "where"):
+            req = ToolRequest(tools=check_tools(tools, "auto", _template("Qwen-Qwen3-0.6B")).tools, choice=choice,
+                              format=fmt, args_form=args_form)
+            g = tool_grammar(req, lambda text: special)
+            bad, msgs = llg.LLMatcher.validate_grammar_with_warnings(g, lt)
+            assert not bad, (fmt, choice, msgs)
+            x = np.zeros(llm.config.vocab_size, np.float32)
+            GrammarConstraint(llm, g).apply(x)          # the first token's mask
+            allowed = np.flatnonzero(np.isfinite(x)).tolist()
+            if fmt == "mistral":
+                assert allowed == [special]
+            else:
+                assert special not in allowed and len(allowed) > 0
 
 
 def _req(fmt):
@@ -210,6 +281,21 @@ ADD_CALL = {"name": "add", "arguments": '{"a": 1, "b": 2}'}
     ("llama3", '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}', "", [ADD_CALL]),
     ("llama3", '{"name": "get_weather"', None, []),
     ("llama3", "The weather is fine.", None, []),
+    # a reasoning block that mentions the tag is not a call; the call after it is
+    ("hermes", '<think>\nI should emit a <tool_call> for it.\n</think>\n\n<tool_call>\n{"name": "get_weather", '
+               '"arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
+     "<think>\nI should emit a <tool_call> for it.\n</think>\n\n", [CALL]),
+    # text between calls, and a block that is no call, stay content
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call> and '
+               '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+     ' and <tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', [ADD_CALL]),
+    ("hermes", '<tool_call>{"name": "add", "arguments": "[1, 2]"}</tool_call>', None, []),
+    ("hermes", '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>', "", [ADD_CALL]),
+    ("mistral", '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris", "days": 2}', "", [CALL]),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}; '
+               '{"name": "add", "parameters": {"a": 1, "b": 2}}', "", [CALL, ADD_CALL]),
+    ("llama3", '<think>{"name": "x"}</think>{"name": "add", "parameters": {"a": 1, "b": 2}}',
+     '<think>{"name": "x"}</think>', [ADD_CALL]),
 ])
 def test_answers_parse_into_calls(fmt, answer, content, calls):
     """Each format's calls (several, unclosed at the end of the answer, the two Mistral forms);
@@ -241,3 +327,10 @@ def test_hostile_parameter_schemas(models):
         except CyllmError:          # InvalidArgumentError, or ContextFullError: the tools fill the prompt
             continue
         assert r["choices"][0]["finish_reason"] in ("length", "tool_calls", "stop")
+
+
+def test_parallel_tool_calls_false_keeps_the_first():
+    req = ToolRequest(tools=TOOLS, choice="auto", format="hermes", parallel=False)
+    answer = ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+              '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}</tool_call>')
+    assert parse_calls(req, answer) == ("", [ADD_CALL])

@@ -33,7 +33,8 @@ from .errors import ContextFullError, InvalidArgumentError, TokenizerError
 from .generate import GenerationStats, Session, StopScanner, check_stop, generate_tokens, sampling_params
 from .jsonio import short
 from .sampling import LogprobReader, Sampler, SamplingParams
-from .toolcalls import ToolRequest, call_start, check_tools, new_call_id, parse_calls, tool_grammar
+from .toolcalls import (ToolRequest, call_start, check_tools, history_arguments, new_call_id, parse_calls,
+                        tool_grammar)
 
 DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
                 frequency_penalty=0.0, presence_penalty=0.0)
@@ -43,7 +44,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # accepted and ignored (OpenAI fields with no effect on one local model), or accepted
 # only at the value that means "off"
-_IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+_IGNORED = ("user", "metadata", "store", "service_tier")
 _OFF_VALUES = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
                "logit_bias": (None, {}), "functions": (None, []), "function_call": (None, "none", "auto")}
 
@@ -102,7 +103,7 @@ def create_chat_completion(llm, messages, *, max_tokens: int | None = None,
                            seed: int | None = None, stop: str | list[str] | None = None, stream: bool = False,
                            stream_options: dict | None = None, logprobs: bool | None = None,
                            top_logprobs: int | None = None, response_format: dict | None = None,
-                           tools: list | None = None, tool_choice=None,
+                           tools: list | None = None, tool_choice=None, parallel_tool_calls: bool | None = None,
                            model: str | None = None, stats: GenerationStats | None = None,
                            cancel: Callable[[], bool] | None = None, **other):
     """Answer a conversation ([{"role", "content"}, ...]) with the model's chat template.
@@ -116,8 +117,9 @@ def create_chat_completion(llm, messages, *, max_tokens: int | None = None,
     if max_tokens is not None and max_completion_tokens is not None and max_tokens != max_completion_tokens:
         raise InvalidArgumentError("max_tokens and max_completion_tokens are the same option: give one")
     limit = max_completion_tokens if max_completion_tokens is not None else max_tokens
-    calls = check_tools(tools, tool_choice, _tokenizer(llm).template_source(tools=bool(tools)))
-    forced = tool_grammar(calls) if calls is not None else None
+    tok = _tokenizer(llm)
+    calls = check_tools(tools, tool_choice, tok.template_source(tools=bool(tools)), parallel_tool_calls)
+    forced = tool_grammar(calls, tok.token_to_id) if calls is not None else None
     if forced is not None and response_format is not None and response_format != {"type": "text"}:
         raise InvalidArgumentError("response_format cannot be combined with a tool_choice that forces a call")
     ids = _chat_ids(llm, messages, calls.tools if calls is not None else None)
@@ -287,7 +289,7 @@ def _chat_ids(llm, messages, tools: list | None = None) -> list[int]:
             msg["role"] = "system"
         rendered.append(msg)
     extra = {"tools": tools} if tools else {}
-    text = tok.apply_chat_template(rendered, add_generation_prompt=True, **extra)
+    text = tok.apply_chat_template(history_arguments(rendered), add_generation_prompt=True, **extra)
     ids = tok.encode(text, add_special_tokens=False)     # the template writes BOS itself
     if not ids:
         raise InvalidArgumentError("the conversation renders to an empty prompt")
@@ -401,6 +403,8 @@ def _chat_chunks(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[
         lp = {"content": _chat_logprobs(tok, entries), "refusal": None} if req.logprobs is not None else None
         if scan is not None:
             text = scan.push(text)        # a call's text is held back until it is whole
+            if not text and lp is None:
+                continue
         yield chunk({"content": text}, logprobs=lp)
     if stats.stop_reason == "cancelled":
         return

@@ -41,7 +41,7 @@ class Tokenizer:
                 order.append(int(i))
         self._eos_order = order
         self._eos = frozenset(order)
-        self.chat_template = chat_template
+        self._chat_template = chat_template
         # the template a model ships for requests with tools, where it ships two (tokenizer_config's
         # "tool_use" entry, GGUF's tokenizer.chat_template.tool_use: Hermes 2 Pro, Command R)
         self.tool_template = tool_template
@@ -144,6 +144,16 @@ class Tokenizer:
         return StreamDecoder(self, skip_special_tokens)
 
     # ---------------------------------------------------------- chat template
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, source: str | None) -> None:
+        """A template set by hand renders every conversation, with tools or without."""
+        self._chat_template = source
+        self.tool_template = None
+
     def template_source(self, tools: bool = False) -> str | None:
         """The template a conversation renders with: the tool-use one for requests with tools,
         where the model ships one."""
@@ -167,7 +177,6 @@ class Tokenizer:
         """Use ``source`` (jinja text) as the chat template; compiled now, so a bad one fails at once."""
         self._compiled["chat"] = (source, _compile_template(source))
         self.chat_template = source
-        self.tool_template = None           # a template given by hand renders tool requests too
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
         """Render ``messages`` ([{"role", "content"}, ...]) to the prompt string.

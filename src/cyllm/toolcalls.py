@@ -5,18 +5,20 @@ A model calls a tool in the format its chat template teaches it; the template's 
 tells which (checked against the real templates of llama.cpp's tests):
 
 - "hermes": ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, a block a call
-  (Qwen2.5, Qwen3, Hermes 2/3);
+  (Qwen2.5, Qwen3, QwQ, Hermes 2 Pro/3);
 - "mistral": ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (Mistral Nemo), or
-  ``[TOOL_CALLS]name[ARGS]{...}`` a call (Mistral Small 3.2, Devstral);
-- "llama3": the whole answer one object ``{"name": ..., "parameters": {...}}``, after
-  ``<|python_tag|>`` where the model writes one (Llama 3.1-3.3).
+  ``[TOOL_CALLS]name[ARGS]{...}`` a call, with ``[CALL_ID]id`` before ``[ARGS]`` where the
+  template writes one (Mistral Small 3.2, Devstral, Ministral 3);
+- "llama3": the answer one object ``{"name": ..., "parameters": {...}}`` (or several,
+  separated by ';'), after ``<|python_tag|>`` where the model writes one (Llama 3.1-3.3).
 
-A template that names none of these takes no tools: such a request is refused, not
-answered as if the tools were not there. ``tool_choice`` "required" or one named function
-is enforced by a grammar (llguidance, as response_format is) for the hermes and llama3
-formats, whose calls are plain text; Mistral's start with a control token the grammar
-engine cannot write. Output that looks like a call but does not parse as one (bad JSON,
-a function the request did not offer) stays content, as llama.cpp's server leaves it.
+A template that teaches none of these (Qwen3-Coder's XML calls, GLM's, a template without
+tools) takes no tools: such a request is refused, not answered as if the tools were not
+there. ``tool_choice`` "required" or one named function is enforced by a grammar
+(llguidance, as response_format is); Mistral's calls start with its [TOOL_CALLS] control
+token, which the grammar names by id. Text of a reasoning block (``<think>...</think>``)
+is never a call. A call that does not parse (bad JSON, a function the request did not
+offer) stays content, as llama.cpp's server leaves it.
 """
 
 from __future__ import annotations
@@ -36,13 +38,18 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")     # OpenAI's rule for function name
 _ID_CHARS = string.ascii_letters + string.digits
 # where a call starts in the output, per format (the hold-back of streamed content)
 MARKERS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",), "llama3": ("<|python_tag|>",)}
+# call syntaxes this module does not read: a template that teaches one takes no tools
+_UNREAD = ("<function=", "<arg_key>", "<tool_calls>")
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
 
 @dataclass
 class ToolRequest:
-    tools: list[dict]           # as the request gave them: {"type": "function", "function": {...}}
+    tools: list[dict]           # as the template gets them: {"type": "function", "function": {...}}
     choice: str                 # "auto", "required", or the one function's name
     format: str                 # "hermes" | "mistral" | "llama3"
+    parallel: bool = True       # parallel_tool_calls: False keeps the first call only
+    args_form: bool = False     # mistral: name[ARGS]{...} calls (else one JSON list)
 
     @property
     def names(self) -> set[str]:
@@ -51,26 +58,29 @@ class ToolRequest:
 
 def tool_format(template: str | None) -> str | None:
     """The call format a chat template teaches, or None (it takes no tools)."""
-    if not template or "tools" not in template:
+    if not template or "tools" not in template or any(m in template for m in _UNREAD):
         return None
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
         return "mistral"
-    if '"parameters"' in template:
+    if '"parameters"' in template and "<|start_header_id|>" in template:
         return "llama3"
     return None
 
 
-def check_tools(tools, tool_choice, template: str | None) -> ToolRequest | None:
-    """The request's ``tools`` and ``tool_choice`` checked; None when no tool may be called."""
+def check_tools(tools, tool_choice, template: str | None, parallel=None) -> ToolRequest | None:
+    """The request's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked; None when
+    no tool may be called."""
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidArgumentError(f"parallel_tool_calls must be true or false, got {short(parallel)}")
     if tools is None or tools == []:
         if tool_choice not in (None, "none", "auto"):
             raise InvalidArgumentError(f"tool_choice={short(tool_choice)} needs tools")
         return None
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise InvalidArgumentError(f"tools must be a list of at most {MAX_TOOLS} functions")
-    seen = set()
+    seen, given = set(), []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
@@ -82,10 +92,15 @@ def check_tools(tools, tool_choice, template: str | None) -> ToolRequest | None:
         if name in seen:
             raise InvalidArgumentError(f"tools[{i}]: a second function named {name!r}")
         seen.add(name)
-        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise InvalidArgumentError(f"tools[{i}].function.parameters must be a JSON schema object")
+        params = fn.get("parameters")
+        if params is not None and not (isinstance(params, dict) and params.get("type", "object") == "object"):
+            raise InvalidArgumentError(f"tools[{i}].function.parameters must be a JSON schema of an object")
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise InvalidArgumentError(f"tools[{i}].function.description must be a string")
+        # the fields templates read without checking (Hermes' fail on a tool without them)
+        full = dict(fn, description=fn.get("description") or "",
+                    parameters=params if params is not None else {"type": "object", "properties": {}})
+        given.append(dict(t, function=full))
     if tool_choice is None:
         choice = "auto"
     elif tool_choice in ("none", "auto", "required"):
@@ -102,50 +117,73 @@ def check_tools(tools, tool_choice, template: str | None) -> ToolRequest | None:
         return None
     fmt = tool_format(template)
     if fmt is None:
-        raise InvalidArgumentError("this model's chat template has no tool-call format (it does not "
-                                   "describe tools to the model): tools cannot be used with it")
-    if choice != "auto" and fmt == "mistral":
-        raise InvalidArgumentError(f"tool_choice={short(tool_choice)} cannot be enforced for this model's "
-                                   "tool calls (they start with a control token); use 'auto'")
-    return ToolRequest(tools=tools, choice=choice, format=fmt)
+        raise InvalidArgumentError("this model's chat template has no tool-call format that cyllm reads "
+                                   "(<tool_call> blocks, Mistral's [TOOL_CALLS] or Llama 3's JSON calls): "
+                                   "tools cannot be used with it")
+    return ToolRequest(tools=given, choice=choice, format=fmt, parallel=parallel is not False,
+                       args_form=fmt == "mistral" and "[ARGS]" in template)
 
 
-def tool_grammar(req: ToolRequest) -> str | None:
+def tool_grammar(req: ToolRequest, token_id) -> str | None:
     """llguidance (Lark) grammar that makes the answer one call of the allowed functions
-    (tool_choice "required" or a name); None for "auto"."""
+    (tool_choice "required" or a name); None for "auto". ``token_id(text)``: the id of a
+    special token (Mistral's [TOOL_CALLS]), or None."""
     if req.choice == "auto":
         return None
     key = "parameters" if req.format == "llama3" else "arguments"
-    calls = []
+    rules = []
     for t in req.tools:
         fn = t["function"]
         if req.choice != "required" and fn["name"] != req.choice:
             continue
-        params = fn.get("parameters") or {"type": "object"}
-        calls.append({"type": "object", "properties": {"name": {"const": fn["name"]}, key: params},
-                      "required": ["name", key], "additionalProperties": False})
-    schema = dict(calls[0]) if len(calls) == 1 else {"anyOf": calls}
-    schema["x-guidance"] = JSON_OPTIONS
-    body = f"%json {json.dumps(schema)}"
+        # each schema stays the root of its own %json, so its "#/$defs/..." references resolve
+        args = f"a{len(rules)}: %json {json.dumps(dict(fn['parameters'], **{'x-guidance': JSON_OPTIONS}))}"
+        if req.args_form:
+            head = json.dumps(fn["name"] + "[ARGS]")
+            rules.append((f"{head} a{len(rules)}", args))
+        else:
+            head = json.dumps('{"name": ' + json.dumps(fn["name"]) + f', "{key}": ')
+            rules.append((f'{head} a{len(rules)} "}}"', args))
+    lines = ["call: " + " | ".join(f"c{i}" for i in range(len(rules)))]
+    for i, (body, args) in enumerate(rules):
+        lines += [f"c{i}: {body}", args]
     if req.format == "hermes":
-        return f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {body}\n'
-    return f"start: {body}\n"
+        start = r'start: "<tool_call>\n" call "\n</tool_call>"'
+    elif req.format == "llama3":
+        start = "start: call"
+    else:
+        tid = token_id("[TOOL_CALLS]")
+        if tid is None:
+            raise InvalidArgumentError("tool_choice cannot be enforced: the vocabulary has no [TOOL_CALLS] token")
+        start = f"start: <[{int(tid)}]> call" if req.args_form else f'start: <[{int(tid)}]> "[" call "]"'
+    return "\n".join([start] + lines) + "\n"
+
+
+def _search_from(text: str) -> int:
+    """Where calls may be looked for: after a closed reasoning block; nowhere inside an open one."""
+    close = text.rfind(_THINK_CLOSE)
+    if close >= 0:
+        return close + len(_THINK_CLOSE)
+    return len(text) if _THINK_OPEN in text else 0
 
 
 def call_start(req: ToolRequest, text: str) -> int:
     """Where a call may begin in ``text`` (the output so far): the first marker, or a
     trailing part of one still being written; len(text) if none. The llama3 format's
-    bare object counts from the start of an answer that opens with '{'."""
-    if req.format == "llama3" and text.lstrip().startswith("{"):
-        return len(text) - len(text.lstrip())
+    bare object counts from the start of an answer (or of what follows its reasoning)
+    that opens with '{'."""
+    base = _search_from(text)
+    rest = text[base:]
+    if req.format == "llama3" and rest.lstrip().startswith("{"):
+        return base + len(rest) - len(rest.lstrip())
     best = len(text)
     for m in MARKERS[req.format]:
-        i = text.find(m)
+        i = rest.find(m)
         if i >= 0:
-            best = min(best, i)
+            best = min(best, base + i)
             continue
-        for k in range(min(len(m) - 1, len(text)), 0, -1):      # text ends with m[:k]
-            if text.endswith(m[:k]):
+        for k in range(min(len(m) - 1, len(rest)), 0, -1):      # text ends with m[:k]
+            if rest.endswith(m[:k]):
                 best = min(best, len(text) - k)
                 break
     return best
@@ -153,16 +191,19 @@ def call_start(req: ToolRequest, text: str) -> int:
 
 def parse_calls(req: ToolRequest, text: str) -> tuple[str, list[dict]]:
     """(content, calls) of a whole answer; calls: [{"name", "arguments" (a JSON string)}].
-    An answer whose calls do not all parse is all content."""
+    Text that does not parse as calls of the offered functions is content."""
     start = call_start(req, text)
     head, tail = text[:start], text[start:]
     try:
-        calls = {"hermes": _hermes, "mistral": _mistral, "llama3": _llama3}[req.format](tail)
+        if req.format == "hermes":
+            other, calls = _hermes(tail, req.names)
+        else:
+            other, calls = "", (_mistral if req.format == "mistral" else _llama3)(tail)
     except (ValueError, TypeError, KeyError, AttributeError):
         return text, []
     if not calls or any(c["name"] not in req.names for c in calls):
         return text, []
-    return head, calls
+    return head + other, calls if req.parallel else calls[:1]
 
 
 def new_call_id() -> str:
@@ -170,26 +211,61 @@ def new_call_id() -> str:
     return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
 
 
+def history_arguments(messages: list[dict]) -> list[dict]:
+    """The conversation with earlier calls' arguments as objects: OpenAI clients send them as
+    JSON text, and templates that write them with tojson (Llama 3, Mistral) would quote
+    that text again; llama.cpp's server turns them into objects the same way."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if isinstance(calls, list):
+            fixed = []
+            for c in calls:
+                fn = c.get("function") if isinstance(c, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    try:
+                        args = json.loads(fn["arguments"])
+                    except ValueError:
+                        args = None
+                    if isinstance(args, dict):
+                        c = dict(c, function=dict(fn, arguments=args))
+                fixed.append(c)
+            m = dict(m, tool_calls=fixed)
+        out.append(m)
+    return out
+
+
 def _call(obj, key: str = "arguments") -> dict:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         raise ValueError("not a call")
     args = obj.get(key, obj.get("arguments", obj.get("parameters", {})))
     if isinstance(args, str):
-        json.loads(args)                 # a JSON string already: it must hold JSON
-        return {"name": obj["name"], "arguments": args}
+        args = json.loads(args)          # arguments written as JSON text: it must hold an object
     if not isinstance(args, dict):
         raise ValueError("arguments must be an object")
     return {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}
 
 
-def _hermes(tail: str) -> list[dict]:
-    calls = []
-    for block in tail.split("<tool_call>")[1:]:
-        body, closed, rest = block.partition("</tool_call>")
-        if closed and rest.strip():
-            raise ValueError("text after a call")
-        calls.append(_call(json.loads(body)))
-    return calls
+def _hermes(tail: str, names: set[str]) -> tuple[str, list[dict]]:
+    """(text outside the calls, calls): a block that does not parse as a call of an offered
+    function stays text."""
+    other, calls = [], []
+    for k, block in enumerate(tail.split("<tool_call>")):
+        if k == 0:
+            other.append(block)
+            continue
+        body, _, rest = block.partition("</tool_call>")
+        try:
+            call = _call(json.loads(body))
+        except (ValueError, TypeError):
+            call = None
+        if call is None or call["name"] not in names:
+            other.append("<tool_call>" + block)
+            continue
+        calls.append(call)
+        other.append(rest)
+    text = "".join(other)
+    return (text if text.strip() else ""), calls
 
 
 def _mistral(tail: str) -> list[dict]:
@@ -205,6 +281,7 @@ def _mistral(tail: str) -> list[dict]:
             name, sep, args = part.partition("[ARGS]")
             if not sep:
                 raise ValueError("no [ARGS]")
+            name = name.partition("[CALL_ID]")[0]
             calls.append(_call({"name": name.strip(), "arguments": json.loads(args)}))
     return calls
 
@@ -212,7 +289,13 @@ def _mistral(tail: str) -> list[dict]:
 def _llama3(tail: str) -> list[dict]:
     body = tail.strip()
     if body.startswith("<|python_tag|>"):
-        body = body[len("<|python_tag|>"):].strip()
-    obj = json.loads(body)
-    objs = obj if isinstance(obj, list) else [obj]
-    return [_call(o, "parameters") for o in objs]
+        body = body[len("<|python_tag|>"):]
+    dec, calls, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(body) and body[i] in " \t\r\n;":
+            i += 1
+        if i == len(body):
+            break
+        obj, i = dec.raw_decode(body, i)
+        calls.extend(_call(o, "parameters") for o in (obj if isinstance(obj, list) else [obj]))
+    return calls

@@ -147,7 +147,10 @@ def _write_tokenizer(out: Path, t) -> None:
         "model_max_length": None,
     }
     tc = {k: v for k, v in tc.items() if v is not None}
-    if t.chat_template:
+    if t.chat_template and t.tool_template:
+        tc["chat_template"] = [{"name": "default", "template": t.chat_template},
+                               {"name": "tool_use", "template": t.tool_template}]
+    elif t.chat_template:
         tc["chat_template"] = t.chat_template
     _write_json(out / "tokenizer_config.json", tc)
 

@@ -367,6 +367,7 @@ def _tokenizer_kv(d: Path, cfg: ModelConfig, hf: dict) -> list:
         kv.append(("tokenizer.ggml.add_bos_token", add_bos, T.BOOL, None))
     kv.append(("tokenizer.ggml.add_eos_token", bool(tc.get("add_eos_token") is True), T.BOOL, None))
     template = tc.get("chat_template")
+    named = {}
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or (next(iter(named.values())) if len(named) == 1 else None)
@@ -375,6 +376,10 @@ def _tokenizer_kv(d: Path, cfg: ModelConfig, hf: dict) -> list:
         template = jpath.read_text(encoding="utf-8")
     if isinstance(template, str) and template:
         kv.append(("tokenizer.chat_template", template, T.STRING, None))
+    # the other named templates (a "tool_use" one) under llama.cpp's keys
+    for name, text in named.items():
+        if name != "default" and isinstance(name, str) and isinstance(text, str) and text and name.isidentifier():
+            kv.append((f"tokenizer.chat_template.{name}", text, T.STRING, None))
     return kv
 
 
