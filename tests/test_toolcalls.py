@@ -22,8 +22,8 @@ from llamacpp_tools import family_material, llamacpp_template, or_skip  # noqa: 
 import cyllm  # noqa: E402
 from cyllm.completions import _CallScan  # noqa: E402
 from cyllm.errors import CyllmError, InvalidArgumentError  # noqa: E402
-from cyllm.toolcalls import (ToolRequest, check_tools, history_arguments, parse_calls, tool_format,  # noqa: E402
-                             tool_grammar)
+from cyllm.toolcalls import (ToolRequest, check_tools, generic_messages, history_arguments, parse_calls,  # noqa: E402
+                             tool_format, tool_grammar)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city",
@@ -138,7 +138,8 @@ def _schema(name):
     return {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS + [WHERE]}[name]
 
 
-@pytest.mark.parametrize("name,kind", [("Qwen-Qwen3-0.6B", "qwen3"), ("meta-llama-Llama-3.2-3B-Instruct", "llama32")])
+@pytest.mark.parametrize("name,kind", [("Qwen-Qwen3-0.6B", "qwen3"), ("meta-llama-Llama-3.2-3B-Instruct", "llama32"),
+                                       ("microsoft-Phi-3.5-mini-instruct", "qwen3")])
 def test_forced_calls_through_the_openai_client(models, name, kind):
     """tool_choice "required" and a named function, on the HTTP server, read by the openai
     client: one call of an offered function, its arguments valid for its parameters
@@ -202,9 +203,9 @@ def test_tool_requests_checked(models):
                       "response_format")):
         with pytest.raises(InvalidArgumentError, match=re.escape(msg)):
             llm.create_chat_completion(**ask, **bad)
-    # a template that teaches no call format takes no tools; "none" renders without them
-    llm = models("qwen3", "{% for m in messages %}{{ m.content }}{% endfor %}")
-    with pytest.raises(InvalidArgumentError, match="no tool-call format"):
+    # a template that teaches a call format cyllm does not read takes no tools; "none" renders without them
+    llm = models("qwen3", _template("Qwen3-Coder"))
+    with pytest.raises(InvalidArgumentError, match="does not read"):
         llm.create_chat_completion(**ask, tools=TOOLS)
     assert llm.create_chat_completion(**ask, tools=TOOLS, tool_choice="none")["choices"][0]["finish_reason"]
     # a non-object schema cannot be a function's arguments; parallel_tool_calls is a boolean
@@ -224,7 +225,9 @@ def test_tool_requests_checked(models):
                                       ("CohereForAI-c4ai-command-r7b-12-2024-tool_use", None),
                                       ("Qwen-QwQ-32B", "hermes"), ("meta-llama-Llama-3.3-70B-Instruct", "llama3"),
                                       ("Mistral-Small-3.2-24B-Instruct-2506", "mistral"),
-                                      ("unsloth-mistral-Devstral-Small-2507", "mistral")])
+                                      ("unsloth-mistral-Devstral-Small-2507", "mistral"),
+                                      ("microsoft-Phi-3.5-mini-instruct", "generic"),
+                                      ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "generic")])
 def test_call_formats_of_more_templates(name, fmt):
     """Templates whose calls this module does not read (Qwen3-Coder's XML, GLM's, Apriel's
     list, Command R's) take no tools; the rest get their format."""
@@ -296,6 +299,10 @@ ADD_CALL = {"name": "add", "arguments": '{"a": 1, "b": 2}'}
                '{"name": "add", "parameters": {"a": 1, "b": 2}}', "", [CALL, ADD_CALL]),
     ("llama3", '<think>{"name": "x"}</think>{"name": "add", "parameters": {"a": 1, "b": 2}}',
      '<think>{"name": "x"}</think>', [ADD_CALL]),
+    ("generic", '{"tool_call": {"name": "add", "arguments": {"a": 1, "b": 2}}}', "", [ADD_CALL]),
+    ("generic", '{"response": "It is sunny."}', "It is sunny.", []),
+    ("generic", '{"response": "It is su', None, []),
+    ("generic", '{"tool_call": {"name": "rm_rf", "arguments": {}}}', None, []),
 ])
 def test_answers_parse_into_calls(fmt, answer, content, calls):
     """Each format's calls (several, unclosed at the end of the answer, the two Mistral forms);
@@ -334,3 +341,29 @@ def test_parallel_tool_calls_false_keeps_the_first():
     answer = ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
               '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}</tool_call>')
     assert parse_calls(req, answer) == ("", [ADD_CALL])
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "where"}}])
+def test_generic_tools_on_a_template_without_them(models, choice):
+    """A template that knows nothing of tools (Phi-3.5's here) gets them in a system message and
+    answers one JSON object: a call of an offered function whose arguments fit its schema
+    (jsonschema), or with "auto" possibly a plain answer; a conversation that went through a
+    call renders with the call and its result, and runs."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    llm = models("qwen3", _template("microsoft-Phi-3.5-mini-instruct"))
+    tools = TOOLS + [WHERE]
+    for seed in (1, 2, 3):
+        r = llm.create_chat_completion(messages=QUESTION, tools=tools, tool_choice=choice, max_tokens=80, seed=seed)
+        c = r["choices"][0]
+        if c["finish_reason"] == "tool_calls":
+            (call,) = c["message"]["tool_calls"]
+            jsonschema.validate(json.loads(call["function"]["arguments"]), _schema(call["function"]["name"]))
+            assert c["message"]["content"] is None and (choice != "where" or call["function"]["name"] == "where")
+        else:
+            assert choice == "auto" and isinstance(c["message"]["content"], str)
+    prompt = llm.tokenizer.apply_chat_template(
+        generic_messages(check_tools(tools, choice, llm.tokenizer.chat_template), history_arguments(HISTORY)))
+    assert '"get_weather"' in prompt and "sunny, 21 C" in prompt and '{"tool_call": {"name": "get_weather", ' \
+        '"arguments": {"city": "Paris", "days": 1}}}' in prompt
+    assert llm.create_chat_completion(messages=HISTORY, tools=tools, tool_choice=choice, max_tokens=4)["choices"]

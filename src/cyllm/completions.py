@@ -33,8 +33,8 @@ from .errors import ContextFullError, InvalidArgumentError, TokenizerError
 from .generate import GenerationStats, Session, StopScanner, check_stop, generate_tokens, sampling_params
 from .jsonio import short
 from .sampling import LogprobReader, Sampler, SamplingParams
-from .toolcalls import (ToolRequest, call_start, check_tools, history_arguments, new_call_id, parse_calls,
-                        tool_grammar)
+from .toolcalls import (ToolRequest, call_start, check_tools, generic_messages, history_arguments, new_call_id,
+                        parse_calls, tool_grammar)
 
 DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
                 frequency_penalty=0.0, presence_penalty=0.0)
@@ -121,8 +121,9 @@ def create_chat_completion(llm, messages, *, max_tokens: int | None = None,
     calls = check_tools(tools, tool_choice, tok.template_source(tools=bool(tools)), parallel_tool_calls)
     forced = tool_grammar(calls, tok.token_to_id) if calls is not None else None
     if forced is not None and response_format is not None and response_format != {"type": "text"}:
-        raise InvalidArgumentError("response_format cannot be combined with a tool_choice that forces a call")
-    ids = _chat_ids(llm, messages, calls.tools if calls is not None else None)
+        raise InvalidArgumentError("response_format cannot be combined with a tool_choice that forces a call, "
+                                   "nor with tools on a model whose template knows none (its answers are JSON)")
+    ids = _chat_ids(llm, messages, calls)
     want = False if logprobs is None else _bool("logprobs", logprobs)
     if top_logprobs is not None:
         top = _int("top_logprobs", top_logprobs, 0, MAX_TOP_LOGPROBS)
@@ -272,7 +273,7 @@ def _content_text(i: int, content) -> str:
     raise InvalidArgumentError(f"messages[{i}].content must be a string or a list of text parts")
 
 
-def _chat_ids(llm, messages, tools: list | None = None) -> list[int]:
+def _chat_ids(llm, messages, calls: ToolRequest | None = None) -> list[int]:
     tok = _tokenizer(llm)
     if not isinstance(messages, list) or not messages:
         raise InvalidArgumentError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
@@ -288,8 +289,12 @@ def _chat_ids(llm, messages, tools: list | None = None) -> list[int]:
         if msg["role"] == "developer":      # OpenAI's newer name for the system role
             msg["role"] = "system"
         rendered.append(msg)
-    extra = {"tools": tools} if tools else {}
-    text = tok.apply_chat_template(history_arguments(rendered), add_generation_prompt=True, **extra)
+    rendered, extra = history_arguments(rendered), {}
+    if calls is not None and calls.format == "generic":
+        rendered = generic_messages(calls, rendered)     # the template knows no tools: a system message does
+    elif calls is not None:
+        extra["tools"] = calls.tools
+    text = tok.apply_chat_template(rendered, add_generation_prompt=True, **extra)
     ids = tok.encode(text, add_special_tokens=False)     # the template writes BOS itself
     if not ids:
         raise InvalidArgumentError("the conversation renders to an empty prompt")

@@ -12,9 +12,15 @@ tells which (checked against the real templates of llama.cpp's tests):
 - "llama3": the answer one object ``{"name": ..., "parameters": {...}}`` (or several,
   separated by ';'), after ``<|python_tag|>`` where the model writes one (Llama 3.1-3.3).
 
-A template that teaches none of these (Qwen3-Coder's XML calls, GLM's, a template without
-tools) takes no tools: such a request is refused, not answered as if the tools were not
-there. ``tool_choice`` "required" or one named function is enforced by a grammar
+- "generic": a template that does not mention tools at all (Gemma 3, Phi-3.5, SmolLM2,
+  DeepSeek's R1 distills): the tools and the answer's shape are described in a system
+  message, and a grammar makes the answer one JSON object, ``{"tool_call": {"name": ...,
+  "arguments": {...}}}`` or ``{"response": "..."}`` (what llama.cpp's server does for such
+  templates); earlier calls and results go back in the same JSON.
+
+A template that mentions tools in a syntax this module does not read (Qwen3-Coder's XML
+calls, GLM's, Command R's) takes none: such a request is refused, not answered as if the
+tools were not there. ``tool_choice`` "required" or one named function is enforced by a grammar
 (llguidance, as response_format is); Mistral's calls start with its [TOOL_CALLS] control
 token, which the grammar names by id. Text of a reasoning block (``<think>...</think>``)
 is never a call. A call that does not parse (bad JSON, a function the request did not
@@ -47,7 +53,7 @@ _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 class ToolRequest:
     tools: list[dict]           # as the template gets them: {"type": "function", "function": {...}}
     choice: str                 # "auto", "required", or the one function's name
-    format: str                 # "hermes" | "mistral" | "llama3"
+    format: str                 # "hermes" | "mistral" | "llama3" | "generic"
     parallel: bool = True       # parallel_tool_calls: False keeps the first call only
     args_form: bool = False     # mistral: name[ARGS]{...} calls (else one JSON list)
 
@@ -57,8 +63,13 @@ class ToolRequest:
 
 
 def tool_format(template: str | None) -> str | None:
-    """The call format a chat template teaches, or None (it takes no tools)."""
-    if not template or "tools" not in template or any(m in template for m in _UNREAD):
+    """The call format a chat template teaches, "generic" where it knows nothing of tools,
+    or None (it teaches one this module does not read)."""
+    if not template:
+        return None
+    if "tools" not in template and not any(m in template for m in _UNREAD):
+        return "generic"
+    if any(m in template for m in _UNREAD):
         return None
     if "<tool_call>" in template:
         return "hermes"
@@ -117,24 +128,25 @@ def check_tools(tools, tool_choice, template: str | None, parallel=None) -> Tool
         return None
     fmt = tool_format(template)
     if fmt is None:
-        raise InvalidArgumentError("this model's chat template has no tool-call format that cyllm reads "
-                                   "(<tool_call> blocks, Mistral's [TOOL_CALLS] or Llama 3's JSON calls): "
-                                   "tools cannot be used with it")
+        raise InvalidArgumentError("this model's chat template teaches a tool-call format that cyllm does "
+                                   "not read (it reads <tool_call> blocks, Mistral's [TOOL_CALLS] and Llama "
+                                   "3's JSON calls): tools cannot be used with it")
     return ToolRequest(tools=given, choice=choice, format=fmt, parallel=parallel is not False,
                        args_form=fmt == "mistral" and "[ARGS]" in template)
 
 
 def tool_grammar(req: ToolRequest, token_id) -> str | None:
     """llguidance (Lark) grammar that makes the answer one call of the allowed functions
-    (tool_choice "required" or a name); None for "auto". ``token_id(text)``: the id of a
-    special token (Mistral's [TOOL_CALLS]), or None."""
-    if req.choice == "auto":
+    (tool_choice "required" or a name), or in the generic format one JSON answer; None for
+    "auto" in the others. ``token_id(text)``: the id of a special token (Mistral's
+    [TOOL_CALLS]), or None."""
+    if req.choice == "auto" and req.format != "generic":
         return None
     key = "parameters" if req.format == "llama3" else "arguments"
     rules = []
     for t in req.tools:
         fn = t["function"]
-        if req.choice != "required" and fn["name"] != req.choice:
+        if req.choice not in ("auto", "required") and fn["name"] != req.choice:
             continue
         # each schema stays the root of its own %json, so its "#/$defs/..." references resolve
         args = f"a{len(rules)}: %json {json.dumps(dict(fn['parameters'], **{'x-guidance': JSON_OPTIONS}))}"
@@ -151,12 +163,45 @@ def tool_grammar(req: ToolRequest, token_id) -> str | None:
         start = r'start: "<tool_call>\n" call "\n</tool_call>"'
     elif req.format == "llama3":
         start = "start: call"
+    elif req.format == "generic":
+        start = 'start: "{\\"tool_call\\": " call "}"'
+        if req.choice == "auto":
+            answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                      "additionalProperties": False, "x-guidance": JSON_OPTIONS}
+            start += f" | answer\nanswer: %json {json.dumps(answer)}"
     else:
         tid = token_id("[TOOL_CALLS]")
         if tid is None:
             raise InvalidArgumentError("tool_choice cannot be enforced: the vocabulary has no [TOOL_CALLS] token")
         start = f"start: <[{int(tid)}]> call" if req.args_form else f'start: <[{int(tid)}]> "[" call "]"'
     return "\n".join([start] + lines) + "\n"
+
+
+def generic_messages(req: ToolRequest, messages: list[dict]) -> list[dict]:
+    """The conversation for a template that knows nothing of tools: the tools and the answer's
+    shape in the system message, earlier calls and results as the JSON the model answers in."""
+    shape = '{"tool_call": {"name": <one of the tools>, "arguments": <an object of its parameters>}}'
+    if req.choice == "auto":
+        shape += ' to call a tool, or {"response": <your answer>} to answer without one'
+    tools = json.dumps([t["function"] for t in req.tools], ensure_ascii=False, indent=2)
+    guide = (f"You have these tools (each with a JSON schema of its parameters):\n{tools}\n\n"
+             f"Reply with one JSON object only: {shape}.")
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                     for c in m["tool_calls"] if isinstance(c, dict) and isinstance(c.get("function"), dict)]
+            body = {"tool_call": calls[0]} if len(calls) == 1 else {"tool_calls": calls}
+            m = {"role": "assistant", "content": json.dumps(body, ensure_ascii=False)}
+        elif m.get("role") == "tool":
+            body = {"tool_response": {"name": m.get("name"), "content": m.get("content")}}
+            m = {"role": "user", "content": json.dumps(body, ensure_ascii=False)}
+        out.append(m)
+    if out and out[0].get("role") == "system":
+        out[0] = dict(out[0], content=f"{out[0]['content']}\n\n{guide}" if out[0]["content"] else guide)
+    else:
+        out.insert(0, {"role": "system", "content": guide})
+    return out
 
 
 def _search_from(text: str) -> int:
@@ -172,6 +217,8 @@ def call_start(req: ToolRequest, text: str) -> int:
     trailing part of one still being written; len(text) if none. The llama3 format's
     bare object counts from the start of an answer (or of what follows its reasoning)
     that opens with '{'."""
+    if req.format == "generic":
+        return 0                 # the whole answer is one JSON object: content or a call
     base = _search_from(text)
     rest = text[base:]
     if req.format == "llama3" and rest.lstrip().startswith("{"):
@@ -195,6 +242,8 @@ def parse_calls(req: ToolRequest, text: str) -> tuple[str, list[dict]]:
     start = call_start(req, text)
     head, tail = text[:start], text[start:]
     try:
+        if req.format == "generic":
+            return _generic(text, req.names)
         if req.format == "hermes":
             other, calls = _hermes(tail, req.names)
         else:
@@ -266,6 +315,14 @@ def _hermes(tail: str, names: set[str]) -> tuple[str, list[dict]]:
         other.append(rest)
     text = "".join(other)
     return (text if text.strip() else ""), calls
+
+
+def _generic(text: str, names: set[str]) -> tuple[str, list[dict]]:
+    obj = json.loads(text)
+    if isinstance(obj, dict) and isinstance(obj.get("response"), str) and len(obj) == 1:
+        return obj["response"], []
+    call = _call(obj["tool_call"])
+    return ("", [call]) if call["name"] in names else (text, [])
 
 
 def _mistral(tail: str) -> list[dict]:
