@@ -301,13 +301,15 @@ ADD_CALL = {"name": "add", "arguments": '{"a": 1, "b": 2}'}
      '<think>{"name": "x"}</think>', [ADD_CALL]),
     ("generic", '{"tool_call": {"name": "add", "arguments": {"a": 1, "b": 2}}}', "", [ADD_CALL]),
     ("generic", '{"response": "It is sunny."}', "It is sunny.", []),
-    ("generic", '{"response": "It is su', None, []),
+    ("generic", '{"response": "It is su', "It is su", []),       # cut by the token limit: what it said
+    ("generic", '{"response": "a \\"b\\" \\u00e9\\ud83d\\ude00\\n"}', 'a "b" \u00e9\U0001f600\n', []),
     ("generic", '{"tool_call": {"name": "rm_rf", "arguments": {}}}', None, []),
 ])
 def test_answers_parse_into_calls(fmt, answer, content, calls):
     """Each format's calls (several, unclosed at the end of the answer, the two Mistral forms);
     a cut or unknown call stays content. Streamed in pieces of 3 characters, the content that
-    goes out before the end never holds a call's text."""
+    goes out before the end never holds a call's text, and the generic format's plain answer
+    streams decoded (escapes, a surrogate pair split across pieces)."""
     req = _req(fmt)
     got_content, got_calls = parse_calls(req, answer)
     assert got_calls == calls

@@ -34,7 +34,7 @@ from .generate import GenerationStats, Session, StopScanner, check_stop, generat
 from .jsonio import short
 from .sampling import LogprobReader, Sampler, SamplingParams
 from .toolcalls import (ToolRequest, call_start, check_tools, generic_messages, history_arguments, new_call_id,
-                        parse_calls, tool_grammar)
+                        parse_calls, response_so_far, tool_grammar)
 
 DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
                 frequency_penalty=0.0, presence_penalty=0.0)
@@ -430,15 +430,21 @@ def _chat_chunks(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[
 
 class _CallScan:
     """Streamed content of an answer that may call tools: text goes out until a call may
-    start (toolcalls.call_start); the rest waits for the end, when it is parsed."""
+    start (toolcalls.call_start); the rest waits for the end, when it is parsed. In the
+    generic format (one JSON object) a plain answer's string streams as it is decoded."""
 
     def __init__(self, req: ToolRequest):
         self._req = req
         self._text = ""
-        self._released = 0
+        self._released = 0          # characters of the content already out
 
     def push(self, piece: str) -> str:
         self._text += piece
+        if self._req.format == "generic":
+            part = response_so_far(self._text) or ""
+            out = part[self._released:]
+            self._released = max(self._released, len(part))
+            return out
         cut = max(call_start(self._req, self._text), self._released)
         out = self._text[self._released:cut]
         self._released = cut

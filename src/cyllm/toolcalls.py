@@ -317,8 +317,44 @@ def _hermes(tail: str, names: set[str]) -> tuple[str, list[dict]]:
     return (text if text.strip() else ""), calls
 
 
+_RESPONSE = '{"response": "'      # how the grammar (JSON_OPTIONS' layout) opens a plain answer
+
+
+def response_so_far(text: str) -> str | None:
+    """The generic format's plain answer as far as it is written (a JSON string being
+    decoded: an escape cut at the end waits, as does half of a surrogate pair), or None
+    where the output is not such an answer."""
+    if not text.startswith(_RESPONSE):
+        return None if not _RESPONSE.startswith(text) else ""
+    body, i = text[len(_RESPONSE):], 0
+    while i < len(body):
+        c = body[i]
+        if c == '"':
+            break
+        if c != "\\":
+            i += 1
+            continue
+        if body[i + 1:i + 2] != "u":
+            n = 2
+        else:                       # \uXXXX; a high surrogate waits for its low half too
+            n = 12 if body[i + 2:i + 4].lower() in ("d8", "d9", "da", "db") else 6
+        if i + n > len(body):
+            break
+        i += n
+    try:
+        return json.loads('"' + body[:i] + '"')
+    except ValueError:
+        return None
+
+
 def _generic(text: str, names: set[str]) -> tuple[str, list[dict]]:
-    obj = json.loads(text)
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        partial = response_so_far(text)         # an answer cut by the token limit: what it said
+        if partial is None:
+            raise
+        return partial, []
     if isinstance(obj, dict) and isinstance(obj.get("response"), str) and len(obj) == 1:
         return obj["response"], []
     call = _call(obj["tool_call"])
