@@ -222,7 +222,7 @@ def test_create_chat_completion_matches_chat(default_model):
 
 
 @pytest.mark.parametrize("kw", [dict(temperature="0.5"), dict(max_tokens=-1), dict(seed=1.5),
-                                dict(stop=[1]), dict(stop=["x"] * 65), dict(logit_bias={"5": 10}), dict(whatever=1),
+                                dict(stop=[1]), dict(stop=["x"] * 65), dict(logit_bias={"5": 101}), dict(whatever=1),
                                 dict(messages_extra=1), dict(top_k=-2)])
 def test_create_chat_completion_rejects_bad_arguments(default_model, kw):
     with pytest.raises(CyllmError):

@@ -172,6 +172,28 @@ def test_logprobs_equal_a_fresh_forward_pass(client, default_model):
     assert content[0].logprob <= 0 and bytes(content[0].bytes).decode() == content[0].token
 
 
+def test_logit_bias_steers_greedy_like_numpy(client, default_model):
+    """logit_bias ({"token id": bias}, OpenAI's) is added to the logits before the choice: the
+    greedy text equals NumPy's argmax of fresh logits + bias, step by step, with the unbiased
+    first token banned (-100) and another pushed up."""
+    tok = default_model.tokenizer
+    prompt = tok.encode("The capital of France is")
+    first = int(np.argmax(fresh_logits(default_model, prompt)[-1]))
+    bias = {first: -100.0, tok.encode(" Lyon", add_special_tokens=False)[0]: 3.5}
+    gen = []
+    for _ in range(5):
+        x = fresh_logits(default_model, prompt + gen)[-1].astype(np.float64)
+        for t, b in bias.items():
+            x[t] += b
+        gen.append(int(np.argmax(x)))
+    r = client.completions.create(model="m", prompt="The capital of France is", max_tokens=5, temperature=0,
+                                  logit_bias={str(t): b for t, b in bias.items()})
+    assert gen[0] != first and r.choices[0].text == tok.decode(gen)
+    chat = client.chat.completions.create(model="m", messages=QUESTION, max_tokens=3, temperature=0,
+                                          logit_bias={str(first): 100})
+    assert chat.usage.completion_tokens == 3 and chat.choices[0].message.content == tok.decode([first] * 3)
+
+
 def test_logprob_bytes_of_split_characters(client):
     """Tokens that hold part of a character (a byte-level vocabulary splits emoji) carry
     their own bytes, so the entries' bytes joined are the content's UTF-8 (OpenAI's reason
@@ -246,6 +268,10 @@ def post(url, body, path="/v1/chat/completions", **kw):
     ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n=2"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, "frobnicate"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": [1]}, "logit_bias"),
     ({"messages": [{"role": "user", "content": "hi"}], "stats": 1}, "stats"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream": 0}, "stream"),

@@ -46,7 +46,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # only at the value that means "off"
 _IGNORED = ("user", "metadata", "store", "service_tier")
 _OFF_VALUES = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-               "logit_bias": (None, {}), "functions": (None, []), "function_call": (None, "none", "auto")}
+               "functions": (None, []), "function_call": (None, "none", "auto")}
 
 
 @dataclass
@@ -74,7 +74,8 @@ def create_completion(llm, prompt, *, max_tokens: int | None = COMPLETION_MAX_TO
                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                       seed: int | None = None, stop: str | list[str] | None = None, stream: bool = False,
                       stream_options: dict | None = None, logprobs: int | None = None,
-                      response_format: dict | None = None, model: str | None = None,
+                      response_format: dict | None = None, logit_bias: dict | None = None,
+                      model: str | None = None,
                       stats: GenerationStats | None = None, cancel: Callable[[], bool] | None = None,
                       **other):
     """Continue ``prompt`` (a string, a list of token ids, or a list of one string).
@@ -89,7 +90,7 @@ def create_completion(llm, prompt, *, max_tokens: int | None = COMPLETION_MAX_TO
     lp = None if logprobs is None else _int("logprobs", logprobs, 0, MAX_TOP_LOGPROBS)
     req = _request(llm, "text_completion", ids, max_tokens, dict(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
-        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed),
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed, logit_bias=logit_bias),
         stop, stream, stream_options, lp, response_format, model)
     return run(llm, req, stream, stats, cancel)
 
@@ -104,6 +105,7 @@ def create_chat_completion(llm, messages, *, max_tokens: int | None = None,
                            stream_options: dict | None = None, logprobs: bool | None = None,
                            top_logprobs: int | None = None, response_format: dict | None = None,
                            tools: list | None = None, tool_choice=None, parallel_tool_calls: bool | None = None,
+                           logit_bias: dict | None = None,
                            model: str | None = None, stats: GenerationStats | None = None,
                            cancel: Callable[[], bool] | None = None, **other):
     """Answer a conversation ([{"role", "content"}, ...]) with the model's chat template.
@@ -133,7 +135,7 @@ def create_chat_completion(llm, messages, *, max_tokens: int | None = None,
         top = 0
     req = _request(llm, "chat.completion", ids, limit, dict(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
-        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed),
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed, logit_bias=logit_bias),
         stop, stream, stream_options, top if want else None, response_format, model, forced)
     req.tools = calls
     return run(llm, req, stream, stats, cancel)
@@ -160,7 +162,7 @@ def _check_other(other: dict) -> None:
             if any(value == ok and type(value) is type(ok) for ok in _OFF_VALUES[key]):
                 continue
             raise InvalidArgumentError(f"{key}={short(value)} is not supported (cyllm serves one completion "
-                                       "per request, without logit bias or the legacy functions API)")
+                                       "per request, without the legacy functions API)")
         raise InvalidArgumentError(f"unsupported parameter: {short(key)}")
 
 
@@ -215,6 +217,9 @@ def _request(llm, obj, ids, max_tokens, sampling, stop, stream, stream_options, 
     if sampling.get("seed") is not None:
         _int("seed", sampling["seed"])
     params = sampling_params(**sampling)
+    if params.logit_bias and max(params.logit_bias) >= llm.config.vocab_size:
+        raise InvalidArgumentError(f"logit_bias names token {max(params.logit_bias)}, past the vocabulary "
+                                   f"({llm.config.vocab_size} tokens)")
     _bool("stream", stream)
     include_usage = False
     if stream_options is not None:

@@ -303,7 +303,8 @@ def _check_generation_args(max_tokens) -> None:
 def sampling_params(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                     repetition_penalty: float | None = None, repeat_penalty: float | None = None,
                     frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                    repeat_last_n: int = 64, seed: int | None = None) -> SamplingParams:
+                    repeat_last_n: int = 64, seed: int | None = None,
+                    logit_bias: dict | None = None) -> SamplingParams:
     """SamplingParams from keyword arguments, with llama.cpp's name ``repeat_penalty``
     accepted for ``repetition_penalty``; types are checked (a str is not a number)."""
     if repetition_penalty is not None and repeat_penalty is not None and repetition_penalty != repeat_penalty:
@@ -319,7 +320,28 @@ def sampling_params(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise InvalidArgumentError(f"{name} must be an integer, got {short(v)}")
     return SamplingParams(top_k=int(top_k), repeat_last_n=int(repeat_last_n), seed=seed,
-                          **{k: float(v) for k, v in floats.items()})
+                          logit_bias=_logit_bias(logit_bias), **{k: float(v) for k, v in floats.items()})
+
+
+def _logit_bias(bias) -> dict[int, float] | None:
+    """OpenAI's logit_bias ({"token id": bias}, the ids as JSON object keys: strings) as
+    {int: float}; SamplingParams checks the ranges."""
+    if bias is None or bias == {}:
+        return None
+    if not isinstance(bias, dict):
+        raise InvalidArgumentError(f"logit_bias must be an object of token id -> bias, got {short(bias)}")
+    out = {}
+    for k, v in bias.items():
+        if isinstance(k, str) and k.isdigit() and len(k) <= 12:
+            tid = int(k)
+        elif isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 0:
+            tid = int(k)
+        else:
+            raise InvalidArgumentError(f"logit_bias keys must be token ids, got {short(k)}")
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not np.isfinite(v):
+            raise InvalidArgumentError(f"logit_bias values must be numbers in [-100, 100], got {short(v)}")
+        out[tid] = float(v)
+    return out
 
 
 def generate(model, prompt, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,

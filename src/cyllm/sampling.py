@@ -5,8 +5,8 @@ stochastic path works in buffers allocated once per Sampler; only the
 top-k/top-p candidate selection creates small index arrays.
 
 Order of the rules (llama.cpp's order for the ones it shares): repetition
-penalty, frequency/presence penalties, the grammar constraint's mask, then
-temperature, top-k, top-p, min-p. Each Sampler owns its random generator, so
+penalty, frequency/presence penalties, logit bias, the grammar constraint's mask,
+then temperature, top-k, top-p, min-p. Each Sampler owns its random generator, so
 a seeded request draws the same numbers however requests interleave.
 """
 
@@ -31,6 +31,7 @@ class SamplingParams:
     seed: int | None = None
     frequency_penalty: float = 0.0    # OpenAI's: logit -= count * f over the tokens generated so far
     presence_penalty: float = 0.0     # OpenAI's: logit -= p for every token generated at least once
+    logit_bias: dict[int, float] | None = None    # OpenAI's: token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         def bad(msg):
@@ -51,6 +52,11 @@ class SamplingParams:
             v = getattr(self, name)
             if not np.isfinite(v) or not -2.0 <= v <= 2.0:
                 bad(f"{name} must be in [-2, 2], got {v}")
+        for k, v in (self.logit_bias or {}).items():
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                bad(f"logit_bias keys must be token ids, got {short(k)}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100.0 <= v <= 100.0:
+                bad(f"logit_bias values must be numbers in [-100, 100], got {short(v)} for token {k}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             bad(f"seed must be an integer, got {short(self.seed)}")
         if self.seed == -1:
@@ -77,6 +83,11 @@ class Sampler:
         self._penalize = p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
         self._counts = np.zeros(vocab_size, np.int32) if self._penalize else None   # (vocab,)
         self._seen: list[int] = []                             # distinct generated tokens
+        bias = self.params.logit_bias or {}
+        if any(k >= vocab_size for k in bias):
+            raise InvalidArgumentError(f"logit_bias names token {max(bias)}, past the vocabulary ({vocab_size})")
+        self._bias_ids = np.fromiter(bias.keys(), np.int64, len(bias)) if bias else None      # (n,)
+        self._bias = np.fromiter(bias.values(), np.float32, len(bias)) if bias else None      # (n,)
 
     def accept(self, token: int) -> None:
         """Record a kept token (penalty counts, constraint state)."""
@@ -108,6 +119,9 @@ class Sampler:
             x = self._working(x)
             seen = np.asarray(self._seen)
             x[seen] -= self._counts[seen] * np.float32(p.frequency_penalty) + np.float32(p.presence_penalty)
+        if self._bias_ids is not None:
+            x = self._working(x)
+            x[self._bias_ids] += self._bias
         if self.constraint is not None:
             x = self._working(x)
             self.constraint.apply(x)
