@@ -44,7 +44,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # accepted and ignored (OpenAI fields with no effect on one local model), or accepted
 # only at the value that means "off"
-_IGNORED = ("user", "metadata", "store", "service_tier")
+_IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
 _OFF_VALUES = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
                "functions": (None, []), "function_call": (None, "none", "auto")}
 
