@@ -22,8 +22,8 @@ from llamacpp_tools import family_material, llamacpp_template, or_skip  # noqa: 
 import cyllm  # noqa: E402
 from cyllm.completions import _CallScan  # noqa: E402
 from cyllm.errors import CyllmError, InvalidArgumentError  # noqa: E402
-from cyllm.toolcalls import (ToolRequest, check_tools, generic_messages, history_arguments, parse_calls,  # noqa: E402
-                             tool_format, tool_grammar)
+from cyllm.toolcalls import (ToolRequest, check_tools, generic_history, generic_messages,  # noqa: E402
+                             history_arguments, parse_calls, tool_format, tool_grammar)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city",
@@ -369,3 +369,52 @@ def test_generic_tools_on_a_template_without_them(models, choice):
     assert '"get_weather"' in prompt and "sunny, 21 C" in prompt and '{"tool_call": {"name": "get_weather", ' \
         '"arguments": {"city": "Paris", "days": 1}}}' in prompt
     assert llm.create_chat_completion(messages=HISTORY, tools=tools, tool_choice=choice, max_tokens=4)["choices"]
+
+
+def test_generic_grammar_allows_a_plain_answer(models):
+    """The generic format's "auto" grammar (llguidance) takes a plain answer as well as a call,
+    token by token; "required" takes only the call. A function whose parameters give no type
+    is still called with an object."""
+    llg = pytest.importorskip("llguidance")
+    from cyllm.grammar import ll_tokenizer
+    llm = models("qwen3", _template("microsoft-Phi-3.5-mini-instruct"))
+    lt = ll_tokenizer(llm)
+    tools = TOOLS + [{"type": "function", "function": {"name": "ping", "parameters": {}}}]
+    answers = {'{"response": "It is \\"sunny\\",\\n\u00e9t\u00e9."}': ("auto",),
+               '{"tool_call": {"name": "add", "arguments": {"a": 1, "b": 2}}}': ("auto", "required"),
+               '{"tool_call": {"name": "ping", "arguments": {}}}': ("auto", "required"),
+               '{"tool_call": {"name": "ping", "arguments": []}}': ()}
+    for choice in ("auto", "required"):
+        g = tool_grammar(check_tools(tools, choice, llm.tokenizer.chat_template), llm.tokenizer.token_to_id)
+        for text, ok_for in answers.items():
+            m = llg.LLMatcher(lt, g, log_level=0)
+            took = all(m.consume_token(t) for t in llm.tokenizer.encode(text, add_special_tokens=False))
+            assert (took and m.is_accepting()) == (choice in ok_for), (choice, text)
+
+
+def test_generic_history_keeps_turns_alternating(models):
+    """A conversation through two calls, on templates that know no tool turns and insist that
+    user and assistant alternate (Gemma 2's, which also refuses a system role, and Phi-3.5's):
+    the results after a call become one user turn named by their calls, the assistant's text
+    beside its calls stays, and it renders, with tools and without (tool_choice "none")."""
+    two = [{"role": "user", "content": "Weather in Paris and Lima?"},
+           {"role": "assistant", "content": "Let me check both.", "tool_calls": [
+               {"id": "a1b2c3d4e", "type": "function", "function": {"name": "get_weather",
+                                                                   "arguments": '{"city": "Paris", "days": 1}'}},
+               {"id": "f5g6h7i8j", "type": "function", "function": {"name": "get_weather",
+                                                                   "arguments": '{"city": "Lima", "days": 1}'}}]},
+           {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": "sunny"},
+           {"role": "tool", "tool_call_id": "f5g6h7i8j", "content": "fog"}]
+    turns = generic_history(history_arguments(two))
+    assert [m["role"] for m in turns] == ["user", "assistant", "user"]
+    assert turns[1]["content"].startswith("Let me check both.\n")
+    results = [json.loads(line)["tool_response"] for line in turns[2]["content"].split("\n")]
+    assert results == [{"name": "get_weather", "id": "a1b2c3d4e", "content": "sunny"},
+                       {"name": "get_weather", "id": "f5g6h7i8j", "content": "fog"}]
+    for name in ("google-gemma-2-2b-it", "microsoft-Phi-3.5-mini-instruct"):
+        llm = models("qwen3", _template(name))
+        for choice in ("auto", "none"):
+            r = llm.create_chat_completion(messages=two, tools=TOOLS, tool_choice=choice, max_tokens=2)
+            assert r["usage"]["prompt_tokens"] > 0
+        with pytest.raises(InvalidArgumentError, match="tool_calls"):
+            llm.create_chat_completion(messages=[two[0], dict(two[1], tool_calls=[{"function": {}}])], max_tokens=1)

@@ -33,8 +33,8 @@ from .errors import ContextFullError, InvalidArgumentError, TokenizerError
 from .generate import GenerationStats, Session, StopScanner, check_stop, generate_tokens, sampling_params
 from .jsonio import short
 from .sampling import LogprobReader, Sampler, SamplingParams
-from .toolcalls import (ToolRequest, call_start, check_tools, generic_messages, history_arguments, new_call_id,
-                        parse_calls, response_so_far, tool_grammar)
+from .toolcalls import (ToolRequest, call_start, check_tools, generic_history, generic_messages, history_arguments,
+                        new_call_id, parse_calls, response_so_far, tool_format, tool_grammar)
 
 DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
                 frequency_penalty=0.0, presence_penalty=0.0)
@@ -217,9 +217,7 @@ def _request(llm, obj, ids, max_tokens, sampling, stop, stream, stream_options, 
     if sampling.get("seed") is not None:
         _int("seed", sampling["seed"])
     params = sampling_params(**sampling)
-    if params.logit_bias and max(params.logit_bias) >= llm.config.vocab_size:
-        raise InvalidArgumentError(f"logit_bias names token {max(params.logit_bias)}, past the vocabulary "
-                                   f"({llm.config.vocab_size} tokens)")
+    params.check_vocab(llm.config.vocab_size)
     _bool("stream", stream)
     include_usage = False
     if stream_options is not None:
@@ -294,12 +292,22 @@ def _chat_ids(llm, messages, calls: ToolRequest | None = None) -> list[int]:
         if msg["role"] == "developer":      # OpenAI's newer name for the system role
             msg["role"] = "system"
         rendered.append(msg)
-    rendered, extra = history_arguments(rendered), {}
+    rendered = history_arguments(rendered)
     if calls is not None and calls.format == "generic":
-        rendered = generic_messages(calls, rendered)     # the template knows no tools: a system message does
+        # the template knows no tools: a system message tells them (or the first user turn,
+        # where the template refuses a system role: Gemma 2's)
+        try:
+            text = tok.apply_chat_template(generic_messages(calls, rendered), add_generation_prompt=True)
+        except TokenizerError:
+            text = tok.apply_chat_template(generic_messages(calls, rendered, system_role=False),
+                                           add_generation_prompt=True)
     elif calls is not None:
-        extra["tools"] = calls.tools
-    text = tok.apply_chat_template(rendered, add_generation_prompt=True, **extra)
+        text = tok.apply_chat_template(rendered, add_generation_prompt=True, tools=calls.tools)
+    else:
+        if tool_format(tok.chat_template) == "generic" and any(
+                m["role"] == "tool" or m.get("tool_calls") for m in rendered):
+            rendered = generic_history(rendered)       # earlier calls, for a template without tool turns
+        text = tok.apply_chat_template(rendered, add_generation_prompt=True)
     ids = tok.encode(text, add_special_tokens=False)     # the template writes BOS itself
     if not ids:
         raise InvalidArgumentError("the conversation renders to an empty prompt")

@@ -332,7 +332,7 @@ def _logit_bias(bias) -> dict[int, float] | None:
         raise InvalidArgumentError(f"logit_bias must be an object of token id -> bias, got {short(bias)}")
     out = {}
     for k, v in bias.items():
-        if isinstance(k, str) and k.isdigit() and len(k) <= 12:
+        if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 12:     # not "²" or "٣"
             tid = int(k)
         elif isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 0:
             tid = int(k)
@@ -350,7 +350,7 @@ def generate(model, prompt, max_tokens: int = 256, temperature: float = 0.0, top
              session: Session | None = None, stats: GenerationStats | None = None,
              add_special_tokens: bool = True, *, repeat_penalty: float | None = None,
              frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-             repeat_last_n: int = 64) -> Iterator[str]:
+             repeat_last_n: int = 64, logit_bias: dict | None = None) -> Iterator[str]:
     """Stream the continuation of ``prompt`` (a string, or a list of token ids) as text pieces.
 
     Defaults are greedy (temperature 0: the same text every time); the CLI
@@ -361,7 +361,8 @@ def generate(model, prompt, max_tokens: int = 256, temperature: float = 0.0, top
     """
     _check_generation_args(max_tokens)
     params = sampling_params(temperature, top_k, top_p, min_p, repetition_penalty, repeat_penalty,
-                             frequency_penalty, presence_penalty, repeat_last_n, seed)
+                             frequency_penalty, presence_penalty, repeat_last_n, seed, logit_bias)
+    params.check_vocab(model.config.vocab_size)
     stop = check_stop(stop)
     if model.tokenizer is None:
         raise TokenizerError("this model has no tokenizer (no tokenizer.json): use model.logits() with token ids")

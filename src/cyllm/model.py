@@ -461,19 +461,19 @@ class Model:
                  top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float | None = None,
                  seed: int | None = None, stop=None, *, repetition_penalty: float | None = None,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repeat_last_n: int = 64,
-                 session=None, stats=None, add_special_tokens: bool = True):
+                 logit_bias: dict | None = None, session=None, stats=None, add_special_tokens: bool = True):
         """Stream generated text pieces for ``prompt`` (a string or token ids).
 
         Greedy by default (temperature 0). ``stop``: one string or a list of
         strings. ``repeat_penalty`` (llama.cpp's name) = ``repetition_penalty``.
-        See generate.generate.
+        ``logit_bias``: {token id: bias} added to the logits (OpenAI's). See generate.generate.
         """
         from .generate import generate
         return generate(self, prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                         top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                         repeat_penalty=repeat_penalty, seed=seed, stop=stop, session=session, stats=stats,
                         add_special_tokens=add_special_tokens, frequency_penalty=frequency_penalty,
-                        presence_penalty=presence_penalty, repeat_last_n=repeat_last_n)
+                        presence_penalty=presence_penalty, repeat_last_n=repeat_last_n, logit_bias=logit_bias)
 
     def create_completion(self, prompt, **kwargs):
         """OpenAI-shaped text completion (a dict, or an iterator of chunks with stream=True);

@@ -65,6 +65,13 @@ class SamplingParams:
             bad(f"seed must be in [0, 2^64) (or -1 for a random one), got {self.seed}")
 
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse a logit_bias that names a token past a vocabulary of ``vocab_size``."""
+        if self.logit_bias and max(self.logit_bias) >= vocab_size:
+            raise InvalidArgumentError(f"logit_bias names token {max(self.logit_bias)}, past the vocabulary "
+                                       f"({vocab_size} tokens)")
+
+
 class Sampler:
     """Chooses tokens for one generation.
 
@@ -83,9 +90,8 @@ class Sampler:
         self._penalize = p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
         self._counts = np.zeros(vocab_size, np.int32) if self._penalize else None   # (vocab,)
         self._seen: list[int] = []                             # distinct generated tokens
+        self.params.check_vocab(vocab_size)
         bias = self.params.logit_bias or {}
-        if any(k >= vocab_size for k in bias):
-            raise InvalidArgumentError(f"logit_bias names token {max(bias)}, past the vocabulary ({vocab_size})")
         self._bias_ids = np.fromiter(bias.keys(), np.int64, len(bias)) if bias else None      # (n,)
         self._bias = np.fromiter(bias.values(), np.float32, len(bias)) if bias else None      # (n,)
 

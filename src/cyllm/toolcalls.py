@@ -149,7 +149,9 @@ def tool_grammar(req: ToolRequest, token_id) -> str | None:
         if req.choice not in ("auto", "required") and fn["name"] != req.choice:
             continue
         # each schema stays the root of its own %json, so its "#/$defs/..." references resolve
-        args = f"a{len(rules)}: %json {json.dumps(dict(fn['parameters'], **{'x-guidance': JSON_OPTIONS}))}"
+        # "type": "object" said again: a schema without one would let any JSON value through
+        schema = dict(fn["parameters"], type="object", **{"x-guidance": JSON_OPTIONS})
+        args = f"a{len(rules)}: %json {json.dumps(schema)}"
         if req.args_form:
             head = json.dumps(fn["name"] + "[ARGS]")
             rules.append((f"{head} a{len(rules)}", args))
@@ -166,9 +168,9 @@ def tool_grammar(req: ToolRequest, token_id) -> str | None:
     elif req.format == "generic":
         start = 'start: "{\\"tool_call\\": " call "}"'
         if req.choice == "auto":
-            answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
-                      "additionalProperties": False, "x-guidance": JSON_OPTIONS}
-            start += f" | answer\nanswer: %json {json.dumps(answer)}"
+            # spelled out as the call is: a bare %json object beside it is never taken (llguidance 1.9)
+            text = {"type": "string", "x-guidance": JSON_OPTIONS}
+            start += f' | "{{\\"response\\": " answer "}}"\nanswer: %json {json.dumps(text)}'
     else:
         tid = token_id("[TOOL_CALLS]")
         if tid is None:
@@ -177,30 +179,54 @@ def tool_grammar(req: ToolRequest, token_id) -> str | None:
     return "\n".join([start] + lines) + "\n"
 
 
-def generic_messages(req: ToolRequest, messages: list[dict]) -> list[dict]:
+def generic_history(messages: list[dict]) -> list[dict]:
+    """A conversation through tools for a template that knows only user and assistant turns:
+    each call becomes the JSON the model answers in (after the turn's text, if any), and the
+    results that follow a turn become one user turn of {"tool_response": ...} objects, each
+    named by its call's function and id."""
+    names = {}
+    out: list[dict] = []
+    for m in messages:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
+            names.update((c.get("id"), c["function"]["name"]) for c in m["tool_calls"])
+            body = json.dumps({"tool_call": calls[0]} if len(calls) == 1 else {"tool_calls": calls}, ensure_ascii=False)
+            m = {"role": "assistant", "content": f"{m['content']}\n{body}" if m.get("content") else body}
+        elif m.get("role") == "tool":
+            result = json.dumps({"tool_response": {"name": names.get(m.get("tool_call_id"), m.get("name")),
+                                                   "id": m.get("tool_call_id"), "content": m.get("content")}},
+                                ensure_ascii=False)
+            if out and out[-1].get("tool_results"):
+                out[-1] = dict(out[-1], content=out[-1]["content"] + "\n" + result)
+                continue
+            m = {"role": "user", "content": result, "tool_results": True}
+        out.append(m)
+    return [{k: v for k, v in m.items() if k != "tool_results"} for m in out]
+
+
+def generic_messages(req: ToolRequest, messages: list[dict], system_role: bool = True) -> list[dict]:
     """The conversation for a template that knows nothing of tools: the tools and the answer's
-    shape in the system message, earlier calls and results as the JSON the model answers in."""
+    shape in the system message (or, where the template takes none, at the head of the first
+    user turn), earlier calls and results as generic_history writes them."""
     shape = '{"tool_call": {"name": <one of the tools>, "arguments": <an object of its parameters>}}'
     if req.choice == "auto":
         shape += ' to call a tool, or {"response": <your answer>} to answer without one'
-    tools = json.dumps([t["function"] for t in req.tools], ensure_ascii=False, indent=2)
+    tools = json.dumps([t["function"] for t in req.tools], ensure_ascii=False)
     guide = (f"You have these tools (each with a JSON schema of its parameters):\n{tools}\n\n"
              f"Reply with one JSON object only: {shape}.")
-    out = []
-    for m in messages:
-        if m.get("role") == "assistant" and m.get("tool_calls"):
-            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-                     for c in m["tool_calls"] if isinstance(c, dict) and isinstance(c.get("function"), dict)]
-            body = {"tool_call": calls[0]} if len(calls) == 1 else {"tool_calls": calls}
-            m = {"role": "assistant", "content": json.dumps(body, ensure_ascii=False)}
-        elif m.get("role") == "tool":
-            body = {"tool_response": {"name": m.get("name"), "content": m.get("content")}}
-            m = {"role": "user", "content": json.dumps(body, ensure_ascii=False)}
-        out.append(m)
-    if out and out[0].get("role") == "system":
-        out[0] = dict(out[0], content=f"{out[0]['content']}\n\n{guide}" if out[0]["content"] else guide)
+    out = generic_history(messages)
+    first = out[0] if out else {}
+    if first.get("role") == "system":
+        out[0] = dict(first, content=f"{first['content']}\n\n{guide}" if first["content"] else guide)
     else:
         out.insert(0, {"role": "system", "content": guide})
+    if not system_role:             # the system turn folded into the first user one
+        sys_text = out.pop(0)["content"]
+        k = next((i for i, m in enumerate(out) if m.get("role") == "user"), None)
+        if k is None:
+            out.insert(0, {"role": "user", "content": sys_text})
+        else:
+            out[k] = dict(out[k], content=f"{sys_text}\n\n{out[k]['content']}")
     return out
 
 
@@ -261,24 +287,31 @@ def new_call_id() -> str:
 
 
 def history_arguments(messages: list[dict]) -> list[dict]:
-    """The conversation with earlier calls' arguments as objects: OpenAI clients send them as
-    JSON text, and templates that write them with tojson (Llama 3, Mistral) would quote
-    that text again; llama.cpp's server turns them into objects the same way."""
+    """The conversation with earlier calls checked (OpenAI's shape: a list of {"id", "type",
+    "function": {"name", "arguments"}}) and their arguments as objects: OpenAI clients send
+    them as JSON text, and templates that write them with tojson (Llama 3, Mistral) would
+    quote that text again; llama.cpp's server turns them into objects the same way."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         calls = m.get("tool_calls")
-        if isinstance(calls, list):
+        if calls is not None:
+            if not isinstance(calls, list) or m.get("role") != "assistant":
+                raise InvalidArgumentError(f"messages[{i}].tool_calls must be a list, in an assistant message")
             fixed = []
-            for c in calls:
+            for j, c in enumerate(calls):
                 fn = c.get("function") if isinstance(c, dict) else None
-                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                        and isinstance(fn.get("arguments", "{}"), (str, dict))):
+                    raise InvalidArgumentError(f"messages[{i}].tool_calls[{j}] must be {{'id': ..., 'type': "
+                                               "'function', 'function': {'name': ..., 'arguments': ...}}")
+                args = fn.get("arguments", "{}")
+                if isinstance(args, str):
                     try:
-                        args = json.loads(fn["arguments"])
+                        parsed = json.loads(args)
                     except ValueError:
-                        args = None
-                    if isinstance(args, dict):
-                        c = dict(c, function=dict(fn, arguments=args))
-                fixed.append(c)
+                        parsed = None
+                    args = parsed if isinstance(parsed, dict) else args
+                fixed.append(dict(c, function=dict(fn, arguments=args)))
             m = dict(m, tool_calls=fixed)
         out.append(m)
     return out
