@@ -10,8 +10,7 @@ tells which (checked against the real templates of llama.cpp's tests):
   ``[TOOL_CALLS]name[ARGS]{...}`` a call, with ``[CALL_ID]id`` before ``[ARGS]`` where the
   template writes one (Mistral Small 3.2, Devstral, Ministral 3);
 - "llama3": the answer one object ``{"name": ..., "parameters": {...}}`` (or several,
-  separated by ';'), after ``<|python_tag|>`` where the model writes one (Llama 3.1-3.3).
-
+  separated by ';'), after ``<|python_tag|>`` where the model writes one (Llama 3.1-3.3);
 - "generic": a template that does not mention tools at all (Gemma 3, Phi-3.5, SmolLM2,
   DeepSeek's R1 distills): the tools and the answer's shape are described in a system
   message, and a grammar makes the answer one JSON object, ``{"tool_call": {"name": ...,
@@ -65,12 +64,10 @@ class ToolRequest:
 def tool_format(template: str | None) -> str | None:
     """The call format a chat template teaches, "generic" where it knows nothing of tools,
     or None (it teaches one this module does not read)."""
-    if not template:
+    if not template or any(m in template for m in _UNREAD):
         return None
-    if "tools" not in template and not any(m in template for m in _UNREAD):
+    if "tools" not in template:
         return "generic"
-    if any(m in template for m in _UNREAD):
-        return None
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
@@ -127,6 +124,8 @@ def check_tools(tools, tool_choice, template: str | None, parallel=None) -> Tool
     if choice == "none":
         return None
     fmt = tool_format(template)
+    if not template:
+        raise InvalidArgumentError("this model has no chat template: tools need one")
     if fmt is None:
         raise InvalidArgumentError("this model's chat template teaches a tool-call format that cyllm does "
                                    "not read (it reads <tool_call> blocks, Mistral's [TOOL_CALLS] and Llama "
@@ -189,13 +188,14 @@ def generic_history(messages: list[dict]) -> list[dict]:
     for m in messages:
         if m.get("role") == "assistant" and m.get("tool_calls"):
             calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
-            names.update((c.get("id"), c["function"]["name"]) for c in m["tool_calls"])
+            names.update((c["id"], c["function"]["name"]) for c in m["tool_calls"] if isinstance(c.get("id"), str))
             body = json.dumps({"tool_call": calls[0]} if len(calls) == 1 else {"tool_calls": calls}, ensure_ascii=False)
             m = {"role": "assistant", "content": f"{m['content']}\n{body}" if m.get("content") else body}
         elif m.get("role") == "tool":
-            result = json.dumps({"tool_response": {"name": names.get(m.get("tool_call_id"), m.get("name")),
-                                                   "id": m.get("tool_call_id"), "content": m.get("content")}},
-                                ensure_ascii=False)
+            cid = m.get("tool_call_id")
+            name = names.get(cid, m.get("name")) if isinstance(cid, str) else m.get("name")
+            result = json.dumps({"tool_response": {"name": name, "id": cid, "content": m.get("content")}},
+                                ensure_ascii=False, default=str)      # an id from Python may be anything
             if out and out[-1].get("tool_results"):
                 out[-1] = dict(out[-1], content=out[-1]["content"] + "\n" + result)
                 continue
