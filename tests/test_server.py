@@ -194,6 +194,35 @@ def test_logit_bias_steers_greedy_like_numpy(client, default_model):
     assert chat.usage.completion_tokens == 3 and chat.choices[0].message.content == tok.decode([first] * 3)
 
 
+def test_echo_scores_the_prompt_like_a_fresh_pass(client, default_model):
+    """echo + logprobs + max_tokens 0 (how evaluation harnesses score a text through an
+    OpenAI endpoint): the prompt comes back, and each of its tokens' logprob given the ones
+    before equals NumPy's log-softmax of a fresh forward pass, past the 256-token chunks of
+    the scoring pass too; with max_tokens > 0 the answer follows, as without echo."""
+    tok = default_model.tokenizer
+    prompt = "The capital of France is Paris. " * 45                    # > 256 tokens
+    ids = tok.encode(prompt)
+    assert len(ids) > 300
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    c = r.choices[0]
+    ref = log_softmax(fresh_logits(default_model, ids))                # (n, vocab)
+    lp = c.logprobs
+    assert c.text == prompt and len(lp.tokens) == len(ids) == r.usage.prompt_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in (1, 2, 100, 255, 256, 257, len(ids) - 1):
+        assert abs(lp.token_logprobs[i] - ref[i - 1, ids[i]]) < 2e-3, i
+        best = np.argsort(-ref[i - 1])[:2]
+        assert list(lp.top_logprobs[i]) == [tok.decode([j]) for j in best]
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(prompt)
+    plain = client.completions.create(model="m", prompt="Once upon a time", max_tokens=6, temperature=0)
+    both = client.completions.create(model="m", prompt="Once upon a time", max_tokens=6, temperature=0, echo=True,
+                                     logprobs=0)
+    assert both.choices[0].text == "Once upon a time" + plain.choices[0].text
+    offs = both.choices[0].logprobs.text_offset
+    n = len(tok.encode("Once upon a time"))
+    assert offs[n] >= len("Once upon a time") and offs == sorted(offs)
+
+
 def test_logprob_bytes_of_split_characters(client):
     """Tokens that hold part of a character (a byte-level vocabulary splits emoji) carry
     their own bytes, so the entries' bytes joined are the content's UTF-8 (OpenAI's reason

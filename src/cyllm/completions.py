@@ -45,7 +45,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # accepted and ignored (OpenAI fields with no effect on one local model), or accepted
 # only at the value that means "off"
 _IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
-_OFF_VALUES = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+_OFF_VALUES = {"n": (None, 1), "best_of": (None, 1), "suffix": (None, ""),
                "functions": (None, []), "function_call": (None, "none", "auto")}
 
 
@@ -64,6 +64,7 @@ class Request:
     id: str
     created: int
     tools: ToolRequest | None = None    # chat: the functions the answer may call
+    echo: str | None = None             # completions: the prompt, sent back before the answer
 
 
 # ----------------------------------------------------------------- public API
@@ -75,23 +76,30 @@ def create_completion(llm, prompt, *, max_tokens: int | None = COMPLETION_MAX_TO
                       seed: int | None = None, stop: str | list[str] | None = None, stream: bool = False,
                       stream_options: dict | None = None, logprobs: int | None = None,
                       response_format: dict | None = None, logit_bias: dict | None = None,
-                      model: str | None = None,
+                      echo: bool = False, model: str | None = None,
                       stats: GenerationStats | None = None, cancel: Callable[[], bool] | None = None,
                       **other):
     """Continue ``prompt`` (a string, a list of token ids, or a list of one string).
 
     Returns a "text_completion" dict, or with ``stream=True`` an iterator of
     chunks. ``logprobs``: how many alternatives to report per token (0: only
-    the chosen token). ``stats`` (optional) receives timings; ``cancel``
+    the chosen token). ``echo``: the prompt comes first in the text, and with
+    ``logprobs`` each prompt token's log-probability given the ones before it
+    (None for the first), as evaluation harnesses score texts (``max_tokens=0``:
+    the prompt alone). ``stats`` (optional) receives timings; ``cancel``
     (optional) is polled every step and ends the generation when it returns True.
     """
     _check_other(other)
     ids = _prompt_ids(llm, prompt)
+    _bool("echo", echo)
     lp = None if logprobs is None else _int("logprobs", logprobs, 0, MAX_TOP_LOGPROBS)
     req = _request(llm, "text_completion", ids, max_tokens, dict(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed, logit_bias=logit_bias),
         stop, stream, stream_options, lp, response_format, model)
+    if echo:
+        text = prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], str) else prompt
+        req.echo = text if isinstance(text, str) else llm.tokenizer.decode(ids)
     return run(llm, req, stream, stats, cancel)
 
 
@@ -479,13 +487,42 @@ def _text_chunks(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[
             c["usage"] = None
         return c
 
+    shift = 0               # text_offset of the answer's tokens: after the echoed prompt
+    if req.echo is not None:
+        yield chunk(req.echo, logprobs=_prompt_logprobs(llm, req) if req.logprobs is not None else None)
+        shift = len(req.echo)
     for text, entries in _events(llm, req, stats, cancel):
+        entries = [(t, lp, top, off + shift) for t, lp, top, off in entries]
         yield chunk(text, logprobs=_text_logprobs(tok, entries) if req.logprobs is not None else None)
     if stats.stop_reason == "cancelled":
         return
     yield chunk("", finish=_finish_reason(stats))
     if req.include_usage:
         yield dict(base, choices=[], usage=usage(req, stats))
+
+
+PROMPT_LOGITS_CHUNK = 256      # prompt positions a pass: (256, vocab) floats, not (prompt, vocab)
+
+
+def _prompt_logprobs(llm, req: Request) -> dict:
+    """Logprobs of the prompt's own tokens (echo): token i given tokens 0..i-1, from fresh
+    passes over the prompt in chunks; None for the first token, which nothing predicts."""
+    tok = llm.tokenizer
+    reader = LogprobReader(llm.config.vocab_size)
+    out = {"tokens": [], "token_logprobs": [None], "top_logprobs": [None], "text_offset": []}
+    dec, at = tok.stream_decoder(), 0
+    for t in req.ids:
+        out["tokens"].append(_token_text(tok, t))
+        out["text_offset"].append(at)
+        at += len(dec.add(t))
+    ids, step = req.ids, PROMPT_LOGITS_CHUNK
+    for a in range(0, len(ids) - 1, step):
+        logits = llm.prefill(ids[a:a + step], a, all_logits=True)      # (<= step, vocab)
+        for i in range(min(step, len(ids) - 1 - a)):
+            lp, top = reader.read(logits[i], ids[a + i + 1], req.logprobs)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append({_token_text(tok, j): v for j, v in top})
+    return out
 
 
 def collect(chunks: Iterator[dict]) -> dict:
