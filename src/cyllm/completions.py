@@ -34,7 +34,7 @@ from .generate import GenerationStats, Session, StopScanner, check_stop, generat
 from .jsonio import short
 from .sampling import LogprobReader, Sampler, SamplingParams
 from .toolcalls import (ToolRequest, call_start, check_tools, generic_history, generic_messages, history_arguments,
-                        new_call_id, parse_calls, response_so_far, tool_format, tool_grammar)
+                        new_call_id, parse_calls, ResponseStream, tool_format, tool_grammar)
 
 DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
                 frequency_penalty=0.0, presence_penalty=0.0)
@@ -458,13 +458,13 @@ class _CallScan:
         self._req = req
         self._text = ""
         self._released = 0          # characters of the content already out
+        self._answer = ResponseStream() if req.format == "generic" else None
 
     def push(self, piece: str) -> str:
         self._text += piece
-        if self._req.format == "generic":
-            part = response_so_far(self._text) or ""
-            out = part[self._released:]
-            self._released = max(self._released, len(part))
+        if self._answer is not None:
+            out = self._answer.new_text(self._text)
+            self._released += len(out)
             return out
         cut = max(call_start(self._req, self._text), self._released)
         out = self._text[self._released:cut]

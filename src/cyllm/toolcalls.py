@@ -353,31 +353,59 @@ def _hermes(tail: str, names: set[str]) -> tuple[str, list[dict]]:
 _RESPONSE = '{"response": "'      # how the grammar (JSON_OPTIONS' layout) opens a plain answer
 
 
-def response_so_far(text: str) -> str | None:
-    """The generic format's plain answer as far as it is written (a JSON string being
-    decoded: an escape cut at the end waits, as does half of a surrogate pair), or None
-    where the output is not such an answer."""
-    if not text.startswith(_RESPONSE):
-        return None if not _RESPONSE.startswith(text) else ""
-    body, i = text[len(_RESPONSE):], 0
-    while i < len(body):
-        c = body[i]
-        if c == '"':
-            break
-        if c != "\\":
-            i += 1
-            continue
+_STRING_STOP = re.compile(r'["\\]')
+
+
+def _string_end(body: str, i: int) -> int:
+    """From boundary i of a JSON string's body (between characters and escapes), the last
+    boundary the text so far reaches: before the closing quote, an escape cut at the end, or
+    half of a surrogate pair."""
+    while True:
+        m = _STRING_STOP.search(body, i)
+        if m is None:
+            return len(body)
+        i = m.start()
+        if body[i] == '"':
+            return i
         if body[i + 1:i + 2] != "u":
             n = 2
         else:                       # \uXXXX; a high surrogate waits for its low half too
             n = 12 if body[i + 2:i + 4].lower() in ("d8", "d9", "da", "db") else 6
         if i + n > len(body):
-            break
+            return i
         i += n
+
+
+def response_so_far(text: str) -> str | None:
+    """The generic format's plain answer as far as it is written, or None where the output
+    is not such an answer."""
+    if not text.startswith(_RESPONSE):
+        return None if not _RESPONSE.startswith(text) else ""
+    body = text[len(_RESPONSE):]
     try:
-        return json.loads('"' + body[:i] + '"')
+        return json.loads('"' + body[:_string_end(body, 0)] + '"')
     except ValueError:
         return None
+
+
+class ResponseStream:
+    """The generic format's plain answer decoded as it is written: each call decodes only
+    what the last one left (a streamed answer of n characters costs O(n), not O(n^2))."""
+
+    def __init__(self):
+        self._done = 0              # characters of the string's body decoded so far
+
+    def new_text(self, text: str) -> str:
+        """The answer's characters that ``text`` (the output so far) adds."""
+        if not text.startswith(_RESPONSE):
+            return ""
+        body = text[len(_RESPONSE):]
+        end = _string_end(body, self._done)
+        if end <= self._done:
+            return ""
+        piece = json.loads('"' + body[self._done:end] + '"')
+        self._done = end
+        return piece
 
 
 def _generic(text: str, names: set[str]) -> tuple[str, list[dict]]:
