@@ -5,16 +5,22 @@ the solo run of a generation for interleaved/threaded runs, and NumPy
 re-implementations of OpenAI's penalty formula.
 """
 
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import cyllm
 from cyllm import Chat
+from cyllm.completions import collect, create_completion
 from cyllm.errors import ContextFullError, CyllmError, InvalidArgumentError
 from cyllm.generate import GenerationStats, Session
 from cyllm.sampling import Sampler, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llamacpp_tools import family_material  # noqa: E402,F401
 
 
 def greedy(model, prompt, n=12, **kw):
@@ -275,3 +281,24 @@ def test_json_schema_on_a_hugging_face_tokenizer(tmp_path):
         jsonschema.validate(json.loads(r["choices"][0]["message"]["content"]), schema)
     with pytest.raises(InvalidArgumentError):
         tiny.create_completion("x", response_format={"type": "json_schema", "json_schema": {"schema": 5}})
+
+
+def test_echo_offsets_and_cancel_on_a_model_with_bos(family_material):
+    """echo on a model whose tokenizer adds a BOS (Llama 3.2's tiny one): the echoed text is the
+    prompt as given, the BOS sits at offset 0 and every other token's text starts at its
+    text_offset; echo null is the default; a cancelled scoring pass returns nothing."""
+    llm = cyllm.load(family_material.hf_dir("llama32"), backend="numpy")
+    tok = llm.tokenizer
+    prompt = "The quick brown fox jumps over the lazy dog."
+    ids = tok.encode(prompt)
+    assert ids[0] == tok.bos_id
+    r = llm.create_completion(prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    c = r["choices"][0]
+    lp = c["logprobs"]
+    assert c["text"] == prompt and c["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 0
+    assert len(lp["tokens"]) == len(ids) and lp["text_offset"][0] == 0
+    for t, off in zip(ids[1:], lp["text_offset"][1:]):
+        assert prompt[off:].startswith(tok.decode([t]).lstrip() if off == 0 else tok.decode([t]))
+    assert llm.create_completion(prompt, max_tokens=2, echo=None)["choices"][0]["text"] != prompt
+    assert collect(create_completion(llm, prompt, max_tokens=0, echo=True, logprobs=1, stream=True,
+                                     cancel=lambda: True)) == {}

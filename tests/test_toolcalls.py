@@ -112,6 +112,12 @@ def test_tool_use_template_as_transformers_picks_it(family_material, tmp_path):
         want = hf.apply_chat_template(QUESTION, tools=tools, tokenize=False, add_generation_prompt=True)
         assert llm.tokenizer.apply_chat_template(QUESTION, **({"tools": tools} if tools else {})) == want
     assert "You are a function calling AI model" in want
+    # transformers 5 saves the two as chat_template.jinja and additional_chat_templates/tool_use.jinja
+    saved = tmp_path / "saved"
+    shutil.copytree(d, saved)
+    hf.save_pretrained(saved)
+    assert (saved / "additional_chat_templates" / "tool_use.jinja").is_file()
+    assert cyllm.load(saved, backend="numpy").tokenizer.apply_chat_template(QUESTION, tools=TOOLS) == want
     # llama.cpp's converter writes the second as tokenizer.chat_template.tool_use
     from llamacpp_tools import convert_hf_to_gguf
     from tinymodels import GGUF_PRE, KIND_TOKENIZER
@@ -123,9 +129,10 @@ def test_tool_use_template_as_transformers_picks_it(family_material, tmp_path):
     # and cyllm's own writers keep it: quantize (HF -> GGUF) and convert (GGUF -> HF, read by transformers)
     from cyllm.tools.convert import convert_gguf_to_hf
     from cyllm.tools.quantize import quantize
-    quantize(d, tmp_path / "two-q8.gguf", "q8_0")
-    assert cyllm.load(tmp_path / "two-q8.gguf", backend="numpy").tokenizer.apply_chat_template(
-        QUESTION, tools=TOOLS) == want
+    for src in (d, saved):
+        quantize(src, tmp_path / f"{src.name}-q8.gguf", "q8_0")
+        assert cyllm.load(tmp_path / f"{src.name}-q8.gguf", backend="numpy").tokenizer.apply_chat_template(
+            QUESTION, tools=TOOLS) == want
     back = AutoTokenizer.from_pretrained(convert_gguf_to_hf(gguf, tmp_path / "back"))
     assert back.apply_chat_template(QUESTION, tools=TOOLS, tokenize=False, add_generation_prompt=True) == want
     # a template set by hand renders tool requests too

@@ -16,7 +16,7 @@ in the model's KV cache (see generate.Session) and reports it as
 ``usage.prompt_tokens_details.cached_tokens``.
 
 Logprobs are those of the model's own distribution: log-softmax of the raw
-logits, before penalties, grammar mask and temperature.
+logits, before penalties, logit bias, grammar mask and temperature.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def create_completion(llm, prompt, *, max_tokens: int | None = COMPLETION_MAX_TO
     """
     _check_other(other)
     ids = _prompt_ids(llm, prompt)
-    _bool("echo", echo)
+    echo = False if echo is None else _bool("echo", echo)      # null: the default
     lp = None if logprobs is None else _int("logprobs", logprobs, 0, MAX_TOP_LOGPROBS)
     req = _request(llm, "text_completion", ids, max_tokens, dict(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
@@ -99,7 +99,7 @@ def create_completion(llm, prompt, *, max_tokens: int | None = COMPLETION_MAX_TO
         stop, stream, stream_options, lp, response_format, model)
     if echo:
         text = prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], str) else prompt
-        req.echo = text if isinstance(text, str) else llm.tokenizer.decode(ids)
+        req.echo = text if isinstance(text, str) else llm.tokenizer.decode(ids, skip_special_tokens=True)
     return run(llm, req, stream, stats, cancel)
 
 
@@ -489,9 +489,17 @@ def _text_chunks(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[
 
     shift = 0               # text_offset of the answer's tokens: after the echoed prompt
     if req.echo is not None:
-        yield chunk(req.echo, logprobs=_prompt_logprobs(llm, req) if req.logprobs is not None else None)
+        scored = _prompt_logprobs(llm, req, cancel) if req.logprobs is not None else None
+        if cancel is not None and cancel():
+            stats.stop_reason = "cancelled"
+            return
+        yield chunk(req.echo, logprobs=scored)
         shift = len(req.echo)
-    for text, entries in _events(llm, req, stats, cancel):
+    # echo with max_tokens 0 scores the prompt only: no generation runs it through again
+    events = _events(llm, req, stats, cancel) if req.echo is None or req.max_tokens > 0 else ()
+    if not events:
+        stats.stop_reason = "length"
+    for text, entries in events:
         entries = [(t, lp, top, off + shift) for t, lp, top, off in entries]
         yield chunk(text, logprobs=_text_logprobs(tok, entries) if req.logprobs is not None else None)
     if stats.stop_reason == "cancelled":
@@ -504,19 +512,23 @@ def _text_chunks(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[
 PROMPT_LOGITS_CHUNK = 256      # prompt positions a pass: (256, vocab) floats, not (prompt, vocab)
 
 
-def _prompt_logprobs(llm, req: Request) -> dict:
+def _prompt_logprobs(llm, req: Request, cancel=None) -> dict:
     """Logprobs of the prompt's own tokens (echo): token i given tokens 0..i-1, from fresh
-    passes over the prompt in chunks; None for the first token, which nothing predicts."""
+    passes over the prompt in chunks (``cancel`` polled between them); None for the first
+    token, which nothing predicts. text_offset counts in the echoed text: special tokens
+    (a BOS) are not in it and sit at the offset of what follows."""
     tok = llm.tokenizer
     reader = LogprobReader(llm.config.vocab_size)
     out = {"tokens": [], "token_logprobs": [None], "top_logprobs": [None], "text_offset": []}
-    dec, at = tok.stream_decoder(), 0
+    dec, at = tok.stream_decoder(skip_special_tokens=True), 0
     for t in req.ids:
         out["tokens"].append(_token_text(tok, t))
         out["text_offset"].append(at)
         at += len(dec.add(t))
     ids, step = req.ids, PROMPT_LOGITS_CHUNK
     for a in range(0, len(ids) - 1, step):
+        if cancel is not None and cancel():
+            break
         logits = llm.prefill(ids[a:a + step], a, all_logits=True)      # (<= step, vocab)
         for i in range(min(step, len(ids) - 1 - a)):
             lp, top = reader.read(logits[i], ids[a + i + 1], req.logprobs)
@@ -538,10 +550,10 @@ def collect(chunks: Iterator[dict]) -> dict:
             piece = choice["delta"].get("content", "") if "delta" in choice else choice["text"]
             text.append(piece)
             for d in choice.get("delta", {}).get("tool_calls") or ():
-                c = calls.setdefault(d["index"], {"id": d.get("id"), "type": "function",
-                                                  "function": {"name": "", "arguments": ""}})
-                c["function"]["name"] += d["function"].get("name") or ""
-                c["function"]["arguments"] += d["function"].get("arguments") or ""
+                call = calls.setdefault(d["index"], {"id": d.get("id"), "type": "function",
+                                                     "function": {"name": "", "arguments": ""}})
+                call["function"]["name"] += d["function"].get("name") or ""
+                call["function"]["arguments"] += d["function"].get("arguments") or ""
             finish = choice["finish_reason"] or finish
             lp = choice["logprobs"]
             if lp is not None and "content" in lp:

@@ -2,7 +2,8 @@
 
 The greedy path (temperature 0) is an argmax and allocates nothing. The
 stochastic path works in buffers allocated once per Sampler; only the
-top-k/top-p candidate selection creates small index arrays.
+top-k/top-p candidate selection, the penalties and logit_bias create small
+arrays (of the candidates, the recent tokens, the biased ids).
 
 Order of the rules (llama.cpp's order for the ones it shares): repetition
 penalty, frequency/presence penalties, logit bias, the grammar constraint's mask,
@@ -114,6 +115,7 @@ class Sampler:
                              "forward pass hold inf or nan (a corrupt file?)")
         p = self.params
         x = logits
+        penalized = False       # a multiplicative penalty can overflow float32 (below)
         if p.repetition_penalty != 1.0 and recent:
             x = self._working(logits)
             window = np.unique(np.asarray(recent[-p.repeat_last_n:] if p.repeat_last_n else recent))
@@ -121,19 +123,22 @@ class Sampler:
             # the published (CTRL) rule: shrink positive logits, push negative ones further down
             with np.errstate(over="ignore"):         # past float32's range: handled below
                 x[window] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            penalized = True
         if self._penalize and self._seen:
             x = self._working(x)
             seen = np.asarray(self._seen)
             x[seen] -= self._counts[seen] * np.float32(p.frequency_penalty) + np.float32(p.presence_penalty)
+            penalized = True
         if self._bias_ids is not None:
             x = self._working(x)
             x[self._bias_ids] += self._bias
         if self.constraint is not None:
             x = self._working(x)
             self.constraint.apply(x)
-        if x is self._buf:
+        if penalized:
             # a tiny penalty can push a logit past float32's range: +inf would make the
-            # softmax inf - inf = NaN; the largest finite value keeps the order
+            # softmax inf - inf = NaN; the largest finite value keeps the order (a bias in
+            # [-100, 100] on finite logits and the grammar's -inf cannot)
             np.nan_to_num(x, copy=False, nan=-np.inf, posinf=np.finfo(np.float32).max, neginf=-np.inf)
         if p.temperature == 0.0:
             return int(np.argmax(x))

@@ -105,6 +105,8 @@ class Tokenizer:
         return ids
 
     def _check_ids(self, ids) -> list[int]:
+        # ids checked against the vocabulary, each as the tokenizer knows it (a GGUF piece
+        # spelled twice: its first id)
         out = []
         for i in ids:
             try:
@@ -146,11 +148,12 @@ class Tokenizer:
     # ---------------------------------------------------------- chat template
     @property
     def chat_template(self) -> str | None:
+        """The chat template's jinja source. One assigned here renders every conversation,
+        with tools or without (it replaces a tool_use template the model shipped)."""
         return self._chat_template
 
     @chat_template.setter
     def chat_template(self, source: str | None) -> None:
-        """A template set by hand renders every conversation, with tools or without."""
         self._chat_template = source
         self.tool_template = None
 
@@ -160,10 +163,10 @@ class Tokenizer:
         return self.tool_template if tools and self.tool_template else self.chat_template
 
     def _template(self, tools: bool = False):
-        # compiled for the source it was built from: chat_template is a plain attribute, and a
-        # template assigned to it later must not render with the old one
-        kind = "tool" if tools and self.tool_template else "chat"
+        # compiled for the source it was built from: a template assigned to chat_template or
+        # tool_template later must not render with the old one
         source = self.template_source(tools)
+        kind = "chat" if source is self.chat_template else "tool"
         done = self._compiled.get(kind)
         if done is None or done[0] is not source:
             if not source:
@@ -235,6 +238,9 @@ class Tokenizer:
         jpath = d / "chat_template.jinja"
         if jpath.is_file():
             template = read_template_file(jpath)
+        tpath = d / "additional_chat_templates" / "tool_use.jinja"     # transformers 5 saves named ones so
+        if tpath.is_file():
+            tool_template = read_template_file(tpath)
 
         extra = {}
         for key in ("unk_token", "pad_token", "sep_token", "cls_token", "mask_token"):

@@ -44,7 +44,7 @@ _ID_CHARS = string.ascii_letters + string.digits
 # where a call starts in the output, per format (the hold-back of streamed content)
 MARKERS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",), "llama3": ("<|python_tag|>",)}
 # call syntaxes this module does not read: a template that teaches one takes no tools
-_UNREAD = ("<function=", "<arg_key>", "<tool_calls>")
+_UNREAD = ("<function=", "<arg_key>", "<tool_calls>", "<invoke ")
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
 
@@ -317,6 +317,12 @@ def history_arguments(messages: list[dict]) -> list[dict]:
     return out
 
 
+def _text(s: str) -> str:
+    """``s`` without lone surrogates: a model may write an escape like \\ud800 in its JSON,
+    which json.loads keeps and no response can encode (each becomes U+FFFD)."""
+    return s.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
 def _call(obj, key: str = "arguments") -> dict:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         raise ValueError("not a call")
@@ -325,7 +331,7 @@ def _call(obj, key: str = "arguments") -> dict:
         args = json.loads(args)          # arguments written as JSON text: it must hold an object
     if not isinstance(args, dict):
         raise ValueError("arguments must be an object")
-    return {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}
+    return {"name": obj["name"], "arguments": _text(json.dumps(args, ensure_ascii=False))}
 
 
 def _hermes(tail: str, names: set[str]) -> tuple[str, list[dict]]:
@@ -383,7 +389,7 @@ def response_so_far(text: str) -> str | None:
         return None if not _RESPONSE.startswith(text) else ""
     body = text[len(_RESPONSE):]
     try:
-        return json.loads('"' + body[:_string_end(body, 0)] + '"')
+        return _text(json.loads('"' + body[:_string_end(body, 0)] + '"'))
     except ValueError:
         return None
 
@@ -403,7 +409,7 @@ class ResponseStream:
         end = _string_end(body, self._done)
         if end <= self._done:
             return ""
-        piece = json.loads('"' + body[self._done:end] + '"')
+        piece = _text(json.loads('"' + body[self._done:end] + '"'))
         self._done = end
         return piece
 
@@ -417,7 +423,7 @@ def _generic(text: str, names: set[str]) -> tuple[str, list[dict]]:
             raise
         return partial, []
     if isinstance(obj, dict) and isinstance(obj.get("response"), str) and len(obj) == 1:
-        return obj["response"], []
+        return _text(obj["response"]), []
     call = _call(obj["tool_call"])
     return ("", [call]) if call["name"] in names else (text, [])
 

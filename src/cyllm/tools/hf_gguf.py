@@ -374,6 +374,8 @@ def _tokenizer_kv(d: Path, cfg: ModelConfig, hf: dict) -> list:
     jpath = d / "chat_template.jinja"
     if jpath.is_file():
         template = jpath.read_text(encoding="utf-8")
+    for extra in sorted((d / "additional_chat_templates").glob("*.jinja")):     # transformers 5's
+        named[extra.stem] = extra.read_text(encoding="utf-8")
     if isinstance(template, str) and template:
         kv.append(("tokenizer.chat_template", template, T.STRING, None))
     # the other named templates (a "tool_use" one) under llama.cpp's keys
