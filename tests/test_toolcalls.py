@@ -20,9 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llamacpp_tools import family_material, llamacpp_template, or_skip  # noqa: E402,F401
 
 import cyllm  # noqa: E402
-from cyllm.completions import _CallScan  # noqa: E402
 from cyllm.errors import CyllmError, InvalidArgumentError  # noqa: E402
-from cyllm.toolcalls import (ToolRequest, check_tools, generic_history, generic_messages,  # noqa: E402
+from cyllm.toolcalls import (CallScan, ToolRequest, check_tools, generic_history, generic_messages,  # noqa: E402
                              history_arguments, parse_calls, tool_format, tool_grammar)
 
 WEATHER = {"type": "function", "function": {
@@ -321,7 +320,7 @@ def test_answers_parse_into_calls(fmt, answer, content, calls):
     got_content, got_calls = parse_calls(req, answer)
     assert got_calls == calls
     assert got_content == (answer if content is None else content)
-    scan = _CallScan(req)
+    scan = CallScan(req)
     streamed = "".join(scan.push(answer[i:i + 3]) for i in range(0, len(answer), 3))
     rest, final = scan.finish()
     assert final == calls and streamed + rest == got_content

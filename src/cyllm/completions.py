@@ -33,8 +33,8 @@ from .errors import ContextFullError, InvalidArgumentError, TokenizerError
 from .generate import GenerationStats, Session, StopScanner, check_stop, generate_tokens, sampling_params
 from .jsonio import short
 from .sampling import LogprobReader, Sampler, SamplingParams
-from .toolcalls import (ToolRequest, call_start, check_tools, generic_history, generic_messages, history_arguments,
-                        new_call_id, parse_calls, ResponseStream, tool_format, tool_grammar)
+from .toolcalls import (CallScan, ToolRequest, check_tools, generic_history, generic_messages, history_arguments,
+                        new_call_id, tool_format, tool_grammar)
 
 DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
                 frequency_penalty=0.0, presence_penalty=0.0)
@@ -424,7 +424,7 @@ def _chat_chunks(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[
         return c
 
     yield chunk({"role": "assistant", "content": ""})
-    scan = _CallScan(req.tools) if req.tools is not None else None
+    scan = CallScan(req.tools) if req.tools is not None else None
     for text, entries in _events(llm, req, stats, cancel):
         lp = {"content": _chat_logprobs(tok, entries), "refusal": None} if req.logprobs is not None else None
         if scan is not None:
@@ -447,34 +447,6 @@ def _chat_chunks(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[
     yield chunk({}, finish=finish)
     if req.include_usage:
         yield dict(base, choices=[], usage=usage(req, stats))
-
-
-class _CallScan:
-    """Streamed content of an answer that may call tools: text goes out until a call may
-    start (toolcalls.call_start); the rest waits for the end, when it is parsed. In the
-    generic format (one JSON object) a plain answer's string streams as it is decoded."""
-
-    def __init__(self, req: ToolRequest):
-        self._req = req
-        self._text = ""
-        self._released = 0          # characters of the content already out
-        self._answer = ResponseStream() if req.format == "generic" else None
-
-    def push(self, piece: str) -> str:
-        self._text += piece
-        if self._answer is not None:
-            out = self._answer.new_text(self._text)
-            self._released += len(out)
-            return out
-        cut = max(call_start(self._req, self._text), self._released)
-        out = self._text[self._released:cut]
-        self._released = cut
-        return out
-
-    def finish(self) -> tuple[str, list[dict]]:
-        """(content not yet released, calls)."""
-        content, calls = parse_calls(self._req, self._text)
-        return content[self._released:], calls
 
 
 def _text_chunks(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[dict]:

@@ -281,6 +281,34 @@ def parse_calls(req: ToolRequest, text: str) -> tuple[str, list[dict]]:
     return head + other, calls if req.parallel else calls[:1]
 
 
+class CallScan:
+    """Streamed content of an answer that may call tools: text goes out until a call may
+    start (toolcalls.call_start); the rest waits for the end, when it is parsed. In the
+    generic format (one JSON object) a plain answer's string streams as it is decoded."""
+
+    def __init__(self, req: ToolRequest):
+        self._req = req
+        self._text = ""
+        self._released = 0          # characters of the content already out
+        self._answer = ResponseStream() if req.format == "generic" else None
+
+    def push(self, piece: str) -> str:
+        self._text += piece
+        if self._answer is not None:
+            out = self._answer.new_text(self._text)
+            self._released += len(out)
+            return out
+        cut = max(call_start(self._req, self._text), self._released)
+        out = self._text[self._released:cut]
+        self._released = cut
+        return out
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """(content not yet released, calls)."""
+        content, calls = parse_calls(self._req, self._text)
+        return content[self._released:], calls
+
+
 def new_call_id() -> str:
     """A call id: 9 letters and digits (Mistral's templates refuse any other shape)."""
     return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
