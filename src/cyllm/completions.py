@@ -468,10 +468,10 @@ def _text_chunks(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[
         yield chunk(req.echo, logprobs=scored)
         shift = len(req.echo)
     # echo with max_tokens 0 scores the prompt only: no generation runs it through again
-    events = _events(llm, req, stats, cancel) if req.echo is None or req.max_tokens > 0 else ()
-    if not events:
+    scoring_only = req.echo is not None and req.max_tokens == 0
+    if scoring_only:
         stats.stop_reason = "length"
-    for text, entries in events:
+    for text, entries in () if scoring_only else _events(llm, req, stats, cancel):
         entries = [(t, lp, top, off + shift) for t, lp, top, off in entries]
         yield chunk(text, logprobs=_text_logprobs(tok, entries) if req.logprobs is not None else None)
     if stats.stop_reason == "cancelled":

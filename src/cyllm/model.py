@@ -206,7 +206,7 @@ class Model:
         self.config = config
         self.family = family(config.arch)
         self.tokenizer = tokenizer
-        if tokenizer is not None and hasattr(tokenizer, "cover_ids"):
+        if tokenizer is not None:
             tokenizer.cover_ids(config.vocab_size)      # padded embedding rows decode to no text
         self.backend = get_backend(backend, threads) if isinstance(backend, str) else backend
         self.context = _resolve_context(config, context)

@@ -2,8 +2,8 @@
 
 The greedy path (temperature 0) is an argmax and allocates nothing. The
 stochastic path works in buffers allocated once per Sampler; only the
-top-k/top-p candidate selection, the penalties and logit_bias create small
-arrays (of the candidates, the recent tokens, the biased ids).
+top-k/top-p candidate selection and the penalties create small arrays (of
+the candidates, the recent tokens).
 
 Order of the rules (llama.cpp's order for the ones it shares): repetition
 penalty, frequency/presence penalties, logit bias, the grammar constraint's mask,
@@ -64,7 +64,6 @@ class SamplingParams:
             self.seed = None               # llama.cpp's spelling of "a random seed"
         elif self.seed is not None and not 0 <= self.seed < 1 << 64:
             bad(f"seed must be in [0, 2^64) (or -1 for a random one), got {self.seed}")
-
 
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse a logit_bias that names a token past a vocabulary of ``vocab_size``."""
@@ -131,7 +130,7 @@ class Sampler:
             penalized = True
         if self._bias_ids is not None:
             x = self._working(x)
-            x[self._bias_ids] += self._bias
+            np.add.at(x, self._bias_ids, self._bias)      # in place: no gathered copy a token
         if self.constraint is not None:
             x = self._working(x)
             self.constraint.apply(x)

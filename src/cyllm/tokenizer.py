@@ -233,14 +233,7 @@ class Tokenizer:
         if bos_id is not None and not 0 <= bos_id < vocab:
             bos_id = None
 
-        template = _pick_template(tcfg)
-        tool_template = _pick_template(tcfg, "tool_use")
-        jpath = d / "chat_template.jinja"
-        if jpath.is_file():
-            template = read_template_file(jpath)
-        tpath = d / "additional_chat_templates" / "tool_use.jinja"     # transformers 5 saves named ones so
-        if tpath.is_file():
-            tool_template = read_template_file(tpath)
+        templates = hf_chat_templates(d, tcfg)
 
         extra = {}
         for key in ("unk_token", "pad_token", "sep_token", "cls_token", "mask_token"):
@@ -251,8 +244,9 @@ class Tokenizer:
         if add is not None:
             extra["additional_special_tokens"] = [t for t in (_token_value(tcfg, "additional_special_tokens", x)
                                                               for x in add) if t]
-        return cls(tok, bos_id, eos_ids, chat_template=template, bos_token=bos_token,
-                   eos_token=eos_token, add_bos=None, template_vars=extra, tool_template=tool_template)
+        return cls(tok, bos_id, eos_ids, bos_token=bos_token,
+                   eos_token=eos_token, add_bos=None, template_vars=extra, chat_template=templates.get("default"),
+                   tool_template=templates.get("tool_use"))
 
 
 class StreamDecoder:
@@ -430,20 +424,27 @@ def _token_str(cfg: JsonObject, key: str) -> str | None:
     return _token_value(cfg, key, cfg.get(key))
 
 
-def _pick_template(cfg: JsonObject, name: str = "default") -> str | None:
-    """chat_template of tokenizer_config.json: a string, or a list of {"name", "template"}
-    (the one named ``name``; for "default", else the only one)."""
+def hf_chat_templates(d: Path, cfg: JsonObject) -> dict[str, str]:
+    """A Hugging Face directory's chat templates by name ("default", "tool_use", ...):
+    tokenizer_config's chat_template (a string, or a list of {"name", "template"}, an only
+    one being the default), then the files transformers 5 writes instead, which win:
+    chat_template.jinja (the default) and additional_chat_templates/NAME.jinja."""
     value = cfg.get("chat_template")
-    if value is None or isinstance(value, str):
-        return value if name == "default" else None
-    want = 'a string or a list of {"name": string, "template": string}'
-    if not isinstance(value, list) or not all(
-            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
-            for t in value):
-        raise cfg.fail("chat_template", want, value)
-    named = {t["name"]: t["template"] for t in value}
-    if name in named:
-        return named[name]
-    if name == "default" and len(named) == 1:
-        return next(iter(named.values()))
-    return None
+    named: dict[str, str] = {}
+    if isinstance(value, str):
+        named["default"] = value
+    elif value is not None:
+        if not isinstance(value, list) or not all(
+                isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+                for t in value):
+            raise cfg.fail("chat_template", 'a string or a list of {"name": string, "template": string}', value)
+        named = {t["name"]: t["template"] for t in value}
+        if "default" not in named and len(named) == 1:
+            named = {"default": value[0]["template"]}
+    if (d / "chat_template.jinja").is_file():
+        named["default"] = read_template_file(d / "chat_template.jinja")
+    extra = d / "additional_chat_templates"
+    if extra.is_dir():
+        for path in sorted(extra.glob("*.jinja")):
+            named[path.stem] = read_template_file(path)
+    return named

@@ -283,7 +283,7 @@ def parse_calls(req: ToolRequest, text: str) -> tuple[str, list[dict]]:
 
 class CallScan:
     """Streamed content of an answer that may call tools: text goes out until a call may
-    start (toolcalls.call_start); the rest waits for the end, when it is parsed. In the
+    start (call_start); the rest waits for the end, when it is parsed. In the
     generic format (one JSON object) a plain answer's string streams as it is decoded."""
 
     def __init__(self, req: ToolRequest):

@@ -38,7 +38,9 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import ModelLoadError, TokenizerError, UnsupportedModelError
 from ..families import Family, config_from_hf, family
+from ..jsonio import JsonObject
 from ..oneline import one_line
+from ..tokenizer import hf_chat_templates
 
 # tokenizer.ggml.token_type values (llama.cpp)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -366,22 +368,12 @@ def _tokenizer_kv(d: Path, cfg: ModelConfig, hf: dict) -> list:
     if add_bos is not None:
         kv.append(("tokenizer.ggml.add_bos_token", add_bos, T.BOOL, None))
     kv.append(("tokenizer.ggml.add_eos_token", bool(tc.get("add_eos_token") is True), T.BOOL, None))
-    template = tc.get("chat_template")
-    named = {}
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default") or (next(iter(named.values())) if len(named) == 1 else None)
-    jpath = d / "chat_template.jinja"
-    if jpath.is_file():
-        template = jpath.read_text(encoding="utf-8")
-    for extra in sorted((d / "additional_chat_templates").glob("*.jinja")):     # transformers 5's
-        named[extra.stem] = extra.read_text(encoding="utf-8")
-    if isinstance(template, str) and template:
-        kv.append(("tokenizer.chat_template", template, T.STRING, None))
-    # the other named templates (a "tool_use" one) under llama.cpp's keys
-    for name, text in named.items():
-        if name != "default" and isinstance(name, str) and isinstance(text, str) and text and name.isidentifier():
-            kv.append((f"tokenizer.chat_template.{name}", text, T.STRING, None))
+    # the default template, and the other named ones (a "tool_use" one) under llama.cpp's keys
+    where = one_line(d / "tokenizer_config.json")
+    for name, text in hf_chat_templates(d, JsonObject(tc, where, TokenizerError)).items():
+        if text and (name == "default" or name.isidentifier()):
+            key = "tokenizer.chat_template" if name == "default" else f"tokenizer.chat_template.{name}"
+            kv.append((key, text, T.STRING, None))
     return kv
 
 
