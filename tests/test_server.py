@@ -149,6 +149,47 @@ def test_seed_repeats_and_differs(client):
     assert a == b and a != c
 
 
+def test_n_choices_are_seeded_answers_of_their_own(client):
+    """n choices come back with indices 0..n-1, choice 0 being the answer of the same request
+    with n=1; with a seed the request repeats, and the choices differ from one another; the
+    stream, grouped by index, carries the same texts; usage counts every choice's tokens."""
+    kw = dict(model="m", prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=7, logprobs=0)
+    r = client.completions.create(n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.text for c in r.choices]
+    assert texts[0] == client.completions.create(**kw).choices[0].text
+    assert len(set(texts)) > 1
+    assert [c.text for c in client.completions.create(n=3, **kw).choices] == texts
+    assert r.usage.completion_tokens == sum(len(c.logprobs.token_logprobs) for c in r.choices)
+    chunks = list(client.completions.create(n=3, stream=True, **kw))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert streamed == texts
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [c.finish_reason for c in r.choices]
+
+
+def test_n_echo_choices_share_the_prompt_logprobs(client, default_model):
+    """echo with n: every choice starts with the prompt and its logprobs (scored once)."""
+    prompt = "The capital of France is"
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=3, temperature=1.0, seed=3, n=2,
+                                  echo=True, logprobs=1)
+    k = len(default_model.tokenizer.encode(prompt))
+    for c in r.choices:
+        assert c.text.startswith(prompt) and len(c.logprobs.tokens) > k
+    a, b = (c.logprobs for c in r.choices)
+    assert a.token_logprobs[:k] == b.token_logprobs[:k] and a.token_logprobs[0] is None
+    assert r.usage.completion_tokens == len(a.tokens) + len(b.tokens) - 2 * k
+
+
+def test_n_greedy_chat_choices_are_the_one_greedy_answer(client):
+    one = client.chat.completions.create(model="m", messages=QUESTION, max_tokens=10, temperature=0)
+    r = client.chat.completions.create(model="m", messages=QUESTION, max_tokens=10, temperature=0, n=2)
+    assert [c.message.content for c in r.choices] == [one.choices[0].message.content] * 2
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 2 * one.usage.completion_tokens
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens
+
+
 def test_logprobs_equal_a_fresh_forward_pass(client, default_model):
     r = client.completions.create(model="m", prompt="The capital of France is", max_tokens=6, temperature=0,
                                   logprobs=3)
@@ -294,7 +335,10 @@ def post(url, body, path="/v1/chat/completions", **kw):
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.5}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_p": 7}, "top_p"),
     ({"messages": [{"role": "user", "content": "hi"}], "stop": 3}, "stop"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n=2"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 17}, "n must be in [1, 16]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n must be in [1, 16]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2.0}, "n must be an integer"),
+    ({"messages": [{"role": "user", "content": "hi"}], "best_of": 2}, "best_of=2"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, "frobnicate"),
     ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"abc": 1}}, "logit_bias"),

@@ -21,6 +21,7 @@ logits, before penalties, logit bias, grammar mask and temperature.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections import deque
@@ -40,12 +41,13 @@ DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalt
                 frequency_penalty=0.0, presence_penalty=0.0)
 COMPLETION_MAX_TOKENS = 16       # OpenAI's (and llama-cpp-python's) default for /v1/completions
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16                 # n: each choice is a whole generation, one after another
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # accepted and ignored (OpenAI fields with no effect on one local model), or accepted
 # only at the value that means "off"
 _IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
-_OFF_VALUES = {"n": (None, 1), "best_of": (None, 1), "suffix": (None, ""),
+_OFF_VALUES = {"best_of": (None, 1), "suffix": (None, ""),
                "functions": (None, []), "function_call": (None, "none", "auto")}
 
 
@@ -65,6 +67,7 @@ class Request:
     created: int
     tools: ToolRequest | None = None    # chat: the functions the answer may call
     echo: str | None = None             # completions: the prompt, sent back before the answer
+    n: int = 1                          # choices: answers to the same prompt, each sampled anew
 
 
 # ----------------------------------------------------------------- public API
@@ -76,7 +79,7 @@ def create_completion(llm, prompt, *, max_tokens: int | None = COMPLETION_MAX_TO
                       seed: int | None = None, stop: str | list[str] | None = None, stream: bool = False,
                       stream_options: dict | None = None, logprobs: int | None = None,
                       response_format: dict | None = None, logit_bias: dict | None = None,
-                      echo: bool = False, model: str | None = None,
+                      echo: bool = False, n: int | None = 1, model: str | None = None,
                       stats: GenerationStats | None = None, cancel: Callable[[], bool] | None = None,
                       **other):
     """Continue ``prompt`` (a string, a list of token ids, or a list of one string).
@@ -86,8 +89,11 @@ def create_completion(llm, prompt, *, max_tokens: int | None = COMPLETION_MAX_TO
     the chosen token). ``echo``: the prompt comes first in the text, and with
     ``logprobs`` each prompt token's log-probability given the ones before it
     (None for the first), as evaluation harnesses score texts (``max_tokens=0``:
-    the prompt alone). ``stats`` (optional) receives timings; ``cancel``
-    (optional) is polled every step and ends the generation when it returns True.
+    the prompt alone). ``n``: that many choices, generated one after another
+    (the prompt is computed once; choice 0 is the answer n=1 would give, and a
+    ``seed`` seeds every choice). ``stats`` (optional) receives timings, summed
+    over the choices; ``cancel`` (optional) is polled every step and ends the
+    generation when it returns True.
     """
     _check_other(other)
     ids = _prompt_ids(llm, prompt)
@@ -96,7 +102,7 @@ def create_completion(llm, prompt, *, max_tokens: int | None = COMPLETION_MAX_TO
     req = _request(llm, "text_completion", ids, max_tokens, dict(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed, logit_bias=logit_bias),
-        stop, stream, stream_options, lp, response_format, model)
+        stop, stream, stream_options, lp, response_format, model, n=n)
     if echo:
         text = prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], str) else prompt
         req.echo = text if isinstance(text, str) else llm.tokenizer.decode(ids, skip_special_tokens=True)
@@ -113,7 +119,7 @@ def create_chat_completion(llm, messages, *, max_tokens: int | None = None,
                            stream_options: dict | None = None, logprobs: bool | None = None,
                            top_logprobs: int | None = None, response_format: dict | None = None,
                            tools: list | None = None, tool_choice=None, parallel_tool_calls: bool | None = None,
-                           logit_bias: dict | None = None,
+                           logit_bias: dict | None = None, n: int | None = 1,
                            model: str | None = None, stats: GenerationStats | None = None,
                            cancel: Callable[[], bool] | None = None, **other):
     """Answer a conversation ([{"role", "content"}, ...]) with the model's chat template.
@@ -122,6 +128,7 @@ def create_chat_completion(llm, messages, *, max_tokens: int | None = None,
     "chat.completion.chunk" dicts. Without a token limit the answer may run
     until the context window is full. ``tools`` and ``tool_choice`` are OpenAI's
     (see toolcalls.py for the call formats and what tool_choice can enforce).
+    ``n``: that many choices, as create_completion makes them.
     """
     _check_other(other)
     if max_tokens is not None and max_completion_tokens is not None and max_tokens != max_completion_tokens:
@@ -144,7 +151,7 @@ def create_chat_completion(llm, messages, *, max_tokens: int | None = None,
     req = _request(llm, "chat.completion", ids, limit, dict(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed, logit_bias=logit_bias),
-        stop, stream, stream_options, top if want else None, response_format, model, forced)
+        stop, stream, stream_options, top if want else None, response_format, model, forced, n)
     req.tools = calls
     return run(llm, req, stream, stats, cancel)
 
@@ -154,11 +161,10 @@ def run(llm, req: Request, stream: bool, stats: GenerationStats | None = None,
     """Run a checked request: the response dict, or an iterator of chunks."""
     stats = stats if stats is not None else GenerationStats()
     llm.last_stats = stats
-    chunks = _chat_chunks if req.object == "chat.completion" else _text_chunks
     if stream:
-        return chunks(llm, req, stats, cancel)
+        return _choices(llm, req, stats, cancel)
     req.include_usage = True
-    return collect(chunks(llm, req, stats, cancel))
+    return collect(_choices(llm, req, stats, cancel))
 
 
 # ------------------------------------------------------------ request checks
@@ -206,7 +212,7 @@ def _bool(name, v) -> bool:
 
 
 def _request(llm, obj, ids, max_tokens, sampling, stop, stream, stream_options, logprobs,
-             response_format, model_name, grammar: str | None = None) -> Request:
+             response_format, model_name, grammar: str | None = None, n=1) -> Request:
     from .grammar import grammar_for
 
     room = llm.context - len(ids)
@@ -241,11 +247,12 @@ def _request(llm, obj, ids, max_tokens, sampling, stop, stream, stream_options, 
     if grammar is not None:
         from .grammar import GrammarConstraint
         GrammarConstraint(llm, grammar)       # a bad schema fails now, before any response starts
+    n = 1 if n is None else _int("n", n, 1, MAX_CHOICES)
     prefix = "chatcmpl-" if obj == "chat.completion" else "cmpl-"
     return Request(object=obj, ids=ids, max_tokens=limit, params=params, stop=check_stop(stop),
                    logprobs=logprobs, grammar=grammar,
                    model_name=model_name or llm.config.name or "cyllm", include_usage=include_usage,
-                   id=prefix + uuid.uuid4().hex[:24], created=int(time.time()))
+                   id=prefix + uuid.uuid4().hex[:24], created=int(time.time()), n=n)
 
 
 def _tokenizer(llm):
@@ -323,8 +330,10 @@ def _chat_ids(llm, messages, calls: ToolRequest | None = None) -> list[int]:
 
 
 # ------------------------------------------------------------------ running
-def _events(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[tuple[str, list]]:
-    """(text, logprob entries) increments of the answer; the end reason lands in stats.stop_reason.
+def _events(llm, req: Request, params: SamplingParams, stats: GenerationStats,
+            cancel) -> Iterator[tuple[str, list]]:
+    """(text, logprob entries) increments of one answer, sampled with ``params``; the end
+    reason lands in stats.stop_reason.
 
     An entry is (token id, logprob, [(id, logprob)...], text offset); entries
     come with the text they start in, and a stop string cuts both.
@@ -334,7 +343,7 @@ def _events(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[tuple
     if req.grammar is not None:
         from .grammar import GrammarConstraint
         constraint = GrammarConstraint(llm, req.grammar)
-    sampler = Sampler(vocab, req.params, constraint)
+    sampler = Sampler(vocab, params, constraint)
     reader = LogprobReader(vocab) if req.logprobs is not None else None
     seen: list = []
 
@@ -413,19 +422,67 @@ def _text_logprobs(tok, entries) -> dict:
             "text_offset": [off for _, _, _, off in entries]}
 
 
-def _chat_chunks(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[dict]:
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s sampling: choice 0 draws as a request of one choice would; the others
+    from seeds of their own, derived from the request's seed (or fresh ones without it)."""
+    if index == 0 or params.seed is None:
+        return params
+    seed = np.random.SeedSequence(params.seed, spawn_key=(index,)).generate_state(1, np.uint64)[0]
+    return dataclasses.replace(params, seed=int(seed))
+
+
+def _add_stats(total: GenerationStats, one: GenerationStats) -> None:
+    """A later choice's generation, counted into the request's stats, which hold the first
+    choice's: the prompt's counts and the time to the first token stay that choice's (a later
+    choice finds the prompt in the cache)."""
+    for f in ("generated_tokens", "decode_s", "decode_steps"):
+        setattr(total, f, getattr(total, f) + getattr(one, f))
+    if one.stop_reason == "cancelled":
+        total.stop_reason = "cancelled"
+
+
+def _base(req: Request, obj: str) -> dict:
+    return {"id": req.id, "object": obj, "created": req.created, "model": req.model_name}
+
+
+def _choices(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[dict]:
+    """The chunks of every choice in turn (index 0 .. n-1), then the usage chunk if asked for.
+    Choice 0 runs on ``stats`` itself, so a caller watching it (the server's time to first
+    token) sees the first answer live; the others' counts are added as each ends."""
+    chat = req.object == "chat.completion"
+    scored = None
+    if not chat and req.echo is not None and req.logprobs is not None:
+        scored = _prompt_logprobs(llm, req, cancel)     # the prompt's logprobs: once for every choice
+    for index in range(req.n):
+        one = stats if index == 0 else GenerationStats()
+        params = _choice_params(req.params, index)
+        if chat:
+            yield from _chat_chunks(llm, req, params, one, cancel, index)
+        else:
+            yield from _text_chunks(llm, req, params, one, cancel, index, scored)
+        if index:
+            _add_stats(stats, one)
+        if one.stop_reason == "cancelled":
+            return
+    if req.include_usage:
+        yield dict(_base(req, "chat.completion.chunk" if chat else "text_completion"), choices=[],
+                   usage=usage(req, stats))
+
+
+def _chat_chunks(llm, req: Request, params: SamplingParams, stats: GenerationStats, cancel,
+                 index: int) -> Iterator[dict]:
     tok = llm.tokenizer
-    base = {"id": req.id, "object": "chat.completion.chunk", "created": req.created, "model": req.model_name}
+    base = _base(req, "chat.completion.chunk")
 
     def chunk(delta, finish=None, logprobs=None):
-        c = dict(base, choices=[{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
+        c = dict(base, choices=[{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
         if req.include_usage:
             c["usage"] = None
         return c
 
     yield chunk({"role": "assistant", "content": ""})
     scan = CallScan(req.tools) if req.tools is not None else None
-    for text, entries in _events(llm, req, stats, cancel):
+    for text, entries in _events(llm, req, params, stats, cancel):
         lp = {"content": _chat_logprobs(tok, entries), "refusal": None} if req.logprobs is not None else None
         if scan is not None:
             text = scan.push(text)        # a call's text is held back until it is whole
@@ -445,23 +502,22 @@ def _chat_chunks(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[
                  "function": {"name": c["name"], "arguments": c["arguments"]}} for i, c in enumerate(calls)]})
             finish = "tool_calls"
     yield chunk({}, finish=finish)
-    if req.include_usage:
-        yield dict(base, choices=[], usage=usage(req, stats))
 
 
-def _text_chunks(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[dict]:
+def _text_chunks(llm, req: Request, params: SamplingParams, stats: GenerationStats, cancel, index: int,
+                 scored: dict | None) -> Iterator[dict]:
+    """One choice's chunks; ``scored``: the prompt's logprobs where echo asks for them."""
     tok = llm.tokenizer
-    base = {"id": req.id, "object": "text_completion", "created": req.created, "model": req.model_name}
+    base = _base(req, "text_completion")
 
     def chunk(text, finish=None, logprobs=None):
-        c = dict(base, choices=[{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}])
+        c = dict(base, choices=[{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}])
         if req.include_usage:
             c["usage"] = None
         return c
 
     shift = 0               # text_offset of the answer's tokens: after the echoed prompt
     if req.echo is not None:
-        scored = _prompt_logprobs(llm, req, cancel) if req.logprobs is not None else None
         if cancel is not None and cancel():
             stats.stop_reason = "cancelled"
             return
@@ -471,14 +527,12 @@ def _text_chunks(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[
     scoring_only = req.echo is not None and req.max_tokens == 0
     if scoring_only:
         stats.stop_reason = "length"
-    for text, entries in () if scoring_only else _events(llm, req, stats, cancel):
+    for text, entries in () if scoring_only else _events(llm, req, params, stats, cancel):
         entries = [(t, lp, top, off + shift) for t, lp, top, off in entries]
         yield chunk(text, logprobs=_text_logprobs(tok, entries) if req.logprobs is not None else None)
     if stats.stop_reason == "cancelled":
         return
     yield chunk("", finish=_finish_reason(stats))
-    if req.include_usage:
-        yield dict(base, choices=[], usage=usage(req, stats))
 
 
 PROMPT_LOGITS_CHUNK = 256      # prompt positions a pass: (256, vocab) floats, not (prompt, vocab)
@@ -510,42 +564,49 @@ def _prompt_logprobs(llm, req: Request, cancel=None) -> dict:
 
 
 def collect(chunks: Iterator[dict]) -> dict:
-    """The non-streamed response from a stream of chunks (that ends with the usage chunk)."""
-    text, finish, first, use = [], None, None, None
-    calls: dict[int, dict] = {}       # index -> the call, its arguments joined from the deltas
-    chat_lp: list | None = None
-    text_lp: dict | None = None
+    """The non-streamed response from a stream of chunks (that ends with the usage chunk);
+    the chunks of several choices are told apart by their index."""
+    first, use = None, None
+    parts: dict[int, dict] = {}       # index -> that choice's pieces
     for c in chunks:
         first = first or c
         use = c.get("usage") or use
         for choice in c["choices"]:
-            piece = choice["delta"].get("content", "") if "delta" in choice else choice["text"]
-            text.append(piece)
+            p = parts.setdefault(choice["index"], {"text": [], "finish": None, "calls": {}, "chat_lp": None,
+                                                   "text_lp": None})
+            p["text"].append(choice["delta"].get("content", "") if "delta" in choice else choice["text"])
             for d in choice.get("delta", {}).get("tool_calls") or ():
-                call = calls.setdefault(d["index"], {"id": d.get("id"), "type": "function",
-                                                     "function": {"name": "", "arguments": ""}})
+                # index -> the call, its arguments joined from the deltas
+                call = p["calls"].setdefault(d["index"], {"id": d.get("id"), "type": "function",
+                                                          "function": {"name": "", "arguments": ""}})
                 call["function"]["name"] += d["function"].get("name") or ""
                 call["function"]["arguments"] += d["function"].get("arguments") or ""
-            finish = choice["finish_reason"] or finish
+            p["finish"] = choice["finish_reason"] or p["finish"]
             lp = choice["logprobs"]
             if lp is not None and "content" in lp:
-                chat_lp = (chat_lp or []) + lp["content"]
+                p["chat_lp"] = (p["chat_lp"] or []) + lp["content"]
             elif lp is not None:
-                text_lp = text_lp or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-                for k in text_lp:
-                    text_lp[k] += lp[k]
+                p["text_lp"] = p["text_lp"] or {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                "text_offset": []}
+                for k in p["text_lp"]:
+                    p["text_lp"][k] += lp[k]
     if first is None:                 # cancelled before anything was produced
         return {}
     base = {"id": first["id"], "created": first["created"], "model": first["model"]}
-    if first["object"] == "chat.completion.chunk":
-        message = {"role": "assistant", "content": "".join(text)}
-        if calls:
-            message["tool_calls"] = [calls[i] for i in sorted(calls)]
-            if not message["content"].strip():
-                message["content"] = None         # as OpenAI answers a call without text
-        choice = {"index": 0, "message": message,
-                  "logprobs": None if chat_lp is None else {"content": chat_lp, "refusal": None},
-                  "finish_reason": finish}
-        return dict(base, object="chat.completion", choices=[choice], usage=use)
-    choice = {"text": "".join(text), "index": 0, "logprobs": text_lp, "finish_reason": finish}
-    return dict(base, object="text_completion", choices=[choice], usage=use)
+    chat = first["object"] == "chat.completion.chunk"
+    choices = []
+    for i in sorted(parts):
+        p = parts[i]
+        if chat:
+            message = {"role": "assistant", "content": "".join(p["text"])}
+            if p["calls"]:
+                message["tool_calls"] = [p["calls"][k] for k in sorted(p["calls"])]
+                if not message["content"].strip():
+                    message["content"] = None         # as OpenAI answers a call without text
+            choices.append({"index": i, "message": message,
+                            "logprobs": None if p["chat_lp"] is None else {"content": p["chat_lp"], "refusal": None},
+                            "finish_reason": p["finish"]})
+        else:
+            choices.append({"text": "".join(p["text"]), "index": i, "logprobs": p["text_lp"],
+                            "finish_reason": p["finish"]})
+    return dict(base, object="chat.completion" if chat else "text_completion", choices=choices, usage=use)
