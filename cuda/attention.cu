@@ -818,20 +818,21 @@ __device__ __forceinline__ void attn_batch_body(
     }
 }
 
+// pos0 < 0: step[1] (a captured prefill chunk, replayed at the position its step buffer holds)
 #define CYLLM_ATTN_BATCH(NAME, NC, BQ, BK)                                                      \
     extern "C" __global__ void __launch_bounds__(AB_THREADS) NAME(                             \
         float* out, const float* q, const f16_t* k_cache, const f16_t* v_cache, int T,         \
         int pos0, int max_ctx, int group, int hd, int q_stride, int out_stride, float scale,   \
-        int window) {                                                                          \
-        attn_batch_body<NC, BQ, BK, false>(out, q, k_cache, v_cache, T, pos0, max_ctx, group,  \
-                                           hd, q_stride, out_stride, scale, window);           \
+        int window, const int* __restrict__ step) {                                            \
+        attn_batch_body<NC, BQ, BK, false>(out, q, k_cache, v_cache, T, step_value(step, 1, pos0), \
+                                           max_ctx, group, hd, q_stride, out_stride, scale, window); \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(AB_THREADS) NAME##_v4(                        \
         float* out, const float* q, const f16_t* k_cache, const f16_t* v_cache, int T,         \
         int pos0, int max_ctx, int group, int hd, int q_stride, int out_stride, float scale,   \
-        int window) {                                                                          \
-        attn_batch_body<NC, BQ, BK, true>(out, q, k_cache, v_cache, T, pos0, max_ctx, group,   \
-                                          hd, q_stride, out_stride, scale, window);            \
+        int window, const int* __restrict__ step) {                                            \
+        attn_batch_body<NC, BQ, BK, true>(out, q, k_cache, v_cache, T, step_value(step, 1, pos0), \
+                                          max_ctx, group, hd, q_stride, out_stride, scale, window); \
     }
 
 // NC = head_dim / 32 rounded up (columns per lane); tiles sized to stay under 48 KB of

@@ -183,11 +183,13 @@ extern "C" __global__ void add_rows_f32(float* out, const float* x, const float*
 }
 
 // rope on every row: row t of q (nq heads) and k (nk heads) is position pos0 + t
+// (pos0 < 0: step[1], the position a captured prefill chunk is replayed at)
 extern "C" __global__ void rope_batch_f32(float* __restrict__ q, float* __restrict__ k,
                                           const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                           int pos0, int n_pos, int T, int nq, int nk, int half,
-                                          int q_stride, int k_stride, int hd)
+                                          int q_stride, int k_stride, int hd, const int* __restrict__ step)
 {
+    pos0 = step_value(step, 1, pos0);
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const int per_row = (nq + nk) * half;
     if (i >= (long long)T * per_row) return;
@@ -204,12 +206,13 @@ extern "C" __global__ void rope_batch_f32(float* __restrict__ q, float* __restri
     v[j + half] = x2 * c + x1 * s;
 }
 
-// k_cache[:, pos0 + t, :] = k[t] ; same for v (f32 -> f16)
+// k_cache[:, pos0 + t, :] = k[t] ; same for v (f32 -> f16); pos0 < 0: step[1], as rope_batch_f32
 extern "C" __global__ void cache_store_batch_f16(f16_t* __restrict__ k_cache, f16_t* __restrict__ v_cache,
                                                  const float* __restrict__ k, const float* __restrict__ v,
                                                  int pos0, int T, int max_ctx, int n_kv, int hd,
-                                                 int k_stride, int v_stride)
+                                                 int k_stride, int v_stride, const int* __restrict__ step)
 {
+    pos0 = step_value(step, 1, pos0);
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const int per_row = n_kv * hd;
     if (i >= (long long)T * per_row) return;

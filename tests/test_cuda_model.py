@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import cyllm  # noqa: E402
+from cyllm.errors import CyllmError  # noqa: E402
 from tinymodels import load_reference, make_tiny_model  # noqa: E402
 
 
@@ -155,6 +156,41 @@ def test_graph_replay_identical_to_eager(case, monkeypatch):
     assert graph.backend._graph is not None and eager.backend._graph is None
     # jump back: the graph reads the position from the device, the cache is overwritten in place
     np.testing.assert_array_equal(graph.forward(ids[3], 3), eager.forward(ids[3], 3))
+
+
+@pytest.mark.parametrize("quantize", [None, "q8_0"])
+def test_prefill_graph_replays_equal_eager_chunks(case, quantize, monkeypatch):
+    """Prefill chunks replayed from their graphs (full chunks captured at once, a shorter
+    length the second time it comes) compute bit for bit what the eager chunks do, at other
+    positions than the ones they were captured at, for the last logits and for all of them;
+    the KV caches they leave are the same, and so is the decoding after them. Quantized
+    weights too (dequantized tiles for the GEMMs, inside the graph)."""
+    _, path = case
+    graph = cyllm.load(path, backend="cuda", quantize=quantize)
+    monkeypatch.setenv("CYLLM_CUDA_PREFILL_GRAPHS", "0")
+    eager = cyllm.load(path, backend="cuda", quantize=quantize)
+    for m in (graph, eager):
+        m.backend.prefill_chunk = 8
+        m.batch = None
+    ids = (graph.tokenizer.encode(PROMPT) * 3)[:29]         # chunks of 8, 8, 8 and 5
+    pg = graph.backend._prefill_graphs
+    for pos0, n in ((0, 29), (3, 21), (0, 29), (11, 13)):
+        np.testing.assert_array_equal(graph.prefill(ids[:n], pos0), eager.prefill(ids[:n], pos0))
+    assert {k[1] for k in pg} == {8, 5}                    # 5 came twice (29 tokens), 13's 5 replayed
+    np.testing.assert_array_equal(graph.prefill(ids[:21], 2, all_logits=True),
+                                  eager.prefill(ids[:21], 2, all_logits=True))
+    np.testing.assert_array_equal(graph.prefill(ids[:21], 2, all_logits=True),
+                                  eager.prefill(ids[:21], 2, all_logits=True))
+    assert (8 in {k[1] for k in pg if k[2]}) and not eager.backend._prefill_graphs
+    for L, E in zip(graph.layers, eager.layers):
+        np.testing.assert_array_equal(cp.asnumpy(L.k_cache[:, :23]), cp.asnumpy(E.k_cache[:, :23]))
+        np.testing.assert_array_equal(cp.asnumpy(L.v_cache[:, :23]), cp.asnumpy(E.v_cache[:, :23]))
+    for pos in (23, 24):
+        np.testing.assert_array_equal(graph.forward(ids[pos], pos), eager.forward(ids[pos], pos))
+    # a chunk past the context is refused before any replay, the captured graphs kept
+    with pytest.raises(CyllmError):
+        graph.prefill(ids[:8], graph.context - 4)
+    assert pg
 
 
 def test_graph_per_attention_regime(case, monkeypatch):

@@ -449,7 +449,7 @@ class Model:
             part = tokens[start:start + chunk]
             last = start + chunk >= len(tokens)
             B.tokens[:len(part)] = part
-            self._issue_batch_ops(len(part), pos0 + start, all_logits=out is not None)
+            self.backend.prefill_step(self._issue_batch_ops, B, B.tokens[:len(part)], pos0 + start, out is not None)
             if out is not None:
                 out[start:start + len(part)] = self.backend.to_host(B.logits)[:len(part)]
             elif last:

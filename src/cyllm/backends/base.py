@@ -128,6 +128,11 @@ class Backend:
         """Run one token's ops; backends that capture the step (cpu, cuda) override this."""
         issue_ops(token, pos)
 
+    def prefill_step(self, issue_ops, state, tokens, pos0: int, all_logits: bool) -> None:
+        """Run one prompt chunk's ops, ``issue_ops(len(tokens), pos0, all_logits)``, whose
+        embed reads ``tokens`` from ``state``; the cuda backend replays captured chunks."""
+        issue_ops(len(tokens), pos0, all_logits)
+
     def set_threads(self, n) -> None:
         """Kernel threads; backends without a thread pool keep 1."""
 

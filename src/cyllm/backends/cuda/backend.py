@@ -38,6 +38,7 @@ from .norm_fold import NormFolding
 from .nvrtc import module_for
 from .pdl import PdlLauncher
 from .prefill import PrefillOps
+from .prefill_graph import GraphPrefill
 from .prequant import PrequantFolding
 from .rope_fold import RopeFolding
 from .quant import NULL_ARG as _NULL, CudaQuantMatrix, CudaQuantStack
@@ -57,7 +58,7 @@ _FIT_MARGIN = 512 << 20       # room left for scratch, cuBLAS workspace, the CUD
 WIDEN_KIB_PER_SM = 24         # widen.py: measured in bench/results/cuda_quant_model_h100.md
 
 
-class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, PrefillOps, Backend):
+class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, GraphDecode, PrefillOps, Backend):
     name = "cuda"
     fuse_qkv = True       # upload copies anyway: one (q+2kv, dim) matrix, one matvec
     quant_row_views = False   # CudaQuantMatrix (tiled planes) has no row views: fused tensors are cut on the host
@@ -95,6 +96,8 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphDecode, Prefil
         self._step_host = np.zeros(2, dtype=np.int32)
         self._stream = cp.cuda.Stream(non_blocking=False)   # blocking: ordered with the null stream
         self.use_graphs = os.environ.get("CYLLM_CUDA_GRAPHS", "1") != "0"
+        self.prefill_graphs = os.environ.get("CYLLM_CUDA_PREFILL_GRAPHS", "1") != "0"   # prefill_graph.py
+        self._prefill_rec = None        # the record of a prefill chunk being captured
         self.reset_graph()
         self._device_mode = False       # ops read token/pos from self._step
         self._vocab: int | None = None

@@ -1,8 +1,12 @@
-"""cuBLAS GemmEx through CuPy's low-level binding: the prefill GEMMs (FP16 inputs, FP32
-accumulation and output, tensor cores). cupy.matmul cannot take FP16 inputs with an FP32
-output, which is what keeps the prefill's accuracy equal to the CPU backend's."""
+"""cuBLAS GemmEx: the prefill GEMMs (FP16 inputs, FP32 accumulation and output, tensor
+cores). cupy.matmul cannot take FP16 inputs with an FP32 output, which is what keeps the
+prefill's accuracy equal to the CPU backend's. Through CuPy's low-level binding, or, for a
+prefill chunk recorded for a CUDA graph (prefill_graph.py), through the library itself:
+cuBLAS can be captured, but CuPy's binding refuses any call while a stream captures."""
 
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 
@@ -11,10 +15,15 @@ _ONE = np.ones(1, dtype=np.float32)
 _BETA = {0.0: np.zeros(1, dtype=np.float32), 1.0: np.ones(1, dtype=np.float32)}
 
 
-def gemm_ex(device, stream_ptr: int, out, w, x16, t: int, d: int, n: int, ldc: int, beta: float) -> None:
+def gemm_ex(device, stream_ptr: int, out, w, x16, t: int, d: int, n: int, ldc: int, beta: float,
+            direct: bool = False) -> None:
     """out (T, d) f32 (row stride ldc) = x16 (T, n) f16 @ w (d, n) f16 ^T + beta * out.
+    ``direct``: through the library (capturable), not CuPy's binding.
 
     Raises whatever the binding raises where it is missing or differs (older/newer CuPy)."""
+    if direct:
+        _direct_gemm(device.cublas_handle, stream_ptr, out.data.ptr, w.data.ptr, x16.data.ptr, t, d, n, ldc, beta)
+        return
     from cupy_backends.cuda.libs import cublas
     handle = device.cublas_handle
     b = _BETA.get(beta)
@@ -33,3 +42,54 @@ def gemm_ex(device, stream_ptr: int, out, w, x16, t: int, d: int, n: int, ldc: i
                       68, -1)                                 # CUBLAS_COMPUTE_32F, GEMM_DEFAULT
     finally:
         cublas.setPointerMode(handle, mode)
+
+
+_LIB = None
+
+
+def _library():
+    """libcublas as the process loaded it (CuPy's copy: the same handles), with the four
+    functions this module calls typed."""
+    global _LIB
+    if _LIB is None:
+        path = None
+        with open("/proc/self/maps") as f:
+            for line in f:
+                name = line.rsplit(None, 1)[-1]
+                if "/libcublas.so" in name:        # not libcublasLt
+                    path = name
+                    break
+        if path is None:
+            raise OSError("libcublas is not loaded in this process")
+        lib = ctypes.CDLL(path)
+        vp, i = ctypes.c_void_p, ctypes.c_int
+        lib.cublasSetStream_v2.argtypes = [vp, vp]
+        lib.cublasGetPointerMode_v2.argtypes = [vp, ctypes.POINTER(i)]
+        lib.cublasSetPointerMode_v2.argtypes = [vp, i]
+        lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
+        for fn in (lib.cublasSetStream_v2, lib.cublasGetPointerMode_v2, lib.cublasSetPointerMode_v2, lib.cublasGemmEx):
+            fn.restype = i
+        _LIB = lib
+    return _LIB
+
+
+def _direct_gemm(handle: int, stream_ptr: int, c: int, a: int, b_ptr: int, t: int, d: int, n: int, ldc: int,
+                 beta: float) -> None:
+    """gemm_ex's call, through the library: the same handle, stream and arguments."""
+    lib = _library()
+    b = _BETA.get(beta)
+    if b is None:
+        b = np.full(1, beta, dtype=np.float32)
+    mode = ctypes.c_int()
+
+    def ok(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+    ok(lib.cublasSetStream_v2(handle, stream_ptr), "cublasSetStream")
+    ok(lib.cublasGetPointerMode_v2(handle, ctypes.byref(mode)), "cublasGetPointerMode")
+    ok(lib.cublasSetPointerMode_v2(handle, 0), "cublasSetPointerMode")     # CUBLAS_POINTER_MODE_HOST
+    try:
+        ok(lib.cublasGemmEx(handle, 1, 0, d, t, n, _ONE.ctypes.data, a, 2, n, b_ptr, 2, n,
+                            b.ctypes.data, c, 0, ldc, 68, -1), "cublasGemmEx")
+    finally:
+        lib.cublasSetPointerMode_v2(handle, mode.value)

@@ -26,15 +26,33 @@ except Exception:  # noqa: BLE001 - reported by CudaBackend when it is construct
     cp = None
 
 
+_NEG1 = np.int32(-1)          # "read the step buffer" (step_value in common.cuh)
+
+
 class PrefillOps:
     """Needs from the backend: ``_k``, ``_flush``, ``device``, ``_scratch`` (name -> buffer),
-    and ``attention`` (the decode kernel, for heads too wide for the batched one)."""
+    ``attention`` (the decode kernel, for heads too wide for the batched one), ``_step``, and
+    ``_prefill_rec`` (None, or the record of a chunk run for capture: prefill_graph.py)."""
+
+    def _pos0(self, pos0: int, t: int, limit: int):
+        """Kernel argument for a chunk's first position (checked on the host: pos0 + t <= limit):
+        the value itself, or -1 (read from the step buffer) while a chunk is recorded for
+        capture, which notes the limit for the chunk's replays."""
+        if pos0 < 0 or pos0 + t > limit:
+            raise InvalidArgumentError(f"positions {pos0}..{pos0 + t - 1} are out of range [0, {limit})")
+        rec = self._prefill_rec
+        if rec is None:
+            return np.int32(pos0)
+        rec.limit = min(rec.limit, limit)
+        return _NEG1
 
     def _buf(self, name: str, n: int, dtype):
-        """A device scratch buffer of at least n elements, kept and grown (prefill only, never in a graph)."""
+        """A device scratch buffer of at least n elements, kept and grown (prefill, and eager
+        decode before a capture); growing one drops the captured prefill chunks."""
         b = self._scratch.get(name)
         if b is None or b.size < n:
             b = self._scratch[name] = cp.empty(max(n, 1), dtype=dtype)
+            self._prefill_graphs.clear()    # captured chunks hold the buffer this one replaces
         return b[:n]
 
     @staticmethod
@@ -57,11 +75,17 @@ class PrefillOps:
         lo, hi = int(tokens.min()), int(tokens.max())
         check_token(lo, vocab)
         check_token(hi, vocab)
-        dev = self._buf("tokens", t, cp.int32)
-        # pageable source: memcpyAsync returns once the bytes are staged, so the caller may reuse tokens
-        cp.cuda.runtime.memcpyAsync(dev.data.ptr, tokens.ctypes.data, tokens.nbytes,
-                                    cp.cuda.runtime.memcpyHostToDevice,
-                                    cp.cuda.get_current_stream().ptr)
+        rec = self._prefill_rec
+        if rec is not None:
+            # a recorded chunk: its ids are copied before each replay (prefill_graph.py)
+            rec.vocab = min(rec.vocab, vocab)
+            dev = rec.tokens[:t]
+        else:
+            dev = self._buf("tokens", t, cp.int32)
+            # pageable source: memcpyAsync returns once the bytes are staged, so the caller may reuse tokens
+            cp.cuda.runtime.memcpyAsync(dev.data.ptr, tokens.ctypes.data, tokens.nbytes,
+                                        cp.cuda.runtime.memcpyHostToDevice,
+                                        cp.cuda.get_current_stream().ptr)
         if isinstance(table, CudaQuantMatrix):
             cuda_quant.qembed_batch(self, out, table, dev, scale)
             return
@@ -163,8 +187,16 @@ class PrefillOps:
         """cublasGemmEx: f16 inputs, f32 output, f32 compute. False if unavailable here."""
         if getattr(self, "_gemm_broken", False):
             return False
+        stream = cp.cuda.get_current_stream().ptr
+        rec = self._prefill_rec
+        if rec is not None and rec.capturable:
+            try:
+                gemm_ex(self.device, stream, out, w, x16, t, d, n, ldc, beta, direct=True)
+                return True
+            except Exception:  # noqa: BLE001 - the library not callable here: the chunk runs uncaptured
+                rec.capturable = False
         try:
-            gemm_ex(self.device, cp.cuda.get_current_stream().ptr, out, w, x16, t, d, n, ldc, beta)
+            gemm_ex(self.device, stream, out, w, x16, t, d, n, ldc, beta)
             return True
         except Exception:  # noqa: BLE001 - older/newer CuPy without this binding: use cupy.matmul
             self._gemm_broken = True
@@ -191,15 +223,14 @@ class PrefillOps:
             raise InvalidArgumentError(f"rope_batch: q {tuple(q.shape)}, k {tuple(k.shape)} with head_dim {hd}")
         if t == 0:
             return
-        if pos0 < 0 or pos0 + t > n_pos:
-            raise InvalidArgumentError(f"positions {pos0}..{pos0 + t - 1} are out of range [0, {n_pos})")
+        p0 = self._pos0(pos0, t, n_pos)
         nq, nk = q.shape[1] // hd, k.shape[1] // hd
         total = t * (nq + nk) * half
         self._k("rope_batch_f32")((_blocks(total, 256),), (256,),
-                                  (q, k, cos, sin, np.int32(pos0), np.int32(n_pos), np.int32(t),
+                                  (q, k, cos, sin, p0, np.int32(n_pos), np.int32(t),
                                    np.int32(nq), np.int32(nk), np.int32(half),
                                    np.int32(self._rows(q, "rope_batch")), np.int32(self._rows(k, "rope_batch")),
-                                   np.int32(hd)))
+                                   np.int32(hd), self._step))
 
     def cache_store_batch(self, k_cache, v_cache, k, v, pos0) -> None:
         self._flush()
@@ -210,13 +241,12 @@ class PrefillOps:
             raise InvalidArgumentError(f"cache_store_batch: k {tuple(k.shape)} does not fit a cache of {n_kv} heads x {hd}")
         if t == 0:
             return
-        if pos0 < 0 or pos0 + t > max_ctx:
-            raise InvalidArgumentError(f"positions {pos0}..{pos0 + t - 1} are out of range [0, {max_ctx})")
+        p0 = self._pos0(pos0, t, max_ctx)
         total = t * n_kv * hd
         self._k("cache_store_batch_f16")((_blocks(total, 256),), (256,),
-                                         (k_cache, v_cache, k, v, np.int32(pos0), np.int32(t), np.int32(max_ctx),
+                                         (k_cache, v_cache, k, v, p0, np.int32(t), np.int32(max_ctx),
                                           np.int32(n_kv), np.int32(hd), np.int32(self._rows(k, "cache_store_batch")),
-                                          np.int32(self._rows(v, "cache_store_batch"))))
+                                          np.int32(self._rows(v, "cache_store_batch")), self._step))
 
     def attention_batch(self, out, q, k_cache, v_cache, pos0, window=0, scale=None) -> None:
         """Causal attention of T queries (row t at position pos0 + t), flash-attention tiles."""
@@ -230,10 +260,11 @@ class PrefillOps:
             raise InvalidArgumentError(f"attention_batch: q {tuple(q.shape)} does not fit a cache of {n_kv} heads x {hd}")
         if t == 0:
             return
-        if pos0 < 0 or pos0 + t > max_ctx:
-            raise InvalidArgumentError(f"positions {pos0}..{pos0 + t - 1} are out of range [0, {max_ctx})")
+        p0 = self._pos0(pos0, t, max_ctx)
         nc = 1 if hd <= 32 else 2 if hd <= 64 else 4 if hd <= 128 else 8 if hd <= 256 else 0
         if nc == 0:     # very wide heads: the decode kernel, one query at a time
+            if self._prefill_rec is not None:
+                self._prefill_rec.capturable = False    # host positions: a graph would keep them
             for r in range(t):
                 self.attention(out[r], q[r], k_cache, v_cache, pos0 + r, window, scale)
             return
@@ -242,9 +273,9 @@ class PrefillOps:
         pad = 4 if vec else 1
         smem = 4 * ((bq + bk) * (hd + pad) + bq * (bk + pad))
         self._k(ATTN_BATCH_KERNELS[(nc, vec)])((n_heads, _blocks(t, bq)), (128,),
-                                     (out, q, k_cache, v_cache, np.int32(t), np.int32(pos0), np.int32(max_ctx),
+                                     (out, q, k_cache, v_cache, np.int32(t), p0, np.int32(max_ctx),
                                       np.int32(n_heads // n_kv), np.int32(hd),
                                       np.int32(self._rows(q, "attention_batch")),
                                       np.int32(self._rows(out, "attention_batch")),
                                       np.float32(1.0 / math.sqrt(hd) if scale is None else scale),
-                                      np.int32(_check_window(window))), shared_mem=smem)
+                                      np.int32(_check_window(window)), self._step), shared_mem=smem)

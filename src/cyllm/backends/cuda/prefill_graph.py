@@ -1,0 +1,125 @@
+"""Prefill chunks through CUDA graphs (a mixin of CudaBackend).
+
+A chunk of a prompt is about fifteen launches a layer. Issued from Python they cost a small
+model more than its GPU work: SmolLM2-135M Q4_K_M on an H100 spent ~26 ms of host time on a
+512-token prefill against 12 ms of GPU work (bench/results/cuda_quant_model_h100.md). So
+``prefill_step`` records a chunk's ops once and replays them. The chunk's token ids and its
+first position come from device buffers (the ids copied, the position written to the step
+buffer's second slot, before each replay), so one graph serves every chunk of its length at
+any position. A graph is kept per (model pass, chunk length, all logits or the last):
+captured the first time a full chunk runs (the length every long prompt repeats) and the
+second time a shorter length does, at most MAX_PREFILL_GRAPHS of them.
+``CYLLM_CUDA_PREFILL_GRAPHS=0`` (or ``CYLLM_CUDA_GRAPHS=0``) runs every chunk eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...errors import InvalidArgumentError
+
+try:  # CuPy is optional: this module imports without it
+    import cupy as cp
+except Exception:  # noqa: BLE001 - reported by CudaBackend when it is constructed
+    cp = None
+
+MAX_PREFILL_GRAPHS = 8
+
+
+@dataclass
+class PrefillRecord:
+    """What the ops of a chunk note while it is recorded (PrefillOps reads ``_prefill_rec``)."""
+    tokens: object                  # device int32 (T,): the ids the recorded embed reads
+    limit: int = 1 << 62            # a chunk must end at or before every op's position limit
+    vocab: int = 1 << 62            # and hold ids below every embedding table's rows
+    capturable: bool = True         # False: an op kept host positions (heads over 256 wide)
+
+
+class GraphPrefill:
+    """Needs from the backend: ``_stream``, ``_step``/``_step_host``, ``_flush()``,
+    ``_drop_held()``, ``use_graphs``, ``prefill_graphs`` and the batched ops of PrefillOps,
+    which read ``_prefill_rec``."""
+
+    def reset_graph(self) -> None:
+        super().reset_graph()
+        self._prefill_graphs = {}       # (issue_ops, T, all_logits) -> (state, graph, record)
+        self._prefill_once = set()      # (issue_ops, T, all_logits) run once without a graph
+
+    def prefill_step(self, issue_ops, state, tokens, pos0: int, all_logits: bool) -> None:
+        """Run ``issue_ops(T, pos0, all_logits)``, one chunk of a prompt whose ids are
+        ``tokens`` (T host ints, the ones the ops' embed reads from ``state``), through its
+        graph when it has one (see the module's docstring)."""
+        self._flush()                   # an op held back by eager calls goes before the chunk
+        t, pos0 = len(tokens), int(pos0)
+        if not (self.use_graphs and self.prefill_graphs) or t == 0:
+            with self._stream:          # the stream the graphs run on: cuBLAS picks its kernels per stream
+                issue_ops(t, pos0, all_logits)
+            return
+        key = (issue_ops, t, bool(all_logits))
+        entry = self._prefill_graphs.get(key)
+        if entry is not None and entry[0] is state:
+            _, graph, rec = entry
+            ids = np.ascontiguousarray(tokens, dtype=np.int32)
+            if pos0 < 0 or pos0 + t > rec.limit:
+                raise InvalidArgumentError(f"positions {pos0}..{pos0 + t - 1} are out of range [0, {rec.limit})")
+            if int(ids.min()) < 0 or int(ids.max()) >= rec.vocab:
+                issue_ops(t, pos0, all_logits)          # the eager ops say which id is wrong
+                return
+            with self._stream:
+                self._chunk_inputs(rec.tokens, ids, pos0)
+                graph.launch(stream=self._stream)
+            return
+        if t != state.tokens.shape[0] and key not in self._prefill_once:
+            self._prefill_once.add(key)                 # a length seen once may not come back
+            with self._stream:
+                issue_ops(t, pos0, all_logits)
+            return
+        self._record_chunk(key, issue_ops, state, tokens, pos0, all_logits)
+
+    def _chunk_inputs(self, dev_ids, ids: np.ndarray, pos0: int) -> None:
+        """The chunk's ids and first position to the device, on the current (graph's) stream;
+        pageable sources: each call returns once its bytes are staged."""
+        stream = self._stream.ptr
+        cp.cuda.runtime.memcpyAsync(dev_ids.data.ptr, ids.ctypes.data, ids.nbytes,
+                                    cp.cuda.runtime.memcpyHostToDevice, stream)
+        self._step_host[1] = pos0
+        cp.cuda.runtime.memcpyAsync(self._step.data.ptr, self._step_host.ctypes.data, 8,
+                                    cp.cuda.runtime.memcpyHostToDevice, stream)
+
+    def _record_chunk(self, key, issue_ops, state, tokens, pos0: int, all_logits: bool) -> None:
+        """Run the chunk eagerly with its ops reading the device buffers (compiling kernels,
+        allocating scratch), then capture the same ops as a graph."""
+        t = key[1]
+        ids = np.ascontiguousarray(tokens, dtype=np.int32)
+        rec = PrefillRecord(tokens=cp.empty(t, dtype=cp.int32))
+        stream = self._stream
+        with stream:
+            self._chunk_inputs(rec.tokens, ids, pos0)
+            self._prefill_rec = rec
+            try:
+                issue_ops(t, pos0, all_logits)          # eager: this chunk's results
+                self._flush()
+                if not rec.capturable:
+                    return
+                graph = None
+                try:
+                    stream.begin_capture()
+                    try:
+                        issue_ops(t, pos0, all_logits)
+                        self._flush()
+                    finally:
+                        graph = stream.end_capture()
+                except Exception as e:  # noqa: BLE001 - something in issue_ops cannot be captured
+                    import warnings
+                    warnings.warn(f"cyllm: CUDA graph capture of a prefill chunk failed ({e}); "
+                                  "prefilling without graphs", RuntimeWarning)
+                    self._drop_held()
+                    self.prefill_graphs = False
+                    return
+            finally:
+                self._prefill_rec = None
+        if len(self._prefill_graphs) >= MAX_PREFILL_GRAPHS:
+            self._prefill_graphs.pop(next(iter(self._prefill_graphs)))     # the oldest
+        self._prefill_graphs[key] = (state, graph, rec)
