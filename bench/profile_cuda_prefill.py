@@ -6,7 +6,8 @@ call) and the host time of issuing it, for a few prefill chunk sizes.
                                          [-p 512] [--chunks 256,512,1024] [-r 3]
 
 For each chunk size: the wall time of `model.prefill` of P random tokens without any
-instrumentation (median of -r runs), then one instrumented run: a table of every batched
+instrumentation (median of -r runs), with its chunks replayed from CUDA graphs and issued op
+by op (prefill_graph.py), then one instrumented run, op by op: a table of every batched
 op with its calls, GPU ms (sum of event pairs) and host ms (time spent in the Python call).
 The instrumented run is queued behind a kernel that keeps the GPU busy for a second, so
 the event pairs time the GPU's work alone, not the gaps while the host issues it (as long
@@ -89,13 +90,18 @@ def main() -> int:
     for chunk in [int(c) for c in a.chunks.split(",")]:
         backend.prefill_chunk = chunk
         model.batch = None
-        model.prefill(ids, 0)
-        walls = []
-        for _ in range(a.r):
-            t0 = time.perf_counter()
+        graphed = {}
+        for on in (True, False):            # chunks replayed from graphs, then issued op by op
+            backend.prefill_graphs = on
             model.prefill(ids, 0)
-            walls.append(time.perf_counter() - t0)
-        wall = statistics.median(walls)
+            walls = []
+            for _ in range(a.r):
+                t0 = time.perf_counter()
+                model.prefill(ids, 0)
+                walls.append(time.perf_counter() - t0)
+            graphed[on] = statistics.median(walls)
+        wall = graphed[False]
+        # the ops are timed one by one: prefill_graphs stays off (a replay calls none of them)
         records, restore = instrument(backend, names)
         busy()
         t0 = time.perf_counter()
@@ -103,7 +109,9 @@ def main() -> int:
         inst_wall = time.perf_counter() - t0
         restore()
         cp.cuda.Device().synchronize()
-        print(f"\n## chunk {chunk}: {wall * 1e3:.2f} ms ({a.p / wall:.0f} tok/s); instrumented {inst_wall * 1e3:.2f} ms")
+        print(f"\n## chunk {chunk}: {wall * 1e3:.2f} ms ({a.p / wall:.0f} tok/s) op by op, "
+              f"{graphed[True] * 1e3:.2f} ms ({a.p / graphed[True]:.0f} tok/s) from graphs; "
+              f"instrumented {inst_wall * 1e3:.2f} ms")
         print("| op | calls | GPU ms | host ms |\n|---|---:|---:|---:|")
         tot_g = tot_h = 0.0
         for name, recs in sorted(records.items(), key=lambda kv: -sum(cp.cuda.get_elapsed_time(e0, e1) for e0, e1, _ in kv[1])):
