@@ -24,7 +24,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import cyllm  # noqa: E402
-from cyllm.errors import CyllmError  # noqa: E402
 from tinymodels import load_reference, make_tiny_model  # noqa: E402
 
 
@@ -173,24 +172,26 @@ def test_prefill_graph_replays_equal_eager_chunks(case, quantize, monkeypatch):
         m.backend.prefill_chunk = 8
         m.batch = None
     ids = (graph.tokenizer.encode(PROMPT) * 3)[:29]         # chunks of 8, 8, 8 and 5
-    pg = graph.backend._prefill_graphs
+    be = graph.backend
+    recorded = []
+    record = be._record_chunk
+    monkeypatch.setattr(be, "_record_chunk", lambda key, *a: (recorded.append(key[1:]), record(key, *a))[1])
     for pos0, n in ((0, 29), (3, 21), (0, 29), (11, 13)):
         np.testing.assert_array_equal(graph.prefill(ids[:n], pos0), eager.prefill(ids[:n], pos0))
-    assert {k[1] for k in pg} == {8, 5}                    # 5 came twice (29 tokens), 13's 5 replayed
-    np.testing.assert_array_equal(graph.prefill(ids[:21], 2, all_logits=True),
-                                  eager.prefill(ids[:21], 2, all_logits=True))
-    np.testing.assert_array_equal(graph.prefill(ids[:21], 2, all_logits=True),
-                                  eager.prefill(ids[:21], 2, all_logits=True))
-    assert (8 in {k[1] for k in pg if k[2]}) and not eager.backend._prefill_graphs
+    # 8 captured at once, 5 the second time it came; every other chunk replayed
+    assert recorded == [(8, False), (5, False)] and {k[1:] for k in be._prefill_graphs} == set(recorded)
+    for _ in range(2):
+        np.testing.assert_array_equal(graph.prefill(ids[:21], 2, all_logits=True),
+                                      eager.prefill(ids[:21], 2, all_logits=True))
+    assert recorded[2:] == [(8, True), (5, True)] and not eager.backend._prefill_graphs
     for L, E in zip(graph.layers, eager.layers):
         np.testing.assert_array_equal(cp.asnumpy(L.k_cache[:, :23]), cp.asnumpy(E.k_cache[:, :23]))
         np.testing.assert_array_equal(cp.asnumpy(L.v_cache[:, :23]), cp.asnumpy(E.v_cache[:, :23]))
     for pos in (23, 24):
         np.testing.assert_array_equal(graph.forward(ids[pos], pos), eager.forward(ids[pos], pos))
-    # a chunk past the context is refused before any replay, the captured graphs kept
-    with pytest.raises(CyllmError):
-        graph.prefill(ids[:8], graph.context - 4)
-    assert pg
+    # decoding captured its own graph and kept the prefill ones: the next prompt replays
+    np.testing.assert_array_equal(graph.prefill(ids[:13], 5), eager.prefill(ids[:13], 5))
+    assert len(recorded) == 4 and len(be._prefill_graphs) == 4
 
 
 def test_graph_per_attention_regime(case, monkeypatch):

@@ -44,39 +44,45 @@ def gemm_ex(device, stream_ptr: int, out, w, x16, t: int, d: int, n: int, ldc: i
         cublas.setPointerMode(handle, mode)
 
 
-_LIB = None
+_LIB = None            # the library once found; False: not callable here (asked once)
 
 
-def _library():
-    """libcublas as the process loaded it (CuPy's copy: the same handles), with the four
-    functions this module calls typed."""
+def _library(handle: int):
+    """libcublas as the process loaded it, with the functions this module calls typed: the
+    copy whose version is the one CuPy's binding reports for ``handle`` (two CUDA majors may
+    be loaded, by CuPy and by another package)."""
     global _LIB
     if _LIB is None:
-        path = None
-        with open("/proc/self/maps") as f:
-            for line in f:
-                name = line.rsplit(None, 1)[-1]
-                if "/libcublas.so" in name:        # not libcublasLt
-                    path = name
-                    break
-        if path is None:
-            raise OSError("libcublas is not loaded in this process")
-        lib = ctypes.CDLL(path)
+        _LIB = False
+        from cupy_backends.cuda.libs import cublas
+        want = cublas.getVersion(handle)
         vp, i = ctypes.c_void_p, ctypes.c_int
-        lib.cublasSetStream_v2.argtypes = [vp, vp]
-        lib.cublasGetPointerMode_v2.argtypes = [vp, ctypes.POINTER(i)]
-        lib.cublasSetPointerMode_v2.argtypes = [vp, i]
-        lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
-        for fn in (lib.cublasSetStream_v2, lib.cublasGetPointerMode_v2, lib.cublasSetPointerMode_v2, lib.cublasGemmEx):
-            fn.restype = i
-        _LIB = lib
+        with open("/proc/self/maps") as f:
+            paths = dict.fromkeys(line.rsplit(None, 1)[-1] for line in f if "/libcublas.so" in line)
+        for path in paths:                 # "/libcublas.so" is not libcublasLt
+            lib = ctypes.CDLL(path)
+            version = i()
+            lib.cublasGetVersion_v2.argtypes = [vp, ctypes.POINTER(i)]
+            if lib.cublasGetVersion_v2(handle, ctypes.byref(version)) != 0 or version.value != want:
+                continue
+            lib.cublasSetStream_v2.argtypes = [vp, vp]
+            lib.cublasGetPointerMode_v2.argtypes = [vp, ctypes.POINTER(i)]
+            lib.cublasSetPointerMode_v2.argtypes = [vp, i]
+            lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
+            for fn in (lib.cublasSetStream_v2, lib.cublasGetPointerMode_v2, lib.cublasSetPointerMode_v2,
+                       lib.cublasGemmEx, lib.cublasGetVersion_v2):
+                fn.restype = i
+            _LIB = lib
+            break
+    if _LIB is False:
+        raise OSError("CuPy's libcublas is not callable through ctypes here")
     return _LIB
 
 
 def _direct_gemm(handle: int, stream_ptr: int, c: int, a: int, b_ptr: int, t: int, d: int, n: int, ldc: int,
                  beta: float) -> None:
     """gemm_ex's call, through the library: the same handle, stream and arguments."""
-    lib = _library()
+    lib = _library(handle)
     b = _BETA.get(beta)
     if b is None:
         b = np.full(1, beta, dtype=np.float32)

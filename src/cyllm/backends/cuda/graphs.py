@@ -32,6 +32,9 @@ class GraphDecode:
 
     def reset_graph(self) -> None:
         """Forget the captured graphs (call after reallocating any run-state buffer)."""
+        self._reset_decode_graphs()
+
+    def _reset_decode_graphs(self) -> None:
         self._graph = None              # the graph of the last step
         self._graph_key = None          # the issue_ops the graphs were captured from
         self._graphs = {}               # regime (_regime) -> graph
@@ -65,7 +68,7 @@ class GraphDecode:
             cp.cuda.runtime.memcpyAsync(self._step.data.ptr, self._step_host.ctypes.data, 8,
                                         cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
             if self._graph_key != issue_ops:     # another model's forward pass: start over
-                self.reset_graph()
+                self._reset_decode_graphs()
                 self._graph_key = issue_ops
             graph = self._graphs.get(self._regime(pos))
             if graph is not None:
@@ -98,7 +101,7 @@ class GraphDecode:
             warnings.warn(f"cyllm: CUDA graph capture failed ({e}); decoding without graphs", RuntimeWarning)
             self._drop_held()                   # ops of the aborted pass: never launched
             self.use_graphs = False
-            self.reset_graph()
+            self._reset_decode_graphs()
             return
         self._graph = self._graphs[self._regime(pos)] = graph
 

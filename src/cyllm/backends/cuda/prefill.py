@@ -51,8 +51,9 @@ class PrefillOps:
         decode before a capture); growing one drops the captured prefill chunks."""
         b = self._scratch.get(name)
         if b is None or b.size < n:
+            if b is not None:
+                self._prefill_graphs.clear()    # captured chunks may hold the buffer this one replaces
             b = self._scratch[name] = cp.empty(max(n, 1), dtype=dtype)
-            self._prefill_graphs.clear()    # captured chunks hold the buffer this one replaces
         return b[:n]
 
     @staticmethod
@@ -81,7 +82,7 @@ class PrefillOps:
             rec.vocab = min(rec.vocab, vocab)
             dev = rec.tokens[:t]
         else:
-            dev = self._buf("tokens", t, cp.int32)
+            dev = self._buf("tokens", max(t, self.prefill_chunk), cp.int32)[:t]     # one size: never grown
             # pageable source: memcpyAsync returns once the bytes are staged, so the caller may reuse tokens
             cp.cuda.runtime.memcpyAsync(dev.data.ptr, tokens.ctypes.data, tokens.nbytes,
                                         cp.cuda.runtime.memcpyHostToDevice,
@@ -195,6 +196,8 @@ class PrefillOps:
                 return True
             except Exception:  # noqa: BLE001 - the library not callable here: the chunk runs uncaptured
                 rec.capturable = False
+                if cp.cuda.get_current_stream().is_capturing():
+                    raise           # CuPy's binding refuses a capturing stream: the capture fails
         try:
             gemm_ex(self.device, stream, out, w, x16, t, d, n, ldc, beta)
             return True

@@ -8,7 +8,8 @@ first position come from device buffers (the ids copied, the position written to
 buffer's second slot, before each replay), so one graph serves every chunk of its length at
 any position. A graph is kept per (model pass, chunk length, all logits or the last):
 captured the first time a full chunk runs (the length every long prompt repeats) and the
-second time a shorter length does, at most MAX_PREFILL_GRAPHS of them.
+second time a shorter length does, at most MAX_PREFILL_GRAPHS of them (the least recently
+replayed goes first).
 ``CYLLM_CUDA_PREFILL_GRAPHS=0`` (or ``CYLLM_CUDA_GRAPHS=0``) runs every chunk eagerly.
 """
 
@@ -44,8 +45,9 @@ class GraphPrefill:
 
     def reset_graph(self) -> None:
         super().reset_graph()
-        self._prefill_graphs = {}       # (issue_ops, T, all_logits) -> (state, graph, record)
-        self._prefill_once = set()      # (issue_ops, T, all_logits) run once without a graph
+        self._prefill_graphs = {}       # (issue_ops, T, all_logits) -> (state, graph, record), oldest use first
+        self._prefill_once = set()      # keys run once without a graph
+        self._prefill_never = set()     # keys whose chunk cannot be captured: run eagerly
 
     def prefill_step(self, issue_ops, state, tokens, pos0: int, all_logits: bool) -> None:
         """Run ``issue_ops(T, pos0, all_logits)``, one chunk of a prompt whose ids are
@@ -61,6 +63,7 @@ class GraphPrefill:
         entry = self._prefill_graphs.get(key)
         if entry is not None and entry[0] is state:
             _, graph, rec = entry
+            self._prefill_graphs[key] = self._prefill_graphs.pop(key)     # the most recent use
             ids = np.ascontiguousarray(tokens, dtype=np.int32)
             if pos0 < 0 or pos0 + t > rec.limit:
                 raise InvalidArgumentError(f"positions {pos0}..{pos0 + t - 1} are out of range [0, {rec.limit})")
@@ -71,7 +74,7 @@ class GraphPrefill:
                 self._chunk_inputs(rec.tokens, ids, pos0)
                 graph.launch(stream=self._stream)
             return
-        if t != state.tokens.shape[0] and key not in self._prefill_once:
+        if key in self._prefill_never or (t != state.tokens.shape[0] and key not in self._prefill_once):
             self._prefill_once.add(key)                 # a length seen once may not come back
             with self._stream:
                 issue_ops(t, pos0, all_logits)
@@ -102,6 +105,7 @@ class GraphPrefill:
                 issue_ops(t, pos0, all_logits)          # eager: this chunk's results
                 self._flush()
                 if not rec.capturable:
+                    self._prefill_never.add(key)
                     return
                 graph = None
                 try:
@@ -120,6 +124,7 @@ class GraphPrefill:
                     return
             finally:
                 self._prefill_rec = None
+        self._prefill_graphs.pop(key, None)             # one of an older batch state
         if len(self._prefill_graphs) >= MAX_PREFILL_GRAPHS:
-            self._prefill_graphs.pop(next(iter(self._prefill_graphs)))     # the oldest
+            self._prefill_graphs.pop(next(iter(self._prefill_graphs)))     # the least recently used
         self._prefill_graphs[key] = (state, graph, rec)
