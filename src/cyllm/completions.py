@@ -175,8 +175,8 @@ def _check_other(other: dict) -> None:
         if key in _OFF_VALUES:
             if any(value == ok and type(value) is type(ok) for ok in _OFF_VALUES[key]):
                 continue
-            raise InvalidArgumentError(f"{key}={short(value)} is not supported (cyllm serves one completion "
-                                       "per request, without the legacy functions API)")
+            raise InvalidArgumentError(f"{key}={short(value)} is not supported (cyllm has no best_of, "
+                                       "suffix (insertion) or legacy functions API)")
         raise InvalidArgumentError(f"unsupported parameter: {short(key)}")
 
 
