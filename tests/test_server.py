@@ -166,6 +166,41 @@ def test_n_choices_are_seeded_answers_of_their_own(client):
     assert streamed == texts
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == [c.finish_reason for c in r.choices]
+    # best_of equal to n is n itself; more is not supported
+    assert [c.text for c in client.completions.create(n=3, best_of=3, **kw).choices] == texts
+    with pytest.raises(openai.BadRequestError, match="best_of=4"):
+        client.completions.create(n=3, best_of=4, **kw)
+
+
+def test_n_choices_keep_one_displaced_answer_in_the_prompt_cache(client, default_model):
+    """Each choice displaces the one before it from the KV cache; the server's prompt cache
+    keeps a copy of choice 0 (the one a client most likely continues), not of the later ones;
+    the stats the log line reads count every choice and say each one's stop reason."""
+    cache = default_model.prompt_cache
+    eos = default_model.tokenizer.eos_id
+    kw = dict(model="m", prompt="Write a long story about a dragon.", max_tokens=40, temperature=1.0, seed=3,
+              logit_bias={str(eos): -100} if eos is not None else None)
+    client.completions.create(**dict(kw, seed=99))          # another answer to the prompt, live in the cache
+    before = cache.saved
+    r = client.completions.create(n=4, **kw)
+    assert [c.finish_reason for c in r.choices] == ["length"] * 4
+    assert cache.saved - before == 2           # the first answer (displaced by choice 0), and choice 0
+    assert default_model.last_stats.generated_tokens == r.usage.completion_tokens == 160
+    assert default_model.last_stats.stop_reason == "length,length,length,length"
+
+
+def test_n_stats_count_a_choice_closed_midway(default_model):
+    stats = GenerationStats()
+    chunks = default_model.create_completion("Once upon a time", n=3, max_tokens=8, temperature=1.0, seed=4,
+                                             stream=True, stats=stats,
+                                             logit_bias={str(default_model.tokenizer.eos_id): -100})
+    seen = 0
+    for c in chunks:
+        seen += bool(c["choices"] and c["choices"][0]["index"] == 1 and c["choices"][0]["text"])
+        if seen == 3:
+            break
+    chunks.close()
+    assert 8 + 3 <= stats.generated_tokens < 16
 
 
 def test_n_echo_choices_share_the_prompt_logprobs(client, default_model):

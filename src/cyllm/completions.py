@@ -47,7 +47,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # accepted and ignored (OpenAI fields with no effect on one local model), or accepted
 # only at the value that means "off"
 _IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
-_OFF_VALUES = {"best_of": (None, 1), "suffix": (None, ""),
+_OFF_VALUES = {"best_of": (None, 1), "suffix": (None, ""),       # best_of: also n itself (create_completion)
                "functions": (None, []), "function_call": (None, "none", "auto")}
 
 
@@ -95,6 +95,8 @@ def create_completion(llm, prompt, *, max_tokens: int | None = COMPLETION_MAX_TO
     over the choices; ``cancel`` (optional) is polled every step and ends the
     generation when it returns True.
     """
+    if "best_of" in other and other["best_of"] == n and type(other["best_of"]) is type(n):
+        del other["best_of"]            # the best n of n: the n choices themselves
     _check_other(other)
     ids = _prompt_ids(llm, prompt)
     echo = False if echo is None else _bool("echo", echo)      # null: the default
@@ -331,9 +333,9 @@ def _chat_ids(llm, messages, calls: ToolRequest | None = None) -> list[int]:
 
 # ------------------------------------------------------------------ running
 def _events(llm, req: Request, params: SamplingParams, stats: GenerationStats,
-            cancel) -> Iterator[tuple[str, list]]:
+            cancel, keep_displaced: bool = True) -> Iterator[tuple[str, list]]:
     """(text, logprob entries) increments of one answer, sampled with ``params``; the end
-    reason lands in stats.stop_reason.
+    reason lands in stats.stop_reason. ``keep_displaced``: Session's.
 
     An entry is (token id, logprob, [(id, logprob)...], text offset); entries
     come with the text they start in, and a stop string cuts both.
@@ -350,7 +352,7 @@ def _events(llm, req: Request, params: SamplingParams, stats: GenerationStats,
     def observe(logits, token):
         seen.append(reader.read(logits, token, req.logprobs))
 
-    tokens = generate_tokens(Session(llm), req.ids, req.max_tokens, sampler, stats, cancel,
+    tokens = generate_tokens(Session(llm, keep_displaced), req.ids, req.max_tokens, sampler, stats, cancel,
                              observe if reader is not None else None)
     scanner = StopScanner(llm.tokenizer, req.stop)
     pending: deque = deque()     # entries whose text is not released yet
@@ -448,29 +450,39 @@ def _base(req: Request, obj: str) -> dict:
 def _choices(llm, req: Request, stats: GenerationStats, cancel) -> Iterator[dict]:
     """The chunks of every choice in turn (index 0 .. n-1), then the usage chunk if asked for.
     Choice 0 runs on ``stats`` itself, so a caller watching it (the server's time to first
-    token) sees the first answer live; the others' counts are added as each ends."""
+    token) sees the first answer live; the others' counts are added as each ends (or is
+    closed), and with n > 1 the stop reason becomes every choice's, joined by commas."""
     chat = req.object == "chat.completion"
     scored = None
     if not chat and req.echo is not None and req.logprobs is not None:
         scored = _prompt_logprobs(llm, req, cancel)     # the prompt's logprobs: once for every choice
+    reasons = []
     for index in range(req.n):
         one = stats if index == 0 else GenerationStats()
         params = _choice_params(req.params, index)
-        if chat:
-            yield from _chat_chunks(llm, req, params, one, cancel, index)
-        else:
-            yield from _text_chunks(llm, req, params, one, cancel, index, scored)
-        if index:
-            _add_stats(stats, one)
+        # a choice displaces the one before it from the KV cache: a server's prompt cache keeps
+        # choice 0 (the one a client most likely continues), not the later ones
+        keep = index <= 1
+        try:
+            if chat:
+                yield from _chat_chunks(llm, req, params, one, cancel, index, keep)
+            else:
+                yield from _text_chunks(llm, req, params, one, cancel, index, scored, keep)
+        finally:
+            reasons.append(one.stop_reason)
+            if index:
+                _add_stats(stats, one)
         if one.stop_reason == "cancelled":
             return
+    if req.n > 1:
+        stats.stop_reason = ",".join(reasons)
     if req.include_usage:
         yield dict(_base(req, "chat.completion.chunk" if chat else "text_completion"), choices=[],
                    usage=usage(req, stats))
 
 
 def _chat_chunks(llm, req: Request, params: SamplingParams, stats: GenerationStats, cancel,
-                 index: int) -> Iterator[dict]:
+                 index: int, keep: bool) -> Iterator[dict]:
     tok = llm.tokenizer
     base = _base(req, "chat.completion.chunk")
 
@@ -482,7 +494,7 @@ def _chat_chunks(llm, req: Request, params: SamplingParams, stats: GenerationSta
 
     yield chunk({"role": "assistant", "content": ""})
     scan = CallScan(req.tools) if req.tools is not None else None
-    for text, entries in _events(llm, req, params, stats, cancel):
+    for text, entries in _events(llm, req, params, stats, cancel, keep):
         lp = {"content": _chat_logprobs(tok, entries), "refusal": None} if req.logprobs is not None else None
         if scan is not None:
             text = scan.push(text)        # a call's text is held back until it is whole
@@ -505,7 +517,7 @@ def _chat_chunks(llm, req: Request, params: SamplingParams, stats: GenerationSta
 
 
 def _text_chunks(llm, req: Request, params: SamplingParams, stats: GenerationStats, cancel, index: int,
-                 scored: dict | None) -> Iterator[dict]:
+                 scored: dict | None, keep: bool) -> Iterator[dict]:
     """One choice's chunks; ``scored``: the prompt's logprobs where echo asks for them."""
     tok = llm.tokenizer
     base = _base(req, "text_completion")
@@ -527,7 +539,7 @@ def _text_chunks(llm, req: Request, params: SamplingParams, stats: GenerationSta
     scoring_only = req.echo is not None and req.max_tokens == 0
     if scoring_only:
         stats.stop_reason = "length"
-    for text, entries in () if scoring_only else _events(llm, req, params, stats, cancel):
+    for text, entries in () if scoring_only else _events(llm, req, params, stats, cancel, keep):
         entries = [(t, lp, top, off + shift) for t, lp, top, off in entries]
         yield chunk(text, logprobs=_text_logprobs(tok, entries) if req.logprobs is not None else None)
     if stats.stop_reason == "cancelled":

@@ -44,7 +44,8 @@ class GenerationStats:
     decode_s: float = 0.0         # time in forward passes of generated tokens
     decode_steps: int = 0
     ttft_s: float = 0.0           # start of the call to the first generated token
-    stop_reason: str = ""         # "eos" | "stop" | "length" | "context" | "cancelled"
+    stop_reason: str = ""         # "eos" | "stop" | "length" | "context" | "cancelled" (completions'
+                                  # n > 1: each choice's, joined by commas)
     recomputed_tokens: int = 0    # tokens re-run because another session had used the cache
 
     @property
@@ -73,10 +74,13 @@ class Session:
     ``model.kv_owner is self``.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, keep_displaced: bool = True):
         self.model = model
         self.tokens: list[int] = []
         self._logits: np.ndarray | None = None     # (vocab,) f32 private copy of the latest logits
+        # False: the sequence this one displaces from the cache is not worth a copy in a
+        # server's prompt cache (another answer to the same prompt, completions' n choices)
+        self.keep_displaced = keep_displaced
 
     @property
     def owns_cache(self) -> bool:
@@ -100,7 +104,7 @@ class Session:
         with model.lock:
             prompt_cache = getattr(model, "prompt_cache", None)     # tools/server/prompt_cache.py
             if prompt_cache is not None:
-                prompt_cache.before_feed(ids)       # may copy a saved conversation back in
+                prompt_cache.before_feed(ids, self.keep_displaced)      # may copy a saved conversation back in
             owner = model.kv_owner
             cached = owner.tokens if owner is not None else []
             common = 0

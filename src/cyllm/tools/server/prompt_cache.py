@@ -8,7 +8,7 @@ begins like one of them, copies it back before the request's prefill, which
 then runs only the tokens after the common prefix.
 
 Installed as ``model.prompt_cache``; generate.Session.feed calls
-``before_feed(ids)`` with the model lock held, before it compares ``ids``
+``before_feed(ids, save)`` with the model lock held, before it compares ``ids``
 with what the cache holds, so the copy back is invisible to everything else:
 the restored tokens are owned by a fresh Session, and reuse follows the usual
 ownership rule.
@@ -55,13 +55,14 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def before_feed(self, ids: list[int]) -> None:
-        """Called with model.lock held, before a session makes the cache hold ``ids``."""
+    def before_feed(self, ids: list[int], save: bool = True) -> None:
+        """Called with model.lock held, before a session makes the cache hold ``ids``;
+        ``save``: keep a copy of the conversation it displaces (if long enough)."""
         model = self.model
         owner = model.kv_owner
         live = owner.tokens if owner is not None else []
         live_common = common_prefix(ids, live)
-        if len(live) >= MIN_TOKENS and len(live) - live_common >= MIN_TOKENS:
+        if save and len(live) >= MIN_TOKENS and len(live) - live_common >= MIN_TOKENS:
             self._save(live)           # this request displaces a conversation: keep a copy
         best, best_common = None, 0
         for snap in self._entries.values():
