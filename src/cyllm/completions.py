@@ -47,7 +47,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # accepted and ignored (OpenAI fields with no effect on one local model), or accepted
 # only at the value that means "off"
 _IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
-_OFF_VALUES = {"best_of": (None, 1), "suffix": (None, ""),       # best_of: also n itself (create_completion)
+_OFF_VALUES = {"best_of": (None, 1), "suffix": (None, ""),       # best_of: completions take it (= n)
                "functions": (None, []), "function_call": (None, "none", "auto")}
 
 
@@ -79,7 +79,7 @@ def create_completion(llm, prompt, *, max_tokens: int | None = COMPLETION_MAX_TO
                       seed: int | None = None, stop: str | list[str] | None = None, stream: bool = False,
                       stream_options: dict | None = None, logprobs: int | None = None,
                       response_format: dict | None = None, logit_bias: dict | None = None,
-                      echo: bool = False, n: int | None = 1, model: str | None = None,
+                      echo: bool = False, n: int | None = 1, best_of: int | None = None, model: str | None = None,
                       stats: GenerationStats | None = None, cancel: Callable[[], bool] | None = None,
                       **other):
     """Continue ``prompt`` (a string, a list of token ids, or a list of one string).
@@ -91,13 +91,15 @@ def create_completion(llm, prompt, *, max_tokens: int | None = COMPLETION_MAX_TO
     (None for the first), as evaluation harnesses score texts (``max_tokens=0``:
     the prompt alone). ``n``: that many choices, generated one after another
     (the prompt is computed once; choice 0 is the answer n=1 would give, and a
-    ``seed`` seeds every choice). ``stats`` (optional) receives timings, summed
+    ``seed`` seeds every choice; ``best_of``, if given, must equal ``n``: the best
+    n of n are the n choices). ``stats`` (optional) receives timings, summed
     over the choices; ``cancel`` (optional) is polled every step and ends the
     generation when it returns True.
     """
-    if "best_of" in other and other["best_of"] == n and type(other["best_of"]) is type(n):
-        del other["best_of"]            # the best n of n: the n choices themselves
     _check_other(other)
+    if best_of is not None and _int("best_of", best_of, 1) != (1 if n is None else n):
+        raise InvalidArgumentError(f"best_of={short(best_of)} is not supported: only best_of equal to n "
+                                   "(the n choices themselves)")
     ids = _prompt_ids(llm, prompt)
     echo = False if echo is None else _bool("echo", echo)      # null: the default
     lp = None if logprobs is None else _int("logprobs", logprobs, 0, MAX_TOP_LOGPROBS)

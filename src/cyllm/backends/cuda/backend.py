@@ -32,7 +32,7 @@ from ...quant.matrix import QuantMatrix
 from ..base import Backend, check_token
 from . import quant as cuda_quant
 from .checks import check_act as _check_act, check_window as _check_window
-from .graphs import GraphDecode
+from .graphs import READ_STEP, GraphDecode
 from .kernel_names import ATTN_FOLD_KERNELS, ATTN_SPLIT_KERNELS, GATE_UP_OPS, MATVEC_KERNELS, MATVEC_SCALAR_KERNELS
 from .norm_fold import NormFolding
 from .nvrtc import module_for
@@ -53,7 +53,6 @@ except Exception as e:  # noqa: BLE001 - reported when the backend is constructe
     cp = None
     _CUPY_ERROR = e
 
-_NEG1 = np.int32(-1)          # "read the step buffer" (see step_value in common.cuh)
 _FIT_MARGIN = 512 << 20       # room left for scratch, cuBLAS workspace, the CUDA context
 WIDEN_KIB_PER_SM = 24         # widen.py: measured in bench/results/cuda_quant_model_h100.md
 
@@ -267,7 +266,7 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, Graph
         """Kernel argument for the position: the host value, or -1 under decode_step."""
         if self._device_mode:
             self._max_pos = limit if self._max_pos is None else min(self._max_pos, limit)
-            return _NEG1
+            return READ_STEP
         pos = int(pos)
         if not 0 <= pos < limit:
             raise InvalidArgumentError(f"position {pos} is out of range [0, {limit})")
@@ -280,7 +279,7 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, Graph
         check_token(int(token), vocab)
         if self._device_mode:
             self._vocab = vocab
-            tok = _NEG1
+            tok = READ_STEP
         else:
             tok = np.int32(token)
         if isinstance(table, CudaQuantMatrix):

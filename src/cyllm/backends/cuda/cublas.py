@@ -21,27 +21,55 @@ def gemm_ex(device, stream_ptr: int, out, w, x16, t: int, d: int, n: int, ldc: i
     ``direct``: through the library (capturable), not CuPy's binding.
 
     Raises whatever the binding raises where it is missing or differs (older/newer CuPy)."""
-    if direct:
-        _direct_gemm(device.cublas_handle, stream_ptr, out.data.ptr, w.data.ptr, x16.data.ptr, t, d, n, ldc, beta)
-        return
-    from cupy_backends.cuda.libs import cublas
     handle = device.cublas_handle
+    api = _Direct(_library(handle)) if direct else _binding()
     b = _BETA.get(beta)
     if b is None:
         b = np.full(1, beta, dtype=np.float32)
     # the handle may still be bound to another stream: queue the GEMM after our kernels
-    cublas.setStream(handle, stream_ptr)
-    mode = cublas.getPointerMode(handle)
-    cublas.setPointerMode(handle, 0)            # CUBLAS_POINTER_MODE_HOST
+    api.setStream(handle, stream_ptr)
+    mode = api.getPointerMode(handle)
+    api.setPointerMode(handle, 0)               # CUBLAS_POINTER_MODE_HOST
     try:
         # column-major view: out^T (d, T) = w^T' (d, n) . x16^T (n, T)
-        cublas.gemmEx(handle, 1, 0, d, t, n,        # OP_T, OP_N, m, n, k
-                      _ONE.ctypes.data, w.data.ptr, 2, n,      # A = w, CUDA_R_16F, lda
-                      x16.data.ptr, 2, n,                     # B = x16, CUDA_R_16F, ldb
-                      b.ctypes.data, out.data.ptr, 0, ldc,    # C = out, CUDA_R_32F, ldc
-                      68, -1)                                 # CUBLAS_COMPUTE_32F, GEMM_DEFAULT
+        api.gemmEx(handle, 1, 0, d, t, n,           # OP_T, OP_N, m, n, k
+                   _ONE.ctypes.data, w.data.ptr, 2, n,         # A = w, CUDA_R_16F, lda
+                   x16.data.ptr, 2, n,                        # B = x16, CUDA_R_16F, ldb
+                   b.ctypes.data, out.data.ptr, 0, ldc,       # C = out, CUDA_R_32F, ldc
+                   68, -1)                                    # CUBLAS_COMPUTE_32F, GEMM_DEFAULT
     finally:
-        cublas.setPointerMode(handle, mode)
+        api.setPointerMode(handle, mode)
+
+
+def _binding():
+    from cupy_backends.cuda.libs import cublas
+    return cublas
+
+
+class _Direct:
+    """The four calls of gemm_ex, as CuPy's binding names them, through the library itself."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    @staticmethod
+    def _ok(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+
+    def setStream(self, handle, stream_ptr):
+        self._ok(self.lib.cublasSetStream_v2(handle, stream_ptr), "cublasSetStream")
+
+    def getPointerMode(self, handle) -> int:
+        mode = ctypes.c_int()
+        self._ok(self.lib.cublasGetPointerMode_v2(handle, ctypes.byref(mode)), "cublasGetPointerMode")
+        return mode.value
+
+    def setPointerMode(self, handle, mode):
+        self._ok(self.lib.cublasSetPointerMode_v2(handle, mode), "cublasSetPointerMode")
+
+    def gemmEx(self, *args):
+        self._ok(self.lib.cublasGemmEx(*args), "cublasGemmEx")
 
 
 _LIB = None            # the library once found; False: not callable here (asked once)
@@ -77,25 +105,3 @@ def _library(handle: int):
     if _LIB is False:
         raise OSError("CuPy's libcublas is not callable through ctypes here")
     return _LIB
-
-
-def _direct_gemm(handle: int, stream_ptr: int, c: int, a: int, b_ptr: int, t: int, d: int, n: int, ldc: int,
-                 beta: float) -> None:
-    """gemm_ex's call, through the library: the same handle, stream and arguments."""
-    lib = _library(handle)
-    b = _BETA.get(beta)
-    if b is None:
-        b = np.full(1, beta, dtype=np.float32)
-    mode = ctypes.c_int()
-
-    def ok(status: int, what: str) -> None:
-        if status != 0:
-            raise RuntimeError(f"{what} failed with cuBLAS status {status}")
-    ok(lib.cublasSetStream_v2(handle, stream_ptr), "cublasSetStream")
-    ok(lib.cublasGetPointerMode_v2(handle, ctypes.byref(mode)), "cublasGetPointerMode")
-    ok(lib.cublasSetPointerMode_v2(handle, 0), "cublasSetPointerMode")     # CUBLAS_POINTER_MODE_HOST
-    try:
-        ok(lib.cublasGemmEx(handle, 1, 0, d, t, n, _ONE.ctypes.data, a, 2, n, b_ptr, 2, n,
-                            b.ctypes.data, c, 0, ldc, 68, -1), "cublasGemmEx")
-    finally:
-        lib.cublasSetPointerMode_v2(handle, mode.value)

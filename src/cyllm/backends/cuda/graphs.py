@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
+import numpy as np
+
 from ...errors import InvalidArgumentError
 from ..base import check_token
 
@@ -22,6 +24,9 @@ try:  # CuPy is optional: this module imports without it
     import cupy as cp
 except Exception:  # noqa: BLE001 - reported by CudaBackend when it is constructed
     cp = None
+
+
+READ_STEP = np.int32(-1)      # a kernel's token or position argument: "read the step buffer" (step_value)
 
 
 class GraphDecode:

@@ -16,6 +16,7 @@ from ..base import check_token
 from . import quant as cuda_quant
 from .checks import check_act as _check_act, check_window as _check_window
 from .cublas import gemm_ex
+from .graphs import READ_STEP
 from .kernel_names import ATTN_BATCH_KERNELS, GLU_KERNELS
 from .quant import CudaQuantMatrix
 from .shapes import blocks as _blocks
@@ -24,9 +25,6 @@ try:  # CuPy is optional: this module imports without it
     import cupy as cp
 except Exception:  # noqa: BLE001 - reported by CudaBackend when it is constructed
     cp = None
-
-
-_NEG1 = np.int32(-1)          # "read the step buffer" (step_value in common.cuh)
 
 
 class PrefillOps:
@@ -44,7 +42,7 @@ class PrefillOps:
         if rec is None:
             return np.int32(pos0)
         rec.limit = min(rec.limit, limit)
-        return _NEG1
+        return READ_STEP
 
     def _buf(self, name: str, n: int, dtype):
         """A device scratch buffer of at least n elements, kept and grown (prefill, and eager
