@@ -13,6 +13,12 @@ The instrumented run is queued behind a kernel that keeps the GPU busy for a sec
 the event pairs time the GPU's work alone, not the gaps while the host issues it (as long
 as the launch queue does not fill). When the GPU ms of all ops add up to far less than
 the wall time, the prefill is bound by issuing work, not by the GPU.
+
+``--turns N`` times a chat's next prompts instead: N prompts of 9..96 tokens (a fixed
+pseudo-random sequence), each from where the one before ended, as a conversation's turns
+come; the median and total time a turn with the chunks replayed from graphs (short ones
+padded to a captured length) and issued op by op. The graphs' captures count: the first
+turns pay them.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ def main() -> int:
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("--chunks", default="256,512,1024")
     ap.add_argument("-r", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=0)
     a = ap.parse_args()
     import cupy as cp
     from cyllm.backends.base import BATCH_OPS
@@ -85,6 +92,8 @@ def main() -> int:
 
     def busy():
         sleeper((1,), (1,), (np.int64(clock_khz * 1000),))     # ~1 s
+    if a.turns:
+        return turns(model, backend, a.turns, src.label)
     names = list(BATCH_OPS) + ["rmsnorm", "matvec"]
     print(f"# {src.label}: prefill of {a.p} tokens, {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
     for chunk in [int(c) for c in a.chunks.split(",")]:
@@ -121,6 +130,34 @@ def main() -> int:
             tot_h += h
             print(f"| {name} | {len(recs)} | {g:.2f} | {h:.2f} |")
         print(f"| all | | {tot_g:.2f} | {tot_h:.2f} |")
+    return 0
+
+
+def turns(model, backend, n: int, label: str) -> int:
+    """Prompts of 9..96 tokens, each from the end of the one before (--turns)."""
+    import cupy as cp
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(9, 97, size=n).tolist()
+    ids = rng.integers(0, model.config.vocab_size, size=sum(lengths)).tolist()
+    print(f"# {label}: {n} prompts of 9..96 tokens ({sum(lengths)} in all) one after another, "
+          f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    print("| chunks | median ms a turn | total ms | tok/s |\n|---|---:|---:|---:|")
+    for on in (False, True):
+        backend.prefill_graphs = on
+        backend.reset_graph()
+        model.batch = None
+        model.prefill(ids[:64], 0)              # kernels compiled, scratch allocated
+        walls, pos = [], 0
+        for t in lengths:
+            if pos + t > model.context:
+                pos = 0
+            t0 = time.perf_counter()
+            model.prefill(ids[pos:pos + t], pos)
+            walls.append(time.perf_counter() - t0)
+            pos += t
+        total = sum(walls)
+        print(f"| {'graphs' if on else 'op by op'} | {statistics.median(walls) * 1e3:.2f} | "
+              f"{total * 1e3:.1f} | {sum(lengths) / total:.0f} |")
     return 0
 
 

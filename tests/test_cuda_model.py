@@ -159,39 +159,54 @@ def test_graph_replay_identical_to_eager(case, monkeypatch):
 
 @pytest.mark.parametrize("quantize", [None, "q8_0"])
 def test_prefill_graph_replays_equal_eager_chunks(case, quantize, monkeypatch):
-    """Prefill chunks replayed from their graphs (full chunks captured at once, a shorter
-    length the second time it comes) compute bit for bit what the eager chunks do, at other
-    positions than the ones they were captured at, for the last logits and for all of them;
-    the KV caches they leave are the same, and so is the decoding after them. Quantized
-    weights too (dequantized tiles for the GEMMs, inside the graph)."""
+    """Prefill chunks replayed from their graphs compute bit for bit what the eager chunks of
+    the same length do, at other positions than the ones they were captured at, for the last
+    logits and for all of them; the KV caches they leave are the same, and so is the decoding
+    after them. A short chunk is padded to a power of two (16 here) or the full chunk (32) and
+    captured the first time; a length the context's end cut short, the second time it comes.
+    Quantized weights too (dequantized tiles for the GEMMs, inside the graph): there the
+    all-logits chunk dequantizes the head, which grows the tile buffer, and the chunks captured
+    before keep replaying from the buffers they were recorded with."""
     _, path = case
-    graph = cyllm.load(path, backend="cuda", quantize=quantize)
+    ctx = 96
+    graph = cyllm.load(path, backend="cuda", quantize=quantize, context=ctx)
     monkeypatch.setenv("CYLLM_CUDA_PREFILL_GRAPHS", "0")
-    eager = cyllm.load(path, backend="cuda", quantize=quantize)
+    eager = cyllm.load(path, backend="cuda", quantize=quantize, context=ctx)
     for m in (graph, eager):
-        m.backend.prefill_chunk = 8
+        m.backend.prefill_chunk = 32
         m.batch = None
-    ids = (graph.tokenizer.encode(PROMPT) * 3)[:29]         # chunks of 8, 8, 8 and 5
     be = graph.backend
+    # the eager model pads its chunks as the graph model does (the rows decide cuBLAS's sums)
+    monkeypatch.setattr(eager.backend, "prefill_rows", be.prefill_rows)
+    assert be.prefill_rows(13, 32) == 16 and be.prefill_rows(21, 32) == 32 and be.prefill_rows(20, 20) == 20
+    ids = (graph.tokenizer.encode(PROMPT) * 8)[:ctx]
+    assert len(ids) == ctx
     recorded = []
     record = be._record_chunk
     monkeypatch.setattr(be, "_record_chunk", lambda key, *a: (recorded.append(key[1:]), record(key, *a))[1])
-    for pos0, n in ((0, 29), (3, 21), (0, 29), (11, 13)):
-        np.testing.assert_array_equal(graph.prefill(ids[:n], pos0), eager.prefill(ids[:n], pos0))
-    # 8 captured at once, 5 the second time it came; every other chunk replayed
-    assert recorded == [(8, False), (5, False)] and {k[1:] for k in be._prefill_graphs} == set(recorded)
+
+    def same(n, pos0, **kw):
+        np.testing.assert_array_equal(graph.prefill(ids[:n], pos0, **kw), eager.prefill(ids[:n], pos0, **kw))
+    for pos0, n in ((0, 45), (3, 21), (0, 45), (11, 13)):      # 32 + 13 (as 16), 21 (as 32), ..., 13
+        same(n, pos0)
+    assert recorded == [(32, False), (16, False)] and {k[1:] for k in be._prefill_graphs} == set(recorded)
     for _ in range(2):
-        np.testing.assert_array_equal(graph.prefill(ids[:21], 2, all_logits=True),
-                                      eager.prefill(ids[:21], 2, all_logits=True))
-    assert recorded[2:] == [(8, True), (5, True)] and not eager.backend._prefill_graphs
+        same(21, 2, all_logits=True)
+    assert recorded[2:] == [(32, True)] and len(be._prefill_graphs) == 3
+    assert not eager.backend._prefill_graphs
     for L, E in zip(graph.layers, eager.layers):
         np.testing.assert_array_equal(cp.asnumpy(L.k_cache[:, :23]), cp.asnumpy(E.k_cache[:, :23]))
         np.testing.assert_array_equal(cp.asnumpy(L.v_cache[:, :23]), cp.asnumpy(E.v_cache[:, :23]))
     for pos in (23, 24):
         np.testing.assert_array_equal(graph.forward(ids[pos], pos), eager.forward(ids[pos], pos))
     # decoding captured its own graph and kept the prefill ones: the next prompt replays
-    np.testing.assert_array_equal(graph.prefill(ids[:13], 5), eager.prefill(ids[:13], 5))
-    assert len(recorded) == 4 and len(be._prefill_graphs) == 4
+    same(13, 5)
+    assert len(recorded) == 3
+    # the last 20 positions: no room to pad, so 20 rows, eager once and then captured
+    same(ctx - 20, 0)
+    for _ in range(3):
+        np.testing.assert_array_equal(graph.prefill(ids[:20], ctx - 20), eager.prefill(ids[:20], ctx - 20))
+    assert recorded[3:] == [(20, False)] and len(be._prefill_graphs) == 4
 
 
 def test_graph_per_attention_regime(case, monkeypatch):

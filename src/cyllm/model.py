@@ -361,19 +361,22 @@ class Model:
         b.matvec(s.logits, self.output, s.xb)
 
     def _issue_batch_ops(self, T: int, pos0: int, all_logits: bool) -> None:
-        """The forward pass for T prompt tokens at once (same block body)."""
-        b, c, s, B = self.backend, self.config, self.state, self.batch
-        eps = c.norm_eps
+        """The forward pass for T prompt tokens at once (same block body); with ``all_logits``
+        every row's logits (the last token's alone are _issue_last_logits', after the chunks)."""
+        b, c, B = self.backend, self.config, self.batch
         b.embed_batch(B.x[:T], self.embedding, B.tokens[:T], c.embed_scale)
         o = _PrefillPass(self, B, T, pos0)
         for L in self.layers:
             self._block(o, L)
         if all_logits:
-            b.rmsnorm_batch(B.xb[:T], B.x[:T], self.final_norm, eps)
+            b.rmsnorm_batch(B.xb[:T], B.x[:T], self.final_norm, c.norm_eps)
             b.matmul(B.logits[:T], self.output, B.xb[:T])
-        else:   # only the last position's logits are needed
-            b.rmsnorm(s.xb, B.x[T - 1], self.final_norm, eps)
-            b.matvec(s.logits, self.output, s.xb)
+
+    def _issue_last_logits(self, row: int) -> None:
+        """The logits of row ``row`` of the last chunk (its final token) -> state.logits."""
+        b, s = self.backend, self.state
+        b.rmsnorm(s.xb, self.batch.x[row], self.final_norm, self.config.norm_eps)
+        b.matvec(s.logits, self.output, s.xb)
 
     def forward(self, token: int, pos: int) -> np.ndarray:
         """Run one token at position ``pos``; returns logits (vocab,) f32 on the host.
@@ -444,17 +447,22 @@ class Model:
     def _prefill_batched(self, tokens: list[int], pos0: int, out: np.ndarray | None) -> np.ndarray:
         B = self._batch_state(out is not None)
         chunk = B.tokens.shape[0]
-        logits = None
         for start in range(0, len(tokens), chunk):
             part = tokens[start:start + chunk]
-            last = start + chunk >= len(tokens)
-            B.tokens[:len(part)] = part
-            self.backend.prefill_step(self._issue_batch_ops, B, B.tokens[:len(part)], pos0 + start, out is not None)
+            t = len(part)
+            # A backend that replays captured chunks may run a short one at a longer length it
+            # keeps a graph for. The rows past t repeat the last id: they write cache positions
+            # past the prompt, which a later token overwrites before anything reads them.
+            rows = self.backend.prefill_rows(t, min(chunk, self.context - pos0 - start))
+            B.tokens[:t] = part
+            B.tokens[t:rows] = part[-1]
+            self.backend.prefill_step(self._issue_batch_ops, B, B.tokens[:rows], pos0 + start, out is not None)
             if out is not None:
-                out[start:start + len(part)] = self.backend.to_host(B.logits)[:len(part)]
-            elif last:
-                logits = self.backend.to_host(self.state.logits)
-        return out[-1] if out is not None else logits
+                out[start:start + t] = self.backend.to_host(B.logits)[:t]
+        if out is not None:
+            return out[-1]
+        self.backend.run_ops(self._issue_last_logits, t - 1)
+        return self.backend.to_host(self.state.logits)
 
     # -- generation (the loop lives in generate.py) ---------------------------
     def generate(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,

@@ -133,6 +133,15 @@ class Backend:
         embed reads ``tokens`` from ``state``; the cuda backend replays captured chunks."""
         issue_ops(len(tokens), pos0, all_logits)
 
+    def prefill_rows(self, t: int, most: int) -> int:
+        """The rows to run a prompt chunk of t tokens at (t <= rows <= most); a backend that
+        replays captured chunks pads a short one to a length it keeps a graph for."""
+        return t
+
+    def run_ops(self, issue_ops, *args) -> None:
+        """Run ops outside a step (a prompt's last logits), ordered after the steps before."""
+        issue_ops(*args)
+
     def set_threads(self, n) -> None:
         """Kernel threads; backends without a thread pool keep 1."""
 

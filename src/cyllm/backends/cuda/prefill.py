@@ -46,11 +46,10 @@ class PrefillOps:
 
     def _buf(self, name: str, n: int, dtype):
         """A device scratch buffer of at least n elements, kept and grown (prefill, and eager
-        decode before a capture); growing one drops the captured prefill chunks."""
+        decode before a capture). A captured prefill chunk keeps the buffers it was recorded
+        with (PrefillRecord.scratch), so growing one here leaves the graphs valid."""
         b = self._scratch.get(name)
         if b is None or b.size < n:
-            if b is not None:
-                self._prefill_graphs.clear()    # captured chunks may hold the buffer this one replaces
             b = self._scratch[name] = cp.empty(max(n, 1), dtype=dtype)
         return b[:n]
 

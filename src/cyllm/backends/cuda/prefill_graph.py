@@ -6,10 +6,14 @@ model more than its GPU work: SmolLM2-135M Q4_K_M on an H100 spent ~26 ms of hos
 ``prefill_step`` records a chunk's ops once and replays them. The chunk's token ids and its
 first position come from device buffers (the ids copied, the position written to the step
 buffer's second slot, before each replay), so one graph serves every chunk of its length at
-any position. A graph is kept per (model pass, chunk length, all logits or the last):
-captured the first time a full chunk runs (the length every long prompt repeats) and the
-second time a shorter length does, at most MAX_PREFILL_GRAPHS of them (the least recently
-replayed goes first).
+any position. A graph is kept per (model pass, chunk length, all logits or none), at most
+MAX_PREFILL_GRAPHS of them (the least recently replayed goes first).
+
+Chunk lengths are few: ``prefill_rows`` pads a short chunk (a chat's next turn, a long
+prompt's remainder) to a power of two from MIN_PADDED_ROWS up to the full chunk, its extra
+rows repeating the last id. Those lengths are captured the first time they run; any other
+length (one the end of the context cut short) the second time it comes. Padding costs GPU
+work on rows nobody reads; an eager chunk costs the host its ~330 launches whatever its rows.
 ``CYLLM_CUDA_PREFILL_GRAPHS=0`` (or ``CYLLM_CUDA_GRAPHS=0``) runs every chunk eagerly.
 """
 
@@ -27,6 +31,7 @@ except Exception:  # noqa: BLE001 - reported by CudaBackend when it is construct
     cp = None
 
 MAX_PREFILL_GRAPHS = 8
+MIN_PADDED_ROWS = 16
 
 
 @dataclass
@@ -36,6 +41,8 @@ class PrefillRecord:
     limit: int = 1 << 62            # a chunk must end at or before every op's position limit
     vocab: int = 1 << 62            # and hold ids below every embedding table's rows
     capturable: bool = True         # False: an op kept host positions (heads over 256 wide)
+    scratch: tuple = ()             # the scratch buffers the graph reads and writes: kept alive
+                                    # with it when a later chunk grows their names (PrefillOps._buf)
 
 
 class GraphPrefill:
@@ -48,6 +55,18 @@ class GraphPrefill:
         self._prefill_graphs = {}       # (issue_ops, T, all_logits) -> (state, graph, record), oldest use first
         self._prefill_once = set()      # keys run once without a graph
         self._prefill_never = set()     # keys whose chunk cannot be captured: run eagerly
+
+    def prefill_rows(self, t: int, most: int) -> int:
+        """t rows padded to the next power of two (at least MIN_PADDED_ROWS), at most ``most``
+        (the model's chunk, or the positions left in its cache); t without graphs."""
+        if not (self.use_graphs and self.prefill_graphs) or t <= 0:
+            return t
+        return max(t, min(most, max(MIN_PADDED_ROWS, 1 << (t - 1).bit_length())))
+
+    def run_ops(self, issue_ops, *args) -> None:
+        with self._stream:              # after the chunks, on their stream
+            issue_ops(*args)
+            self._flush()
 
     def prefill_step(self, issue_ops, state, tokens, pos0: int, all_logits: bool) -> None:
         """Run ``issue_ops(T, pos0, all_logits)``, one chunk of a prompt whose ids are
@@ -74,7 +93,8 @@ class GraphPrefill:
                 self._chunk_inputs(rec.tokens, ids, pos0)
                 graph.launch(stream=self._stream)
             return
-        if key in self._prefill_never or (t != state.tokens.shape[0] and key not in self._prefill_once):
+        padded_length = t == state.tokens.shape[0] or (t >= MIN_PADDED_ROWS and t & (t - 1) == 0)
+        if key in self._prefill_never or (not padded_length and key not in self._prefill_once):
             self._prefill_once.add(key)                 # a length seen once may not come back
             with self._stream:
                 issue_ops(t, pos0, all_logits)
@@ -124,6 +144,7 @@ class GraphPrefill:
                     return
             finally:
                 self._prefill_rec = None
+        rec.scratch = tuple(self._scratch.values())
         self._prefill_graphs.pop(key, None)             # one of an older batch state
         if len(self._prefill_graphs) >= MAX_PREFILL_GRAPHS:
             self._prefill_graphs.pop(next(iter(self._prefill_graphs)))     # the least recently used

@@ -1,0 +1,67 @@
+"""Prompt chunks run at more rows than they hold (Backend.prefill_rows: the cuda backend pads a
+short chunk to a length it keeps a graph for) give the logits of the unpadded chunks.
+
+The padding is forced on a host backend here, to the whole chunk (the most it may pad), and
+the padded model is held against the same model unpadded: the last token's logits come from
+the last real row, every row's logits from the real rows, and the cache rows the padding
+wrote past the prompt do not reach the tokens decoded after it.
+"""
+
+import numpy as np
+import pytest
+
+import cyllm
+from conftest import HOST_BACKENDS
+from tinymodels import make_tiny_model
+
+CHUNK = 16
+
+
+def rel_err(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("pad"), "mistral_gqa", seed=11)
+
+
+def _load(path, backend, padded: bool, seen: list):
+    model = cyllm.load(path, backend=backend)
+    model.backend.prefill_chunk = CHUNK
+    model.batch = None
+
+    def rows(t, most):
+        seen.append((t, most))
+        return most if padded else t
+    model.backend.prefill_rows = rows
+    return model
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_padded_chunks_give_the_unpadded_logits(path, backend):
+    seen_p, seen_u = [], []
+    padded = _load(path, backend, True, seen_p)
+    plain = _load(path, backend, False, seen_u)
+    ids = np.random.default_rng(3).integers(3, padded.config.vocab_size - 3, 45).tolist()
+    # each prompt goes on from positions the one before left valid (a cache row past a prompt
+    # holds nothing a caller may read: the pad rows are written there)
+    for n, pos0 in ((45, 0), (7, 3), (20, 10)):         # chunks of 16+16+13, 7, 16+4
+        part = ids[:n]
+        assert rel_err(padded.prefill(part, pos0), plain.prefill(part, pos0)) < 1e-5
+        assert rel_err(padded.prefill(part, pos0, all_logits=True),
+                       plain.prefill(part, pos0, all_logits=True)) < 1e-5
+    # the room left in the cache bounds the padding: the last chunk ends at the context's end
+    end = padded.context - 5
+    history = (ids * (end // len(ids) + 1))[:end]
+    for m in (padded, plain):
+        m.prefill(history, 0)
+    np.testing.assert_allclose(padded.prefill(ids[:5], end), plain.prefill(ids[:5], end), rtol=0, atol=1e-5)
+    assert seen_p[-1] == (5, 5) and (13, CHUNK) in seen_p and seen_p == seen_u
+    # decoding after a padded prompt: the pad rows' cache entries (positions 20..31 here) are
+    # overwritten by each token before its attention reads them
+    padded.prefill(ids[:20], 0)
+    plain.prefill(ids[:20], 0)
+    for pos in range(20, 34):
+        tok = ids[pos % len(ids)]
+        assert rel_err(padded.forward(tok, pos), plain.forward(tok, pos)) < 1e-5
