@@ -294,8 +294,10 @@ def test_echo_scores_the_prompt_like_a_fresh_pass(client, default_model):
     both = client.completions.create(model="m", prompt="Once upon a time", max_tokens=6, temperature=0, echo=True,
                                      logprobs=0)
     assert both.choices[0].text == "Once upon a time" + plain.choices[0].text
-    offs = both.choices[0].logprobs.text_offset
     n = len(tok.encode("Once upon a time"))
+    # the scoring passes left the prompt in the cache: the answer ran only its last token again
+    assert both.usage.prompt_tokens == n and both.usage.prompt_tokens_details.cached_tokens == n - 1
+    offs = both.choices[0].logprobs.text_offset
     assert offs[n] >= len("Once upon a time") and offs == sorted(offs)
 
 

@@ -556,7 +556,9 @@ def _prompt_logprobs(llm, req: Request, cancel=None) -> dict:
     """Logprobs of the prompt's own tokens (echo): token i given tokens 0..i-1, from fresh
     passes over the prompt in chunks (``cancel`` polled between them); None for the first
     token, which nothing predicts. text_offset counts in the echoed text: special tokens
-    (a BOS) are not in it and sit at the offset of what follows."""
+    (a BOS) are not in it and sit at the offset of what follows. The passes leave the whole
+    prompt in the KV cache, held by a session, so an answer that follows runs only its last
+    token again."""
     tok = llm.tokenizer
     reader = LogprobReader(llm.config.vocab_size)
     out = {"tokens": [], "token_logprobs": [None], "top_logprobs": [None], "text_offset": []}
@@ -569,7 +571,12 @@ def _prompt_logprobs(llm, req: Request, cancel=None) -> dict:
     for a in range(0, len(ids) - 1, step):
         if cancel is not None and cancel():
             break
-        logits = llm.prefill(ids[a:a + step], a, all_logits=True)      # (<= step, vocab)
+        with llm.lock:          # the cache is shared: another caller's session step waits
+            logits = llm.prefill(ids[a:a + step], a, all_logits=True)      # (<= step, vocab)
+            if a + step >= len(ids):        # the last pass: every prompt position is in the cache
+                holder = Session(llm)
+                holder.tokens = list(ids)
+                llm.kv_owner = holder
         for i in range(min(step, len(ids) - 1 - a)):
             lp, top = reader.read(logits[i], ids[a + i + 1], req.logprobs)
             out["token_logprobs"].append(lp)
