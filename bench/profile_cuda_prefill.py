@@ -15,10 +15,11 @@ as the launch queue does not fill). When the GPU ms of all ops add up to far les
 the wall time, the prefill is bound by issuing work, not by the GPU.
 
 ``--turns N`` times a chat's next prompts instead: N prompts of 9..96 tokens (a fixed
-pseudo-random sequence), each from where the one before ended, as a conversation's turns
-come; the median and total time a turn with the chunks replayed from graphs (short ones
-padded to a captured length) and issued op by op. The graphs' captures count: the first
-turns pay them.
+pseudo-random sequence), each from where the one before ended (back to position 0 when the
+next would not fit the cache of max(P, 512) + 16 positions), as a conversation's turns come;
+the median and total time a turn with the chunks replayed from graphs (short ones padded to
+a captured length) and issued op by op. The graphs' captures count: the turns that first
+reach a padded length pay them.
 """
 
 from __future__ import annotations
@@ -143,10 +144,11 @@ def turns(model, backend, n: int, label: str) -> int:
           f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
     print("| chunks | median ms a turn | total ms | tok/s |\n|---|---:|---:|---:|")
     for on in (False, True):
-        backend.prefill_graphs = on
+        backend.prefill_graphs = False
         backend.reset_graph()
         model.batch = None
-        model.prefill(ids[:64], 0)              # kernels compiled, scratch allocated
+        model.prefill(ids[:64], 0)              # kernels compiled, scratch allocated, no graph
+        backend.prefill_graphs = on
         walls, pos = [], 0
         for t in lengths:
             if pos + t > model.context:

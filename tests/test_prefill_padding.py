@@ -65,3 +65,22 @@ def test_padded_chunks_give_the_unpadded_logits(path, backend):
     for pos in range(20, 34):
         tok = ids[pos % len(ids)]
         assert rel_err(padded.forward(tok, pos), plain.forward(tok, pos)) < 1e-5
+
+
+def test_cuda_padding_lengths():
+    """The cuda backend's padding (no GPU needed): every chunk of 1..512 tokens runs at one of
+    ten lengths, each captured the first time it comes (padded_length), never past the room
+    left in the cache, at most 63 rows over past 64; no padding where no graph would replay."""
+    from types import SimpleNamespace
+
+    from cyllm.backends.cuda.prefill_graph import MAX_PREFILL_GRAPHS, GraphPrefill, padded_length
+    be = SimpleNamespace(use_graphs=True, prefill_graphs=True, _prefill_never=set())
+    rows = {t: GraphPrefill.prefill_rows(be, t, 512) for t in range(1, 513)}
+    lengths = sorted(set(rows.values()))
+    assert lengths == [16, 32, 64, 128, 192, 256, 320, 384, 448, 512] and len(lengths) <= MAX_PREFILL_GRAPHS
+    assert all(padded_length(r) for r in lengths)
+    assert all(t <= r and (r <= 64 or r - t < 64) for t, r in rows.items())
+    assert not any(padded_length(n) for n in (1, 8, 15, 48, 65, 100, 500))
+    assert GraphPrefill.prefill_rows(be, 70, 100) == 100 and GraphPrefill.prefill_rows(be, 5, 9) == 9
+    for off in (dict(use_graphs=False), dict(prefill_graphs=False), dict(_prefill_never={"a key"})):
+        assert GraphPrefill.prefill_rows(SimpleNamespace(**{**vars(be), **off}), 13, 512) == 13

@@ -394,7 +394,9 @@ class Model:
         """Fill the KV cache with ``tokens`` at positions pos0.. .
 
         Returns the logits of the last token (vocab,), or with ``all_logits``
-        those of every token (len(tokens), vocab) in a new array.
+        those of every token (len(tokens), vocab) in a new array. The cache holds nothing
+        valid past the last of them afterwards: a backend may pad a chunk (prefill_rows)
+        and overwrite a few positions after it.
         """
         tokens = self._check_ids(tokens)
         if pos0 < 0 or pos0 + len(tokens) > self.context:

@@ -135,7 +135,8 @@ class Backend:
 
     def prefill_rows(self, t: int, most: int) -> int:
         """The rows to run a prompt chunk of t tokens at (t <= rows <= most); a backend that
-        replays captured chunks pads a short one to a length it keeps a graph for."""
+        replays captured chunks pads a short one to a length it keeps a graph for (the extra
+        rows write cache positions past the chunk: see Model.prefill)."""
         return t
 
     def run_ops(self, issue_ops, *args) -> None:

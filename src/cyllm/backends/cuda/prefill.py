@@ -47,7 +47,8 @@ class PrefillOps:
     def _buf(self, name: str, n: int, dtype):
         """A device scratch buffer of at least n elements, kept and grown (prefill, and eager
         decode before a capture). A captured prefill chunk keeps the buffers it was recorded
-        with (PrefillRecord.scratch), so growing one here leaves the graphs valid."""
+        with (PrefillRecord.scratch), so growing one here leaves the prefill graphs valid (decode's
+        only buffer, qmv_up, has one size a model: allocated before its first capture)."""
         b = self._scratch.get(name)
         if b is None or b.size < n:
             b = self._scratch[name] = cp.empty(max(n, 1), dtype=dtype)

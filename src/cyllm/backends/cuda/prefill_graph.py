@@ -10,10 +10,12 @@ any position. A graph is kept per (model pass, chunk length, all logits or none)
 MAX_PREFILL_GRAPHS of them (the least recently replayed goes first).
 
 Chunk lengths are few: ``prefill_rows`` pads a short chunk (a chat's next turn, a long
-prompt's remainder) to a power of two from MIN_PADDED_ROWS up to the full chunk, its extra
-rows repeating the last id. Those lengths are captured the first time they run; any other
-length (one the end of the context cut short) the second time it comes. Padding costs GPU
-work on rows nobody reads; an eager chunk costs the host its ~330 launches whatever its rows.
+prompt's remainder) to a power of two from MIN_PADDED_ROWS to PADDED_STEP rows, and past that
+to a multiple of PADDED_STEP, its extra rows repeating the last id. Those lengths are captured
+the first time they run; any other length (one the end of the context cut short) the second
+time it comes. Padding costs GPU work on rows nobody reads (at most PADDED_STEP - 1 of them
+past PADDED_STEP rows, where a large model's GEMMs start to count); an eager chunk costs the
+host its ~330 launches whatever its rows.
 ``CYLLM_CUDA_PREFILL_GRAPHS=0`` (or ``CYLLM_CUDA_GRAPHS=0``) runs every chunk eagerly.
 """
 
@@ -30,8 +32,16 @@ try:  # CuPy is optional: this module imports without it
 except Exception:  # noqa: BLE001 - reported by CudaBackend when it is constructed
     cp = None
 
-MAX_PREFILL_GRAPHS = 8
+MAX_PREFILL_GRAPHS = 12          # the padded lengths of a 512-token chunk are 10
 MIN_PADDED_ROWS = 16
+PADDED_STEP = 64
+
+
+def padded_length(t: int) -> bool:
+    """Whether prefill_rows pads to t rows (t > 0)."""
+    if t <= PADDED_STEP:
+        return t >= MIN_PADDED_ROWS and t & (t - 1) == 0
+    return t % PADDED_STEP == 0
 
 
 @dataclass
@@ -57,11 +67,16 @@ class GraphPrefill:
         self._prefill_never = set()     # keys whose chunk cannot be captured: run eagerly
 
     def prefill_rows(self, t: int, most: int) -> int:
-        """t rows padded to the next power of two (at least MIN_PADDED_ROWS), at most ``most``
-        (the model's chunk, or the positions left in its cache); t without graphs."""
-        if not (self.use_graphs and self.prefill_graphs) or t <= 0:
+        """t rows padded to a length that gets a graph (see the module's docstring), at most
+        ``most`` (the model's chunk, or the positions left in its cache); t where no graph
+        would replay it (graphs off, or chunks that cannot be captured: heads over 256 wide)."""
+        if not (self.use_graphs and self.prefill_graphs) or self._prefill_never or t <= 0:
             return t
-        return max(t, min(most, max(MIN_PADDED_ROWS, 1 << (t - 1).bit_length())))
+        if t <= PADDED_STEP:
+            rows = max(MIN_PADDED_ROWS, 1 << (t - 1).bit_length())
+        else:
+            rows = -(-t // PADDED_STEP) * PADDED_STEP
+        return max(t, min(most, rows))
 
     def run_ops(self, issue_ops, *args) -> None:
         with self._stream:              # after the chunks, on their stream
@@ -93,8 +108,8 @@ class GraphPrefill:
                 self._chunk_inputs(rec.tokens, ids, pos0)
                 graph.launch(stream=self._stream)
             return
-        padded_length = t == state.tokens.shape[0] or (t >= MIN_PADDED_ROWS and t & (t - 1) == 0)
-        if key in self._prefill_never or (not padded_length and key not in self._prefill_once):
+        first_time = t == state.tokens.shape[0] or padded_length(t)
+        if key in self._prefill_never or (not first_time and key not in self._prefill_once):
             self._prefill_once.add(key)                 # a length seen once may not come back
             with self._stream:
                 issue_ops(t, pos0, all_logits)
