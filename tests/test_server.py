@@ -189,6 +189,23 @@ def test_n_choices_keep_one_displaced_answer_in_the_prompt_cache(client, default
     assert default_model.last_stats.stop_reason == "length,length,length,length"
 
 
+def test_echo_keeps_the_conversation_it_displaces(client, default_model):
+    """echo's scoring passes rewrite the KV cache from position 0: the server's prompt cache
+    keeps a copy of the conversation they displace first, and the next turn of that
+    conversation is restored from it (its prompt runs only the new tokens)."""
+    cache = default_model.prompt_cache
+    story = "Write a long story about a dragon who guards a library of forgotten songs."
+    first = client.completions.create(model="m", prompt=story, max_tokens=40, temperature=0)
+    saved, restored = cache.saved, cache.restored
+    client.completions.create(model="m", prompt="An unrelated text to score. " * 8, max_tokens=0, echo=True,
+                              logprobs=0)
+    assert cache.saved == saved + 1
+    more = story + first.choices[0].text + " The end."
+    r = client.completions.create(model="m", prompt=more, max_tokens=2, temperature=0)
+    assert cache.restored == restored + 1
+    assert r.usage.prompt_tokens_details.cached_tokens >= len(default_model.tokenizer.encode(story))
+
+
 def test_n_stats_count_a_choice_closed_midway(default_model):
     stats = GenerationStats()
     chunks = default_model.create_completion("Once upon a time", n=3, max_tokens=8, temperature=1.0, seed=4,

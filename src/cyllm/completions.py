@@ -572,6 +572,9 @@ def _prompt_logprobs(llm, req: Request, cancel=None) -> dict:
         if cancel is not None and cancel():
             break
         with llm.lock:          # the cache is shared: another caller's session step waits
+            prompt_cache = getattr(llm, "prompt_cache", None)      # tools/server/prompt_cache.py
+            if a == 0 and prompt_cache is not None:
+                prompt_cache.displace(ids)      # a server keeps the conversation these passes overwrite
             logits = llm.prefill(ids[a:a + step], a, all_logits=True)      # (<= step, vocab)
             if a + step >= len(ids):        # the last pass: every prompt position is in the cache
                 holder = Session(llm)

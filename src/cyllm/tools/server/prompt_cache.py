@@ -58,12 +58,7 @@ class PromptCache:
     def before_feed(self, ids: list[int], save: bool = True) -> None:
         """Called with model.lock held, before a session makes the cache hold ``ids``;
         ``save``: keep a copy of the conversation it displaces (if long enough)."""
-        model = self.model
-        owner = model.kv_owner
-        live = owner.tokens if owner is not None else []
-        live_common = common_prefix(ids, live)
-        if save and len(live) >= MIN_TOKENS and len(live) - live_common >= MIN_TOKENS:
-            self._save(live)           # this request displaces a conversation: keep a copy
+        live_common = self.displace(ids, save)
         best, best_common = None, 0
         for snap in self._entries.values():
             c = common_prefix(ids, snap.tokens)
@@ -71,6 +66,18 @@ class PromptCache:
                 best, best_common = snap, c
         if best is not None and best_common >= live_common + MIN_GAIN:
             self._restore(best, min(best_common, len(ids) - 1))
+
+    def displace(self, ids: list[int], save: bool = True) -> int:
+        """Called with model.lock held, before the cache is made to hold ``ids`` (a session's
+        prompt, or echo's scoring passes, which rewrite it from position 0): with ``save``,
+        keep a copy of the conversation this displaces (if long enough). Returns the tokens
+        the live conversation shares with ``ids``."""
+        owner = self.model.kv_owner
+        live = owner.tokens if owner is not None else []
+        live_common = common_prefix(ids, live)
+        if save and len(live) >= MIN_TOKENS and len(live) - live_common >= MIN_TOKENS:
+            self._save(live)
+        return live_common
 
     # -- copies -----------------------------------------------------------------
     def _save(self, tokens: list[int]) -> None:
