@@ -23,7 +23,13 @@ ARM_CC = shutil.which("aarch64-linux-gnu-gcc")
 # Runs under an emulated Sandy Bridge (AVX, no AVX2/FMA/F16C). It avoids numpy's
 # BLAS-backed matmul, whose own kernels are not what is under test here.
 CHILD = r"""
+import site
 import sys
+# the parent's site-packages come as PYTHONPATH entries, whose .pth files Python does not
+# read: an editable install's finder (which maps cyllm._ext to the build) lives in one
+for p in list(sys.path):
+    if p.endswith("site-packages"):
+        site.addsitedir(p)
 import numpy as np
 import cyllm.backends.cpu as cpu
 info = cpu.kernel_info()
