@@ -57,8 +57,8 @@ class PrefillRecord:
 
 class GraphPrefill:
     """Needs from the backend: ``_stream``, ``_step``/``_step_host``, ``_flush()``,
-    ``_drop_held()``, ``use_graphs``, ``prefill_graphs`` and the batched ops of PrefillOps,
-    which read ``_prefill_rec``."""
+    ``_drop_held()``, ``use_graphs``, ``prefill_graphs``, and PrefillOps' batched ops (which
+    read ``_prefill_rec``) and scratch buffers (``_scratch``)."""
 
     def reset_graph(self) -> None:
         super().reset_graph()
