@@ -568,18 +568,7 @@ def _prompt_logprobs(llm, req: Request, cancel=None) -> dict:
         out["text_offset"].append(at)
         at += len(dec.add(t))
     ids, step = req.ids, PROMPT_LOGITS_CHUNK
-    for a in range(0, len(ids) - 1, step):
-        if cancel is not None and cancel():
-            break
-        with llm.lock:          # the cache is shared: another caller's session step waits
-            prompt_cache = getattr(llm, "prompt_cache", None)      # tools/server/prompt_cache.py
-            if a == 0 and prompt_cache is not None:
-                prompt_cache.displace(ids)      # a server keeps the conversation these passes overwrite
-            logits = llm.prefill(ids[a:a + step], a, all_logits=True)      # (<= step, vocab)
-            if a + step >= len(ids):        # the last pass: every prompt position is in the cache
-                holder = Session(llm)
-                holder.tokens = list(ids)
-                llm.kv_owner = holder
+    for a, logits in Session(llm).score(ids, step, cancel) if len(ids) > 1 else ():
         for i in range(min(step, len(ids) - 1 - a)):
             lp, top = reader.read(logits[i], ids[a + i + 1], req.logprobs)
             out["token_logprobs"].append(lp)

@@ -131,6 +131,27 @@ class Session:
                 stats.cached_tokens += common
             return self._keep(logits)
 
+    def score(self, ids: list[int], chunk: int, cancel: Callable[[], bool] | None = None):
+        """Run ``ids`` from position 0 in passes of ``chunk`` tokens, each yielding (start,
+        logits of ids[start:start + chunk]: (<= chunk, vocab) f32, a new array), as scoring a
+        text needs (every position's logits, so nothing cached is reused). The cache becomes
+        this session's as the passes fill it; ``cancel`` is polled between them."""
+        model = self.model
+        ids = model._check_ids(ids)
+        if len(ids) > model.context:
+            raise ContextFullError(f"{len(ids)} tokens do not fit in the context window of {model.context} tokens")
+        for start in range(0, len(ids), chunk):
+            if cancel is not None and cancel():
+                return
+            with model.lock:
+                prompt_cache = getattr(model, "prompt_cache", None)     # tools/server/prompt_cache.py
+                if start == 0 and prompt_cache is not None:
+                    prompt_cache.displace(ids, self.keep_displaced)     # before the passes overwrite it
+                logits = model.prefill(ids[start:start + chunk], start, all_logits=True)
+                self.tokens = ids[:start + chunk]
+                model.kv_owner = self
+            yield start, logits
+
     def append(self, token: int, stats: GenerationStats | None = None) -> np.ndarray:
         """Run one more token at the end of the sequence; returns its logits."""
         model = self.model

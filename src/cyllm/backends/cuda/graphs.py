@@ -69,9 +69,7 @@ class GraphDecode:
         self._step_host[1] = pos
         stream = self._stream
         with stream:
-            # pageable source: the call returns once the 8 bytes are staged, so reuse is safe
-            cp.cuda.runtime.memcpyAsync(self._step.data.ptr, self._step_host.ctypes.data, 8,
-                                        cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+            self._upload_step()
             if self._graph_key != issue_ops:     # another model's forward pass: start over
                 self._reset_decode_graphs()
                 self._graph_key = issue_ops
@@ -90,6 +88,12 @@ class GraphDecode:
                     self._capture(issue_ops, token, pos)
             finally:
                 self._device_mode = False
+
+    def _upload_step(self) -> None:
+        """The step buffer's host copy {token, pos} to the device, on the backend's stream;
+        pageable source: the call returns once the 8 bytes are staged, so reuse is safe."""
+        cp.cuda.runtime.memcpyAsync(self._step.data.ptr, self._step_host.ctypes.data, 8,
+                                    cp.cuda.runtime.memcpyHostToDevice, self._stream.ptr)
 
     def _capture(self, issue_ops, token: int, pos: int) -> None:
         stream = self._stream

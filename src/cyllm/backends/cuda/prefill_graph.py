@@ -56,9 +56,9 @@ class PrefillRecord:
 
 
 class GraphPrefill:
-    """Needs from the backend: ``_stream``, ``_step``/``_step_host``, ``_flush()``,
-    ``_drop_held()``, ``use_graphs``, ``prefill_graphs``, and PrefillOps' batched ops (which
-    read ``_prefill_rec``) and scratch buffers (``_scratch``)."""
+    """Needs from the backend: ``_stream``, ``_step_host`` and ``_upload_step()`` (GraphDecode),
+    ``_flush()``, ``_drop_held()``, ``use_graphs``, ``prefill_graphs``, and PrefillOps' batched
+    ops (which read ``_prefill_rec``) and scratch buffers (``_scratch``)."""
 
     def reset_graph(self) -> None:
         super().reset_graph()
@@ -117,14 +117,12 @@ class GraphPrefill:
         self._record_chunk(key, issue_ops, state, tokens, pos0, all_logits)
 
     def _chunk_inputs(self, dev_ids, ids: np.ndarray, pos0: int) -> None:
-        """The chunk's ids and first position to the device, on the current (graph's) stream;
-        pageable sources: each call returns once its bytes are staged."""
-        stream = self._stream.ptr
+        """The chunk's ids and first position to the device, on the graphs' stream; pageable
+        sources: each call returns once its bytes are staged."""
         cp.cuda.runtime.memcpyAsync(dev_ids.data.ptr, ids.ctypes.data, ids.nbytes,
-                                    cp.cuda.runtime.memcpyHostToDevice, stream)
+                                    cp.cuda.runtime.memcpyHostToDevice, self._stream.ptr)
         self._step_host[1] = pos0
-        cp.cuda.runtime.memcpyAsync(self._step.data.ptr, self._step_host.ctypes.data, 8,
-                                    cp.cuda.runtime.memcpyHostToDevice, stream)
+        self._upload_step()             # graphs.py
 
     def _record_chunk(self, key, issue_ops, state, tokens, pos0: int, all_logits: bool) -> None:
         """Run the chunk eagerly with its ops reading the device buffers (compiling kernels,
