@@ -18,7 +18,7 @@
 // The position comes from the host (eager) or from the device step buffer
 // (CUDA graph), so the grid is sized for max_ctx and blocks past pos leave.
 //
-// The _ve variants read the first pass of cache rows before pdl_wait: they rely on
+// The _ve and _ek variants read their first pass of cache rows before pdl_wait: they rely on
 // a decode step writing no cache row but pos (rope_store, cache_store, or qmv_qkv_rope_*
 // of quant_matvec.cu, which folds rope_store into the q/k/v matvec). A step that
 // wrote several rows (batched or speculative decode) would have to use the others.
@@ -172,13 +172,26 @@ __device__ __forceinline__ void attn_store_scores(float (&pv)[U * GT], float* S,
     }
 }
 
+// rows[u] = 16-byte word e8 of row base + u * rp + row_in_pass of C, for the rows before n_valid
+// (rows past pos may hold garbage, even NaN: never load them)
+template <int U>
+__device__ __forceinline__ void attn_load_rows(uint4 (&rows)[U], const uint4* C, int base, int rp,
+                                               int row_in_pass, int n_valid, int hd8, int e8)
+{
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int t = base + u * rp + row_in_pass;
+        rows[u] = t < n_valid ? C[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+    }
+}
+
 // Fast path: head_dim % 8 == 0 and hd8 = head_dim / 8 a power of two <= 32.
 // Thread layout in a pass over rows: e8 = lane % hd8 picks a 16-byte column
 // word of the row, rows of a warp are lane / hd8; a pass covers WPH * (32 / hd8)
 // consecutive positions with fully coalesced loads, WPH the warps that work on one head
 // (all ATT_WARPS on the staged path, ATT_WARPS / GT on the online one).
 // Dynamic shared memory: qs[GT*hd] | S[GT*C] | Wp[ATT_WARPS*GT*hd] | ml[2*GT] | wsm[ATT_WARPS*n_split]
-template <int GT, bool VE, bool BF>
+template <int GT, bool VE, bool BF, bool EK = false>
 __device__ __forceinline__ void attn_split_body(
     float* __restrict__ out, int* __restrict__ counters, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part,
     const float* q, const f16_t* k_cache,        // written by rope_store (or qmv_qkv_rope) just before: no
@@ -188,8 +201,10 @@ __device__ __forceinline__ void attn_split_body(
 {
     extern __shared__ __align__(16) float smem[];
     // fewer loads in flight for wide head tiles keeps registers (and so resident blocks) in
-    // check; the online path (VE) holds one head a warp, whatever the tile
-    constexpr int U = (GT >= 4 && !VE) ? 4 : ATT_UNROLL;
+    // check, and for EK, whose early batches stay in registers across the wait and the softmax
+    // (at 8, one head's tiles took 128 registers); the online path (VE) holds one head a warp,
+    // whatever the tile
+    constexpr int U = ((GT >= 4 && !VE) || EK) ? 4 : ATT_UNROLL;
     // warps a head: the online path gives each head of the tile its own group of warps
     constexpr int WPH = VE ? ATT_WARPS / GT : ATT_WARPS;
     // block x: heads g_lo .. g_hi-1 of KV head kvh's group, hpb of them (the whole group,
@@ -231,26 +246,30 @@ __device__ __forceinline__ void attn_split_body(
     // memory round trip after the wait (q and row pos) instead of three (q, K, V), and
     // those loads overlap the qkv matvec and rope_store. The cost: 2U more 16-byte values
     // per thread (tiles of one head: 64 -> 124 registers, the online path below).
+    // EK (the staged path of long caches): the first batch of K rows goes out before
+    // pdl_wait the same way, V's first batch before the softmax (it does not depend on the
+    // scores), so neither phase of a block starts with a round trip of its own.
     const int t_new = pos - t0;                   // this split's row written by rope_store
-    uint4 kpre[VE ? U : 1], vpre[VE ? U : 1];
-    if (VE) {
+    constexpr bool KE = VE || EK;                 // K rows loaded before pdl_wait
+    uint4 kpre[U], vpre[VE ? U : 1];             // kpre: also the staged path's K batches
+    if (KE) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int t = u * rp + row_in_pass;
             const bool old = t < n_valid && t != t_new;
             kpre[u] = old ? K[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
-            vpre[u] = old ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
+            if (VE) vpre[VE ? u : 0] = old ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
         }
     }
     pdl_wait();                                   // q and cache row pos come from rope_store (or qmv_qkv_rope)
-    if (VE) {
+    if (KE) {
 #pragma unroll
         for (int u = 0; u < U; ++u)
             if (u * rp + row_in_pass == t_new && t_new < n_valid) {
                 // from L2: with 16-byte rows (head_dim 8) row pos shares a 32-byte sector
                 // with the row before it, which the early loads may have put in L1
                 kpre[u] = __ldcg(K + (size_t)t_new * hd8 + e8);
-                vpre[u] = __ldcg(V + (size_t)t_new * hd8 + e8);
+                if (VE) vpre[VE ? u : 0] = __ldcg(V + (size_t)t_new * hd8 + e8);
             }
     }
     // splits s0 .. n_used-1 take part; one alone writes the final output, no merge
@@ -385,13 +404,11 @@ __device__ __forceinline__ void attn_split_body(
             }
         } else {
             // ---- scores S[gi][t] = (q_g . k_t) * scale
+            // the batch's rows go into the registers the early rows came in (EK: the first
+            // batch of the first head tile is those rows), so they hold none of their own
+            uint4 (&kv)[U] = kpre;
             for (int base = 0; base < n_valid; base += rp * U) {
-                uint4 kv[U];
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int t = base + u * rp + row_in_pass;
-                    kv[u] = t < n_valid ? K[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
-                }
+                if (!EK || base > 0 || g0 > g_lo) attn_load_rows<U>(kv, K, base, rp, row_in_pass, n_valid, hd8, e8);
                 if (BF && (hd8 == 8 || hd8 == 16)) {
                     // Every (row, head) partial of the batch first, then one butterfly sums them
                     // across each row's lanes: U * GT * (1 - 1/hd8) shuffles for the batch (8
@@ -435,6 +452,8 @@ __device__ __forceinline__ void attn_split_body(
                     }
                 }
             }
+            uint4 vv[U];                              // EK: V's first batch, in flight over the softmax
+            if (EK) attn_load_rows<U>(vv, V, 0, rp, row_in_pass, n_valid, hd8, e8);
             __syncthreads();
             if (g0 == g_lo) TRACE_MARK(2);               // scores
 
@@ -462,13 +481,7 @@ __device__ __forceinline__ void attn_split_body(
 #pragma unroll
                 for (int j = 0; j < 8; ++j) acc[gi][j] = 0.0f;
             for (int base = 0; base < n_valid; base += rp * U) {
-                uint4 vv[U];
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int t = base + u * rp + row_in_pass;
-                    // rows past pos may hold garbage (even NaN): never load them
-                    vv[u] = t < n_valid ? V[(size_t)t * hd8 + e8] : make_uint4(0, 0, 0, 0);
-                }
+                if (!EK || base > 0) attn_load_rows<U>(vv, V, base, rp, row_in_pass, n_valid, hd8, e8);
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     if (base + u * rp >= n_valid) break;          // uniform
@@ -534,14 +547,20 @@ __device__ __forceinline__ void attn_split_body(
     if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
-#define CYLLM_ATTN_SPLIT1(NAME, GT, VE, BF)                                                    \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS) NAME(                         \
+// Resident blocks an SM asked of ptxas (0: no bound). Unbound, ptxas gave the _ek kernels
+// 105-151 registers where the staged ones get 64 (g1), 80 (g2, g4) and 122 (g8), which would
+// halve a long cache's resident blocks; bound, g1_ek and g2_ek keep 64 and 80 (8 bytes of
+// spill, as g1 has 12), g8_ek 126; g4_ek stays at 2 (bound to 3 it spilled 260 bytes).
+// nvcc 13.0, sm_90a.
+#define ATT_MIN_BLOCKS(GT, EK) ((EK) ? ((GT) == 1 ? 4 : (GT) == 2 ? 3 : 2) : 0)
+#define CYLLM_ATTN_SPLIT1(NAME, GT, VE, BF, EK)                                                  \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, ATT_MIN_BLOCKS(GT, EK)) NAME(    \
         float* out, int* counters, float* o_part, float* m_part, float* l_part,              \
         const float* q, const f16_t* k_cache,                                                \
         const f16_t* v_cache, const int* step, int pos_host, int max_ctx, int n_kv,          \
         int group, int hpb, int hd, int chunk, int n_split, float scale, int window,         \
         unsigned char* qxo) {                                                                \
-        TRACE_BEGIN(); attn_split_body<GT, VE, BF>(out, counters, o_part, m_part, l_part, q, k_cache, v_cache,  \
+        TRACE_BEGIN(); attn_split_body<GT, VE, BF, EK>(out, counters, o_part, m_part, l_part, q, k_cache, v_cache,  \
                                 step, pos_host, max_ctx, n_kv, group, hpb, hd, chunk,        \
                                 n_split, scale, window, qxo);                                \
         TRACE_END(0x1000);                                                                   \
@@ -549,9 +568,12 @@ __device__ __forceinline__ void attn_split_body(
 // NAME_ve: the first pass of K and V rows loaded before pdl_wait (short contexts: one round
 // trip after the wait instead of three; more registers; CudaBackend._attn_plan picks it).
 // NAME_fold: the staged path with a fold a score instead of the batch's butterfly (measurements:
-// CudaBackend.attn_butterfly).
-#define CYLLM_ATTN_SPLIT(NAME, GT) CYLLM_ATTN_SPLIT1(NAME, GT, false, true)                     \
-    CYLLM_ATTN_SPLIT1(NAME##_ve, GT, true, false) CYLLM_ATTN_SPLIT1(NAME##_fold, GT, false, false)
+// CudaBackend.attn_butterfly). NAME_ek: the staged path with its first K rows loaded before
+// pdl_wait and its first V rows before the softmax (CudaBackend.attn_staged_early).
+#define CYLLM_ATTN_SPLIT(NAME, GT) CYLLM_ATTN_SPLIT1(NAME, GT, false, true, false)              \
+    CYLLM_ATTN_SPLIT1(NAME##_ve, GT, true, false, false)                                     \
+    CYLLM_ATTN_SPLIT1(NAME##_fold, GT, false, false, false)                                  \
+    CYLLM_ATTN_SPLIT1(NAME##_ek, GT, false, true, true)
 
 CYLLM_ATTN_SPLIT(attn_split_g1, 1)
 CYLLM_ATTN_SPLIT(attn_split_g2, 2)

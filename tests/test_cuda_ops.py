@@ -249,17 +249,20 @@ def test_attention_heads_per_block(nh, nkv, hd, max_ctx, v_early, hpb):
     check_attention(be, nh, nkv, hd, max_ctx, 37 if hpb == 3 else 0)
 
 
-@pytest.mark.parametrize("butterfly", [True, False])
+@pytest.mark.parametrize("variant", ["butterfly", "fold", "early"])
 @pytest.mark.parametrize("hpb", [None, 1, 16])
 @pytest.mark.parametrize("nh,nkv,hd,max_ctx", ATT_CASES + [(24, 3, 32, 500)])
-def test_attention_staged_scores(nh, nkv, hd, max_ctx, hpb, butterfly):
+def test_attention_staged_scores(nh, nkv, hd, max_ctx, hpb, variant):
     """The staged (long-cache) attention's scores summed across a row's lanes by one butterfly
     a batch (head_dim 64 and 128; the others fold each score) or by a fold a score
-    (attn_butterfly=False), over whole groups (tiles of 1 to 8 heads, partly filled), one head
-    a block and two tiles of 8 a block; a window where the group is odd."""
+    (attn_butterfly=False), and the butterfly kernels that load their first K rows before
+    pdl_wait and their first V rows before the softmax (attn_staged_early), over whole groups
+    (tiles of 1 to 8 heads, partly filled), one head a block and two tiles of 8 a block; a
+    window where the group is odd."""
     be = CudaBackend()
     be.attn_v_early = False
-    be.attn_butterfly = butterfly
+    be.attn_butterfly = variant != "fold"
+    be.attn_staged_early = variant == "early"
     be.attn_heads_per_block = hpb if hpb is not None else nh // nkv
     check_attention(be, nh, nkv, hd, max_ctx, 37 if (nh // nkv) % 2 else 0)
 

@@ -41,6 +41,9 @@ ATTN_SPLIT_KERNELS = {(1, False): "attn_split_g1", (1, True): "attn_split_g1_ve"
                        (8, False): "attn_split_g8", (8, True): "attn_split_g8_ve"}
 # the staged decode attention with a fold a score instead of the batch's butterfly (measurements)
 ATTN_FOLD_KERNELS = {1: "attn_split_g1_fold", 2: "attn_split_g2_fold", 4: "attn_split_g4_fold", 8: "attn_split_g8_fold"}
+# the staged decode attention with its first K rows loaded before pdl_wait, its first V rows
+# before the softmax (CudaBackend.attn_staged_early)
+ATTN_EARLY_KERNELS = {1: "attn_split_g1_ek", 2: "attn_split_g2_ek", 4: "attn_split_g4_ek", 8: "attn_split_g8_ek"}
 # prefill attention by (columns per lane, float4 rows)
 ATTN_BATCH_KERNELS = {(1, False): "attn_batch_c1", (1, True): "attn_batch_c1_v4",
                        (2, False): "attn_batch_c2", (2, True): "attn_batch_c2_v4",
