@@ -344,7 +344,9 @@ HELPERS = {"cuda_switches.py", "shown_paths.py"}               # imported by the
 
 def _bench_scripts():
     from pathlib import Path
-    return sorted(p.name for p in (Path(__file__).resolve().parents[1] / "bench").glob("*.py"))
+    # not dot-files: a developer's git-ignored scratch scripts (pathlib's * matches them)
+    return sorted(p.name for p in (Path(__file__).resolve().parents[1] / "bench").glob("*.py")
+                  if not p.name.startswith("."))
 
 
 @pytest.mark.parametrize("script", _bench_scripts())
