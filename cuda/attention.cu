@@ -18,10 +18,10 @@
 // The position comes from the host (eager) or from the device step buffer
 // (CUDA graph), so the grid is sized for max_ctx and blocks past pos leave.
 //
-// The _ve and _ek variants read their first pass of cache rows before pdl_wait: they rely on
-// a decode step writing no cache row but pos (rope_store, cache_store, or qmv_qkv_rope_*
-// of quant_matvec.cu, which folds rope_store into the q/k/v matvec). A step that
-// wrote several rows (batched or speculative decode) would have to use the others.
+// The _ve and _ek variants read their first pass of cache rows (_ek: of K rows only) before
+// pdl_wait: they rely on a decode step writing no cache row but pos (rope_store, cache_store,
+// or qmv_qkv_rope_* of quant_matvec.cu, which folds rope_store into the q/k/v matvec). A step
+// that wrote several rows (batched or speculative decode) would have to use the others.
 //
 // Reference: backends/numpy_ref.py. Tests: tests/test_cuda_ops.py (each kernel against the
 // reference), tests/test_backend_ops.py (the op table on every backend), tests/test_cuda_model.py.
@@ -248,7 +248,10 @@ __device__ __forceinline__ void attn_split_body(
     // per thread (tiles of one head: 64 -> 124 registers, the online path below).
     // EK (the staged path of long caches): the first batch of K rows goes out before
     // pdl_wait the same way, V's first batch before the softmax (it does not depend on the
-    // scores), so neither phase of a block starts with a round trip of its own.
+    // scores), so neither phase of the first head tile starts with a round trip of its own.
+    // Later batches load row pos plainly: the host launches EK only where rows fill whole
+    // 32-byte sectors (head_dim >= 16, the cache 32-byte aligned), so no early load can have
+    // put a sector of row pos in L1.
     const int t_new = pos - t0;                   // this split's row written by rope_store
     constexpr bool KE = VE || EK;                 // K rows loaded before pdl_wait
     uint4 kpre[U], vpre[VE ? U : 1];             // kpre: also the staged path's K batches
@@ -550,8 +553,8 @@ __device__ __forceinline__ void attn_split_body(
 // Resident blocks an SM asked of ptxas (0: no bound). Unbound, ptxas gave the _ek kernels
 // 105-151 registers where the staged ones get 64 (g1), 80 (g2, g4) and 122 (g8), which would
 // halve a long cache's resident blocks; bound, g1_ek and g2_ek keep 64 and 80 (8 bytes of
-// spill, as g1 has 12), g8_ek 126; g4_ek stays at 2 (bound to 3 it spilled 260 bytes).
-// nvcc 13.0, sm_90a.
+// spill, as g1 has 12) and g8_ek takes 126; g4_ek, bound to 2, takes 96 (2 resident blocks
+// against g4's 3: bound to 3 it spilled 260 bytes). nvcc 13.0, sm_90a.
 #define ATT_MIN_BLOCKS(GT, EK) ((EK) ? ((GT) == 1 ? 4 : (GT) == 2 ? 3 : 2) : 0)
 #define CYLLM_ATTN_SPLIT1(NAME, GT, VE, BF, EK)                                                  \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS, ATT_MIN_BLOCKS(GT, EK)) NAME(    \

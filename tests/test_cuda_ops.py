@@ -256,9 +256,9 @@ def test_attention_staged_scores(nh, nkv, hd, max_ctx, hpb, variant):
     """The staged (long-cache) attention's scores summed across a row's lanes by one butterfly
     a batch (head_dim 64 and 128; the others fold each score) or by a fold a score
     (attn_butterfly=False), and the butterfly kernels that load their first K rows before
-    pdl_wait and their first V rows before the softmax (attn_staged_early), over whole groups
-    (tiles of 1 to 8 heads, partly filled), one head a block and two tiles of 8 a block; a
-    window where the group is odd."""
+    pdl_wait and their first V rows before the softmax (attn_staged_early; head_dim 8 keeps
+    the butterfly kernels), over whole groups (tiles of 1 to 8 heads, partly filled), one head
+    a block and two tiles of 8 a block; a window where the group is odd."""
     be = CudaBackend()
     be.attn_v_early = False
     be.attn_butterfly = variant != "fold"

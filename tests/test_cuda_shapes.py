@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cyllm.backends.cuda.shapes import attn_bounds, attn_chunk, attn_heads_per_block
+from cyllm.backends.cuda.shapes import attn_bounds, attn_chunk, attn_heads_per_block, attn_kernel
 
 
 def plan(pos, n_kv, group, max_ctx, sm_count=132):
@@ -75,3 +75,20 @@ def test_backend_plan_wiring():
     be.attn_heads_per_block = 0
     assert CudaBackend._attn_plan(be, 0, 8, 4, 256) == (True, 1)
     assert len(noted) == 4
+
+
+@pytest.mark.parametrize("gt", [1, 2, 4, 8])
+def test_attention_kernel_choice(gt):
+    """Which split-attention kernel a launch gets: the short-cache kernel whatever the switches;
+    the staged kernel that loads early rows only where a cache row fills whole 32-byte sectors
+    (its later batches read row pos through L1), else the butterfly or fold staged kernel."""
+    aligned = 1 << 20
+    assert attn_kernel(gt, True, False, True, 128, aligned, aligned) == f"attn_split_g{gt}_ve"
+    assert attn_kernel(gt, False, True, True, 128, aligned, aligned) == f"attn_split_g{gt}_ek"
+    assert attn_kernel(gt, False, True, True, 16, aligned, aligned) == f"attn_split_g{gt}_ek"
+    assert attn_kernel(gt, False, True, False, 128, aligned, aligned) == f"attn_split_g{gt}"
+    assert attn_kernel(gt, False, False, True, 128, aligned, aligned) == f"attn_split_g{gt}_fold"
+    # 16-byte rows, or a cache aligned to 16 bytes only: a sector may hold row pos and an early row
+    assert attn_kernel(gt, False, True, True, 8, aligned, aligned) == f"attn_split_g{gt}"
+    assert attn_kernel(gt, False, True, True, 128, aligned + 16, aligned) == f"attn_split_g{gt}"
+    assert attn_kernel(gt, False, True, True, 128, aligned, aligned + 16) == f"attn_split_g{gt}"

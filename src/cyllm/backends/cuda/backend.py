@@ -33,7 +33,7 @@ from ..base import Backend, check_token
 from . import quant as cuda_quant
 from .checks import check_act as _check_act, check_window as _check_window
 from .graphs import READ_STEP, GraphDecode
-from .kernel_names import ATTN_EARLY_KERNELS, ATTN_FOLD_KERNELS, ATTN_SPLIT_KERNELS, GATE_UP_OPS, MATVEC_KERNELS, MATVEC_SCALAR_KERNELS
+from .kernel_names import GATE_UP_OPS, MATVEC_KERNELS, MATVEC_SCALAR_KERNELS
 from .norm_fold import NormFolding
 from .nvrtc import module_for
 from .pdl import PdlLauncher
@@ -43,7 +43,7 @@ from .prequant import PrequantFolding
 from .rope_fold import RopeFolding
 from .quant import NULL_ARG as _NULL, CudaQuantMatrix, CudaQuantStack
 from .shapes import (ATT_THREADS, ATT_WARPS, MV_LARGE, SMEM_LIMIT, attn_bounds, attn_chunk, attn_heads_per_block,
-                     attn_smem, matvec_shape)
+                     attn_kernel, attn_smem, matvec_shape)
 from .shapes import blocks as _blocks
 
 try:  # CuPy is an optional extra; a broken CUDA install can raise more than ImportError
@@ -138,7 +138,8 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, Graph
         self.attn_butterfly = True
         # the staged (long-cache) attention loads its first K rows before pdl_wait and its first
         # V rows before the softmax, so neither phase of a block opens with a round trip (the
-        # _ek kernels, 4 rows in flight a lane where the others have 8). H100, `-n 64`, off -> on:
+        # _ek kernels, 4 rows in flight a lane where the staged kernels of one and two heads
+        # have 8). H100, `-n 64`, off -> on:
         # Llama-2-7B Q4_0 depth 2048 444.3 -> 464.7 tok/s, 4096 398.8 -> 411.3, Q4_K_M 4096
         # 383.1 -> 393.8; Mistral-7B Q4_0 4096 457.9 -> 454.9, 8192 408.5 -> 413.3; Llama-3.2-1B
         # Q4_0 2048 1600.1 -> 1590.9, 8192 1364.1 -> 1408.2 (bench/results/cuda_quant_model_h100.md,
@@ -491,12 +492,8 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, Graph
             while gt and self._attn_smem(gt, hd, chunk, n_split) > SMEM_LIMIT:
                 gt //= 2
         if gt:
-            if ve:
-                name = ATTN_SPLIT_KERNELS[(gt, True)]
-            elif not self.attn_butterfly:
-                name = ATTN_FOLD_KERNELS[gt]
-            else:
-                name = ATTN_EARLY_KERNELS[gt] if self.attn_staged_early else ATTN_SPLIT_KERNELS[(gt, False)]
+            name = attn_kernel(gt, ve, self.attn_butterfly, self.attn_staged_early, hd,
+                               k_cache.data.ptr, v_cache.data.ptr)
             k = self._same_carveout(name)
             args = (out, counters, o_part, m_part, l_part) + head + (np.int32(hpb),) + tail
             grid, smem = (n_kv * -(-group // hpb), n_split), self._attn_smem(gt, hd, chunk, n_split)

@@ -6,6 +6,8 @@ bench/bench_cuda.py sweeps the matvec shapes); the kernels accept any shape thes
 
 from __future__ import annotations
 
+from .kernel_names import ATTN_EARLY_KERNELS, ATTN_FOLD_KERNELS, ATTN_SPLIT_KERNELS
+
 ATT_THREADS = 256             # ATT_THREADS in attention.cu
 ATT_WARPS = ATT_THREADS // 32
 SMEM_LIMIT = 48 * 1024        # default dynamic shared memory limit per block
@@ -88,6 +90,23 @@ def attn_heads_per_block(pos: int, near: int, short: int, far: int, group: int) 
     """Query heads of a GQA group that one decode-attention block takes at ``pos``."""
     hpb = 1 if pos < near else 2 if pos < max(short, far) else group
     return max(1, min(hpb, group))
+
+
+def attn_kernel(gt: int, early_rows: bool, butterfly: bool, staged_early: bool, hd: int,
+                k_ptr: int, v_ptr: int) -> str:
+    """The split decode-attention kernel for tiles of ``gt`` heads: the short-cache one that
+    loads its first K/V rows before pdl_wait (``early_rows``, _attn_plan), else the staged one,
+    with a fold a score (not ``butterfly``), or with its first K rows early and its first V
+    rows before the softmax (``staged_early``). The last only where a row fills whole 32-byte
+    sectors (head_dim >= 16, both caches 32-byte aligned): its later batches load row pos, which
+    the kernel before wrote, without bypassing L1, so no early load may share a sector with it."""
+    if early_rows:
+        return ATTN_SPLIT_KERNELS[(gt, True)]
+    if not butterfly:
+        return ATTN_FOLD_KERNELS[gt]
+    if staged_early and hd >= 16 and k_ptr % 32 == 0 and v_ptr % 32 == 0:
+        return ATTN_EARLY_KERNELS[gt]
+    return ATTN_SPLIT_KERNELS[(gt, False)]
 
 
 def attn_smem(gt: int, hd: int, chunk: int, n_split: int) -> int:
