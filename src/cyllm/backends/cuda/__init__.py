@@ -4,7 +4,7 @@
 - nvrtc.py         the F16 kernels' source string and its compile cache (one module per device)
 - source.py        where the .cu files are, and how they are assembled into one source
 - kernel_names.py  every F16 kernel launched, named whole (tests/test_cuda_kernel_table.py)
-- shapes.py        launch-shape heuristics (matvec rows/warps/unroll, attention chunking)
+- shapes.py        launch-shape heuristics (matvec rows/warps/unroll, attention chunking, plans and kernel)
 - norm_fold.py     rmsnorm held back and folded into the next matvec
 - rope_fold.py     the q/k/v matvec held back; rope and the KV-cache store folded into it
 - graphs.py        decode_step: one CUDA graph replay per token

@@ -1,4 +1,5 @@
-"""Launch shapes of the F16 kernels: grid and block sizes from the problem size and the GPU.
+"""Launch shapes of the F16 kernels: grid and block sizes from the problem size and the GPU,
+and which decode-attention kernel and plan a launch takes.
 
 Each rule is a measured choice (bench/results/bench_cuda_h200.md, cuda_ops_h200.md;
 bench/bench_cuda.py sweeps the matvec shapes); the kernels accept any shape these give.
