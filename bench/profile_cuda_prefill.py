@@ -14,12 +14,15 @@ the event pairs time the GPU's work alone, not the gaps while the host issues it
 as the launch queue does not fill). When the GPU ms of all ops add up to far less than
 the wall time, the prefill is bound by issuing work, not by the GPU.
 
+``--vary ATTR=V1,V2`` repeats the whole measurement with the backend attribute ATTR at each
+value (an A/B in one process, e.g. ``--vary qmm_few_max=0,64``).
+
 ``--turns N`` times a chat's next prompts instead: N prompts of 9..96 tokens (a fixed
 pseudo-random sequence), each from where the one before ended (back to position 0 when the
 next would not fit the cache of max(P, 512) + 16 positions), as a conversation's turns come;
 the median and total time a turn with the chunks replayed from graphs (short ones padded to
 a captured length) and issued op by op. The graphs' captures count: the turns that first
-reach a padded length pay them.
+reach a padded length pay them. The graphs' turns are also shown by padded length (median ms).
 """
 
 from __future__ import annotations
@@ -78,9 +81,9 @@ def main() -> int:
     ap.add_argument("--chunks", default="256,512,1024")
     ap.add_argument("-r", type=int, default=3)
     ap.add_argument("--turns", type=int, default=0)
+    ap.add_argument("--vary", help="ATTR=V1,V2,...: the measurement once per backend attribute value")
     a = ap.parse_args()
     import cupy as cp
-    from cyllm.backends.base import BATCH_OPS
     from cyllm.tools.bench import bind_model, load_source, make_backend
     src = load_source(a.model, a.synthetic, 0, ("cuda",), 0, a.quantize)
     backend = make_backend("cuda", 1)
@@ -93,10 +96,28 @@ def main() -> int:
 
     def busy():
         sleeper((1,), (1,), (np.int64(clock_khz * 1000),))     # ~1 s
-    if a.turns:
-        return turns(model, backend, a.turns, src.label)
+    attr, values = None, [None]
+    if a.vary:
+        attr, _, vals = a.vary.partition("=")
+        values = [int(v) if v.lstrip("-").isdigit() else v for v in vals.split(",")]
+    for v in values:
+        if attr is not None:
+            setattr(backend, attr, v)
+            backend.reset_graph()
+            print(f"\n### {attr} = {v}")
+        if a.turns:
+            turns(model, backend, a.turns, src.label)
+        else:
+            chunks(a, model, backend, ids, busy, src.label)
+    return 0
+
+
+def chunks(a, model, backend, ids, busy, label: str) -> None:
+    """Per chunk size: the wall times and the instrumented per-op table."""
+    import cupy as cp
+    from cyllm.backends.base import BATCH_OPS
     names = list(BATCH_OPS) + ["rmsnorm", "matvec"]
-    print(f"# {src.label}: prefill of {a.p} tokens, {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    print(f"# {label}: prefill of {a.p} tokens, {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
     for chunk in [int(c) for c in a.chunks.split(",")]:
         backend.prefill_chunk = chunk
         model.batch = None
@@ -131,7 +152,6 @@ def main() -> int:
             tot_h += h
             print(f"| {name} | {len(recs)} | {g:.2f} | {h:.2f} |")
         print(f"| all | | {tot_g:.2f} | {tot_h:.2f} |")
-    return 0
 
 
 def turns(model, backend, n: int, label: str) -> int:
@@ -143,6 +163,7 @@ def turns(model, backend, n: int, label: str) -> int:
     print(f"# {label}: {n} prompts of 9..96 tokens ({sum(lengths)} in all) one after another, "
           f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
     print("| chunks | median ms a turn | total ms | tok/s |\n|---|---:|---:|---:|")
+    by_rows = {}
     for on in (False, True):
         backend.prefill_graphs = False
         backend.reset_graph()
@@ -157,9 +178,13 @@ def turns(model, backend, n: int, label: str) -> int:
             model.prefill(ids[pos:pos + t], pos)
             walls.append(time.perf_counter() - t0)
             pos += t
+            if on:
+                by_rows.setdefault(backend.prefill_rows(t, model.context), []).append(walls[-1])
         total = sum(walls)
         print(f"| {'graphs' if on else 'op by op'} | {statistics.median(walls) * 1e3:.2f} | "
               f"{total * 1e3:.1f} | {sum(lengths) / total:.0f} |")
+    print("graphs, median ms a turn by padded rows: "
+          + ", ".join(f"{r}: {statistics.median(w) * 1e3:.2f} ({len(w)})" for r, w in sorted(by_rows.items())))
     return 0
 
 

@@ -984,6 +984,122 @@ __device__ __forceinline__ void qrows_f32_body(float* __restrict__ out, int ldo,
     }
 }
 
+// ---- a few columns at once: short prefill chunks ---------------------------------------------
+// A chunk of T tokens multiplied on dequantized FP16 tiles (qdeq_f16 + cuBLAS) costs the whole
+// matrix's dequantizing whatever T is: a chat's next turn of 16-64 padded rows on a 7B Q4_0
+// took 2.5 times its F16 time. These kernels run the decode matvec's loads and dots over C
+// columns instead: a block stages C quantized activation vectors side by side and dots every
+// weight item it loads with all C. The blocks of one row tile's column groups are neighbours
+// in the grid, so they run together and all but the first find the tile's weights in the L2.
+//
+// qx_rows: x (T rows of n floats, stride ldx) -> T rows of stride qs bytes in qx's layout
+// (n codes | n/32 16-byte entries; no sums of squares): qstage's codes and entries bit for
+// bit, so each column rounds as decode's staging of the same vector would. Grid
+// (ceil(n / 2048), T), 128 threads: a warp per 512 elements.
+extern "C" __global__ void qx_rows(unsigned char* __restrict__ qx, int qs, const float* __restrict__ x, int ldx,
+                                   int n)
+{
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int e0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 512;
+    if (e0 >= n) return;                                    // whole warps: qstage shuffles
+    unsigned char* row = qx + (size_t)blockIdx.y * qs;
+    qstage<false>(x + (size_t)blockIdx.y * ldx, nullptr, e0, min(e0 + 512, n), reinterpret_cast<u32*>(row),
+                  reinterpret_cast<float4*>(row + n), lane);
+}
+
+// out[c, row] (row stride ldo floats; beta 1: +=) = (W x_c)[row] for the columns c of group
+// g = blockIdx.x % groups (columns [C g, C g + C) below T) and row tile blockIdx.x / groups;
+// x_c: row c of qx (qx_rows). S warps a block split the tile's items as qmv_tile's do, each
+// staging its slice of all C columns (cp.async); shared memory: C columns of n + n/2 bytes,
+// then C*S*32 partial sums (the host's _qmm_smem). Column c's sum over the warps runs in
+// qmv_tile's order, so with the same S it equals decode's qmv of x_c bit for bit.
+template <class F, int C>
+__device__ __forceinline__ void qmm_body(float* __restrict__ out, int ldo, int beta,
+                                         const unsigned char* __restrict__ w, const unsigned char* __restrict__ qx,
+                                         int qs, int T, int d, int nbi)
+{
+    // the K-quants hold one superblock a lane (144-208 bytes): a second batch in flight beside
+    // C columns' dots spilled q5_k and q6_k at 255 registers
+    constexpr int B = F::B, P = F::B == 1 ? 1 : 2;
+    const int groups = (T + C - 1) / C;
+    const int tile = blockIdx.x / groups, c0 = (blockIdx.x % groups) * C;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, S = blockDim.x >> 5;
+    const int W = min(QMV_TILE, d - QMV_TILE * tile);
+    const bool live = lane < W;
+    const int s0 = (int)(((long long)nbi * warp) / S);
+    const int s1 = (int)(((long long)nbi * (warp + 1)) / S);
+    const int n = nbi * F::IE;
+    const int cs = n + n / 2;                               // bytes of one staged column
+    const QGeo g = qgeo<F>(w, d, nbi, tile);
+
+    // the first P batches of weights go out first, then the staging's copies
+    QItem<F> it[P][B];
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+#pragma unroll
+        for (int u = 0; u < B; ++u) {
+#pragma unroll
+            for (int j = 0; j < F::UPI; ++j) it[p][u].u[j] = make_uint4(0u, 0u, 0u, 0u);
+            it[p][u].a0 = it[p][u].a1 = 0u;
+            it[p][u].b = 0;
+            if (live && s0 + p * B + u < s1) qload<F>(it[p][u], g, s0 + p * B + u, W, lane);
+        }
+
+    // this warp's slice of every column; past T the last column again (its sums are dropped)
+    unsigned char* base = reinterpret_cast<unsigned char*>(qmv_smem);
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+        const unsigned char* src = qx + (size_t)min(c0 + c, T - 1) * qs;
+        unsigned char* dst = base + c * cs;
+        for (int i = ((s0 * F::IE) >> 4) + lane; i < ((s1 * F::IE) >> 4); i += 32) cp_async16(dst + 16 * i, src + 16 * i);
+        for (int i = ((s0 * F::IE) >> 5) + lane; i < ((s1 * F::IE) >> 5); i += 32)
+            cp_async16(dst + n + 16 * i, src + n + 16 * i);
+    }
+    cp_async_wait_all();
+    __syncwarp();
+
+    float acc[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c) acc[c] = 0.0f;
+    for (int sb = s0; sb < s1; sb += P * B) {
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            if (sb + p * B >= s1) break;          // no item of this warp in this batch (uniform)
+#pragma unroll
+            for (int u = 0; u < B; ++u) {
+                const int s = sb + p * B + u;
+                const bool ok = live && s < s1;
+                const int sx = min(s, s1 - 1);                    // in this warp's staged slice
+#pragma unroll
+                for (int c = 0; c < C; ++c) {
+                    const unsigned char* col = base + c * cs;
+                    const float v = qdot(it[p][u], reinterpret_cast<const uint4*>(col) + sx * (F::IE / 16),
+                                         reinterpret_cast<const float4*>(col + n) + sx * (F::IE / 32));
+                    acc[c] += ok ? v : 0.0f;
+                }
+            }
+            const int nb = sb + (p + P) * B;      // refill this batch's slots with the batch after the next
+            if (nb < s1) {
+#pragma unroll
+                for (int u = 0; u < B; ++u)
+                    if (live && nb + u < s1) qload<F>(it[p][u], g, nb + u, W, lane);
+            }
+        }
+    }
+
+    float* red = reinterpret_cast<float*>(base + C * cs);      // [C][S][32]
+#pragma unroll
+    for (int c = 0; c < C; ++c) red[(c * S + warp) * 32 + lane] = acc[c];
+    __syncthreads();
+    for (int c = warp; c < C; c += S) {                          // a warp a column
+        if (c0 + c >= T || !live) continue;
+        float t = 0.0f;
+        for (int v = 0; v < S; ++v) t += red[(c * S + v) * 32 + lane];
+        float* o = out + (size_t)(c0 + c) * ldo + QMV_TILE * tile + lane;
+        *o = beta ? *o + t : t;
+    }
+}
+
 // ---- the alternative measured against: FP32 activations (q8_0, q4_0; out = W x only) --------
 // Same layout and launch shape; each warp copies its slice of x into shared memory as
 // floats and every weight byte becomes a float through the exponent trick
@@ -1184,6 +1300,13 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
         qrows_f32_body<F>(out, ldo, w, d, nbi, ids, host, scale);                                    \
     }
 
+#define CYLLM_QMM(NAME, F, C)                                                                        \
+    extern "C" __global__ void NAME(float* __restrict__ out, int ldo, int beta,                      \
+                                    const unsigned char* __restrict__ w,                             \
+                                    const unsigned char* __restrict__ qx, int qs, int T, int d, int nbi) { \
+        qmm_body<F, C>(out, ldo, beta, w, qx, qs, T, d, nbi);                                        \
+    }
+
 // a pair module (backends/cuda/quant.py compiles one per format pair it meets):
 // -DQMV_PAIR_QK=QF_<fmt> -DQMV_PAIR_V=QF_<fmt>
 #if defined(QMV_PAIR_QK) && defined(QMV_PAIR_V)
@@ -1207,6 +1330,8 @@ CYLLM_QMV_QKV(qmv_qkv_q8_0_norm,       QF_q8_0, true)
 CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q8_0_norm, QF_q8_0, true)
 CYLLM_QDEQ(qdeq_f16_q8_0,              QF_q8_0)
 CYLLM_QROWS(qrows_f32_q8_0,            QF_q8_0)
+CYLLM_QMM(qmm_c4_q8_0,               QF_q8_0, 4)
+CYLLM_QMM(qmm_c8_q8_0,               QF_q8_0, 8)
 CYLLM_QMV_XF32(qmv_xf32_q8_0,          QF_q8_0)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q4_0)
@@ -1224,6 +1349,8 @@ CYLLM_QMV_QKV(qmv_qkv_q4_0_norm,       QF_q4_0, true)
 CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q4_0_norm, QF_q4_0, true)
 CYLLM_QDEQ(qdeq_f16_q4_0,              QF_q4_0)
 CYLLM_QROWS(qrows_f32_q4_0,            QF_q4_0)
+CYLLM_QMM(qmm_c4_q4_0,               QF_q4_0, 4)
+CYLLM_QMM(qmm_c8_q4_0,               QF_q4_0, 8)
 CYLLM_QMV_XF32(qmv_xf32_q4_0,          QF_q4_0)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q4_1)
@@ -1241,6 +1368,8 @@ CYLLM_QMV_QKV(qmv_qkv_q4_1_norm,       QF_q4_1, true)
 CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q4_1_norm, QF_q4_1, true)
 CYLLM_QDEQ(qdeq_f16_q4_1,              QF_q4_1)
 CYLLM_QROWS(qrows_f32_q4_1,            QF_q4_1)
+CYLLM_QMM(qmm_c4_q4_1,               QF_q4_1, 4)
+CYLLM_QMM(qmm_c8_q4_1,               QF_q4_1, 8)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q5_0)
 CYLLM_QMV(qmv_q5_0,                    QF_q5_0, 0, false)
@@ -1257,6 +1386,8 @@ CYLLM_QMV_QKV(qmv_qkv_q5_0_norm,       QF_q5_0, true)
 CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q5_0_norm, QF_q5_0, true)
 CYLLM_QDEQ(qdeq_f16_q5_0,              QF_q5_0)
 CYLLM_QROWS(qrows_f32_q5_0,            QF_q5_0)
+CYLLM_QMM(qmm_c4_q5_0,               QF_q5_0, 4)
+CYLLM_QMM(qmm_c8_q5_0,               QF_q5_0, 8)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q5_1)
 CYLLM_QMV(qmv_q5_1,                    QF_q5_1, 0, false)
@@ -1273,6 +1404,8 @@ CYLLM_QMV_QKV(qmv_qkv_q5_1_norm,       QF_q5_1, true)
 CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q5_1_norm, QF_q5_1, true)
 CYLLM_QDEQ(qdeq_f16_q5_1,              QF_q5_1)
 CYLLM_QROWS(qrows_f32_q5_1,            QF_q5_1)
+CYLLM_QMM(qmm_c4_q5_1,               QF_q5_1, 4)
+CYLLM_QMM(qmm_c8_q5_1,               QF_q5_1, 8)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q4_k)
 CYLLM_QMV(qmv_q4_k,                    QF_q4_k, 0, false)
@@ -1289,6 +1422,8 @@ CYLLM_QMV_QKV(qmv_qkv_q4_k_norm,       QF_q4_k, true)
 CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q4_k_norm, QF_q4_k, true)
 CYLLM_QDEQ(qdeq_f16_q4_k,              QF_q4_k)
 CYLLM_QROWS(qrows_f32_q4_k,            QF_q4_k)
+CYLLM_QMM(qmm_c4_q4_k,               QF_q4_k, 4)
+CYLLM_QMM(qmm_c8_q4_k,               QF_q4_k, 8)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q5_k)
 CYLLM_QMV_WIDE(qmv_q5_k,               QF_q5_k, 0, false)
@@ -1305,6 +1440,8 @@ CYLLM_QMV_QKV_WIDE(qmv_qkv_q5_k_norm,  QF_q5_k, true)
 CYLLM_QMV_QKV_ROPE_WIDE(qmv_qkv_rope_q5_k_norm, QF_q5_k, true)
 CYLLM_QDEQ(qdeq_f16_q5_k,              QF_q5_k)
 CYLLM_QROWS(qrows_f32_q5_k,            QF_q5_k)
+CYLLM_QMM(qmm_c4_q5_k,               QF_q5_k, 4)
+CYLLM_QMM(qmm_c8_q5_k,               QF_q5_k, 8)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q6_k)
 CYLLM_QMV_WIDE(qmv_q6_k,               QF_q6_k, 0, false)
@@ -1321,4 +1458,6 @@ CYLLM_QMV_QKV_WIDE(qmv_qkv_q6_k_norm,  QF_q6_k, true)
 CYLLM_QMV_QKV_ROPE_WIDE(qmv_qkv_rope_q6_k_norm, QF_q6_k, true)
 CYLLM_QDEQ(qdeq_f16_q6_k,              QF_q6_k)
 CYLLM_QROWS(qrows_f32_q6_k,            QF_q6_k)
+CYLLM_QMM(qmm_c4_q6_k,               QF_q6_k, 4)
+CYLLM_QMM(qmm_c8_q6_k,               QF_q6_k, 8)
 #endif

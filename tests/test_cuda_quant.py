@@ -154,6 +154,7 @@ def test_kernel_table_agrees():
         names = [f"{p}{fmt}{s}" for p in ("qmv_", "qmv_add_", "qmv_gate_up_silu_", "qmv_gate_up_gelu_")
                  for s in ("", "_norm")] + [f"qdeq_f16_{fmt}", f"qrows_f32_{fmt}"]
         names += [f"{p}{fmt}{s}" for p in ("qmv_qkv_", "qmv_qkv_rope_") for s in ("", "_norm")]
+        names += [f"qmm_c{c}_{fmt}" for c in CQ.QMM_COLUMNS]
         for name in names:
             assert re.search(rf"\({name},", src), name
         m = re.search(rf"struct QF_{fmt} {{ enum {{ UPI = (\d+),\s*EA = (\d+), EB = (\d+), IE = (\d+),\s*B = (\d+)", src)
@@ -165,6 +166,7 @@ def test_kernel_table_agrees():
         assert main[1] - main[0] == 16 * units
     for name in ("qmv_qkv_pair", "qmv_qkv_pair_norm", "qmv_qkv_rope_pair", "qmv_qkv_rope_pair_norm"):
         assert re.search(rf"\({name},", src), name
+    assert re.search(r'extern "C" __global__ void qx_rows\(', src)
     # each of them has its prequantized twin NAME_qx (prequant.py), made by the defining macro
     for mac in ("QMV", "QMV_QKV", "QMV_QKV_PAIR", "QMV_QKV_ROPE", "QMV_QKV_ROPE_PAIR"):
         assert re.search(rf"#define CYLLM_{mac}_DEF\(.*\n\s*CYLLM_{mac}_DEF1\(NAME##_qx,", src), mac
@@ -1013,8 +1015,9 @@ def test_decode_separate_qkv_share_the_codes(be, cp, fmt, monkeypatch):
 def test_prefill_matmul(be, cp, fmt):
     """matmul / matmul_add / gate_up_batch on dequantized FP16 tiles (several tiles: a small tile size)."""
     rng = np.random.default_rng(31)
-    old = CQ._DEQ_TILE_ELEMS
+    old, old_few = CQ._DEQ_TILE_ELEMS, be.qmm_few_max
     CQ._DEQ_TILE_ELEMS = 64 * 4096          # tiles of 64 rows at n=4096: the loop over tiles runs
+    be.qmm_few_max = 0                      # short chunks too (the few-column path: the next test)
     try:
         for d, n in shapes(fmt)[2:]:
             t = 7
@@ -1037,7 +1040,61 @@ def test_prefill_matmul(be, cp, fmt):
             f16 = cp.asnumpy(CQ.dequantize(be, w)).astype(np.float64)
             np.testing.assert_allclose(f16, W, rtol=1e-3, atol=1e-7)
     finally:
-        CQ._DEQ_TILE_ELEMS = old
+        CQ._DEQ_TILE_ELEMS, be.qmm_few_max = old, old_few
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", FMTS)
+def test_prefill_few_columns(be, cp, fmt, monkeypatch):
+    """Short chunks (qmatmul_few): every column exact against the float64 product of the
+    dequantized weights and that column rounded to int8 blocks, as decode's matvec is. Both
+    block widths (8 and 4 columns), chunks of one column, of whole groups and with a partial
+    last group; x and out rows strided, x rows not 16-byte aligned (the scalar staging);
+    matmul_add's residual, gate_up_batch; over qmm_few_max the FP16 tiles again."""
+    rng = np.random.default_rng(41)
+    calls = []
+    few = CQ.qmatmul_few
+    monkeypatch.setattr(CQ, "qmatmul_few", lambda *a: calls.append(few(*a)) or calls[-1])
+    monkeypatch.setattr(be, "qmm_few_max", 24)
+    smem_max = CQ.QMM_SMEM_MAX
+    for d, n in shapes(fmt):
+        raw, raw2 = random_blocks(fmt, d, n, rng), random_blocks(fmt, d, n, rng)
+        w = be.upload(QuantMatrix(raw, fmt, (d, n)))
+        w2 = be.upload(QuantMatrix(raw2, fmt, (d, n)))
+        W, W2 = deq64(raw, fmt, n), deq64(raw2, fmt, n)
+        # widths forced (shared memory up to the device's opt-in limit: 8 columns of 11008), then
+        # the host's choice (the rows of 11008: 4 columns under QMM_SMEM_MAX)
+        for cols, t, skew in ((8, 1, 0), (8, 16, 1), (8, 21, 0), (4, 4, 0), (4, 11, 1), (None, 13, 0)):
+            monkeypatch.setattr(CQ, "QMM_COLUMNS", (cols,) if cols else (8, 4))
+            monkeypatch.setattr(CQ, "QMM_SMEM_MAX", 200 * 1024 if cols else smem_max)
+            x = rng.standard_normal((t, n)).astype(np.float32)
+            xw = cp.zeros((t, n + 8), dtype=cp.float32)          # rows 8 floats apart, skew: 4-byte aligned
+            xw[:, skew:skew + n] = cp.asarray(x)
+            xd = xw[:, skew:skew + n]
+            xq = np.stack([xq64(r) for r in x])
+            want, mag = xq @ W.T, np.abs(xq) @ np.abs(W).T
+            what = f"{fmt} {d}x{n} t={t} c={cols} skew={skew}"
+            calls.clear()
+            out = cp.full((t, d + 3), np.nan, dtype=cp.float32)[:, :d]
+            be.matmul(out, w, xd)
+            check_exact(be.to_host(out), want, mag, what)
+            base = rng.standard_normal((t, d)).astype(np.float32)
+            out = be.upload(base)
+            be.matmul_add(out, w, xd)
+            check_exact(be.to_host(out), base + want, mag + np.abs(base), what + " add")
+            out = cp.full((t, d), np.nan, dtype=cp.float32)
+            be.gate_up_batch(out, w, w2, xd, "silu")
+            want2, mag2 = xq @ W2.T, np.abs(xq) @ np.abs(W2).T
+            ref = silu(want) * want2
+            tol = 1e-4 * (np.abs(want2) * (mag + 1) + np.abs(want) * mag2) + 1e-6 * np.abs(ref)
+            assert np.all(np.abs(be.to_host(out) - ref) <= tol + 1e-12), what + " gate_up"
+            assert calls == [True] * 4, (what, calls)
+    x = rng.standard_normal((25, n)).astype(np.float32)        # one row over qmm_few_max: the tiles
+    calls.clear()
+    out = cp.full((25, d), np.nan, dtype=cp.float32)
+    be.matmul(out, w, be.upload(x))
+    assert calls == [False]
+    assert rel(be.to_host(out), x.astype(np.float16).astype(np.float64) @ W.T) < 2e-3
 
 
 @pytest.mark.cuda

@@ -127,6 +127,14 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, Graph
         self._qx_flip = 0
         self._qx_norm = None            # (normed vector, its codes' buffer, norm weight, eps), prequant.py
         self._scratch: dict = {}        # name -> device buffer reused by the batched ops
+        # prefill chunks of at most this many rows multiply quantized weights a few columns at
+        # a time (quant.qmatmul_few), longer ones on dequantized FP16 tiles through cuBLAS, whose
+        # dequantizing costs a 7B ~14 ms whatever the rows. A chat's turns on an H200, Llama-2-7B
+        # shape, graphs, median ms by padded rows, tiles -> few columns: Q4_0 16 rows 22.6 ->
+        # 10.6, 32 23.4 -> 14.1, 64 20.1 -> 18.8, 128 22.5 -> 36.9; Q4_K_M 16 23.3 -> 10.7, 32
+        # 24.4 -> 14.8, 64 20.9 -> 20.0 (bench/results/cuda_quant_model_h100.md, thirty-second
+        # session). 0: always the tiles (measurements)
+        self.qmm_few_max = 64
         # decode attention: the first K/V rows loaded before pdl_wait, and query heads a
         # block (None = by position, see _attn_plan; a value forces it; captured graphs keep
         # their choice until reset_graph)

@@ -16,7 +16,10 @@ Prefill (T tokens): ``qmatmul`` dequantizes row tiles of W to FP16 into one reus
 scratch tile and multiplies with cuBLAS, as the F16 path does. x stays float (FP16): rounding
 it to int8 blocks as decode does was measured (H100, tests/test_cuda_quant_model.py) to move
 the logits no closer to the CPU backend's -- the FP16 rounding of weights and x pushes a few
-percent of the int8 codes across a rounding boundary -- while losing accuracy.
+percent of the int8 codes across a rounding boundary -- while losing accuracy. That costs
+the whole matrix's dequantizing whatever T is, so short chunks (a chat's next turn) go
+through ``qmatmul_few`` instead: decode's kernels widened to a few columns, x rounded to
+int8 blocks as decode's is.
 
 Kernels are compiled per format on first use (one NVRTC module per format and device).
 
@@ -72,6 +75,10 @@ _PREFIX = {"matvec": "qmv_", "add": "qmv_add_"}
 _GLU_PREFIX = {"silu": "qmv_gate_up_silu_", "gelu_tanh": "qmv_gate_up_gelu_"}
 _GLU_KERNELS = {"silu": "swiglu_f32", "gelu_tanh": "geglu_f32"}       # elementwise, in elementwise.cu
 _DEQ_TILE_ELEMS = 1 << 24  # FP16 scratch tile of the prefill path: 32 MiB
+QMM_COLUMNS = (8, 4)       # columns a block of the few-column prefill kernels (qmm_c<C>_<fmt>), widest first
+QMM_SMEM_MAX = 100 * 1024  # their staging at most this a block: two blocks an SM of an H100/H200 (228 KiB)
+QMM_WARPS = 4              # and warps a block at most: small blocks, several an SM (7B Q4_K_M chunks of
+                           # 32 rows on an H200: 17.2 ms a turn at 8 warps, 14.9 at 4)
 
 
 def _layout(fmt: WeightFormat):
@@ -633,8 +640,53 @@ def _tile_rows(w: CudaQuantMatrix) -> int:
     return max(TILE, min(w.rows, _DEQ_TILE_ELEMS // w.cols) // TILE * TILE)
 
 
+def _qmm_smem(n: int, warps: int, columns: int) -> int:
+    # the staged columns (int8 codes and a 16-byte entry per 32 elements each), then the
+    # partial sums of every warp
+    return columns * (n + n // 2) + 4 * columns * warps * TILE
+
+
+def _qmm_warps(be, w: CudaQuantMatrix, k) -> int:
+    """Warps a block of qmm: about one batch of loads each (the K-quants: one superblock), at
+    most QMM_WARPS, and what the kernel's registers allow."""
+    forced = getattr(be, "qmv_warps", None)
+    b = LAYOUTS[w.fmt.name][4]
+    in_flight = 2 * b if b > 1 else 1             # qmm_body's P batches of B items
+    warps = int(forced) if forced else min(QMM_WARPS, -(-w.nbi // in_flight))
+    return max(1, min(warps, MAX_WARPS, getattr(k, "max_threads_per_block", 1024) // 32))
+
+
+def qmatmul_few(be, out, w: CudaQuantMatrix, x, beta: float) -> bool:
+    """out (T, d) f32 (+)= x (T, n) f32 @ W^T over a few columns (qmm in quant_matvec.cu): x
+    quantized to int8 blocks as decode's is, each weight item read once for C columns. False
+    (nothing launched) when T is over ``be.qmm_few_max`` or the staging of even 4 columns
+    would not fit a block's shared memory."""
+    t, n = x.shape
+    if t > getattr(be, "qmm_few_max", 0) or beta not in (0.0, 1.0) or x.dtype != np.float32:
+        return False
+    fmt = w.fmt.name
+    for c in QMM_COLUMNS:
+        k = kernel(be, f"qmm_c{c}_{fmt}", fmt)
+        warps = _qmm_warps(be, w, k)
+        smem = _qmm_smem(n, warps, c)
+        if smem <= QMM_SMEM_MAX:
+            break
+    else:
+        return False
+    ldx, ldo = be._rows(x, "matmul"), be._rows(out, "matmul")
+    qs = n + n // 2                               # bytes of one quantized row (qx_rows)
+    qx = be._buf("qmm_qx", t * qs, cp.uint8)
+    kernel(be, "qx_rows", fmt)((-(-n // 2048), t), (128,), (qx, np.int32(qs), x, np.int32(ldx), np.int32(n)))
+    _allow_smem(k, smem)
+    grid = (_tiles(w) * -(-t // c),)
+    k(grid, (TILE * warps,), (out, np.int32(ldo), np.int32(beta != 0.0), w.data, qx, np.int32(qs),
+                              np.int32(t), np.int32(w.rows), np.int32(w.nbi)), shared_mem=smem)
+    return True
+
+
 def qmatmul(be, out, w: CudaQuantMatrix, x, beta: float = 0.0) -> None:
-    """out (T, d) f32 = x (T, n) f32 @ W^T (+ beta * out): row tiles of W dequantized to FP16
+    """out (T, d) f32 = x (T, n) f32 @ W^T (+ beta * out). Short chunks (T up to
+    ``be.qmm_few_max``) through qmatmul_few; longer ones on row tiles of W dequantized to FP16
     into one scratch tile (reused, small enough to stay in L2 between its write and the GEMM's
     read), each multiplied by cuBLAS (FP16 in, FP32 accumulate)."""
     be._flush()
@@ -642,7 +694,7 @@ def qmatmul(be, out, w: CudaQuantMatrix, x, beta: float = 0.0) -> None:
     d = w.rows
     if w.cols != n or out.shape != (t, d):
         raise InvalidArgumentError(f"matmul: {tuple(x.shape)} @ {w.shape}^T -> {tuple(out.shape)}")
-    if t == 0:
+    if t == 0 or qmatmul_few(be, out, w, x, beta):
         return
     x16 = be._cast16(x)
     ldc = be._rows(out, "matmul")
