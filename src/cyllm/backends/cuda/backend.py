@@ -130,10 +130,10 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, Graph
         # prefill chunks of at most this many rows multiply quantized weights a few columns at
         # a time (quant.qmatmul_few), longer ones on dequantized FP16 tiles through cuBLAS, whose
         # dequantizing costs a 7B ~14 ms whatever the rows. A chat's turns on an H200, Llama-2-7B
-        # shape, graphs, median ms by padded rows, tiles -> few columns: Q4_0 16 rows 22.6 ->
-        # 10.6, 32 23.4 -> 14.1, 64 20.1 -> 18.8, 128 22.5 -> 36.9; Q4_K_M 16 23.3 -> 10.7, 32
-        # 24.4 -> 14.8, 64 20.9 -> 20.0 (bench/results/cuda_quant_model_h100.md, thirty-second
-        # session). 0: always the tiles (measurements)
+        # shape, graphs, median ms by padded rows, tiles -> few columns: Q4_0 16 rows 22.5 ->
+        # 10.8, 32 23.7 -> 14.1, 64 20.2 -> 19.2, 128 22.2 -> 34.7; Q4_K_M 16 23.1 -> 10.0, 32
+        # 24.0 -> 14.7, 64 20.7 -> 19.9, 128 23.0 -> 36.7 (bench/results/cuda_quant_model_h100.md,
+        # thirty-second session). 0: always the tiles (measurements)
         self.qmm_few_max = 64
         # decode attention: the first K/V rows loaded before pdl_wait, and query heads a
         # block (None = by position, see _attn_plan; a value forces it; captured graphs keep
