@@ -84,6 +84,8 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, Graph
         # block (cuda_quant sizes some launches' carveouts from these)
         self.smem_per_sm = int(props.get("sharedMemPerMultiprocessor", 0) or 0)
         self.smem_reserved_per_block = int(props.get("reservedSharedMemPerBlock", 1024) or 0)
+        # shared memory one block may opt in to (99 KiB on consumer Ampere and Ada GPUs)
+        self.smem_per_block = int(props.get("sharedMemPerBlockOptin", 0) or 0) or 48 * 1024
 
         self._module = None
         self._kernels: dict = {}

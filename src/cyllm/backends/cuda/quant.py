@@ -78,7 +78,7 @@ _DEQ_TILE_ELEMS = 1 << 24  # FP16 scratch tile of the prefill path: 32 MiB
 QMM_COLUMNS = (8, 4)       # columns a block of the few-column prefill kernels (qmm_c<C>_<fmt>), widest first
 QMM_SMEM_MAX = 100 * 1024  # their staging at most this a block: two blocks an SM of an H100/H200 (228 KiB)
 QMM_WARPS = 4              # and warps a block at most: small blocks, several an SM (7B Q4_K_M chunks of
-                           # 32 rows on an H200: 17.2 ms a turn at 8 warps, 14.9 at 4)
+                           # 32 rows on an H200: 17.2 ms a turn at 8 warps, 14.8-14.9 at 4)
 
 
 def _layout(fmt: WeightFormat):
@@ -660,16 +660,17 @@ def qmatmul_few(be, out, w: CudaQuantMatrix, x, beta: float) -> bool:
     """out (T, d) f32 (+)= x (T, n) f32 @ W^T over a few columns (qmm in quant_matvec.cu): x
     quantized to int8 blocks as decode's is, each weight item read once for C columns. False
     (nothing launched) when T is over ``be.qmm_few_max`` or the staging of even 4 columns
-    would not fit a block's shared memory."""
+    would not fit a block's shared memory (QMM_SMEM_MAX, or less where the GPU allows less)."""
     t, n = x.shape
     if t > getattr(be, "qmm_few_max", 0) or beta not in (0.0, 1.0) or x.dtype != np.float32:
         return False
     fmt = w.fmt.name
+    limit = min(QMM_SMEM_MAX, getattr(be, "smem_per_block", 48 * 1024))
     for c in QMM_COLUMNS:
         k = kernel(be, f"qmm_c{c}_{fmt}", fmt)
         warps = _qmm_warps(be, w, k)
         smem = _qmm_smem(n, warps, c)
-        if smem <= QMM_SMEM_MAX:
+        if smem <= limit:
             break
     else:
         return False
