@@ -155,8 +155,11 @@ def test_kernel_table_agrees():
                  for s in ("", "_norm")] + [f"qdeq_f16_{fmt}", f"qrows_f32_{fmt}"]
         names += [f"{p}{fmt}{s}" for p in ("qmv_qkv_", "qmv_qkv_rope_") for s in ("", "_norm")]
         names += [f"qmm_c{c}_{fmt}" for c in CQ.QMM_COLUMNS]
+        # defined in the format's own module (-DQMV_<fmt>), where quant.kernel looks for them
+        block = re.search(rf"#if defined\(QMV_ALL\) \|\| defined\(QMV_{fmt}\)\n(.*?)#endif", src, re.S)
+        assert block, fmt
         for name in names:
-            assert re.search(rf"\({name},", src), name
+            assert re.search(rf"\({name},", block.group(1)), name
         m = re.search(rf"struct QF_{fmt} {{ enum {{ UPI = (\d+),\s*EA = (\d+), EB = (\d+), IE = (\d+),\s*B = (\d+)", src)
         assert m, fmt
         upi, ea, eb, ie, u = map(int, m.groups())
@@ -1048,14 +1051,15 @@ def test_prefill_matmul(be, cp, fmt):
 def test_prefill_few_columns(be, cp, fmt, monkeypatch):
     """Short chunks (qmatmul_few): every column exact against the float64 product of the
     dequantized weights and that column rounded to int8 blocks, as decode's matvec is. Both
-    block widths (8 and 4 columns), chunks of one column, of whole groups and with a partial
-    last group; x and out rows strided, x rows not 16-byte aligned (the scalar staging);
-    matmul_add's residual, gate_up_batch; over qmm_few_max the FP16 tiles again."""
+    block widths (8 and 4 columns), chunks of one column, of whole groups, with a partial last
+    group and of qmm_few_max rows; 8 warps a block (warps with no items on short rows); x and
+    out rows strided (out's columns past d stay unwritten), x rows not 16-byte aligned (the
+    scalar staging); matmul_add's residual, gate_up_batch; over qmm_few_max the FP16 tiles."""
     rng = np.random.default_rng(41)
     calls = []
     few = CQ.qmatmul_few
     monkeypatch.setattr(CQ, "qmatmul_few", lambda *a: calls.append(few(*a)) or calls[-1])
-    monkeypatch.setattr(be, "qmm_few_max", 24)
+    most = be.qmm_few_max
     smem_max = CQ.QMM_SMEM_MAX
     for d, n in shapes(fmt):
         raw, raw2 = random_blocks(fmt, d, n, rng), random_blocks(fmt, d, n, rng)
@@ -1064,9 +1068,12 @@ def test_prefill_few_columns(be, cp, fmt, monkeypatch):
         W, W2 = deq64(raw, fmt, n), deq64(raw2, fmt, n)
         # widths forced (shared memory up to the device's opt-in limit: 8 columns of 11008), then
         # the host's choice (the rows of 11008: 4 columns under QMM_SMEM_MAX)
-        for cols, t, skew in ((8, 1, 0), (8, 16, 1), (8, 21, 0), (4, 4, 0), (4, 11, 1), (None, 13, 0)):
+        cases = ((8, 1, 0, None), (8, 16, 1, None), (8, 21, 0, 8), (4, 4, 0, None), (4, 11, 1, 8),
+                 (None, 13, 0, None), (None, most, 0, None))
+        for cols, t, skew, warps in cases:
             monkeypatch.setattr(CQ, "QMM_COLUMNS", (cols,) if cols else (8, 4))
             monkeypatch.setattr(CQ, "QMM_SMEM_MAX", 200 * 1024 if cols else smem_max)
+            monkeypatch.setattr(be, "qmv_warps", warps)
             if cols:
                 k = CQ.kernel(be, f"qmm_c{cols}_{fmt}", fmt)
                 if CQ._qmm_smem(n, CQ._qmm_warps(be, w, k), cols) > be.smem_per_block:
@@ -1077,11 +1084,13 @@ def test_prefill_few_columns(be, cp, fmt, monkeypatch):
             xd = xw[:, skew:skew + n]
             xq = np.stack([xq64(r) for r in x])
             want, mag = xq @ W.T, np.abs(xq) @ np.abs(W).T
-            what = f"{fmt} {d}x{n} t={t} c={cols} skew={skew}"
+            what = f"{fmt} {d}x{n} t={t} c={cols} skew={skew} warps={warps}"
             calls.clear()
-            out = cp.full((t, d + 3), np.nan, dtype=cp.float32)[:, :d]
-            be.matmul(out, w, xd)
-            check_exact(be.to_host(out), want, mag, what)
+            wide = cp.full((t, d + 3), np.nan, dtype=cp.float32)
+            be.matmul(wide[:, :d], w, xd)
+            got = be.to_host(wide)
+            check_exact(got[:, :d], want, mag, what)
+            assert np.isnan(got[:, d:]).all(), what + ": wrote past the last row"
             base = rng.standard_normal((t, d)).astype(np.float32)
             out = be.upload(base)
             be.matmul_add(out, w, xd)
@@ -1093,9 +1102,10 @@ def test_prefill_few_columns(be, cp, fmt, monkeypatch):
             tol = 1e-4 * (np.abs(want2) * (mag + 1) + np.abs(want) * mag2) + 1e-6 * np.abs(ref)
             assert np.all(np.abs(be.to_host(out) - ref) <= tol + 1e-12), what + " gate_up"
             assert calls == [True] * 4, (what, calls)
-    x = rng.standard_normal((25, n)).astype(np.float32)        # one row over qmm_few_max: the tiles
+    monkeypatch.setattr(be, "qmv_warps", None)
+    x = rng.standard_normal((most + 1, n)).astype(np.float32)    # one row over qmm_few_max: the tiles
     calls.clear()
-    out = cp.full((25, d), np.nan, dtype=cp.float32)
+    out = cp.full((most + 1, d), np.nan, dtype=cp.float32)
     be.matmul(out, w, be.upload(x))
     assert calls == [False]
     assert rel(be.to_host(out), x.astype(np.float16).astype(np.float64) @ W.T) < 2e-3

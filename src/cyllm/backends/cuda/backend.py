@@ -135,7 +135,9 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, Graph
         # shape, graphs, median ms by padded rows, tiles -> few columns: Q4_0 16 rows 22.5 ->
         # 10.8, 32 23.7 -> 14.1, 64 20.2 -> 19.2, 128 22.2 -> 34.7; Q4_K_M 16 23.1 -> 10.0, 32
         # 24.0 -> 14.7, 64 20.7 -> 19.9, 128 23.0 -> 36.7 (bench/results/cuda_quant_model_h100.md,
-        # thirty-second session). 0: always the tiles (measurements)
+        # thirty-second session). 0: always the tiles (measurements). Keep it a length that
+        # prefill_rows pads to (16, 32, 64, a multiple of 64), or a chunk could take one path
+        # eagerly and the other padded for its graph
         self.qmm_few_max = 64
         # decode attention: the first K/V rows loaded before pdl_wait, and query heads a
         # block (None = by position, see _attn_plan; a value forces it; captured graphs keep

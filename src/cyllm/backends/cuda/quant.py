@@ -659,8 +659,9 @@ def _qmm_warps(be, w: CudaQuantMatrix, k) -> int:
 def qmatmul_few(be, out, w: CudaQuantMatrix, x, beta: float) -> bool:
     """out (T, d) f32 (+)= x (T, n) f32 @ W^T over a few columns (qmm in quant_matvec.cu): x
     quantized to int8 blocks as decode's is, each weight item read once for C columns. False
-    (nothing launched) when T is over ``be.qmm_few_max`` or the staging of even 4 columns
-    would not fit a block's shared memory (QMM_SMEM_MAX, or less where the GPU allows less)."""
+    (nothing launched) when T is over ``be.qmm_few_max``, beta is neither 0 nor 1, x is not
+    float32, or the staging of even 4 columns would not fit a block's shared memory
+    (QMM_SMEM_MAX, or less where the GPU allows less)."""
     t, n = x.shape
     if t > getattr(be, "qmm_few_max", 0) or beta not in (0.0, 1.0) or x.dtype != np.float32:
         return False
