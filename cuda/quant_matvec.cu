@@ -1061,6 +1061,10 @@ __device__ __forceinline__ void qmm_body(float* __restrict__ out, int ldo, int b
     cp_async_wait_all();
     __syncwarp();
 
+    // qmv_tile's walk over the batches, kept twice on purpose: one helper taking the dots as a
+    // lambda changed ptxas's schedule of the decode kernels that call qmv_tile twice
+    // (qmv_qkv_rope_*: different SASS, q4_0's 8 instructions shorter), which were tuned by
+    // measurement; no GPU was left to measure that change
     float acc[C];
 #pragma unroll
     for (int c = 0; c < C; ++c) acc[c] = 0.0f;
