@@ -202,6 +202,26 @@ def _edit_config(d, **changes):
     p.write_text(json.dumps(cfg))
 
 
+def test_file_padding_and_truncation_ignored(tok_files):
+    """A tokenizer.json's padding and truncation (batch settings) do not reach a prompt: it
+    encodes whole and unpadded, as transformers' encode does, even with a padding length
+    that would take gigabytes."""
+    p = tok_files / "tokenizer.json"
+    spec = json.loads(p.read_text())
+    spec["truncation"] = {"direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 0}
+    spec["padding"] = {"strategy": {"Fixed": 100_000_000}, "direction": "Right", "pad_to_multiple_of": None,
+                       "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>"}
+    p.write_text(json.dumps(spec))
+    ours = Tokenizer.from_hf_dir(tok_files)
+    spec.pop("padding")                  # transformers would pad to the fixed length on its own load
+    p.write_text(json.dumps(spec))
+    ref = transformers.AutoTokenizer.from_pretrained(tok_files)
+    for text in TEXTS:
+        want = ref.encode(text, add_special_tokens=True)
+        assert ours.encode(text, add_special_tokens=True) == want, text
+    assert len(ours.encode(TEXTS[1])) > 2
+
+
 def test_no_tokenizer_json_is_none(tmp_path):
     assert Tokenizer.from_hf_dir(tmp_path) is None
 

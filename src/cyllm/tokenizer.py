@@ -209,6 +209,11 @@ class Tokenizer:
             return None
         import tokenizers
         tok = _guarded(tokenizers.Tokenizer.from_file, str(tpath), what=f"{one_line(tpath)}: cannot load tokenizer")
+        # a file's padding and truncation are settings for batches of training text: a prompt is
+        # encoded whole (truncation would drop part of it unseen; a fixed padding length of 10^8
+        # allocated gigabytes)
+        tok.no_padding()
+        tok.no_truncation()
 
         tcfg = _read_json(d / "tokenizer_config.json")
         mcfg = _read_json(d / "config.json")
