@@ -205,6 +205,26 @@ def test_info_of_a_gguf_file_matches_the_gguf_package(capsys, tmp_path):
     assert info["chat template"].startswith("none")
 
 
+def test_info_shows_tokenizer_values_of_the_wrong_type(capsys, tmp_path):
+    """tokenizer.ggml.model and .pre written as arrays (a hostile or broken file) are shown as
+    they are; info does not crash on them."""
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("tokenizer.ggml.model", [1, 2])
+    w.add_array("tokenizer.ggml.pre", [3])
+    w.add_array("tokenizer.ggml.tokens", ["a", "b"])
+    w.add_tensor("token_embd.weight", np.zeros((2, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    code, out, _ = run(capsys, "info", "-m", path)
+    assert code == 0
+    info = dict(line.split(": ", 1) for line in out.splitlines())
+    assert info["tokenizer"] == "[1 2], 2 tokens, pre-tokenizer [3]"
+
+
 def test_info_of_the_default_model_names_its_quantization(capsys, default_model_file):
     code, out, _ = run(capsys, "info", "-m", default_model_file)
     assert code == 0

@@ -136,10 +136,12 @@ def describe_gguf(path: Path) -> list[str]:
     else:
         tokens = md.get("tokenizer.ggml.tokens")
         n = len(tokens) if isinstance(tokens, list) else "?"
-        kind = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}.get(tok, "")
+        # the values are the file's: a string where a well-formed file has one, else shown as they are
+        kind = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}.get(tok, "") if isinstance(tok, str) else ""
         pre = meta("tokenizer.ggml.pre")
         lines.append(f"tokenizer: {_clip(tok)}" + (f" ({kind})" if kind else "") + f", {n} tokens"
-                     + (f", pre-tokenizer {_clip(pre)}" if pre else ""))
+                     + (f", pre-tokenizer {_clip(pre)}" if pre is not None and not (isinstance(pre, str) and not pre)
+                        else ""))
     tmpl = md.get("tokenizer.chat_template")
     lines.append("chat template: " + (f"yes ({len(tmpl)} characters)" if isinstance(tmpl, str) and tmpl
                                       else "none (chat needs --chat-template NAME|FILE)"))
