@@ -10,6 +10,7 @@ safetensors library and the gguf package read, and the same logits as their plai
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import time
@@ -160,6 +161,22 @@ def test_json_bounds(tiny, tmp_path, name, attack):
     bomb = "[" * 50000 + "]" * 50000 if attack == "deep" else "9" * 5000
     (d / name).write_text(text[:-1] + f', "x": {bomb}}}')
     one_line_error(CyllmError, load_path, d, needles=[name, "deep" if attack == "deep" else "digits"])
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json"])
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_config_files_that_are_not_regular_files(tiny, tmp_path, name, kind):
+    """A FIFO would block a read forever and /dev/zero never end it: info and generate refuse
+    such a file (or go on without an optional one) within the hostile-input limits."""
+    d = copy_dir(tiny, tmp_path / "m")
+    (d / name).unlink()
+    if kind == "fifo":
+        os.mkfifo(d / name)
+    else:
+        (d / name).symlink_to("/dev/zero")
+    for argv in (["info", "-m", str(d)], ["generate", "-m", str(d), "-p", "hi", "-n", "1", "--no-stats"]):
+        code, err = run_cli(argv)
+        assert problem(code, err) is None, (argv, code, err[-300:])
 
 
 def test_shard_index_bounds(tmp_path):

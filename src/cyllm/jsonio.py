@@ -97,6 +97,9 @@ def read_json_file(path: Path, err: type[CyllmError] = ModelLoadError, *, missin
     try:
         if missing_ok and not path.is_file():
             return JsonObject({}, where, err)
+        if path.exists() and not path.is_file():
+            # a FIFO would block the read forever, a device (/dev/zero) never end it
+            raise err(f"{where} is not a regular file")
         size = path.stat().st_size
         if size > MAX_FILE_BYTES:
             raise err(f"{where} is {size} bytes, beyond any real config ({MAX_FILE_BYTES})")

@@ -219,7 +219,8 @@ def describe_hf_dir(d: Path) -> list[str]:
 
 def _small_json(path: Path, limit: int = 64 << 20):
     try:
-        if path.stat().st_size > limit:
+        # a regular file only: a FIFO would block the read, a device (/dev/zero) never end it
+        if not path.is_file() or path.stat().st_size > limit:
             return None
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
