@@ -292,6 +292,46 @@ def test_gguf_block_count(tiny_gguf, tmp_path):
         one_line_error(ModelLoadError, load_path, p, needles=[needle])
 
 
+def test_gguf_tensors_that_share_bytes(tiny_gguf, tmp_path):
+    """Tensors pointing at one another's bytes are refused (a small file whose every layer
+    points at the same bytes asked for memory by its layer count); tensors laid out in another
+    order than declared, without overlap, still load."""
+    g = G.RawGGUF.parse(tiny_gguf.read_bytes())
+    norms = [t for t in g.tensors if t[0].endswith("_norm.weight")]
+    assert len(norms) >= 2 and norms[0][1] == norms[1][1] and norms[0][2] == norms[1][2]
+    swapped = _gguf_with(tiny_gguf, tmp_path, "swapped.gguf", lambda g: _swap_offsets(g, norms[0][0], norms[1][0]))
+    load_path(swapped)
+    shared = _gguf_with(tiny_gguf, tmp_path, "shared.gguf",
+                        lambda g: _set_offset(g, norms[1][0], norms[0][3] + 4))
+    one_line_error(ModelLoadError, load_path, shared, needles=["overlap", norms[0][0], norms[1][0]])
+
+
+def _swap_offsets(g, a, b) -> None:
+    ta, tb = (next(t for t in g.tensors if t[0] == n) for n in (a, b))
+    ta[3], tb[3] = tb[3], ta[3]
+
+
+def _set_offset(g, name, offset) -> None:
+    next(t for t in g.tensors if t[0] == name)[3] = offset
+
+
+def test_safetensors_tensors_that_share_bytes(tiny, tmp_path):
+    d = copy_dir(tiny, tmp_path / "m")
+    f = d / "model.safetensors"
+    raw = f.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    names = sorted(k for k in header if k.endswith("layernorm.weight"))
+    a, b = header[names[0]], header[names[1]]
+    assert a["shape"] == b["shape"] and a["dtype"] == b["dtype"]
+    b["data_offsets"] = [a["data_offsets"][0] + 2, a["data_offsets"][1] + 2]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (n - len(text))              # the same header length: the data stays in place
+    assert len(text) == n
+    f.write_bytes(raw[:8] + text + raw[8 + n:])
+    one_line_error(ModelLoadError, load_path, d, needles=["overlap"])
+
+
 # ============================================================================ class 3: GGUF metadata shapes
 
 def _gguf_with(tiny_gguf, tmp_path, name, edit) -> Path:
