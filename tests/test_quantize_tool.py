@@ -379,3 +379,59 @@ def test_gguf_input_matches_llamacpp(material, tmp_path, kind, qtype):
     ours = tmp_path / "ours.gguf"
     quantize(material.f16[(kind, "float16")], ours, qtype, threads=2)
     _assert_same_file(ours, material.llamacpp_quant(kind, "float16", qtype))
+
+
+def _hostile_dirs(base: Path) -> dict[str, Path]:
+    """Tiny HF directories with one hostile edit each (config or tokenizer files)."""
+    import json
+    import shutil
+
+    src = make_tiny_model(base / "src", "llama_tied")
+    dirs = {}
+
+    def edit(name, fname, change):
+        d = base / name
+        shutil.copytree(src, d)
+        p = d / fname
+        data = json.loads(p.read_text(encoding="utf-8"))
+        change(data)
+        p.write_text(json.dumps(data), encoding="utf-8")
+        dirs[name] = d
+
+    edit("context_2_32", "config.json", lambda c: c.update(max_position_embeddings=1 << 32))
+    edit("model_5", "tokenizer.json", lambda t: t.update(model=5))
+    edit("merge_not_pair", "tokenizer.json", lambda t: t["model"].update(merges=[[1]]))
+    edit("no_merges", "tokenizer.json", lambda t: t["model"].pop("merges"))
+    edit("added_5", "tokenizer.json", lambda t: t.update(added_tokens=5))
+    edit("split_regex_list", "tokenizer.json", lambda t: t.update(
+        pre_tokenizer={"type": "Split", "pattern": {"Regex": [1]}, "behavior": "Isolated", "invert": False}))
+    edit("single_object", "tokenizer.json", lambda t: t.update(
+        post_processor={"type": "TemplateProcessing", "single": {"a": 1}, "pair": [], "special_tokens": {}}))
+    edit("decoder_5", "tokenizer_config.json", lambda c: c.update(added_tokens_decoder=5))
+    edit("deep", "tokenizer.json", lambda t: None)
+    p = dirs["deep"] / "tokenizer.json"
+    p.write_text(p.read_text(encoding="utf-8")[:-1] + ', "x": ' + "[" * 3000 + "]" * 3000 + "}", encoding="utf-8")
+    return dirs
+
+
+def test_cli_hostile_directories_get_one_line(tmp_path):
+    """Hostile config and tokenizer files end in one clear line and status 2 (or a file, where
+    the value is only odd), never a traceback: each of these crashed `quantize` (a fuzzing
+    run, thirty-second session)."""
+    from hostile import problem, run_batch
+    dirs = _hostile_dirs(tmp_path)
+    g = gguf.GGUFWriter(str(tmp_path / "nested.gguf"), "llama")        # a metadata value llama.cpp's
+    g.add_key_value("x.nested", [[1, 2], [3]], gguf.GGUFValueType.ARRAY)  # writer cannot write back
+    g.add_tensor("token_embd.weight", np.zeros((2, 32), np.float32))
+    g.write_header_to_file()
+    g.write_kv_data_to_file()
+    g.write_tensors_to_file()
+    g.close()
+    cases = [["quantize", str(d), str(tmp_path / f"{name}.gguf"), "--type", "q8_0"] for name, d in dirs.items()]
+    cases.append(["quantize", str(tmp_path / "nested.gguf"), str(tmp_path / "n.gguf"), "--type", "q8_0"])
+    results = run_batch(cases, tmp_path)
+    for argv, r in zip(cases, results):
+        assert problem(r["code"], r["stderr"]) is None, (argv[1], r["code"], r["stderr"][-400:])
+    codes = {Path(argv[1]).name: r["code"] for argv, r in zip(cases, results)}
+    for refused in ("context_2_32", "model_5", "merge_not_pair", "no_merges", "deep", "nested.gguf"):
+        assert codes[refused] == 2, (refused, codes)

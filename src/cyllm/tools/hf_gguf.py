@@ -27,7 +27,6 @@ converter writes none and llama.cpp applies none (a note says so).
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import ModelLoadError, TokenizerError, UnsupportedModelError
 from ..families import Family, config_from_hf, family
-from ..jsonio import JsonObject
+from ..jsonio import JsonObject, read_json_file
 from ..oneline import one_line
 from ..tokenizer import hf_chat_templates
 
@@ -186,6 +185,9 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
             from ..rope import RopeSpec
             mag = RopeSpec(cfg.rope_theta, cfg.rotary_dim or cfg.head_dim, scaling).magnitude()
             kv.append((a + "rope.scaling.attn_factor", mag, T.FLOAT32, None))
+    for key, v, vtype, _ in kv:
+        if vtype == T.UINT32 and not 0 <= v < 1 << 32:
+            raise UnsupportedModelError(f"{key} = {v} does not fit the GGUF's 32-bit field")
     return kv
 
 
@@ -204,7 +206,8 @@ def _walk_pre(node, out: list) -> None:
         return
     kind = node.get("type")
     if kind == "Sequence":
-        for p in node.get("pretokenizers") or []:
+        parts = node.get("pretokenizers")
+        for p in parts if isinstance(parts, list) else []:
             _walk_pre(p, out)
     else:
         out.append(node)
@@ -218,9 +221,9 @@ def _pre_name(tj: dict) -> str:
         if s.get("type") == "Split":
             pat = s.get("pattern") or {}
             rx = pat.get("Regex") if isinstance(pat, dict) else None
-            if rx in table:
+            if isinstance(rx, str) and rx in table:
                 return table[rx]
-    types = [s.get("type") for s in steps]
+    types = [s.get("type") for s in steps if isinstance(s.get("type"), str)]
     if "Digits" in types and "ByteLevel" in types:
         return "smollm"
     if types == ["ByteLevel"]:
@@ -231,13 +234,8 @@ def _pre_name(tj: dict) -> str:
 
 
 def _read_json(p: Path) -> dict:
-    if not p.is_file():
-        return {}
-    try:
-        v = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise TokenizerError(f"cannot read {one_line(p)} ({one_line(e, 120)})") from None
-    return v if isinstance(v, dict) else {}
+    """A tokenizer file's JSON object ({} when absent), bounded as every config read is."""
+    return dict(read_json_file(p, TokenizerError, missing_ok=True))
 
 
 def _tok_text(v):
@@ -249,19 +247,20 @@ def _tok_text(v):
 def _added(tj: dict, tc: dict) -> dict[int, tuple[str, bool]]:
     """id -> (content, special) of the added tokens (tokenizer.json, then tokenizer_config.json)."""
     out: dict[int, tuple[str, bool]] = {}
-    for t in tj.get("added_tokens") or []:
+    listed, decoder = tj.get("added_tokens"), tc.get("added_tokens_decoder")
+    for t in listed if isinstance(listed, list) else []:
         if isinstance(t, dict) and isinstance(t.get("id"), int) and isinstance(t.get("content"), str):
             out[t["id"]] = (t["content"], bool(t.get("special")))
-    for k, t in (tc.get("added_tokens_decoder") or {}).items():
+    for k, t in (decoder if isinstance(decoder, dict) else {}).items():
         if isinstance(t, dict) and str(k).isdigit() and isinstance(t.get("content"), str):
             out[int(k)] = (t["content"], bool(t.get("special")))
     return out
 
 
 def _vocab_gpt2(tj: dict, tc: dict, n_vocab: int):
-    model = tj.get("model") or {}
-    vocab = model.get("vocab")
-    if model.get("type") != "BPE" or not isinstance(vocab, dict):
+    model = tj.get("model")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(vocab, dict):
         raise UnsupportedModelError("tokenizer.json: only BPE vocabularies can be written to a GGUF")
     added = _added(tj, tc)
     by_id: dict[int, str] = {i: t for t, i in vocab.items() if isinstance(i, int)}
@@ -276,7 +275,16 @@ def _vocab_gpt2(tj: dict, tc: dict, n_vocab: int):
         else:
             tokens.append(f"[PAD{i}]")
             types.append(UNUSED)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    listed = model.get("merges")
+    if not isinstance(listed, list) or not listed:
+        raise TokenizerError("tokenizer.json: a BPE vocabulary without a list of merges")
+    merges = []
+    for m in listed:            # "a b", or ["a", "b"] (the newer form)
+        if isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) for p in m):
+            m = " ".join(m)
+        if not isinstance(m, str):
+            raise TokenizerError(f"tokenizer.json: a merge is {one_line(repr(m), 60)}, not a pair of strings")
+        merges.append(m)
     return tokens, types, merges
 
 
@@ -320,11 +328,12 @@ def _add_bos(tc: dict, tj: dict, bos: str | None) -> bool | None:
     pp = tj.get("post_processor")
     if isinstance(pp, dict):
         steps = pp.get("processors") if pp.get("type") == "Sequence" else [pp]
-    for s in steps or []:
+    for s in steps if isinstance(steps, list) else []:
         if isinstance(s, dict) and s.get("type") == "TemplateProcessing":
-            single = s.get("single") or []
-            first = single[0] if single else {}
-            return bool(bos) and isinstance(first, dict) and (first.get("SpecialToken") or {}).get("id") == bos
+            single = s.get("single")
+            first = single[0] if isinstance(single, list) and single else {}
+            special = first.get("SpecialToken") if isinstance(first, dict) else None
+            return bool(bos) and isinstance(special, dict) and special.get("id") == bos
     return None
 
 

@@ -270,7 +270,10 @@ def _write(dst: Path, arch: str, kvs: list, items: list[_Item], threads: int | N
         w.path = tmp
         w.open_output_file(tmp)
         w.write_header_to_file()
-        w.write_kv_data_to_file()
+        try:
+            w.write_kv_data_to_file()
+        except (ValueError, TypeError) as e:      # a value the format cannot hold (nested arrays)
+            raise ModelLoadError(f"cannot write the metadata to a GGUF ({one_line(e, 120)})") from None
         w.write_ti_data_to_file()
         for it in items:
             if it.kind == "raw":
