@@ -379,6 +379,22 @@ def test_spm_tokenizer_matches_transformers(tmp_path):
     assert tok.decode(tok.encode("the cat sat on the mat", add_special_tokens=False)) == "the cat sat on the mat"
 
 
+def test_spm_merges_derived_are_bounded(monkeypatch):
+    """A vocabulary whose pieces split many ways (every a/b string) would derive merges without
+    end: past MAX_SPM_MERGES it is refused, in one line, before they are built."""
+    from itertools import product
+
+    from cyllm.errors import TokenizerError
+    from cyllm.loading import gguf_tokenizer as gt
+    tokens = ["".join(p) for n in range(1, 7) for p in product("ab", repeat=n)]
+    scores = -np.arange(len(tokens), dtype=np.float32)
+    merges = gt._spm_merges(tokens, scores)
+    assert len(merges) == sum(len(t) - 1 for t in tokens)        # every split of every piece
+    monkeypatch.setattr(gt, "MAX_SPM_MERGES", len(merges) - 1)
+    with pytest.raises(TokenizerError, match="more than"):
+        gt._spm_merges(tokens, scores, "x.gguf")
+
+
 # ============================================================================ bad files
 
 def one_line(e) -> str:
