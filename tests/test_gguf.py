@@ -290,6 +290,28 @@ def test_iq3s_scale_too_large_to_reencode_is_requantized(tmp_path, monkeypatch):
     assert np.all(np.abs(ours[~big] - ref[~big]) <= 2.0 ** -11 * scale)   # IQ3_S's exact bound
 
 
+def test_iq4xs_scale_beyond_q8_0_is_refused_in_one_line(tmp_path, monkeypatch):
+    """An IQ4_XS block whose d times its sub-block scale is beyond f16 has no Q8_0 form: q8_0's
+    scale would be that product too (the IQ4_NL table reaches 127), so requantizing the row
+    cannot help. One line saying so, no numpy overflow warnings on the way."""
+    import warnings
+    monkeypatch.setenv("CYLLM_QUANT", "native")
+    p = tmp_path / "big-IQ4_XS.gguf"
+    write_tiny_gguf(p, qtype=QT.F16, tokenizer=None, raw_override={"blk.0.ffn_up.weight": QT.IQ4_XS})
+    gf = read_gguf(p)
+    at = gf.tensors["blk.0.ffn_up.weight"].offset + 3 * gguf.GGML_QUANT_SIZES[QT.IQ4_XS][1]   # block 3's d
+    del gf
+    data = bytearray(p.read_bytes())
+    data[at:at + 2] = np.float16(60000.0).tobytes()
+    data[at + 2:at + 8] = bytes(6)            # every sub-block scale ls = 0: d * (0 - 32) overflows
+    p.write_bytes(bytes(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ModelLoadError) as e:
+            load_gguf(p)
+    assert "beyond what Q8_0 can" in one_line(e)
+
+
 def test_qk_permutation_is_undone(tmp_path):
     """A q/k matrix written the way llama.cpp's converter does comes back in HF order."""
     rng = np.random.default_rng(1)

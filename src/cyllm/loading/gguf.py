@@ -316,9 +316,10 @@ _SCALE_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q5_0": (0,), "q4_1": (0, 2), "q5_1
 _SCAN_BLOCKS = 1 << 20      # blocks checked at a time: bounds the temporaries to a few MB
 
 
-def _check_block_scales(gf: GGUFFile, info: GGUFTensorInfo, qm) -> None:
-    """Refuse a matrix one of whose blocks has an inf or nan scale (requantized matrices never
-    do: the quantizer refuses such input). The kernels would read
+def _check_block_scales(gf: GGUFFile, info: GGUFTensorInfo, qm, converted: bool = False) -> None:
+    """Refuse a matrix one of whose blocks has an inf or nan scale: the file's own, or, in a
+    matrix converted at load (``converted``), one its values overflowed (finite values whose
+    block scale is beyond f16: an IQ4_XS scale near f16's largest). The kernels would read
     it as it is, and the int8 rounding of the next activation turns the NaNs into finite
     noise: the text would be wrong with no sign of it. f16 inf/nan: exponent bits all set
     (0x7C in the high byte). Reads the whole tensor once (the first token would anyway)."""
@@ -328,8 +329,9 @@ def _check_block_scales(gf: GGUFFile, info: GGUFTensorInfo, qm) -> None:
         for off in _SCALE_FIELDS[qm.fmt.name]:
             bad = np.flatnonzero((part[:, off + 1] & 0x7C) == 0x7C)
             if bad.size:
-                raise ModelLoadError(f"{gf.path}: tensor {clip(info.name)}: block {b0 + int(bad[0])} "
-                                     "has an inf or nan scale")
+                why = (f"holds values beyond what {qm.fmt.name.upper()} can (its scale overflows f16)"
+                       if converted else "has an inf or nan scale")
+                raise ModelLoadError(f"{gf.path}: tensor {clip(info.name)}: block {b0 + int(bad[0])} {why}")
 
 
 def _quant_matrix(gf: GGUFFile, p: PlannedTensor):
@@ -343,7 +345,8 @@ def _quant_matrix(gf: GGUFFile, p: PlannedTensor):
     fmt = format_by_name(p.fmt)
     info = p.info
     rows, cols = p.shape
-    if SUPPORTED_TENSOR_TYPES[info.ggml_type][0].lower() == fmt.name:
+    native = SUPPORTED_TENSOR_TYPES[info.ggml_type][0].lower() == fmt.name
+    if native:
         qm = QuantMatrix.from_buffer(gf.buf, info.offset, fmt, p.shape, p.hf_name)
     else:
         out = np.empty((rows, fmt.row_bytes(cols)), np.uint8)
@@ -364,7 +367,7 @@ def _quant_matrix(gf: GGUFFile, p: PlannedTensor):
                     out[one] = quantize_rows_f32(np.asarray(_dequantize(gf, info, one), np.float32), fmt, p.hf_name)
         gf.release(info)
         qm = QuantMatrix(out, fmt, p.shape, p.hf_name)
-    _check_block_scales(gf, info, qm)       # the file's blocks, or the re-encoded copies of theirs
+    _check_block_scales(gf, info, qm, converted=not native)    # the file's blocks, or the re-encoded copies
     if p.unpermute_heads:
         # llama.cpp's q/k row order -> HF's: whole block rows move, so this is a copy of the
         # matrix ((rows, row_bytes) bytes, a few MB per layer); the file pages of the

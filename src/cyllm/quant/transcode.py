@@ -99,12 +99,16 @@ def iq4xs_to_q8_0(raw: np.ndarray) -> np.ndarray:
     i = np.arange(8)
     ls = ((b[:, 4 + i // 2] >> (4 * (i % 2)).astype(np.uint8)) & 15).astype(np.int32) \
         | (((sh >> (2 * i).astype(np.uint32)) & 3).astype(np.int32) << 4)  # (nb, 8)
-    dl = (d * (ls - 32).astype(np.float32)).astype("<f2")                    # (nb, 8)
+    with np.errstate(over="ignore", invalid="ignore"):
+        dl = (d * (ls - 32).astype(np.float32)).astype("<f2")                # (nb, 8)
     qs = b[:, 8:136].reshape(nb, 8, 16)
     idx = np.concatenate([qs & 15, qs >> 4], axis=2)                         # (nb, 8, 32)
     out = np.concatenate([dl.reshape(nb, 8, 1).view(np.uint8).reshape(nb, 8, 2),
-                          IQ4_NL_VALUES[idx].view(np.uint8)], axis=2)
-    return out.reshape(nb * 8, 34)
+                          IQ4_NL_VALUES[idx].view(np.uint8)], axis=2).reshape(nb * 8, 34)
+    over = (np.isfinite(d) & ~np.isfinite(dl)).reshape(raw.shape[0], -1).any(axis=1)    # (rows,)
+    if over.any():
+        raise ScaleOverflow("an IQ4_XS sub-block scale, d * (ls - 32), beyond f16", np.flatnonzero(over), out)
+    return out
 
 
 def iq1m_to_q6k(raw: np.ndarray) -> np.ndarray:
