@@ -329,8 +329,9 @@ def _check_block_scales(gf: GGUFFile, info: GGUFTensorInfo, qm, converted: bool 
         for off in _SCALE_FIELDS[qm.fmt.name]:
             bad = np.flatnonzero((part[:, off + 1] & 0x7C) == 0x7C)
             if bad.size:
-                why = (f"holds values beyond what {qm.fmt.name.upper()} can (its scale overflows f16)"
-                       if converted else "has an inf or nan scale")
+                f = qm.fmt.name.upper()
+                why = (f"has an inf or nan scale once converted to {f} (the file's own, or values beyond "
+                       f"what {f} can hold)" if converted else "has an inf or nan scale")
                 raise ModelLoadError(f"{gf.path}: tensor {clip(info.name)}: block {b0 + int(bad[0])} {why}")
 
 
