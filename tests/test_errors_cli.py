@@ -250,6 +250,16 @@ def test_an_unexpected_exception_is_one_line_and_exit_3(capsys, monkeypatch):
     assert "report" in line and "CYLLM_DEBUG=1" in line
 
 
+def test_out_of_memory_is_one_line_and_exit_2(capsys, monkeypatch):
+    """Running out of memory is the machine's limit, not a bug: one line, status 2."""
+    def big(a):
+        raise MemoryError()
+    monkeypatch.setattr(cli, "cmd_info", big)
+    code, _, err = run(capsys, "info")
+    line = assert_one_line(err, code, 2, "cyllm: error: out of memory")
+    assert "--context" in line
+
+
 def test_cyllm_debug_shows_the_traceback(capsys, monkeypatch):
     monkeypatch.setattr(cli, "cmd_info", lambda a: {}["missing"])
     monkeypatch.setenv("CYLLM_DEBUG", "1")

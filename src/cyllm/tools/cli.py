@@ -373,6 +373,12 @@ def main(argv=None) -> int:
             _silence_stdout()
         print(f"cyllm: error: {one_line(e.strerror or e)}{one_line(where)}", file=sys.stderr)
         return EXIT_USAGE
+    except MemoryError:
+        # the machine's limit, not a bug: inputs that could ask for memory beyond their size are
+        # bounded where they are read
+        print("cyllm: error: out of memory (the model, its KV cache and buffers need more than this "
+              "process may have; a smaller --context or a smaller quantized file may fit)", file=sys.stderr)
+        return EXIT_USAGE
     except SystemExit:
         raise
     except BaseException as e:  # noqa: BLE001 -- the last line of defence: a bug in cyllm
