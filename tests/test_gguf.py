@@ -291,9 +291,10 @@ def test_iq3s_scale_too_large_to_reencode_is_requantized(tmp_path, monkeypatch):
 
 
 def test_iq4xs_scale_beyond_q8_0_is_refused_in_one_line(tmp_path, monkeypatch):
-    """An IQ4_XS block whose d times its sub-block scale is beyond f16 has no Q8_0 form: q8_0's
-    scale would be that product too (the IQ4_NL table reaches 127), so requantizing the row
-    cannot help. One line saying so, no numpy overflow warnings on the way."""
+    """An IQ4_XS block whose d times its sub-block scale is beyond f16 has no Q8_0 form of the
+    same values; its row is requantized, and where its codes reach the IQ4_NL table's -127 (as
+    random codes here do) q8_0's scale is that product again. One line saying so, no numpy
+    overflow warnings on the way."""
     import warnings
     monkeypatch.setenv("CYLLM_QUANT", "native")
     p = tmp_path / "big-IQ4_XS.gguf"
@@ -410,7 +411,7 @@ def test_spm_merges_derived_are_bounded(monkeypatch):
     from cyllm.loading import gguf_tokenizer as gt
     tokens = ["".join(p) for n in range(1, 7) for p in product("ab", repeat=n)]
     scores = -np.arange(len(tokens), dtype=np.float32)
-    merges = gt._spm_merges(tokens, scores)
+    merges = gt._spm_merges(tokens, scores, "x.gguf")
     assert len(merges) == sum(len(t) - 1 for t in tokens)        # every split of every piece
     monkeypatch.setattr(gt, "MAX_SPM_MERGES", len(merges) - 1)
     with pytest.raises(TokenizerError, match="more than"):

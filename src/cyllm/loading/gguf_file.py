@@ -33,6 +33,7 @@ import numpy as np
 from ..errors import ModelLoadError
 from ..memory import drop_mapped_pages
 from ..oneline import one_line
+from .weights import first_overlap
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -308,13 +309,9 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         if name in tensors:
             raise ModelLoadError(f"{where}: tensor {clip(name)} appears twice")
         tensors[name] = GGUFTensorInfo(name, dims, ttype, start, nbytes)
-    # no two tensors share bytes (llama.cpp's reader wants them one after another): tensors that
-    # all point at the same bytes would let a small file ask for memory in proportion to its
-    # tensor count, each one converted or repacked on its own
-    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values() if t.nbytes)
-    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
-        if begin < end:
-            raise ModelLoadError(f"{where}: tensors {clip(a)} and {clip(b)} overlap in the file")
+    shared = first_overlap((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values() if t.nbytes)
+    if shared:          # llama.cpp's reader wants the tensors one after another
+        raise ModelLoadError(f"{where}: tensors {clip(shared[0])} and {clip(shared[1])} overlap in the file")
     return GGUFFile(path, version, metadata, tensors, buf)
 
 

@@ -121,7 +121,7 @@ def _byte_level_pre_tokenizer(pre: str | None, path=None):
     return byte_level
 
 
-def _spm_merges(tokens: list[str], scores, where: str = "GGUF") -> list[tuple[str, str]]:
+def _spm_merges(tokens: list[str], scores, where: str) -> list[tuple[str, str]]:
     """BPE merges equivalent to a SentencePiece-BPE vocabulary.
 
     SentencePiece merges the adjacent pair whose concatenation is the

@@ -27,6 +27,7 @@ import numpy as np
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..jsonio import parse_json, read_json_file, short
 from ..oneline import one_line
+from .weights import first_overlap
 
 # safetensors dtype tag -> numpy dtype (little-endian, as the format mandates).
 # "BF16" is handled separately (raw uint16 bits).
@@ -95,18 +96,11 @@ class SafetensorsFile:
         self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, entry in header.items():
             self._entries[name] = self._check_entry(name, entry, data_len)
-        self._check_disjoint()
-
-    def _check_disjoint(self) -> None:
-        """No two tensors share bytes: the format lays them out one after another, and tensors
-        that all point at the same bytes let a small file ask for memory in proportion to its
-        tensor count (each one is converted or copied on its own)."""
-        spans = sorted((begin, begin + count * _DTYPES[dtype].itemsize, name)
-                       for name, (dtype, _, begin, count) in self._entries.items() if count)
-        for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
-            if begin < end:
-                raise ModelLoadError(f"{self._where}: corrupt safetensors file: tensors {short(a, 80)} and "
-                                     f"{short(b, 80)} overlap")
+        shared = first_overlap((begin, begin + count * _DTYPES[dtype].itemsize, name)
+                               for name, (dtype, _, begin, count) in self._entries.items() if count)
+        if shared:
+            raise ModelLoadError(f"{self._where}: corrupt safetensors file: tensors {short(shared[0], 80)} and "
+                                 f"{short(shared[1], 80)} overlap")
 
     def _check_entry(self, name, entry, data_len):
         where = f"{self._where}: tensor {short(name, 80)}"

@@ -9,6 +9,18 @@ from ..errors import ModelLoadError
 from ..families import family
 
 
+def first_overlap(spans) -> tuple[str, str] | None:
+    """The names of two tensors whose stored bytes intersect, or None; spans: (begin, end, name)
+    of each tensor that holds bytes, in any order. The formats lay tensors out one after another,
+    and tensors that all point at the same bytes would let a small file ask for memory in
+    proportion to its tensor count (each one is converted, repacked or copied on its own)."""
+    ordered = sorted(spans)
+    for (_, end, a), (begin, _, b) in zip(ordered, ordered[1:]):
+        if begin < end:
+            return a, b
+    return None
+
+
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, HF name -> shape (from the config and its family's table)."""
     fam = family(config.arch)

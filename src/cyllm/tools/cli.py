@@ -376,8 +376,7 @@ def main(argv=None) -> int:
     except MemoryError:
         # the machine's limit, not a bug: inputs that could ask for memory beyond their size are
         # bounded where they are read
-        print("cyllm: error: out of memory (the model, its KV cache and buffers need more than this "
-              "process may have; a smaller --context or a smaller quantized file may fit)", file=sys.stderr)
+        print("cyllm: error: out of memory (this needs more memory than the process may have)", file=sys.stderr)
         return EXIT_USAGE
     except SystemExit:
         raise

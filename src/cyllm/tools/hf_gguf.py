@@ -37,7 +37,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import ModelLoadError, TokenizerError, UnsupportedModelError
 from ..families import Family, config_from_hf, family
-from ..jsonio import JsonObject, read_json_file
+from ..jsonio import read_json_file
 from ..oneline import one_line
 from ..tokenizer import hf_chat_templates
 
@@ -233,11 +233,6 @@ def _pre_name(tj: dict) -> str:
     return "default"
 
 
-def _read_json(p: Path) -> dict:
-    """A tokenizer file's JSON object ({} when absent), bounded as every config read is."""
-    return dict(read_json_file(p, TokenizerError, missing_ok=True))
-
-
 def _tok_text(v):
     if isinstance(v, dict):
         v = v.get("content")
@@ -340,8 +335,8 @@ def _add_bos(tc: dict, tj: dict, bos: str | None) -> bool | None:
 def _tokenizer_kv(d: Path, cfg: ModelConfig, hf: dict) -> list:
     import gguf
     T = gguf.GGUFValueType
-    tj = _read_json(d / "tokenizer.json")
-    tc = _read_json(d / "tokenizer_config.json")
+    tj = read_json_file(d / "tokenizer.json", TokenizerError, missing_ok=True)
+    tc = read_json_file(d / "tokenizer_config.json", TokenizerError, missing_ok=True)
     if not tj and not (d / "tokenizer.model").is_file():
         raise TokenizerError(f"{one_line(d)} has no tokenizer.json or tokenizer.model; a GGUF needs the vocabulary")
     n = cfg.vocab_size
@@ -378,8 +373,7 @@ def _tokenizer_kv(d: Path, cfg: ModelConfig, hf: dict) -> list:
         kv.append(("tokenizer.ggml.add_bos_token", add_bos, T.BOOL, None))
     kv.append(("tokenizer.ggml.add_eos_token", bool(tc.get("add_eos_token") is True), T.BOOL, None))
     # the default template, and the other named ones (a "tool_use" one) under llama.cpp's keys
-    where = one_line(d / "tokenizer_config.json")
-    for name, text in hf_chat_templates(d, JsonObject(tc, where, TokenizerError)).items():
+    for name, text in hf_chat_templates(d, tc).items():
         if text and (name == "default" or name.isidentifier()):
             key = "tokenizer.chat_template" if name == "default" else f"tokenizer.chat_template.{name}"
             kv.append((key, text, T.STRING, None))

@@ -139,9 +139,10 @@ def describe_gguf(path: Path) -> list[str]:
         # the values are the file's: a string where a well-formed file has one, else shown as they are
         kind = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}.get(tok, "") if isinstance(tok, str) else ""
         pre = meta("tokenizer.ggml.pre")
+        if isinstance(pre, str) and not pre:
+            pre = None                  # an empty name states none
         lines.append(f"tokenizer: {_clip(tok)}" + (f" ({kind})" if kind else "") + f", {n} tokens"
-                     + (f", pre-tokenizer {_clip(pre)}" if pre is not None and not (isinstance(pre, str) and not pre)
-                        else ""))
+                     + (f", pre-tokenizer {_clip(pre)}" if pre is not None else ""))
     tmpl = md.get("tokenizer.chat_template")
     lines.append("chat template: " + (f"yes ({len(tmpl)} characters)" if isinstance(tmpl, str) and tmpl
                                       else "none (chat needs --chat-template NAME|FILE)"))
