@@ -111,6 +111,9 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, Graph
         self.matvec_rows: int | None = None
         self.matvec_warps: int | None = None
         self.matvec_unroll: int | None = None
+        # warps a block of the quantized matvecs and short-prefill products (None: quant.py's
+        # rule by rows, format and in-flight bytes); bench/bench_cuda_quant.py sweeps it
+        self.qmv_warps: int | None = None
         # rmsnorm folded into the next matvec that reads its output (see rmsnorm); CYLLM_CUDA_FUSE_NORM=0 turns it off
         self.fuse_norm = os.environ.get("CYLLM_CUDA_FUSE_NORM", "1") != "0"
         self._pending_norm = None       # (out, x, w, eps) of an rmsnorm not launched yet
