@@ -1107,6 +1107,241 @@ __device__ __forceinline__ void qmm_body(float* __restrict__ out, int ldo, int b
     }
 }
 
+// ---- the same on tensor cores (sm_80+): qmma<C>_<fmt> ----------------------------------------
+// qmm's dots are dp4a: for C columns every lane runs C times a group's 8 dp4a and its scaling,
+// and a 16-row chunk of a 7B took ~3.2 ms a group of 8 columns on an H100 against ~1.3 ms of
+// weight bytes. Here the warps of a block share one row tile and multiply its 32 rows
+// by C staged columns with int8 MMA, a 32-element group at a time:
+// * each lane unpacks its row's group to 32 byte codes (qgroup, the dequantize kernels' code)
+//   and stores them to a 48-byte row of the warp's shared buffer (48: the 8 rows an ldmatrix
+//   phase reads fall on distinct banks); ldmatrix then hands the warp the A fragments of rows
+//   0-15 and 16-31 (m16n8k32: a0 row g, bytes 4t..4t+3; a1 row g+8; a2, a3 bytes 16 on);
+// * the columns' codes, staged a chunk of KC elements at a time by each warp (C rows of
+//   KC + 16 bytes, the 16 again for the banks), give the B fragments the same way (b0 column g,
+//   bytes 4t..4t+3; b1 bytes 16 on);
+// * the int32 sums of a group are scaled as qdot scales them: row r's value is a_r q + b_r
+//   (qgroup), column c's codes times d_c, so the group adds d_c a_r I + b_r d_c sum(codes_c)
+//   (the entry's second field); q6_k, a scale per 16 elements, takes two k16 MMAs instead.
+// The next chunk's weights and staging go out before this chunk's MMAs. The S warps of a block
+// split the tile's chunks, each staging its own (no block barrier in the loop), and add their
+// sums at the end; grid tiles x column groups, the groups of a tile neighbours (as qmm's).
+template <class F> struct QHalves { enum { value = 0 }; };      // a scale per 16 elements
+template <> struct QHalves<QF_q6_k> { enum { value = 1 }; };
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+#endif
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"((unsigned)__cvta_generic_to_shared(p)) : "memory");
+}
+
+// c = A (16 x 32 weight codes, unsigned or signed) . B (32 x 8 activation codes)
+template <bool SIGNED>
+__device__ __forceinline__ void mma_k32(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    if (SIGNED)
+        asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%10, %10, %10, %10};"
+            : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+    else
+        asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%10, %10, %10, %10};"
+            : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+}
+
+// the same over 16 elements (a0 row g, a1 row g+8; b0 column g)
+template <bool SIGNED>
+__device__ __forceinline__ void mma_k16(int (&c)[4], u32 a0, u32 a1, u32 b0) {
+    if (SIGNED)
+        asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %7, %7, %7};"
+            : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3]) : "r"(a0), "r"(a1), "r"(b0), "r"(0));
+    else
+        asm("mma.sync.aligned.m16n8k16.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %7, %7, %7};"
+            : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3]) : "r"(a0), "r"(a1), "r"(b0), "r"(0));
+}
+#endif
+
+// elements a chunk, about 150-210 weight bytes a lane: 8 items of the 4/5-bit 32-element formats,
+// 4 of q8_0, one superblock of the K-quants
+template <class F> struct QmmaChunk {
+    enum { KC = F::IE > 32 ? F::IE : (F::UPI == 2 ? 128 : 256), IPC = KC / F::IE, G = KC / 32 };
+};
+
+// Shared memory, a warp: two chunk buffers of C * (KC + 16 + KC/32 * 16) bytes (codes, then the
+// entries group-major), then 2 KiB (its rows' codes, 32 of 48 bytes, and their a0 a1 b0 b1);
+// the host's _qmma_smem. After the loop the warps' partial sums (8 NB * 32 floats each) go
+// where the first warp's buffers were.
+template <class F, int NB>
+__device__ __forceinline__ void qmma_body(float* __restrict__ out, int ldo, int beta,
+                                          const unsigned char* __restrict__ w, const unsigned char* __restrict__ qx,
+                                          int qs, int T, int d, int nbi)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    constexpr int C = 8 * NB, KC = QmmaChunk<F>::KC, IPC = QmmaChunk<F>::IPC, G = QmmaChunk<F>::G;
+    constexpr int XS = KC + 16;                  // bytes of a staged column's codes
+    constexpr int XB = C * (XS + 16 * G);        // one chunk buffer
+    constexpr int WB = 2 * XB + QMV_TILE * 64;   // a warp's shared memory
+    constexpr bool SG = QSigned<F>::value;
+    static_assert(NB % 2 == 0, "B fragments come two column blocks an ldmatrix");
+    const int groups = (T + C - 1) / C;
+    const int S = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int tile = blockIdx.x / groups, c0 = (blockIdx.x % groups) * C;
+    const int W = min(QMV_TILE, d - QMV_TILE * tile);
+    const bool live = lane < W;
+    const int n = nbi * F::IE;
+    const int nch = (n + KC - 1) / KC;
+    const int ch0 = (int)(((long long)nch * warp) / S), ch1 = (int)(((long long)nch * (warp + 1)) / S);
+    unsigned char* sm = reinterpret_cast<unsigned char*>(qmv_smem);
+    unsigned char* mine = sm + warp * WB;
+    unsigned char* wrow = mine + 2 * XB;
+    float4* wab = reinterpret_cast<float4*>(wrow + QMV_TILE * 48);
+    const QGeo geo = qgeo<F>(w, d, nbi, tile);
+    const int gq = lane >> 2, tq = lane & 3;     // the fragments' row (column) and k quarter
+
+    // chunk ch of every column into this warp's buffer b: codes [C][XS], entries [G][C]; past
+    // T the last column again (its sums are dropped)
+    auto stage = [&](int ch, int b) {
+        const int e0 = ch * KC, ne = min(KC, n - e0);
+        const int pc = ne >> 4, pe = ne >> 5, per = pc + pe;    // 16-byte pieces a column
+        unsigned char* xs = mine + b * XB;
+        for (int i = lane; i < C * per; i += 32) {
+            const int c = i / per, j = i - c * per;
+            const unsigned char* src = qx + (size_t)min(c0 + c, T - 1) * qs;
+            if (j < pc) cp_async16(xs + c * XS + 16 * j, src + e0 + 16 * j);
+            else cp_async16(xs + C * XS + ((j - pc) * C + c) * 16, src + n + (size_t)(e0 / 32 + j - pc) * 16);
+        }
+        cp_async_commit();
+    };
+    auto load = [&](QItem<F> (&it)[IPC], int ch) {
+#pragma unroll
+        for (int u = 0; u < IPC; ++u) {
+#pragma unroll
+            for (int j = 0; j < F::UPI; ++j) it[u].u[j] = make_uint4(0u, 0u, 0u, 0u);
+            it[u].a0 = it[u].a1 = 0u;
+            it[u].b = 0;
+            const int s = ch * IPC + u;
+            if (live && s < nbi) qload<F>(it[u], geo, s, W, lane);
+        }
+    };
+
+    float acc[2][NB][4];
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mb][nb][i] = 0.0f;
+    QItem<F> cur[IPC], nxt[IPC];
+    if (ch0 < ch1) {
+        stage(ch0, 0);
+        load(cur, ch0);
+    }
+    for (int ch = ch0; ch < ch1; ++ch) {
+        if (ch + 1 < ch1) {
+            stage(ch + 1, (ch + 1 - ch0) & 1);
+            load(nxt, ch + 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncwarp();                             // chunk ch staged by every lane
+        const unsigned char* xs = mine + ((ch - ch0) & 1) * XB;
+        const float4* xe = reinterpret_cast<const float4*>(xs + C * XS);
+        const int ng = min(G, (n - ch * KC) >> 5);
+#pragma unroll
+        for (int gi = 0; gi < G; ++gi) {
+            if (gi >= ng) break;                  // uniform
+            u32 q[8];
+            float a[2], b[2];
+            qgroup(cur[gi / (F::IE / 32)], gi % (F::IE / 32), q, a, b);
+            uint4* dst = reinterpret_cast<uint4*>(wrow + lane * 48);
+            dst[0] = make_uint4(q[0], q[1], q[2], q[3]);
+            dst[1] = make_uint4(q[4], q[5], q[6], q[7]);
+            wab[lane] = make_float4(a[0], a[1], b[0], b[1]);
+            __syncwarp();
+            u32 A[2][4];
+#pragma unroll
+            for (int mb = 0; mb < 2; ++mb)
+                ldsm_x4(A[mb], wrow + (16 * mb + (lane & 7) + ((lane >> 3) & 1) * 8) * 48 + (lane >> 4) * 16);
+            u32 Bf[NB][2];
+#pragma unroll
+            for (int p = 0; p < NB / 2; ++p) {
+                u32 r[4];
+                ldsm_x4(r, xs + (16 * p + 8 * (lane >> 4) + (lane & 7)) * XS + 32 * gi + ((lane >> 3) & 1) * 16);
+                Bf[2 * p][0] = r[0]; Bf[2 * p][1] = r[1]; Bf[2 * p + 1][0] = r[2]; Bf[2 * p + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int mb = 0; mb < 2; ++mb) {
+                const float4 r0 = wab[16 * mb + gq], r1 = wab[16 * mb + gq + 8];
+#pragma unroll
+                for (int nb = 0; nb < NB; ++nb) {
+                    const float4 e0 = xe[gi * C + 8 * nb + 2 * tq], e1 = xe[gi * C + 8 * nb + 2 * tq + 1];
+                    if (!QHalves<F>::value) {
+                        int I[4];
+                        mma_k32<SG>(I, A[mb], Bf[nb][0], Bf[nb][1]);
+                        acc[mb][nb][0] += fmaf(r0.x * (float)I[0], e0.x, r0.z * e0.y);
+                        acc[mb][nb][1] += fmaf(r0.x * (float)I[1], e1.x, r0.z * e1.y);
+                        acc[mb][nb][2] += fmaf(r1.x * (float)I[2], e0.x, r1.z * e0.y);
+                        acc[mb][nb][3] += fmaf(r1.x * (float)I[3], e1.x, r1.z * e1.y);
+                    } else {
+                        int I0[4], I1[4];
+                        mma_k16<SG>(I0, A[mb][0], A[mb][1], Bf[nb][0]);
+                        mma_k16<SG>(I1, A[mb][2], A[mb][3], Bf[nb][1]);
+                        // d_c (a0 I0 + a1 I1 + b0 sum(codes 0-15) + b1 sum(codes 16-31))
+                        const float s00 = (float)__float_as_int(e0.z), s01 = (float)__float_as_int(e0.w);
+                        const float s10 = (float)__float_as_int(e1.z), s11 = (float)__float_as_int(e1.w);
+                        acc[mb][nb][0] += e0.x * fmaf(r0.x, (float)I0[0], fmaf(r0.y, (float)I1[0], fmaf(r0.z, s00, r0.w * s01)));
+                        acc[mb][nb][1] += e1.x * fmaf(r0.x, (float)I0[1], fmaf(r0.y, (float)I1[1], fmaf(r0.z, s10, r0.w * s11)));
+                        acc[mb][nb][2] += e0.x * fmaf(r1.x, (float)I0[2], fmaf(r1.y, (float)I1[2], fmaf(r1.z, s00, r1.w * s01)));
+                        acc[mb][nb][3] += e1.x * fmaf(r1.x, (float)I0[3], fmaf(r1.y, (float)I1[3], fmaf(r1.z, s10, r1.w * s11)));
+                    }
+                }
+            }
+            __syncwarp();                         // the row buffer is rewritten by the next group
+        }
+#pragma unroll
+        for (int u = 0; u < IPC; ++u) cur[u] = nxt[u];
+    }
+
+    // the S warps' partial sums meet in shared memory: [S][8 NB][32], slot (mb, nb, i)
+    __syncthreads();
+    float* red = reinterpret_cast<float*>(sm);
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) red[(warp * 8 * NB + (mb * NB + nb) * 4 + i) * 32 + lane] = acc[mb][nb][i];
+    __syncthreads();
+    for (int e = threadIdx.x; e < 8 * NB * 32; e += blockDim.x) {
+        const int slot = e >> 5, l = e & 31;
+        const int mb = slot / (4 * NB), nb = (slot >> 2) % NB, i = slot & 3;
+        const int r = 16 * mb + (l >> 2) + 8 * (i >> 1), c = c0 + 8 * nb + 2 * (l & 3) + (i & 1);
+        if (r >= W || c >= T) continue;
+        float t = 0.0f;
+        for (int v = 0; v < S; ++v) t += red[(v * 8 * NB + slot) * 32 + l];
+        float* o = out + (size_t)c * ldo + QMV_TILE * tile + r;
+        *o = beta ? *o + t : t;
+    }
+#else
+    __trap();                                     // the host launches these on sm_80 and newer only
+#endif
+}
+
 // ---- the alternative measured against: FP32 activations (q8_0, q4_0; out = W x only) --------
 // Same layout and launch shape; each warp copies its slice of x into shared memory as
 // floats and every weight byte becomes a float through the exponent trick
@@ -1314,6 +1549,13 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
         qmm_body<F, C>(out, ldo, beta, w, qx, qs, T, d, nbi);                                        \
     }
 
+#define CYLLM_QMMA(NAME, F, NB)                                                                      \
+    extern "C" __global__ void NAME(float* __restrict__ out, int ldo, int beta,                      \
+                                    const unsigned char* __restrict__ w,                             \
+                                    const unsigned char* __restrict__ qx, int qs, int T, int d, int nbi) { \
+        qmma_body<F, NB>(out, ldo, beta, w, qx, qs, T, d, nbi);                                      \
+    }
+
 // a pair module (backends/cuda/quant.py compiles one per format pair it meets):
 // -DQMV_PAIR_QK=QF_<fmt> -DQMV_PAIR_V=QF_<fmt>
 #if defined(QMV_PAIR_QK) && defined(QMV_PAIR_V)
@@ -1339,6 +1581,8 @@ CYLLM_QDEQ(qdeq_f16_q8_0,              QF_q8_0)
 CYLLM_QROWS(qrows_f32_q8_0,            QF_q8_0)
 CYLLM_QMM(qmm_c4_q8_0,               QF_q8_0, 4)
 CYLLM_QMM(qmm_c8_q8_0,               QF_q8_0, 8)
+CYLLM_QMMA(qmma16_q8_0,                QF_q8_0, 2)
+CYLLM_QMMA(qmma32_q8_0,                QF_q8_0, 4)
 CYLLM_QMV_XF32(qmv_xf32_q8_0,          QF_q8_0)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q4_0)
@@ -1358,6 +1602,8 @@ CYLLM_QDEQ(qdeq_f16_q4_0,              QF_q4_0)
 CYLLM_QROWS(qrows_f32_q4_0,            QF_q4_0)
 CYLLM_QMM(qmm_c4_q4_0,               QF_q4_0, 4)
 CYLLM_QMM(qmm_c8_q4_0,               QF_q4_0, 8)
+CYLLM_QMMA(qmma16_q4_0,                QF_q4_0, 2)
+CYLLM_QMMA(qmma32_q4_0,                QF_q4_0, 4)
 CYLLM_QMV_XF32(qmv_xf32_q4_0,          QF_q4_0)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q4_1)
@@ -1377,6 +1623,8 @@ CYLLM_QDEQ(qdeq_f16_q4_1,              QF_q4_1)
 CYLLM_QROWS(qrows_f32_q4_1,            QF_q4_1)
 CYLLM_QMM(qmm_c4_q4_1,               QF_q4_1, 4)
 CYLLM_QMM(qmm_c8_q4_1,               QF_q4_1, 8)
+CYLLM_QMMA(qmma16_q4_1,                QF_q4_1, 2)
+CYLLM_QMMA(qmma32_q4_1,                QF_q4_1, 4)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q5_0)
 CYLLM_QMV(qmv_q5_0,                    QF_q5_0, 0, false)
@@ -1395,6 +1643,8 @@ CYLLM_QDEQ(qdeq_f16_q5_0,              QF_q5_0)
 CYLLM_QROWS(qrows_f32_q5_0,            QF_q5_0)
 CYLLM_QMM(qmm_c4_q5_0,               QF_q5_0, 4)
 CYLLM_QMM(qmm_c8_q5_0,               QF_q5_0, 8)
+CYLLM_QMMA(qmma16_q5_0,                QF_q5_0, 2)
+CYLLM_QMMA(qmma32_q5_0,                QF_q5_0, 4)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q5_1)
 CYLLM_QMV(qmv_q5_1,                    QF_q5_1, 0, false)
@@ -1413,6 +1663,8 @@ CYLLM_QDEQ(qdeq_f16_q5_1,              QF_q5_1)
 CYLLM_QROWS(qrows_f32_q5_1,            QF_q5_1)
 CYLLM_QMM(qmm_c4_q5_1,               QF_q5_1, 4)
 CYLLM_QMM(qmm_c8_q5_1,               QF_q5_1, 8)
+CYLLM_QMMA(qmma16_q5_1,                QF_q5_1, 2)
+CYLLM_QMMA(qmma32_q5_1,                QF_q5_1, 4)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q4_k)
 CYLLM_QMV(qmv_q4_k,                    QF_q4_k, 0, false)
@@ -1431,6 +1683,8 @@ CYLLM_QDEQ(qdeq_f16_q4_k,              QF_q4_k)
 CYLLM_QROWS(qrows_f32_q4_k,            QF_q4_k)
 CYLLM_QMM(qmm_c4_q4_k,               QF_q4_k, 4)
 CYLLM_QMM(qmm_c8_q4_k,               QF_q4_k, 8)
+CYLLM_QMMA(qmma16_q4_k,                QF_q4_k, 2)
+CYLLM_QMMA(qmma32_q4_k,                QF_q4_k, 4)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q5_k)
 CYLLM_QMV_WIDE(qmv_q5_k,               QF_q5_k, 0, false)
@@ -1449,6 +1703,8 @@ CYLLM_QDEQ(qdeq_f16_q5_k,              QF_q5_k)
 CYLLM_QROWS(qrows_f32_q5_k,            QF_q5_k)
 CYLLM_QMM(qmm_c4_q5_k,               QF_q5_k, 4)
 CYLLM_QMM(qmm_c8_q5_k,               QF_q5_k, 8)
+CYLLM_QMMA(qmma16_q5_k,                QF_q5_k, 2)
+CYLLM_QMMA(qmma32_q5_k,                QF_q5_k, 4)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q6_k)
 CYLLM_QMV_WIDE(qmv_q6_k,               QF_q6_k, 0, false)
@@ -1467,4 +1723,6 @@ CYLLM_QDEQ(qdeq_f16_q6_k,              QF_q6_k)
 CYLLM_QROWS(qrows_f32_q6_k,            QF_q6_k)
 CYLLM_QMM(qmm_c4_q6_k,               QF_q6_k, 4)
 CYLLM_QMM(qmm_c8_q6_k,               QF_q6_k, 8)
+CYLLM_QMMA(qmma16_q6_k,                QF_q6_k, 2)
+CYLLM_QMMA(qmma32_q6_k,                QF_q6_k, 4)
 #endif

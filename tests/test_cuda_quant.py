@@ -154,7 +154,7 @@ def test_kernel_table_agrees():
         names = [f"{p}{fmt}{s}" for p in ("qmv_", "qmv_add_", "qmv_gate_up_silu_", "qmv_gate_up_gelu_")
                  for s in ("", "_norm")] + [f"qdeq_f16_{fmt}", f"qrows_f32_{fmt}"]
         names += [f"{p}{fmt}{s}" for p in ("qmv_qkv_", "qmv_qkv_rope_") for s in ("", "_norm")]
-        names += [f"qmm_c{c}_{fmt}" for c in CQ.QMM_COLUMNS]
+        names += [f"qmm_c{c}_{fmt}" for c in CQ.QMM_COLUMNS] + [f"qmma{c}_{fmt}" for c in CQ.QMMA_COLUMNS]
         # defined in the format's own module (-DQMV_<fmt>), where quant.kernel looks for them
         block = re.search(rf"#if defined\(QMV_ALL\) \|\| defined\(QMV_{fmt}\)\n(.*?)#endif", src, re.S)
         assert block, fmt
@@ -167,6 +167,10 @@ def test_kernel_table_agrees():
         assert (upi, ie, u) == (units, FORMATS[fmt].block, uu)
         assert ea == (0 if pa is None else pa[1] - pa[0]) and eb == (0 if pb is None else pb[1] - pb[0])
         assert main[1] - main[0] == 16 * units
+        # the host's chunk of qmma (its shared memory) is the kernels' QmmaChunk
+        kc = ie if ie > 32 else (128 if upi == 2 else 256)
+        assert CQ._qmma_chunk(FORMATS[fmt]) == kc, fmt
+    assert re.search(r"KC = F::IE > 32 \? F::IE : \(F::UPI == 2 \? 128 : 256\)", src)
     for name in ("qmv_qkv_pair", "qmv_qkv_pair_norm", "qmv_qkv_rope_pair", "qmv_qkv_rope_pair_norm"):
         assert re.search(rf"\({name},", src), name
     assert re.search(r'extern "C" __global__ void qx_rows\(', src)
@@ -1050,17 +1054,22 @@ def test_prefill_matmul(be, cp, fmt):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_prefill_few_columns(be, cp, fmt, monkeypatch):
     """Short chunks (qmatmul_few): every column exact against the float64 product of the
-    dequantized weights and that column rounded to int8 blocks, as decode's matvec is. Both
-    block widths (8 and 4 columns), chunks of one column, of whole groups, with a partial last
-    group and of qmm_few_max rows; 8 warps a block (warps with no items on short rows); x and
-    out rows strided (out's columns past d stay unwritten), x rows not 16-byte aligned (the
-    scalar staging); matmul_add's residual, gate_up_batch; over qmm_few_max the FP16 tiles."""
+    dequantized weights and that column rounded to int8 blocks, as decode's matvec is.
+    The dp4a kernels (qmm): both block widths (8 and 4 columns), chunks of one column, of whole
+    groups, with a partial last group and of qmm_few_max rows; 8 warps a block (warps with no
+    items on short rows). The tensor-core kernels (qmma, sm_80+): both widths (16 and 32
+    columns), one column, several groups, 1 to 3 warps splitting a tile's chunks (warps with
+    none on short rows), the host's choice. Both: x and out rows strided (out's columns past d
+    stay unwritten), x rows not 16-byte aligned (the scalar staging); matmul_add's residual,
+    gate_up_batch; over qmm_few_max the FP16 tiles."""
     rng = np.random.default_rng(41)
-    calls = []
-    few = CQ.qmatmul_few
+    calls, mmas = [], []
+    few, qmma = CQ.qmatmul_few, CQ._qmma_kernel
     monkeypatch.setattr(CQ, "qmatmul_few", lambda *a: calls.append(few(*a)) or calls[-1])
+    monkeypatch.setattr(CQ, "_qmma_kernel", lambda *a: mmas.append(qmma(*a)) or mmas[-1])
     most = be.qmm_few_max
     smem_max = CQ.QMM_SMEM_MAX
+    tensor_cores = be.compute_capability >= (8, 0)
     for d, n in shapes(fmt):
         raw, raw2 = random_blocks(fmt, d, n, rng), random_blocks(fmt, d, n, rng)
         w = be.upload(QuantMatrix(raw, fmt, (d, n)))
@@ -1068,23 +1077,30 @@ def test_prefill_few_columns(be, cp, fmt, monkeypatch):
         W, W2 = deq64(raw, fmt, n), deq64(raw2, fmt, n)
         # widths forced (shared memory up to the device's opt-in limit: 8 columns of 11008), then
         # the host's choice (the rows of 11008: 4 columns under QMM_SMEM_MAX)
-        cases = ((8, 1, 0, None), (8, 16, 1, None), (8, 21, 0, 8), (4, 4, 0, None), (4, 11, 1, 8),
-                 (None, 13, 0, None), (None, most, 0, None))
-        for cols, t, skew, warps in cases:
+        cases = (("qmm", 8, 1, 0, None), ("qmm", 8, 16, 1, None), ("qmm", 8, 21, 0, 8), ("qmm", 4, 4, 0, None),
+                 ("qmm", 4, 11, 1, 8), ("qmm", None, 13, 0, None), ("qmm", None, most, 0, None),
+                 ("mma", 16, 1, 0, None), ("mma", 16, 40, 1, 2), ("mma", 32, 21, 0, 3), ("mma", 32, 7, 1, 1),
+                 ("mma", None, 16, 0, None), ("mma", None, most, 1, None))
+        for kind, cols, t, skew, warps in cases:
+            if kind == "mma" and not tensor_cores:
+                continue
+            monkeypatch.setattr(be, "qmm_mma", kind == "mma")
             monkeypatch.setattr(CQ, "QMM_COLUMNS", (cols,) if cols else (8, 4))
+            monkeypatch.setattr(CQ, "QMMA_COLUMNS", (cols,) if cols else (16, 32))
             monkeypatch.setattr(CQ, "QMM_SMEM_MAX", 200 * 1024 if cols else smem_max)
             monkeypatch.setattr(be, "qmv_warps", warps)
-            if cols:
+            if cols and kind == "qmm":
                 k = CQ.kernel(be, f"qmm_c{cols}_{fmt}", fmt)
                 if CQ._qmm_smem(n, CQ._qmm_warps(be, w, k), cols) > be.smem_per_block:
                     continue            # a GPU with less shared memory a block than an H100's
+            mmas.clear()
             x = rng.standard_normal((t, n)).astype(np.float32)
             xw = cp.zeros((t, n + 8), dtype=cp.float32)          # rows 8 floats apart, skew: 4-byte aligned
             xw[:, skew:skew + n] = cp.asarray(x)
             xd = xw[:, skew:skew + n]
             xq = np.stack([xq64(r) for r in x])
             want, mag = xq @ W.T, np.abs(xq) @ np.abs(W).T
-            what = f"{fmt} {d}x{n} t={t} c={cols} skew={skew} warps={warps}"
+            what = f"{fmt} {d}x{n} {kind} t={t} c={cols} skew={skew} warps={warps}"
             calls.clear()
             wide = cp.full((t, d + 3), np.nan, dtype=cp.float32)
             be.matmul(wide[:, :d], w, xd)
@@ -1102,6 +1118,10 @@ def test_prefill_few_columns(be, cp, fmt, monkeypatch):
             tol = 1e-4 * (np.abs(want2) * (mag + 1) + np.abs(want) * mag2) + 1e-6 * np.abs(ref)
             assert np.all(np.abs(be.to_host(out) - ref) <= tol + 1e-12), what + " gate_up"
             assert calls == [True] * 4, (what, calls)
+            if kind == "mma":           # the tensor cores ran it, with the warps asked for
+                assert all(m is not None and m[2] == (warps or m[2]) for m in mmas), (what, mmas)
+            else:
+                assert mmas in ([], [None] * 4), (what, mmas)
     monkeypatch.setattr(be, "qmv_warps", None)
     x = rng.standard_normal((most + 1, n)).astype(np.float32)    # one row over qmm_few_max: the tiles
     calls.clear()

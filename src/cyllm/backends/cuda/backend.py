@@ -80,6 +80,7 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, Graph
         name = props.get("name", b"GPU")
         self.device_name = name.decode() if isinstance(name, bytes) else str(name)
         self.sm_count = int(props.get("multiProcessorCount", 1))
+        self.compute_capability = (int(props.get("major", 0)), int(props.get("minor", 0)))
         # the unified L1/shared array's shared part at most, and what the driver keeps of it per
         # block (cuda_quant sizes some launches' carveouts from these)
         self.smem_per_sm = int(props.get("sharedMemPerMultiprocessor", 0) or 0)
@@ -142,6 +143,8 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, Graph
         # prefill_rows pads to (16, 32, 64, a multiple of 64), or a chunk could take one path
         # eagerly and the other padded for its graph
         self.qmm_few_max = 64
+        # those chunks on int8 tensor cores (qmma, sm_80+) rather than dp4a (qmm); False: qmm
+        self.qmm_mma = True
         # decode attention: the first K/V rows loaded before pdl_wait, and query heads a
         # block (None = by position, see _attn_plan; a value forces it; captured graphs keep
         # their choice until reset_graph)

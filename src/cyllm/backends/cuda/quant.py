@@ -79,6 +79,8 @@ QMM_COLUMNS = (8, 4)       # columns a block of the few-column prefill kernels (
 QMM_SMEM_MAX = 100 * 1024  # their staging at most this a block: two blocks an SM of an H100/H200 (228 KiB)
 QMM_WARPS = 4              # and warps a block at most: small blocks, several an SM (7B Q4_K_M chunks of
                            # 32 rows on an H200: 17.2 ms a turn at 8 warps, 14.8-14.9 at 4)
+QMMA_COLUMNS = (16, 32)    # columns a block of the tensor-core kernels (qmma<C>_<fmt>, sm_80+), narrowest first
+QMMA_WARPS = 4             # warps a block at most, splitting a row tile's chunks
 
 
 def _layout(fmt: WeightFormat):
@@ -656,6 +658,38 @@ def _qmm_warps(be, w: CudaQuantMatrix, k) -> int:
     return max(1, min(warps, MAX_WARPS, getattr(k, "max_threads_per_block", 1024) // 32))
 
 
+def _qmma_chunk(fmt: WeightFormat) -> int:
+    """Elements of one qmma chunk (QmmaChunk in quant_matvec.cu)."""
+    if fmt.block > 32:
+        return fmt.block
+    return 128 if LAYOUTS[fmt.name][0] == 2 else 256      # q8_0's two units an item: 4 items, else 8
+
+
+def _qmma_smem(fmt: WeightFormat, columns: int, warps: int) -> int:
+    # a warp: two chunk buffers (codes rows of KC + 16 bytes, a 16-byte entry per 32 elements)
+    # and its rows' codes and scales (32 x 48 + 32 x 16 bytes)
+    kc = _qmma_chunk(fmt)
+    return warps * (2 * columns * (kc + 16 + kc // 2) + TILE * 64)
+
+
+def _qmma_kernel(be, w: CudaQuantMatrix, t: int, limit: int):
+    """(kernel, columns, warps, shared bytes) of the tensor-core few-column product for t
+    columns, or None: switched off (``be.qmm_mma``), a GPU older than sm_80, or no fit."""
+    if not getattr(be, "qmm_mma", False) or getattr(be, "compute_capability", (0, 0)) < (8, 0):
+        return None
+    fmt = w.fmt.name
+    c = next((c for c in QMMA_COLUMNS if t <= c), QMMA_COLUMNS[-1])
+    k = kernel(be, f"qmma{c}_{fmt}", fmt)
+    forced = getattr(be, "qmv_warps", None)
+    chunks = -(-w.cols // _qmma_chunk(w.fmt))
+    warps = int(forced) if forced else min(QMMA_WARPS, chunks)
+    warps = max(1, min(warps, MAX_WARPS, getattr(k, "max_threads_per_block", 1024) // 32))
+    while warps > 1 and _qmma_smem(w.fmt, c, warps) > limit:
+        warps -= 1
+    smem = _qmma_smem(w.fmt, c, warps)
+    return (k, c, warps, smem) if smem <= limit else None
+
+
 def qmatmul_few(be, out, w: CudaQuantMatrix, x, beta: float) -> bool:
     """out (T, d) f32 (+)= x (T, n) f32 @ W^T over a few columns (qmm in quant_matvec.cu): x
     quantized to int8 blocks as decode's is, each weight item read once for C columns. False
@@ -667,14 +701,18 @@ def qmatmul_few(be, out, w: CudaQuantMatrix, x, beta: float) -> bool:
         return False
     fmt = w.fmt.name
     limit = min(QMM_SMEM_MAX, getattr(be, "smem_per_block", 48 * 1024))
-    for c in QMM_COLUMNS:
-        k = kernel(be, f"qmm_c{c}_{fmt}", fmt)
-        warps = _qmm_warps(be, w, k)
-        smem = _qmm_smem(n, warps, c)
-        if smem <= limit:
-            break
+    mma = _qmma_kernel(be, w, t, limit)
+    if mma is not None:
+        k, c, warps, smem = mma
     else:
-        return False
+        for c in QMM_COLUMNS:
+            k = kernel(be, f"qmm_c{c}_{fmt}", fmt)
+            warps = _qmm_warps(be, w, k)
+            smem = _qmm_smem(n, warps, c)
+            if smem <= limit:
+                break
+        else:
+            return False
     ldx, ldo = be._rows(x, "matmul"), be._rows(out, "matmul")
     qs = n + n // 2                               # bytes of one quantized row (qx_rows)
     qx = be._buf("qmm_qx", t * qs, cp.uint8)
