@@ -43,6 +43,7 @@
 //                             scale (embedding lookup of a quantized table)
 //   qmm_c4_<fmt>, qmm_c8_<fmt> prefill chunks of a few rows: out (+)= W x for 4 or 8 columns a
 //                             block, x prequantized by qx_rows (one kernel for every format)
+//   qmma16_<fmt>, qmma32_<fmt> the same on int8 tensor cores (sm_80+), 16 or 32 columns a block
 // Formats are compiled on demand: -DQMV_<fmt> (or -DQMV_ALL) selects which are built.
 //
 // Every kernel, whole names (each also has a _norm twin, e.g. qmv_q4_k_norm):
@@ -60,8 +61,8 @@
 //   (the same with rope and the KV-cache store folded into the tail), each with its _norm
 //   twin, qmv_xf32_q8_0 and qmv_xf32_q4_0 (the FP32-activation alternative, measured only),
 //   and in a pair module (-DQMV_PAIR_QK, -DQMV_PAIR_V) qmv_qkv_pair and qmv_qkv_rope_pair
-//   (each with _norm): q and k of one format, v of another, in one launch; qmm_c4_<fmt> and
-//   qmm_c8_<fmt> (short prefill chunks) and, in every module, qx_rows.
+//   (each with _norm): q and k of one format, v of another, in one launch; qmm_c4_<fmt>,
+//   qmm_c8_<fmt>, qmma16_<fmt> and qmma32_<fmt> (short prefill chunks) and, in every module, qx_rows.
 //
 // Reference: quant/reference.py (dequantize, quantize_act, the integer dot) through
 // backends/numpy_ref.py. Tests: tests/test_cuda_quant.py. Benchmark: bench/bench_cuda_quant.py.

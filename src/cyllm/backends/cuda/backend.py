@@ -143,8 +143,13 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, Graph
         # prefill_rows pads to (16, 32, 64, a multiple of 64), or a chunk could take one path
         # eagerly and the other padded for its graph
         self.qmm_few_max = 64
-        # those chunks on int8 tensor cores (qmma, sm_80+) rather than dp4a (qmm); False: qmm
+        # those chunks on int8 tensor cores (qmma, sm_80+) rather than dp4a dots (qmm). H100, the
+        # same turns, median ms, qmm -> qmma: Q4_0 16 rows 10.37 -> 9.52, 32 13.86 -> 12.72, 64
+        # 19.19 -> 16.10; Q4_K_M 10.53 -> 9.29, 14.78 -> 12.64, 20.30 -> 16.05; at 128 rows qmma
+        # 26.4-26.9 against the tiles' 23.9-24.8, so the bound stays 64 (thirty-third session).
+        # False: qmm (measurements)
         self.qmm_mma = True
+        self.qmma_warps: int | None = None      # their warps a block (None: quant.QMMA_WARPS)
         # decode attention: the first K/V rows loaded before pdl_wait, and query heads a
         # block (None = by position, see _attn_plan; a value forces it; captured graphs keep
         # their choice until reset_graph)

@@ -80,7 +80,8 @@ QMM_SMEM_MAX = 100 * 1024  # their staging at most this a block: two blocks an S
 QMM_WARPS = 4              # and warps a block at most: small blocks, several an SM (7B Q4_K_M chunks of
                            # 32 rows on an H200: 17.2 ms a turn at 8 warps, 14.8-14.9 at 4)
 QMMA_COLUMNS = (16, 32)    # columns a block of the tensor-core kernels (qmma<C>_<fmt>, sm_80+), narrowest first
-QMMA_WARPS = 4             # warps a block at most, splitting a row tile's chunks
+QMMA_WARPS = 8             # warps a block at most, splitting a row tile's chunks (as many as the
+                           # GPU's shared memory a block holds; 4 and 16 measured)
 
 
 def _layout(fmt: WeightFormat):
@@ -680,7 +681,7 @@ def _qmma_kernel(be, w: CudaQuantMatrix, t: int, limit: int):
     fmt = w.fmt.name
     c = next((c for c in QMMA_COLUMNS if t <= c), QMMA_COLUMNS[-1])
     k = kernel(be, f"qmma{c}_{fmt}", fmt)
-    forced = getattr(be, "qmv_warps", None)
+    forced = getattr(be, "qmma_warps", None) or getattr(be, "qmv_warps", None)
     chunks = -(-w.cols // _qmma_chunk(w.fmt))
     warps = int(forced) if forced else min(QMMA_WARPS, chunks)
     warps = max(1, min(warps, MAX_WARPS, getattr(k, "max_threads_per_block", 1024) // 32))
@@ -691,17 +692,19 @@ def _qmma_kernel(be, w: CudaQuantMatrix, t: int, limit: int):
 
 
 def qmatmul_few(be, out, w: CudaQuantMatrix, x, beta: float) -> bool:
-    """out (T, d) f32 (+)= x (T, n) f32 @ W^T over a few columns (qmm in quant_matvec.cu): x
-    quantized to int8 blocks as decode's is, each weight item read once for C columns. False
-    (nothing launched) when T is over ``be.qmm_few_max``, beta is neither 0 nor 1, x is not
-    float32, or the staging of even 4 columns would not fit a block's shared memory
-    (QMM_SMEM_MAX, or less where the GPU allows less)."""
+    """out (T, d) f32 (+)= x (T, n) f32 @ W^T over a few columns: x quantized to int8 blocks as
+    decode's is, each weight item read once for C columns, on int8 tensor cores (qmma in
+    quant_matvec.cu; sm_80+ and ``be.qmm_mma``, its staging a chunk at a time within the
+    GPU's shared memory a block) or else with dp4a dots (qmm). False (nothing launched) when
+    T is over ``be.qmm_few_max``, beta is neither 0 nor 1, x is not float32, or qmm's staging
+    of even 4 columns would not fit a block's shared memory (QMM_SMEM_MAX, or less where the
+    GPU allows less)."""
     t, n = x.shape
     if t > getattr(be, "qmm_few_max", 0) or beta not in (0.0, 1.0) or x.dtype != np.float32:
         return False
     fmt = w.fmt.name
     limit = min(QMM_SMEM_MAX, getattr(be, "smem_per_block", 48 * 1024))
-    mma = _qmma_kernel(be, w, t, limit)
+    mma = _qmma_kernel(be, w, t, getattr(be, "smem_per_block", 48 * 1024))
     if mma is not None:
         k, c, warps, smem = mma
     else:
