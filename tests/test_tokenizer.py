@@ -54,6 +54,44 @@ def test_encode_matches_transformers(pair):
                 ref.encode(text, add_special_tokens=special), (text, special)
 
 
+def test_long_text_matches_transformers_and_lets_other_threads_run(pair):
+    """Texts past _LONG_TEXT go through encode_batch, which releases the GIL: the same ids as
+    transformers, and a thread beside the encode keeps running (a server's other requests)."""
+    import threading
+    import time
+
+    from cyllm import tokenizer as T
+    ours, ref = pair
+    base = " ".join(TEXTS[:-1])
+    text = base * (T._LONG_TEXT // len(base) + 1)
+    assert len(text) >= T._LONG_TEXT
+    for special in (True, False):
+        assert ours.encode(text, add_special_tokens=special) == ref.encode(text, add_special_tokens=special)
+    big = text * 40
+    ticks, done = [], threading.Event()
+
+    def ticker():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.002)
+
+    th = threading.Thread(target=ticker)
+    th.start()
+    t0 = time.perf_counter()
+    ours.encode(big)
+    spent = time.perf_counter() - t0
+    done.set()
+    th.join()
+    during = [t for t in ticks if t0 < t < t0 + spent]
+    assert spent < 0.05 or len(during) >= 0.2 * spent / 0.002, (spent, len(during))
+
+
+def test_lone_surrogate_is_one_clear_error(pair):
+    ours, _ = pair
+    with pytest.raises(InvalidArgumentError, match="not valid Unicode: a lone surrogate U[+]D800 at character 3"):
+        ours.encode("abc\ud800def")
+
+
 def test_decode_matches_transformers(pair):
     ours, ref = pair
     for text in TEXTS:

@@ -96,13 +96,22 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise InvalidArgumentError(f"encode() needs a str, got {type(text).__name__}")
+        _check_unicode(text)
         if self.add_bos is None:
-            return list(_guarded(self._tok.encode, text, add_special_tokens=add_special_tokens).ids)
-        ids = list(_guarded(self._tok.encode, text, add_special_tokens=False).ids)
+            return list(self._encode(text, add_special_tokens).ids)
+        ids = list(self._encode(text, False).ids)
         if add_special_tokens and self.add_bos and self.bos_id is not None:
             if not ids or ids[0] != self.bos_id:
                 ids.insert(0, self.bos_id)
         return ids
+
+    def _encode(self, text: str, add_special_tokens: bool):
+        # the library's encode holds the GIL throughout (a 5 MB text: ~7 s in which a server's
+        # other requests and streams stand still); encode_batch lets it go and gives the same
+        # ids for one text
+        if len(text) < _LONG_TEXT:
+            return _guarded(self._tok.encode, text, add_special_tokens=add_special_tokens)
+        return _guarded(self._tok.encode_batch, [text], add_special_tokens=add_special_tokens)[0]
 
     def _check_ids(self, ids) -> list[int]:
         # ids checked against the vocabulary, each as the tokenizer knows it (a GGUF piece
@@ -378,6 +387,20 @@ def _unicode_to_byte() -> dict[str, int]:
 
 
 # ---------------------------------------------------------------- helpers
+_LONG_TEXT = 1 << 14      # characters from which encode releases the GIL (Tokenizer._encode)
+
+
+def _check_unicode(text: str) -> None:
+    """InvalidArgumentError for a str the tokenizer cannot take: a lone surrogate (JSON's
+    "\\ud800" decodes to one), which is not Unicode text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgumentError(
+            f"the text is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}"
+        ) from None
+
+
 def _guarded(fn, *args, what: str = "the tokenizer failed on this text", **kwargs):
     """Call the `tokenizers` library: its failures on a hostile tokenizer.json become one line.
 
