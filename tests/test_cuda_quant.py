@@ -1088,7 +1088,8 @@ def test_prefill_few_columns(be, cp, fmt, monkeypatch):
             monkeypatch.setattr(CQ, "QMM_COLUMNS", (cols,) if cols else (8, 4))
             monkeypatch.setattr(CQ, "QMMA_COLUMNS", (cols,) if cols else (16, 32))
             monkeypatch.setattr(CQ, "QMM_SMEM_MAX", 200 * 1024 if cols else smem_max)
-            monkeypatch.setattr(be, "qmv_warps", warps)
+            monkeypatch.setattr(be, "qmv_warps", warps if kind == "qmm" else None)
+            monkeypatch.setattr(be, "qmma_warps", warps if kind == "mma" else None)
             if cols and kind == "qmm":
                 k = CQ.kernel(be, f"qmm_c{cols}_{fmt}", fmt)
                 if CQ._qmm_smem(n, CQ._qmm_warps(be, w, k), cols) > be.smem_per_block:
@@ -1123,6 +1124,7 @@ def test_prefill_few_columns(be, cp, fmt, monkeypatch):
             else:
                 assert mmas in ([], [None] * 4), (what, mmas)
     monkeypatch.setattr(be, "qmv_warps", None)
+    monkeypatch.setattr(be, "qmma_warps", None)
     x = rng.standard_normal((most + 1, n)).astype(np.float32)    # one row over qmm_few_max: the tiles
     calls.clear()
     out = cp.full((most + 1, d), np.nan, dtype=cp.float32)

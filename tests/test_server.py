@@ -433,6 +433,35 @@ def test_stream_null_means_not_streamed(server):
     assert r.json()["object"] == "chat.completion" and r.json()["usage"]["completion_tokens"] == 4
 
 
+def test_null_max_tokens_on_completions_means_16(server):
+    """null is the default: /v1/completions' max_tokens default is 16 (OpenAI's), not the
+    Python API's None (up to the context)."""
+    body = {"prompt": "Once upon a time", "temperature": 0}
+    plain = post(server[0], body, "/v1/completions")
+    nulled = post(server[0], dict(body, max_tokens=None, stop=None, seed=None, n=None), "/v1/completions")
+    assert plain.status_code == nulled.status_code == 200, nulled.text
+    assert plain.json()["usage"]["completion_tokens"] <= 16
+    assert nulled.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    assert nulled.json()["usage"]["completion_tokens"] == plain.json()["usage"]["completion_tokens"]
+
+
+def test_body_that_stops_arriving_is_408(server, monkeypatch):
+    """Content-Length promises more than comes and the client waits: after BODY_IDLE_S without a
+    byte the server answers 408 and closes, instead of holding the connection."""
+    from cyllm.tools.server import app as server_app
+    monkeypatch.setattr(server_app, "BODY_IDLE_S", 0.5)
+    host, port = server[0].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+        s.settimeout(20)
+        t0 = time.time()
+        head = s.recv(4096)
+    assert head.startswith(b"HTTP/1.1 408 "), head[:200]
+    assert b"stopped arriving" in head or b"Content-Length" in head
+    assert time.time() - t0 < 15
+
+
 def test_prompt_longer_than_context_is_400(server, default_model):
     r = post(server[0], {"prompt": "hello " * (default_model.context + 10), "max_tokens": 2}, "/v1/completions")
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"

@@ -591,17 +591,23 @@ def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None, hold: b
     be._launch(k, grid, block, args + (NULL_ARG, NULL_ARG), shared_mem=smem)
 
 
-_SMEM_SET: dict = {}      # id(kernel) -> dynamic shared memory limit raised to
+# CUfunction handle -> the dynamic shared memory limit raised to. The attribute belongs to the
+# function, as the carveout does (_CARVEOUT); a Python object's id could be reused by another
+# kernel's object once the first is freed, a handle lives as long as its cached module
+_SMEM_SET: dict = {}
 
 
 def _allow_smem(k, smem: int) -> None:
-    """Raise the kernel's dynamic shared memory limit when a row is very long (n > ~37k)."""
-    if smem > 48 * 1024 and _SMEM_SET.get(id(k), 0) < smem:
+    """Raise the kernel's dynamic shared memory limit past the default 48 KiB: a matvec's very
+    long rows (n > ~37k), the few-column prefill kernels' staging."""
+    fn = getattr(k, "kernel", k)                # RawKernel -> its cupy.cuda.Function
+    key = getattr(fn, "ptr", None) or id(k)
+    if smem > 48 * 1024 and _SMEM_SET.get(key, 0) < smem:
         try:
             k.max_dynamic_shared_size_bytes = smem
         except Exception as e:  # noqa: BLE001 - more than the device allows
             raise InvalidArgumentError(f"a row of this length needs {smem} bytes of shared memory ({e})") from None
-        _SMEM_SET[id(k)] = smem
+        _SMEM_SET[key] = smem
 
 
 def _gate_up_split(be, out, wg, wu, x, act) -> None:
@@ -681,7 +687,7 @@ def _qmma_kernel(be, w: CudaQuantMatrix, t: int, limit: int):
     fmt = w.fmt.name
     c = next((c for c in QMMA_COLUMNS if t <= c), QMMA_COLUMNS[-1])
     k = kernel(be, f"qmma{c}_{fmt}", fmt)
-    forced = getattr(be, "qmma_warps", None) or getattr(be, "qmv_warps", None)
+    forced = getattr(be, "qmma_warps", None)
     chunks = -(-w.cols // _qmma_chunk(w.fmt))
     warps = int(forced) if forced else min(QMMA_WARPS, chunks)
     warps = max(1, min(warps, MAX_WARPS, getattr(k, "max_threads_per_block", 1024) // 32))

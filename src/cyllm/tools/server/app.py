@@ -36,6 +36,10 @@ RESERVED = ("llm", "stats", "cancel")          # keyword arguments of completion
 # (a million tokens is ~4 MB), so only a body meant to exhaust memory is refused (413)
 MAX_BODY_BYTES = 64 << 20
 MAX_BODY_DEPTH = 256          # JSON nesting (json.loads recurses once per level)
+# a body that stops arriving (a Content-Length larger than what is sent, a chunked body never
+# ended) is answered 408 after this many seconds without a byte, instead of holding its
+# connection for as long as the client keeps the socket open
+BODY_IDLE_S = 30.0
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None,
@@ -123,11 +127,13 @@ def create_app(llm, model_name: str, api_key: str | None = None, cache_bytes: in
             return body
         if required not in body:
             return error_response(400, f"Missing required parameter: '{required}'")
+        # null is the default (OpenAI's schema: "integer or null" and the like); max_tokens'
+        # default on /v1/completions is 16, not None's "up to the context" of the Python API
+        body = {k: v for k, v in body.items() if v is not None or k == required}
         bad = [k for k in body if k in RESERVED]
         if bad:
             return error_response(400, f"unsupported parameter: {short(bad[0])}")
-        stream = body.get("stream")
-        stream = False if stream is None else stream        # OpenAI's schema: boolean or null (= false)
+        stream = body.get("stream", False)
         if not isinstance(stream, bool):
             return error_response(400, f"stream must be true or false, got {short(stream)}")
         if not stream and body.get("stream_options") is not None:
@@ -177,8 +183,15 @@ async def _json_body(request: Request):
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         return error_response(413, too_big)
     parts, size = [], 0
+    stream = request.stream().__aiter__()          # chunked bodies declare no length
     try:
-        async for part in request.stream():        # chunked bodies declare no length
+        while True:
+            try:
+                part = await asyncio.wait_for(stream.__anext__(), BODY_IDLE_S)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                return error_response(408, f"the request body stopped arriving (nothing for {BODY_IDLE_S:g} s)")
             size += len(part)
             if size > MAX_BODY_BYTES:
                 return error_response(413, too_big)
