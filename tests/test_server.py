@@ -373,6 +373,21 @@ def test_json_schema_that_matches_nothing_is_an_error_not_empty_content(client, 
             pass
 
 
+def test_json_schema_whose_values_never_end_is_one_line_400(client):
+    """Every value of this schema nests without end ("c" required, of the schema's own type):
+    llguidance lets tokens through until one of its limits, then refuses one. The answer is a
+    400 of one line naming the schema, not the parser's multi-line state."""
+    schema = {"$ref": "#/$defs/a",
+              "$defs": {"a": {"type": "object", "properties": {"c": {"$ref": "#/$defs/a"}}, "required": ["c"]}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4000, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    message = e.value.message
+    assert "grammar engine gave up on this JSON schema" in message and "\n" not in message, message
+    assert len(message) < 400, message
+
+
 # ---------------------------------------------------------- errors, routes
 def post(url, body, path="/v1/chat/completions", **kw):
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)

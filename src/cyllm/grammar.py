@@ -28,8 +28,9 @@ import weakref
 
 import numpy as np
 
-from .errors import CyllmError, InvalidArgumentError
+from .errors import InvalidArgumentError
 from .jsonio import short
+from .oneline import one_line
 
 # JSON layout: one space after ':' and ',' (how people and models write JSON),
 # no free whitespace (a small model could otherwise loop on newlines)
@@ -136,8 +137,13 @@ class GrammarConstraint:
     def accept(self, token: int) -> None:
         self._mask_ready = False
         if not self._m.consume_token(token):
-            # cannot happen for a token drawn under the mask; say so clearly if it does
-            raise CyllmError(f"the grammar rejected token {token}: {self._m.get_error()}")
+            # a token drawn under the mask is refused where the engine hits one of its limits
+            # (a schema whose values never end, {"required": ["c"]} with c of the same type,
+            # or thousands of properties: "Current row has 20007 items; max is 2000"); its
+            # error is a multi-line dump of the parser state, so one line of it
+            raise InvalidArgumentError(
+                "the grammar engine gave up on this JSON schema (one whose values never end, or "
+                f"too large a one?): {one_line((self._m.get_error() or 'no reason given').strip().splitlines()[0], 160)}")
 
     @property
     def complete(self) -> bool:
