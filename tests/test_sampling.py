@@ -127,3 +127,18 @@ def test_non_finite_logits_are_an_error_not_a_token(bad, temperature):
     s = Sampler(50, SamplingParams(temperature=temperature, seed=1))
     with pytest.raises(CyllmError, match="not finite"):
         s.sample(logits, [])
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(logit_bias={"1": 5, "01": -5}), "logit_bias names token 1 twice"),       # one id, two spellings
+    (dict(logit_bias={"7": 1, 7: 2}), "logit_bias names token 7 twice"),
+    (dict(repeat_penalty=0), "repeat_penalty must be > 0, got 0"),                  # the name the caller gave
+    (dict(repeat_penalty=float("nan")), "repeat_penalty must be > 0"),
+    (dict(repeat_penalty="x"), "repeat_penalty must be a number"),
+    (dict(repetition_penalty=-1.0), "repetition_penalty must be > 0"),
+])
+def test_sampling_params_refusals_name_what_was_given(kw, words):
+    from cyllm.generate import sampling_params
+    with pytest.raises(InvalidArgumentError, match=words):
+        sampling_params(**kw)
+    assert sampling_params(repeat_penalty=1.1, logit_bias={"1": 5, "2": -5}).logit_bias == {1: 5.0, 2: -5.0}

@@ -335,12 +335,17 @@ def sampling_params(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0
     if repetition_penalty is not None and repeat_penalty is not None and repetition_penalty != repeat_penalty:
         raise InvalidArgumentError("repeat_penalty and repetition_penalty are the same option: give one")
     penalty = repetition_penalty if repetition_penalty is not None else repeat_penalty
+    given = "repeat_penalty" if repetition_penalty is None and repeat_penalty is not None else "repetition_penalty"
     floats = dict(temperature=temperature, top_p=top_p, min_p=min_p,
                   repetition_penalty=1.0 if penalty is None else penalty,
                   frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
     for name, v in floats.items():
         if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
-            raise InvalidArgumentError(f"{name} must be a number, got {short(v)}")
+            raise InvalidArgumentError(f"{given if name == 'repetition_penalty' else name} must be a number, "
+                                       f"got {short(v)}")
+    if not (np.isfinite(floats["repetition_penalty"]) and floats["repetition_penalty"] > 0):
+        # checked here too, so that the message names the option the caller gave
+        raise InvalidArgumentError(f"{given} must be > 0, got {floats['repetition_penalty']}")
     for name, v in (("top_k", top_k), ("repeat_last_n", repeat_last_n)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise InvalidArgumentError(f"{name} must be an integer, got {short(v)}")
@@ -365,6 +370,8 @@ def _logit_bias(bias) -> dict[int, float] | None:
             raise InvalidArgumentError(f"logit_bias keys must be token ids, got {short(k)}")
         if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not np.isfinite(v):
             raise InvalidArgumentError(f"logit_bias values must be numbers in [-100, 100], got {short(v)}")
+        if tid in out:          # "1" and "01": which bias holds would be an accident of order
+            raise InvalidArgumentError(f"logit_bias names token {tid} twice")
         out[tid] = float(v)
     return out
 
