@@ -400,6 +400,8 @@ def post(url, body, path="/v1/chat/completions", **kw):
     ({"model": "m"}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ({"messages": [{"role": "user"}]}, "messages[0] (user) has no 'content'"),
+    ({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"}]}, "(system) has no"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.5}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_p": 7}, "top_p"),

@@ -306,6 +306,9 @@ def _chat_ids(llm, messages, calls: ToolRequest | None = None) -> list[int]:
         if m["role"] not in CHAT_ROLES:
             raise InvalidArgumentError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
                                        f"got {short(m['role'])}")
+        if m.get("content") is None and m["role"] != "assistant":
+            # only an assistant turn may go without (its tool_calls say what it did)
+            raise InvalidArgumentError(f"messages[{i}] ({m['role']}) has no 'content'")
         msg = dict(m)      # other keys (name, tool_calls, tool_call_id) go to the template as they are
         msg["content"] = _content_text(i, m.get("content"))
         if msg["role"] == "developer":      # OpenAI's newer name for the system role
