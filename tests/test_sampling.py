@@ -132,10 +132,11 @@ def test_non_finite_logits_are_an_error_not_a_token(bad, temperature):
 @pytest.mark.parametrize("kw, words", [
     (dict(logit_bias={"1": 5, "01": -5}), "logit_bias names token 1 twice"),       # one id, two spellings
     (dict(logit_bias={"7": 1, 7: 2}), "logit_bias names token 7 twice"),
-    (dict(repeat_penalty=0), "repeat_penalty must be > 0, got 0"),                  # the name the caller gave
-    (dict(repeat_penalty=float("nan")), "repeat_penalty must be > 0"),
-    (dict(repeat_penalty="x"), "repeat_penalty must be a number"),
-    (dict(repetition_penalty=-1.0), "repetition_penalty must be > 0"),
+    (dict(repeat_penalty=0), r"repeat_penalty \(repetition_penalty\) must be > 0, got 0"),   # both spellings
+    (dict(repeat_penalty=float("nan")), r"repeat_penalty \(repetition_penalty\) must be > 0"),
+    (dict(repeat_penalty="x"), "^repeat_penalty must be a number"),                # the name the caller gave
+    (dict(repetition_penalty="x"), "^repetition_penalty must be a number"),
+    (dict(repetition_penalty=-1.0), r"\(repetition_penalty\) must be > 0"),
 ])
 def test_sampling_params_refusals_name_what_was_given(kw, words):
     from cyllm.generate import sampling_params

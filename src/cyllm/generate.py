@@ -343,9 +343,6 @@ def sampling_params(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0
         if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
             raise InvalidArgumentError(f"{given if name == 'repetition_penalty' else name} must be a number, "
                                        f"got {short(v)}")
-    if not (np.isfinite(floats["repetition_penalty"]) and floats["repetition_penalty"] > 0):
-        # checked here too, so that the message names the option the caller gave
-        raise InvalidArgumentError(f"{given} must be > 0, got {floats['repetition_penalty']}")
     for name, v in (("top_k", top_k), ("repeat_last_n", repeat_last_n)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise InvalidArgumentError(f"{name} must be an integer, got {short(v)}")

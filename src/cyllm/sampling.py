@@ -46,7 +46,7 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
         if not np.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            bad(f"repeat_penalty (repetition_penalty) must be > 0, got {self.repetition_penalty}")
         if self.repeat_last_n < 0:
             bad(f"repeat_last_n must be >= 0, got {self.repeat_last_n}")
         for name in ("frequency_penalty", "presence_penalty"):

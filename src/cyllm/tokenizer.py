@@ -96,7 +96,6 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise InvalidArgumentError(f"encode() needs a str, got {type(text).__name__}")
-        _check_unicode(text)
         if self.add_bos is None:
             return list(self._encode(text, add_special_tokens).ids)
         ids = list(self._encode(text, False).ids)
@@ -109,9 +108,13 @@ class Tokenizer:
         # the library's encode holds the GIL throughout (a 5 MB text: ~7 s in which a server's
         # other requests and streams stand still); encode_batch lets it go and gives the same
         # ids for one text
-        if len(text) < _LONG_TEXT:
-            return _guarded(self._tok.encode, text, add_special_tokens=add_special_tokens)
-        return _guarded(self._tok.encode_batch, [text], add_special_tokens=add_special_tokens)[0]
+        try:
+            if len(text) < _LONG_TEXT:
+                return _guarded(self._tok.encode, text, add_special_tokens=add_special_tokens)
+            return _guarded(self._tok.encode_batch, [text], add_special_tokens=add_special_tokens)[0]
+        except TokenizerError:
+            _check_unicode(text)        # the likelier cause, said plainly; else the library's words
+            raise
 
     def _check_ids(self, ids) -> list[int]:
         # ids checked against the vocabulary, each as the tokenizer knows it (a GGUF piece
@@ -391,8 +394,8 @@ _LONG_TEXT = 1 << 14      # characters from which encode releases the GIL (Token
 
 
 def _check_unicode(text: str) -> None:
-    """InvalidArgumentError for a str the tokenizer cannot take: a lone surrogate (JSON's
-    "\\ud800" decodes to one), which is not Unicode text."""
+    """InvalidArgumentError for a str that is not Unicode text: a lone surrogate (JSON's
+    "\\ud800" decodes to one), on which the library fails with a TypeError."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:

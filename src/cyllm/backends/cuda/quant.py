@@ -709,8 +709,9 @@ def qmatmul_few(be, out, w: CudaQuantMatrix, x, beta: float) -> bool:
     if t > getattr(be, "qmm_few_max", 0) or beta not in (0.0, 1.0) or x.dtype != np.float32:
         return False
     fmt = w.fmt.name
-    limit = min(QMM_SMEM_MAX, getattr(be, "smem_per_block", 48 * 1024))
-    mma = _qmma_kernel(be, w, t, getattr(be, "smem_per_block", 48 * 1024))
+    per_block = getattr(be, "smem_per_block", 48 * 1024)        # the GPU's opt-in limit
+    limit = min(QMM_SMEM_MAX, per_block)
+    mma = _qmma_kernel(be, w, t, per_block)
     if mma is not None:
         k, c, warps, smem = mma
     else:
