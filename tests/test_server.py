@@ -497,6 +497,10 @@ def test_routes(server):
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     models = httpx.get(url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "smollm2"
+    for path, status in (("/health", 200), ("/v1/models", 200), ("/v1/models/smollm2", 200),
+                         ("/v1/models/other", 404), ("/v1/completions", 405)):
+        r = httpx.head(url + path)
+        assert r.status_code == status and r.content == b"", (path, r.status_code)
 
 
 def test_api_key(default_model):

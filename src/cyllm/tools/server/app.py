@@ -103,19 +103,22 @@ def create_app(llm, model_name: str, api_key: str | None = None, cache_bytes: in
         log.exception("request failed")
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
-    @app.get("/health")
+    # HEAD too on the read-only routes: load balancers and uptime checks probe with it
+    read_only = dict(methods=["GET", "HEAD"])
+
+    @app.api_route("/health", **read_only)
     async def health():
         return {"status": "ok"}
 
     def model_card():
         return {"id": model_name, "object": "model", "created": 0, "owned_by": "cyllm"}
 
-    @app.get("/v1/models")
-    @app.get("/models")
+    @app.api_route("/v1/models", **read_only)
+    @app.api_route("/models", **read_only)
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{name:path}")
+    @app.api_route("/v1/models/{name:path}", **read_only)
     async def model(name: str):
         if name != model_name:
             return error_response(404, f"The model '{name}' does not exist", code="model_not_found")
