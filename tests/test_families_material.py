@@ -39,7 +39,8 @@ pytestmark = pytest.mark.slow
 SEQ = 70
 
 GGUF_ARCH = {"llama32": "llama", "mistral_swa": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-             "gemma3": "gemma3", "phi3": "phi3", "phi3_longrope": "phi3", "smollm3": "smollm3"}
+             "gemma3": "gemma3", "phi3": "phi3", "phi3_longrope": "phi3", "smollm3": "smollm3",
+             "granite": "granite"}
 
 # the GGUF tensors of one block, per architecture (llama.cpp's names)
 _BLOCK = {
@@ -54,7 +55,7 @@ _BLOCK = {
                "post_ffw_norm"],
     "phi3": ["attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down"],
 }
-_BLOCK["smollm3"] = _BLOCK["llama"]
+_BLOCK["smollm3"] = _BLOCK["granite"] = _BLOCK["llama"]
 
 # HF name (in a layer) -> GGUF name (in a block); the fused Phi-3 tensors keep their layout
 _HF_TO_GGUF = {
@@ -128,7 +129,7 @@ def test_hf_dir_is_complete_and_logits_are_spread(family_material, hf_logits, ki
     assert cfg["architectures"][0] == getattr(transformers, {
         "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-        "smollm3": "SmolLM3ForCausalLM"}[KINDS[kind][0]]).__name__
+        "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM"}[KINDS[kind][0]]).__name__
     ids, lg = hf_logits(kind)
     assert lg.shape == (SEQ, cfg["vocab_size"])
     assert np.isfinite(lg).all()
@@ -351,6 +352,12 @@ def test_gguf_architecture_tensors_and_metadata(family_material, family_gguf, ki
         assert not [f for f in r.fields if "rope" in f and "layer" in f]
         assert cfg["no_rope_layers"] == [int((i + 1) % 4 != 0) for i in range(n_layers)]
 
+    if kind == "granite":
+        # the multipliers under llama.cpp's names; logit_scale divides the logits
+        for hf_key, key in (("embedding_multiplier", "embedding_scale"), ("residual_multiplier", "residual_scale"),
+                            ("attention_multiplier", "attention.scale"), ("logits_scaling", "logit_scale")):
+            assert math.isclose(_field(r, k + key), cfg[hf_key], rel_tol=1e-6), key
+
     style = KIND_TOKENIZER[kind]
     assert _field(r, "tokenizer.ggml.pre") == GGUF_PRE[style]
     assert _field(r, "tokenizer.ggml.model") == ("llama" if style in ("gemma", "llama2", "phi3")
@@ -373,7 +380,7 @@ def test_gguf_tensors_follow_llama_cpp_conventions(family_material, family_gguf,
     gg = _tensors(_reader(family_gguf(kind)))
     arch = GGUF_ARCH[kind]
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    permuted = arch in ("llama", "smollm3")   # rope in llama.cpp's interleaved (NORM) layout
+    permuted = arch in ("llama", "smollm3", "granite")   # rope in llama.cpp's interleaved (NORM) layout
     np.testing.assert_array_equal(gg["token_embd.weight"], hf["model.embed_tokens.weight"])
     if not cfg["tie_word_embeddings"]:
         np.testing.assert_array_equal(gg["output.weight"], hf["lm_head.weight"])

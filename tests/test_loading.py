@@ -416,3 +416,20 @@ def test_validate_weights_checks_dtype_and_presence(tiny_dirs):
     bad = dict(w)
     del bad["model.norm.weight"]
     expect(ModelLoadError, validate_weights, c, bad, match="missing tensor model.norm.weight")
+
+
+@pytest.mark.parametrize("bias, tensor", [("attention_bias", r"self_attn\.o_proj\.bias"),
+                                          ("mlp_bias", r"mlp\.(gate|up|down)_proj\.bias")])
+def test_block_parameters_the_model_would_drop_are_refused(tmp_path, bias, tensor):
+    """A Llama with biases cyllm does not apply (transformers gives o_proj a bias with
+    attention_bias, every MLP projection one with mlp_bias) is refused by name: loading it
+    without them would give wrong text and no error."""
+    import tinymodels
+    kind = f"llama_{bias}"
+    tinymodels.KINDS[kind] = ("llama", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                            intermediate_size=96, **{bias: True}))
+    try:
+        d = make_tiny_model(tmp_path, kind)
+    finally:
+        del tinymodels.KINDS[kind]
+    expect(UnsupportedModelError, load_hf_dir, d, match=rf"model\.layers\.\d+\.{tensor} is not part of a llama")

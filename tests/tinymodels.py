@@ -11,7 +11,7 @@ norm weights around 1, biases non-zero) so that logits differ visibly between
 tokens and a wrong implementation cannot hide behind near-uniform outputs.
 
 The model families (``FAMILY_KINDS``: Llama 3.2, Mistral with a
-sliding window, Qwen2, Qwen3, Gemma 3, Phi-3 / Phi-4-mini, SmolLM3) are built
+sliding window, Qwen2, Qwen3, Gemma 3, Phi-3 / Phi-4-mini, SmolLM3, Granite) are built
 with transformers' own config and model classes, each with a tokenizer in its
 family's style (``KIND_TOKENIZER``): byte-level BPE with the family's split
 regex and special tokens appended at the end of the vocabulary (llama3, qwen2,
@@ -170,13 +170,20 @@ FAMILY_KINDS = {
                                 intermediate_size=232, num_hidden_layers=5, rms_norm_eps=1e-6,
                                 no_rope_layer_interval=4, rope_theta=2e6,
                                 use_sliding_window=False, tie_word_embeddings=True)),
+    # Granite 3.x: Llama's block with four multipliers (embeddings x12, block outputs x0.22 before
+    # the residual add, attention scale 1/16 instead of 1/sqrt(24), logits / 2), GQA 4/2, tied
+    "granite": ("granite", dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=176, num_hidden_layers=3, rms_norm_eps=1e-5,
+                                rope_theta=10000.0, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                attention_multiplier=0.0625, logits_scaling=2.0,
+                                tie_word_embeddings=True)),
 }
 KINDS.update(FAMILY_KINDS)
 
 # kind -> tokenizer style (see make_family_tokenizer); other kinds default to "bytelevel"
 KIND_TOKENIZER = {"llama32": "llama3", "mistral_swa": "llama2", "qwen2": "qwen2",
                   "qwen3": "qwen2", "gemma3": "gemma", "gemma3_qscale": "gemma", "phi3": "phi3",
-                  "phi3_longrope": "gpt4o", "smollm3": "smollm3"}
+                  "phi3_longrope": "gpt4o", "smollm3": "smollm3", "granite": "llama3"}
 
 # what each family kind exercises (for test ids and reports)
 FAMILY_FEATURES = {
@@ -190,13 +197,14 @@ FAMILY_FEATURES = {
     "phi3": "fused qkv and gate_up, partial rotary 0.5, SentencePiece tokenizer, padded vocab",
     "phi3_longrope": "longrope short/long factors past the original context, partial rotary 0.75, MQA, tied",
     "smollm3": "NoPE every 4th layer, GQA, tied",
+    "granite": "embedding, residual, attention and logit multipliers, GQA, tied",
 }
 
 # kinds whose GGUF, read by llama.cpp's rules, is the same model as the HF directory. Not so:
 # mistral_swa (the converter writes no sliding window for the llama architecture and llama.cpp
 # applies none) and gemma3_qscale (llama.cpp scales queries by 1/sqrt(head_dim) except for the
 # 62-layer 27B, and hard-codes the 5:1 pattern).
-GGUF_FAITHFUL = {"llama32", "qwen2", "qwen3", "gemma3", "phi3", "phi3_longrope", "smollm3"}
+GGUF_FAITHFUL = {"llama32", "qwen2", "qwen3", "gemma3", "phi3", "phi3_longrope", "smollm3", "granite"}
 
 # HF architecture -> (config class, model class) in transformers
 _ARCH_CLASSES = {
@@ -207,6 +215,7 @@ _ARCH_CLASSES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
 }
 
 # pre-tokenizer split regexes, as the families' tokenizer.json files state them

@@ -47,6 +47,8 @@ class ModelConfig:
     post_norms: bool = False       # RMSNorm on attention and MLP outputs before the residual add (Gemma 3)
     activation: str = "silu"       # gate activation of the MLP: "silu" | "gelu_tanh"
     embed_scale: float = 1.0       # token embeddings are multiplied by this (Gemma: sqrt(dim))
+    residual_scale: float = 1.0    # each block output is multiplied by this before the residual add (Granite)
+    logit_scale: float = 1.0       # the logits are multiplied by this (Granite: 1 / logits_scaling)
     attn_scale: float | None = None    # attention score scale; None = 1/sqrt(head_dim)
     rotary_dim: int | None = None  # leading dims of each head that rotate; None = all (partial rotary)
     sliding_window: int = 0        # positions a sliding layer attends to, itself included (0 = none)
@@ -74,6 +76,10 @@ class ModelConfig:
                 f"num_key_value_heads ({self.n_kv_heads})")
         self.norm_eps = _finite_positive(self.norm_eps, "rms_norm_eps")
         self.embed_scale = _finite_positive(self.embed_scale, "embedding scale")
+        self.residual_scale = _finite_positive(self.residual_scale, "residual scale")
+        self.logit_scale = _finite_positive(self.logit_scale, "logit scale")
+        _finite_positive(self.stream_embed_scale, "embedding scale / residual scale")
+        _finite_positive(self.stream_norm_eps, "rms_norm_eps / residual scale^2")
         if self.attn_scale is not None:
             self.attn_scale = _finite_positive(self.attn_scale, "attention scale")
         if self.activation not in ACTIVATIONS:
@@ -135,6 +141,21 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """FP16 K and V for one position across all layers."""
         return 2 * self.n_layers * self.kv_dim * 2
+
+    # -- the residual stream, carried divided by residual_scale ----------------
+    # Granite adds r * block(x) to its stream x. A block sees the stream only through an
+    # RMSNorm, which cannot tell x from x / r once its eps is divided by r^2 as well, so the
+    # model carries g = x / r: g starts at embedding * embed_scale / r, takes each block's
+    # output with a plain residual add, and its norms use eps / r^2. The logits are the same,
+    # and the token path has no extra multiply. (A block's own norms, q/k and post norms,
+    # see no stream and keep norm_eps.)
+    @property
+    def stream_embed_scale(self) -> float:
+        return self.embed_scale / self.residual_scale
+
+    @property
+    def stream_norm_eps(self) -> float:
+        return self.norm_eps / self.residual_scale ** 2
 
     # -- per-layer features ----------------------------------------------------
     def layer_window(self, i: int) -> int:

@@ -13,6 +13,9 @@ Facts the tables encode (llama.cpp's converter is the reference for GGUF):
   store 1 + w: ``Tensor.hf_plus_one`` adds the 1 when reading HF weights only.
 - Phi-3 fuses q/k/v into one matrix and gate/up into one (gate rows first);
   GGUF keeps both fused (the gate/up pair under the name ffn_up).
+- Granite's converter is Llama's (q/k interleaved) without head_dim; its four
+  multipliers become ``granite.embedding_scale``, ``residual_scale``,
+  ``attention.scale`` and ``logit_scale`` (the last divides the logits).
 """
 
 from __future__ import annotations
@@ -297,7 +300,34 @@ def _smollm3_hf(cfg):
     return dict(nope_layers=nope, sliding_window=window if types else 0, layer_types=types)
 
 
+def _granite_hf(cfg):
+    # transformers' GraniteConfig defaults: every multiplier 1.0 (attention's too, not 1/sqrt(d))
+    return dict(embed_scale=cfg.number("embedding_multiplier", 1.0, positive=True),
+                residual_scale=cfg.number("residual_multiplier", 1.0, positive=True),
+                attn_scale=cfg.number("attention_multiplier", 1.0, positive=True),
+                logit_scale=1.0 / cfg.number("logits_scaling", 1.0, positive=True))
+
+
 # -- reading GGUF metadata -------------------------------------------------------------
+
+def _gguf_scale(md, key: str, default: float | None) -> float | None:
+    """A positive float of the metadata, or ``default`` where the key is absent."""
+    v = md.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ModelLoadError(f"GGUF: {key} must be a positive number, got {short(v, 60)}")
+    return float(v)
+
+
+def _granite_gguf(md, p, t):
+    # llama.cpp's converter writes each multiplier only when config.json has it; llama.cpp
+    # then scales attention by 1/sqrt(head_dim) and leaves the rest alone
+    return dict(embed_scale=_gguf_scale(md, p + "embedding_scale", 1.0),
+                residual_scale=_gguf_scale(md, p + "residual_scale", 1.0),
+                attn_scale=_gguf_scale(md, p + "attention.scale", None),
+                logit_scale=1.0 / _gguf_scale(md, p + "logit_scale", 1.0))
+
 
 def _sliding_gguf(md, p, t):
     w = md.get(p + "attention.sliding_window")
@@ -397,8 +427,14 @@ PHI3 = Family(
     hf_extra=lambda c: {"partial_rotary_factor": (c.rotary_dim or c.head_dim) / c.head_dim,
                         "sliding_window": c.sliding_window or None},
     fused_qkv=True, fused_gate_up=True)
+GRANITE = Family("granite", ("GraniteForCausalLM",), ("granite",), "granite", _table(), permute_qk=True,
+                 hf_features=_granite_hf, gguf_features=_granite_gguf,
+                 hf_extra=lambda c: {"embedding_multiplier": c.embed_scale,
+                                     "residual_multiplier": c.residual_scale,
+                                     "attention_multiplier": c.attn_scale or c.head_dim ** -0.5,
+                                     "logits_scaling": 1.0 / c.logit_scale})
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, PHI3, SMOLLM3)
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, PHI3, SMOLLM3, GRANITE)
 BY_NAME = {f.name: f for f in FAMILIES}
 
 

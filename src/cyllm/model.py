@@ -89,13 +89,14 @@ class _DecodePass:
     """The block's ops for one token at ``pos``: single-row ops on RunState."""
 
     def __init__(self, model: "Model", s: RunState, pos: int):
-        self.b, self.eps, self.pos = model.backend, model.config.norm_eps, pos
+        c = model.config
+        self.b, self.eps, self.stream_eps, self.pos = model.backend, c.norm_eps, c.stream_norm_eps, pos
         self.scale = model.attn_scale
         self.x, self.xb, self.tmp, self.att, self.hb = s.x, s.xb, s.tmp, s.att, s.hb
         self.s = s
 
-    def rmsnorm(self, out, x, w):
-        self.b.rmsnorm(out, x, w, self.eps)
+    def rmsnorm(self, out, x, w, eps=None):
+        self.b.rmsnorm(out, x, w, self.eps if eps is None else eps)
 
     def linear(self, out, w, x):
         self.b.matvec(out, w, x)
@@ -144,14 +145,15 @@ class _PrefillPass:
 
     def __init__(self, model: "Model", B: BatchState, T: int, pos0: int):
         c = model.config
-        self.b, self.eps, self.pos0, self.T = model.backend, c.norm_eps, pos0, T
+        self.b, self.eps, self.stream_eps = model.backend, c.norm_eps, c.stream_norm_eps
+        self.pos0, self.T = pos0, T
         self.scale, self.head_dim = model.attn_scale, c.head_dim
         self.x, self.xb, self.tmp, self.att, self.hb = B.x[:T], B.xb[:T], B.tmp[:T], B.att[:T], B.hb[:T]
         self.q, self.k, self.v = B.q[:T], B.k[:T], B.v[:T]
         self.n_heads, self.n_kv = c.n_heads, c.n_kv_heads
 
-    def rmsnorm(self, out, x, w):
-        self.b.rmsnorm_batch(out, x, w, self.eps)
+    def rmsnorm(self, out, x, w, eps=None):
+        self.b.rmsnorm_batch(out, x, w, self.eps if eps is None else eps)
 
     def linear(self, out, w, x):
         self.b.matmul(out, w, x)
@@ -244,7 +246,10 @@ class Model:
             return w.get(t.hf_name(i)) if t is not None and t.when(c) else None
 
         self.embedding = up(get("token_embd.weight"))                   # (vocab, dim) f16
-        self.final_norm = up(get("output_norm.weight"))                 # (dim,) f32
+        final_norm = get("output_norm.weight")
+        if c.logit_scale != 1.0:        # logits * s == the output matrix times (s * norm weight) times x
+            final_norm = np.asarray(final_norm, np.float32) * np.float32(c.logit_scale)
+        self.final_norm = up(final_norm)                                # (dim,) f32
         out = get("output.weight")
         self.output = up(out) if out is not None and not c.tie_word_embeddings else self.embedding
         del out
@@ -329,7 +334,7 @@ class Model:
         """One transformer block on pass ``o`` (one token or T tokens, same ops)."""
         act = self.config.activation
         # attention: x += [post_norm] wo @ attention(rope(qnorm(wq xb)), rope(knorm(wk xb)), wv xb)
-        o.rmsnorm(o.xb, o.x, L.attn_norm)
+        o.rmsnorm(o.xb, o.x, L.attn_norm, o.stream_eps)
         o.qkv(L)
         if L.q_norm is not None:
             o.head_norms(L)
@@ -337,7 +342,7 @@ class Model:
         o.attention(L)
         self._residual(o, L.wo, o.att, L.post_attn_norm)
         # MLP: x += [post_norm] w_down @ (act(w_gate xb) * (w_up xb))
-        o.rmsnorm(o.xb, o.x, L.ffn_norm)
+        o.rmsnorm(o.xb, o.x, L.ffn_norm, o.stream_eps)
         o.gate_up(L, act)
         self._residual(o, L.w_down, o.hb, L.post_ffn_norm)
 
@@ -353,29 +358,29 @@ class Model:
     def _issue_forward_ops(self, token: int, pos: int) -> None:
         """Queue every op of one token's forward pass; logits land in state.logits."""
         b, s, c = self.backend, self.state, self.config
-        b.embed(s.x, self.embedding, token, c.embed_scale)
+        b.embed(s.x, self.embedding, token, c.stream_embed_scale)
         o = _DecodePass(self, s, pos)
         for L in self.layers:
             self._block(o, L)
-        b.rmsnorm(s.xb, s.x, self.final_norm, c.norm_eps)
+        b.rmsnorm(s.xb, s.x, self.final_norm, c.stream_norm_eps)
         b.matvec(s.logits, self.output, s.xb)
 
     def _issue_batch_ops(self, T: int, pos0: int, all_logits: bool) -> None:
         """The forward pass for T prompt tokens at once (same block body); with ``all_logits``
         every row's logits (the last token's alone are _issue_last_logits', after the chunks)."""
         b, c, B = self.backend, self.config, self.batch
-        b.embed_batch(B.x[:T], self.embedding, B.tokens[:T], c.embed_scale)
+        b.embed_batch(B.x[:T], self.embedding, B.tokens[:T], c.stream_embed_scale)
         o = _PrefillPass(self, B, T, pos0)
         for L in self.layers:
             self._block(o, L)
         if all_logits:
-            b.rmsnorm_batch(B.xb[:T], B.x[:T], self.final_norm, c.norm_eps)
+            b.rmsnorm_batch(B.xb[:T], B.x[:T], self.final_norm, c.stream_norm_eps)
             b.matmul(B.logits[:T], self.output, B.xb[:T])
 
     def _issue_last_logits(self, row: int) -> None:
         """The logits of row ``row`` of the last chunk (its final token) -> state.logits."""
         b, s = self.backend, self.state
-        b.rmsnorm(s.xb, self.batch.x[row], self.final_norm, self.config.norm_eps)
+        b.rmsnorm(s.xb, self.batch.x[row], self.final_norm, self.config.stream_norm_eps)
         b.matvec(s.logits, self.output, s.xb)
 
     def forward(self, token: int, pos: int) -> np.ndarray:

@@ -88,7 +88,9 @@ def checkpoint_tensors(config: ModelConfig, d: Path):
     and shape before anything is read: yields (table row, layer, HF name, shape, file, name in
     the file). A tied output matrix the checkpoint leaves out is skipped."""
     index = open_checkpoint(d)
-    for t, i in family(config.arch).expected(config):
+    fam = family(config.arch)
+    found = []
+    for t, i in fam.expected(config):
         name, shape = t.hf_name(i), t.shape(config)
         if name not in index:
             if t.optional and config.tie_word_embeddings:
@@ -99,7 +101,15 @@ def checkpoint_tensors(config: ModelConfig, d: Path):
         if got != shape:
             # check before converting: a wrong shape must not cost a conversion
             raise ModelLoadError(f"tensor {name} has shape {got}, expected {shape}")
-        yield t, i, name, shape, f, tname
+        found.append((t, i, name, shape, f, tname))
+    # A block parameter the table does not read is a feature cyllm lacks (an attention output
+    # bias, MLP biases, ...): dropping it would give wrong text without a word.
+    read = {name for _, _, name, _, _, _ in found}
+    for name in index:
+        if name.startswith("model.layers.") and name.endswith((".weight", ".bias")) and name not in read:
+            raise UnsupportedModelError(f"{d}: tensor {name} is not part of a {fam.name} model as cyllm "
+                                        "runs it (a feature it does not support)")
+    yield from found
 
 
 def load_hf_weights(config: ModelConfig, d: Path) -> dict[str, np.ndarray]:

@@ -7,10 +7,12 @@ writer streams one tensor (one row chunk) at a time.
 What llama.cpp's converter writes, and so what this writes (facts, checked against its
 output by tests/test_quantize_tool.py):
 - hyperparameters as ``{arch}.*`` keys; ``attention.key_length``/``value_length`` only
-  when config.json names a ``head_dim``; the llama-style architectures (llama, smollm3)
+  when config.json names a ``head_dim``; the llama-style architectures (llama, smollm3, granite)
   also carry ``vocab_size`` and ``rope.dimension_count``; Phi-3 its rotary dims,
   ``rope.scaling.original_context_length`` and ``attention.sliding_window`` (0: none);
-  Gemma 3 ``rope.freq_base_swa`` and the global layers' linear scaling;
+  Gemma 3 ``rope.freq_base_swa`` and the global layers' linear scaling; Granite (llama-style
+  keys, no head_dim) its multipliers as ``attention.scale``, ``embedding_scale``,
+  ``residual_scale`` and ``logit_scale``;
 - tensors under the family table's GGUF names (families.py); llama-style q/k rows
   interleaved for llama.cpp's rope (``Family.permute_qk``); Gemma's (1+w) norms stored
   as 1+w; vectors F32; Llama 3 rope scaling as a ``rope_freqs.weight`` tensor of
@@ -156,7 +158,7 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
           (a + "attention.head_count_kv", cfg.n_kv_heads, T.UINT32, None),
           (a + "rope.freq_base", cfg.rope_theta, T.FLOAT32, None),
           (a + "attention.layer_norm_rms_epsilon", cfg.norm_eps, T.FLOAT32, None)]
-    if hf.get("head_dim") is not None:
+    if hf.get("head_dim") is not None and fam.name != "granite":    # Granite's converter drops it
         kv += [(a + "attention.key_length", cfg.head_dim, T.UINT32, None),
                (a + "attention.value_length", cfg.head_dim, T.UINT32, None)]
     scaling = cfg.rope_scaling or {}
@@ -166,7 +168,7 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
                (a + "rope.scaling.factor", float(scaling["factor"]), T.FLOAT32, None)]
     elif kind not in (None, "llama3", "longrope"):
         raise UnsupportedModelError(f"rope scaling {kind!r} cannot be written to a GGUF by cyllm")
-    if fam.gguf_arch in ("llama", "smollm3"):
+    if fam.gguf_arch in ("llama", "smollm3", "granite"):
         kv += [(a + "vocab_size", cfg.vocab_size, T.UINT32, None),
                (a + "rope.dimension_count", cfg.rotary_dim or cfg.head_dim, T.UINT32, None)]
     if fam.name == "mistral" and cfg.sliding_window and cfg.sliding_window < cfg.max_seq_len:
@@ -175,6 +177,11 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
     if fam.name == "gemma3":
         kv += [(a + "rope.freq_base_swa", cfg.rope_local_theta or 10000.0, T.FLOAT32, None),
                (a + "attention.sliding_window", cfg.sliding_window, T.UINT32, None)]
+    if fam.name == "granite":       # each multiplier config.json gives (llama.cpp's converter skips 0)
+        for hf_key, key in (("attention_multiplier", "attention.scale"), ("embedding_multiplier", "embedding_scale"),
+                            ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale")):
+            if hf.get(hf_key):
+                kv.append((a + key, float(hf[hf_key]), T.FLOAT32, None))
     if fam.name == "phi3":
         orig = scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") \
             or cfg.max_seq_len
