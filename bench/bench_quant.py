@@ -82,6 +82,9 @@ def main(argv=None) -> int:
     threads = [int(t) for t in args.threads.split(",")]
     fmts = [f for f in args.formats.split(",") if f]
     shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        ap.error(f"--shapes: unknown shape {unknown[0]!r} (choose from {', '.join(SHAPES)})")
     rng = np.random.default_rng(0)
 
     lines = []
