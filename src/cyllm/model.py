@@ -333,6 +333,8 @@ class Model:
     def _block(self, o, L: Layer) -> None:
         """One transformer block on pass ``o`` (one token or T tokens, same ops)."""
         act = self.config.activation
+        # x is the residual stream as ModelConfig carries it (divided by residual_scale), so its
+        # norms take stream_eps; a block's own norms (q/k, post) take eps
         # attention: x += [post_norm] wo @ attention(rope(qnorm(wq xb)), rope(knorm(wk xb)), wv xb)
         o.rmsnorm(o.xb, o.x, L.attn_norm, o.stream_eps)
         o.qkv(L)
