@@ -90,6 +90,7 @@ WIDE = {
     "phi3_longrope": dict(hidden_size=96, intermediate_size=128),
     "smollm3": dict(hidden_size=192, intermediate_size=256),
     "granite": dict(hidden_size=256, intermediate_size=288),
+    "olmo2": dict(hidden_size=256, intermediate_size=256),
 }
 SUFFIX = "_q"     # material kind = family kind + SUFFIX
 SHARP_QK = os.environ.get("CYLLM_MATERIAL_SHARP_QK", "0") == "1"

@@ -40,7 +40,7 @@ SEQ = 70
 
 GGUF_ARCH = {"llama32": "llama", "mistral_swa": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
              "gemma3": "gemma3", "phi3": "phi3", "phi3_longrope": "phi3", "smollm3": "smollm3",
-             "granite": "granite"}
+             "granite": "granite", "olmo2": "olmo2"}
 
 # the GGUF tensors of one block, per architecture (llama.cpp's names)
 _BLOCK = {
@@ -54,13 +54,15 @@ _BLOCK = {
                "attn_output", "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
                "post_ffw_norm"],
     "phi3": ["attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down"],
+    "olmo2": ["attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output", "post_attention_norm",
+              "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm"],
 }
 _BLOCK["smollm3"] = _BLOCK["granite"] = _BLOCK["llama"]
 
 # HF name (in a layer) -> GGUF name (in a block); the fused Phi-3 tensors keep their layout
 _HF_TO_GGUF = {
     "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",   # overridden for gemma3 below
+    "post_attention_layernorm.weight": "ffn_norm.weight",   # overridden for post-norm blocks below
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
@@ -70,9 +72,11 @@ _HF_TO_GGUF = {
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
-_GEMMA3_NORMS = {"post_attention_layernorm.weight": "post_attention_norm.weight",
-                 "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-                 "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+# blocks with norms on their outputs (Gemma 3; OLMo 2, which has no pre_feedforward one)
+_POST_NORM_ARCHS = ("gemma3", "olmo2")
+_POST_NORMS = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+               "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+               "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 
 
 # ------------------------------------------------------------------ helpers
@@ -129,7 +133,8 @@ def test_hf_dir_is_complete_and_logits_are_spread(family_material, hf_logits, ki
     assert cfg["architectures"][0] == getattr(transformers, {
         "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-        "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM"}[KINDS[kind][0]]).__name__
+        "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
+        "olmo2": "Olmo2ForCausalLM"}[KINDS[kind][0]]).__name__
     ids, lg = hf_logits(kind)
     assert lg.shape == (SEQ, cfg["vocab_size"])
     assert np.isfinite(lg).all()
@@ -205,7 +210,7 @@ def test_weights_carry_their_features(family_material, kind):
     names = "\n".join(w)
     arch = KINDS[kind][0]
     assert (".q_proj.bias" in names) == (arch == "qwen2")
-    assert (".q_norm.weight" in names) == (arch in ("qwen3", "gemma3"))
+    assert (".q_norm.weight" in names) == (arch in ("qwen3", "gemma3", "olmo2"))
     assert (".qkv_proj.weight" in names and ".gate_up_proj.weight" in names) == (arch == "phi3")
     assert ("pre_feedforward_layernorm" in names) == (arch == "gemma3")
     norms = np.concatenate([v.ravel() for k, v in w.items() if k.endswith("norm.weight")])
@@ -390,7 +395,7 @@ def test_gguf_tensors_follow_llama_cpp_conventions(family_material, family_gguf,
             "rope_factors_long.weight", "rope_factors_short.weight"}
     for i in range(cfg["num_hidden_layers"]):
         for hname, gname in _HF_TO_GGUF.items():
-            if arch == "gemma3" and hname == "post_attention_layernorm.weight":
+            if arch in _POST_NORM_ARCHS and hname == "post_attention_layernorm.weight":
                 continue
             if f"model.layers.{i}.{hname}" not in hf:
                 continue
@@ -401,11 +406,12 @@ def test_gguf_tensors_follow_llama_cpp_conventions(family_material, family_gguf,
                 w = w + np.float32(shift)
             np.testing.assert_array_equal(gg[f"blk.{i}.{gname}"], w, err_msg=f"{i}.{hname}")
             seen.add(f"blk.{i}.{gname}")
-        if arch == "gemma3":
-            for hname, gname in _GEMMA3_NORMS.items():
-                np.testing.assert_array_equal(gg[f"blk.{i}.{gname}"],
-                                              hf[f"model.layers.{i}.{hname}"] + np.float32(1.0))
-                seen.add(f"blk.{i}.{gname}")
+        if arch in _POST_NORM_ARCHS:
+            for hname, gname in _POST_NORMS.items():
+                if f"model.layers.{i}.{hname}" in hf:
+                    np.testing.assert_array_equal(gg[f"blk.{i}.{gname}"],
+                                                  hf[f"model.layers.{i}.{hname}"] + np.float32(shift))
+                    seen.add(f"blk.{i}.{gname}")
     assert seen >= set(gg), sorted(set(gg) - seen)
     if permuted:   # the permutation is not the identity at these sizes
         q = hf["model.layers.0.self_attn.q_proj.weight"]

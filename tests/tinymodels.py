@@ -11,7 +11,7 @@ norm weights around 1, biases non-zero) so that logits differ visibly between
 tokens and a wrong implementation cannot hide behind near-uniform outputs.
 
 The model families (``FAMILY_KINDS``: Llama 3.2, Mistral with a
-sliding window, Qwen2, Qwen3, Gemma 3, Phi-3 / Phi-4-mini, SmolLM3, Granite) are built
+sliding window, Qwen2, Qwen3, Gemma 3, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo 2) are built
 with transformers' own config and model classes, each with a tokenizer in its
 family's style (``KIND_TOKENIZER``): byte-level BPE with the family's split
 regex and special tokens appended at the end of the vocabulary (llama3, qwen2,
@@ -177,13 +177,19 @@ FAMILY_KINDS = {
                                 rope_theta=10000.0, embedding_multiplier=12.0, residual_multiplier=0.22,
                                 attention_multiplier=0.0625, logits_scaling=2.0,
                                 tie_word_embeddings=True)),
+    # OLMo 2: no pre-norms (attention and MLP read the stream), q/k RMSNorm over the whole
+    # projection, post-norms on both sub-block outputs, GQA 4/2, untied
+    "olmo2": ("olmo2", dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=160, num_hidden_layers=3, rms_norm_eps=1e-6,
+                            rope_theta=500000.0, tie_word_embeddings=False)),
 }
 KINDS.update(FAMILY_KINDS)
 
 # kind -> tokenizer style (see make_family_tokenizer); other kinds default to "bytelevel"
 KIND_TOKENIZER = {"llama32": "llama3", "mistral_swa": "llama2", "qwen2": "qwen2",
                   "qwen3": "qwen2", "gemma3": "gemma", "gemma3_qscale": "gemma", "phi3": "phi3",
-                  "phi3_longrope": "gpt4o", "smollm3": "smollm3", "granite": "llama3"}
+                  "phi3_longrope": "gpt4o", "smollm3": "smollm3", "granite": "llama3",
+                  "olmo2": "llama3"}
 
 # what each family kind exercises (for test ids and reports)
 FAMILY_FEATURES = {
@@ -198,13 +204,15 @@ FAMILY_FEATURES = {
     "phi3_longrope": "longrope short/long factors past the original context, partial rotary 0.75, MQA, tied",
     "smollm3": "NoPE every 4th layer, GQA, tied",
     "granite": "embedding, residual, attention and logit multipliers, GQA, tied",
+    "olmo2": "no pre-norms, q/k norms over the whole projection, post-norms, GQA, untied",
 }
 
 # kinds whose GGUF, read by llama.cpp's rules, is the same model as the HF directory. Not so:
 # mistral_swa (the converter writes no sliding window for the llama architecture and llama.cpp
 # applies none) and gemma3_qscale (llama.cpp scales queries by 1/sqrt(head_dim) except for the
 # 62-layer 27B, and hard-codes the 5:1 pattern).
-GGUF_FAITHFUL = {"llama32", "qwen2", "qwen3", "gemma3", "phi3", "phi3_longrope", "smollm3", "granite"}
+GGUF_FAITHFUL = {"llama32", "qwen2", "qwen3", "gemma3", "phi3", "phi3_longrope", "smollm3", "granite",
+                 "olmo2"}
 
 # HF architecture -> (config class, model class) in transformers
 _ARCH_CLASSES = {
@@ -216,6 +224,7 @@ _ARCH_CLASSES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
 }
 
 # pre-tokenizer split regexes, as the families' tokenizer.json files state them

@@ -44,6 +44,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False   # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False          # RMSNorm over each q and k head before rope (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False    # ... over all of q and all of k instead, one norm each (OLMo 2)
     post_norms: bool = False       # RMSNorm on attention and MLP outputs before the residual add (Gemma 3)
     activation: str = "silu"       # gate activation of the MLP: "silu" | "gelu_tanh"
     embed_scale: float = 1.0       # token embeddings are multiplied by this (Gemma: sqrt(dim))
@@ -82,6 +83,8 @@ class ModelConfig:
         _finite_positive(self.stream_norm_eps, "rms_norm_eps / residual scale^2")
         if self.attn_scale is not None:
             self.attn_scale = _finite_positive(self.attn_scale, "attention scale")
+        if self.qk_norm_whole and not self.qk_norm:
+            raise ModelLoadError("config: qk_norm_whole needs qk_norm")
         if self.activation not in ACTIVATIONS:
             raise ModelLoadError(f"config: activation {self.activation!r} is not supported "
                                  f"(supported: {', '.join(ACTIVATIONS)})")

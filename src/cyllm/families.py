@@ -13,6 +13,8 @@ Facts the tables encode (llama.cpp's converter is the reference for GGUF):
   store 1 + w: ``Tensor.hf_plus_one`` adds the 1 when reading HF weights only.
 - Phi-3 fuses q/k/v into one matrix and gate/up into one (gate rows first);
   GGUF keeps both fused (the gate/up pair under the name ffn_up).
+- OLMo 2's blocks have no pre-norms: GGUF names its output norms post_attention_norm and
+  post_ffw_norm, and its q/k norms span the whole projection (no rope interleaving).
 - Granite's converter is Llama's (q/k interleaved) without head_dim; its four
   multipliers become ``granite.embedding_scale``, ``residual_scale``,
   ``attention.scale`` and ``logit_scale`` (the last divides the logits).
@@ -300,6 +302,12 @@ def _smollm3_hf(cfg):
     return dict(nope_layers=nope, sliding_window=window if types else 0, layer_types=types)
 
 
+def _olmo2_hf(cfg):
+    if cfg.int("sliding_window", 0, minimum=0) and cfg.list("layer_types", "str") is not None:
+        raise UnsupportedModelError("OLMo 3 (sliding-window layers) is not supported")
+    return dict(qk_norm=True, qk_norm_whole=True, post_norms=True)
+
+
 def _granite_hf(cfg):
     # transformers' GraniteConfig defaults: every multiplier 1.0 (attention's too, not 1/sqrt(d))
     return dict(embed_scale=cfg.number("embedding_multiplier", 1.0, positive=True),
@@ -318,6 +326,13 @@ def _gguf_scale(md, key: str, default: float | None) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
         raise ModelLoadError(f"GGUF: {key} must be a positive number, got {short(v, 60)}")
     return float(v)
+
+
+def _olmo2_gguf(md, p, t):
+    # llama.cpp's olmo2 architecture also carries OLMo 3, whose files name a sliding window
+    if md.get(p + "attention.sliding_window"):
+        raise UnsupportedModelError("OLMo 3 (sliding-window layers) is not supported")
+    return dict(qk_norm=True, qk_norm_whole=True, post_norms=True)
 
 
 def _granite_gguf(md, p, t):
@@ -433,8 +448,19 @@ GRANITE = Family("granite", ("GraniteForCausalLM",), ("granite",), "granite", _t
                                      "residual_multiplier": c.residual_scale,
                                      "attention_multiplier": c.attn_scale or c.head_dim ** -0.5,
                                      "logits_scaling": 1.0 / c.logit_scale})
+# OLMo 2: no norm before attention or the MLP (they read the stream), one RMSNorm over all of q
+# and one over all of k, and a norm on each sub-block's output before the residual add
+OLMO2 = Family(
+    "olmo2", ("Olmo2ForCausalLM",), ("olmo2",), "olmo2",
+    _table(attn_norm__weight=None, ffn_norm__weight=None,
+           attn_q_norm__weight=Tensor("attn_q_norm.weight", _P + "self_attn.q_norm.weight", lambda c: (c.q_dim,)),
+           attn_k_norm__weight=Tensor("attn_k_norm.weight", _P + "self_attn.k_norm.weight", lambda c: (c.kv_dim,)),
+           post_attention_norm__weight=Tensor("post_attention_norm.weight",
+                                              _P + "post_attention_layernorm.weight", _vec),
+           post_ffw_norm__weight=Tensor("post_ffw_norm.weight", _P + "post_feedforward_layernorm.weight", _vec)),
+    hf_features=_olmo2_hf, gguf_features=_olmo2_gguf)
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, PHI3, SMOLLM3, GRANITE)
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, PHI3, SMOLLM3, GRANITE, OLMO2)
 BY_NAME = {f.name: f for f in FAMILIES}
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from .backends import get_backend
 from .config import MAX_CONTEXT, ModelConfig
 from .families import family
-from .errors import ContextFullError, InvalidArgumentError
+from .errors import ContextFullError, InvalidArgumentError, ModelLoadError
 from .memory import check_model_fits
 from .oneline import one_line
 from .quant.matrix import QuantMatrix
@@ -29,12 +29,12 @@ QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
 class Layer:
     """One block's weights (backend arrays), its KV cache and its attention settings."""
     # matrices: float16 backend arrays or QuantMatrix (blocks of a quantized format), see loading
-    attn_norm: Any                # (dim,) f32
+    attn_norm: Any                # (dim,) f32; None: the block reads the stream as it is (OLMo 2)
     wq: Any                       # (n_heads*head_dim, dim) f16 (a row view of wqkv when fused)
     wk: Any                       # (n_kv*head_dim, dim) f16
     wv: Any                       # (n_kv*head_dim, dim) f16
     wo: Any                       # (dim, n_heads*head_dim) f16
-    ffn_norm: Any                 # (dim,) f32
+    ffn_norm: Any                 # (dim,) f32; None as attn_norm
     w_gate: Any                   # (ffn, dim) f16
     w_up: Any                     # (ffn, dim) f16
     w_down: Any                   # (dim, ffn) f16
@@ -47,7 +47,7 @@ class Layer:
     bk: Any = None
     bv: Any = None
     bqkv: Any = None              # (q_dim + 2*kv_dim,) f32 when wqkv is used
-    q_norm: Any = None            # (head_dim,) f32 per-head norms (Qwen3, Gemma 3)
+    q_norm: Any = None            # (head_dim,) f32 per-head norms (Qwen3, Gemma 3); (q_dim,) whole (OLMo 2)
     k_norm: Any = None
     post_attn_norm: Any = None    # (dim,) f32 norms of the block outputs (Gemma 3)
     post_ffn_norm: Any = None
@@ -91,7 +91,7 @@ class _DecodePass:
     def __init__(self, model: "Model", s: RunState, pos: int):
         c = model.config
         self.b, self.eps, self.stream_eps, self.pos = model.backend, c.norm_eps, c.stream_norm_eps, pos
-        self.scale = model.attn_scale
+        self.scale, self.qk_whole = model.attn_scale, c.qk_norm_whole
         self.x, self.xb, self.tmp, self.att, self.hb = s.x, s.xb, s.tmp, s.att, s.hb
         self.s = s
 
@@ -107,24 +107,29 @@ class _DecodePass:
     def add(self, out, y):
         self.b.add(out, out, y)
 
-    def qkv(self, L: Layer):
+    def qkv(self, L: Layer, x):
         b, s = self.b, self.s
         if L.wqkv is not None:
-            b.matvec(s.qkv, L.wqkv, self.xb)
+            b.matvec(s.qkv, L.wqkv, x)
             if L.bqkv is not None:
                 b.add(s.qkv, s.qkv, L.bqkv)
             return
-        b.matvec(s.q, L.wq, self.xb)
-        b.matvec(s.k, L.wk, self.xb)
-        b.matvec(s.v, L.wv, self.xb)
+        b.matvec(s.q, L.wq, x)
+        b.matvec(s.k, L.wk, x)
+        b.matvec(s.v, L.wv, x)
         if L.bq is not None:
             b.add(s.q, s.q, L.bq)
             b.add(s.k, s.k, L.bk)
             b.add(s.v, s.v, L.bv)
 
-    def head_norms(self, L: Layer):
-        self.b.rmsnorm_batch(self.s.q_heads, self.s.q_heads, L.q_norm, self.eps)
-        self.b.rmsnorm_batch(self.s.k_heads, self.s.k_heads, L.k_norm, self.eps)
+    def qk_norms(self, L: Layer):
+        s = self.s
+        if self.qk_whole:
+            self.b.rmsnorm(s.q, s.q, L.q_norm, self.eps)
+            self.b.rmsnorm(s.k, s.k, L.k_norm, self.eps)
+        else:
+            self.b.rmsnorm_batch(s.q_heads, s.q_heads, L.q_norm, self.eps)
+            self.b.rmsnorm_batch(s.k_heads, s.k_heads, L.k_norm, self.eps)
 
     def rope_store(self, L: Layer):
         s = self.s
@@ -136,8 +141,8 @@ class _DecodePass:
     def attention(self, L: Layer):
         self.b.attention(self.att, self.s.q, L.k_cache, L.v_cache, self.pos, L.window, self.scale)
 
-    def gate_up(self, L: Layer, act: str):
-        self.b.gate_up(self.hb, L.w_gate, L.w_up, self.xb, act)
+    def gate_up(self, L: Layer, act: str, x):
+        self.b.gate_up(self.hb, L.w_gate, L.w_up, x, act)
 
 
 class _PrefillPass:
@@ -147,7 +152,7 @@ class _PrefillPass:
         c = model.config
         self.b, self.eps, self.stream_eps = model.backend, c.norm_eps, c.stream_norm_eps
         self.pos0, self.T = pos0, T
-        self.scale, self.head_dim = model.attn_scale, c.head_dim
+        self.scale, self.head_dim, self.qk_whole = model.attn_scale, c.head_dim, c.qk_norm_whole
         self.x, self.xb, self.tmp, self.att, self.hb = B.x[:T], B.xb[:T], B.tmp[:T], B.att[:T], B.hb[:T]
         self.q, self.k, self.v = B.q[:T], B.k[:T], B.v[:T]
         self.n_heads, self.n_kv = c.n_heads, c.n_kv_heads
@@ -165,19 +170,19 @@ class _PrefillPass:
         flat_out, flat_y = out.reshape(-1), y.reshape(-1)
         self.b.add(flat_out, flat_out, flat_y)
 
-    def qkv(self, L: Layer):
+    def qkv(self, L: Layer, x):
         # three GEMMs even when fused: wq/wk/wv are row views of wqkv, and q, k, v stay
         # contiguous for the ops that follow
         b = self.b
         for out, w, bias in ((self.q, L.wq, L.bq), (self.k, L.wk, L.bk), (self.v, L.wv, L.bv)):
-            b.matmul(out, w, self.xb)
+            b.matmul(out, w, x)
             if bias is not None:
                 b.add_rows(out, out, bias)
 
-    def head_norms(self, L: Layer):
+    def qk_norms(self, L: Layer):
         T, hd = self.T, self.head_dim
         for rows, w, n in ((self.q, L.q_norm, self.n_heads), (self.k, L.k_norm, self.n_kv)):
-            heads = rows.reshape(T * n, hd)          # every head of every row
+            heads = rows if self.qk_whole else rows.reshape(T * n, hd)     # each row, or every head of it
             self.b.rmsnorm_batch(heads, heads, w, self.eps)
 
     def rope_store(self, L: Layer):
@@ -188,8 +193,8 @@ class _PrefillPass:
     def attention(self, L: Layer):
         self.b.attention_batch(self.att, self.q, L.k_cache, L.v_cache, self.pos0, L.window, self.scale)
 
-    def gate_up(self, L: Layer, act: str):
-        self.b.gate_up_batch(self.hb, L.w_gate, L.w_up, self.xb, act)
+    def gate_up(self, L: Layer, act: str, x):
+        self.b.gate_up_batch(self.hb, L.w_gate, L.w_up, x, act)
 
 
 class Model:
@@ -309,8 +314,8 @@ class Model:
                 tables[key] = (up(cos), up(sin))
             opt = lambda role: None if get(role, i) is None else up(get(role, i))  # noqa: E731
             self.layers.append(Layer(
-                attn_norm=up(get("attn_norm.weight", i)), wq=wq, wk=wk, wv=wv,
-                wo=up(get("attn_output.weight", i)), ffn_norm=up(get("ffn_norm.weight", i)),
+                attn_norm=opt("attn_norm.weight"), wq=wq, wk=wk, wv=wv,
+                wo=up(get("attn_output.weight", i)), ffn_norm=opt("ffn_norm.weight"),
                 w_gate=w_gate, w_up=w_up, w_down=up(get("ffn_down.weight", i)),
                 k_cache=b.empty((c.n_kv_heads, self.context, c.head_dim), np.float16),
                 v_cache=b.empty((c.n_kv_heads, self.context, c.head_dim), np.float16),
@@ -322,6 +327,9 @@ class Model:
                 for t in fam.tensors:
                     if t.per_layer:
                         w.pop(t.hf_name(i), None)
+        if c.residual_scale != 1.0 and any(L.attn_norm is None or L.ffn_norm is None for L in self.layers):
+            # the stream is carried divided by residual_scale (config.py): only norms may read it
+            raise ModelLoadError("a residual scale needs a norm before every sub-block")
         qkv = b.empty((qd + 2 * kd,))
         q, k = qkv[:qd], qkv[qd:qd + kd]
         self.state = RunState(
@@ -336,17 +344,23 @@ class Model:
         # x is the residual stream as ModelConfig carries it (divided by residual_scale), so its
         # norms take stream_eps; a block's own norms (q/k, post) take eps
         # attention: x += [post_norm] wo @ attention(rope(qnorm(wq xb)), rope(knorm(wk xb)), wv xb)
-        o.rmsnorm(o.xb, o.x, L.attn_norm, o.stream_eps)
-        o.qkv(L)
+        o.qkv(L, self._pre_norm(o, L.attn_norm))
         if L.q_norm is not None:
-            o.head_norms(L)
+            o.qk_norms(L)
         o.rope_store(L)
         o.attention(L)
         self._residual(o, L.wo, o.att, L.post_attn_norm)
         # MLP: x += [post_norm] w_down @ (act(w_gate xb) * (w_up xb))
-        o.rmsnorm(o.xb, o.x, L.ffn_norm, o.stream_eps)
-        o.gate_up(L, act)
+        o.gate_up(L, act, self._pre_norm(o, L.ffn_norm))
         self._residual(o, L.w_down, o.hb, L.post_ffn_norm)
+
+    @staticmethod
+    def _pre_norm(o, w):
+        """A sub-block's input: the stream normed into xb, or (no pre-norm) the stream itself."""
+        if w is None:
+            return o.x
+        o.rmsnorm(o.xb, o.x, w, o.stream_eps)
+        return o.xb
 
     @staticmethod
     def _residual(o, w, h, post_norm) -> None:

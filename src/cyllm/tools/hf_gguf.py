@@ -21,7 +21,8 @@ output by tests/test_quantize_tool.py):
   merges, ``pre`` naming the split regex) from tokenizer.json, or "llama" (SentencePiece:
   tokens, scores, types) from tokenizer.model; added special tokens are CONTROL (3),
   other added tokens USER_DEFINED (4), embedding rows past the vocabulary "[PAD<i>]"
-  UNUSED (5); bos/eos/unk/pad ids and add_bos/add_eos from tokenizer_config.json;
+  UNUSED (5); bos/eos/unk/pad ids and add_bos/add_eos from tokenizer_config.json (ids it
+  lacks from config.json's ``*_token_id``);
   the chat template.
 Sliding windows of the llama architecture (Mistral) are not written: llama.cpp's
 converter writes none and llama.cpp applies none (a note says so).
@@ -372,6 +373,10 @@ def _tokenizer_kv(d: Path, cfg: ModelConfig, hf: dict) -> list:
         special["bos"] = cfg.bos_token_id
     if "eos" not in special and cfg.eos_token_ids:
         special["eos"] = cfg.eos_token_ids[0]
+    for key, gkey in (("unk_token_id", "unknown"), ("pad_token_id", "padding")):   # as llama.cpp's converter
+        v = hf.get(key)
+        if gkey not in special and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n:
+            special[gkey] = v
     for gkey in ("bos", "eos", "unknown", "padding"):
         if gkey in special:
             kv.append((f"tokenizer.ggml.{gkey}_token_id", int(special[gkey]), T.UINT32, None))
