@@ -18,7 +18,8 @@ import cyllm  # noqa: E402
 from conftest import HOST_BACKENDS, cuda_available  # noqa: E402
 from llamacpp_tools import (VOCABS, family_material, llamacpp_template, llamacpp_vocab,  # noqa: E402,F401
                             llamacpp_vocab_file)
-from tinymodels import FAMILY_FEATURES, FAMILY_KINDS, GGUF_FAITHFUL, load_reference  # noqa: E402
+from tinymodels import (FAMILY_FEATURES, FAMILY_KINDS, GGUF_FAITHFUL, GGUF_PRE, KIND_TOKENIZER,  # noqa: E402
+                        load_reference, make_tiny_model)
 
 SEQ = 70          # crosses every window (16) and original rope context (32) of the material
 PROMPT = 40       # greedy-text prompt: past the longrope original context from the first token
@@ -140,6 +141,27 @@ def test_gguf_f16_and_q8_0_files(family_material, reference, kind):
     l8 = q8.logits(ids)
     assert rel_err(l8, l16) < 1e-1
     assert float(np.mean(l8.argmax(-1) == l16.argmax(-1))) > 0.9
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_yarn_rope_matches_transformers(tmp_path, backend):
+    """YaRN scaling (Qwen3 with factor 8 over an original context of 32, the sequence past it):
+    from the HF directory, and from the GGUF llama.cpp's converter writes of it."""
+    from llamacpp_tools import LlamaCppUnavailable, convert_hf_to_gguf
+    d = make_tiny_model(tmp_path, "qwen3_yarn")
+    ref = load_reference(d)
+    model = cyllm.load(d, backend=backend)
+    assert model.config.rope_scaling["rope_type"] == "yarn"
+    ids = _ids(model)
+    want = _hf_logits(ref, ids)
+    _assert_parity(model.logits(ids), want)
+    try:
+        path = convert_hf_to_gguf(d, tmp_path / "yarn.gguf", "f32", GGUF_PRE[KIND_TOKENIZER["qwen3_yarn"]])
+    except LlamaCppUnavailable as e:
+        pytest.skip(str(e))
+    g = cyllm.load(path, backend=backend)
+    assert g.config.rope_scaling["rope_type"] == "yarn"
+    _assert_parity(g.logits(ids), want)
 
 
 def test_every_family_has_material():

@@ -21,7 +21,7 @@ import pytest
 
 import cyllm
 import gguf_raw as G
-from cyllm.errors import CyllmError, InvalidArgumentError, ModelLoadError, TokenizerError
+from cyllm.errors import CyllmError, InvalidArgumentError, ModelLoadError, TokenizerError, UnsupportedModelError
 from cyllm.jsonio import MAX_DEPTH, parse_json
 from cyllm.loading import load_path
 from hostile import problem, run_cli
@@ -542,3 +542,23 @@ def test_perplexity_beyond_float64_is_inf():
     assert ppl == float("inf") and err == float("inf")
     assert format_ppl(ppl, err) == "PPL = inf +/- inf"
     assert ppl_from_sums(2.0 * 10, 4.5 * 10, 10)[0] == pytest.approx(np.exp(2.0))
+
+
+def _yarn(g, **extra) -> None:
+    g.set("llama.rope.scaling.type", G.STRING, "yarn")
+    g.set("llama.rope.scaling.factor", G.FLOAT32, 4.0)
+    g.set("llama.rope.scaling.original_context_length", G.UINT32, 64)
+    for key, value in extra.items():
+        g.set(f"llama.rope.scaling.{key}", G.FLOAT32, value)
+
+
+def test_gguf_yarn_read_and_its_other_keys_refused(tiny_gguf, tmp_path):
+    """YaRN as llama.cpp's converter writes it loads; the keys whose meaning llama.cpp
+    defines per architecture (an attention factor, a log multiplier) are refused by name."""
+    p = _gguf_with(tiny_gguf, tmp_path, "yarn.gguf", _yarn)
+    scaling = load_path(p)[0].rope_scaling
+    assert scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                       "beta_fast": 32.0, "beta_slow": 1.0}
+    for key in ("yarn_attn_factor", "yarn_log_multiplier"):
+        p = _gguf_with(tiny_gguf, tmp_path, f"yarn_{key}.gguf", lambda g: _yarn(g, **{key: 0.5}))
+        one_line_error(UnsupportedModelError, load_path, p, needles=[key])

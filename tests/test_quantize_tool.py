@@ -153,6 +153,15 @@ def test_families_match_llamacpp(material, kind, qtype):
 
 
 @pytest.mark.slow
+def test_yarn_scaling_matches_llamacpp(material):
+    """YaRN rope scaling travels as the converter writes it (type, factor, original context)."""
+    ref = material.llamacpp_quant("qwen3_yarn", "float16", "q8_0")
+    ours = material.cyllm_quant("qwen3_yarn", "float16", "q8_0")
+    _assert_same_file(ours, ref)
+    assert _fields(ours)[1]["qwen3.rope.scaling.type"].contents() == "yarn"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"])
 def test_k_quant_rows_match_llamacpp(material, qtype):
     """Rows that are multiples of 256: the K-quant blocks and the Q4_K_M / Q5_K_M per-layer

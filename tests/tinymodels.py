@@ -184,12 +184,17 @@ FAMILY_KINDS = {
                             rope_theta=500000.0, tie_word_embeddings=False)),
 }
 KINDS.update(FAMILY_KINDS)
+# Qwen3 with YaRN rope scaling (factor 8 over an original context of 32, which the 70-token
+# test sequence passes): not a family of its own, so not in FAMILY_KINDS
+KINDS["qwen3_yarn"] = ("qwen3", {**FAMILY_KINDS["qwen3"][1], "max_position_embeddings": 256,
+                                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 8.0,
+                                                     "original_max_position_embeddings": 32}})
 
 # kind -> tokenizer style (see make_family_tokenizer); other kinds default to "bytelevel"
 KIND_TOKENIZER = {"llama32": "llama3", "mistral_swa": "llama2", "qwen2": "qwen2",
                   "qwen3": "qwen2", "gemma3": "gemma", "gemma3_qscale": "gemma", "phi3": "phi3",
                   "phi3_longrope": "gpt4o", "smollm3": "smollm3", "granite": "llama3",
-                  "olmo2": "llama3"}
+                  "olmo2": "llama3", "qwen3_yarn": "qwen2"}
 
 # what each family kind exercises (for test ids and reports)
 FAMILY_FEATURES = {

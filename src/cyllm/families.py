@@ -180,6 +180,15 @@ def rope_params(cfg: JsonObject, layer_type: str = "full_attention") -> tuple[fl
         for k in ("rope_theta", "type", "partial_rotary_factor"):
             if scaling is not None:
                 scaling.pop(k, None)
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        # as transformers: the trained context from the config's top level, else the scaling's,
+        # else max_position_embeddings; no factor: the ratio of the two contexts
+        max_pos = cfg.int("max_position_embeddings", None, minimum=1)
+        orig = cfg.int("original_max_position_embeddings", None, minimum=1) \
+            or scaling.get("original_max_position_embeddings") or max_pos
+        scaling["original_max_position_embeddings"] = orig
+        if scaling.get("factor") is None and max_pos and isinstance(orig, (int, float)) and orig > 0:
+            scaling["factor"] = max_pos / orig
     return theta, scaling
 
 

@@ -4,7 +4,8 @@ A layer's rope is fully described by a :class:`RopeSpec`. Scaling types reduce
 to per-frequency divisors of the base inverse frequencies (linear: all equal the
 factor; llama3: the published wavelength formula, or the divisors a GGUF stores
 as its ``rope_freqs`` tensor, used as they are; longrope: the short or long
-factors) plus, for longrope, a magnitude factor on cos and sin. The arithmetic
+factors; yarn: 1 for the fast frequencies, the factor for the slow ones and a linear
+ramp between) plus, for longrope and yarn, a magnitude factor on cos and sin. The arithmetic
 follows Hugging Face transformers (float32 tables) so positions rotate alike.
 """
 
@@ -18,7 +19,7 @@ import numpy as np
 from .errors import ModelLoadError, UnsupportedModelError
 from .oneline import one_line
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 F32_MAX = float(np.finfo(np.float32).max)       # the engine's arithmetic (and these tables) is float32
 
 
@@ -76,11 +77,15 @@ class RopeSpec:
             # as llama.cpp: the long factors when the cache is longer than the trained context
             long = context > int(s["original_max_position_embeddings"])
             return np.asarray(s["long_factor" if long else "short_factor"], dtype=np.float64)
+        if kind == "yarn":
+            return yarn_divisors(self.theta, self.dim, s)
         return None
 
     def magnitude(self) -> float:
         """Factor on cos and sin (longrope's attention factor; 1 otherwise)."""
         s = self.scaling or {}
+        if self.rope_type == "yarn":
+            return yarn_magnitude(s)
         if self.rope_type != "longrope":
             return 1.0
         if s.get("attention_factor") is not None:
@@ -153,6 +158,51 @@ def _check_scaling(kind: str, s: dict, dim: int) -> None:
             _positive(s["factor"], "factor")
         if s.get("attention_factor") is not None:
             _positive(s["attention_factor"], "attention_factor")
+    elif kind == "yarn":
+        _positive(s.get("factor"), "factor")
+        _positive(s.get("original_max_position_embeddings"), "original_max_position_embeddings")
+        for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+            if s.get(key) is not None:
+                _positive(s[key], key)
+        if not isinstance(s.get("truncate", True), bool):
+            raise ModelLoadError(f"config: yarn truncate must be true or false, got {_short(s.get('truncate'))}")
+
+
+def yarn_divisors(theta: float, dim: int, s: dict) -> np.ndarray:
+    """YaRN's per-frequency divisors: frequencies that turn more than beta_fast times over the
+    original context keep theirs (1), those that turn fewer than beta_slow times are divided by
+    the factor, and a linear ramp over the frequency index runs between (transformers' yarn)."""
+    factor = float(s["factor"])
+    orig = float(s["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:      # the index whose frequency turns that often
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float64)
+    keep = 1.0 - ramp                                   # 1: the frequency as trained (extrapolated)
+    return 1.0 / (keep + (1.0 - keep) / factor)
+
+
+def yarn_magnitude(s: dict) -> float:
+    """YaRN's factor on cos and sin: attention_factor, else 0.1 ln(factor) + 1 (or the ratio of
+    two such terms weighted by mscale and mscale_all_dim, as DeepSeek's configs give)."""
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = float(s["factor"])
+
+    def mscale(weight: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return mscale(float(s["mscale"])) / mscale(float(s["mscale_all_dim"]))
+    return mscale(1.0)
 
 
 def llama3_inv_freq(inv_freq: np.ndarray, s: dict) -> np.ndarray:

@@ -50,6 +50,18 @@ def _rope_scaling(gf: GGUFFile, m: JsonObject, p: str, rot_dim: int) -> dict | N
     kind = m.text(p + "rope.scaling.type", "none")
     if kind == "linear":
         return {"rope_type": "linear", "factor": m.number(p + "rope.scaling.factor", 1.0, positive=True)}
+    if kind == "yarn":
+        # llama.cpp's YaRN is transformers' when only these keys are set (its magnitude then is
+        # 0.1 ln(factor) + 1); its attention-factor and log-multiplier keys follow rules of
+        # their own, per architecture
+        other = [k for k in ("rope.scaling.yarn_attn_factor", "rope.scaling.yarn_log_multiplier",
+                             "rope.scaling.attn_factor", "rope.scaling.yarn_ext_factor") if p + k in gf.metadata]
+        if other:
+            raise UnsupportedModelError(f"{one_line(gf.path)}: YaRN with {p}{other[0]} is not supported")
+        return {"rope_type": "yarn", "factor": m.number(p + "rope.scaling.factor", positive=True),
+                "original_max_position_embeddings": m.int(p + "rope.scaling.original_context_length", minimum=1),
+                "beta_fast": m.number(p + "rope.scaling.yarn_beta_fast", 32.0, positive=True),
+                "beta_slow": m.number(p + "rope.scaling.yarn_beta_slow", 1.0, positive=True)}
     if kind not in ("none", ""):
         raise UnsupportedModelError(f"{one_line(gf.path)}: rope scaling {clip(repr(kind))} is not supported")
     if "rope_freqs.weight" in gf.tensors:

@@ -10,7 +10,8 @@ output by tests/test_quantize_tool.py):
   when config.json names a ``head_dim``; the llama-style architectures (llama, smollm3, granite)
   also carry ``vocab_size`` and ``rope.dimension_count``; Phi-3 its rotary dims,
   ``rope.scaling.original_context_length`` and ``attention.sliding_window`` (0: none);
-  Gemma 3 ``rope.freq_base_swa`` and the global layers' linear scaling; Granite (llama-style
+  Gemma 3 ``rope.freq_base_swa`` and the global layers' linear scaling; YaRN scaling as
+  ``rope.scaling.type`` "yarn", its factor, original context and the betas config.json gives; Granite (llama-style
   keys, no head_dim) its multipliers as ``attention.scale``, ``embedding_scale``,
   ``residual_scale`` and ``logit_scale``;
 - tensors under the family table's GGUF names (families.py); llama-style q/k rows
@@ -167,6 +168,15 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
     if kind == "linear":
         kv += [(a + "rope.scaling.type", "linear", T.STRING, None),
                (a + "rope.scaling.factor", float(scaling["factor"]), T.FLOAT32, None)]
+    elif kind == "yarn":        # the keys llama.cpp's converter writes, each only when given
+        kv += [(a + "rope.scaling.type", "yarn", T.STRING, None),
+               (a + "rope.scaling.factor", float(scaling["factor"]), T.FLOAT32, None),
+               (a + "rope.scaling.original_context_length", int(scaling["original_max_position_embeddings"]),
+                T.UINT32, None)]
+        for hf_key, key in (("extrapolation_factor", "yarn_ext_factor"), ("attention_factor", "yarn_attn_factor"),
+                            ("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if scaling.get(hf_key) is not None:
+                kv.append((a + "rope.scaling." + key, float(scaling[hf_key]), T.FLOAT32, None))
     elif kind not in (None, "llama3", "longrope"):
         raise UnsupportedModelError(f"rope scaling {kind!r} cannot be written to a GGUF by cyllm")
     if fam.gguf_arch in ("llama", "smollm3", "granite"):
