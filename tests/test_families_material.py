@@ -134,7 +134,7 @@ def test_hf_dir_is_complete_and_logits_are_spread(family_material, hf_logits, ki
         "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
         "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
-        "olmo2": "Olmo2ForCausalLM"}[KINDS[kind][0]]).__name__
+        "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}[KINDS[kind][0]]).__name__
     ids, lg = hf_logits(kind)
     assert lg.shape == (SEQ, cfg["vocab_size"])
     assert np.isfinite(lg).all()
@@ -210,7 +210,7 @@ def test_weights_carry_their_features(family_material, kind):
     names = "\n".join(w)
     arch = KINDS[kind][0]
     assert (".q_proj.bias" in names) == (arch == "qwen2")
-    assert (".q_norm.weight" in names) == (arch in ("qwen3", "gemma3", "olmo2"))
+    assert (".q_norm.weight" in names) == (arch in ("qwen3", "gemma3", "olmo2", "olmo3"))
     assert (".qkv_proj.weight" in names and ".gate_up_proj.weight" in names) == (arch == "phi3")
     assert ("pre_feedforward_layernorm" in names) == (arch == "gemma3")
     norms = np.concatenate([v.ravel() for k, v in w.items() if k.endswith("norm.weight")])

@@ -11,7 +11,7 @@ norm weights around 1, biases non-zero) so that logits differ visibly between
 tokens and a wrong implementation cannot hide behind near-uniform outputs.
 
 The model families (``FAMILY_KINDS``: Llama 3.2, Mistral with a
-sliding window, Qwen2, Qwen3, Gemma 3, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo 2) are built
+sliding window, Qwen2, Qwen3, Gemma 3, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo 2 / 3) are built
 with transformers' own config and model classes, each with a tokenizer in its
 family's style (``KIND_TOKENIZER``): byte-level BPE with the family's split
 regex and special tokens appended at the end of the vocabulary (llama3, qwen2,
@@ -182,6 +182,16 @@ FAMILY_KINDS = {
     "olmo2": ("olmo2", dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2,
                             intermediate_size=160, num_hidden_layers=3, rms_norm_eps=1e-6,
                             rope_theta=500000.0, tie_word_embeddings=False)),
+    # OLMo 3: OLMo 2's block with sliding-window layers (16 positions; layers 0-2 of 4, as its
+    # default 3:1 pattern) and a rope for each kind: YaRN (factor 8 past an original context of
+    # 32) on the full layer, the plain base 10000 on the sliding ones
+    "olmo3": ("olmo3", dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=160, num_hidden_layers=4, rms_norm_eps=1e-6,
+                            sliding_window=16, max_position_embeddings=256, tie_word_embeddings=False,
+                            rope_parameters={
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
+                                                   "original_max_position_embeddings": 32}})),
 }
 KINDS.update(FAMILY_KINDS)
 # Qwen3 with YaRN rope scaling (factor 8 over an original context of 32, which the 70-token
@@ -194,7 +204,7 @@ KINDS["qwen3_yarn"] = ("qwen3", {**FAMILY_KINDS["qwen3"][1], "max_position_embed
 KIND_TOKENIZER = {"llama32": "llama3", "mistral_swa": "llama2", "qwen2": "qwen2",
                   "qwen3": "qwen2", "gemma3": "gemma", "gemma3_qscale": "gemma", "phi3": "phi3",
                   "phi3_longrope": "gpt4o", "smollm3": "smollm3", "granite": "llama3",
-                  "olmo2": "llama3", "qwen3_yarn": "qwen2"}
+                  "olmo2": "llama3", "olmo3": "llama3", "qwen3_yarn": "qwen2"}
 
 # what each family kind exercises (for test ids and reports)
 FAMILY_FEATURES = {
@@ -210,6 +220,7 @@ FAMILY_FEATURES = {
     "smollm3": "NoPE every 4th layer, GQA, tied",
     "granite": "embedding, residual, attention and logit multipliers, GQA, tied",
     "olmo2": "no pre-norms, q/k norms over the whole projection, post-norms, GQA, untied",
+    "olmo3": "olmo2's block, sliding window 16 on 3 of 4 layers, YaRN on the full layer only",
 }
 
 # kinds whose GGUF, read by llama.cpp's rules, is the same model as the HF directory. Not so:
@@ -230,6 +241,7 @@ _ARCH_CLASSES = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
 }
 
 # pre-tokenizer split regexes, as the families' tokenizer.json files state them

@@ -312,9 +312,15 @@ def _smollm3_hf(cfg):
 
 
 def _olmo2_hf(cfg):
-    if cfg.int("sliding_window", 0, minimum=0) and cfg.list("layer_types", "str") is not None:
-        raise UnsupportedModelError("OLMo 3 (sliding-window layers) is not supported")
-    return dict(qk_norm=True, qk_norm_whole=True, post_norms=True)
+    # OLMo 3 adds sliding-window layers (layer_types) and a rope for each kind of layer
+    window, types = _window_layers(cfg, _n_layers(cfg), all_sliding=False)
+    theta, scaling = rope_params(cfg, "full_attention")
+    local_theta, local_scaling = rope_params(cfg, "sliding_attention")
+    if types and local_scaling is not None:
+        raise UnsupportedModelError("OLMo 3: rope scaling on sliding layers is not supported")
+    return dict(qk_norm=True, qk_norm_whole=True, post_norms=True, sliding_window=window if types else 0,
+                layer_types=types, rope_theta=theta, rope_scaling=scaling,
+                rope_local_theta=local_theta if types else None)
 
 
 def _granite_hf(cfg):
@@ -340,7 +346,8 @@ def _gguf_scale(md, key: str, default: float | None) -> float | None:
 def _olmo2_gguf(md, p, t):
     # llama.cpp's olmo2 architecture also carries OLMo 3, whose files name a sliding window
     if md.get(p + "attention.sliding_window"):
-        raise UnsupportedModelError("OLMo 3 (sliding-window layers) is not supported")
+        raise UnsupportedModelError("OLMo 3 GGUF files (sliding-window layers) are not supported; "
+                                    "its Hugging Face directory is")
     return dict(qk_norm=True, qk_norm_whole=True, post_norms=True)
 
 
@@ -460,7 +467,7 @@ GRANITE = Family("granite", ("GraniteForCausalLM",), ("granite",), "granite", _t
 # OLMo 2: no norm before attention or the MLP (they read the stream), one RMSNorm over all of q
 # and one over all of k, and a norm on each sub-block's output before the residual add
 OLMO2 = Family(
-    "olmo2", ("Olmo2ForCausalLM",), ("olmo2",), "olmo2",
+    "olmo2", ("Olmo2ForCausalLM", "Olmo3ForCausalLM"), ("olmo2", "olmo3"), "olmo2",
     _table(attn_norm__weight=None, ffn_norm__weight=None,
            attn_q_norm__weight=Tensor("attn_q_norm.weight", _P + "self_attn.q_norm.weight", lambda c: (c.q_dim,)),
            attn_k_norm__weight=Tensor("attn_k_norm.weight", _P + "self_attn.k_norm.weight", lambda c: (c.kv_dim,)),
