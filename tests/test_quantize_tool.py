@@ -152,6 +152,16 @@ def test_families_match_llamacpp(material, kind, qtype):
     _assert_same_file(ours, ref, exact_vectors=kind != "gemma3")
 
 
+def test_olmo3_is_not_written_as_olmo2(tmp_path):
+    """An OLMo 3 directory written as OLMo 2 would lose its windows and its second rope."""
+    from cyllm.errors import UnsupportedModelError
+    from cyllm.tools.quantize import quantize
+    d = make_tiny_model(tmp_path, "olmo3", dtype="float16")
+    with pytest.raises(UnsupportedModelError, match="OLMo 3"):
+        quantize(d, tmp_path / "o.gguf", "q8_0", threads=1)
+    assert not (tmp_path / "o.gguf").exists()
+
+
 @pytest.mark.slow
 def test_yarn_scaling_matches_llamacpp(material):
     """YaRN rope scaling travels as the converter writes it (type, factor, original context)."""

@@ -188,6 +188,9 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
     if fam.name == "gemma3":
         kv += [(a + "rope.freq_base_swa", cfg.rope_local_theta or 10000.0, T.FLOAT32, None),
                (a + "attention.sliding_window", cfg.sliding_window, T.UINT32, None)]
+    if fam.name == "olmo2" and cfg.layer_types:
+        # OLMo 3: cyllm reads no OLMo 3 GGUF (llama.cpp's windowed olmo2), so it writes none
+        raise UnsupportedModelError("OLMo 3 (sliding-window layers) cannot be written to a GGUF by cyllm")
     if fam.name == "granite":       # each multiplier config.json gives (llama.cpp's converter skips 0)
         for hf_key, key in (("attention_multiplier", "attention.scale"), ("embedding_multiplier", "embedding_scale"),
                             ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale")):
