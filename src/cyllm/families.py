@@ -28,7 +28,7 @@ from typing import Callable
 
 from .config import MAX_LAYERS, ModelConfig
 from .errors import ModelLoadError, UnsupportedModelError
-from .jsonio import JsonObject, short
+from .jsonio import JsonObject, check_number, short
 from .oneline import one_line
 
 Shape = Callable[[ModelConfig], tuple]
@@ -336,11 +336,7 @@ def _granite_hf(cfg):
 def _gguf_scale(md, key: str, default: float | None) -> float | None:
     """A positive float of the metadata, or ``default`` where the key is absent."""
     v = md.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ModelLoadError(f"GGUF: {key} must be a positive number, got {short(v, 60)}")
-    return float(v)
+    return default if v is None else check_number(v, "GGUF " + key, positive=True)
 
 
 def _olmo2_gguf(md, p, t):
