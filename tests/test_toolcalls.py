@@ -1,8 +1,8 @@
 """OpenAI tool calling (cyllm/toolcalls.py, completions.py).
 
 References: transformers' apply_chat_template(tools=...) renders the prompt of real chat
-templates (llama.cpp's test copies of Qwen2.5's, Qwen3's, Llama 3.2's, Mistral Nemo's and
-Hermes 3's); the official `openai` client reads the answers, streamed and whole, from the
+templates (llama.cpp's test copies of Qwen2.5's, Qwen3's, Llama 3.2's, Mistral Nemo's,
+Hermes 3's and Granite 3.3's); the official `openai` client reads the answers, streamed and whole, from the
 HTTP server; `jsonschema` checks each call's arguments against the tool's parameters. The
 models are the tiny random ones of the family tests, so a call only comes out whole where
 tool_choice forces it (a grammar); the formats' parsing is checked on written answers.
@@ -21,8 +21,8 @@ from llamacpp_tools import family_material, llamacpp_template, or_skip  # noqa: 
 
 import cyllm  # noqa: E402
 from cyllm.errors import CyllmError, InvalidArgumentError  # noqa: E402
-from cyllm.toolcalls import (CallScan, ToolRequest, check_tools, generic_history, generic_messages,  # noqa: E402
-                             history_arguments, parse_calls, tool_format, tool_grammar)
+from cyllm.toolcalls import (CallScan, ToolRequest, calls_in_content, check_tools, generic_history,  # noqa: E402
+                             generic_messages, history_arguments, parse_calls, tool_format, tool_grammar)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city",
@@ -53,7 +53,8 @@ HISTORY = QUESTION + [
 TEMPLATES = [("Qwen-Qwen2.5-7B-Instruct", "qwen2", "hermes"), ("Qwen-Qwen3-0.6B", "qwen3", "hermes"),
              ("meta-llama-Llama-3.2-3B-Instruct", "llama32", "llama3"),
              ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "llama32", "hermes"),
-             ("mistralai-Mistral-Nemo-Instruct-2407", "mistral_swa", "mistral")]
+             ("mistralai-Mistral-Nemo-Instruct-2407", "mistral_swa", "mistral"),
+             ("ibm-granite-granite-3.3-2B-Instruct", "granite", "granite")]
 
 
 def _template(name):
@@ -76,7 +77,9 @@ def models(family_material):
 @pytest.mark.parametrize("name,kind,fmt", TEMPLATES)
 def test_tools_render_as_transformers_renders_them(family_material, models, name, kind, fmt):
     """The prompt of a request with tools, and of a conversation that went through a call, is
-    the one transformers renders from the same template; each template's format is detected."""
+    the one transformers renders from the same template; each template's format is detected.
+    Granite 3.3's template drops an assistant turn's tool_calls: the call goes back into the
+    turn's content as the template's system prompt tells the model to write one."""
     from transformers import AutoTokenizer
     template = _template(name)
     assert tool_format(template) == fmt
@@ -84,11 +87,19 @@ def test_tools_render_as_transformers_renders_them(family_material, models, name
     hf = AutoTokenizer.from_pretrained(family_material.hf_dir(kind))
     for messages in (QUESTION, HISTORY):
         # earlier calls' arguments as objects, as cyllm hands them to the template
-        want = hf.apply_chat_template(history_arguments(messages), tools=TOOLS, chat_template=template,
-                                      tokenize=False, add_generation_prompt=True)
-        assert "get_weather" in want and '\\"city' not in want
-        got = llm.create_chat_completion(messages=messages, tools=TOOLS, max_tokens=1)["usage"]["prompt_tokens"]
-        assert got == len(llm.tokenizer.encode(want, add_special_tokens=False))
+        given = calls_in_content(history_arguments(messages), fmt, template)
+        if fmt == "granite" and messages is HISTORY:
+            assert given[1] == {"role": "assistant", "content": '<|tool_call|>[{"name": "get_weather", '
+                                '"arguments": {"city": "Paris", "days": 1}}]'}
+        else:
+            assert given == history_arguments(messages)
+        # and a later request without tools (Granite's: the calls folded the same way)
+        for tools in (TOOLS, None) if fmt == "granite" else (TOOLS,):
+            want = hf.apply_chat_template(given, tools=tools, chat_template=template,
+                                          tokenize=False, add_generation_prompt=True)
+            assert (tools is None or "get_weather" in want) and '\\"city' not in want
+            got = llm.create_chat_completion(messages=messages, tools=tools, max_tokens=1)["usage"]["prompt_tokens"]
+            assert got == len(llm.tokenizer.encode(want, add_special_tokens=False))
 
 
 def test_tool_use_template_as_transformers_picks_it(family_material, tmp_path):
@@ -231,6 +242,7 @@ def test_tool_requests_checked(models):
                                       ("CohereForAI-c4ai-command-r7b-12-2024-tool_use", None),
                                       ("Qwen-QwQ-32B", "hermes"), ("meta-llama-Llama-3.3-70B-Instruct", "llama3"),
                                       ("Mistral-Small-3.2-24B-Instruct-2506", "mistral"),
+                                      ("ibm-granite-granite-4.0", "hermes"),
                                       ("unsloth-mistral-Devstral-Small-2507", "mistral"),
                                       ("microsoft-Phi-3.5-mini-instruct", "generic"),
                                       ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "generic")])
@@ -251,7 +263,8 @@ def test_forced_grammars_compile(models):
     refs = {"type": "object", "$defs": {"City": {"type": "string", "enum": ["Paris", "Lima"]}},
             "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"]}
     tools = TOOLS + [{"type": "function", "function": {"name": "where", "parameters": refs}}]
-    for fmt, args_form in (("hermes", False), ("llama3", False), ("mistral", False), ("mistral", True)):
+    for fmt, args_form in (("hermes", False), ("llama3", False), ("mistral", False), ("mistral", True),
+                           ("granite", False)):
         for choice in ("required", "where"):
             req = ToolRequest(tools=check_tools(tools, "auto", _template("Qwen-Qwen3-0.6B")).tools, choice=choice,
                               format=fmt, args_form=args_form)
@@ -261,7 +274,7 @@ def test_forced_grammars_compile(models):
             x = np.zeros(llm.config.vocab_size, np.float32)
             GrammarConstraint(llm, g).apply(x)          # the first token's mask
             allowed = np.flatnonzero(np.isfinite(x)).tolist()
-            if fmt == "mistral":
+            if fmt in ("mistral", "granite"):          # the control token the list follows
                 assert allowed == [special]
             else:
                 assert special not in allowed and len(allowed) > 0
@@ -310,6 +323,13 @@ ADD_CALL = {"name": "add", "arguments": '{"a": 1, "b": 2}'}
     ("generic", '{"response": "It is su', "It is su", []),       # cut by the token limit: what it said
     ("generic", '{"response": "a \\"b\\" \\u00e9\\ud83d\\ude00\\n"}', 'a "b" \u00e9\U0001f600\n', []),
     ("generic", '{"tool_call": {"name": "rm_rf", "arguments": {}}}', None, []),
+    ("granite", 'Let me look. <|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+                '{"name": "add", "arguments": {"a": 1, "b": 2}}]', "Let me look. ", [CALL, ADD_CALL]),
+    ("granite", '<|tool_call|>{"name": "add", "arguments": {"a": 1, "b": 2}}', "", [ADD_CALL]),
+    ("granite", '<|tool_call|>[{"name": "add", "arguments": {"a": 1, "b": 2}}', None, []),
+    ("granite", '<|tool_call|>[{"name": "rm_rf", "arguments": {}}]', None, []),
+    ("granite", '<think>a <|tool_call|> maybe</think><|tool_call|>[{"name": "add", "arguments": {"a": 1, "b": 2}}]',
+     "<think>a <|tool_call|> maybe</think>", [ADD_CALL]),
 ])
 def test_answers_parse_into_calls(fmt, answer, content, calls):
     """Each format's calls (several, unclosed at the end of the answer, the two Mistral forms);

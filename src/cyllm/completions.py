@@ -34,8 +34,8 @@ from .errors import ContextFullError, InvalidArgumentError, TokenizerError
 from .generate import GenerationStats, Session, StopScanner, check_stop, generate_tokens, sampling_params
 from .jsonio import short
 from .sampling import LogprobReader, Sampler, SamplingParams
-from .toolcalls import (CallScan, ToolRequest, check_tools, generic_history, generic_messages, history_arguments,
-                        new_call_id, tool_format, tool_grammar)
+from .toolcalls import (CallScan, ToolRequest, calls_in_content, check_tools, generic_history, generic_messages,
+                        history_arguments, new_call_id, tool_format, tool_grammar)
 
 DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
                 frequency_penalty=0.0, presence_penalty=0.0)
@@ -315,6 +315,9 @@ def _chat_ids(llm, messages, calls: ToolRequest | None = None) -> list[int]:
             msg["role"] = "system"
         rendered.append(msg)
     rendered = history_arguments(rendered)
+    source = tok.template_source(tools=calls is not None)
+    if source:      # earlier calls as the model wrote them, where the template drops tool_calls
+        rendered = calls_in_content(rendered, calls.format if calls is not None else tool_format(source), source)
     if calls is not None and calls.format == "generic":
         # the template knows no tools: a system message tells them (or the first user turn,
         # where the template refuses a system role: Gemma 2's)

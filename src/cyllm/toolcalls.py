@@ -11,6 +11,9 @@ tells which (checked against the real templates of llama.cpp's tests):
   template writes one (Mistral Small 3.2, Devstral, Ministral 3);
 - "llama3": the answer one object ``{"name": ..., "parameters": {...}}`` (or several,
   separated by ';'), after ``<|python_tag|>`` where the model writes one (Llama 3.1-3.3);
+- "granite": ``<|tool_call|>[{"name": ..., "arguments": {...}}, ...]``, the list after the
+  control token (Granite 3.x); earlier calls go back into their assistant turns in the same
+  syntax where the template renders only a turn's content;
 - "generic": a template that does not mention tools at all (Gemma 3, Phi-3.5, SmolLM2,
   DeepSeek's R1 distills): the tools and the answer's shape are described in a system
   message, and a grammar makes the answer one JSON object, ``{"tool_call": {"name": ...,
@@ -42,7 +45,8 @@ MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")     # OpenAI's rule for function names
 _ID_CHARS = string.ascii_letters + string.digits
 # where a call starts in the output, per format (the hold-back of streamed content)
-MARKERS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",), "llama3": ("<|python_tag|>",)}
+MARKERS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",), "llama3": ("<|python_tag|>",),
+           "granite": ("<|tool_call|>",)}
 # call syntaxes this module does not read: a template that teaches one takes no tools
 _UNREAD = ("<function=", "<arg_key>", "<tool_calls>", "<invoke ")
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
@@ -52,7 +56,7 @@ _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 class ToolRequest:
     tools: list[dict]           # as the template gets them: {"type": "function", "function": {...}}
     choice: str                 # "auto", "required", or the one function's name
-    format: str                 # "hermes" | "mistral" | "llama3" | "generic"
+    format: str                 # "hermes" | "mistral" | "llama3" | "granite" | "generic"
     parallel: bool = True       # parallel_tool_calls: False keeps the first call only
     args_form: bool = False     # mistral: name[ARGS]{...} calls (else one JSON list)
 
@@ -68,6 +72,8 @@ def tool_format(template: str | None) -> str | None:
         return None
     if "tools" not in template:
         return "generic"
+    if "<|tool_call|>" in template:
+        return "granite"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
@@ -128,8 +134,9 @@ def check_tools(tools, tool_choice, template: str | None, parallel=None) -> Tool
         raise InvalidArgumentError("this model has no chat template: tools need one")
     if fmt is None:
         raise InvalidArgumentError("this model's chat template teaches a tool-call format that cyllm does "
-                                   "not read (it reads <tool_call> blocks, Mistral's [TOOL_CALLS] and Llama "
-                                   "3's JSON calls): tools cannot be used with it")
+                                   "not read (it reads <tool_call> blocks, Mistral's [TOOL_CALLS], Llama "
+                                   "3's JSON calls and Granite's <|tool_call|> lists): tools cannot be used "
+                                   "with it")
     return ToolRequest(tools=given, choice=choice, format=fmt, parallel=parallel is not False,
                        args_form=fmt == "mistral" and "[ARGS]" in template)
 
@@ -138,7 +145,7 @@ def tool_grammar(req: ToolRequest, token_id) -> str | None:
     """llguidance (Lark) grammar that makes the answer one call of the allowed functions
     (tool_choice "required" or a name), or in the generic format one JSON answer; None for
     "auto" in the others. ``token_id(text)``: the id of a special token (Mistral's
-    [TOOL_CALLS]), or None."""
+    [TOOL_CALLS], Granite's <|tool_call|>), or None."""
     if req.choice == "auto" and req.format != "generic":
         return None
     key = "parameters" if req.format == "llama3" else "arguments"
@@ -170,10 +177,11 @@ def tool_grammar(req: ToolRequest, token_id) -> str | None:
             # spelled out as the call is: a bare %json object beside it is never taken (llguidance 1.9)
             text = {"type": "string", "x-guidance": JSON_OPTIONS}
             start += f' | "{{\\"response\\": " answer "}}"\nanswer: %json {json.dumps(text)}'
-    else:
-        tid = token_id("[TOOL_CALLS]")
+    else:       # mistral, granite: the calls after a control token, which the model writes as one
+        marker = MARKERS[req.format][0]
+        tid = token_id(marker)
         if tid is None:
-            raise InvalidArgumentError("tool_choice cannot be enforced: the vocabulary has no [TOOL_CALLS] token")
+            raise InvalidArgumentError(f"tool_choice cannot be enforced: the vocabulary has no {marker} token")
         start = f"start: <[{int(tid)}]> call" if req.args_form else f'start: <[{int(tid)}]> "[" call "]"'
     return "\n".join([start] + lines) + "\n"
 
@@ -187,7 +195,7 @@ def generic_history(messages: list[dict]) -> list[dict]:
     out: list[dict] = []
     for m in messages:
         if m.get("role") == "assistant" and m.get("tool_calls"):
-            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
+            calls = _plain_calls(m)
             names.update((c["id"], c["function"]["name"]) for c in m["tool_calls"] if isinstance(c.get("id"), str))
             body = json.dumps({"tool_call": calls[0]} if len(calls) == 1 else {"tool_calls": calls}, ensure_ascii=False)
             m = {"role": "assistant", "content": f"{m['content']}\n{body}" if m.get("content") else body}
@@ -228,6 +236,28 @@ def generic_messages(req: ToolRequest, messages: list[dict], system_role: bool =
         else:
             out[k] = dict(out[k], content=f"{sys_text}\n\n{out[k]['content']}")
     return out
+
+
+def calls_in_content(messages: list[dict], fmt: str | None, template: str) -> list[dict]:
+    """The conversation with each earlier call written into its assistant turn as the model
+    writes it (Granite's ``<|tool_call|>[...]`` after the turn's text), where the format is
+    one of a marker and a list and the template renders only a turn's content (Granite 3.3's
+    drops tool_calls); otherwise as it is."""
+    if fmt != "granite" or "tool_calls" in template:
+        return messages
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            body = MARKERS[fmt][0] + json.dumps(_plain_calls(m), ensure_ascii=False)
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
+            m["content"] = (m.get("content") or "") + body
+        out.append(m)
+    return out
+
+
+def _plain_calls(message: dict) -> list[dict]:
+    """An assistant turn's calls as the models write them: [{"name", "arguments"}]."""
+    return [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in message["tool_calls"]]
 
 
 def _search_from(text: str) -> int:
@@ -273,7 +303,7 @@ def parse_calls(req: ToolRequest, text: str) -> tuple[str, list[dict]]:
         if req.format == "hermes":
             other, calls = _hermes(tail, req.names)
         else:
-            other, calls = "", (_mistral if req.format == "mistral" else _llama3)(tail)
+            other, calls = "", {"mistral": _mistral, "llama3": _llama3, "granite": _granite}[req.format](tail)
     except (ValueError, TypeError, KeyError, AttributeError):
         return text, []
     if not calls or any(c["name"] not in req.names for c in calls):
@@ -456,15 +486,22 @@ def _generic(text: str, names: set[str]) -> tuple[str, list[dict]]:
     return ("", [call]) if call["name"] in names else (text, [])
 
 
+def _json_calls(text: str) -> list[dict]:
+    """The calls of one JSON list of them (or of one call object), the whole of ``text``."""
+    obj = json.loads(text)
+    return [_call(o) for o in (obj if isinstance(obj, list) else [obj])]
+
+
+def _granite(tail: str) -> list[dict]:
+    return [c for part in tail.split(MARKERS["granite"][0])[1:] for c in _json_calls(part)]
+
+
 def _mistral(tail: str) -> list[dict]:
     calls = []
     for part in tail.split("[TOOL_CALLS]")[1:]:
         part = part.strip()
         if part.startswith("["):
-            objs = json.loads(part)
-            if not isinstance(objs, list):
-                raise ValueError("not a list of calls")
-            calls.extend(_call(o) for o in objs)
+            calls.extend(_json_calls(part))
         else:
             name, sep, args = part.partition("[ARGS]")
             if not sep:
