@@ -39,6 +39,18 @@
 // NV * (1 - 2^-H) + (log2 SEG - H) * (NV >> H) shuffles instead of NV * log2 SEG.
 __device__ constexpr int log2_pow2(int x) { return x <= 1 ? 0 : 1 + log2_pow2(x >> 1); }
 
+// Gemma 2's soft cap of a scaled score, cap * tanh(s / cap), as cap * (1 - 2 / (e^(2s/cap) + 1)):
+// e^ large gives inf and 1 / inf = 0 (so +cap), a NaN stays NaN; the error is ~1e-7 cap, which
+// moves a softmax weight by as little. The kernels apply it where cap > 0, in loops of their own:
+// inside the score or softmax loops (with tanhf) it took the staged kernels g1 from 64 to 74
+// registers and g4 from 80 to 94, and tanhf in the prefill's own pass c2_v4 from 90 to 96
+// (nvcc 13.0, sm_90a)
+__device__ __forceinline__ float attn_softcap(float s, float cap)
+{
+    const float e = __expf(2.0f * s * __frcp_rn(cap));
+    return cap * fmaf(-2.0f, __frcp_rn(e + 1.0f), 1.0f);
+}
+
 // the halving levels H of seg_reduce_scatter<NV, SEG>, and the segment's levels
 template <int NV, int SEG>
 struct SegLevels {
@@ -197,7 +209,7 @@ __device__ __forceinline__ void attn_split_body(
     const float* q, const f16_t* k_cache,        // written by rope_store (or qmv_qkv_rope) just before: no
     const f16_t* v_cache, const int* __restrict__ step, int pos_host,   // __restrict__, no nc loads
     int max_ctx, int n_kv, int group, int hpb, int hd, int chunk, int n_split, float scale, int window,
-    unsigned char* __restrict__ qxo)
+    float softcap, unsigned char* __restrict__ qxo)
 {
     extern __shared__ __align__(16) float smem[];
     // fewer loads in flight for wide head tiles keeps registers (and so resident blocks) in
@@ -340,6 +352,7 @@ __device__ __forceinline__ void attn_split_body(
 #pragma unroll
                     for (int off = 16; off > 0; off >>= 1)       // every lane of the row gets the score
                         if (off < hd8) p += __shfl_xor_sync(FULL_MASK, p, off);
+                    if (softcap > 0.0f) p = attn_softcap(p, softcap);
                     const float sc = (t < n_valid && t >= t_first) ? p : NEG_INF;
                     const float mn = fmaxf(mx, sc);
                     if (mn == NEG_INF) continue;                  // no valid row yet in this lane's rows
@@ -462,6 +475,15 @@ __device__ __forceinline__ void attn_split_body(
 
             // ---- local softmax per head: one warp per head of the tile
             for (int gi = warp; gi < gt; gi += ATT_WARPS) {
+                if (softcap > 0.0f) {
+                    // the scores' soft cap here, where each lane rereads only its own (either
+                    // score path stores S); the masked rows stay -inf
+#pragma unroll 1
+                    for (int t = lane; t < n_valid; t += 32) {
+                        const float s = S[gi * chunk + t];
+                        if (s > NEG_INF) S[gi * chunk + t] = attn_softcap(s, softcap);
+                    }
+                }
                 float m = NEG_INF;
                 for (int t = lane; t < n_valid; t += 32) m = fmaxf(m, S[gi * chunk + t]);
                 m = warp_max(m);
@@ -562,10 +584,10 @@ __device__ __forceinline__ void attn_split_body(
         const float* q, const f16_t* k_cache,                                                \
         const f16_t* v_cache, const int* step, int pos_host, int max_ctx, int n_kv,          \
         int group, int hpb, int hd, int chunk, int n_split, float scale, int window,         \
-        unsigned char* qxo) {                                                                \
+        float softcap, unsigned char* qxo) {                                                 \
         TRACE_BEGIN(); attn_split_body<GT, VE, BF, EK>(out, counters, o_part, m_part, l_part, q, k_cache, v_cache,  \
                                 step, pos_host, max_ctx, n_kv, group, hpb, hd, chunk,        \
-                                n_split, scale, window, qxo);                                \
+                                n_split, scale, window, softcap, qxo);                       \
         TRACE_END(0x1000);                                                                   \
     }
 // NAME_ve: the first pass of K and V rows loaded before pdl_wait (short contexts: one round
@@ -588,7 +610,7 @@ CYLLM_ATTN_SPLIT(attn_split_g8, 8)
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_split_generic(
     float* out, int* counters, float* o_part, float* m_part, float* l_part, const float* q, const f16_t* k_cache,
     const f16_t* v_cache, const int* step, int pos_host, int max_ctx, int n_kv,
-    int group, int hd, int chunk, int n_split, float scale, int window)
+    int group, int hd, int chunk, int n_split, float scale, int window, float softcap)
 {
     extern __shared__ __align__(16) float smem_generic[];
     const int h = blockIdx.x;
@@ -613,6 +635,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_split_generic(
     for (int t = threadIdx.x; t < n_valid; t += ATT_THREADS) {
         float s = 0.0f;
         for (int e = 0; e < hd; ++e) s = fmaf(qs[e], h2f(K[(size_t)t * hd + e]), s);
+        if (softcap > 0.0f) s = attn_softcap(s, softcap);
         if (t < t_first) s = NEG_INF;
         S[t] = s;
         m = fmaxf(m, s);
@@ -699,7 +722,7 @@ template <int NC, int BQ, int BK, bool VEC>
 __device__ __forceinline__ void attn_batch_body(
     float* __restrict__ out, const float* __restrict__ q, const f16_t* __restrict__ k_cache,
     const f16_t* __restrict__ v_cache, int T, int pos0, int max_ctx, int group, int hd,
-    int q_stride, int out_stride, float scale, int window)
+    int q_stride, int out_stride, float scale, int window, float softcap)
 {
     constexpr int RPW = BQ / AB_WARPS;        // output rows per warp
     constexpr int SR = BQ / 16;               // score rows per thread
@@ -790,6 +813,17 @@ __device__ __forceinline__ void attn_batch_body(
                 Ps[row * PS + col] = ok ? s[r][c] : NEG_INF;
             }
         __syncthreads();                      // every score written, K tile no longer read
+        if (softcap > 0.0f) {
+            // a pass of its own: in the loops above or below it took registers from every
+            // variant (c2_v4 90 -> 112, nvcc 13.0, sm_90a); masked scores stay -inf
+#pragma unroll 1
+            for (int i = tid; i < BQ * BK; i += AB_THREADS) {
+                const int row = i / BK, col = i - row * BK;
+                const float v = Ps[row * PS + col];
+                if (v > NEG_INF) Ps[row * PS + col] = attn_softcap(v, softcap);
+            }
+            __syncthreads();
+        }
         attn_batch_load_tile<VEC>(KVs, V, kt, kmax, BK, hd, hdp);
 #pragma unroll
         for (int i = 0; i < RPW; ++i) {
@@ -848,16 +882,16 @@ __device__ __forceinline__ void attn_batch_body(
     extern "C" __global__ void __launch_bounds__(AB_THREADS) NAME(                             \
         float* out, const float* q, const f16_t* k_cache, const f16_t* v_cache, int T,         \
         int pos0, int max_ctx, int group, int hd, int q_stride, int out_stride, float scale,   \
-        int window, const int* __restrict__ step) {                                            \
+        int window, float softcap, const int* __restrict__ step) {                             \
         attn_batch_body<NC, BQ, BK, false>(out, q, k_cache, v_cache, T, step_value(step, 1, pos0), \
-                                           max_ctx, group, hd, q_stride, out_stride, scale, window); \
+                                           max_ctx, group, hd, q_stride, out_stride, scale, window, softcap); \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(AB_THREADS) NAME##_v4(                        \
         float* out, const float* q, const f16_t* k_cache, const f16_t* v_cache, int T,         \
         int pos0, int max_ctx, int group, int hd, int q_stride, int out_stride, float scale,   \
-        int window, const int* __restrict__ step) {                                            \
+        int window, float softcap, const int* __restrict__ step) {                             \
         attn_batch_body<NC, BQ, BK, true>(out, q, k_cache, v_cache, T, step_value(step, 1, pos0), \
-                                          max_ctx, group, hd, q_stride, out_stride, scale, window); \
+                                          max_ctx, group, hd, q_stride, out_stride, scale, window, softcap); \
     }
 
 // NC = head_dim / 32 rounded up (columns per lane); tiles sized to stay under 48 KB of

@@ -28,6 +28,18 @@ cdef inline float _scale(object scale, Py_ssize_t hd) except? -1:
     return <float>s
 
 
+cdef inline float _softcap(object cap) except? -1:
+    """An attention score soft cap: 0 (none) or a finite number > 0."""
+    cdef double c
+    try:
+        c = float(cap)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"softcap must be a number, got {cap!r}") from None
+    if not (c == 0 or (c > 0 and c < 1e30)):
+        raise InvalidArgumentError(f"softcap must be 0 (none) or a finite number > 0, got {cap!r}")
+    return <float>c
+
+
 cdef inline float _factor(object scale) except? -1:
     cdef double s
     try:

@@ -13,7 +13,7 @@ cdef extern from "csrc/kernels.h" nogil:
                              const void *nx, int64_t nx_bytes) noexcept nogil
         void (*attention_group)(float *out, const float *q, const uint16_t *k,
                                 const uint16_t *v, int64_t t_len, int64_t hd,
-                                float scale, int64_t n_q, float *ml) noexcept nogil
+                                float scale, float softcap, int64_t n_q, float *ml) noexcept nogil
         void (*f16_to_f32)(float *out, const uint16_t *inp, int64_t n) noexcept nogil
         void (*f32_to_f16)(uint16_t *out, const float *inp, int64_t n) noexcept nogil
         double (*sum_f32)(const float *p, int64_t n) noexcept nogil
@@ -22,7 +22,7 @@ cdef extern from "csrc/kernels.h" nogil:
                           int mode) noexcept nogil
         int gemm_nr
         void (*attention_rows)(float *out, const float *q, int64_t ldq, const uint16_t *k,
-                               const uint16_t *v, int64_t hd, float scale, int64_t rows,
+                               const uint16_t *v, int64_t hd, float scale, float softcap, int64_t rows,
                                int64_t len0, float *work) noexcept nogil
         int64_t (*attention_rows_work)(int64_t t_max) noexcept nogil
         int attention_rows_max
@@ -42,7 +42,7 @@ cdef extern from "csrc/kernels.h" nogil:
         int64_t d, n, n_heads, n_kv, hd, max_ctx, half, fixed, window
         int next_w
         int slot
-        float eps, scale
+        float eps, scale, softcap
         void *xq
         int qfmt, act
         int64_t rb
@@ -75,7 +75,7 @@ cdef extern from "csrc/kernels.h" nogil:
     void cyllm_attention_run(const cyllm_kernels *kt, float *out, const float *q,
                              const uint16_t *kc, const uint16_t *vc, int64_t n_heads,
                              int64_t n_kv, int64_t hd, int64_t max_ctx, int64_t start,
-                             int64_t pos, float scale, float *scratch, int nt) noexcept
+                             int64_t pos, float scale, float softcap, float *scratch, int nt) noexcept
     const cyllm_kernels *cyllm_kernels_by_name(const char *name) noexcept
     float cyllm_silu(float x) noexcept
     int CYLLM_ACT_SILU, CYLLM_ACT_GELU_TANH

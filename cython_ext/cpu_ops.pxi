@@ -209,10 +209,11 @@ cdef class CpuKernels:
         return 0
 
     # -- attention and its helpers ------------------------------------------------
-    def attention(self, out, q, k_cache, v_cache, pos, window=0, scale=None):
+    def attention(self, out, q, k_cache, v_cache, pos, window=0, scale=None, softcap=0.0):
         """out, q (n_heads*head_dim,) f32; k_cache, v_cache (n_kv, max_ctx, head_dim) f16;
         causal over cache positions max(0, pos+1-window)..pos (window 0: from 0); query head h
-        reads kv head h // (n_heads // n_kv); scores scaled by scale (None: 1/sqrt(head_dim))."""
+        reads kv head h // (n_heads // n_kv); scores scaled by scale (None: 1/sqrt(head_dim)),
+        then soft-capped to softcap * tanh(s / softcap) where softcap > 0."""
         cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 1, True)
         cdef cnp.ndarray aq = _arr(q, "q", cnp.NPY_FLOAT32, 1, False)
         cdef cnp.ndarray ak = _arr(k_cache, "k_cache", cnp.NPY_FLOAT16, 3, False)
@@ -227,7 +228,7 @@ cdef class CpuKernels:
         _check_pos(p, max_ctx)
         cdef Py_ssize_t w = _window(window)
         cdef Py_ssize_t start = p + 1 - w if 0 < w < p + 1 else 0
-        cdef float sc = _scale(scale, hd)
+        cdef float sc = _scale(scale, hd), cap = _softcap(softcap)
         _attention_overlaps(ao, aq, ak, av)
 
         cdef const cyllm_kernels *kt = self.kt
@@ -243,7 +244,7 @@ cdef class CpuKernels:
             nt = 1
         cdef float *scratch = self._scratch_for(cyllm_attention_scratch(n_heads, hd, p + 1 - start))
         with nogil:
-            cyllm_attention_run(kt, po, pq, pk, pv, n_heads, n_kv, hd, max_ctx, start, p, sc,
+            cyllm_attention_run(kt, po, pq, pk, pv, n_heads, n_kv, hd, max_ctx, start, p, sc, cap,
                                 scratch, nt)
 
     def cache_store(self, k_cache, v_cache, k, v, pos):
@@ -674,9 +675,10 @@ cdef class CpuKernels:
                     kt.f32_to_f16(pk + (h * max_ctx + p0 + t) * hd, sk + t * w + h * hd, hd)
                     kt.f32_to_f16(pv + (h * max_ctx + p0 + t) * hd, sv + t * w + h * hd, hd)
 
-    def attention_batch(self, out, q, k_cache, v_cache, pos0, window=0, scale=None):
+    def attention_batch(self, out, q, k_cache, v_cache, pos0, window=0, scale=None, softcap=0.0):
         """Causal attention of T queries: row t attends to cache positions
-        max(0, pos0+t+1-window)..pos0+t (window 0: from 0); scores scaled by scale.
+        max(0, pos0+t+1-window)..pos0+t (window 0: from 0); scores scaled by scale, then
+        soft-capped where softcap > 0.
         out, q (T, n_heads*hd) f32. The avx512 variant computes blocks of rows as small
         GEMMs with an exact softmax; the others call the decode kernel row by row."""
         cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 2, True)
@@ -698,7 +700,7 @@ cdef class CpuKernels:
         cdef const uint16_t *pk = <const uint16_t *>cnp.PyArray_DATA(ak)
         cdef const uint16_t *pv = <const uint16_t *>cnp.PyArray_DATA(av)
         cdef Py_ssize_t group = n_heads // n_kv, items = T * n_kv, it, t, kvh, st
-        cdef float sc = _scale(scale, hd)
+        cdef float sc = _scale(scale, hd), cap = _softcap(softcap)
         cdef Py_ssize_t w = _window(window)
         cdef int nt = self.nthreads
         if T * (p0 + T) * hd * n_heads < 65536:
@@ -717,7 +719,7 @@ cdef class CpuKernels:
                     st = p0 + t + 1 - w if 0 < w < p0 + t + 1 else 0
                     ntr = self.nthreads if (p0 + t + 1 - st) * hd * n_heads >= 16384 else 1
                     cyllm_attention_run(kt, po + t * qlen, pq + t * qlen, pk, pv, n_heads, n_kv, hd, max_ctx,
-                                        st, p0 + t, sc, scr, ntr)
+                                        st, p0 + t, sc, cap, scr, ntr)
             return
         if kt.attention_rows != NULL and T > 1 and (w == 0 or w >= p0 + T):
             # GEMM-shaped kernel: work item = (block of R query rows, one head); blocks
@@ -734,7 +736,7 @@ cdef class CpuKernels:
                     h = it % n_heads
                     kt.attention_rows(po + t0 * qlen + h * hd, pq + t0 * qlen + h * hd, qlen,
                                       pk + (h // group) * max_ctx * hd, pv + (h // group) * max_ctx * hd,
-                                      hd, sc, min(R, T - t0), p0 + t0 + 1,
+                                      hd, sc, cap, min(R, T - t0), p0 + t0 + 1,
                                       work + threadid() * per)
             return
         if nt > items:
@@ -750,7 +752,7 @@ cdef class CpuKernels:
                     st = p0 + t + 1 - w if 0 < w < p0 + t + 1 else 0     # first attended position
                     kt.attention_group(po + t * qlen + kvh * group * hd, pq + t * qlen + kvh * group * hd,
                                        pk + (kvh * max_ctx + st) * hd, pv + (kvh * max_ctx + st) * hd,
-                                       p0 + t + 1 - st, hd, sc, group, NULL)
+                                       p0 + t + 1 - st, hd, sc, cap, group, NULL)
             else:
                 for it in prange(items, num_threads=nt, schedule="dynamic", chunksize=1):
                     t = items // n_kv - 1 - it // n_kv       # longest rows first
@@ -758,4 +760,4 @@ cdef class CpuKernels:
                     st = p0 + t + 1 - w if 0 < w < p0 + t + 1 else 0
                     kt.attention_group(po + t * qlen + kvh * group * hd, pq + t * qlen + kvh * group * hd,
                                        pk + (kvh * max_ctx + st) * hd, pv + (kvh * max_ctx + st) * hd,
-                                       p0 + t + 1 - st, hd, sc, group, NULL)
+                                       p0 + t + 1 - st, hd, sc, cap, group, NULL)

@@ -394,6 +394,7 @@ cdef class DecodeProgram:
             o.n_heads = v // o.hd
             o.window = _window(args[5] if len(args) > 5 else 0)
             o.scale = _scale(args[6] if len(args) > 6 else None, o.hd)
+            o.softcap = _softcap(args[7] if len(args) > 7 else 0.0)
             o.out = <float *>cnp.PyArray_DATA(a0)
             o.a = cnp.PyArray_DATA(a1)
             self._push(&o, ops, [_span(a1), _span(a2), _span(a3)], [_span(a0)])

@@ -85,6 +85,7 @@ WIDE = {
     "mistral_swa": dict(hidden_size=256, intermediate_size=288),
     "qwen2": dict(hidden_size=224, intermediate_size=256),
     "qwen3": dict(hidden_size=256, intermediate_size=256),
+    "gemma2": dict(hidden_size=256, intermediate_size=256),
     "gemma3": dict(hidden_size=256, intermediate_size=288),
     "phi3": dict(hidden_size=256, intermediate_size=256),
     "phi3_longrope": dict(hidden_size=96, intermediate_size=128),

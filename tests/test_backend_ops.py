@@ -367,20 +367,20 @@ def b_cache_store_batch(rng, n_kv, max_ctx, hd, T, pos0, specials=False):
     return dict(k_cache=kc, v_cache=vc, k=k, v=v, pos0=pos0)
 
 
-def b_attention(rng, n_heads, n_kv, hd, pos, max_ctx=None, window=None, scale=None):
+def b_attention(rng, n_heads, n_kv, hd, pos, max_ctx=None, window=None, scale=None, softcap=None):
     kc, vc = kv_cache(rng, n_kv, max_ctx or pos + 1, hd, last=pos)
     # q of scale 2: peaky scores exercise the softmax's running-max rescaling
     args = dict(out=nan32(n_heads * hd), q=f32(rng, n_heads * hd, scale=2.0), k_cache=kc, v_cache=vc,
                 pos=pos)
-    return _optional(args, window=window, scale=scale)
+    return _optional(args, window=window, scale=scale, softcap=softcap)
 
 
-def b_attention_batch(rng, n_heads, n_kv, hd, T, pos0, max_ctx=None, window=None, scale=None):
+def b_attention_batch(rng, n_heads, n_kv, hd, T, pos0, max_ctx=None, window=None, scale=None, softcap=None):
     last = pos0 + T - 1
     kc, vc = kv_cache(rng, n_kv, max_ctx or last + 1, hd, last=last)
     args = dict(out=nan32(T, n_heads * hd), q=f32(rng, T, n_heads * hd, scale=2.0), k_cache=kc,
                 v_cache=vc, pos0=pos0)
-    return _optional(args, window=window, scale=scale)
+    return _optional(args, window=window, scale=scale, softcap=softcap)
 
 
 def b_swiglu(rng, n):
@@ -488,6 +488,12 @@ CASES = [
     case("attention", n_heads=8, n_kv=4, hd=32, pos=30, scale=0.0625),
     case("attention", n_heads=4, n_kv=2, hd=16, pos=12, scale=1.0),            # unscaled: peaky
     case("attention", n_heads=4, n_kv=1, hd=256, pos=40, window=16, scale=0.0625),   # Gemma 3 local
+    # soft-capped scores (Gemma 2): caps that bind on these peaky scores; the GQA tile, a head
+    # dim off the vector width, the scalar tail positions and the merged 256-position blocks
+    case("attention", n_heads=8, n_kv=4, hd=64, pos=46, softcap=1.5),
+    case("attention", n_heads=2, n_kv=1, hd=40, pos=15, softcap=2.0),
+    case("attention", n_heads=3, n_kv=3, hd=48, pos=5, softcap=0.75),
+    case("attention", n_heads=4, n_kv=2, hd=256, pos=300, window=280, scale=1.0, softcap=50.0),
     case("swiglu", n=1),
     case("swiglu", n=17),
     case("swiglu", n=576),
@@ -538,6 +544,10 @@ CASES = [
     case("attention_batch", n_heads=2, n_kv=1, hd=32, T=12, pos0=5, window=100),   # window > all
     case("attention_batch", n_heads=3, n_kv=1, hd=24, T=9, pos0=4, scale=0.5),
     case("attention_batch", n_heads=4, n_kv=1, hd=256, T=17, pos0=30, window=20, scale=0.0625),
+    case("attention_batch", n_heads=4, n_kv=2, hd=64, T=17, pos0=3, softcap=1.5),
+    case("attention_batch", n_heads=2, n_kv=1, hd=40, T=300, pos0=0, softcap=2.0),
+    case("attention_batch", n_heads=8, n_kv=4, hd=256, T=20, pos0=10, window=8, scale=1.0, softcap=50.0),
+    case("attention_batch", n_heads=3, n_kv=1, hd=24, T=1, pos0=9, softcap=0.5),
 ]
 
 # quantized weights (QuantMatrix): every format, rows not a multiple of the 4-row groups,

@@ -203,8 +203,9 @@ ATT_CASES = [(4, 4, 64, 50), (8, 2, 128, 300), (9, 3, 64, 1000), (6, 1, 32, 70),
 
 
 # -- attention: splits, tiles and the kernel variants the table does not pick ------------------
-def check_attention(be, nh, nkv, hd, max_ctx, window):
-    """be.attention at positions 0, 1, a third of the cache and its last, against numpy_ref."""
+def check_attention(be, nh, nkv, hd, max_ctx, window, softcap=0.0):
+    """be.attention at positions 0, 1, a third of the cache and its last, against numpy_ref
+    (with softcap: q scaled up, so that the cap binds)."""
     ref = NumpyBackend()
     kc = f16(nkv, max_ctx, hd)
     vc = f16(nkv, max_ctx, hd)
@@ -212,11 +213,11 @@ def check_attention(be, nh, nkv, hd, max_ctx, window):
         kp, vp = kc.copy(), vc.copy()
         kp[:, pos + 1:] = np.nan        # rows past pos must never be read
         vp[:, pos + 1:] = np.nan
-        q = f32(nh * hd)
+        q = f32(nh * hd, scale=4.0 if softcap else 1.0)
         out = nan_dev(nh * hd)
-        be.attention(out, be.upload(q), be.upload(kp), be.upload(vp), pos, window)
+        be.attention(out, be.upload(q), be.upload(kp), be.upload(vp), pos, window, None, softcap)
         want = np.zeros(nh * hd, np.float32)
-        ref.attention(want, q, kc, vc, pos, window)
+        ref.attention(want, q, kc, vc, pos, window, None, softcap)
         assert rel_err(host(be, out), want) < 1e-4, f"pos {pos}"
 
 
@@ -265,6 +266,39 @@ def test_attention_staged_scores(nh, nkv, hd, max_ctx, hpb, variant):
     be.attn_staged_early = variant == "early"
     be.attn_heads_per_block = hpb if hpb is not None else nh // nkv
     check_attention(be, nh, nkv, hd, max_ctx, 37 if (nh // nkv) % 2 else 0)
+
+
+@pytest.mark.parametrize("variant", ["online", "butterfly", "fold", "early"])
+@pytest.mark.parametrize("nh,nkv,hd,max_ctx", [(8, 8, 128, 300), (16, 2, 256, 700), (8, 4, 64, 260),
+                                               (6, 2, 40, 90)])
+def test_attention_softcap_every_path(nh, nkv, hd, max_ctx, variant):
+    """Soft-capped scores (Gemma 2) on each decode path: the online softmax of short caches,
+    the staged path's butterfly, fold and early-row kernels (one head a block, and the whole
+    group), a window, and head_dim 40 (the generic kernel)."""
+    for hpb in (1, nh // nkv):
+        be = CudaBackend()
+        be.attn_v_early = variant == "online"
+        be.attn_butterfly = variant != "fold"
+        be.attn_staged_early = variant == "early"
+        be.attn_heads_per_block = hpb
+        check_attention(be, nh, nkv, hd, max_ctx, 37 if hpb == 1 else 0, softcap=2.5)
+
+
+@pytest.mark.parametrize("vec", [True, False])
+@pytest.mark.parametrize("nh,nkv,hd,t,pos0,max_ctx", [(8, 2, 128, 100, 20, 200), (4, 2, 256, 40, 30, 80),
+                                                      (3, 1, 24, 17, 0, 40)])
+def test_attention_batch_softcap(ref, nh, nkv, hd, t, pos0, max_ctx, vec):
+    """Prefill attention with soft-capped scores, both kernels, with and without a window."""
+    be = CudaBackend()
+    be.attn_batch_vec = vec
+    kc, vc = f16(nkv, max_ctx, hd), f16(nkv, max_ctx, hd)
+    q = f32(t, nh * hd, scale=4.0)
+    for window in (0, 29):
+        out = cp.full((t, nh * hd), np.nan, dtype=cp.float32)
+        be.attention_batch(out, be.upload(q), be.upload(kc), be.upload(vc), pos0, window, None, 2.5)
+        want = np.zeros((t, nh * hd), np.float32)
+        ref.attention_batch(want, q, kc, vc, pos0, window, None, 2.5)
+        assert rel_err(host(be, out), want) < 1e-4
 
 
 def test_attention_peaked_scores(be, ref):

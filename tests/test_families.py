@@ -122,8 +122,8 @@ def test_gguf_from_llamacpp_converter_matches_transformers(family_material, refe
     """The same weights as a GGUF written by llama.cpp's converter (its conventions: q/k
     permutation, Gemma's +1 norms, fused Phi-3 tensors, rope_freqs / rope_factors)."""
     model = cyllm.load(family_material.gguf(kind, "f32"), backend=_backend(backend))
-    assert model.config.arch in {"llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "smollm3", "granite",
-                                 "olmo2"}
+    assert model.config.arch in {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3",
+                                 "granite", "olmo2"}
     ids = _ids(model)
     _assert_parity(model.logits(ids), _hf_logits(reference(kind), ids))
 

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.slow
 SEQ = 70
 
 GGUF_ARCH = {"llama32": "llama", "mistral_swa": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-             "gemma3": "gemma3", "phi3": "phi3", "phi3_longrope": "phi3", "smollm3": "smollm3",
+             "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "phi3_longrope": "phi3", "smollm3": "smollm3",
              "granite": "granite", "olmo2": "olmo2"}
 
 # the GGUF tensors of one block, per architecture (llama.cpp's names)
@@ -50,6 +50,8 @@ _BLOCK = {
               "attn_v.bias", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"],
     "qwen3": ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm",
               "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"],
+    "gemma2": ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "post_attention_norm", "ffn_norm",
+               "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm"],
     "gemma3": ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm",
                "attn_output", "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
                "post_ffw_norm"],
@@ -72,8 +74,8 @@ _HF_TO_GGUF = {
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
-# blocks with norms on their outputs (Gemma 3; OLMo 2, which has no pre_feedforward one)
-_POST_NORM_ARCHS = ("gemma3", "olmo2")
+# blocks with norms on their outputs (Gemma 2 and 3; OLMo 2, which has no pre_feedforward one)
+_POST_NORM_ARCHS = ("gemma2", "gemma3", "olmo2")
 _POST_NORMS = {"post_attention_layernorm.weight": "post_attention_norm.weight",
                "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
@@ -132,7 +134,8 @@ def test_hf_dir_is_complete_and_logits_are_spread(family_material, hf_logits, ki
     cfg = _config(d)
     assert cfg["architectures"][0] == getattr(transformers, {
         "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+        "phi3": "Phi3ForCausalLM",
         "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
         "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}[KINDS[kind][0]]).__name__
     ids, lg = hf_logits(kind)
@@ -167,6 +170,9 @@ def _gemma_rope(layer_type, **kv):
 _TOGGLES = {
     "llama32": [("llama3 rope scaling", _set_rope(rope_type="default"), 1)],
     "mistral_swa": [("sliding window", lambda c: setattr(c, "sliding_window", None), 16)],
+    "gemma2": [("sliding window", lambda c: setattr(c, "sliding_window", 4096), 16),
+               ("attention soft cap", lambda c: setattr(c, "attn_logit_softcapping", None), 1),
+               ("final logit soft cap", lambda c: setattr(c, "final_logit_softcapping", None), 0)],
     "gemma3": [("sliding window", lambda c: setattr(c, "sliding_window", 4096), 16),
                ("local rope base", _gemma_rope("sliding_attention", rope_theta=1e6), 1),
                ("linear scaling of the global layers",
@@ -212,13 +218,13 @@ def test_weights_carry_their_features(family_material, kind):
     assert (".q_proj.bias" in names) == (arch == "qwen2")
     assert (".q_norm.weight" in names) == (arch in ("qwen3", "gemma3", "olmo2", "olmo3"))
     assert (".qkv_proj.weight" in names and ".gate_up_proj.weight" in names) == (arch == "phi3")
-    assert ("pre_feedforward_layernorm" in names) == (arch == "gemma3")
+    assert ("pre_feedforward_layernorm" in names) == (arch in ("gemma2", "gemma3"))
     norms = np.concatenate([v.ravel() for k, v in w.items() if k.endswith("norm.weight")])
     # around the identity of the family's norm: w for x * w, 0 for Gemma's x * (1 + w)
-    center = 0.0 if arch == "gemma3" else 1.0
+    center = 0.0 if arch in ("gemma2", "gemma3") else 1.0
     assert abs(norms.mean() - center) < 0.05 and 0.05 < norms.std() < 0.2
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    if kind in ("llama32", "mistral_swa", "qwen3", "gemma3"):
+    if kind in ("llama32", "mistral_swa", "qwen3", "gemma2", "gemma3"):
         assert head_dim * cfg["num_attention_heads"] != cfg["hidden_size"]
 
 
@@ -336,6 +342,15 @@ def test_gguf_architecture_tensors_and_metadata(family_material, family_gguf, ki
         assert _field(r, k + "attention.sliding_window_pattern") is None
         assert cfg["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
         assert cfg["query_pre_attn_scalar"] == head_dim
+    elif arch == "gemma2":
+        # the converter writes no rope base (llama.cpp's default 10000 is the kind's), the caps, the
+        # window; llama.cpp hard-codes "every other layer sliding" and 1/sqrt(head_dim)
+        assert _field(r, k + "rope.freq_base") is None and rope["rope_theta"] == 10000.0
+        assert math.isclose(_field(r, k + "attn_logit_softcapping"), cfg["attn_logit_softcapping"])
+        assert math.isclose(_field(r, k + "final_logit_softcapping"), cfg["final_logit_softcapping"])
+        assert _field(r, k + "attention.sliding_window") == cfg["sliding_window"]
+        assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * (n_layers // 2)
+        assert cfg["query_pre_attn_scalar"] == head_dim
     else:
         assert _field(r, k + "rope.freq_base") == rope["rope_theta"]
     if arch == "phi3":
@@ -389,7 +404,7 @@ def test_gguf_tensors_follow_llama_cpp_conventions(family_material, family_gguf,
     np.testing.assert_array_equal(gg["token_embd.weight"], hf["model.embed_tokens.weight"])
     if not cfg["tie_word_embeddings"]:
         np.testing.assert_array_equal(gg["output.weight"], hf["lm_head.weight"])
-    shift = 1.0 if arch == "gemma3" else 0.0   # Gemma's (1 + w) is baked into the GGUF norms
+    shift = 1.0 if arch in ("gemma2", "gemma3") else 0.0   # Gemma's (1 + w) is baked into the GGUF norms
     np.testing.assert_array_equal(gg["output_norm.weight"], hf["model.norm.weight"] + np.float32(shift))
     seen = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight",
             "rope_factors_long.weight", "rope_factors_short.weight"}

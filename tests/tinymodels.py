@@ -93,6 +93,9 @@ KINDS = {
 _LONGROPE_SHORT = [1.0, 1.02, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.6, 1.8, 2.0]
 _LONGROPE_LONG = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8, 4.6, 5.5, 6.5, 8.0]
 
+# Gemma 2's soft caps in the tiny kind: set from the scores and logits of its random weights
+# (without them: logits up to ~3.5; either cap taken out moves them by >10%) so that both bind
+ATTN_CAP, FINAL_CAP = 1.0, 2.0
 FAMILY_KINDS = {
     # Llama 3.2 1B/3B style: tied embeddings, llama3 rope scaling (original context 32, so
     # wavelengths >= 32 are divided by 8 and 8..32 smoothed), MQA, head_dim 40 != 96/4
@@ -115,6 +118,15 @@ FAMILY_KINDS = {
     "qwen3": ("qwen3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=48, intermediate_size=160, rms_norm_eps=1e-6,
                             rope_theta=1e6, use_sliding_window=False, tie_word_embeddings=True)),
+    # Gemma 2: Gemma 3's norms without q/k norms, every other layer sliding (16 positions, from
+    # layer 0), one rope base, GQA 4/2, head_dim 32 != 80/4 (query_pre_attn_scalar = head_dim,
+    # what a GGUF carries), and soft caps small enough to bind on these random weights (the
+    # released models use 50 and 30 on their own scales)
+    "gemma2": ("gemma2", dict(hidden_size=80, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=32, intermediate_size=152, num_hidden_layers=4,
+                              sliding_window=16, query_pre_attn_scalar=32, rms_norm_eps=1e-6,
+                              max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0,
+                              attn_logit_softcapping=ATTN_CAP, final_logit_softcapping=FINAL_CAP)),
     # Gemma 3 text: 6 layers in the default 5:1 pattern (layers 0-4 sliding, layer 5 global;
     # llama.cpp hard-codes this pattern), sliding window 16, local rope base 10000 vs global
     # 1e6 with linear scaling 8 on the global layers only, query_pre_attn_scalar == head_dim
@@ -202,7 +214,7 @@ KINDS["qwen3_yarn"] = ("qwen3", {**FAMILY_KINDS["qwen3"][1], "max_position_embed
 
 # kind -> tokenizer style (see make_family_tokenizer); other kinds default to "bytelevel"
 KIND_TOKENIZER = {"llama32": "llama3", "mistral_swa": "llama2", "qwen2": "qwen2",
-                  "qwen3": "qwen2", "gemma3": "gemma", "gemma3_qscale": "gemma", "phi3": "phi3",
+                  "qwen3": "qwen2", "gemma2": "gemma", "gemma3": "gemma", "gemma3_qscale": "gemma", "phi3": "phi3",
                   "phi3_longrope": "gpt4o", "smollm3": "smollm3", "granite": "llama3",
                   "olmo2": "llama3", "olmo3": "llama3", "qwen3_yarn": "qwen2"}
 
@@ -212,6 +224,8 @@ FAMILY_FEATURES = {
     "mistral_swa": "sliding window 16 < sequence, GQA, head_dim != dim/heads",
     "qwen2": "q/k/v biases, odd head count, MQA",
     "qwen3": "q/k RMSNorm per head, explicit head_dim, tied",
+    "gemma2": "attention and final logit soft caps, every other layer sliding, 4 (1+w) norms, "
+              "GELU-tanh, embedding scale, GQA, tied",
     "gemma3": "5:1 sliding/global layers, two rope bases, linear scaling on global layers, "
               "4 norms + q/k norms, (1+w) norms, GELU-tanh, embedding scale, tied",
     "gemma3_qscale": "gemma3 with query_pre_attn_scalar != head_dim and a custom layer_types list",
@@ -227,7 +241,7 @@ FAMILY_FEATURES = {
 # mistral_swa (the converter writes no sliding window for the llama architecture and llama.cpp
 # applies none) and gemma3_qscale (llama.cpp scales queries by 1/sqrt(head_dim) except for the
 # 62-layer 27B, and hard-codes the 5:1 pattern).
-GGUF_FAITHFUL = {"llama32", "qwen2", "qwen3", "gemma3", "phi3", "phi3_longrope", "smollm3", "granite",
+GGUF_FAITHFUL = {"llama32", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi3_longrope", "smollm3", "granite",
                  "olmo2"}
 
 # HF architecture -> (config class, model class) in transformers
@@ -236,6 +250,7 @@ _ARCH_CLASSES = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
@@ -614,7 +629,7 @@ def make_tiny_model(tmp_path, kind: str = "llama_mqa_odd", dtype: str = "float32
     model_cls = getattr(transformers, _ARCH_CLASSES[arch][1])
     torch.manual_seed(seed)
     model = model_cls(config)
-    _randomize(model, seed, norm_center=0.0 if arch == "gemma3" else 1.0,
+    _randomize(model, seed, norm_center=0.0 if arch in ("gemma2", "gemma3") else 1.0,
                qk_std=0.15 if kind in FAMILY_KINDS else None)
     if config.tie_word_embeddings:
         model.tie_weights()

@@ -14,8 +14,13 @@
 #ifndef CYLLM_KERNELS_H
 #define CYLLM_KERNELS_H
 
+#include <math.h>
 #include <stdint.h>
 #include "act.h"
+
+/* Gemma 2's soft cap of an attention score: cap * tanh(s / cap) keeps |s| under cap and
+ * leaves small scores almost as they are (applied where cap > 0). */
+static inline float cyllm_softcap(float s, float cap) { return cap * tanhf(s / cap); }
 
 #ifdef __cplusplus
 extern "C" {
@@ -41,10 +46,11 @@ typedef struct cyllm_kernels {
      * n_q (any split of a GQA group gives the same bits).
      * ml == NULL: out is the attention output. Otherwise a partial result over these
      * t_len positions: out holds the unnormalised sum of p_t * v_t and ml[2h], ml[2h+1]
-     * the running max m and denominator l of head h (merged by cyllm_attention_step). */
+     * the running max m and denominator l of head h (merged by cyllm_attention_step).
+     * softcap > 0: each scaled score s becomes cyllm_softcap(s, softcap) (Gemma 2). */
     void (*attention_group)(float *out, const float *q, const uint16_t *k,
                             const uint16_t *v, int64_t t_len, int64_t hd, float scale,
-                            int64_t n_q, float *ml);
+                            float softcap, int64_t n_q, float *ml);
     void (*f16_to_f32)(float *out, const uint16_t *in, int64_t n);
     void (*f32_to_f16)(uint16_t *out, const float *in, int64_t n);   /* round to nearest even */
     /* Sum of n floats: the read-bandwidth probe (the result keeps the reads alive). */
@@ -65,7 +71,7 @@ typedef struct cyllm_kernels {
      * head (q + i * ldq, out + i * ldq); row i attends to positions 0..len0+i-1 of k, v
      * (positions x hd, f16). work: attention_rows_work(len0 + rows - 1) floats. */
     void (*attention_rows)(float *out, const float *q, int64_t ldq, const uint16_t *k,
-                           const uint16_t *v, int64_t hd, float scale, int64_t rows,
+                           const uint16_t *v, int64_t hd, float scale, float softcap, int64_t rows,
                            int64_t len0, float *work);
     int64_t (*attention_rows_work)(int64_t t_max);
     int attention_rows_max;
@@ -86,7 +92,7 @@ void cyllm_gemm_rows_avx512(float *out, const uint16_t *w, const uint16_t *wu, c
                             int64_t ldx, int64_t T, int64_t n, int64_t d, int64_t r0, int64_t r1,
                             int mode);
 void cyllm_attention_rows_avx512(float *out, const float *q, int64_t ldq, const uint16_t *k,
-                                 const uint16_t *v, int64_t hd, float scale, int64_t rows,
+                                 const uint16_t *v, int64_t hd, float scale, float softcap, int64_t rows,
                                  int64_t len0, float *work);
 int64_t cyllm_attention_rows_work_avx512(int64_t t_max);
 #endif
@@ -149,6 +155,7 @@ typedef struct cyllm_op {
     int next_w;             /* matvec/gate_up: index of the next matvec/gate_up op (prefetch), -1: none */
     int slot;               /* matvec-like ops: index of its row claims (cyllm_program_run), else -1 */
     float eps, scale;       /* scale: attention score scale; embed: factor on the row */
+    float softcap;          /* attention: the scores' soft cap (0: none) */
     /* quantized ops. QUANTIZE: x (c, n floats) -> xq in activation format act; mode 1: on
      * thread 0 alone (x came from a thread-0 op: no barrier in between), 0: blocks split
      * over the team. QMATVEC/QGATE_UP: weights a (and b) of format qfmt read xq; mode as
@@ -170,12 +177,12 @@ int64_t cyllm_attention_scratch(int64_t n_heads, int64_t hd, int64_t t_len);
 void cyllm_attention_step(const cyllm_kernels *kt, float *out, const float *q,
                           const uint16_t *kc, const uint16_t *vc, int64_t n_heads, int64_t n_kv,
                           int64_t hd, int64_t max_ctx, int64_t start, int64_t pos, float scale,
-                          float *scratch, int tid, int nth);
+                          float softcap, float *scratch, int tid, int nth);
 /* the same from outside a parallel region: opens one with nt threads */
 void cyllm_attention_run(const cyllm_kernels *kt, float *out, const float *q,
                          const uint16_t *kc, const uint16_t *vc, int64_t n_heads, int64_t n_kv,
                          int64_t hd, int64_t max_ctx, int64_t start, int64_t pos, float scale,
-                         float *scratch, int nt);
+                         float softcap, float *scratch, int nt);
 /* Runs ops[0..n_ops) for one token inside one OpenMP parallel region of nt threads
  * (qk: the quantized kernels of the QUANTIZE/QMATVEC/QGATE_UP/QEMBED ops). claims:
  * n_slots * nt cyllm_claim (the ops' slots; zeroed here), or NULL: each thread computes

@@ -216,9 +216,18 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+/* cyllm_softcap of 8 scores, as cap * (1 - 2 / (e^(2s/cap) + 1)): exp8's clamp keeps the
+ * result within +-cap however large |s| is */
+static inline __m256 softcap8(__m256 s, float cap) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    __m256 e = exp8(_mm256_mul_ps(s, _mm256_set1_ps(2.0f / cap)));
+    __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+    return _mm256_mul_ps(t, _mm256_set1_ps(cap));
+}
+
 static void attention_head_avx2(float *out, const float *q, const uint16_t *k,
                                 const uint16_t *v, int64_t t_len, int64_t hd, float scale,
-                                float *ml) {
+                                float softcap, float *ml) {
     float m = -INFINITY, l = 0.0f;
     const int64_t hd8 = hd & ~(int64_t)7;
     for (int64_t d = 0; d < hd; d++) out[d] = 0.0f;
@@ -254,6 +263,7 @@ static void attention_head_avx2(float *out, const float *q, const uint16_t *k,
             s = _mm256_add_ps(s, _mm256_loadu_ps(tail));
         }
         s = _mm256_mul_ps(s, _mm256_set1_ps(scale));
+        if (softcap > 0.0f) s = softcap8(s, softcap);
         /* block max -> rescale the running sums once per 8 positions */
         __m128 mx = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
         mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
@@ -289,6 +299,7 @@ static void attention_head_avx2(float *out, const float *q, const uint16_t *k,
     for (; t < t_len; t++) {                  /* the last t_len % 8 positions, one by one */
         const uint16_t *kt = k + t * hd, *vt = v + t * hd;
         float s = dot1(kt, q, hd) * scale;
+        if (softcap > 0.0f) s = cyllm_softcap(s, softcap);
         float c = 1.0f;
         if (s > m) { c = expf(m - s); m = s; l *= c; }
         float p = expf(s - m);
@@ -341,14 +352,15 @@ static inline __m256 scores8(const float *kb, const float *qh, int64_t hd) {
 
 static void attention_group_avx2(float *out, const float *q, const uint16_t *k,
                                  const uint16_t *v, int64_t t_len, int64_t hd, float scale,
-                                 int64_t n_q, float *ml) {
+                                 float softcap, int64_t n_q, float *ml) {
     if ((hd & 7) || hd > GQA_MAX_HD) {
         for (int64_t h = 0; h < n_q; h++)
-            attention_head_avx2(out + h * hd, q + h * hd, k, v, t_len, hd, scale, ml ? ml + 2 * h : NULL);
+            attention_head_avx2(out + h * hd, q + h * hd, k, v, t_len, hd, scale, softcap,
+                                ml ? ml + 2 * h : NULL);
         return;
     }
     while (n_q > GQA_MAX_Q) {
-        attention_group_avx2(out, q, k, v, t_len, hd, scale, GQA_MAX_Q, ml);
+        attention_group_avx2(out, q, k, v, t_len, hd, scale, softcap, GQA_MAX_Q, ml);
         out += GQA_MAX_Q * hd; q += GQA_MAX_Q * hd; n_q -= GQA_MAX_Q;
         if (ml) ml += 2 * GQA_MAX_Q;
     }
@@ -384,7 +396,9 @@ static void attention_group_avx2(float *out, const float *q, const uint16_t *k,
             __m256 bmv = ninf;
             for (int sb = 0; sb < nsub; sb++) {
                 __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nb - 8 * sb), lane));
-                s[sb] = _mm256_blendv_ps(ninf, _mm256_mul_ps(scores8(kb + sb * 8 * hd, qh, hd), vscale), valid);
+                __m256 sc = _mm256_mul_ps(scores8(kb + sb * 8 * hd, qh, hd), vscale);
+                if (softcap > 0.0f) sc = softcap8(sc, softcap);
+                s[sb] = _mm256_blendv_ps(ninf, sc, valid);
                 bmv = _mm256_max_ps(bmv, s[sb]);
             }
             __m128 mx = _mm_max_ps(_mm256_castps256_ps128(bmv), _mm256_extractf128_ps(bmv, 1));
@@ -609,7 +623,7 @@ static int64_t attention_rows_work_avx2(int64_t t_max) {
 }
 
 static void attention_rows_avx2(float *out, const float *q, int64_t ldq, const uint16_t *k,
-                                const uint16_t *v, int64_t hd, float scale, int64_t rows,
+                                const uint16_t *v, int64_t hd, float scale, float softcap, int64_t rows,
                                 int64_t len0, float *work) {
     _Alignas(64) float wp[GEMM_KC * GEMM_NR];
     _Alignas(64) float ct[GEMM_MR * GEMM_NR];
@@ -628,11 +642,15 @@ static void attention_rows_avx2(float *out, const float *q, int64_t ldq, const u
             for (int j = 0; j < GEMM_NR; j++) S[i * ldp + p0 + j] = ct[i * GEMM_NR + j];
     }
     float inv_l[GEMM_MR];
-    const __m256 vscale = _mm256_set1_ps(scale);
+    /* soft-capped scores are scaled as they are capped, the rest inside the exp */
+    const float sc = softcap > 0.0f ? 1.0f : scale;
+    const __m256 vscale = _mm256_set1_ps(sc);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int i = 0; i < m; i++) {
         float *s = S + i * ldp;
         int64_t len = len0 + i, j;
+        if (softcap > 0.0f)
+            for (j = 0; j < len; j++) s[j] = cyllm_softcap(s[j] * scale, softcap);
         float mm = -INFINITY;
         __m256 mx = _mm256_set1_ps(-INFINITY);
         for (j = 0; j + 8 <= len; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
@@ -640,7 +658,7 @@ static void attention_rows_avx2(float *out, const float *q, int64_t ldq, const u
         _mm256_storeu_ps(mb, mx);
         for (int c = 0; c < 8; c++) mm = mb[c] > mm ? mb[c] : mm;
         for (; j < len; j++) mm = s[j] > mm ? s[j] : mm;
-        const __m256 vm = _mm256_set1_ps(mm * scale);
+        const __m256 vm = _mm256_set1_ps(mm * sc);
         __m256 sum = _mm256_setzero_ps();
         for (j = 0; j + 8 <= len; j += 8) {
             __m256 p = exp8(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), vscale, vm));

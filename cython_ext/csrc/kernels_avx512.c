@@ -151,7 +151,7 @@ int64_t cyllm_attention_rows_work_avx512(int64_t t_max) {
 }
 
 void cyllm_attention_rows_avx512(float *out, const float *q, int64_t ldq, const uint16_t *k,
-                                 const uint16_t *v, int64_t hd, float scale, int64_t rows,
+                                 const uint16_t *v, int64_t hd, float scale, float softcap, int64_t rows,
                                  int64_t len0, float *work) {
     _Alignas(64) float wp[KC * NR];
     _Alignas(64) float ct[MR * NR];
@@ -172,15 +172,19 @@ void cyllm_attention_rows_avx512(float *out, const float *q, int64_t ldq, const 
     }
     /* softmax per row over its len0 + i positions; the rest of the row is 0 */
     float inv_l[MR];
-    const __m512 vscale = _mm512_set1_ps(scale);
+    /* soft-capped scores are scaled as they are capped, the rest inside the exp */
+    const float sc = softcap > 0.0f ? 1.0f : scale;
+    const __m512 vscale = _mm512_set1_ps(sc);
     for (int i = 0; i < m; i++) {
         float *s = S + i * ldp;
         int64_t len = len0 + i, j;
+        if (softcap > 0.0f)
+            for (j = 0; j < len; j++) s[j] = cyllm_softcap(s[j] * scale, softcap);
         __m512 mx = _mm512_set1_ps(-INFINITY);
         for (j = 0; j + 16 <= len; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
         float mm = _mm512_reduce_max_ps(mx);
         for (; j < len; j++) mm = s[j] > mm ? s[j] : mm;
-        const __m512 vm = _mm512_set1_ps(mm * scale);
+        const __m512 vm = _mm512_set1_ps(mm * sc);
         __m512 sum = _mm512_setzero_ps();
         for (j = 0; j + 16 <= len; j += 16) {
             __m512 p = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vscale, vm));

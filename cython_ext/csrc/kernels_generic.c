@@ -117,13 +117,14 @@ static void rows2_generic(float *out, int64_t ldo, const uint16_t *w, const uint
 
 static void attention_head_generic(float *out, const float *q, const uint16_t *k,
                                    const uint16_t *v, int64_t t_len, int64_t hd, float scale,
-                                   float *ml) {
+                                   float softcap, float *ml) {
     /* online softmax: running max m, running denominator l, out holds the
      * unnormalised weighted sum of V, rescaled whenever the max grows */
     float m = -INFINITY, l = 0.0f;
     for (int64_t d = 0; d < hd; d++) out[d] = 0.0f;
     for (int64_t t = 0; t < t_len; t++) {
         float s = dot_row(k + t * hd, q, hd) * scale;
+        if (softcap > 0.0f) s = cyllm_softcap(s, softcap);
         if (s > m) {
             float c = expf(m - s);                  /* 0 on the first step (m = -inf) */
             l *= c;
@@ -142,9 +143,10 @@ static void attention_head_generic(float *out, const float *q, const uint16_t *k
 
 static void attention_group_generic(float *out, const float *q, const uint16_t *k,
                                     const uint16_t *v, int64_t t_len, int64_t hd, float scale,
-                                    int64_t n_q, float *ml) {
+                                    float softcap, int64_t n_q, float *ml) {
     for (int64_t h = 0; h < n_q; h++)
-        attention_head_generic(out + h * hd, q + h * hd, k, v, t_len, hd, scale, ml ? ml + 2 * h : NULL);
+        attention_head_generic(out + h * hd, q + h * hd, k, v, t_len, hd, scale, softcap,
+                               ml ? ml + 2 * h : NULL);
 }
 
 static void f16_to_f32_generic(float *out, const uint16_t *in, int64_t n) {

@@ -97,7 +97,7 @@ int64_t cyllm_attention_scratch(int64_t n_heads, int64_t hd, int64_t t_len) {
 static void attention_step(const cyllm_kernels *kt, float *out, const float *q,
                            const uint16_t *kc, const uint16_t *vc, int64_t n_heads, int64_t n_kv,
                            int64_t hd, int64_t max_ctx, int64_t start, int64_t pos, float scale,
-                           float *scratch, int tid, int nth, cyllm_sync *sync) {
+                           float softcap, float *scratch, int tid, int nth, cyllm_sync *sync) {
     /* a sliding window only moves the first position: the cache rows start..pos */
     int64_t group = n_heads / n_kv, t_len = pos + 1 - start;
     kc += start * hd;
@@ -117,7 +117,7 @@ static void attention_step(const cyllm_kernels *kt, float *out, const float *q,
             int64_t nq = (kvh + 1) * group - h0;
             if (nq > chunk) nq = chunk;
             kt->attention_group(out + h0 * hd, q + h0 * hd, kc + kvh * max_ctx * hd,
-                                vc + kvh * max_ctx * hd, t_len, hd, scale, nq, NULL);
+                                vc + kvh * max_ctx * hd, t_len, hd, scale, softcap, nq, NULL);
         }
         return;
     }
@@ -130,7 +130,7 @@ static void attention_step(const cyllm_kernels *kt, float *out, const float *q,
         int64_t h0 = kvh * group;
         kt->attention_group(po + (blk * n_heads + h0) * hd, q + h0 * hd,
                             kc + (kvh * max_ctx + t0) * hd, vc + (kvh * max_ctx + t0) * hd,
-                            len, hd, scale, group, pml + (blk * n_heads + h0) * 2);
+                            len, hd, scale, softcap, group, pml + (blk * n_heads + h0) * 2);
     }
     team_barrier(sync, nth);
     for (int64_t h = tid; h < n_heads; h += nth) {
@@ -155,26 +155,26 @@ static void attention_step(const cyllm_kernels *kt, float *out, const float *q,
 void cyllm_attention_step(const cyllm_kernels *kt, float *out, const float *q,
                           const uint16_t *kc, const uint16_t *vc, int64_t n_heads, int64_t n_kv,
                           int64_t hd, int64_t max_ctx, int64_t start, int64_t pos, float scale,
-                          float *scratch, int tid, int nth) {
-    attention_step(kt, out, q, kc, vc, n_heads, n_kv, hd, max_ctx, start, pos, scale, scratch, tid, nth,
-                   NULL);
+                          float softcap, float *scratch, int tid, int nth) {
+    attention_step(kt, out, q, kc, vc, n_heads, n_kv, hd, max_ctx, start, pos, scale, softcap, scratch,
+                   tid, nth, NULL);
 }
 
 void cyllm_attention_run(const cyllm_kernels *kt, float *out, const float *q,
                          const uint16_t *kc, const uint16_t *vc, int64_t n_heads, int64_t n_kv,
                          int64_t hd, int64_t max_ctx, int64_t start, int64_t pos, float scale,
-                         float *scratch, int nt) {
+                         float softcap, float *scratch, int nt) {
     if (nt <= 1) {
         cyllm_attention_step(kt, out, q, kc, vc, n_heads, n_kv, hd, max_ctx, start, pos, scale,
-                             scratch, 0, 1);
+                             softcap, scratch, 0, 1);
         return;
     }
 #ifdef _OPENMP
     #pragma omp parallel num_threads(nt)
-    cyllm_attention_step(kt, out, q, kc, vc, n_heads, n_kv, hd, max_ctx, start, pos, scale, scratch,
-                         omp_get_thread_num(), omp_get_num_threads());
+    cyllm_attention_step(kt, out, q, kc, vc, n_heads, n_kv, hd, max_ctx, start, pos, scale, softcap,
+                         scratch, omp_get_thread_num(), omp_get_num_threads());
 #else
-    cyllm_attention_step(kt, out, q, kc, vc, n_heads, n_kv, hd, max_ctx, start, pos, scale,
+    cyllm_attention_step(kt, out, q, kc, vc, n_heads, n_kv, hd, max_ctx, start, pos, scale, softcap,
                          scratch, 0, 1);
 #endif
 }
@@ -301,7 +301,7 @@ static void run_op(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyll
     case CYLLM_OP_ATTENTION: {
         int64_t start = o->window > 0 && p + 1 > o->window ? p + 1 - o->window : 0;
         attention_step(kt, o->out, (const float *)o->a, o->kc, o->vc, o->n_heads, o->n_kv,
-                       o->hd, o->max_ctx, start, p, o->scale, scratch, tid, nth, sync);
+                       o->hd, o->max_ctx, start, p, o->scale, o->softcap, scratch, tid, nth, sync);
         return;
     }
     default:

@@ -51,6 +51,8 @@ class ModelConfig:
     residual_scale: float = 1.0    # each block output is multiplied by this before the residual add (Granite)
     logit_scale: float = 1.0       # the logits are multiplied by this (Granite: 1 / logits_scaling)
     attn_scale: float | None = None    # attention score scale; None = 1/sqrt(head_dim)
+    attn_softcap: float = 0.0      # scaled scores s -> c * tanh(s / c) before the softmax (Gemma 2); 0: none
+    final_softcap: float = 0.0     # the logits z -> c * tanh(z / c) (Gemma 2); 0: none
     rotary_dim: int | None = None  # leading dims of each head that rotate; None = all (partial rotary)
     sliding_window: int = 0        # positions a sliding layer attends to, itself included (0 = none)
     layer_types: tuple | None = None   # per layer "full" | "sliding"; None: all sliding iff a window is set
@@ -83,6 +85,9 @@ class ModelConfig:
         _finite_positive(self.stream_norm_eps, "rms_norm_eps / residual scale^2")
         if self.attn_scale is not None:
             self.attn_scale = _finite_positive(self.attn_scale, "attention scale")
+        for key, what in (("attn_softcap", "attention soft cap"), ("final_softcap", "final logit soft cap")):
+            value = getattr(self, key)
+            setattr(self, key, 0.0 if value in (0, None) else _finite_positive(value, what))
         if self.qk_norm_whole and not self.qk_norm:
             raise ModelLoadError("config: qk_norm_whole needs qk_norm")
         if self.activation not in ACTIVATIONS:

@@ -11,6 +11,10 @@ Facts the tables encode (llama.cpp's converter is the reference for GGUF):
   llama-style converters (Llama, Mistral, SmolLM3): ``Family.permute_qk``.
 - Gemma's RMSNorm multiplies by (1 + w). HF checkpoints store w, GGUF files
   store 1 + w: ``Tensor.hf_plus_one`` adds the 1 when reading HF weights only.
+- Gemma 2 is Gemma 3's block without q/k norms, every other layer sliding (from the first),
+  one rope base, and tanh soft caps on the attention scores and the logits; llama.cpp reads
+  50 and 30 where a file names no cap, and scales queries as for Gemma 3 (dim / heads for the
+  27B, here 46 layers).
 - Phi-3 fuses q/k/v into one matrix and gate/up into one (gate rows first);
   GGUF keeps both fused (the gate/up pair under the name ffn_up).
 - OLMo 2's blocks have no pre-norms: GGUF names its output norms post_attention_norm and
@@ -246,6 +250,31 @@ def _qwen3_hf(cfg):
     return dict(qk_norm=True, sliding_window=window if types else 0, layer_types=types)
 
 
+def _softcaps_hf(cfg) -> dict:
+    return dict(attn_softcap=cfg.number("attn_logit_softcapping", None, positive=True, null_ok=True) or 0.0,
+                final_softcap=cfg.number("final_logit_softcapping", None, positive=True, null_ok=True) or 0.0)
+
+
+def _gemma_act(cfg, family: str) -> None:
+    act = cfg.text("hidden_activation", None) or cfg.text("hidden_act", None) or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(f"{family}: activation {short(act)} is not supported")
+
+
+def _gemma2_hf(cfg):
+    n = _n_layers(cfg)
+    window = cfg.int("sliding_window", 0, minimum=0, null_ok=True) or 0
+    # transformers' default: every other layer sliding, from the first
+    types = _layer_types(cfg, n) or tuple("sliding" if i % 2 == 0 else "full" for i in range(n))
+    theta, scaling = rope_params(cfg)
+    qpas = cfg.number("query_pre_attn_scalar", None, positive=True, null_ok=True) or _head_dim(cfg)
+    _gemma_act(cfg, "Gemma 2")
+    return dict(post_norms=True, activation="gelu_tanh", embed_scale=math.sqrt(cfg.int("hidden_size", minimum=1)),
+                attn_scale=qpas ** -0.5, sliding_window=window if "sliding" in types else 0,
+                layer_types=types if window else None, rope_theta=theta, rope_scaling=scaling,
+                tie_word_embeddings=True, **_softcaps_hf(cfg))
+
+
 def _gemma3_hf(cfg):
     n = _n_layers(cfg)
     window = cfg.int("sliding_window", 0, minimum=0)
@@ -261,13 +290,8 @@ def _gemma3_hf(cfg):
     if local_scaling is not None:
         raise UnsupportedModelError("Gemma 3: rope scaling on sliding layers is not supported")
     qpas = cfg.number("query_pre_attn_scalar", None, positive=True, null_ok=True) or cfg.int("head_dim", None)
-    if (cfg.number("final_logit_softcapping", None, null_ok=True)
-            or cfg.number("attn_logit_softcapping", None, null_ok=True)):
-        raise UnsupportedModelError("logit soft-capping (Gemma 2) is not supported")
-    act = cfg.text("hidden_activation", None) or cfg.text("hidden_act", None) or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise UnsupportedModelError(f"Gemma 3: activation {short(act)} is not supported")
-    return dict(qk_norm=True, post_norms=True, activation="gelu_tanh",
+    _gemma_act(cfg, "Gemma 3")
+    return dict(qk_norm=True, post_norms=True, activation="gelu_tanh", **_softcaps_hf(cfg),
                 embed_scale=math.sqrt(cfg.int("hidden_size", minimum=1)),
                 attn_scale=None if not qpas or qpas <= 0 else qpas ** -0.5,
                 sliding_window=window if "sliding" in types else 0,
@@ -361,24 +385,41 @@ def _sliding_gguf(md, p, t):
     return dict(sliding_window=int(w)) if isinstance(w, int) and w > 0 else {}
 
 
-def _gemma3_gguf(md, p, t):
+def _gemma_gguf(md, p, default_step: int, layers_27b: int) -> dict:
+    """What Gemma 2 and 3 files share: the sliding layers (the pattern key, else llama.cpp's
+    fixed step: every step-th layer global), the query scale, the embedding scale, the norms."""
     n = md[p + "block_count"]
     pattern = md.get(p + "attention.sliding_window_pattern")
     if isinstance(pattern, list) and len(pattern) == n:
         types = tuple("sliding" if x else "full" for x in pattern)
     else:
-        # llama.cpp's fixed Gemma 3 layout: every sixth layer is global
-        step = pattern if isinstance(pattern, int) and pattern > 0 else 6
+        step = pattern if isinstance(pattern, int) and pattern > 0 else default_step
         types = tuple("full" if (i + 1) % step == 0 else "sliding" for i in range(n))
     dim, heads = md[p + "embedding_length"], md[p + "attention.head_count"]
     head_dim = md.get(p + "attention.key_length") or dim // heads
-    # GGUF keeps no query_pre_attn_scalar; llama.cpp uses head_dim, except for the 27B (62 layers)
-    qpas = dim // heads if n == 62 else head_dim
+    # GGUF keeps no query_pre_attn_scalar; llama.cpp uses head_dim, except for the 27B
+    qpas = dim // heads if n == layers_27b else head_dim
     window = md.get(p + "attention.sliding_window") or 0
-    return dict(qk_norm=True, post_norms=True, activation="gelu_tanh", embed_scale=math.sqrt(dim),
+    return dict(post_norms=True, activation="gelu_tanh", embed_scale=math.sqrt(dim),
                 attn_scale=qpas ** -0.5, sliding_window=int(window),
-                layer_types=types if window else None, rope_local_theta=10000.0,
-                tie_word_embeddings=True)
+                layer_types=types if window else None, tie_word_embeddings=True)
+
+
+def _gemma2_gguf(md, p, t):
+    # llama.cpp: every other layer sliding, 4096 positions where the file names no window, and
+    # caps of 50 and 30 where it names none
+    out = _gemma_gguf({**md, p + "attention.sliding_window": md.get(p + "attention.sliding_window") or 4096},
+                      p, 2, 46)
+    caps = {}
+    for key, field, default in (("attn_logit_softcapping", "attn_softcap", 50.0),
+                                ("final_logit_softcapping", "final_softcap", 30.0)):
+        caps[field] = _gguf_scale(md, p + key, default)
+    return {**out, **caps}
+
+
+def _gemma3_gguf(md, p, t):
+    # llama.cpp's fixed Gemma 3 layout: every sixth layer is global; the 27B has 62 layers
+    return dict(_gemma_gguf(md, p, 6, 62), qk_norm=True, rope_local_theta=10000.0)
 
 
 def _phi3_gguf(md, p, t):
@@ -423,24 +464,36 @@ SMOLLM3 = Family("smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), "smollm3", _t
                  hf_extra=lambda c: {"no_rope_layers": [0 if i in c.nope_layers else 1
                                                         for i in range(c.n_layers)]})
 _G = dict(hf_plus_one=True)
+# Gemma 2 and 3: (1+w) norms before and after each sub-block, no output matrix (tied)
+_GEMMA_NORMS = dict(
+    output__weight=None,
+    output_norm__weight=Tensor("output_norm.weight", "model.norm.weight", _vec, **_G),
+    attn_norm__weight=Tensor("attn_norm.weight", _P + "input_layernorm.weight", _vec, **_G),
+    post_attention_norm__weight=Tensor("post_attention_norm.weight",
+                                       _P + "post_attention_layernorm.weight", _vec, **_G),
+    ffn_norm__weight=Tensor("ffn_norm.weight", _P + "pre_feedforward_layernorm.weight", _vec, **_G),
+    post_ffw_norm__weight=Tensor("post_ffw_norm.weight", _P + "post_feedforward_layernorm.weight", _vec, **_G))
+
+
+def _gemma_hf_extra(c: ModelConfig) -> dict:
+    return {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": c.sliding_window or None,
+            "layer_types": [("sliding_attention" if c.layer_window(i) else "full_attention")
+                            for i in range(c.n_layers)],
+            "query_pre_attn_scalar": round(c.attn_scale ** -2) if c.attn_scale else c.head_dim,
+            "attn_logit_softcapping": c.attn_softcap or None, "final_logit_softcapping": c.final_softcap or None}
+
+
+GEMMA2 = Family(
+    "gemma2", ("Gemma2ForCausalLM",), ("gemma2",), "gemma2",
+    _table(attn_q_norm__weight=None, attn_k_norm__weight=None, **_GEMMA_NORMS),
+    hf_features=_gemma2_hf, gguf_features=_gemma2_gguf, hf_extra=_gemma_hf_extra)
 GEMMA3 = Family(
     "gemma3", ("Gemma3ForCausalLM",), ("gemma3_text", "gemma3"), "gemma3",
-    _table(output__weight=None,
-           output_norm__weight=Tensor("output_norm.weight", "model.norm.weight", _vec, **_G),
-           attn_norm__weight=Tensor("attn_norm.weight", _P + "input_layernorm.weight", _vec, **_G),
-           attn_q_norm__weight=Tensor("attn_q_norm.weight", _P + "self_attn.q_norm.weight", _hd, **_G),
+    _table(attn_q_norm__weight=Tensor("attn_q_norm.weight", _P + "self_attn.q_norm.weight", _hd, **_G),
            attn_k_norm__weight=Tensor("attn_k_norm.weight", _P + "self_attn.k_norm.weight", _hd, **_G),
-           post_attention_norm__weight=Tensor("post_attention_norm.weight",
-                                              _P + "post_attention_layernorm.weight", _vec, **_G),
-           ffn_norm__weight=Tensor("ffn_norm.weight", _P + "pre_feedforward_layernorm.weight", _vec, **_G),
-           post_ffw_norm__weight=Tensor("post_ffw_norm.weight", _P + "post_feedforward_layernorm.weight",
-                                        _vec, **_G)),
+           **_GEMMA_NORMS),
     hf_features=_gemma3_hf, gguf_features=_gemma3_gguf,
-    hf_extra=lambda c: {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": c.sliding_window or None,
-                        "layer_types": [("sliding_attention" if c.layer_window(i) else "full_attention")
-                                        for i in range(c.n_layers)],
-                        "rope_local_base_freq": c.rope_local_theta,
-                        "query_pre_attn_scalar": round(c.attn_scale ** -2) if c.attn_scale else c.head_dim})
+    hf_extra=lambda c: {**_gemma_hf_extra(c), "rope_local_base_freq": c.rope_local_theta})
 PHI3 = Family(
     "phi3", ("Phi3ForCausalLM",), ("phi3",), "phi3",
     _table(attn_q__weight=None, attn_k__weight=None, attn_v__weight=None,
@@ -472,7 +525,7 @@ OLMO2 = Family(
            post_ffw_norm__weight=Tensor("post_ffw_norm.weight", _P + "post_feedforward_layernorm.weight", _vec)),
     hf_features=_olmo2_hf, gguf_features=_olmo2_gguf)
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, PHI3, SMOLLM3, GRANITE, OLMO2)
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, SMOLLM3, GRANITE, OLMO2)
 BY_NAME = {f.name: f for f in FAMILIES}
 
 

@@ -91,7 +91,7 @@ class _DecodePass:
     def __init__(self, model: "Model", s: RunState, pos: int):
         c = model.config
         self.b, self.eps, self.stream_eps, self.pos = model.backend, c.norm_eps, c.stream_norm_eps, pos
-        self.scale, self.qk_whole = model.attn_scale, c.qk_norm_whole
+        self.scale, self.softcap, self.qk_whole = model.attn_scale, c.attn_softcap, c.qk_norm_whole
         self.x, self.xb, self.tmp, self.att, self.hb = s.x, s.xb, s.tmp, s.att, s.hb
         self.s = s
 
@@ -139,7 +139,7 @@ class _DecodePass:
             self.b.rope_store(s.q, s.k, s.v, L.rope[0], L.rope[1], L.k_cache, L.v_cache, self.pos)
 
     def attention(self, L: Layer):
-        self.b.attention(self.att, self.s.q, L.k_cache, L.v_cache, self.pos, L.window, self.scale)
+        self.b.attention(self.att, self.s.q, L.k_cache, L.v_cache, self.pos, L.window, self.scale, self.softcap)
 
     def gate_up(self, L: Layer, act: str, x):
         self.b.gate_up(self.hb, L.w_gate, L.w_up, x, act)
@@ -152,7 +152,8 @@ class _PrefillPass:
         c = model.config
         self.b, self.eps, self.stream_eps = model.backend, c.norm_eps, c.stream_norm_eps
         self.pos0, self.T = pos0, T
-        self.scale, self.head_dim, self.qk_whole = model.attn_scale, c.head_dim, c.qk_norm_whole
+        self.scale, self.softcap = model.attn_scale, c.attn_softcap
+        self.head_dim, self.qk_whole = c.head_dim, c.qk_norm_whole
         self.x, self.xb, self.tmp, self.att, self.hb = B.x[:T], B.xb[:T], B.tmp[:T], B.att[:T], B.hb[:T]
         self.q, self.k, self.v = B.q[:T], B.k[:T], B.v[:T]
         self.n_heads, self.n_kv = c.n_heads, c.n_kv_heads
@@ -191,7 +192,8 @@ class _PrefillPass:
         self.b.cache_store_batch(L.k_cache, L.v_cache, self.k, self.v, self.pos0)
 
     def attention(self, L: Layer):
-        self.b.attention_batch(self.att, self.q, L.k_cache, L.v_cache, self.pos0, L.window, self.scale)
+        self.b.attention_batch(self.att, self.q, L.k_cache, L.v_cache, self.pos0, L.window, self.scale,
+                               self.softcap)
 
     def gate_up(self, L: Layer, act: str, x):
         self.b.gate_up_batch(self.hb, L.w_gate, L.w_up, x, act)
@@ -409,7 +411,7 @@ class Model:
             raise ContextFullError(f"position {pos} is outside the context window of {self.context} tokens")
         self.kv_owner = None      # the cache changes under whichever session held it (it re-claims)
         self.backend.decode_step(self._issue_forward_ops, token, pos)
-        return self.backend.to_host(self.state.logits)
+        return self._final_cap(self.backend.to_host(self.state.logits))
 
     def prefill(self, tokens, pos0: int = 0, all_logits: bool = False) -> np.ndarray:
         """Fill the KV cache with ``tokens`` at positions pos0.. .
@@ -483,9 +485,19 @@ class Model:
             if out is not None:
                 out[start:start + t] = self.backend.to_host(B.logits)[:t]
         if out is not None:
-            return out[-1]
+            return self._final_cap(out)[-1]
         self.backend.run_ops(self._issue_last_logits, t - 1)
-        return self.backend.to_host(self.state.logits)
+        return self._final_cap(self.backend.to_host(self.state.logits))
+
+    def _final_cap(self, logits: np.ndarray) -> np.ndarray:
+        """The logits soft-capped in place (Gemma 2's final_logit_softcapping) on the host, where
+        they are read: z -> c * tanh(z / c), three in-place passes, no allocation."""
+        c = self.config.final_softcap
+        if c:
+            np.divide(logits, c, out=logits)
+            np.tanh(logits, out=logits)
+            np.multiply(logits, c, out=logits)
+        return logits
 
     # -- generation (the loop lives in generate.py) ---------------------------
     def generate(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,

@@ -14,7 +14,8 @@ Conventions (shared by numpy_ref, cpu and cuda):
   element i pairs with element i + rot/2 for the first rot dims (rot = 2 *
   cos.shape[1]; partial rotary leaves the rest of the head as it is).
 - Attention with ``window`` w > 0 sees the last w positions (itself included);
-  ``scale`` None means 1/sqrt(head_dim).
+  ``scale`` None means 1/sqrt(head_dim); ``softcap`` c > 0 turns each scaled score s into
+  c * tanh(s / c) before the softmax (Gemma 2), 0 leaves it.
 - Ops marked *fused* exist because a benchmark showed they pay; each has a
   plain definition in numpy_ref.py, so tests compare every backend against it.
 """
@@ -51,7 +52,7 @@ OPS: tuple[Op, ...] = (
     Op("cache_store", "k_cache, v_cache, k, v, pos", "k_cache[:, pos] = k ; v_cache[:, pos] = v (f32 -> f16)"),
     Op("rope_store", "q, k, v, cos, sin, k_cache, v_cache, pos",
        "*fused* rope(q, k, cos, sin, pos, head_dim of the cache) then cache_store"),
-    Op("attention", "out, q, k_cache, v_cache, pos, window=0, scale=None",
+    Op("attention", "out, q, k_cache, v_cache, pos, window=0, scale=None, softcap=0.0",
        "causal attention of one query over cache positions max(0, pos+1-window)..pos ; "
        "query head h reads kv head h // (n_heads // n_kv)"),
     Op("swiglu", "out, gate, up", "out (f,) = silu(gate) * up"),
@@ -68,8 +69,9 @@ OPS: tuple[Op, ...] = (
        batched=True),
     Op("cache_store_batch", "k_cache, v_cache, k, v, pos0", "k_cache[:, pos0 + t] = k[t] (same for v)",
        batched=True),
-    Op("attention_batch", "out, q, k_cache, v_cache, pos0, window=0, scale=None",
-       "causal attention of T queries: row t is attention(..., pos0 + t, window, scale)", batched=True),
+    Op("attention_batch", "out, q, k_cache, v_cache, pos0, window=0, scale=None, softcap=0.0",
+       "causal attention of T queries: row t is attention(..., pos0 + t, window, scale, softcap)",
+       batched=True),
 )
 OP_NAMES = tuple(o.name for o in OPS)
 DECODE_OPS = tuple(o.name for o in OPS if not o.batched)

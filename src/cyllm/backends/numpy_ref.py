@@ -131,7 +131,7 @@ class NumpyBackend(HostArrays, Backend):
         k_cache[:, pos, :] = k.reshape(n_kv, hd)
         v_cache[:, pos, :] = v.reshape(n_kv, hd)
 
-    def attention(self, out, q, k_cache, v_cache, pos, window=0, scale=None):
+    def attention(self, out, q, k_cache, v_cache, pos, window=0, scale=None, softcap=0.0):
         n_kv, _, hd = k_cache.shape
         n_heads = q.shape[0] // hd
         group = n_heads // n_kv
@@ -144,6 +144,8 @@ class NumpyBackend(HostArrays, Backend):
             keys = k_cache[kv, start: pos + 1].astype(np.float32)    # (t, hd)
             vals = v_cache[kv, start: pos + 1].astype(np.float32)    # (t, hd)
             scores = keys @ qh[h] * sc                                # (t,)
+            if softcap:
+                scores = softcap * np.tanh(scores / softcap)
             scores = np.exp(scores - scores.max())
             oh[h] = (scores / scores.sum()) @ vals
 
@@ -182,6 +184,6 @@ class NumpyBackend(HostArrays, Backend):
         for t in range(k.shape[0]):
             self.cache_store(k_cache, v_cache, k[t], v[t], pos0 + t)
 
-    def attention_batch(self, out, q, k_cache, v_cache, pos0, window=0, scale=None):
+    def attention_batch(self, out, q, k_cache, v_cache, pos0, window=0, scale=None, softcap=0.0):
         for t in range(q.shape[0]):
-            self.attention(out[t], q[t], k_cache, v_cache, pos0 + t, window, scale)
+            self.attention(out[t], q[t], k_cache, v_cache, pos0 + t, window, scale, softcap)

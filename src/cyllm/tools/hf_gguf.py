@@ -188,6 +188,16 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
     if fam.name == "gemma3":
         kv += [(a + "rope.freq_base_swa", cfg.rope_local_theta or 10000.0, T.FLOAT32, None),
                (a + "attention.sliding_window", cfg.sliding_window, T.UINT32, None)]
+    if fam.name == "gemma2":
+        # the converter's keys; it writes no rope base, which llama.cpp then takes as 10000
+        if not (cfg.attn_softcap and cfg.final_softcap):
+            raise UnsupportedModelError("a Gemma 2 without both soft caps cannot be written to a GGUF: "
+                                        "llama.cpp would apply its defaults, 50 and 30")
+        if cfg.rope_theta == 10000.0:
+            kv = [e for e in kv if e[0] != a + "rope.freq_base"]
+        kv += [(a + "attn_logit_softcapping", cfg.attn_softcap, T.FLOAT32, None),
+               (a + "final_logit_softcapping", cfg.final_softcap, T.FLOAT32, None),
+               (a + "attention.sliding_window", cfg.sliding_window or 4096, T.UINT32, None)]
     if fam.name == "olmo2" and cfg.layer_types:
         # OLMo 3: cyllm reads no OLMo 3 GGUF (llama.cpp's windowed olmo2), so it writes none
         raise UnsupportedModelError("OLMo 3 (sliding-window layers) cannot be written to a GGUF by cyllm")

@@ -31,7 +31,7 @@ from ...errors import CUDA_INSTALL_HINT, BackendUnavailableError, InvalidArgumen
 from ...quant.matrix import QuantMatrix
 from ..base import Backend, check_token
 from . import quant as cuda_quant
-from .checks import check_act as _check_act, check_window as _check_window
+from .checks import check_act as _check_act, check_softcap as _check_softcap, check_window as _check_window
 from .graphs import READ_STEP, GraphDecode
 from .kernel_names import GATE_UP_OPS, MATVEC_KERNELS, MATVEC_SCALAR_KERNELS
 from .norm_fold import NormFolding
@@ -490,7 +490,7 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, Graph
     def _attn_smem(gt: int, hd: int, chunk: int, n_split: int) -> int:
         return attn_smem(gt, hd, chunk, n_split)
 
-    def attention(self, out, q, k_cache, v_cache, pos, window=0, scale=None):
+    def attention(self, out, q, k_cache, v_cache, pos, window=0, scale=None, softcap=0.0):
         self._flush()
         n_kv, max_ctx, hd = k_cache.shape
         n_heads = q.shape[0] // hd
@@ -504,7 +504,8 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, Graph
         counters, o_part, m_part, l_part = self._attn_buffers(n_heads, n_split, hd)
         sc = np.float32(1.0 / math.sqrt(hd) if scale is None else scale)
         head = (q, k_cache, v_cache, self._step, p, np.int32(max_ctx), np.int32(n_kv), np.int32(group))
-        tail = (np.int32(hd), np.int32(chunk), np.int32(n_split), sc, np.int32(_check_window(window)))
+        tail = (np.int32(hd), np.int32(chunk), np.int32(n_split), sc, np.int32(_check_window(window)),
+                _check_softcap(softcap))
         hd8 = hd // 8
         gt = 0
         if (hd % 8 == 0 and 0 < hd8 <= 32 and hd8 & (hd8 - 1) == 0

@@ -14,7 +14,7 @@ import numpy as np
 from ...errors import InvalidArgumentError
 from ..base import check_token
 from . import quant as cuda_quant
-from .checks import check_act as _check_act, check_window as _check_window
+from .checks import check_act as _check_act, check_softcap as _check_softcap, check_window as _check_window
 from .cublas import gemm_ex
 from .graphs import READ_STEP
 from .kernel_names import ATTN_BATCH_KERNELS, GLU_KERNELS
@@ -249,7 +249,7 @@ class PrefillOps:
                                           np.int32(n_kv), np.int32(hd), np.int32(self._rows(k, "cache_store_batch")),
                                           np.int32(self._rows(v, "cache_store_batch")), self._step))
 
-    def attention_batch(self, out, q, k_cache, v_cache, pos0, window=0, scale=None) -> None:
+    def attention_batch(self, out, q, k_cache, v_cache, pos0, window=0, scale=None, softcap=0.0) -> None:
         """Causal attention of T queries (row t at position pos0 + t), flash-attention tiles."""
         self._flush()
         n_kv, max_ctx, hd = k_cache.shape
@@ -267,7 +267,7 @@ class PrefillOps:
             if self._prefill_rec is not None:
                 self._prefill_rec.capturable = False    # host positions: a graph would keep them
             for r in range(t):
-                self.attention(out[r], q[r], k_cache, v_cache, pos0 + r, window, scale)
+                self.attention(out[r], q[r], k_cache, v_cache, pos0 + r, window, scale, softcap)
             return
         bq = bk = 16 if nc == 8 else 32
         vec = self.attn_batch_vec and hd % 4 == 0
@@ -279,4 +279,5 @@ class PrefillOps:
                                       np.int32(self._rows(q, "attention_batch")),
                                       np.int32(self._rows(out, "attention_batch")),
                                       np.float32(1.0 / math.sqrt(hd) if scale is None else scale),
-                                      np.int32(_check_window(window)), self._step), shared_mem=smem)
+                                      np.int32(_check_window(window)), _check_softcap(softcap), self._step),
+                                     shared_mem=smem)
