@@ -302,3 +302,11 @@ def test_echo_offsets_and_cancel_on_a_model_with_bos(family_material):
     assert llm.create_completion(prompt, max_tokens=2, echo=None)["choices"][0]["text"] != prompt
     assert collect(create_completion(llm, prompt, max_tokens=0, echo=True, logprobs=1, stream=True,
                                      cancel=lambda: True)) == {}
+    # a special token the prompt spells out takes its length in the echoed text (the added BOS none)
+    spelled = "The fox<|eot_id|> ran."
+    ids = tok.encode(spelled)
+    assert tok.token_to_id("<|eot_id|>") in ids
+    lp = llm.create_completion(spelled, max_tokens=0, echo=True, logprobs=0)["choices"][0]["logprobs"]
+    for name, off in zip(lp["tokens"][1:], lp["text_offset"][1:]):
+        assert spelled[off:].startswith(name.lstrip() if off == 0 else name), (name, off)
+    assert lp["text_offset"][-1] == len(spelled) - len(lp["tokens"][-1])

@@ -475,6 +475,27 @@ def test_tokenizer_regex_that_backtracks_forever(tiny, tmp_path):
     one_line_error(TokenizerError, tok.encode, "a" * 40 + "b", needles=["tokenizer"])
 
 
+@pytest.mark.parametrize("step,needle", [
+    # a charsmap whose trie size (0xFFFFFFFF) lies: the library asked for 8 GB, then panicked
+    ({"type": "Precompiled", "precompiled_charsmap": "/////w=="}, "charsmap"),
+    # the library indexes past the text and panics (Rust's panic text on stderr)
+    ({"type": "Replace", "pattern": {"String": ""}, "content": "x"}, "empty pattern"),
+    ({"type": "Sequence", "normalizers": [{"type": "NFC"},
+                                          {"type": "Replace", "pattern": {"Regex": ""}, "content": "x"}]},
+     "empty pattern")])
+def test_tokenizer_steps_the_library_panics_on(tiny, tmp_path, step, needle):
+    d = copy_dir(tiny, tmp_path / "m")
+    edit_json(d, "tokenizer.json", lambda t: t.update(normalizer=step))
+    one_line_error(TokenizerError, load_path, d, needles=[needle])
+
+
+def test_special_token_with_a_lone_surrogate(tiny, tmp_path):
+    """A JSON escape can leave a lone surrogate in bos_token, which the library cannot look up."""
+    d = copy_dir(tiny, tmp_path / "m")
+    edit_json(d, "tokenizer_config.json", lambda c: c.update(bos_token="\udc80"))
+    one_line_error(TokenizerError, load_path, d, needles=["bos_token", "surrogate"])
+
+
 # ============================================================================ class 5: values float32 cannot carry
 # Finite in the file or in float64, but NaN or inf where the engine computes (float16 weights,
 # float32 tables): refused with one line, never turned into text.
@@ -562,3 +583,24 @@ def test_gguf_yarn_read_and_its_other_keys_refused(tiny_gguf, tmp_path):
     for key in ("yarn_attn_factor", "yarn_log_multiplier"):
         p = _gguf_with(tiny_gguf, tmp_path, f"yarn_{key}.gguf", lambda g: _yarn(g, **{key: 0.5}))
         one_line_error(UnsupportedModelError, load_path, p, needles=[key])
+
+
+def test_quantize_counts_nested_metadata_arrays(tiny_gguf, tmp_path):
+    """Arrays of arrays count through: 17 x 65536 empty strings passed a top-level count of 17,
+    and the gguf package's reader then held ~1.7 KB a string (5 GB for 3 M of them)."""
+    from cyllm.tools.quantize import quantize
+    p = _gguf_with(tiny_gguf, tmp_path, "n.gguf", lambda g: g.set(
+        "x.junk", G.ARRAY, G.Array(G.ARRAY, [G.Array(G.STRING, [""] * 65536) for _ in range(17)])))
+    one_line_error(ModelLoadError, quantize, p, tmp_path / "q.gguf", "q8_0", needles=["entries"], seconds=30)
+    assert not list(tmp_path.glob("*q.gguf*"))
+
+
+def test_convert_onto_a_directory_named_tokenizer_json(tiny_gguf, tmp_path):
+    """The tokenizer is written as any other file: a failure (here a directory in its way; a full
+    disk alike) is an OSError, which the command line reports in one line, not the library's
+    plain Exception (an internal error, exit status 3)."""
+    from cyllm.tools.convert import convert_gguf_to_hf
+    out = tmp_path / "out"
+    (out / "tokenizer.json").mkdir(parents=True)
+    one_line_error(OSError, convert_gguf_to_hf, tiny_gguf, out, overwrite=True, needles=["tokenizer.json"],
+                   seconds=30)

@@ -444,3 +444,22 @@ def test_generic_history_keeps_turns_alternating(models):
             assert r["usage"]["prompt_tokens"] > 0
         with pytest.raises(InvalidArgumentError, match="tool_calls"):
             llm.create_chat_completion(messages=[two[0], dict(two[1], tool_calls=[{"function": {}}])], max_tokens=1)
+
+
+def test_json_nested_past_the_decoders_depth_stays_text():
+    """Calls and earlier arguments nested deeper than Python's JSON decoder recurses (a model's
+    output, a client's history) are content, or arguments kept as the text they came as: never
+    a RecursionError out of a request. A lone high surrogate's escape in a streamed plain answer
+    does not swallow the escape after it."""
+    from cyllm.toolcalls import ResponseStream
+    deep = "[" * 100_000
+    for fmt, head in (("generic", '{"tool_call": {"name": "add", "arguments": {"a": '), ("hermes", "<tool_call>"),
+                      ("mistral", "[TOOL_CALLS]"), ("llama3", ""), ("granite", "<|tool_call|>")):
+        text = head + ('[{"name": "add", "arguments": ' if fmt != "generic" else "") + deep
+        assert parse_calls(_req(fmt), text) == (text, [])
+    calls = [{"id": "a1b2c3d4e", "type": "function", "function": {"name": "add", "arguments": deep}}]
+    assert history_arguments([{"role": "assistant", "content": "", "tool_calls": calls}])[0][
+        "tool_calls"][0]["function"]["arguments"] == deep
+    for text, want in (('{"response": "\\ud800ab\\', None), ('{"response": "\\ud800ab\\n', "\n")):
+        got = ResponseStream().new_text(text)
+        assert got.endswith("ab") if want is None else got.endswith("ab\n")

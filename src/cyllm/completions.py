@@ -562,17 +562,23 @@ def _prompt_logprobs(llm, req: Request, cancel=None) -> dict:
     """Logprobs of the prompt's own tokens (echo): token i given tokens 0..i-1, from fresh
     passes over the prompt in chunks (``cancel`` polled between them); None for the first
     token, which nothing predicts. text_offset counts in the echoed text: special tokens
-    (a BOS) are not in it and sit at the offset of what follows. The passes leave the whole
+    that are not in it (an added BOS) sit at the offset of what follows; those the prompt's
+    text spells out (its own "<|endoftext|>") take their length. The passes leave the whole
     prompt in the KV cache, held by a session, so an answer that follows runs only its last
     token again."""
     tok = llm.tokenizer
     reader = LogprobReader(llm.config.vocab_size)
     out = {"tokens": [], "token_logprobs": [None], "top_logprobs": [None], "text_offset": []}
     dec, at = tok.stream_decoder(skip_special_tokens=True), 0
+    special, echo = tok._special_ids(), req.echo or ""
     for t in req.ids:
         out["tokens"].append(_token_text(tok, t))
         out["text_offset"].append(at)
-        at += len(dec.add(t))
+        piece = dec.add(t)
+        if not piece and t in special:
+            spelled = tok.id_to_token(t) or ""
+            piece = spelled if spelled and echo.startswith(spelled, at) else ""
+        at += len(piece)
     ids, step = req.ids, PROMPT_LOGITS_CHUNK
     for a, logits in Session(llm).score(ids, step, cancel) if len(ids) > 1 else ():
         for i in range(min(step, len(ids) - 1 - a)):

@@ -12,6 +12,7 @@ same prompt string here as there; template_sandbox bounds their time and size.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from pathlib import Path
@@ -220,7 +221,13 @@ class Tokenizer:
         if not tpath.is_file():
             return None
         import tokenizers
-        tok = _guarded(tokenizers.Tokenizer.from_file, str(tpath), what=f"{one_line(tpath)}: cannot load tokenizer")
+        raw = tpath.read_bytes()
+        _check_tokenizer_steps(raw, tpath)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise TokenizerError(f"{one_line(tpath)}: cannot load tokenizer (not UTF-8 text)") from None
+        tok = _guarded(tokenizers.Tokenizer.from_str, text, what=f"{one_line(tpath)}: cannot load tokenizer")
         # a file's padding and truncation are settings for batches of training text: a prompt is
         # encoded whole (truncation would drop part of it unseen; a fixed padding length of 10^8
         # allocated gigabytes)
@@ -404,6 +411,39 @@ def _check_unicode(text: str) -> None:
         ) from None
 
 
+def _check_tokenizer_steps(raw: bytes, path: Path) -> None:
+    """Refuse the normalizer steps the `tokenizers` library panics on (printing Rust's panic
+    text) or sizes an allocation from: a Precompiled charsmap whose trie size lies (0xFFFFFFFF
+    asked for 8 GB) and a Replace of an empty string (an index past the text)."""
+    if b'"Precompiled"' not in raw and b'"Replace"' not in raw:
+        return                          # no such step: spare a parse of a large file
+    try:
+        tj = json.loads(raw)
+    except (ValueError, RecursionError):
+        return                          # the library's own load reports it
+    stack = [tj.get("normalizer"), tj.get("pre_tokenizer"), tj.get("decoder")] if isinstance(tj, dict) else []
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for key in ("normalizers", "pretokenizers", "decoders"):
+            if isinstance(node.get(key), list):
+                stack.extend(node[key])
+        kind = node.get("type")
+        if kind == "Precompiled":
+            try:
+                blob = base64.b64decode(node.get("precompiled_charsmap") or "", validate=True)
+            except (ValueError, TypeError):
+                blob = b""
+            trie = int.from_bytes(blob[:4], "little") if len(blob) >= 4 else -1
+            if blob and not (0 <= trie <= len(blob) - 4 and trie % 4 == 0):
+                raise TokenizerError(f"{one_line(path)}: its Precompiled normalizer's charsmap is malformed")
+        elif kind == "Replace":
+            pattern = node.get("pattern")
+            if isinstance(pattern, dict) and "" in (pattern.get("String"), pattern.get("Regex")):
+                raise TokenizerError(f"{one_line(path)}: a Replace step with an empty pattern")
+
+
 def _guarded(fn, *args, what: str = "the tokenizer failed on this text", **kwargs):
     """Call the `tokenizers` library: its failures on a hostile tokenizer.json become one line.
 
@@ -444,11 +484,15 @@ def read_template_file(path: Path) -> str:
 
 def _token_value(cfg: JsonObject, key: str, value) -> str | None:
     """A special token: a string or {"content": str} (transformers' AddedToken form); None = null."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    raise cfg.fail(key, 'a string or {"content": string}', value)
+    text = value.get("content") if isinstance(value, dict) else value
+    if value is not None and not isinstance(text, str):
+        raise cfg.fail(key, 'a string or {"content": string}', value)
+    if text is not None and not text.isascii():
+        try:
+            text.encode("utf-8")      # JSON escapes may leave lone surrogates, which no token is
+        except UnicodeEncodeError:
+            raise cfg.fail(key, "text without lone surrogates", value) from None
+    return text
 
 
 def _token_str(cfg: JsonObject, key: str) -> str | None:

@@ -304,7 +304,8 @@ def parse_calls(req: ToolRequest, text: str) -> tuple[str, list[dict]]:
             other, calls = _hermes(tail, req.names)
         else:
             other, calls = "", {"mistral": _mistral, "llama3": _llama3, "granite": _granite}[req.format](tail)
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        # RecursionError: JSON nested past what Python's decoder recurses into
         return text, []
     if not calls or any(c["name"] not in req.names for c in calls):
         return text, []
@@ -366,7 +367,7 @@ def history_arguments(messages: list[dict]) -> list[dict]:
                 if isinstance(args, str):
                     try:
                         parsed = json.loads(args)
-                    except ValueError:
+                    except (ValueError, RecursionError):     # nested past the decoder's depth
                         parsed = None
                     args = parsed if isinstance(parsed, dict) else args
                 fixed.append(dict(c, function=dict(fn, arguments=args)))
@@ -403,7 +404,7 @@ def _hermes(tail: str, names: set[str]) -> tuple[str, list[dict]]:
         body, _, rest = block.partition("</tool_call>")
         try:
             call = _call(json.loads(body))
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RecursionError):
             call = None
         if call is None or call["name"] not in names:
             other.append("<tool_call>" + block)
@@ -431,10 +432,14 @@ def _string_end(body: str, i: int) -> int:
         i = m.start()
         if body[i] == '"':
             return i
-        if body[i + 1:i + 2] != "u":
-            n = 2
-        else:                       # \uXXXX; a high surrogate waits for its low half too
-            n = 12 if body[i + 2:i + 4].lower() in ("d8", "d9", "da", "db") else 6
+        n = 2 if body[i + 1:i + 2] != "u" else 6        # \uXXXX
+        if n == 6 and body[i + 2:i + 4].lower() in ("d8", "d9", "da", "db"):
+            # a high surrogate waits for its low half where an escape follows it (a lone
+            # one is kept whole: the text after it is no part of it)
+            if i + 8 > len(body):
+                return i
+            if body[i + 6:i + 8] == "\\u":
+                n = 12
         if i + n > len(body):
             return i
         i += n
@@ -467,7 +472,10 @@ class ResponseStream:
         end = _string_end(body, self._done)
         if end <= self._done:
             return ""
-        piece = _text(json.loads('"' + body[self._done:end] + '"'))
+        try:
+            piece = _text(json.loads('"' + body[self._done:end] + '"'))
+        except ValueError:          # no valid string: nothing streams, the end's parse decides
+            return ""
         self._done = end
         return piece
 

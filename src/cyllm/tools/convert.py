@@ -134,7 +134,8 @@ def _write_tokenizer(out: Path, t) -> None:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{t.bos_token} $A", pair=f"{t.bos_token} $A {t.bos_token} $B",
             special_tokens=[(t.bos_token, t.bos_id)])
-    tok.save(str(out / "tokenizer.json"))
+    # written here, not by tok.save: its failures (a full disk) are plain Exceptions, not OSError
+    (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     tc = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": bool(t.add_bos),

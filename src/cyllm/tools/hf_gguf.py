@@ -278,7 +278,9 @@ def _added(tj: dict, tc: dict) -> dict[int, tuple[str, bool]]:
         if isinstance(t, dict) and isinstance(t.get("id"), int) and isinstance(t.get("content"), str):
             out[t["id"]] = (t["content"], bool(t.get("special")))
     for k, t in (decoder if isinstance(decoder, dict) else {}).items():
-        if isinstance(t, dict) and str(k).isdigit() and isinstance(t.get("content"), str):
+        # ASCII digits only and few of them: "²" is a digit to isdigit(), not to int()
+        if (isinstance(t, dict) and str(k).isascii() and str(k).isdigit() and len(str(k)) < 12
+                and isinstance(t.get("content"), str)):
             out[int(k)] = (t["content"], bool(t.get("special")))
     return out
 

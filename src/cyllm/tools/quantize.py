@@ -223,14 +223,36 @@ def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, ov
 # numpy view per element (~700 bytes each), and the largest real arrays are vocabularies and
 # merge lists of a few hundred thousand entries
 MAX_META_ARRAY = 1 << 20
+# entries of all metadata arrays together, nested ones included: the gguf package's reader,
+# which the rewrite goes through, holds ~1.7 KB a string (a 262K-token vocabulary with its
+# scores, types and merges is ~1.3 M)
+MAX_META_ENTRIES = 3 << 20
+
+
+def _entries(v) -> int:
+    """Entries of a metadata value's arrays, nested arrays counted through (no recursion)."""
+    n, stack = 0, [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, np.ndarray):
+            n += x.size
+        elif isinstance(x, (list, tuple)):
+            n += len(x)
+            stack.extend(e for e in x if isinstance(e, (list, tuple, np.ndarray)))
+    return n
 
 
 def _check_metadata_size(gf) -> None:
+    total = 0
     for k, v in gf.metadata.items():
-        n = len(v) if isinstance(v, (list, tuple, np.ndarray)) else 0
+        n = _entries(v)
         if n > MAX_META_ARRAY:
             raise ModelLoadError(f"{gf.path}: metadata array {one_line(k, 60)} has {n} entries, beyond any "
                                  f"real model's (at most {MAX_META_ARRAY} are rewritten)")
+        total += n
+    if total > MAX_META_ENTRIES:
+        raise ModelLoadError(f"{gf.path}: the metadata arrays hold {total} entries, beyond any real model's "
+                             f"(at most {MAX_META_ENTRIES} are rewritten)")
 
 
 def _write(dst: Path, arch: str, kvs: list, items: list[_Item], threads: int | None) -> dict:
@@ -296,7 +318,8 @@ def _write(dst: Path, arch: str, kvs: list, items: list[_Item], threads: int | N
     except OSError as e:
         raise InvalidArgumentError(f"cannot write {dst} ({e.strerror or e})") from None
     finally:
-        w.close()                               # left open by an error
+        with contextlib.suppress(OSError):      # left open by an error; closing flushes, which may fail
+            w.close()                           # again on a full disk: the partial file goes either way
         with contextlib.suppress(OSError):      # never created (the open failed): nothing to remove
             tmp.unlink()
     return counts

@@ -121,7 +121,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, cache_bytes: in
     @app.api_route("/v1/models/{name:path}", **read_only)
     async def model(name: str):
         if name != model_name:
-            return error_response(404, f"The model '{name}' does not exist", code="model_not_found")
+            return error_response(404, f"The model {short(name)} does not exist", code="model_not_found")
         return model_card()
 
     async def generation(request: Request, create, required: str):
