@@ -281,6 +281,12 @@ def test_json_schema_on_a_hugging_face_tokenizer(tmp_path):
         jsonschema.validate(json.loads(r["choices"][0]["message"]["content"]), schema)
     with pytest.raises(InvalidArgumentError):
         tiny.create_completion("x", response_format={"type": "json_schema", "json_schema": {"schema": 5}})
+    # the engine's multi-line message (a regex it cannot compile) comes back as one line
+    backref = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(a)\\1"}}, "required": ["a"]}
+    with pytest.raises(InvalidArgumentError) as e:
+        tiny.create_completion("x", max_tokens=2, response_format={"type": "json_schema",
+                                                                   "json_schema": {"schema": backref}})
+    assert "\n" not in str(e.value) and "backreference" in str(e.value)
 
 
 def test_echo_offsets_and_cancel_on_a_model_with_bos(family_material):

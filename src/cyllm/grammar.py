@@ -94,7 +94,7 @@ def grammar_for(response_format) -> str | None:
     try:
         return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as e:
-        raise InvalidArgumentError(f"invalid JSON schema: {e}") from None
+        raise InvalidArgumentError(f"invalid JSON schema: {one_line(e, 300)}") from None
 
 
 class GrammarConstraint:
@@ -105,10 +105,11 @@ class GrammarConstraint:
         lt = ll_tokenizer(model)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, lt)
         if is_error:
-            raise InvalidArgumentError(f"invalid JSON schema: {messages[0] if messages else 'rejected'}")
+            # the engine's messages may run over several lines (a regex's parse error): one line
+            raise InvalidArgumentError(f"invalid JSON schema: {one_line(messages[0] if messages else 'rejected', 300)}")
         self._m = llg.LLMatcher(lt, grammar, log_level=0)
         if self._m.is_error():
-            raise InvalidArgumentError(f"invalid JSON schema: {self._m.get_error()}")
+            raise InvalidArgumentError(f"invalid JSON schema: {one_line(self._m.get_error(), 300)}")
         vocab = model.config.vocab_size
         self._vocab = vocab
         self._mask = np.zeros((vocab + 31) // 32, np.int32)     # (words,) one bit per token
