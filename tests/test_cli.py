@@ -327,6 +327,8 @@ def test_generate_context_shift_flag(capsys, tiny):
     assert code == 0 and "context window is full" in err and "--context-shift" in err
     code, _, err = run(capsys, *common, "--context-shift")
     assert code == 0 and "context full: dropped" in err
+    code, _, err = run(capsys, *common, "--context-shift", "--keep", "-5")     # -1 is the only negative
+    assert code == 2 and "--keep" in err and len(err.strip().splitlines()) == 1
 
 
 # -- bench output, tune noise, perplexity progress -------------------------------------------------

@@ -198,6 +198,8 @@ def _generate_shifting(model, prompt: str, add_special: bool, stop: list[str], a
     if len(ids) > model.context:
         raise ContextFullError(f"the prompt has {len(ids)} tokens but the context window holds "
                                f"{model.context} (use a larger --context or a shorter prompt)")
+    if a.keep < -1:
+        raise InvalidArgumentError(f"--keep must be a count of tokens >= 0, or -1 (the whole prompt), got {a.keep}")
     bos = 1 if model.tokenizer.bos_id is not None and ids[0] == model.tokenizer.bos_id else 0
     keep = len(ids) if a.keep < 0 else min(len(ids), bos + a.keep)
 
