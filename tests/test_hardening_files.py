@@ -251,6 +251,26 @@ def test_configs_transformers_writes(tmp_path):
         int(cases["phi3"].hidden_size // cases["phi3"].num_attention_heads * 0.5)
 
 
+def test_gemma2_keys_a_config_leaves_out_take_transformers_defaults():
+    """A Gemma 2 config.json without its caps, window, layer types, query scale or head_dim is
+    the model transformers' Gemma2Config makes of it (50, 30, 4096 every other layer, 256, 256);
+    a null cap or window turns that feature off in both."""
+    transformers = pytest.importorskip("transformers")
+    from cyllm.families import config_from_hf
+    keys = ("attn_logit_softcapping", "final_logit_softcapping", "sliding_window", "layer_types",
+            "query_pre_attn_scalar", "head_dim")
+    full = dict(transformers.Gemma2Config(num_hidden_layers=4).to_dict(), architectures=["Gemma2ForCausalLM"])
+    for d in ({k: v for k, v in full.items() if k not in keys},
+              dict(full, attn_logit_softcapping=None, final_logit_softcapping=None)):
+        hf = transformers.Gemma2Config(**{k: v for k, v in d.items() if k != "architectures"})
+        c = config_from_hf(d)
+        assert (c.attn_softcap or None, c.final_softcap or None) == (hf.attn_logit_softcapping,
+                                                                    hf.final_logit_softcapping)
+        assert (c.sliding_window, c.head_dim, c.attn_scale) == (hf.sliding_window, hf.head_dim,
+                                                                 hf.query_pre_attn_scalar ** -0.5)
+        assert c.layer_types == tuple(t.split("_")[0] for t in hf.layer_types)
+
+
 # ============================================================================ class 2: sizes before allocation
 
 def test_context_beyond_any_model(tiny):
@@ -487,6 +507,12 @@ def test_tokenizer_steps_the_library_panics_on(tiny, tmp_path, step, needle):
     d = copy_dir(tiny, tmp_path / "m")
     edit_json(d, "tokenizer.json", lambda t: t.update(normalizer=step))
     one_line_error(TokenizerError, load_path, d, needles=[needle])
+    # the step's name spelled with a JSON escape is the same step to the library
+    p = d / "tokenizer.json"
+    for name in ("Precompiled", "Replace"):
+        p.write_text(p.read_text().replace(f'"{name}"', '"' + name[:3] + "\\u%04x" % ord(name[3]) + name[4:] + '"'))
+    assert '"Precompiled"' not in p.read_text() and '"Replace"' not in p.read_text()
+    one_line_error(TokenizerError, load_path, d, needles=[needle])
 
 
 def test_special_token_with_a_lone_surrogate(tiny, tmp_path):
@@ -604,3 +630,20 @@ def test_convert_onto_a_directory_named_tokenizer_json(tiny_gguf, tmp_path):
     (out / "tokenizer.json").mkdir(parents=True)
     one_line_error(OSError, convert_gguf_to_hf, tiny_gguf, out, overwrite=True, needles=["tokenizer.json"],
                    seconds=30)
+
+
+def test_gguf_writer_refuses_models_llama_cpp_would_read_otherwise():
+    """cyllm quantize writes no Gemma 2 whose layers llama.cpp's fixed pattern (every other one
+    sliding, from the first) or default caps would change, and no Gemma 3 with caps (its
+    architecture reads none); the usual layout writes."""
+    transformers = pytest.importorskip("transformers")
+    from cyllm.families import config_from_hf, family
+    from cyllm.tools.hf_gguf import _hparams
+    g2 = dict(transformers.Gemma2Config(num_hidden_layers=4).to_dict(), architectures=["Gemma2ForCausalLM"])
+    _hparams(config_from_hf(g2), family("gemma2"), g2, "ok")
+    g3 = dict(transformers.Gemma3TextConfig(num_hidden_layers=6).to_dict(), architectures=["Gemma3ForCausalLM"])
+    for fam, d in (("gemma2", dict(g2, sliding_window=None)),
+                   ("gemma2", dict(g2, layer_types=["full_attention", "sliding_attention"] * 2)),
+                   ("gemma2", dict(g2, final_logit_softcapping=None)),
+                   ("gemma3", dict(g3, final_logit_softcapping=30.0))):
+        one_line_error(UnsupportedModelError, _hparams, config_from_hf(d), family(fam), d, "x", needles=[fam[:5]])

@@ -250,9 +250,20 @@ def _qwen3_hf(cfg):
     return dict(qk_norm=True, sliding_window=window if types else 0, layer_types=types)
 
 
-def _softcaps_hf(cfg) -> dict:
-    return dict(attn_softcap=cfg.number("attn_logit_softcapping", None, positive=True, null_ok=True) or 0.0,
-                final_softcap=cfg.number("final_logit_softcapping", None, positive=True, null_ok=True) or 0.0)
+def _absent_or(cfg, key: str, read):
+    """read(): the key's value or its default where absent; None where the key is null (a
+    feature turned off, where an absent key takes the config class's default)."""
+    return None if key in cfg and cfg[key] is None else read()
+
+
+def _softcaps_hf(cfg, attn: float | None = None, final: float | None = None) -> dict:
+    """The soft caps; a key that is absent takes the family's default (transformers' config
+    class: Gemma 2 50 and 30, Gemma 3 none), a null one turns the cap off."""
+    caps = {}
+    for key, field, default in (("attn_logit_softcapping", "attn_softcap", attn),
+                                ("final_logit_softcapping", "final_softcap", final)):
+        caps[field] = _absent_or(cfg, key, lambda: cfg.number(key, default, positive=True, null_ok=True)) or 0.0
+    return caps
 
 
 def _gemma_act(cfg, family: str) -> None:
@@ -262,17 +273,20 @@ def _gemma_act(cfg, family: str) -> None:
 
 
 def _gemma2_hf(cfg):
+    # keys a config leaves out take transformers' Gemma2Config defaults: head_dim 256, a 4096
+    # window on every other layer from the first, query_pre_attn_scalar 256, caps 50 and 30
     n = _n_layers(cfg)
-    window = cfg.int("sliding_window", 0, minimum=0, null_ok=True) or 0
-    # transformers' default: every other layer sliding, from the first
+    head_dim = cfg.int("head_dim", 256, minimum=1) or _head_dim(cfg)
+    window = _absent_or(cfg, "sliding_window", lambda: cfg.int("sliding_window", 4096, minimum=0)) or 0
     types = _layer_types(cfg, n) or tuple("sliding" if i % 2 == 0 else "full" for i in range(n))
     theta, scaling = rope_params(cfg)
-    qpas = cfg.number("query_pre_attn_scalar", None, positive=True, null_ok=True) or _head_dim(cfg)
+    qpas = cfg.number("query_pre_attn_scalar", 256.0, positive=True, null_ok=True) or head_dim
     _gemma_act(cfg, "Gemma 2")
-    return dict(post_norms=True, activation="gelu_tanh", embed_scale=math.sqrt(cfg.int("hidden_size", minimum=1)),
-                attn_scale=qpas ** -0.5, sliding_window=window if "sliding" in types else 0,
-                layer_types=types if window else None, rope_theta=theta, rope_scaling=scaling,
-                tie_word_embeddings=True, **_softcaps_hf(cfg))
+    return dict(head_dim=head_dim, post_norms=True, activation="gelu_tanh",
+                embed_scale=math.sqrt(cfg.int("hidden_size", minimum=1)), attn_scale=qpas ** -0.5,
+                sliding_window=window if "sliding" in types else 0, layer_types=types if window else None,
+                rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=True,
+                **_softcaps_hf(cfg, attn=50.0, final=30.0))
 
 
 def _gemma3_hf(cfg):

@@ -415,8 +415,8 @@ def _check_tokenizer_steps(raw: bytes, path: Path) -> None:
     """Refuse the normalizer steps the `tokenizers` library panics on (printing Rust's panic
     text) or sizes an allocation from: a Precompiled charsmap whose trie size lies (0xFFFFFFFF
     asked for 8 GB) and a Replace of an empty string (an index past the text)."""
-    if b'"Precompiled"' not in raw and b'"Replace"' not in raw:
-        return                          # no such step: spare a parse of a large file
+    if b'"Precompiled"' not in raw and b'"Replace"' not in raw and b"\\u" not in raw:
+        return          # no such step, nor an escape that could spell one: spare a parse of a large file
     try:
         tj = json.loads(raw)
     except (ValueError, RecursionError):

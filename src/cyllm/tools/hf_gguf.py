@@ -185,6 +185,9 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
     if fam.name == "mistral" and cfg.sliding_window and cfg.sliding_window < cfg.max_seq_len:
         print(f"cyllm: note: the sliding window ({cfg.sliding_window}) is not written: llama.cpp applies "
               "none to llama-architecture files", file=sys.stderr)
+    if fam.name == "gemma3" and (cfg.attn_softcap or cfg.final_softcap):
+        raise UnsupportedModelError("a Gemma 3 with soft caps cannot be written to a GGUF: llama.cpp's gemma3 "
+                                    "reads none")
     if fam.name == "gemma3":
         kv += [(a + "rope.freq_base_swa", cfg.rope_local_theta or 10000.0, T.FLOAT32, None),
                (a + "attention.sliding_window", cfg.sliding_window, T.UINT32, None)]
@@ -193,11 +196,15 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
         if not (cfg.attn_softcap and cfg.final_softcap):
             raise UnsupportedModelError("a Gemma 2 without both soft caps cannot be written to a GGUF: "
                                         "llama.cpp would apply its defaults, 50 and 30")
+        alternate = tuple("sliding" if i % 2 == 0 else "full" for i in range(cfg.n_layers))
+        if not cfg.sliding_window or cfg.layer_types != alternate:
+            raise UnsupportedModelError("a Gemma 2 whose sliding layers are not every other one from the first "
+                                        "cannot be written to a GGUF: llama.cpp applies that pattern")
         if cfg.rope_theta == 10000.0:
             kv = [e for e in kv if e[0] != a + "rope.freq_base"]
         kv += [(a + "attn_logit_softcapping", cfg.attn_softcap, T.FLOAT32, None),
                (a + "final_logit_softcapping", cfg.final_softcap, T.FLOAT32, None),
-               (a + "attention.sliding_window", cfg.sliding_window or 4096, T.UINT32, None)]
+               (a + "attention.sliding_window", cfg.sliding_window, T.UINT32, None)]
     if fam.name == "olmo2" and cfg.layer_types:
         # OLMo 3: cyllm reads no OLMo 3 GGUF (llama.cpp's windowed olmo2), so it writes none
         raise UnsupportedModelError("OLMo 3 (sliding-window layers) cannot be written to a GGUF by cyllm")
