@@ -308,6 +308,11 @@ def test_echo_offsets_and_cancel_on_a_model_with_bos(family_material):
     assert llm.create_completion(prompt, max_tokens=2, echo=None)["choices"][0]["text"] != prompt
     assert collect(create_completion(llm, prompt, max_tokens=0, echo=True, logprobs=1, stream=True,
                                      cancel=lambda: True)) == {}
+    # the stats a server logs: the scoring passes ran the prompt once, whatever n
+    from cyllm.generate import GenerationStats
+    st = GenerationStats()
+    create_completion(llm, prompt, max_tokens=0, echo=True, logprobs=0, n=2, stats=st)
+    assert (st.prompt_tokens, st.cached_tokens) == (len(ids), 0)
     # a special token the prompt spells out takes its length in the echoed text (the added BOS none)
     spelled = "The fox<|eot_id|> ran."
     ids = tok.encode(spelled)

@@ -547,6 +547,8 @@ def _text_chunks(llm, req: Request, params: SamplingParams, stats: GenerationSta
     scoring_only = req.echo is not None and req.max_tokens == 0
     if scoring_only:
         stats.stop_reason = "length"
+        if scored is not None and index == 0:  # the scoring passes ran the prompt once (the server's log)
+            stats.prompt_tokens = len(req.ids)
     for text, entries in () if scoring_only else _events(llm, req, params, stats, cancel, keep):
         entries = [(t, lp, top, off + shift) for t, lp, top, off in entries]
         yield chunk(text, logprobs=_text_logprobs(tok, entries) if req.logprobs is not None else None)
