@@ -647,3 +647,16 @@ def test_gguf_writer_refuses_models_llama_cpp_would_read_otherwise():
                    ("gemma2", dict(g2, final_logit_softcapping=None)),
                    ("gemma3", dict(g3, final_logit_softcapping=30.0))):
         one_line_error(UnsupportedModelError, _hparams, config_from_hf(d), family(fam), d, "x", needles=[fam[:5]])
+
+
+def test_quantize_reads_the_tokenizer_as_loading_does(tiny, tmp_path):
+    """cyllm quantize refuses a tokenizer.json that loading refuses (a merge of tokens the vocabulary
+    lacks), before writing: it wrote such a GGUF, which then failed to load."""
+    from cyllm.tools.quantize import quantize
+    d = copy_dir(tiny, tmp_path / "m")
+    edit_json(d, "tokenizer.json", lambda t: t["model"]["merges"].append(["zzqq", "qqzz"]))
+    with pytest.raises(CyllmError):
+        load_path(d)
+    with pytest.raises(CyllmError):
+        quantize(d, tmp_path / "q.gguf", "q8_0")
+    assert not list(tmp_path.glob("*q.gguf*"))

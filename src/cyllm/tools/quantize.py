@@ -134,6 +134,10 @@ def quantize_hf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, over
     key = _check_type(qtype)
     src, dst = Path(src), Path(dst)
     _check_paths(src, dst, overwrite)
+    # the tokenizer as loading reads it: a file cyllm would refuse to load (bad merges, lying ids)
+    # is refused here, not written into a GGUF that then fails to load
+    from ..tokenizer import Tokenizer
+    Tokenizer.from_hf_dir(src)
     hs = hf_source(src)
     names = {t.name for t in hs.tensors}
     rec = recipe(key, hs.config.n_layers, has_output="output.weight" in names)
