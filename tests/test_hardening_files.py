@@ -660,3 +660,21 @@ def test_quantize_reads_the_tokenizer_as_loading_does(tiny, tmp_path):
     with pytest.raises(CyllmError):
         quantize(d, tmp_path / "q.gguf", "q8_0")
     assert not list(tmp_path.glob("*q.gguf*"))
+
+
+def test_gemma3_keys_a_config_leaves_out_take_transformers_defaults():
+    """The same for Gemma 3 (Gemma3TextConfig): head_dim and query_pre_attn_scalar 256, a 4096
+    window in its 5:1 pattern, rope bases 1e6 and 10000."""
+    transformers = pytest.importorskip("transformers")
+    from cyllm.families import config_from_hf
+    keys = ("head_dim", "query_pre_attn_scalar", "sliding_window", "layer_types", "rope_parameters",
+            "rope_theta", "rope_local_base_freq", "rope_scaling")
+    full = dict(transformers.Gemma3TextConfig(num_hidden_layers=7).to_dict(), architectures=["Gemma3ForCausalLM"])
+    d = {k: v for k, v in full.items() if k not in keys}
+    hf = transformers.Gemma3TextConfig(**{k: v for k, v in d.items() if k != "architectures"})
+    c = config_from_hf(d)
+    assert (c.head_dim, c.attn_scale, c.sliding_window) == (hf.head_dim, hf.query_pre_attn_scalar ** -0.5,
+                                                            hf.sliding_window)
+    assert c.layer_types == tuple(t.split("_")[0] for t in hf.layer_types)
+    assert (c.rope_theta, c.rope_local_theta) == (hf.rope_parameters["full_attention"]["rope_theta"],
+                                                  hf.rope_parameters["sliding_attention"]["rope_theta"])

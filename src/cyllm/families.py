@@ -290,27 +290,30 @@ def _gemma2_hf(cfg):
 
 
 def _gemma3_hf(cfg):
+    # keys a config leaves out take transformers' Gemma3TextConfig defaults: head_dim and
+    # query_pre_attn_scalar 256, a 4096 window, rope bases 1e6 (global) and 10000 (sliding)
     n = _n_layers(cfg)
-    window = cfg.int("sliding_window", 0, minimum=0)
+    head_dim = cfg.int("head_dim", 256, minimum=1) or _head_dim(cfg)
+    window = _absent_or(cfg, "sliding_window", lambda: cfg.int("sliding_window", 4096, minimum=0)) or 0
     types = _layer_types(cfg, n)
     if types is None:
         pattern = (cfg.int("sliding_window_pattern", None, minimum=1)
                    or cfg.int("_sliding_window_pattern", 6, minimum=1))
         types = tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n))
     theta, scaling = rope_params(cfg, "full_attention")
+    if "rope_parameters" not in cfg and "rope_theta" not in cfg and "rope_scaling" not in cfg:
+        theta = 1e6
     local_theta, local_scaling = rope_params(cfg, "sliding_attention")
     if "rope_local_base_freq" in cfg:
         local_theta = cfg.number("rope_local_base_freq", positive=True)
     if local_scaling is not None:
         raise UnsupportedModelError("Gemma 3: rope scaling on sliding layers is not supported")
-    qpas = cfg.number("query_pre_attn_scalar", None, positive=True, null_ok=True) or cfg.int("head_dim", None)
+    qpas = cfg.number("query_pre_attn_scalar", 256.0, positive=True, null_ok=True) or head_dim
     _gemma_act(cfg, "Gemma 3")
-    return dict(qk_norm=True, post_norms=True, activation="gelu_tanh", **_softcaps_hf(cfg),
-                embed_scale=math.sqrt(cfg.int("hidden_size", minimum=1)),
-                attn_scale=None if not qpas or qpas <= 0 else qpas ** -0.5,
-                sliding_window=window if "sliding" in types else 0,
-                layer_types=types, rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
-                tie_word_embeddings=True)
+    return dict(head_dim=head_dim, qk_norm=True, post_norms=True, activation="gelu_tanh", **_softcaps_hf(cfg),
+                embed_scale=math.sqrt(cfg.int("hidden_size", minimum=1)), attn_scale=qpas ** -0.5,
+                sliding_window=window if "sliding" in types else 0, layer_types=types if window else None,
+                rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta, tie_word_embeddings=True)
 
 
 def _phi3_hf(cfg):
