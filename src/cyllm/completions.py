@@ -572,7 +572,7 @@ def _prompt_logprobs(llm, req: Request, cancel=None) -> dict:
     reader = LogprobReader(llm.config.vocab_size)
     out = {"tokens": [], "token_logprobs": [None], "top_logprobs": [None], "text_offset": []}
     dec, at = tok.stream_decoder(skip_special_tokens=True), 0
-    special, echo = tok._special_ids(), req.echo or ""
+    special, echo = tok.special_ids(), req.echo or ""
     for t in req.ids:
         out["tokens"].append(_token_text(tok, t))
         out["text_offset"].append(at)

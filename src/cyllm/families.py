@@ -402,9 +402,10 @@ def _sliding_gguf(md, p, t):
     return dict(sliding_window=int(w)) if isinstance(w, int) and w > 0 else {}
 
 
-def _gemma_gguf(md, p, default_step: int, layers_27b: int) -> dict:
+def _gemma_gguf(md, p, default_step: int, layers_27b: int, default_window: int = 0) -> dict:
     """What Gemma 2 and 3 files share: the sliding layers (the pattern key, else llama.cpp's
-    fixed step: every step-th layer global), the query scale, the embedding scale, the norms."""
+    fixed step: every step-th layer global; the window key, else ``default_window``), the query
+    scale, the embedding scale, the norms."""
     n = md[p + "block_count"]
     pattern = md.get(p + "attention.sliding_window_pattern")
     if isinstance(pattern, list) and len(pattern) == n:
@@ -416,7 +417,7 @@ def _gemma_gguf(md, p, default_step: int, layers_27b: int) -> dict:
     head_dim = md.get(p + "attention.key_length") or dim // heads
     # GGUF keeps no query_pre_attn_scalar; llama.cpp uses head_dim, except for the 27B
     qpas = dim // heads if n == layers_27b else head_dim
-    window = md.get(p + "attention.sliding_window") or 0
+    window = md.get(p + "attention.sliding_window") or default_window
     return dict(post_norms=True, activation="gelu_tanh", embed_scale=math.sqrt(dim),
                 attn_scale=qpas ** -0.5, sliding_window=int(window),
                 layer_types=types if window else None, tie_word_embeddings=True)
@@ -425,8 +426,7 @@ def _gemma_gguf(md, p, default_step: int, layers_27b: int) -> dict:
 def _gemma2_gguf(md, p, t):
     # llama.cpp: every other layer sliding, 4096 positions where the file names no window, and
     # caps of 50 and 30 where it names none
-    out = _gemma_gguf({**md, p + "attention.sliding_window": md.get(p + "attention.sliding_window") or 4096},
-                      p, 2, 46)
+    out = _gemma_gguf(md, p, 2, 46, default_window=4096)
     caps = {}
     for key, field, default in (("attn_logit_softcapping", "attn_softcap", 50.0),
                                 ("final_logit_softcapping", "final_softcap", 30.0)):

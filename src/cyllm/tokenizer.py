@@ -134,7 +134,8 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return _guarded(self._tok.decode, self._check_ids(ids), skip_special_tokens=skip_special_tokens)
 
-    def _special_ids(self) -> frozenset[int]:
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the added tokens marked special (a BOS, <|endoftext|>, control tokens)."""
         return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     def _byte_ids(self) -> frozenset[int]:
@@ -298,7 +299,7 @@ class StreamDecoder:
         # the next token "first"; a byte token may continue a run of bytes that
         # the decoder groups into characters
         self._no_start = tokenizer._byte_ids() | (
-            tokenizer._special_ids() if skip_special_tokens else frozenset())
+            tokenizer.special_ids() if skip_special_tokens else frozenset())
         self._ids: list[int] = []
         self._start = 0      # window start (token index)
         self._stable = 0     # token index where the text was last complete
