@@ -10,7 +10,8 @@ output by tests/test_quantize_tool.py):
   when config.json names a ``head_dim``; the llama-style architectures (llama, smollm3, granite)
   also carry ``vocab_size`` and ``rope.dimension_count``; Phi-3 its rotary dims,
   ``rope.scaling.original_context_length`` and ``attention.sliding_window`` (0: none);
-  Gemma 3 ``rope.freq_base_swa`` and the global layers' linear scaling; YaRN scaling as
+  Gemma 3 ``rope.freq_base_swa`` and the global layers' linear scaling; Gemma 2 its two
+  soft caps and ``attention.sliding_window``, and no rope base (llama.cpp's 10000); YaRN scaling as
   ``rope.scaling.type`` "yarn", its factor, original context and the betas config.json gives; Granite (llama-style
   keys, no head_dim) its multipliers as ``attention.scale``, ``embedding_scale``,
   ``residual_scale`` and ``logit_scale``;
