@@ -204,7 +204,31 @@ FAMILY_KINDS = {
                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                 "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
                                                    "original_max_position_embeddings": 32}})),
+    # Mixtures of experts (weights rounded to float16 values: see MOE_ARCHS)
+    # Qwen3-MoE: Qwen3's attention, 6 experts of 40 (not its unused dense size, 96), 2 a token,
+    # their weights renormalized (as the released models), untied
+    "qwen3moe": ("qwen3moe", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=24, intermediate_size=96, moe_intermediate_size=40,
+                                  num_experts=6, num_experts_per_tok=2, norm_topk_prob=True,
+                                  num_hidden_layers=3, rms_norm_eps=1e-6, rope_theta=1e6,
+                                  use_sliding_window=False, tie_word_embeddings=False)),
+    # Mixtral: Llama's attention (q/k interleaved in GGUF), 5 experts of 64, 2 a token
+    "mixtral": ("mixtral", dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=24, intermediate_size=64, num_local_experts=5,
+                                num_experts_per_tok=2, num_hidden_layers=3, rms_norm_eps=1e-5,
+                                rope_theta=1e6, sliding_window=None)),
+    # OLMoE: q/k norms over the whole projection, 8 experts of 56, 3 a token, weights not
+    # renormalized (llama.cpp's converter writes rms eps 1e-5 whatever the config says)
+    "olmoe": ("olmoe", dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=56, num_experts=8, num_experts_per_tok=3,
+                            norm_topk_prob=False, num_hidden_layers=3, rms_norm_eps=1e-5,
+                            rope_theta=10000.0, tie_word_embeddings=False)),
 }
+# An expert is chosen by the order of the router's scores: where two are within the rounding
+# of float16 weights (cyllm's) apart from float32 ones (transformers'), the two pick different
+# experts and that token's logits differ by far more than 1e-2. The mixture-of-experts kinds
+# therefore hold float16 values (stored as float32), so both sides start from the same weights.
+MOE_ARCHS = {"qwen3moe", "mixtral", "olmoe"}
 KINDS.update(FAMILY_KINDS)
 # Qwen3 with YaRN rope scaling (factor 8 over an original context of 32, which the 70-token
 # test sequence passes): not a family of its own, so not in FAMILY_KINDS
@@ -216,7 +240,8 @@ KINDS["qwen3_yarn"] = ("qwen3", {**FAMILY_KINDS["qwen3"][1], "max_position_embed
 KIND_TOKENIZER = {"llama32": "llama3", "mistral_swa": "llama2", "qwen2": "qwen2",
                   "qwen3": "qwen2", "gemma2": "gemma", "gemma3": "gemma", "gemma3_qscale": "gemma", "phi3": "phi3",
                   "phi3_longrope": "gpt4o", "smollm3": "smollm3", "granite": "llama3",
-                  "olmo2": "llama3", "olmo3": "llama3", "qwen3_yarn": "qwen2"}
+                  "olmo2": "llama3", "olmo3": "llama3", "qwen3_yarn": "qwen2", "qwen3moe": "qwen2",
+                  "mixtral": "llama2", "olmoe": "llama3"}
 
 # what each family kind exercises (for test ids and reports)
 FAMILY_FEATURES = {
@@ -235,6 +260,9 @@ FAMILY_FEATURES = {
     "granite": "embedding, residual, attention and logit multipliers, GQA, tied",
     "olmo2": "no pre-norms, q/k norms over the whole projection, post-norms, GQA, untied",
     "olmo3": "olmo2's block, sliding window 16 on 3 of 4 layers, YaRN on the full layer only",
+    "qwen3moe": "6 experts, 2 a token, renormalized weights, q/k norms, expert size != dense size",
+    "mixtral": "5 experts, 2 a token, llama's q/k layout in GGUF, SentencePiece tokenizer, head_dim != dim/heads",
+    "olmoe": "8 experts, 3 a token, weights not renormalized, q/k norms over the whole projection",
 }
 
 # kinds whose GGUF, read by llama.cpp's rules, is the same model as the HF directory. Not so:
@@ -242,7 +270,7 @@ FAMILY_FEATURES = {
 # applies none) and gemma3_qscale (llama.cpp scales queries by 1/sqrt(head_dim) except for the
 # 62-layer 27B, and hard-codes the 5:1 pattern).
 GGUF_FAITHFUL = {"llama32", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi3_longrope", "smollm3", "granite",
-                 "olmo2"}
+                 "olmo2", "qwen3moe", "mixtral", "olmoe"}
 
 # HF architecture -> (config class, model class) in transformers
 _ARCH_CLASSES = {
@@ -257,6 +285,9 @@ _ARCH_CLASSES = {
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
 }
 
 # pre-tokenizer split regexes, as the families' tokenizer.json files state them
@@ -631,6 +662,10 @@ def make_tiny_model(tmp_path, kind: str = "llama_mqa_odd", dtype: str = "float32
     model = model_cls(config)
     _randomize(model, seed, norm_center=0.0 if arch in ("gemma2", "gemma3") else 1.0,
                qk_std=0.15 if kind in FAMILY_KINDS else None)
+    if arch in MOE_ARCHS:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.half().float())
     if config.tie_word_embeddings:
         model.tie_weights()
     model.generation_config = transformers.GenerationConfig(

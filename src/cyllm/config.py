@@ -25,6 +25,7 @@ MAX_LAYERS = 4096
 MAX_VOCAB = 1 << 22
 MAX_CONTEXT = 1 << 24
 MAX_POSITIONS = 1 << 40       # a trained context or a window: any larger is not a real model
+MAX_EXPERTS = 4096
 
 
 @dataclass
@@ -35,7 +36,7 @@ class ModelConfig:
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    ffn_dim: int                   # intermediate size of the gated MLP
+    ffn_dim: int                   # intermediate size of the gated MLP (of each expert in a MoE model)
     vocab_size: int
     max_seq_len: int               # trained context length
     norm_eps: float = 1e-5
@@ -58,6 +59,9 @@ class ModelConfig:
     layer_types: tuple | None = None   # per layer "full" | "sliding"; None: all sliding iff a window is set
     rope_local_theta: float | None = None   # rope base of sliding layers, unscaled (Gemma 3)
     nope_layers: tuple = ()        # layers without rotary embeddings (SmolLM3)
+    n_experts: int = 0             # experts of each layer's MLP (a mixture of experts); 0: one dense MLP
+    n_experts_used: int = 0        # experts a token runs through, those of the highest router scores
+    expert_norm: bool = True       # the chosen experts' softmax weights are renormalized to sum 1
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""                 # for display only
@@ -88,6 +92,21 @@ class ModelConfig:
         for key, what in (("attn_softcap", "attention soft cap"), ("final_softcap", "final logit soft cap")):
             value = getattr(self, key)
             setattr(self, key, 0.0 if value in (0, None) else _finite_positive(value, what))
+        experts, used = self.n_experts, self.n_experts_used
+        for key, value in (("n_experts", experts), ("n_experts_used", used)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= MAX_EXPERTS:
+                raise ModelLoadError(f"config: {key} must be a whole number in [0, {MAX_EXPERTS}], got {_short(value)}")
+        if experts and not 1 <= used <= experts:
+            raise ModelLoadError(f"config: {used} experts used per token out of {experts}: "
+                                 f"must be between 1 and the number of experts")
+        if not experts and used:
+            raise ModelLoadError(f"config: {used} experts used per token, but the model has none")
+        self.n_experts, self.n_experts_used = int(experts), int(used)
+        if not isinstance(self.expert_norm, (bool, np.bool_)):
+            raise ModelLoadError(f"config: expert_norm must be true or false, got {_short(self.expert_norm)}")
+        self.expert_norm = bool(self.expert_norm)
+        if experts and self.post_norms:
+            raise ModelLoadError("config: a mixture of experts with a norm on the MLP's output is not supported")
         if self.qk_norm_whole and not self.qk_norm:
             raise ModelLoadError("config: qk_norm_whole needs qk_norm")
         if self.activation not in ACTIVATIONS:
@@ -130,6 +149,11 @@ class ModelConfig:
 
     # -- derived sizes ---------------------------------------------------------
     @property
+    def moe(self) -> bool:
+        """Each layer's MLP is a mixture of experts (a router and n_experts gated MLPs)."""
+        return self.n_experts > 0
+
+    @property
     def q_dim(self) -> int:
         return self.n_heads * self.head_dim
 
@@ -141,7 +165,7 @@ class ModelConfig:
     def n_params(self) -> int:
         """Parameter count (the output matrix counted once when tied)."""
         attn = self.dim * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.dim
-        mlp = 3 * self.dim * self.ffn_dim
+        mlp = 3 * self.dim * self.ffn_dim * max(1, self.n_experts) + self.n_experts * self.dim
         per_layer = attn + mlp + 2 * self.dim
         emb = self.vocab_size * self.dim
         return self.n_layers * per_layer + emb * (1 if self.tie_word_embeddings else 2) + self.dim

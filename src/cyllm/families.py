@@ -30,6 +30,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from .config import MAX_LAYERS, ModelConfig
 from .errors import ModelLoadError, UnsupportedModelError
 from .jsonio import JsonObject, check_number, short
@@ -48,6 +50,10 @@ class Tensor:
     gguf: str | None = None            # GGUF name when it differs from the role ("blk.{i}." + role)
     permute: str = ""                  # "q" | "k": rows interleaved by llama.cpp (families with permute_qk)
     hf_plus_one: bool = False          # (1+w) norm: HF stores w, GGUF stores 1+w
+    # one matrix per expert: HF names each ("{e}" in hf, of shape `shape`), GGUF stacks them in
+    # one tensor of shape (n_experts, *shape)
+    experts: bool = False
+    float32: bool = False              # a matrix kept in float32 (a MoE router: its scores pick experts)
 
     @property
     def per_layer(self) -> bool:
@@ -57,8 +63,20 @@ class Tensor:
         name = self.gguf or (("blk.{i}." + self.role) if self.per_layer else self.role)
         return name.format(i=i)
 
-    def hf_name(self, i: int | None = None) -> str:
-        return self.hf.format(i=i)
+    def hf_name(self, i: int | None = None, e: int | None = None) -> str:
+        return self.hf.format(i=i, e=e)
+
+    def hf_names(self, c: ModelConfig, i: int | None = None) -> list[str]:
+        """The HF names of this row in layer i: one per expert for expert matrices."""
+        return [self.hf_name(i, e) for e in range(c.n_experts)] if self.experts else [self.hf_name(i)]
+
+    def gguf_shape(self, c: ModelConfig) -> tuple:
+        """The (numpy) shape of the GGUF tensor: expert matrices stacked."""
+        return (c.n_experts, *self.shape(c)) if self.experts else self.shape(c)
+
+    def matrix_dtype(self, c: ModelConfig):
+        """The dtype of the contract: float16 matrices (float32 where marked), float32 vectors."""
+        return np.float16 if len(self.shape(c)) == 2 and not self.float32 else np.float32
 
 
 @dataclass(frozen=True)
@@ -88,6 +106,10 @@ class Family:
                 out.append((t, None))
         return out
 
+    def expected_names(self, c: ModelConfig) -> list[tuple[Tensor, int | None, str]]:
+        """Every (tensor, layer, HF name) this config reads: a name per expert for expert matrices."""
+        return [(t, i, name) for t, i in self.expected(c) for name in t.hf_names(c, i)]
+
     def tensor(self, role: str) -> Tensor:
         for t in self.tensors:
             if t.role == role:
@@ -97,6 +119,7 @@ class Family:
 
 # -- the common tensor table -----------------------------------------------------------
 
+def _dense(c): return not c.moe
 def _emb(c): return (c.vocab_size, c.dim)
 def _vec(c): return (c.dim,)
 def _hd(c): return (c.head_dim,)
@@ -120,9 +143,9 @@ def _layers(prefix: str = "model.layers.{i}.") -> dict[str, Tensor]:
         Tensor("attn_k_norm.weight", p + "self_attn.k_norm.weight", _hd, when=lambda c: c.qk_norm),
         Tensor("attn_output.weight", p + "self_attn.o_proj.weight", lambda c: (c.dim, c.q_dim)),
         Tensor("ffn_norm.weight", p + "post_attention_layernorm.weight", _vec),
-        Tensor("ffn_gate.weight", p + "mlp.gate_proj.weight", lambda c: (c.ffn_dim, c.dim)),
-        Tensor("ffn_up.weight", p + "mlp.up_proj.weight", lambda c: (c.ffn_dim, c.dim)),
-        Tensor("ffn_down.weight", p + "mlp.down_proj.weight", lambda c: (c.dim, c.ffn_dim)),
+        Tensor("ffn_gate.weight", p + "mlp.gate_proj.weight", lambda c: (c.ffn_dim, c.dim), when=_dense),
+        Tensor("ffn_up.weight", p + "mlp.up_proj.weight", lambda c: (c.ffn_dim, c.dim), when=_dense),
+        Tensor("ffn_down.weight", p + "mlp.down_proj.weight", lambda c: (c.dim, c.ffn_dim), when=_dense),
     ]
     return {t.role: t for t in rows}
 
@@ -134,6 +157,23 @@ def _globals() -> dict[str, Tensor]:
         Tensor("output.weight", "lm_head.weight", _emb, optional=True),
     ]
     return {t.role: t for t in rows}
+
+
+def _moe_rows(router: str, gate: str, up: str, down: str, prefix: str = "model.layers.{i}.") -> dict:
+    """_table changes for a mixture-of-experts MLP: the router (n_experts, dim), kept in float32,
+    and each expert's gate, up and down matrices ("{e}" in their HF names) in place of the
+    dense MLP's. llama.cpp stacks the experts of a layer in one tensor each."""
+    p, moe = prefix, (lambda c: c.moe)
+    return dict(
+        ffn_gate__weight=None, ffn_up__weight=None, ffn_down__weight=None,
+        ffn_gate_inp__weight=Tensor("ffn_gate_inp.weight", p + router, lambda c: (c.n_experts, c.dim),
+                                    when=moe, float32=True),
+        ffn_gate_exps__weight=Tensor("ffn_gate_exps.weight", p + gate, lambda c: (c.ffn_dim, c.dim),
+                                     when=moe, experts=True),
+        ffn_up_exps__weight=Tensor("ffn_up_exps.weight", p + up, lambda c: (c.ffn_dim, c.dim),
+                                   when=moe, experts=True),
+        ffn_down_exps__weight=Tensor("ffn_down_exps.weight", p + down, lambda c: (c.dim, c.ffn_dim),
+                                     when=moe, experts=True))
 
 
 def _table(**changes: Tensor | None) -> tuple[Tensor, ...]:
@@ -364,6 +404,37 @@ def _olmo2_hf(cfg):
                 rope_local_theta=local_theta if types else None)
 
 
+def _experts_hf(cfg, family: str, norm_default: bool) -> dict:
+    """A mixture of experts on every layer: the counts, each expert's MLP size (ffn_dim), and
+    whether the chosen experts' weights are renormalized (``norm_topk_prob``)."""
+    n = cfg.int("num_local_experts", None, minimum=1) or cfg.int("num_experts", minimum=1)
+    step = cfg.int("decoder_sparse_step", 1, minimum=0)
+    dense = cfg.list("mlp_only_layers", "int") or []
+    if step != 1 or dense:
+        raise UnsupportedModelError(f"{family}: dense MLP layers among the expert layers "
+                                    "(decoder_sparse_step, mlp_only_layers) are not supported")
+    if cfg.int("shared_expert_intermediate_size", 0, minimum=0):
+        raise UnsupportedModelError(f"{family}: shared experts are not supported")
+    ffn = cfg.int("moe_intermediate_size", None, minimum=1) or cfg.int("intermediate_size", minimum=1)
+    return dict(n_experts=n, n_experts_used=cfg.int("num_experts_per_tok", minimum=1), ffn_dim=ffn,
+                expert_norm=cfg.flag("norm_topk_prob", norm_default))
+
+
+def _qwen3moe_hf(cfg):
+    return {**_qwen3_hf(cfg), **_experts_hf(cfg, "Qwen3-MoE", norm_default=False)}
+
+
+def _mixtral_hf(cfg):
+    # transformers' Mixtral renormalizes the chosen experts' weights whatever the config says
+    return {**_mistral_hf(cfg), **_experts_hf(cfg, "Mixtral", norm_default=True), "expert_norm": True}
+
+
+def _olmoe_hf(cfg):
+    if cfg.number("clip_qkv", None, positive=True, null_ok=True) is not None:
+        raise UnsupportedModelError("OLMoE: clip_qkv is not supported")
+    return dict(qk_norm=True, qk_norm_whole=True, **_experts_hf(cfg, "OLMoE", norm_default=False))
+
+
 def _granite_hf(cfg):
     # transformers' GraniteConfig defaults: every multiplier 1.0 (attention's too, not 1/sqrt(d))
     return dict(embed_scale=cfg.number("embedding_multiplier", 1.0, positive=True),
@@ -378,6 +449,41 @@ def _gguf_scale(md, key: str, default: float | None) -> float | None:
     """A positive float of the metadata, or ``default`` where the key is absent."""
     v = md.get(key)
     return default if v is None else check_number(v, "GGUF " + key, positive=True)
+
+
+def _experts_gguf(md, p: str, norm: bool) -> dict:
+    """The expert counts and sizes of a mixture-of-experts file; ``norm``: llama.cpp's fixed
+    choice for the architecture (Qwen3-MoE and Mixtral renormalize the chosen experts' weights,
+    OLMoE does not), which the file's expert_weights_norm overrides."""
+    if p + "expert_count" not in md:
+        return {}
+    n, used = md[p + "expert_count"], md.get(p + "expert_used_count")
+    gating = md.get(p + "expert_gating_func")
+    if gating not in (None, 1):             # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise UnsupportedModelError(f"GGUF: expert gating function {short(gating)} is not supported (softmax only)")
+    scale = md.get(p + "expert_weights_scale")
+    if scale not in (None, 0, 0.0, 1, 1.0):
+        raise UnsupportedModelError(f"GGUF: expert weight scale {short(scale)} is not supported")
+    if md.get(p + "expert_shared_count"):
+        raise UnsupportedModelError("GGUF: shared experts are not supported")
+    norm = md.get(p + "expert_weights_norm", norm)
+    out = dict(n_experts=n, n_experts_used=used, expert_norm=norm)
+    ffn = md.get(p + "expert_feed_forward_length")
+    if ffn is not None:
+        out["ffn_dim"] = ffn
+    return out
+
+
+def _qwen3moe_gguf(md, p, t):
+    return _experts_gguf(md, p, norm=True)
+
+
+def _mixtral_gguf(md, p, t):
+    return {**_sliding_gguf(md, p, t), **_experts_gguf(md, p, norm=True)}
+
+
+def _olmoe_gguf(md, p, t):
+    return dict(qk_norm=True, qk_norm_whole=True, **_experts_gguf(md, p, norm=False))
 
 
 def _olmo2_gguf(md, p, t):
@@ -542,7 +648,26 @@ OLMO2 = Family(
            post_ffw_norm__weight=Tensor("post_ffw_norm.weight", _P + "post_feedforward_layernorm.weight", _vec)),
     hf_features=_olmo2_hf, gguf_features=_olmo2_gguf)
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, SMOLLM3, GRANITE, OLMO2)
+# Mixtures of experts: the block of their dense sibling with the MLP replaced by a router and
+# n_experts gated MLPs (_moe_rows)
+_QWEN_EXPERTS = _moe_rows("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
+                          "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight")
+QWEN3MOE = Family("qwen3moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "qwen3moe", _table(**_QWEN_EXPERTS),
+                  hf_features=_qwen3moe_hf, gguf_features=_qwen3moe_gguf)
+MIXTRAL = Family(
+    "mixtral", ("MixtralForCausalLM",), ("mixtral",), "llama",
+    _table(**_moe_rows("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                       "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight")),
+    permute_qk=True, hf_features=_mixtral_hf, gguf_features=_mixtral_gguf)
+OLMOE = Family(
+    "olmoe", ("OlmoeForCausalLM",), ("olmoe",), "olmoe",
+    _table(attn_q_norm__weight=Tensor("attn_q_norm.weight", _P + "self_attn.q_norm.weight", lambda c: (c.q_dim,)),
+           attn_k_norm__weight=Tensor("attn_k_norm.weight", _P + "self_attn.k_norm.weight", lambda c: (c.kv_dim,)),
+           **_QWEN_EXPERTS),
+    hf_features=_olmoe_hf, gguf_features=_olmoe_gguf)
+
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, SMOLLM3, GRANITE, OLMO2,
+                                QWEN3MOE, MIXTRAL, OLMOE)
 BY_NAME = {f.name: f for f in FAMILIES}
 
 
@@ -572,6 +697,8 @@ def family_for_hf(cfg: dict) -> Family:
 
 
 def family_for_gguf(arch: str, md: dict) -> Family:
+    if arch == "llama" and md.get("llama.expert_count"):
+        return MIXTRAL          # llama.cpp writes Mixtral as llama with experts
     if arch == "llama" and md.get("llama.attention.sliding_window"):
         return MISTRAL
     for f in FAMILIES:

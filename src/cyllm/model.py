@@ -16,13 +16,15 @@ import numpy as np
 from .backends import get_backend
 from .config import MAX_CONTEXT, ModelConfig
 from .families import family
-from .errors import ContextFullError, InvalidArgumentError, ModelLoadError
+from .backends.moe import MoeScratch
+from .errors import ContextFullError, InvalidArgumentError, ModelLoadError, UnsupportedModelError
 from .memory import check_model_fits
 from .oneline import one_line
 from .quant.matrix import QuantMatrix
 
 DEFAULT_CONTEXT = 4096
 QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
+EXPERT_ROLES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
 
 @dataclass
@@ -35,7 +37,7 @@ class Layer:
     wv: Any                       # (n_kv*head_dim, dim) f16
     wo: Any                       # (dim, n_heads*head_dim) f16
     ffn_norm: Any                 # (dim,) f32; None as attn_norm
-    w_gate: Any                   # (ffn, dim) f16
+    w_gate: Any                   # (ffn, dim) f16; None in a mixture of experts
     w_up: Any                     # (ffn, dim) f16
     w_down: Any                   # (dim, ffn) f16
     k_cache: Any                  # (n_kv, context, head_dim) f16
@@ -51,6 +53,8 @@ class Layer:
     k_norm: Any = None
     post_attn_norm: Any = None    # (dim,) f32 norms of the block outputs (Gemma 3)
     post_ffn_norm: Any = None
+    router: Any = None            # (n_experts, dim) f32: a mixture of experts' router, else None
+    experts: tuple | None = None  # n_experts (w_gate (ffn, dim), w_up, w_down (dim, ffn)) of its MLP
 
 
 @dataclass
@@ -68,6 +72,7 @@ class RunState:
     att: Any      # (n_heads*head_dim,) attention output, before wo
     hb: Any       # (ffn,) act(gate) * up
     logits: Any   # (vocab,)
+    moe: MoeScratch | None = None   # a mixture of experts' work arrays
 
 
 @dataclass
@@ -83,6 +88,7 @@ class BatchState:
     att: Any             # (B, n_heads*head_dim)
     hb: Any              # (B, ffn)
     logits: Any = None   # (B, vocab), only once logits at every position are asked for
+    moe: MoeScratch | None = None   # a mixture of experts' work arrays for B rows
 
 
 class _DecodePass:
@@ -144,6 +150,9 @@ class _DecodePass:
     def gate_up(self, L: Layer, act: str, x):
         self.b.gate_up(self.hb, L.w_gate, L.w_up, x, act)
 
+    def moe(self, L: Layer, c: ModelConfig, x):
+        self.b.moe(self.x, x, L.router, L.experts, c.n_experts_used, c.expert_norm, c.activation, self.s.moe)
+
 
 class _PrefillPass:
     """The same ops for T prompt tokens at positions pos0.. : batched ops on BatchState rows."""
@@ -157,6 +166,7 @@ class _PrefillPass:
         self.x, self.xb, self.tmp, self.att, self.hb = B.x[:T], B.xb[:T], B.tmp[:T], B.att[:T], B.hb[:T]
         self.q, self.k, self.v = B.q[:T], B.k[:T], B.v[:T]
         self.n_heads, self.n_kv = c.n_heads, c.n_kv_heads
+        self.moe_scratch = B.moe
 
     def rmsnorm(self, out, x, w, eps=None):
         self.b.rmsnorm_batch(out, x, w, self.eps if eps is None else eps)
@@ -198,6 +208,10 @@ class _PrefillPass:
     def gate_up(self, L: Layer, act: str, x):
         self.b.gate_up_batch(self.hb, L.w_gate, L.w_up, x, act)
 
+    def moe(self, L: Layer, c: ModelConfig, x):
+        self.b.moe_batch(self.x, x, L.router, L.experts, c.n_experts_used, c.expert_norm, c.activation,
+                         self.moe_scratch)
+
 
 class Model:
     """A loaded model bound to one backend, with its KV cache and tokenizer."""
@@ -218,6 +232,9 @@ class Model:
         if tokenizer is not None:
             tokenizer.cover_ids(config.vocab_size)      # padded embedding rows decode to no text
         self.backend = get_backend(backend, threads) if isinstance(backend, str) else backend
+        if config.moe and {"moe", "moe_batch"} & set(self.backend.missing_ops()):
+            raise UnsupportedModelError(f"a mixture-of-experts model ({config.n_experts} experts) does not run "
+                                        f"on the {self.backend.name} backend yet (the cpu and numpy backends run it)")
         self.context = _resolve_context(config, context)
         # refuse before allocating a KV cache, rope tables or scratch that cannot fit
         check_model_fits(self.backend, config, self.context, weights, explicit=context is not None)
@@ -300,7 +317,13 @@ class Model:
                 bq, bk, bv = (up(x) for x in biases)
             else:
                 bq = bk = bv = None
-            if fam.fused_gate_up:
+            router = experts = None
+            if c.moe:
+                router = up(get("ffn_gate_inp.weight", i))                 # (n_experts, dim) f32
+                names = [roles[r].hf_names(c, i) for r in EXPERT_ROLES]
+                experts = tuple(tuple(up(w[n[e]]) for n in names) for e in range(c.n_experts))
+                w_gate = w_up = None
+            elif fam.fused_gate_up:
                 h = get("ffn_gate_up.weight", i)                        # (2*ffn, dim): gate rows first
                 if isinstance(h, QuantMatrix) and not b.quant_row_views:
                     w_gate, w_up = up(h[:f]), up(h[f:])
@@ -318,17 +341,19 @@ class Model:
             self.layers.append(Layer(
                 attn_norm=opt("attn_norm.weight"), wq=wq, wk=wk, wv=wv,
                 wo=up(get("attn_output.weight", i)), ffn_norm=opt("ffn_norm.weight"),
-                w_gate=w_gate, w_up=w_up, w_down=up(get("ffn_down.weight", i)),
+                w_gate=w_gate, w_up=w_up, w_down=None if c.moe else up(get("ffn_down.weight", i)),
                 k_cache=b.empty((c.n_kv_heads, self.context, c.head_dim), np.float16),
                 v_cache=b.empty((c.n_kv_heads, self.context, c.head_dim), np.float16),
                 window=c.layer_window(i), rope=None if key is None else tables[key],
                 wqkv=wqkv, bq=bq, bk=bk, bv=bv, bqkv=bqkv,
                 q_norm=opt("attn_q_norm.weight"), k_norm=opt("attn_k_norm.weight"),
-                post_attn_norm=opt("post_attention_norm.weight"), post_ffn_norm=opt("post_ffw_norm.weight")))
+                post_attn_norm=opt("post_attention_norm.weight"), post_ffn_norm=opt("post_ffw_norm.weight"),
+                router=router, experts=experts))
             if consume:         # the layer holds what it needs: its host arrays may go now
                 for t in fam.tensors:
                     if t.per_layer:
-                        w.pop(t.hf_name(i), None)
+                        for name in t.hf_names(c, i):
+                            w.pop(name, None)
         if c.residual_scale != 1.0 and any(L.attn_norm is None or L.ffn_norm is None for L in self.layers):
             # the stream is carried divided by residual_scale (config.py): only norms may read it
             raise ModelLoadError("a residual scale needs a norm before every sub-block")
@@ -337,7 +362,13 @@ class Model:
         self.state = RunState(
             qkv=qkv, x=b.empty((c.dim,)), xb=b.empty((c.dim,)), tmp=b.empty((c.dim,)), q=q, k=k,
             v=qkv[qd + kd:], q_heads=q.reshape(c.n_heads, c.head_dim), k_heads=k.reshape(c.n_kv_heads, c.head_dim),
-            att=b.empty((qd,)), hb=b.empty((c.ffn_dim,)), logits=b.empty((c.vocab_size,)))
+            att=b.empty((qd,)), hb=b.empty((c.ffn_dim,)), logits=b.empty((c.vocab_size,)),
+            moe=self._moe_scratch(1))
+
+    def _moe_scratch(self, rows: int) -> MoeScratch | None:
+        c = self.config
+        return MoeScratch.allocate(self.backend, rows, c.dim, c.ffn_dim, c.n_experts,
+                                   c.n_experts_used) if c.moe else None
 
     # -- the forward pass: one block body for decode and prefill ---------------
     def _block(self, o, L: Layer) -> None:
@@ -352,7 +383,11 @@ class Model:
         o.rope_store(L)
         o.attention(L)
         self._residual(o, L.wo, o.att, L.post_attn_norm)
-        # MLP: x += [post_norm] w_down @ (act(w_gate xb) * (w_up xb))
+        # MLP: x += [post_norm] w_down @ (act(w_gate xb) * (w_up xb)); a mixture of experts adds
+        # its chosen experts' MLPs instead (no post norm: ModelConfig refuses one)
+        if L.experts is not None:
+            o.moe(L, self.config, self._pre_norm(o, L.ffn_norm))
+            return
         o.gate_up(L, act, self._pre_norm(o, L.ffn_norm))
         self._residual(o, L.w_down, o.hb, L.post_ffn_norm)
 
@@ -464,7 +499,8 @@ class Model:
             self.batch = BatchState(
                 tokens=np.zeros(n, np.int32), x=b.empty((n, c.dim)), xb=b.empty((n, c.dim)),
                 tmp=b.empty((n, c.dim)), q=b.empty((n, c.q_dim)), k=b.empty((n, c.kv_dim)),
-                v=b.empty((n, c.kv_dim)), att=b.empty((n, c.q_dim)), hb=b.empty((n, c.ffn_dim)))
+                v=b.empty((n, c.kv_dim)), att=b.empty((n, c.q_dim)), hb=b.empty((n, c.ffn_dim)),
+                moe=self._moe_scratch(n))
         if all_logits and self.batch.logits is None:
             self.batch.logits = b.empty((self.batch.tokens.shape[0], c.vocab_size))
         return self.batch

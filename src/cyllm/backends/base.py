@@ -55,6 +55,11 @@ OPS: tuple[Op, ...] = (
     Op("attention", "out, q, k_cache, v_cache, pos, window=0, scale=None, softcap=0.0",
        "causal attention of one query over cache positions max(0, pos+1-window)..pos ; "
        "query head h reads kv head h // (n_heads // n_kv)"),
+    Op("moe", "out, x, router, experts, n_used, norm, act, scratch",
+       "*fused* out (dim,) += sum over the n_used experts e of the highest p = softmax(router @ x), "
+       "best first, of w_e * (w_down_e @ (act(w_gate_e @ x) * (w_up_e @ x))) ; w = those p, divided by "
+       "their sum with norm ; router (E, dim) f32 ; experts: E (w_gate, w_up, w_down) ; scratch: "
+       "backends.moe.MoeScratch"),
     Op("swiglu", "out, gate, up", "out (f,) = silu(gate) * up"),
     Op("add", "out, x, y", "out = x + y, all (n,) f32 (out may alias x)"),
     Op("embed_batch", "out, table, tokens, scale=1.0", "out (T, dim) = table[tokens] * scale ; tokens (T,) int32 host",
@@ -64,6 +69,8 @@ OPS: tuple[Op, ...] = (
     Op("matmul_add", "out, w, x", "*fused* out (T, d) += x @ w.T", batched=True),
     Op("gate_up_batch", "out, w_gate, w_up, x, act='silu'", "*fused* out (T, f) = act(x @ w_gate.T) * (x @ w_up.T)",
        batched=True),
+    Op("moe_batch", "out, x, router, experts, n_used, norm, act, scratch",
+       "*fused* moe of every row: out, x (T, dim)", batched=True),
     Op("add_rows", "out, x, b", "out (T, n) = x (T, n) + b (n,) on every row (out may alias x)", batched=True),
     Op("rope_batch", "q, k, cos, sin, pos0, head_dim=None", "rope of every row; row t is position pos0 + t",
        batched=True),

@@ -28,6 +28,7 @@ from ..memory import drop_array_file_pages
 from ..quant.formats import R16_OF, R16_ROWS
 from ..quant.matrix import QuantMatrix
 from ..threads import resolve_threads, startable
+from . import moe
 from .base import DECODE_OPS, Backend, HostArrays
 from .step_tuner import StepTuner
 
@@ -170,6 +171,14 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
     def rope_store(self, q, k, v, cos, sin, k_cache, v_cache, pos) -> None:
         self.rope(q, k, cos, sin, pos, k_cache.shape[2])
         self.cache_store(k_cache, v_cache, k, v, pos)
+
+    # a mixture of experts: the host routing over these kernels (a decode step with experts is
+    # not captured: the program has no op whose weights depend on the step's values)
+    def moe(self, out, x, router, experts, n_used, norm, act, scratch) -> None:
+        moe.moe(self, out, x, router, experts, n_used, norm, act, scratch)
+
+    def moe_batch(self, out, x, router, experts, n_used, norm, act, scratch) -> None:
+        moe.moe_batch(self, out, x, router, experts, n_used, norm, act, scratch)
 
     # -- memory ---------------------------------------------------------------
     def upload(self, a: np.ndarray) -> np.ndarray:

@@ -13,6 +13,7 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from ..quant.matrix import QuantMatrix
 from ..quant.reference import quantize_act
+from . import moe
 from .base import ACTIVATIONS, Backend, HostArrays, check_token, window_start
 
 
@@ -148,6 +149,12 @@ class NumpyBackend(HostArrays, Backend):
                 scores = softcap * np.tanh(scores / softcap)
             scores = np.exp(scores - scores.max())
             oh[h] = (scores / scores.sum()) @ vals
+
+    def moe(self, out, x, router, experts, n_used, norm, act, scratch):
+        moe.moe(self, out, x, router, experts, n_used, norm, act, scratch)
+
+    def moe_batch(self, out, x, router, experts, n_used, norm, act, scratch):
+        moe.moe_batch(self, out, x, router, experts, n_used, norm, act, scratch)
 
     def swiglu(self, out, gate, up):
         out[:] = silu(gate) * up

@@ -118,8 +118,9 @@ def _config_from_gguf(gf: GGUFFile) -> ModelConfig:
     if len(emb.dims) != 2 or emb.dims[0] != dim:
         raise ModelLoadError(f"{where}: token_embd.weight has dims {emb.dims}, expected [{dim}, vocab]")
     vocab = emb.dims[1]
-    if "blk.0.ffn_gate_exps.weight" in gf.tensors:
-        raise UnsupportedModelError(f"{where}: mixture-of-experts GGUF files are not supported")
+    if "blk.0.ffn_gate_up_exps.weight" in gf.tensors:
+        raise UnsupportedModelError(f"{where}: expert gate and up matrices fused in one tensor "
+                                    "(ffn_gate_up_exps) are not supported")
     eos_ids = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         v = meta_value(md, key)
@@ -145,9 +146,13 @@ def _config_from_gguf(gf: GGUFFile) -> ModelConfig:
     meta = {k: v for k, v in m.items() if k.startswith(p)}
     fields.update(fam.gguf_features(meta, p, config_tensors))
     try:
-        return ModelConfig(arch=fam.name, **fields)
+        cfg = ModelConfig(arch=fam.name, **fields)
     except TypeError as e:
         raise ModelLoadError(f"{where}: bad GGUF hyperparameter ({clip(e, 200)})") from None
+    if "blk.0.ffn_gate_exps.weight" in gf.tensors and not cfg.moe:
+        raise UnsupportedModelError(f"{where}: mixture-of-experts files of GGUF architecture {clip(arch)} "
+                                    "are not supported")
+    return cfg
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -166,7 +171,7 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _dequantize(gf: GGUFFile, info: GGUFTensorInfo, rows: slice | None = None) -> np.ndarray:
-    """A tensor (or the rows ``rows`` of its leading dim) as float32, numpy shape.
+    """A tensor as float32, numpy shape, or the rows ``rows`` of it seen as (rows, last dim).
 
     F16 comes back as a zero-copy float16 view.
     """
@@ -181,7 +186,7 @@ def _dequantize(gf: GGUFFile, info: GGUFTensorInfo, rows: slice | None = None) -
     raw = gf.tensor_bytes(info).reshape(n_rows, shape[-1] // block * bsize)   # (rows, bytes per row)
     if rows is not None:
         raw = raw[rows]
-        shape = (raw.shape[0],) + tuple(shape[1:])
+        shape = (raw.shape[0], shape[-1])
     if t == F16:
         return raw.view(np.float16).reshape(shape)
     if t == F32:
@@ -208,13 +213,15 @@ def _matrix_f16(gf: GGUFFile, info: GGUFTensorInfo, name: str) -> np.ndarray:
     """A matrix as float16: a zero-copy view for F16, else dequantized chunk by chunk."""
     if info.ggml_type == F16 or len(info.shape) < 2:
         return _to_f16(_dequantize(gf, info), name, gf.path)
-    out = np.empty(info.shape, dtype=np.float16)
-    step = max(1, _CHUNK_ELEMENTS // info.shape[-1])
-    for r0 in range(0, info.shape[0], step):
-        part = slice(r0, min(r0 + step, info.shape[0]))
+    cols = info.shape[-1]
+    rows = math.prod(info.shape[:-1])
+    out = np.empty((rows, cols), dtype=np.float16)       # a stack of matrices: their rows in turn
+    step = max(1, _CHUNK_ELEMENTS // cols)
+    for r0 in range(0, rows, step):
+        part = slice(r0, min(r0 + step, rows))
         out[part] = _to_f16(_dequantize(gf, info, part), name, gf.path)
     gf.release(info)
-    return out
+    return out.reshape(info.shape)
 
 
 def _tensor_float32(gf: GGUFFile, info: GGUFTensorInfo) -> np.ndarray:
@@ -264,6 +271,18 @@ class PlannedTensor:
     dtype: np.dtype            # float16 for F16/F32/BF16 matrices, float32 for 1-D
     unpermute_heads: int = 0   # >0: q/k rows to reorder with this many heads
     fmt: str | None = None     # native block format of a quantized matrix (a QuantMatrix); None: dtype
+    # a stack of expert matrices (E, rows, cols) in the file: shape is (E * rows, cols), and
+    # the model reads expert e's rows under expert_names[e]
+    expert_names: tuple = ()
+
+    def entries(self, a):
+        """(HF name, array) pairs of the materialized tensor ``a``: one, or a row view per expert."""
+        if not self.expert_names:
+            yield self.hf_name, a
+            return
+        rows = self.shape[0] // len(self.expert_names)
+        for e, name in enumerate(self.expert_names):
+            yield name, a[e * rows:(e + 1) * rows]
 
     @property
     def converted(self) -> str | None:
@@ -271,7 +290,7 @@ class PlannedTensor:
         src = self.info.type_name
         if self.fmt is not None:
             return None if src.lower() == self.fmt else f"{src} -> {self.fmt.upper()}"
-        if len(self.shape) == 2 and src != "F16":
+        if self.dtype == np.float16 and src != "F16":
             return f"{src} -> F16"
         return None
 
@@ -300,20 +319,23 @@ def plan_tensors(gf: GGUFFile, cfg: ModelConfig, native: bool = False) -> list[P
             raise UnsupportedModelError(
                 f"{gf.path}: tensor {clip(name)} has type {info.type_name}, which is not supported "
                 f"(supported: {', '.join(v[0] for v in SUPPORTED_TENSOR_TYPES.values())})")
-        want = t.shape(cfg)
+        want = t.gguf_shape(cfg)
         if info.shape != want:
             raise ModelLoadError(f"{gf.path}: tensor {clip(name)} has shape {info.shape}, expected {want}")
+        names = tuple(t.hf_names(cfg, layer)) if t.experts else ()
+        if t.experts:
+            want = (want[0] * want[1], want[2])         # the experts' rows one after another
         heads = 0
         if fam.permute_qk and t.permute:
             heads = cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
             if want[0] % (2 * heads):      # llama.cpp's converter pairs the rows of each head
                 raise ModelLoadError(f"{gf.path}: tensor {clip(name)} has {want[0]} rows for {heads} heads: "
                                      "a head of an odd size cannot hold the row pairs of this family's layout")
-        dtype = np.dtype(np.float16 if len(want) == 2 else np.float32)
+        dtype = np.dtype(t.matrix_dtype(cfg))
         fmt = None
-        if native and len(want) == 2 and info.ggml_type not in (F32, F16, BF16):
+        if native and dtype == np.float16 and info.ggml_type not in (F32, F16, BF16):
             fmt = CONVERT_TO_NATIVE.get(info.ggml_type) or format_by_ggml_type(info.ggml_type).name
-        plan.append(PlannedTensor(t.hf_name(layer), info, want, dtype, heads, fmt))
+        plan.append(PlannedTensor(t.hf_name(layer), info, want, dtype, heads, fmt, names))
         seen.add(name)
     missing = [n for n, (t, _) in by_gguf.items() if n not in seen and not t.optional]
     if missing:
@@ -402,12 +424,16 @@ def materialize(gf: GGUFFile, p: PlannedTensor):
         a = np.asarray(_dequantize(gf, p.info), dtype=np.float32)
     if p.unpermute_heads:
         a = _unpermute_rows(a, p.unpermute_heads)
-    return a
+    return a.reshape(p.shape)           # a stack of experts: (E * rows, cols)
+
+
+def iter_entries(gf: GGUFFile, plan: list[PlannedTensor]):
+    for p in plan:
+        yield from p.entries(materialize(gf, p))
 
 
 def iter_weights(gf: GGUFFile, cfg: ModelConfig, native: bool = False):
-    for p in plan_tensors(gf, cfg, native):
-        yield p.hf_name, materialize(gf, p)
+    yield from iter_entries(gf, plan_tensors(gf, cfg, native))
 
 
 def conversion_note(plan: list[PlannedTensor]) -> str | None:
@@ -457,7 +483,7 @@ def load_gguf(path: str | os.PathLike):
     if note:
         import sys
         print(f"cyllm: note: {gf.path.name}: {note}", file=sys.stderr)
-    weights = {p.hf_name: materialize(gf, p) for p in plan}
+    weights = dict(iter_entries(gf, plan))
     from .weights import validate_weights
     validate_weights(cfg, weights)
     from .gguf_tokenizer import build_tokenizer, make_tokenizer

@@ -68,7 +68,7 @@ def _to_f16(name: str, f: SafetensorsFile, tname: str) -> np.ndarray:
 
 
 def _to_f32(name: str, f: SafetensorsFile, tname: str) -> np.ndarray:
-    """A 1-D tensor as float32 (zero-copy when stored F32)."""
+    """A vector (or a matrix kept in float32, a MoE router) as float32 (zero-copy when stored F32)."""
     tag, raw = f.raw(tname)
     if tag == "F32":
         return raw
@@ -90,8 +90,8 @@ def checkpoint_tensors(config: ModelConfig, d: Path):
     index = open_checkpoint(d)
     fam = family(config.arch)
     found = []
-    for t, i in fam.expected(config):
-        name, shape = t.hf_name(i), t.shape(config)
+    for t, i, name in fam.expected_names(config):
+        shape = t.shape(config)
         if name not in index:
             if t.optional and config.tie_word_embeddings:
                 continue
@@ -116,7 +116,7 @@ def load_hf_weights(config: ModelConfig, d: Path) -> dict[str, np.ndarray]:
     """The model's tensors from the directory's safetensors, normalized and validated."""
     weights: dict[str, np.ndarray] = {}
     for t, _, name, shape, f, tname in checkpoint_tensors(config, d):
-        a = _to_f16(name, f, tname) if len(shape) == 2 else _to_f32(name, f, tname)
+        a = _to_f16(name, f, tname) if t.matrix_dtype(config) == np.float16 else _to_f32(name, f, tname)
         if t.hf_plus_one:
             a = a + np.float32(1.0)      # the (1+w) norm stored as w: the model applies plain w
         weights[name] = a

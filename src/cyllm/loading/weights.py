@@ -24,7 +24,7 @@ def first_overlap(spans) -> tuple[str, str] | None:
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, HF name -> shape (from the config and its family's table)."""
     fam = family(config.arch)
-    return {t.hf_name(i): t.shape(config) for t, i in fam.expected(config)
+    return {name: t.shape(config) for t, _, name in fam.expected_names(config)
             if not (t.optional and config.tie_word_embeddings)}
 
 
@@ -38,14 +38,15 @@ def validate_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> Non
     """
     from ..quant.matrix import QuantMatrix
     fam = family(config.arch)
-    for t, i in fam.expected(config):
-        name, shape = t.hf_name(i), t.shape(config)
+    for t, _, name in fam.expected_names(config):
+        shape = t.shape(config)
         arr = weights.get(name)
         if arr is None:
             if t.optional and config.tie_word_embeddings:
                 continue
             raise ModelLoadError(f"missing tensor {name}")
-        if isinstance(arr, QuantMatrix) and len(shape) == 2:
+        want = t.matrix_dtype(config)
+        if isinstance(arr, QuantMatrix) and want == np.float16:
             if arr.shape != shape:
                 raise ModelLoadError(f"tensor {name} has shape {arr.shape}, expected {shape}")
             if shape[1] % arr.fmt.block or arr.data.shape != (shape[0], arr.fmt.row_bytes(shape[1])):
@@ -56,11 +57,11 @@ def validate_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> Non
             raise ModelLoadError(f"tensor {name} is a {type(arr).__name__}, not a numpy array")
         if tuple(arr.shape) != shape:
             raise ModelLoadError(f"tensor {name} has shape {tuple(arr.shape)}, expected {shape}")
-        want = np.float16 if len(shape) == 2 else np.float32
         if arr.dtype != want:
             raise ModelLoadError(f"tensor {name} has dtype {arr.dtype}, expected {np.dtype(want)}")
         # norms and biases (a few KB each): a nan there reaches the next quantized matvec, whose
         # int8 rounding of its input turns it into finite noise -- wrong text, no error.
         # (Matrices are too big to scan at load; a nan in a float16 one reaches the logits check.)
-        if len(shape) == 1 and not np.all(np.isfinite(arr)):
+        # A router's scores pick the experts: a nan there picks arbitrarily. Small, so checked too.
+        if want == np.float32 and not np.all(np.isfinite(arr)):
             raise ModelLoadError(f"tensor {name} holds inf or nan values")

@@ -1,0 +1,97 @@
+"""A mixture-of-experts MLP on the host backends (numpy_ref and cpu): the router's choice of
+experts and the chosen experts' products, written once over a backend's own ops.
+
+The routing is the one transformers and llama.cpp share for Mixtral, Qwen3-MoE and OLMoE:
+p = softmax(router @ x); the n_used experts of the highest p, best first; their weights
+are those p, divided by their sum where the model renormalizes. The MLP's output is the sum,
+in rank order, of each chosen expert's down(act(gate x) * up x) times its weight.
+
+Prefill groups a chunk's rows by expert, so that each expert's matrices are read once a chunk
+instead of once a row, and still adds each row's expert outputs in rank order, after the same
+products as decode's: with quantized weights (whose batched ops give each row the bits of
+the single-row op, Backend.batch_rows_exact) a prompt's rows get the bits decode would give.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class MoeScratch:
+    """Work arrays of the moe ops for up to ``rows`` tokens (model.py allocates them once)."""
+    scores: np.ndarray    # (rows, E) f32: router logits, then probabilities
+    ids: np.ndarray       # (rows, k) int64: the chosen experts, best first
+    weights: np.ndarray   # (rows, k) f32: their weights
+    hb: Any               # (rows, f) f32: act(gate x) * (up x) of one expert
+    y: Any                # (rows, dim) f32: one expert's output
+    xg: Any               # (rows, dim) f32: the rows routed to one expert (prefill)
+    part: Any             # (rows, k, dim) f32: each row's weighted expert outputs, by rank (prefill)
+
+    @classmethod
+    def allocate(cls, backend, rows: int, dim: int, ffn: int, n_experts: int, n_used: int) -> "MoeScratch":
+        batch = rows > 1
+        return cls(scores=np.zeros((rows, n_experts), np.float32), ids=np.zeros((rows, n_used), np.int64),
+                   weights=np.zeros((rows, n_used), np.float32), hb=backend.empty((rows, ffn)),
+                   y=backend.empty((rows, dim)), xg=backend.empty((rows, dim)) if batch else None,
+                   part=backend.empty((rows, n_used, dim)) if batch else None)
+
+
+def route(scores: np.ndarray, n_used: int, norm: bool, ids: np.ndarray, weights: np.ndarray) -> None:
+    """scores (E,) f32, the router's logits (overwritten with probabilities) -> ids[:n_used], the
+    experts of the highest probabilities, best first (of equals, the lower id), and weights[:n_used],
+    their probabilities (divided by their sum with ``norm``)."""
+    np.subtract(scores, scores.max(), out=scores)
+    np.exp(scores, out=scores)
+    np.divide(scores, scores.sum(), out=scores)
+    for j in range(n_used):
+        e = int(scores.argmax())
+        ids[j] = e
+        weights[j] = scores[e]
+        scores[e] = -1.0                  # below every probability: not chosen again
+    if norm:
+        np.divide(weights, weights.sum(), out=weights)
+
+
+def _route_rows(x, router, n_used, norm, s: MoeScratch) -> None:
+    # row by row, each through the product decode makes: the same bits, so the same experts
+    for t in range(x.shape[0]):
+        np.dot(router, x[t], out=s.scores[t])
+        route(s.scores[t], n_used, norm, s.ids[t], s.weights[t])
+
+
+def moe(b, out, x, router, experts, n_used: int, norm: bool, act: str, s: MoeScratch) -> None:
+    """out (dim,) += the experts' MLP of x (dim,) (the module docstring); b: the backend whose
+    gate_up and matvec run the products."""
+    _route_rows(x[None], router, n_used, norm, s)
+    hb, y = s.hb[0], s.y[0]
+    for j in range(n_used):
+        gate, up, down = experts[s.ids[0, j]]
+        b.gate_up(hb, gate, up, x, act)
+        b.matvec(y, down, hb)
+        np.multiply(y, s.weights[0, j], out=y)
+        np.add(out, y, out=out)
+
+
+def moe_batch(b, out, x, router, experts, n_used: int, norm: bool, act: str, s: MoeScratch) -> None:
+    """out (T, dim) += the experts' MLP of every row of x (T, dim): rows grouped by expert."""
+    T = x.shape[0]
+    _route_rows(x, router, n_used, norm, s)
+    flat = s.ids[:T].reshape(-1)                       # (T*k,) expert of row t, rank j at t*k + j
+    order = np.argsort(flat, kind="stable")
+    starts = np.flatnonzero(np.diff(flat[order])) + 1
+    for group in np.split(order, starts):
+        rows, ranks = np.divmod(group, n_used)
+        n = group.size
+        gate, up, down = experts[flat[group[0]]]
+        xg, hb, y = s.xg[:n], s.hb[:n], s.y[:n]
+        np.take(x, rows, axis=0, out=xg)
+        b.gate_up_batch(hb, gate, up, xg, act)
+        b.matmul(y, down, hb)
+        np.multiply(y, s.weights[rows, ranks][:, None], out=y)
+        s.part[rows, ranks] = y
+    for j in range(n_used):
+        np.add(out, s.part[:T, j], out=out)
