@@ -388,7 +388,7 @@ def test_real_chat_templates_render_like_transformers(family_material, name):
     assert ours.apply_chat_template(messages, add_generation_prompt=True) == want
 
 
-@pytest.mark.parametrize("kind", ["llama32", "gemma3", "phi3_longrope", "smollm3"])
+@pytest.mark.parametrize("kind", ["llama32", "gemma3", "phi3_longrope", "smollm3", "qwen3moe", "mixtral", "olmoe"])
 def test_convert_gguf_back_to_a_directory_transformers_loads(family_material, reference, kind, tmp_path):
     """`cyllm convert` writes the family's config.json and tensor names (Gemma's norms back to w,
     Phi-3's fused tensors, llama3 rope parameters recovered from rope_freqs)."""
@@ -397,3 +397,20 @@ def test_convert_gguf_back_to_a_directory_transformers_loads(family_material, re
     converted = load_reference(out)
     ids = np.random.default_rng(1).integers(3, converted.config.vocab_size - 8, SEQ).tolist()
     _assert_parity(_hf_logits(converted, ids), _hf_logits(reference(kind), ids))
+
+
+def test_moe_refused_by_a_backend_without_its_ops(family_material):
+    """A backend that lacks the moe ops refuses a mixture of experts when the model is built,
+    in one line, instead of failing at the first token."""
+    from cyllm.backends.numpy_ref import NumpyBackend
+    from cyllm.errors import UnsupportedModelError
+    from cyllm.loading import load_path
+    from cyllm.model import Model
+
+    class Dense(NumpyBackend):
+        moe = moe_batch = None
+
+    config, weights, tokenizer = load_path(family_material.hf_dir("qwen3moe"))
+    with pytest.raises(UnsupportedModelError, match="mixture-of-experts") as e:
+        Model(config, weights, tokenizer, backend=Dense())
+    assert "\n" not in str(e.value)

@@ -83,10 +83,13 @@ CONFIG_KEYS = ["architectures", "model_type", "hidden_size", "intermediate_size"
                "bos_token_id", "eos_token_id", "partial_rotary_factor", "original_max_position_embeddings",
                "no_rope_layers", "no_rope_layer_interval", "query_pre_attn_scalar", "rope_local_base_freq",
                "sliding_window_pattern", "hidden_activation", "final_logit_softcapping", "attn_logit_softcapping",
-               "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"]
+               "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
+               "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "clip_qkv"]
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
          "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
-         "Olmo3ForCausalLM", "GPTNeoXForCausalLM"]
+         "Olmo3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
+         "GPTNeoXForCausalLM"]
 ROPE = st.fixed_dictionaries({"rope_type": st.sampled_from(["linear", "llama3", "longrope", "default", "yarn"])},
                              optional={k: json_values for k in ("factor", "low_freq_factor", "high_freq_factor",
                                                                  "original_max_position_embeddings",

@@ -45,6 +45,13 @@ KINDS["llama_k256"] = ("llama", dict(hidden_size=256, num_attention_heads=4, num
                                      rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
                                      tie_word_embeddings=False))
 KIND_TOKENIZER["llama_k256"] = "llama3"
+# Mixtral with 8 experts: llama-quantize's rules for exactly 8 (attn_k and attn_v Q8_0, attn_output
+# Q5_K in Q4_K_M), on rows of 256 so that the K-quants are written, 8 layers for "more bits"
+KINDS["mixtral8"] = ("mixtral", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                     head_dim=64, intermediate_size=256, num_local_experts=8,
+                                     num_experts_per_tok=2, num_hidden_layers=8, rms_norm_eps=1e-5,
+                                     rope_theta=1e6, sliding_window=None))
+KIND_TOKENIZER["mixtral8"] = "llama2"
 
 
 def _tool(name: str) -> Path:
@@ -98,7 +105,8 @@ class Material:
 @pytest.fixture(scope="module")
 def material(tmp_path_factory):
     m = Material(tmp_path_factory.mktemp("quanttool"))
-    m.convert([(k, "float16") for k in GGUF_KINDS] + [("llama_k256", "float16"), ("llama_k256", "float32")])
+    m.convert([(k, "float16") for k in GGUF_KINDS] + [("llama_k256", "float16"), ("llama_k256", "float32"),
+                                                      ("mixtral8", "float16")])
     return m
 
 
@@ -143,7 +151,7 @@ def _assert_same_file(ours: Path, ref: Path, exact_vectors: bool = True) -> None
 
 @pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_k_m"])
-@pytest.mark.parametrize("kind", GGUF_KINDS)
+@pytest.mark.parametrize("kind", GGUF_KINDS + ("mixtral8",))
 def test_families_match_llamacpp(material, kind, qtype):
     """A float16 HF directory of every family: cyllm's file == converter + llama-quantize's file
     (metadata, vocabulary, tensor names/shapes/types, blocks byte for byte)."""

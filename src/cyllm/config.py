@@ -170,6 +170,15 @@ class ModelConfig:
         emb = self.vocab_size * self.dim
         return self.n_layers * per_layer + emb * (1 if self.tie_word_embeddings else 2) + self.dim
 
+    @property
+    def active_params(self) -> int:
+        """Parameters a token's forward pass multiplies with: a mixture of experts counts the
+        experts it uses, a dense model all its parameters."""
+        if not self.moe:
+            return self.n_params
+        unused = 3 * self.dim * self.ffn_dim * (self.n_experts - self.n_experts_used) * self.n_layers
+        return self.n_params - unused
+
     def kv_bytes_per_token(self) -> int:
         """FP16 K and V for one position across all layers."""
         return 2 * self.n_layers * self.kv_dim * 2

@@ -652,19 +652,27 @@ OLMO2 = Family(
 # n_experts gated MLPs (_moe_rows)
 _QWEN_EXPERTS = _moe_rows("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
                           "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight")
+def _experts_hf_extra(c: ModelConfig, count_key: str) -> dict:
+    return {count_key: c.n_experts, "num_experts_per_tok": c.n_experts_used, "norm_topk_prob": c.expert_norm}
+
+
 QWEN3MOE = Family("qwen3moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "qwen3moe", _table(**_QWEN_EXPERTS),
-                  hf_features=_qwen3moe_hf, gguf_features=_qwen3moe_gguf)
+                  hf_features=_qwen3moe_hf, gguf_features=_qwen3moe_gguf,
+                  hf_extra=lambda c: {**_experts_hf_extra(c, "num_experts"), "moe_intermediate_size": c.ffn_dim,
+                                      "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False})
 MIXTRAL = Family(
     "mixtral", ("MixtralForCausalLM",), ("mixtral",), "llama",
     _table(**_moe_rows("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
                        "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight")),
-    permute_qk=True, hf_features=_mixtral_hf, gguf_features=_mixtral_gguf)
+    permute_qk=True, hf_features=_mixtral_hf, gguf_features=_mixtral_gguf,
+    hf_extra=lambda c: {**_experts_hf_extra(c, "num_local_experts"), "sliding_window": c.sliding_window or None})
 OLMOE = Family(
     "olmoe", ("OlmoeForCausalLM",), ("olmoe",), "olmoe",
     _table(attn_q_norm__weight=Tensor("attn_q_norm.weight", _P + "self_attn.q_norm.weight", lambda c: (c.q_dim,)),
            attn_k_norm__weight=Tensor("attn_k_norm.weight", _P + "self_attn.k_norm.weight", lambda c: (c.kv_dim,)),
            **_QWEN_EXPERTS),
-    hf_features=_olmoe_hf, gguf_features=_olmoe_gguf)
+    hf_features=_olmoe_hf, gguf_features=_olmoe_gguf,
+    hf_extra=lambda c: {**_experts_hf_extra(c, "num_experts"), "clip_qkv": None})
 
 FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, SMOLLM3, GRANITE, OLMO2,
                                 QWEN3MOE, MIXTRAL, OLMOE)

@@ -245,6 +245,8 @@ class Model:
         self.weight_bytes = sum(int(a.nbytes) for a in weights.values())
         if any(isinstance(a, QuantMatrix) for a in weights.values()):
             self.backend.batch_rows_exact = True     # see Backend.batch_rows_exact
+        if config.moe:
+            self.backend.data_dependent_steps = True    # see Backend.data_dependent_steps
         self.batched_prefill = self.backend.supports_batch()
         self.attn_scale = config.attn_scale      # None: 1/sqrt(head_dim)
         self.batch: BatchState | None = None
@@ -363,12 +365,12 @@ class Model:
             qkv=qkv, x=b.empty((c.dim,)), xb=b.empty((c.dim,)), tmp=b.empty((c.dim,)), q=q, k=k,
             v=qkv[qd + kd:], q_heads=q.reshape(c.n_heads, c.head_dim), k_heads=k.reshape(c.n_kv_heads, c.head_dim),
             att=b.empty((qd,)), hb=b.empty((c.ffn_dim,)), logits=b.empty((c.vocab_size,)),
-            moe=self._moe_scratch(1))
+            moe=self._moe_scratch(1, batch=False))
 
-    def _moe_scratch(self, rows: int) -> MoeScratch | None:
+    def _moe_scratch(self, rows: int, batch: bool) -> MoeScratch | None:
         c = self.config
-        return MoeScratch.allocate(self.backend, rows, c.dim, c.ffn_dim, c.n_experts,
-                                   c.n_experts_used) if c.moe else None
+        return MoeScratch.allocate(self.backend, rows, c.dim, c.ffn_dim, c.n_experts, c.n_experts_used,
+                                   batch) if c.moe else None
 
     # -- the forward pass: one block body for decode and prefill ---------------
     def _block(self, o, L: Layer) -> None:
@@ -500,7 +502,7 @@ class Model:
                 tokens=np.zeros(n, np.int32), x=b.empty((n, c.dim)), xb=b.empty((n, c.dim)),
                 tmp=b.empty((n, c.dim)), q=b.empty((n, c.q_dim)), k=b.empty((n, c.kv_dim)),
                 v=b.empty((n, c.kv_dim)), att=b.empty((n, c.q_dim)), hb=b.empty((n, c.ffn_dim)),
-                moe=self._moe_scratch(n))
+                moe=self._moe_scratch(n, batch=True))
         if all_logits and self.batch.logits is None:
             self.batch.logits = b.empty((self.batch.tokens.shape[0], c.vocab_size))
         return self.batch

@@ -106,6 +106,10 @@ class Backend:
     # True: a row slice of an uploaded quantized matrix is a view the ops accept (fused
     # q/k/v and gate/up tensors are cut after upload); False: the model cuts them on the host
     quant_row_views: bool = True
+    # True: a step's ops depend on values computed inside it (a mixture of experts picks its
+    # experts' weights by the router's scores), so a backend that records a step and replays
+    # it (cpu's decode program, cuda's graphs) runs such steps as issued. The model sets it.
+    data_dependent_steps: bool = False
     # prompt tokens per batched prefill pass: the weights are read once per pass, the
     # activations of the pass must stay in cache (CPU) -- a GPU wants far larger passes,
     # where each op's launch and each weight read is shared by more tokens

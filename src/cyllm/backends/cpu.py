@@ -105,7 +105,7 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         the model must keep issuing ops on the same arrays (model.py does: all its
         buffers are allocated once). CYLLM_FUSED=0 (or fused=False) turns this off.
         """
-        if not self.fused:
+        if not self.fused or self.data_dependent_steps:
             issue_ops(token, pos)
             return
         if self._step_owner is not None and self._step_owner == issue_ops:
@@ -173,7 +173,7 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         self.cache_store(k_cache, v_cache, k, v, pos)
 
     # a mixture of experts: the host routing over these kernels (a decode step with experts is
-    # not captured: the program has no op whose weights depend on the step's values)
+    # not captured: Backend.data_dependent_steps)
     def moe(self, out, x, router, experts, n_used, norm, act, scratch) -> None:
         moe.moe(self, out, x, router, experts, n_used, norm, act, scratch)
 
@@ -228,7 +228,7 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
 
     @property
     def captures_decode(self) -> bool:
-        return self.fused
+        return self.fused and not self.data_dependent_steps
 
     def measure_bandwidth(self, nbytes: int, threads: int | None = None) -> tuple[float | None, str]:
         return self.measure_read_bandwidth(threads, nbytes), "cyllm read kernel"

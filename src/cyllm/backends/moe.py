@@ -1,5 +1,6 @@
-"""A mixture-of-experts MLP on the host backends (numpy_ref and cpu): the router's choice of
-experts and the chosen experts' products, written once over a backend's own ops.
+"""A mixture-of-experts MLP: the router's choice of experts and the chosen experts' products,
+written once over a backend's own ops (numpy_ref and cpu here; cuda reads the router's scores
+back to the host and shares the routing and the grouping, backends/cuda/experts.py).
 
 The routing is the one transformers and llama.cpp share for Mixtral, Qwen3-MoE and OLMoE:
 p = softmax(router @ x); the n_used experts of the highest p, best first; their weights
@@ -23,7 +24,8 @@ import numpy as np
 @dataclass
 class MoeScratch:
     """Work arrays of the moe ops for up to ``rows`` tokens (model.py allocates them once)."""
-    scores: np.ndarray    # (rows, E) f32: router logits, then probabilities
+    scores: np.ndarray    # (rows, E) f32, host: router logits, then probabilities
+    logits: Any           # (rows, E) f32 backend array: the router's logits where computed off the host
     ids: np.ndarray       # (rows, k) int64: the chosen experts, best first
     weights: np.ndarray   # (rows, k) f32: their weights
     hb: Any               # (rows, f) f32: act(gate x) * (up x) of one expert
@@ -32,9 +34,11 @@ class MoeScratch:
     part: Any             # (rows, k, dim) f32: each row's weighted expert outputs, by rank (prefill)
 
     @classmethod
-    def allocate(cls, backend, rows: int, dim: int, ffn: int, n_experts: int, n_used: int) -> "MoeScratch":
-        batch = rows > 1
-        return cls(scores=np.zeros((rows, n_experts), np.float32), ids=np.zeros((rows, n_used), np.int64),
+    def allocate(cls, backend, rows: int, dim: int, ffn: int, n_experts: int, n_used: int,
+                 batch: bool) -> "MoeScratch":
+        """For ``rows`` tokens of moe_batch (batch) or one of moe, on ``backend``'s arrays."""
+        return cls(scores=np.zeros((rows, n_experts), np.float32), logits=backend.empty((rows, n_experts)),
+                   ids=np.zeros((rows, n_used), np.int64),
                    weights=np.zeros((rows, n_used), np.float32), hb=backend.empty((rows, ffn)),
                    y=backend.empty((rows, dim)), xg=backend.empty((rows, dim)) if batch else None,
                    part=backend.empty((rows, n_used, dim)) if batch else None)
@@ -56,11 +60,28 @@ def route(scores: np.ndarray, n_used: int, norm: bool, ids: np.ndarray, weights:
         np.divide(weights, weights.sum(), out=weights)
 
 
+def route_rows(T: int, n_used: int, norm: bool, s: MoeScratch) -> None:
+    """route() each of the first T rows of s.scores (router logits) into s.ids and s.weights."""
+    for t in range(T):
+        route(s.scores[t], n_used, norm, s.ids[t], s.weights[t])
+
+
 def _route_rows(x, router, n_used, norm, s: MoeScratch) -> None:
     # row by row, each through the product decode makes: the same bits, so the same experts
     for t in range(x.shape[0]):
         np.dot(router, x[t], out=s.scores[t])
-        route(s.scores[t], n_used, norm, s.ids[t], s.weights[t])
+    route_rows(x.shape[0], n_used, norm, s)
+
+
+def expert_groups(ids: np.ndarray):
+    """ids (T, k), the experts of each row by rank -> (expert, rows (n,), ranks (n,)) for each
+    expert some row chose, in expert order, its rows in row order."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)                              # expert of row t, rank j at t*k + j
+    order = np.argsort(flat, kind="stable")
+    for group in np.split(order, np.flatnonzero(np.diff(flat[order])) + 1):
+        rows, ranks = np.divmod(group, k)
+        yield int(flat[group[0]]), rows, ranks
 
 
 def moe(b, out, x, router, experts, n_used: int, norm: bool, act: str, s: MoeScratch) -> None:
@@ -80,13 +101,9 @@ def moe_batch(b, out, x, router, experts, n_used: int, norm: bool, act: str, s: 
     """out (T, dim) += the experts' MLP of every row of x (T, dim): rows grouped by expert."""
     T = x.shape[0]
     _route_rows(x, router, n_used, norm, s)
-    flat = s.ids[:T].reshape(-1)                       # (T*k,) expert of row t, rank j at t*k + j
-    order = np.argsort(flat, kind="stable")
-    starts = np.flatnonzero(np.diff(flat[order])) + 1
-    for group in np.split(order, starts):
-        rows, ranks = np.divmod(group, n_used)
-        n = group.size
-        gate, up, down = experts[flat[group[0]]]
+    for e, rows, ranks in expert_groups(s.ids[:T]):
+        n = rows.size
+        gate, up, down = experts[e]
         xg, hb, y = s.xg[:n], s.hb[:n], s.y[:n]
         np.take(x, rows, axis=0, out=xg)
         b.gate_up_batch(hb, gate, up, xg, act)

@@ -275,6 +275,13 @@ class PlannedTensor:
     # the model reads expert e's rows under expert_names[e]
     expert_names: tuple = ()
 
+    def entry_shapes(self):
+        """(HF name, shape) of each array ``entries`` yields."""
+        if not self.expert_names:
+            return [(self.hf_name, self.shape)]
+        rows = self.shape[0] // len(self.expert_names)
+        return [(name, (rows, self.shape[1])) for name in self.expert_names]
+
     def entries(self, a):
         """(HF name, array) pairs of the materialized tensor ``a``: one, or a row view per expert."""
         if not self.expert_names:

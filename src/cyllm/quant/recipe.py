@@ -13,6 +13,10 @@ types cyllm writes:
   attn_qkv counts as attn_v (llama.cpp 0.3.36's tensor categories put it with attn_v,
   which shadows the older "attn_qkv gets Q5_K / Q6_K" rule: llama-quantize writes Q6_K on
   the more-bits layers and the base type elsewhere);
+- a mixture of experts: the router (ffn_gate_inp) is never quantized; a stack of expert
+  matrices (ffn_*_exps, one tensor a layer) follows the rules of its dense name; a model of
+  exactly 8 experts (Mixtral) gets Q8_0 for attn_k and attn_v and, in Q4_K_M, Q5_K for
+  attn_output;
 - a K-quant whose row is not a multiple of 256 falls back to Q5_0 (Q4_K), Q5_1 (Q5_K)
   or Q8_0 (Q6_K); a 32-block format whose row is not a multiple of 32 cannot be made
   (cyllm keeps such a matrix F16).
@@ -42,11 +46,13 @@ class Recipe:
     file_type: str          # a key of FILE_TYPES
     n_layers: int
     has_output: bool        # False: the token embedding doubles as the output matrix
+    n_experts: int = 0      # experts of each layer's MLP (0: a dense model)
 
     def format_of(self, name: str, shape: tuple[int, ...]) -> str | None:
-        """The format of GGUF tensor `name` of numpy shape (rows, cols); None: keep it
-        as it is (a vector, a norm, or a matrix no format of the recipe can hold)."""
-        if len(shape) < 2 or not name.endswith("weight") or "_norm.weight" in name:
+        """The format of GGUF tensor `name` of numpy shape (rows, cols), or (experts, rows, cols)
+        for a stack of experts; None: keep it as it is (a vector, a norm, a router, or a matrix
+        no format of the recipe can hold)."""
+        if len(shape) < 2 or not name.endswith("weight") or "_norm.weight" in name or "ffn_gate_inp." in name:
             return None
         cols = shape[-1]
         ft = self.file_type
@@ -61,6 +67,12 @@ class Recipe:
         elif "attn_v.weight" in name or "attn_qkv.weight" in name:
             if ft in ("q4_k_m", "q5_k_m") and use_more_bits(layer, self.n_layers):
                 fmt = "q6_k"
+            if self.n_experts == 8 and "attn_v.weight" in name:
+                fmt = "q8_0"
+        elif "attn_k.weight" in name and self.n_experts == 8:
+            fmt = "q8_0"
+        elif "attn_output.weight" in name and self.n_experts == 8 and ft == "q4_k_m":
+            fmt = "q5_k"
         elif "ffn_down" in name:
             if ft in ("q4_k_m", "q5_k_m") and use_more_bits(layer, self.n_layers):
                 fmt = "q6_k"
@@ -71,10 +83,10 @@ class Recipe:
         return fmt
 
 
-def recipe(file_type: str, n_layers: int, has_output: bool) -> Recipe:
+def recipe(file_type: str, n_layers: int, has_output: bool, n_experts: int = 0) -> Recipe:
     key = file_type.strip().lower()
     if key not in FILE_TYPES:
         from ..errors import InvalidArgumentError
         raise InvalidArgumentError(
             f"unknown quantization type {file_type!r} (supported: {', '.join(FILE_TYPES)})")
-    return Recipe(key, n_layers, has_output)
+    return Recipe(key, n_layers, has_output, n_experts)

@@ -34,6 +34,9 @@ def _hf_config(cfg) -> dict:
             raise InvalidArgumentError("the GGUF's rope_freqs match no published llama3 rope scaling, which "
                                        "config.json could express; this file cannot be converted")
         cfg = dataclasses.replace(cfg, rope_scaling={"rope_type": "llama3", **params})
+    if cfg.arch == "mixtral" and not cfg.expert_norm:
+        raise InvalidArgumentError("this Mixtral file does not renormalize its experts' weights, which "
+                                   "transformers' Mixtral always does; it cannot be converted")
     return hf_config_dict(cfg)
 
 
@@ -83,9 +86,9 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     out = Path(out_dir)
     _prepare_out_dir(out, overwrite)
 
-    header, _ = _safetensors_header([(p.hf_name, p.shape) for p in plan], {"format": "pt"})
+    header, _ = _safetensors_header([e for p in plan for e in p.entry_shapes()], {"format": "pt"})
     fam = family(cfg.arch)
-    minus_one = {t.hf_name(i) for t, i in fam.expected(cfg) if t.hf_plus_one}
+    minus_one = {name for t, _, name in fam.expected_names(cfg) if t.hf_plus_one}
     tmp = out / "model.safetensors.part"
     bar = None
     if progress:
@@ -96,12 +99,12 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
         with open(tmp, "wb") as f:
             f.write(header)
             for p in plan:
-                a = materialize(gf, p)
-                if p.hf_name in minus_one:
-                    a = a - np.float32(1.0)     # GGUF holds Gemma's 1 + w, HF checkpoints w
-                if a.dtype != np.float16:
-                    a = a.astype(np.float16)    # 1-D f32 norms: well inside fp16 range
-                f.write(np.ascontiguousarray(a, dtype="<f2").data)
+                for name, a in p.entries(materialize(gf, p)):
+                    if name in minus_one:
+                        a = a - np.float32(1.0)     # GGUF holds Gemma's 1 + w, HF checkpoints w
+                    if a.dtype != np.float16:
+                        a = a.astype(np.float16)    # 1-D f32 norms, a MoE router: well inside fp16 range
+                    f.write(np.ascontiguousarray(a, dtype="<f2").data)
                 if bar is not None:
                     bar.update(1)
         os.replace(tmp, out / "model.safetensors")

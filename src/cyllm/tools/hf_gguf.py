@@ -14,8 +14,10 @@ output by tests/test_quantize_tool.py):
   soft caps and ``attention.sliding_window``, and no rope base (llama.cpp's 10000); YaRN scaling as
   ``rope.scaling.type`` "yarn", its factor, original context and the betas config.json gives; Granite (llama-style
   keys, no head_dim) its multipliers as ``attention.scale``, ``embedding_scale``,
-  ``residual_scale`` and ``logit_scale``;
-- tensors under the family table's GGUF names (families.py); llama-style q/k rows
+  ``residual_scale`` and ``logit_scale``; a mixture of experts its expert counts (and Qwen3-MoE
+  ``expert_feed_forward_length``, its dense size as ``feed_forward_length``);
+- tensors under the family table's GGUF names (families.py), a layer's experts stacked in one
+  tensor each (E, rows, cols), the router F32; llama-style q/k rows
   interleaved for llama.cpp's rope (``Family.permute_qk``); Gemma's (1+w) norms stored
   as 1+w; vectors F32; Llama 3 rope scaling as a ``rope_freqs.weight`` tensor of
   divisors, Phi-3 longrope as ``rope_factors_long/short.weight``;
@@ -55,10 +57,12 @@ class SourceTensor:
     """One tensor of the output: GGUF name, numpy shape, and its float32 rows on demand."""
     name: str
     shape: tuple[int, ...]
-    rows: Callable[[slice], np.ndarray]     # slice of the leading dim -> float32 (GGUF layout)
+    # a slice of the rows -> float32 (GGUF layout); a stack of expert matrices (E, rows, cols)
+    # has the rows of each in turn
+    rows: Callable[[slice], np.ndarray]
 
     def all(self) -> np.ndarray:
-        return self.rows(slice(0, self.shape[0]))
+        return self.rows(slice(0, int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else self.shape[0]))
 
 
 @dataclass
@@ -116,6 +120,18 @@ def _take(f, tname: str, idx: np.ndarray) -> np.ndarray:
     return bf16_bits_to_f32(sel) if tag == "BF16" else np.asarray(sel, np.float32)
 
 
+def _stacked(readers: list, rows_each: int):
+    """The rows of expert matrices stacked in turn (each ``rows_each`` rows), read on demand."""
+    def rows(part: slice) -> np.ndarray:
+        parts = []
+        for e in range(part.start // rows_each, (part.stop - 1) // rows_each + 1):
+            r0 = max(part.start - e * rows_each, 0)
+            r1 = min(part.stop - e * rows_each, rows_each)
+            parts.append(readers[e](slice(r0, r1)))
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+    return rows
+
+
 def _const(a: np.ndarray):
     a = np.ascontiguousarray(a, np.float32)
     return lambda part: a[part]
@@ -137,12 +153,21 @@ def _tensors(cfg: ModelConfig, fam: Family, d: Path) -> list[SourceTensor]:
             if fac.shape != (rot // 2,):
                 raise ModelLoadError(f"{one_line(d)}: rope {which}_factor has {fac.size} entries, expected {rot // 2}")
             out.append(SourceTensor(f"rope_factors_{which}.weight", fac.shape, _const(fac)))
+    experts: dict = {}          # (table row, layer) -> the readers of its experts so far
     for t, i, _, shape, f, tname in checkpoint_tensors(cfg, d):
         order = None
         if fam.permute_qk and t.permute:
             heads = cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
             order = _permute_order(shape[0], heads)
-        out.append(SourceTensor(t.gguf_name(i), shape, _reader(f, tname, order, t.hf_plus_one)))
+        reader = _reader(f, tname, order, t.hf_plus_one)
+        if not t.experts:
+            out.append(SourceTensor(t.gguf_name(i), shape, reader))
+            continue
+        # llama.cpp stacks a layer's experts in one tensor (E, rows, cols): written once the last is seen
+        readers = experts.setdefault((t.role, i), [])
+        readers.append(reader)
+        if len(readers) == cfg.n_experts:
+            out.append(SourceTensor(t.gguf_name(i), (cfg.n_experts, *shape), _stacked(readers, shape[0])))
     return out
 
 
@@ -214,6 +239,20 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
                             ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale")):
             if hf.get(hf_key):
                 kv.append((a + key, float(hf[hf_key]), T.FLOAT32, None))
+    if cfg.moe:
+        # the keys llama.cpp's converter writes; it reads no renormalization flag for these
+        # architectures (Qwen3-MoE and Mixtral renormalize, OLMoE does not), so a model that
+        # differs cannot be written
+        if cfg.expert_norm != (fam.name != "olmoe"):
+            raise UnsupportedModelError(f"a {fam.name} model whose expert weights are "
+                                        f"{'' if cfg.expert_norm else 'not '}renormalized cannot be written to a GGUF: "
+                                        "llama.cpp fixes that choice for the architecture")
+        kv += [(a + "expert_count", cfg.n_experts, T.UINT32, None),
+               (a + "expert_used_count", cfg.n_experts_used, T.UINT32, None)]
+        if fam.name == "qwen3moe":      # feed_forward_length: the dense size config.json names
+            kv = [(k, hf.get("intermediate_size", v) if k == a + "feed_forward_length" else v, vt, st)
+                  for k, v, vt, st in kv]
+            kv.append((a + "expert_feed_forward_length", cfg.ffn_dim, T.UINT32, None))
     if fam.name == "phi3":
         orig = scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") \
             or cfg.max_seq_len

@@ -48,10 +48,12 @@ def gguf_file_type_name(ft) -> str | None:
 
 
 def _weights_per_token(config, sizes: dict[str, int]) -> int:
-    """Bytes of weights one decode step reads: every layer tensor, the final norm, the output
-    matrix, and one row of the embedding table (all of it when it is also the output)."""
+    """Bytes of weights one decode step reads: every layer tensor (of a mixture of experts' expert
+    matrices, the share of the experts a token uses), the final norm, the output matrix, and one
+    row of the embedding table (all of it when it is also the output)."""
     total = 0
     emb = out = 0
+    used = config.n_experts_used / config.n_experts if config.moe else 1.0
     for name, nbytes in sizes.items():
         if name in ("model.embed_tokens.weight", "token_embd.weight"):
             emb = nbytes
@@ -59,6 +61,8 @@ def _weights_per_token(config, sizes: dict[str, int]) -> int:
             out = nbytes
         elif name == "rope_freqs.weight":
             continue
+        elif "_exps." in name or ".experts." in name:      # GGUF's stacks, HF's one tensor an expert
+            total += round(nbytes * used)
         else:
             total += nbytes
     if out:
@@ -157,8 +161,10 @@ def _config_lines(c) -> list[str]:
     return [
         f"parameters: {fmt_params(c.n_params)}",
         f"sizes: {c.n_layers} layers, hidden {c.dim}, {c.n_heads} heads ({c.n_kv_heads} KV heads, "
-        f"head dim {c.head_dim}), feed-forward {c.ffn_dim}, vocabulary {c.vocab_size}"
+        f"head dim {c.head_dim}), feed-forward {c.ffn_dim}{' an expert' if c.moe else ''}, vocabulary {c.vocab_size}"
         + (", tied embeddings" if c.tie_word_embeddings else ""),
+        *([f"experts: {c.n_experts} a layer, {c.n_experts_used} a token (feed-forward {c.ffn_dim} each; "
+           f"{fmt_params(c.active_params)} parameters used a token)"] if c.moe else []),
         f"context: {c.max_seq_len} tokens (trained)",
         f"rope: theta {c.rope_theta:g}, scaling {rope}",
     ]

@@ -52,7 +52,7 @@ def _plan(gf, rec):
     out = []
     for name, info in gf.tensors.items():
         shape = info.shape
-        fmt = rec.format_of(name, shape) if len(shape) == 2 else None
+        fmt = rec.format_of(name, shape) if len(shape) in (2, 3) else None
         if fmt is not None and info.ggml_type not in _FLOAT_TYPES:
             try:
                 if format_by_ggml_type(info.ggml_type).name == fmt:
@@ -140,10 +140,10 @@ def quantize_hf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, over
     Tokenizer.from_hf_dir(src)
     hs = hf_source(src)
     names = {t.name for t in hs.tensors}
-    rec = recipe(key, hs.config.n_layers, has_output="output.weight" in names)
+    rec = recipe(key, hs.config.n_layers, has_output="output.weight" in names, n_experts=hs.config.n_experts)
     items = []
     for t in hs.tensors:
-        if len(t.shape) != 2:
+        if len(t.shape) == 1 or "ffn_gate_inp." in t.name:      # vectors, a MoE router: F32
             items.append(_Item(t.name, t.shape, "f32", rows=t.rows))
             continue
         fmt = rec.format_of(t.name, t.shape)
@@ -174,7 +174,7 @@ def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, ov
     cfg = config_from_gguf(gf)                 # the model must be one cyllm knows
     plan_tensors(gf, cfg)                      # ... and its tensors the shapes the family has
     _check_metadata_size(gf)
-    rec = recipe(key, cfg.n_layers, has_output="output.weight" in gf.tensors)
+    rec = recipe(key, cfg.n_layers, has_output="output.weight" in gf.tensors, n_experts=cfg.n_experts)
     plan = _plan(gf, rec)
     for name, info, _ in plan:
         if info.ggml_type not in SUPPORTED_TENSOR_TYPES:
@@ -214,7 +214,7 @@ def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, ov
         elif info.ggml_type in (0, 1):
             def whole(part, info=info):
                 return gf.tensor_bytes(info).view(np.float32 if info.ggml_type == 0 else np.float16) \
-                    .reshape(info.shape)[part]
+                    .reshape(_row_shape(info.shape) if len(info.shape) > 1 else info.shape)[part]
             items.append(_Item(name, info.shape, "f32" if info.ggml_type == 0 else "f16", rows=whole,
                                release=release))
         else:
@@ -275,9 +275,9 @@ def _write(dst: Path, arch: str, kvs: list, items: list[_Item], threads: int | N
     for it in items:
         if it.kind == "quant":
             f = format_by_name(it.fmt)
-            rows, cols = it.shape
-            w.add_tensor_info(it.name, (rows, f.row_bytes(cols)), np.dtype(np.uint8), rows * f.row_bytes(cols),
-                              raw_dtype=gguf.GGMLQuantizationType(f.ggml_type))
+            rows, cols = _row_shape(it.shape)
+            w.add_tensor_info(it.name, (*it.shape[:-1], f.row_bytes(cols)), np.dtype(np.uint8),
+                              rows * f.row_bytes(cols), raw_dtype=gguf.GGMLQuantizationType(f.ggml_type))
         elif it.kind in ("f32", "f16"):
             dt = np.dtype(np.float32 if it.kind == "f32" else np.float16)
             w.add_tensor_info(it.name, it.shape, dt, int(np.prod(it.shape)) * dt.itemsize)
@@ -306,7 +306,7 @@ def _write(dst: Path, arch: str, kvs: list, items: list[_Item], threads: int | N
                 w.write_tensor_data(it.raw())
             elif it.kind == "quant":
                 f = format_by_name(it.fmt)
-                rows, cols = it.shape
+                rows, cols = _row_shape(it.shape)
                 out = np.empty((rows, f.row_bytes(cols)), np.uint8)
                 step = max(1, _STEP_ELEMS // cols)
                 for r0 in range(0, rows, step):
@@ -377,13 +377,18 @@ def _running(pid: int) -> bool:
     return True
 
 
+def _row_shape(shape: tuple) -> tuple:
+    """(rows, cols) of a tensor seen as its rows: a stack of matrices (experts) has the rows of
+    each in turn; a vector is one column. Every item's ``rows(part)`` slices these rows."""
+    return (int(np.prod(shape[:-1])), int(shape[-1])) if len(shape) > 1 else (int(shape[0]), 1)
+
+
 def _float_tensor(it: _Item) -> np.ndarray:
     """An F32/F16 tensor, converted chunk by chunk (F16: values beyond its range are refused)."""
-    n = it.shape[0]
+    n, cols = _row_shape(it.shape)
     dt = np.float32 if it.kind == "f32" else np.float16
-    cols = int(np.prod(it.shape[1:])) if len(it.shape) > 1 else 1
     step = max(1, _STEP_ELEMS // cols)
-    out = np.empty(it.shape, dt)
+    out = np.empty((n, cols) if len(it.shape) > 1 else it.shape, dt)
     for r0 in range(0, n, step):
         part = slice(r0, min(r0 + step, n))
         a = it.rows(part)
@@ -393,7 +398,7 @@ def _float_tensor(it: _Item) -> np.ndarray:
                 raise InvalidArgumentError(f"tensor {it.name} has values up to {big:g}, beyond float16's "
                                            "range; it cannot be written as F16")
         out[part] = a
-    return out
+    return out.reshape(it.shape)
 
 
 def cfg_arch(gf) -> str:

@@ -32,6 +32,7 @@ from ...quant.matrix import QuantMatrix
 from ..base import Backend, check_token
 from . import quant as cuda_quant
 from .checks import check_act as _check_act, check_softcap as _check_softcap, check_window as _check_window
+from .experts import ExpertOps
 from .graphs import READ_STEP, GraphDecode
 from .kernel_names import GATE_UP_OPS, MATVEC_KERNELS, MATVEC_SCALAR_KERNELS
 from .norm_fold import NormFolding
@@ -57,7 +58,8 @@ _FIT_MARGIN = 512 << 20       # room left for scratch, cuBLAS workspace, the CUD
 WIDEN_KIB_PER_SM = 24         # widen.py: measured in bench/results/cuda_quant_model_h100.md
 
 
-class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, GraphDecode, PrefillOps, Backend):
+class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, GraphDecode, PrefillOps, ExpertOps,
+                  Backend):
     name = "cuda"
     fuse_qkv = True       # upload copies anyway: one (q+2kv, dim) matrix, one matvec
     quant_row_views = False   # CudaQuantMatrix (tiled planes) has no row views: fused tensors are cut on the host
@@ -545,7 +547,7 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, Graph
     # -- measurement ------------------------------------------------------------------
     @property
     def captures_decode(self) -> bool:
-        return self.use_graphs
+        return self.use_graphs and not self.data_dependent_steps
 
     def measure_bandwidth(self, nbytes: int, threads: int | None = None) -> tuple[float | None, str]:
         return self.measure_copy_bandwidth(), "device copy"

@@ -84,7 +84,7 @@ class GraphDecode:
                 self._max_pos = None
                 issue_ops(token, pos)           # eager: computes this token, compiles, allocates
                 self._flush()
-                if self.use_graphs:
+                if self.use_graphs and not self.data_dependent_steps:
                     self._capture(issue_ops, token, pos)
             finally:
                 self._device_mode = False

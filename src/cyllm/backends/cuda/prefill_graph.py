@@ -89,7 +89,7 @@ class GraphPrefill:
         graph when it has one (see the module's docstring)."""
         self._flush()                   # an op held back by eager calls goes before the chunk
         t, pos0 = len(tokens), int(pos0)
-        if not (self.use_graphs and self.prefill_graphs) or t == 0:
+        if not (self.use_graphs and self.prefill_graphs) or self.data_dependent_steps or t == 0:
             with self._stream:          # the stream the graphs run on: cuBLAS picks its kernels per stream
                 issue_ops(t, pos0, all_logits)
             return
