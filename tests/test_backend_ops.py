@@ -238,7 +238,7 @@ OUTPUTS: dict[str, dict[str, Tol]] = {
     "cache_store_batch": {"k_cache": EXACT, "v_cache": EXACT},
     "attention_batch": {"out": ATTENTION},
     "moe": {"out": Tol(1e-5, scale=moe_scale)},
-    "moe_batch": {"out": Tol(1e-5, scale=moe_scale)},
+    "moe_batch": {"out": Tol(1e-5, scale=moe_scale, cuda_rel=1e-3)},       # cuda: GEMMs of f16 x
 }
 
 

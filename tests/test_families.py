@@ -68,6 +68,9 @@ def _hf_logits(ref, ids):
 # choose differently, and that token's logits then differ by far more than the 1e-2 asked (on
 # the tiny models, flips were measured at margins of 7e-5 and 9e-5, giving 8e-2 and 1e-1).
 NEAR_TIE = 1e-3
+# cuda's prefill rounds activations to float16 for its GEMMs: ~1e-3 of each, so its choices may
+# differ from transformers' at margins ten times wider
+NEAR_TIE_CUDA = 1e-2
 
 
 def _router_margins(ref, ids):
@@ -103,23 +106,29 @@ def _moe_blocks(ref):
     return [m for m in ref.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
 
 
+def _recording_routes(model, op, run):
+    """run() with the backend's moe op ``op`` recording the experts each call chose: (its result,
+    the chosen experts of every call, (rows, k) each, in call order)."""
+    b, routes = model.backend, []
+    inner = getattr(b, op)
+
+    def record(out, x, router, experts, n_used, norm, act, scratch):
+        inner(out, x, router, experts, n_used, norm, act, scratch)
+        routes.append(scratch.ids[:1 if x.ndim == 1 else x.shape[0]].copy())
+    setattr(b, op, record)
+    try:
+        return run(), routes
+    finally:
+        delattr(b, op)
+
+
 def _our_logits(model, ids):
     """model.logits(ids) and, for a mixture of experts, the experts it chose: (layers, T, k)."""
     if not model.config.moe:
         return model.logits(ids), None
-    b, routes = model.backend, []
-    inner = b.moe_batch
-
-    def record(out, x, router, experts, n_used, norm, act, scratch):
-        inner(out, x, router, experts, n_used, norm, act, scratch)
-        routes.append(scratch.ids[:x.shape[0]].copy())
-    b.moe_batch = record
-    try:
-        logits = model.logits(ids)
-    finally:
-        del b.moe_batch
+    logits, routes = _recording_routes(model, "moe_batch", lambda: model.logits(ids))
     assert len(routes) == model.config.n_layers          # one prefill chunk
-    return logits, np.stack(routes)
+    return logits, np.stack(routes)[:, :len(ids)]
 
 
 def _hf_logits_routed(ref, ids, routes):
@@ -165,12 +174,14 @@ def _assert_model_parity(model, ref, ids):
         _assert_parity(ours, _hf_logits(ref, ids))
         return
     theirs, own = _hf_logits_routed(ref, ids, routes)
-    clear = 0
+    near, clear = NEAR_TIE_CUDA if model.backend.name == "cuda" else NEAR_TIE, 0
     for layer, (chosen, margin) in enumerate(own):
-        for t in np.flatnonzero(margin >= NEAR_TIE):
+        for t in np.flatnonzero(margin >= near):
             assert set(routes[layer][t]) == set(chosen[t]), f"layer {layer} position {t}"
-        clear += int(np.sum(margin >= NEAR_TIE))
-    assert clear > 0.8 * routes.shape[0] * routes.shape[1]
+        clear += int(np.sum(margin >= near))
+    # most choices are clear (measured on the tiny models: 75-95% at cuda's margin, OLMoE's 8
+    # experts lowest), so the check above is not vacuous
+    assert clear > 0.6 * routes.shape[0] * routes.shape[1]
     _assert_parity(ours, theirs)
 
 
@@ -217,9 +228,22 @@ def test_decode_equals_prefill(family_material, kind, backend):
     path = family_material.hf_dir(kind)
     batched = cyllm.load(path, backend=backend)
     ids = _ids(batched)
-    want = batched.logits(ids)
     step = cyllm.load(path, backend=backend)
-    got = np.stack([step.forward(t, i).copy() for i, t in enumerate(ids)])
+    if batched.config.moe:
+        # the two paths may decide a near-tie of experts differently (cuda's prefill rounds x to
+        # float16): compared at the positions before the first token they route differently
+        want, batch_routes = _our_logits(batched, ids)
+        got, step_routes = _recording_routes(
+            step, "moe", lambda: np.stack([step.forward(t, i).copy() for i, t in enumerate(ids)]))
+        step_routes = np.stack(step_routes).reshape(len(ids), -1, step_routes[0].shape[-1]).swapaxes(0, 1)
+        same = np.array([[set(a) == set(b) for a, b in zip(la, lb)] for la, lb in zip(batch_routes, step_routes)])
+        assert same.mean() > 0.95, f"decode and prefill route {(~same).sum()} of {same.size} tokens differently"
+        first = len(ids) if same.all() else int(np.argmin(same.all(0)))
+        assert first >= (1 if backend == "cuda" else len(ids) // 2), f"routes part at position {first}"
+        want, got = want[:first], got[:first]
+    else:
+        want = batched.logits(ids)
+        got = np.stack([step.forward(t, i).copy() for i, t in enumerate(ids)])
     # Not bitwise: the GEMM and the matvec sum in different orders (~1e-7), and a K or V value
     # that lands on an FP16 rounding boundary then differs by one FP16 ulp (~5e-4 of itself) in
     # the cache; measured worst case 1.03e-4 on cpu (llama32). The cuda prefill also feeds
@@ -253,35 +277,65 @@ def test_gguf_f16_and_q8_0_files(family_material, reference, kind):
     assert float(np.mean(l8.argmax(-1) == l16.argmax(-1))) > 0.9
 
 
+@pytest.mark.parametrize("backend", [HOST_BACKENDS[-1], pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("kind", sorted(MOE_KINDS))
-def test_moe_f16_and_q8_0_files(family_material, reference, kind):
+def test_moe_f16_and_q8_0_files(family_material, reference, kind, backend):
     """The experts stacked in one tensor a layer, as F16 (at the HF tolerance) and as Q8_0, each
     expert a row range of the stack in its block format: the native kernels against the
     reference's math on the same blocks (numpy_ref with activations rounded to int8 blocks as
-    the kernels round them). Against the F16 file instead, 8-bit weights move the router's
-    probabilities by ~1e-3, so that many positions of these tiny models pick another expert
-    somewhere (measured: logits 0.24 and 0.18 apart)."""
+    the kernels round them), its routers made to choose as the backend did. Against the F16
+    file instead, 8-bit weights move the router's probabilities by ~1e-3, so that many
+    positions of these tiny models pick another expert somewhere (measured: logits 0.24 and
+    0.18 apart)."""
     from cyllm.backends.numpy_ref import NumpyBackend
     from cyllm.loading import load_path
     from cyllm.model import Model
     from cyllm.quant.matrix import QuantMatrix
-    backend = HOST_BACKENDS[-1]
+    backend = _backend(backend)
     f16 = cyllm.load(family_material.gguf(kind, "f16"), backend=backend)
     ids = _ids(f16)
     _assert_model_parity(f16, reference(kind), ids)
     path = family_material.gguf(kind, "q8_0")
     q8 = cyllm.load(path, backend=backend)
-    assert backend == "numpy" or all(isinstance(L.experts[0][0], QuantMatrix) for L in q8.layers)
+    assert backend != "cpu" or all(isinstance(L.experts[0][0], QuantMatrix) for L in q8.layers)
+    got, routes = _our_logits(q8, ids)
+    # the reference chooses the experts the backend chose: near-ties of the router, which cuda's
+    # float16 tiles (its prefill of 70 rows) can decide either way, would otherwise make the two
+    # differ by far more than their arithmetic does
     config, weights, tokenizer = load_path(path)
-    want = Model(config, weights, tokenizer, backend=NumpyBackend(quantized_activations=True)).logits(ids)
-    got = q8.logits(ids)
-    # The same math but for the order of float32 sums: equal to ~1e-7 until that order moves a
-    # value across an int8 rounding boundary or a router near-tie somewhere, after which the
-    # tokens that attend to it drift (measured: from position 16-25 on, at most 1.3e-2).
+    ref = Model(config, weights, tokenizer, backend=NumpyBackend(quantized_activations=True))
+    want = _logits_routed_as(ref, ids, routes)
     per_position = np.max(np.abs(got - want), -1) / np.max(np.abs(want))
-    assert np.all(per_position[:10] < 1e-5)
+    if backend != "cuda":
+        # The same math but for the order of float32 sums: equal to ~1e-7 until that order moves
+        # a value across an int8 rounding boundary, after which the tokens that attend to it
+        # drift (measured: from position 16-25 on, at most 1.3e-2)
+        assert np.all(per_position[:10] < 1e-5)
     assert rel_err(got, want) < 5e-2
     assert np.mean(got.argmax(-1) == want.argmax(-1)) > 0.95
+
+
+def _logits_routed_as(model, ids, routes):
+    """A host model's logits of ids with its routers made to choose ``routes`` (layers, T, k),
+    in that order, each weighted by its own probability (renormalized as the model does)."""
+    from cyllm.backends import moe
+    rows = [r for layer in routes for r in layer]          # moe_batch routes layer by layer, row by row
+
+    def forced(scores, n_used, norm, ids_out, weights_out):
+        p = np.exp(scores - scores.max())
+        p /= p.sum()
+        pick = rows.pop(0)
+        ids_out[:n_used] = pick
+        weights_out[:n_used] = p[pick] / (p[pick].sum() if norm else 1.0)
+
+    real = moe.route
+    moe.route = forced
+    try:
+        out = model.logits(ids)
+    finally:
+        moe.route = real
+    assert not rows
+    return out
 
 
 @pytest.mark.parametrize("backend", HOST_BACKENDS)
