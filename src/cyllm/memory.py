@@ -107,6 +107,8 @@ def state_bytes(config, context: int, prefill_rows: int = 256) -> tuple[int, int
     per_pos += 4 * (c.n_heads + 64)               # attention scores scratch
     rows = min(prefill_rows, context)
     width = 3 * c.dim + c.q_dim + 2 * c.kv_dim + c.q_dim + c.ffn_dim
+    if c.moe:       # backends.moe.MoeScratch: scores, logits, h and y of a row, a row gathered, the
+        width += 2 * c.n_experts + c.ffn_dim + 2 * c.dim + c.n_experts_used * c.dim    # ranks' outputs
     fixed = 4 * (rows + 1) * width + 4 * c.vocab_size * 2
     return per_pos, fixed
 

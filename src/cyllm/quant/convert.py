@@ -93,9 +93,9 @@ def quantize_weights(config, weights: dict, qtype: str, threads: int | None = No
     from .recipe import recipe
     key = check_quantize_type(qtype)
     fam = family(config.arch)
-    rec = recipe(QUANTIZE_AT_LOAD[key], config.n_layers, has_output=not config.tie_word_embeddings)
-    for t, i in fam.expected(config):
-        name = t.hf_name(i)
+    rec = recipe(QUANTIZE_AT_LOAD[key], config.n_layers, has_output=not config.tie_word_embeddings,
+                 n_experts=config.n_experts)
+    for t, i, name in fam.expected_names(config):
         a = weights.get(name)
         if not isinstance(a, np.ndarray) or a.ndim != 2:
             continue

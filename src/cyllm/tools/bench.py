@@ -296,19 +296,23 @@ def read_bandwidth(backend, threads: int, nbytes: int = PROBE_MAX_BYTES) -> tupl
 def weight_bytes_read_per_token(model) -> int:
     """Bytes of weights one forward pass reads, from the arrays the backend holds.
 
-    Every layer matrix and norm is read once; of the embedding table only one
+    Every layer matrix and norm is read once, of a mixture of experts the share of its experts
+    a token uses (their average: n_experts_used of n_experts); of the embedding table only one
     row is read, unless it doubles as the output matrix (tied), then all of it.
     """
     def nb(a):
         return int(getattr(a, "nbytes", 0)) if a is not None else 0
 
+    c = model.config
     total = nb(model.final_norm) + nb(model.output)
     if model.output is not model.embedding:
-        total += nb(model.embedding) // max(model.config.vocab_size, 1)
+        total += nb(model.embedding) // max(c.vocab_size, 1)
     for L in model.layers:
         for a in (L.attn_norm, L.wq, L.wk, L.wv, L.bq, L.bk, L.bv, L.wo, L.ffn_norm,
-                  L.w_gate, L.w_up, L.w_down):
+                  L.w_gate, L.w_up, L.w_down, L.q_norm, L.k_norm, L.post_attn_norm, L.post_ffn_norm, L.router):
             total += nb(a)
+        if L.experts:
+            total += round(sum(nb(m) for trio in L.experts for m in trio) * c.n_experts_used / c.n_experts)
     return total
 
 
