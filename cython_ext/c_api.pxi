@@ -71,6 +71,25 @@ cdef extern from "csrc/kernels.h" nogil:
     void cyllm_program_run(const cyllm_kernels *kt, const void *qk, const cyllm_op *ops, int n_ops,
                            int nt, int64_t token, int64_t pos, float *scratch,
                            cyllm_claim *claims, int n_slots) noexcept
+    enum:
+        CYLLM_MOE_MAX_K
+    ctypedef struct cyllm_moe:
+        int64_t k, n, f
+        const void *gate[64]
+        const void *up[64]
+        const void *down[64]
+        int fmt_gu, fmt_down
+        int64_t rb_gu, rb_down
+        int act
+        const float *x
+        float *out
+        const float *wts
+        float *h
+        float *y
+        void *xq
+        void *hq
+        int64_t hq_stride
+    void cyllm_moe_experts_run(const cyllm_kernels *kt, const void *qk, const cyllm_moe *m, int nt) noexcept
     int64_t cyllm_attention_scratch(int64_t n_heads, int64_t hd, int64_t t_len) noexcept
     void cyllm_attention_run(const cyllm_kernels *kt, float *out, const float *q,
                              const uint16_t *kc, const uint16_t *vc, int64_t n_heads,

@@ -34,13 +34,30 @@ cdef class CpuKernels:
     cdef Py_ssize_t scratch_n
     cdef QuantKernels q          # the kernels of QuantMatrix weights (same threads)
     cdef dict _scr               # f32 scratch vectors by name (mixed-format gate/up), grown once
+    cdef char *moe_raw           # activation blocks of moe_experts (64-byte aligned inside moe_raw)
+    cdef Py_ssize_t moe_cap
 
     def __cinit__(self):
         self.scratch = NULL
         self.scratch_n = 0
+        self.moe_raw = NULL
+        self.moe_cap = 0
 
     def __dealloc__(self):
         free(self.scratch)
+        free(self.moe_raw)
+
+    cdef char *_moe_act_for(self, Py_ssize_t nbytes) except NULL:
+        """At least nbytes of 64-byte aligned scratch for moe_experts' activation blocks."""
+        cdef char *raw
+        if nbytes > self.moe_cap or self.moe_raw == NULL:
+            raw = <char *>malloc(nbytes + 64)
+            if raw == NULL:
+                raise MemoryError(f"cannot allocate {nbytes} bytes of activation scratch")
+            free(self.moe_raw)
+            self.moe_raw = raw
+            self.moe_cap = nbytes
+        return <char *>((<uintptr_t>self.moe_raw + 63) & ~(<uintptr_t>63))
 
     cdef float *_scratch_for(self, Py_ssize_t n) except? NULL:
         """At least n floats of attention scratch (allocates only when the need grows)."""
@@ -150,6 +167,83 @@ cdef class CpuKernels:
                         kt.gate_up_rows(po, pw, pu, px, n, r0, r1, mode - 2, NULL, 0)
                     else:
                         kt.matvec_rows(po, pw, px, n, r0, r1, mode, NULL, 0)
+
+    def moe_experts(self, out, x, chosen, weights, act, h, y):
+        """out (n,) f32 += sum over j of weights[j] * down_j @ (act(gate_j @ x) * (up_j @ x)),
+        added in order j = 0, 1, ... (program.c, cyllm_moe_experts_run): chosen, the k
+        (gate, up, down) of the experts a token uses, each role of one kind for all of them
+        (float16, or QuantMatrix of one format: gate and up alike); h (k, f) and y (k, n) f32
+        scratch. Returns False, having done nothing, where the experts' kinds or formats
+        differ (the caller then runs them one by one)."""
+        cdef cyllm_moe m
+        memset(&m, 0, sizeof(cyllm_moe))
+        cdef Py_ssize_t k = len(chosen), j, n, f, act_n
+        if k < 1 or k > CYLLM_MOE_MAX_K:
+            raise InvalidArgumentError(f"moe_experts: {k} experts (1 to {CYLLM_MOE_MAX_K})")
+        cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 1, True)
+        cdef cnp.ndarray ax = _arr(x, "x", cnp.NPY_FLOAT32, 1, False)
+        cdef cnp.ndarray aw = _arr(weights, "weights", cnp.NPY_FLOAT32, 1, False)
+        cdef cnp.ndarray ah = _arr(h, "h", cnp.NPY_FLOAT32, 2, True)
+        cdef cnp.ndarray ay = _arr(y, "y", cnp.NPY_FLOAT32, 2, True)
+        n = cnp.PyArray_DIM(ax, 0)
+        _check_len(cnp.PyArray_DIM(ao, 0), n, "out", "x's length")
+        _check_len(cnp.PyArray_DIM(aw, 0), k, "weights", "the experts chosen")
+        _no_overlap(ao, ax, "out", "x")
+        g0, u0, d0 = chosen[0]
+        qgu, qdn = not cnp.PyArray_Check(g0), not cnp.PyArray_Check(d0)
+        f = g0.shape[0]
+        if tuple(g0.shape) != (f, n) or tuple(d0.shape) != (n, f):
+            raise InvalidArgumentError(f"moe_experts: gate {tuple(g0.shape)} and down {tuple(d0.shape)} "
+                                       f"do not fit x of {n}")
+        if cnp.PyArray_DIM(ah, 0) < k or cnp.PyArray_DIM(ah, 1) != f or cnp.PyArray_DIM(ay, 0) < k \
+                or cnp.PyArray_DIM(ay, 1) != n:
+            raise InvalidArgumentError(f"moe_experts: scratch h {tuple(h.shape)} and y {tuple(y.shape)} "
+                                       f"cannot hold {k} experts of ({f}, {n})")
+        m.fmt_gu = g0.fmt.kernel_id if qgu else -1
+        m.fmt_down = d0.fmt.kernel_id if qdn else -1
+        cdef cnp.ndarray a
+        for j in range(k):
+            g, u, d = chosen[j]
+            for w, role, quant, shape in ((g, "gate", qgu, (f, n)), (u, "up", qgu, (f, n)), (d, "down", qdn, (n, f))):
+                if quant != (not cnp.PyArray_Check(w)) or tuple(w.shape) != shape:
+                    return False
+                if quant:
+                    if type(w) is not QuantMatrix or w.fmt.kernel_id != (m.fmt_gu if role != "down" else m.fmt_down):
+                        return False
+                    a = <cnp.ndarray>w.data
+                else:
+                    a = _arr(w, role, cnp.NPY_FLOAT16, 2, False)
+                _no_overlap(ao, a, "out", role)
+                if role == "gate":
+                    m.gate[j] = cnp.PyArray_DATA(a)
+                elif role == "up":
+                    m.up[j] = cnp.PyArray_DATA(a)
+                else:
+                    m.down[j] = cnp.PyArray_DATA(a)
+        m.k, m.n, m.f = k, n, f
+        m.rb_gu = g0.row_bytes if qgu else 0
+        m.rb_down = d0.row_bytes if qdn else 0
+        m.act = _act(act)
+        m.x = <const float *>cnp.PyArray_DATA(ax)
+        m.out = <float *>cnp.PyArray_DATA(ao)
+        m.wts = <const float *>cnp.PyArray_DATA(aw)
+        m.h = <float *>cnp.PyArray_DATA(ah)
+        m.y = <float *>cnp.PyArray_DATA(ay)
+        cdef int64_t xbytes = cyllm_qact_bytes(cyllm_qformat(m.fmt_gu).act, n) if qgu else 0
+        cdef int64_t hbytes = cyllm_qact_bytes(cyllm_qformat(m.fmt_down).act, f) if qdn else 0
+        if xbytes < 0 or hbytes < 0:
+            raise InvalidArgumentError("moe_experts: a row length is not a whole number of activation blocks")
+        xbytes = (xbytes + 63) & ~63
+        m.hq_stride = (hbytes + 63) & ~63
+        cdef char *buf = self._moe_act_for(xbytes + k * m.hq_stride)
+        m.xq = buf
+        m.hq = buf + xbytes
+        cdef int nt = self.nthreads
+        if k * f * n * 3 < MATVEC_PARALLEL_MIN:
+            nt = 1
+        with nogil:
+            cyllm_moe_experts_run(self.kt, <const void *>self.q.qk, &m, nt)
+        return True
 
     def matvec(self, out, w, x):
         """out (d,) f32 = w (d, n) f16 @ x (n,) f32."""

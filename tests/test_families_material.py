@@ -40,7 +40,9 @@ SEQ = 70
 
 GGUF_ARCH = {"llama32": "llama", "mistral_swa": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
              "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "phi3_longrope": "phi3", "smollm3": "smollm3",
-             "granite": "granite", "olmo2": "olmo2"}
+             "granite": "granite", "olmo2": "olmo2", "qwen3moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}
+# mixtures of experts: the router and a layer's experts stacked, one tensor each
+_MOE = ["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
 
 # the GGUF tensors of one block, per architecture (llama.cpp's names)
 _BLOCK = {
@@ -60,6 +62,10 @@ _BLOCK = {
               "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm"],
 }
 _BLOCK["smollm3"] = _BLOCK["granite"] = _BLOCK["llama"]
+_BLOCK["qwen3moe"] = _BLOCK["qwen3"][:-3] + _MOE
+_BLOCK["olmoe"] = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
+                   "ffn_norm"] + _MOE
+_MOE_KINDS = {"qwen3moe", "mixtral", "olmoe"}
 
 # HF name (in a layer) -> GGUF name (in a block); the fused Phi-3 tensors keep their layout
 _HF_TO_GGUF = {
@@ -137,7 +143,8 @@ def test_hf_dir_is_complete_and_logits_are_spread(family_material, hf_logits, ki
         "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
         "phi3": "Phi3ForCausalLM",
         "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
-        "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}[KINDS[kind][0]]).__name__
+        "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+        "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM"}[KINDS[kind][0]]).__name__
     ids, lg = hf_logits(kind)
     assert lg.shape == (SEQ, cfg["vocab_size"])
     assert np.isfinite(lg).all()
@@ -216,7 +223,8 @@ def test_weights_carry_their_features(family_material, kind):
     names = "\n".join(w)
     arch = KINDS[kind][0]
     assert (".q_proj.bias" in names) == (arch == "qwen2")
-    assert (".q_norm.weight" in names) == (arch in ("qwen3", "gemma3", "olmo2", "olmo3"))
+    assert (".q_norm.weight" in names) == (arch in ("qwen3", "gemma3", "olmo2", "olmo3", "qwen3moe", "olmoe"))
+    assert (".experts.0." in names) == (kind in _MOE_KINDS)
     assert (".qkv_proj.weight" in names and ".gate_up_proj.weight" in names) == (arch == "phi3")
     assert ("pre_feedforward_layernorm" in names) == (arch in ("gemma2", "gemma3"))
     norms = np.concatenate([v.ravel() for k, v in w.items() if k.endswith("norm.weight")])
@@ -309,9 +317,9 @@ def test_gguf_architecture_tensors_and_metadata(family_material, family_gguf, ki
     expected = {"token_embd.weight", "output_norm.weight"}
     if not cfg["tie_word_embeddings"]:
         expected.add("output.weight")
+    block = _BLOCK[arch][:-3] + _MOE if kind == "mixtral" else _BLOCK[arch]
     for i in range(n_layers):
-        expected |= {f"blk.{i}.{n}" if n.endswith(".bias") else f"blk.{i}.{n}.weight"
-                     for n in _BLOCK[arch]}
+        expected |= {f"blk.{i}.{n}" if n.endswith(".bias") else f"blk.{i}.{n}.weight" for n in block}
     if kind == "llama32":
         expected.add("rope_freqs.weight")
     if kind == "phi3_longrope":
@@ -323,6 +331,11 @@ def test_gguf_architecture_tensors_and_metadata(family_material, family_gguf, ki
     assert _field(r, k + "block_count") == n_layers
     assert _field(r, k + "embedding_length") == cfg["hidden_size"]
     assert _field(r, k + "feed_forward_length") == cfg["intermediate_size"]
+    if kind in _MOE_KINDS:
+        assert _field(r, k + "expert_count") == cfg.get("num_experts", cfg.get("num_local_experts"))
+        assert _field(r, k + "expert_used_count") == cfg["num_experts_per_tok"]
+        if arch == "qwen3moe":       # each expert's size, beside the dense one above
+            assert _field(r, k + "expert_feed_forward_length") == cfg["moe_intermediate_size"]
     assert _field(r, k + "attention.head_count") == cfg["num_attention_heads"]
     assert _field(r, k + "attention.head_count_kv") == cfg["num_key_value_heads"]
     assert math.isclose(_field(r, k + "attention.layer_norm_rms_epsilon"), cfg["rms_norm_eps"],
@@ -400,7 +413,7 @@ def test_gguf_tensors_follow_llama_cpp_conventions(family_material, family_gguf,
     gg = _tensors(_reader(family_gguf(kind)))
     arch = GGUF_ARCH[kind]
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    permuted = arch in ("llama", "smollm3", "granite")   # rope in llama.cpp's interleaved (NORM) layout
+    permuted = arch in ("llama", "smollm3", "granite")   # rope in llama.cpp's interleaved (NORM) layout (Mixtral's too)
     np.testing.assert_array_equal(gg["token_embd.weight"], hf["model.embed_tokens.weight"])
     if not cfg["tie_word_embeddings"]:
         np.testing.assert_array_equal(gg["output.weight"], hf["lm_head.weight"])
@@ -427,6 +440,20 @@ def test_gguf_tensors_follow_llama_cpp_conventions(family_material, family_gguf,
                     np.testing.assert_array_equal(gg[f"blk.{i}.{gname}"],
                                                   hf[f"model.layers.{i}.{hname}"] + np.float32(shift))
                     seen.add(f"blk.{i}.{gname}")
+    if kind in _MOE_KINDS:
+        # the router as it is; each expert matrix e of a layer is row block e of its stack
+        moe = "block_sparse_moe" if kind == "mixtral" else "mlp"
+        roles = (("w1", "w3", "w2") if kind == "mixtral" else ("gate_proj", "up_proj", "down_proj"))
+        n_exp = cfg.get("num_experts", cfg.get("num_local_experts"))
+        for i in range(cfg["num_hidden_layers"]):
+            np.testing.assert_array_equal(gg[f"blk.{i}.ffn_gate_inp.weight"], hf[f"model.layers.{i}.{moe}.gate.weight"])
+            seen.add(f"blk.{i}.ffn_gate_inp.weight")
+            for role, gname in zip(roles, ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
+                stack = gg[f"blk.{i}.{gname}.weight"]
+                assert stack.shape[0] == n_exp
+                for e in range(n_exp):
+                    np.testing.assert_array_equal(stack[e], hf[f"model.layers.{i}.{moe}.experts.{e}.{role}.weight"])
+                seen.add(f"blk.{i}.{gname}.weight")
     assert seen >= set(gg), sorted(set(gg) - seen)
     if permuted:   # the permutation is not the identity at these sizes
         q = hf["model.layers.0.self_attn.q_proj.weight"]

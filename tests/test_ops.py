@@ -612,3 +612,48 @@ def test_batch_bad_arguments():
         b.attention_batch(np.zeros((3, 32), f32), np.zeros((3, 32), f32), kc, kc.copy(), 0, 0, -1.0)
     with pytest.raises(InvalidArgumentError):
         b.embed_batch(np.zeros((2, 8), f32), table, np.array([1, 2], np.int32), np.inf)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt,fmt_down,f,n", [("q4_k", "q6_k", 256, 512), ("q8_0", "q8_0", 96, 160),
+                                               ("f16", "f16", 40, 72), ("q4_0", "q8_0", 64, 96)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_moe_decode_rows_match_prefill_bitwise(variant, fmt, fmt_down, f, n, threads):
+    """The experts of a token in one C call (moe_experts: all chosen gate/up rows, then all
+    down rows, weighted and added in rank order) give the bits of the prefill op's row for it
+    (the rows grouped by expert through the GEMM kernels, the same float32 scaling and adds),
+    for quantized experts (the int8 kernels give a row the decode kernel's bits) and as the
+    experts one call at a time would; float16 experts: within the GEMM's rounding."""
+    from cyllm.backends.moe import MoeScratch
+    from cyllm.quant import QuantMatrix
+    from cyllm.quant.convert import quantize_rows_f32
+    rng = rng_for("moe", fmt, fmt_down, f, n)
+    b = backend(variant, threads)
+    E, k, T = 7, 3, 9
+
+    def weight(rows, cols, kind):
+        w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.1
+        return w.astype(np.float16) if kind == "f16" else b.upload(QuantMatrix(quantize_rows_f32(w, kind), kind,
+                                                                            (rows, cols)))
+    experts = tuple((weight(f, n, fmt), weight(f, n, fmt), weight(n, f, fmt_down)) for _ in range(E))
+    router = (rng.standard_normal((E, n)) * n ** -0.5).astype(np.float32)
+    x = rng.standard_normal((T, n)).astype(np.float32)
+    start = rng.standard_normal((T, n)).astype(np.float32)
+    batch = start.copy()
+    b.moe_batch(batch, x, router, experts, k, True, "silu", MoeScratch.allocate(b, T, n, f, E, k, True))
+    one = MoeScratch.allocate(b, 1, n, f, E, k, False)
+    for t in range(T):
+        row = start[t].copy()
+        b.moe(row, x[t], router, experts, k, True, "silu", one)
+        slow = start[t].copy()
+        b.moe_experts, real = None, b.moe_experts        # the experts one call at a time
+        try:
+            b.moe(slow, x[t], router, experts, k, True, "silu", one)
+        finally:
+            del b.moe_experts
+        assert real is not None
+        if fmt == "f16":
+            np.testing.assert_allclose(row, batch[t], rtol=1e-5, atol=1e-5)
+        else:
+            assert np.array_equal(row.view(np.uint32), batch[t].view(np.uint32)), t
+        assert np.array_equal(row.view(np.uint32), slow.view(np.uint32)), t

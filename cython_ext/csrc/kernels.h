@@ -192,6 +192,25 @@ typedef struct cyllm_claim {
     int64_t next;           /* chunks of this share handed out (an atomic counter) */
     char pad[56];           /* one cache line per counter */
 } cyllm_claim;
+/* a mixture of experts' chosen experts for one token (program.c, cyllm_moe_experts_run) */
+#define CYLLM_MOE_MAX_K 64
+typedef struct cyllm_moe {
+    int64_t k, n, f;            /* experts chosen, x's (and out's) length, each expert's rows */
+    const void *gate[CYLLM_MOE_MAX_K], *up[CYLLM_MOE_MAX_K], *down[CYLLM_MOE_MAX_K];   /* chosen, in order */
+    int fmt_gu, fmt_down;       /* quantized kernel id of gate/up (one format) and of down; -1: f16 */
+    int64_t rb_gu, rb_down;     /* their row bytes */
+    int act;                    /* CYLLM_ACT_* */
+    const float *x;             /* (n,) */
+    float *out;                 /* (n,) += */
+    const float *wts;           /* (k,) the experts' weights */
+    float *h;                   /* (k, f) scratch */
+    float *y;                   /* (k, n) scratch */
+    void *xq;                   /* x's activation blocks (gate/up quantized) */
+    void *hq;                   /* k h's activation blocks, hq_stride bytes apart (down quantized) */
+    int64_t hq_stride;
+} cyllm_moe;
+void cyllm_moe_experts_run(const cyllm_kernels *kt, const struct cyllm_qkernels *qk, const cyllm_moe *m, int nt);
+
 extern int cyllm_steal;     /* 1: idle threads take chunks of the others' rows; 0: off; 2: tests */
 void cyllm_program_run(const cyllm_kernels *kt, const struct cyllm_qkernels *qk, const cyllm_op *ops,
                        int n_ops, int nt, int64_t token, int64_t pos, float *scratch,

@@ -386,3 +386,90 @@ void cyllm_program_run(const cyllm_kernels *kt, const cyllm_qkernels *qk, const 
     for (int i = 0; i < n_ops; i++) run_op(kt, qk, ops, i, 0, 1, token, pos, scratch, NULL, NULL);
 #endif
 }
+
+/* ---- a mixture of experts' chosen experts, for one token --------------------------------
+ * out (n,) += w_j * down_j(act(gate_j x) * (up_j x)) for j = 0..k-1, in one parallel region:
+ * x quantized once for the gate/up rows (a quantized format), every expert's gate/up rows
+ * split over the team, each h_j quantized for its down rows, then each thread's rows of out
+ * take the k down products, each scaled by its weight, added in order j = 0, 1, .... Each row
+ * is the same kernel call as the op-by-op gate_up and matvec make, and the scaling and adds
+ * are two float32 roundings (y * w, then out + that), as numpy's are in the prefill path
+ * (backends/moe.py): decode and prefill give a row the same bits. */
+static void moe_experts_step(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyllm_moe *m,
+                             int tid, int nth, cyllm_sync *sync) {
+    const int64_t k = m->k, n = m->n, f = m->f;
+    const int qgu = m->fmt_gu >= 0, qdn = m->fmt_down >= 0;
+    if (qgu) {
+        int act = cyllm_qformat(m->fmt_gu)->act;
+        int64_t nb = n / cyllm_qact_block(act);
+        qk->quantize_act(m->xq, m->x, n, act, nb * tid / nth, nb * (tid + 1) / nth);
+        team_barrier(sync, nth);
+    }
+    const int64_t unit_gu = qgu && cyllm_qf_is_r16(m->fmt_gu) ? CYLLM_R16 : 4;
+    const int64_t unit_dn = qdn && cyllm_qf_is_r16(m->fmt_down) ? CYLLM_R16 : 4;
+    const int64_t rb_gu = qgu ? m->rb_gu : 2 * n, rb_dn = qdn ? m->rb_down : 2 * f;
+    int64_t r0, r1, d0, d1;
+    row_split(f, unit_gu, tid, nth, &r0, &r1);
+    row_split(n, unit_dn, tid, nth, &d0, &d1);
+    for (int64_t j = 0; j < k && r0 < r1; j++) {
+        /* the weights this thread reads next, for the kernels' software prefetch: its rows of
+           the next expert's gate, or of the first expert's down */
+        const char *nx = j + 1 < k ? (const char *)m->gate[j + 1] + r0 * rb_gu : (const char *)m->down[0] + d0 * rb_dn;
+        int64_t nx_bytes = j + 1 < k ? (r1 - r0) * rb_gu : (d1 - d0) * rb_dn;
+        if (qgu)
+            qk->fmt[m->fmt_gu].gate_up_rows(m->h + j * f, (const uint8_t *)m->gate[j], (const uint8_t *)m->up[j],
+                                            m->rb_gu, m->xq, n, r0, r1, m->act, nx, nx_bytes);
+        else
+            kt->gate_up_rows(m->h + j * f, (const uint16_t *)m->gate[j], (const uint16_t *)m->up[j], m->x, n,
+                             r0, r1, m->act, nx, nx_bytes);
+    }
+    team_barrier(sync, nth);
+    if (qdn) {
+        int act = cyllm_qformat(m->fmt_down)->act;
+        int64_t nb = f / cyllm_qact_block(act), items = k * nb;
+        for (int64_t it = items * tid / nth; it < items * (tid + 1) / nth; ) {
+            /* runs of blocks inside one expert's h */
+            int64_t j = it / nb, b0 = it % nb, b1 = nb;
+            if (j * nb + b1 > items * (tid + 1) / nth) b1 = items * (tid + 1) / nth - j * nb;
+            qk->quantize_act((char *)m->hq + j * m->hq_stride, m->h + j * f, f, act, b0, b1);
+            it = j * nb + b1;
+        }
+        team_barrier(sync, nth);
+    }
+    r0 = d0;
+    r1 = d1;
+    if (r0 >= r1) return;
+    for (int64_t j = 0; j < k; j++) {
+        float *y = m->y + j * n;
+        const char *nx = j + 1 < k ? (const char *)m->down[j + 1] + r0 * rb_dn : NULL;
+        int64_t nx_bytes = j + 1 < k ? (r1 - r0) * rb_dn : 0;
+        if (qdn)
+            qk->fmt[m->fmt_down].matvec_rows(y, (const uint8_t *)m->down[j], m->rb_down,
+                                             (const char *)m->hq + j * m->hq_stride, f, r0, r1, 0, nx, nx_bytes);
+        else
+            kt->matvec_rows(y, (const uint16_t *)m->down[j], m->h + j * f, f, r0, r1, 0, nx, nx_bytes);
+        const float w = m->wts[j];
+        for (int64_t r = r0; r < r1; r++) y[r] = y[r] * w;
+    }
+    for (int64_t j = 0; j < k; j++) {
+        const float *y = m->y + j * n;
+        for (int64_t r = r0; r < r1; r++) m->out[r] = m->out[r] + y[r];
+    }
+}
+
+void cyllm_moe_experts_run(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyllm_moe *m, int nt) {
+    if (nt <= 1) {
+        moe_experts_step(kt, qk, m, 0, 1, NULL);
+        return;
+    }
+#ifdef _OPENMP
+    cyllm_sync sync;
+    atomic_init(&sync.arrived, 0);
+    atomic_init(&sync.gen, 0);
+    atomic_init(&sync.sleepers, 0);
+    #pragma omp parallel num_threads(nt)
+    moe_experts_step(kt, qk, m, omp_get_thread_num(), omp_get_num_threads(), &sync);
+#else
+    moe_experts_step(kt, qk, m, 0, 1, NULL);
+#endif
+}

@@ -32,6 +32,8 @@ class MoeScratch:
     y: Any                # (rows, dim) f32: one expert's output
     xg: Any               # (rows, dim) f32: the rows routed to one expert (prefill)
     part: Any             # (rows, k, dim) f32: each row's weighted expert outputs, by rank (prefill)
+    h_all: Any = None     # (k, f) f32: each chosen expert's act(gate x) * (up x) (decode, moe_experts)
+    y_all: Any = None     # (k, dim) f32: each chosen expert's output (decode, moe_experts)
 
     @classmethod
     def allocate(cls, backend, rows: int, dim: int, ffn: int, n_experts: int, n_used: int,
@@ -41,7 +43,9 @@ class MoeScratch:
                    ids=np.zeros((rows, n_used), np.int64),
                    weights=np.zeros((rows, n_used), np.float32), hb=backend.empty((rows, ffn)),
                    y=backend.empty((rows, dim)), xg=backend.empty((rows, dim)) if batch else None,
-                   part=backend.empty((rows, n_used, dim)) if batch else None)
+                   part=backend.empty((rows, n_used, dim)) if batch else None,
+                   h_all=None if batch else backend.empty((n_used, ffn)),
+                   y_all=None if batch else backend.empty((n_used, dim)))
 
 
 def route(scores: np.ndarray, n_used: int, norm: bool, ids: np.ndarray, weights: np.ndarray) -> None:
@@ -86,8 +90,13 @@ def expert_groups(ids: np.ndarray):
 
 def moe(b, out, x, router, experts, n_used: int, norm: bool, act: str, s: MoeScratch) -> None:
     """out (dim,) += the experts' MLP of x (dim,) (the module docstring); b: the backend whose
-    gate_up and matvec run the products."""
+    gate_up and matvec run the products, or, where it has one, whose ``moe_experts`` runs the
+    chosen experts in one call (cpu)."""
     _route_rows(x[None], router, n_used, norm, s)
+    run_all = getattr(b, "moe_experts", None)
+    if run_all is not None and run_all(out, x, [experts[e] for e in s.ids[0]], s.weights[0], act,
+                                       s.h_all, s.y_all):
+        return
     hb, y = s.hb[0], s.y[0]
     for j in range(n_used):
         gate, up, down = experts[s.ids[0, j]]
