@@ -25,6 +25,7 @@ from cyllm.errors import CyllmError, InvalidArgumentError, ModelLoadError, Token
 from cyllm.jsonio import MAX_DEPTH, parse_json
 from cyllm.loading import load_path
 from hostile import problem, run_cli
+from llamacpp_tools import family_gguf, family_material  # noqa: F401 (fixtures)
 from tinymodels import make_tiny_model
 
 
@@ -678,3 +679,52 @@ def test_gemma3_keys_a_config_leaves_out_take_transformers_defaults():
     assert c.layer_types == tuple(t.split("_")[0] for t in hf.layer_types)
     assert (c.rope_theta, c.rope_local_theta) == (hf.rope_parameters["full_attention"]["rope_theta"],
                                                   hf.rope_parameters["sliding_attention"]["rope_theta"])
+
+
+# A mixture-of-experts file whose expert metadata lies or asks for what cyllm does not run: one
+# line each, before any expert matrix is read (llama.cpp's converter's Qwen3-MoE file, edited)
+_P = "qwen3moe."
+MOE_CASES = {
+    "too many experts": (lambda g: g.set(_P + "expert_count", G.UINT32, 5000), CyllmError, ["n_experts"]),
+    "no experts but expert tensors": (lambda g: g.set(_P + "expert_count", G.UINT32, 0), CyllmError,
+                                      ["experts"]),
+    "a count the tensors do not have": (lambda g: g.set(_P + "expert_count", G.UINT32, 7), ModelLoadError,
+                                        ["_exps.weight", "shape"]),
+    "more used than there are": (lambda g: g.set(_P + "expert_used_count", G.UINT32, 9), ModelLoadError,
+                                 ["9 experts used", "6"]),
+    "none used": (lambda g: g.set(_P + "expert_used_count", G.UINT32, 0), ModelLoadError, ["between 1"]),
+    "no used count": (lambda g: g.remove(_P + "expert_used_count"), ModelLoadError, ["n_experts_used"]),
+    "a string count": (lambda g: g.set(_P + "expert_used_count", G.STRING, "2"), ModelLoadError,
+                       ["n_experts_used"]),
+    "sigmoid gating": (lambda g: g.set(_P + "expert_gating_func", G.UINT32, 2), UnsupportedModelError,
+                       ["gating"]),
+    "a weight scale": (lambda g: g.set(_P + "expert_weights_scale", G.FLOAT32, 2.5), UnsupportedModelError,
+                       ["scale"]),
+    "shared experts": (lambda g: g.set(_P + "expert_shared_count", G.UINT32, 1), UnsupportedModelError,
+                       ["shared"]),
+    "a norm flag that is a string": (lambda g: g.set(_P + "expert_weights_norm", G.STRING, "yes"),
+                                     ModelLoadError, ["expert_norm"]),
+    "an expert size the tensors do not have": (lambda g: g.set(_P + "expert_feed_forward_length", G.UINT32, 41),
+                                               ModelLoadError, ["shape"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_gguf_expert_metadata_refused(family_gguf, tmp_path, case):
+    edit, exc, needles = MOE_CASES[case]
+    p = _gguf_with(family_gguf("qwen3moe", "f16"), tmp_path, "moe.gguf", edit)
+    one_line_error(exc, load_path, p, needles=needles)
+
+
+def test_gguf_router_with_nan_refused(family_gguf, tmp_path):
+    """A router's scores pick the experts: a nan in its weights is refused at load (a few KB,
+    scanned), not left to choose experts arbitrarily."""
+    from cyllm.loading.gguf import read_gguf
+    src = family_gguf("qwen3moe", "f16")
+    info = read_gguf(src).tensors["blk.1.ffn_gate_inp.weight"]
+    assert info.type_name == "F32"
+    buf = bytearray(src.read_bytes())
+    struct.pack_into("<f", buf, info.offset + 8, float("nan"))
+    p = tmp_path / "nan-router.gguf"
+    p.write_bytes(bytes(buf))
+    one_line_error(ModelLoadError, load_path, p, needles=["layers.1.mlp.gate", "nan"])
