@@ -237,3 +237,28 @@ def test_short_noisy_steps_probe_longer():
     used = drive(s, noisy({1: 0.0075, 2: 0.005}, seed=4, noise=0.3), 3000)
     assert s._probe_steps() >= int(step_tuner.PROBE_SECONDS / 0.005)
     assert used[500:].count(2) / 2500 > 0.95
+
+
+def test_steps_run_op_by_op_follow_the_tuner_too():
+    """A step that is not a captured program (a mixture of experts: Backend.data_dependent_steps)
+    runs its ops on the team the tuner picks, restores the full team after, and reports its time."""
+    if CpuBackend is None:
+        pytest.skip(f"cpu kernels not built: {_why}")
+
+    class One:
+        recorded = []
+
+        def next(self):
+            return (1, True)
+
+        def record(self, setting, seconds):
+            self.recorded.append((setting, seconds))
+
+    b = CpuBackend(2)
+    b.data_dependent_steps = True
+    b._tuner = One()
+    seen = []
+    b.decode_step(lambda token, pos: seen.append((b.threads, token, pos)), 5, 7)
+    assert seen == [(1, 5, 7)] and b.threads == 2
+    assert [s for s, _ in One.recorded] == [(1, True)] and One.recorded[0][1] >= 0
+    assert b.step_info() is None                 # nothing was captured
