@@ -174,12 +174,15 @@ cdef class CpuKernels:
         (gate, up, down) of the experts a token uses, each role of one kind for all of them
         (float16, or QuantMatrix of one format: gate and up alike); h (k, f) and y (k, n) f32
         scratch. Returns False, having done nothing, where the experts' kinds or formats
-        differ (the caller then runs them one by one)."""
+        differ or there are more than CYLLM_MOE_MAX_K of them (the caller then runs them one
+        by one)."""
         cdef cyllm_moe m
         memset(&m, 0, sizeof(cyllm_moe))
         cdef Py_ssize_t k = len(chosen), j, n, f, act_n
-        if k < 1 or k > CYLLM_MOE_MAX_K:
-            raise InvalidArgumentError(f"moe_experts: {k} experts (1 to {CYLLM_MOE_MAX_K})")
+        if k > CYLLM_MOE_MAX_K:
+            return False
+        if k < 1:
+            raise InvalidArgumentError("moe_experts: no experts chosen")
         cdef cnp.ndarray ao = _arr(out, "out", cnp.NPY_FLOAT32, 1, True)
         cdef cnp.ndarray ax = _arr(x, "x", cnp.NPY_FLOAT32, 1, False)
         cdef cnp.ndarray aw = _arr(weights, "weights", cnp.NPY_FLOAT32, 1, False)
@@ -199,8 +202,13 @@ cdef class CpuKernels:
                 or cnp.PyArray_DIM(ay, 1) != n:
             raise InvalidArgumentError(f"moe_experts: scratch h {tuple(h.shape)} and y {tuple(y.shape)} "
                                        f"cannot hold {k} experts of ({f}, {n})")
-        m.fmt_gu = g0.fmt.kernel_id if qgu else -1
-        m.fmt_down = d0.fmt.kernel_id if qdn else -1
+        _no_overlap(ah, ax, "h", "x")
+        _no_overlap(ah, ao, "h", "out")
+        _no_overlap(ay, ax, "y", "x")
+        _no_overlap(ay, ao, "y", "out")
+        _no_overlap(ah, ay, "h", "y")
+        m.fmt_gu = _qfmt(g0.fmt.kernel_id) if qgu else -1       # range-checked kernel ids
+        m.fmt_down = _qfmt(d0.fmt.kernel_id) if qdn else -1
         cdef cnp.ndarray a
         for j in range(k):
             g, u, d = chosen[j]

@@ -687,7 +687,7 @@ _P = "qwen3moe."
 MOE_CASES = {
     "too many experts": (lambda g: g.set(_P + "expert_count", G.UINT32, 5000), CyllmError, ["n_experts"]),
     "no experts but expert tensors": (lambda g: g.set(_P + "expert_count", G.UINT32, 0), CyllmError,
-                                      ["experts"]),
+                                      ["expert_count"]),
     "a count the tensors do not have": (lambda g: g.set(_P + "expert_count", G.UINT32, 7), ModelLoadError,
                                         ["_exps.weight", "shape"]),
     "more used than there are": (lambda g: g.set(_P + "expert_used_count", G.UINT32, 9), ModelLoadError,
@@ -702,10 +702,13 @@ MOE_CASES = {
                        ["scale"]),
     "shared experts": (lambda g: g.set(_P + "expert_shared_count", G.UINT32, 1), UnsupportedModelError,
                        ["shared"]),
-    "a norm flag that is a string": (lambda g: g.set(_P + "expert_weights_norm", G.STRING, "yes"),
-                                     ModelLoadError, ["expert_norm"]),
     "an expert size the tensors do not have": (lambda g: g.set(_P + "expert_feed_forward_length", G.UINT32, 41),
                                                ModelLoadError, ["shape"]),
+    "an array of counts": (lambda g: g.set(_P + "expert_count", G.ARRAY, G.Array(G.UINT32, [6, 6])),
+                           ModelLoadError, ["expert_count", "single value"]),
+    "an array of gating functions": (lambda g: g.set(_P + "expert_gating_func", G.ARRAY, G.Array(G.UINT32, [1])),
+                                     ModelLoadError, ["single value"]),
+    "no expert count": (lambda g: g.remove(_P + "expert_count"), ModelLoadError, ["needs", "expert_count"]),
 }
 
 
@@ -728,3 +731,25 @@ def test_gguf_router_with_nan_refused(family_gguf, tmp_path):
     p = tmp_path / "nan-router.gguf"
     p.write_bytes(bytes(buf))
     one_line_error(ModelLoadError, load_path, p, needles=["layers.1.mlp.gate", "nan"])
+
+
+def test_hf_config_of_millions_of_experts_refused_at_once(family_material, tmp_path):
+    """num_experts and num_hidden_layers at their bounds (4096 x 4096: 50 M expert tensor names)
+    over a checkpoint of 6 experts: the first missing tensor is refused, not after every name
+    is listed."""
+    d = tmp_path / "moe"
+    shutil.copytree(family_material.hf_dir("qwen3moe"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(num_experts=4096, num_local_experts=4096, num_hidden_layers=4096)
+    (d / "config.json").write_text(json.dumps(cfg))
+    one_line_error(ModelLoadError, load_path, d, needles=["missing tensor"], seconds=10)
+
+
+def test_gguf_expert_weights_norm_follows_llama_cpp(family_gguf, tmp_path):
+    """llama.cpp fixes whether qwen3moe renormalizes the chosen experts' weights (it does),
+    whatever a file's expert_weights_norm says: cyllm reads such a file as llama.cpp runs it."""
+    from cyllm.loading.gguf import config_from_gguf, read_gguf
+    for value in (G.Raw(b"\x00"), "no"):
+        edit = (lambda g, v=value: g.set(_P + "expert_weights_norm", G.BOOL if isinstance(v, G.Raw) else G.STRING, v))
+        p = _gguf_with(family_gguf("qwen3moe", "f16"), tmp_path, "norm.gguf", edit)
+        assert config_from_gguf(read_gguf(p)).expert_norm is True

@@ -66,9 +66,9 @@ class Tensor:
     def hf_name(self, i: int | None = None, e: int | None = None) -> str:
         return self.hf.format(i=i, e=e)
 
-    def hf_names(self, c: ModelConfig, i: int | None = None) -> list[str]:
-        """The HF names of this row in layer i: one per expert for expert matrices."""
-        return [self.hf_name(i, e) for e in range(c.n_experts)] if self.experts else [self.hf_name(i)]
+    def hf_names(self, c: ModelConfig, i: int | None = None):
+        """The HF names of this row in layer i (an iterable): one per expert for expert matrices."""
+        return (self.hf_name(i, e) for e in range(c.n_experts)) if self.experts else (self.hf_name(i),)
 
     def gguf_shape(self, c: ModelConfig) -> tuple:
         """The (numpy) shape of the GGUF tensor: expert matrices stacked."""
@@ -106,9 +106,13 @@ class Family:
                 out.append((t, None))
         return out
 
-    def expected_names(self, c: ModelConfig) -> list[tuple[Tensor, int | None, str]]:
-        """Every (tensor, layer, HF name) this config reads: a name per expert for expert matrices."""
-        return [(t, i, name) for t, i in self.expected(c) for name in t.hf_names(c, i)]
+    def expected_names(self, c: ModelConfig):
+        """Every (tensor, layer, HF name) this config reads, a name per expert for expert matrices:
+        yielded, so that a checkpoint lacking the first is refused before a hostile config's
+        millions of expert names are built."""
+        for t, i in self.expected(c):
+            for name in t.hf_names(c, i):
+                yield t, i, name
 
     def tensor(self, role: str) -> Tensor:
         for t in self.tensors:
@@ -451,39 +455,47 @@ def _gguf_scale(md, key: str, default: float | None) -> float | None:
     return default if v is None else check_number(v, "GGUF " + key, positive=True)
 
 
-def _experts_gguf(md, p: str, norm: bool) -> dict:
-    """The expert counts and sizes of a mixture-of-experts file; ``norm``: llama.cpp's fixed
-    choice for the architecture (Qwen3-MoE and Mixtral renormalize the chosen experts' weights,
-    OLMoE does not), which the file's expert_weights_norm overrides."""
-    if p + "expert_count" not in md:
-        return {}
-    n, used = md[p + "expert_count"], md.get(p + "expert_used_count")
-    gating = md.get(p + "expert_gating_func")
+def _gguf_scalar(md, key: str):
+    """A metadata value that must be one number or flag (absent: None): an array there is refused
+    in one line, not compared as one (numpy's ambiguous truth value)."""
+    v = md.get(key)
+    if isinstance(v, (list, tuple, np.ndarray)):
+        raise ModelLoadError(f"GGUF: {short(key, 60)} must be a single value, got an array")
+    return v
+
+
+def _experts_gguf(md, p: str, family: str, norm: bool) -> dict:
+    """The expert counts and sizes of a mixture-of-experts file. ``norm``: whether the chosen
+    experts' weights are renormalized, which llama.cpp fixes for each of these architectures
+    (Qwen3-MoE and Mixtral yes, OLMoE no) whatever a file's expert_weights_norm says."""
+    n, used = _gguf_scalar(md, p + "expert_count"), _gguf_scalar(md, p + "expert_used_count")
+    if not n:
+        raise ModelLoadError(f"GGUF: a {family} file needs {p}expert_count, got {short(n)}")
+    gating = _gguf_scalar(md, p + "expert_gating_func")
     if gating not in (None, 1):             # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
         raise UnsupportedModelError(f"GGUF: expert gating function {short(gating)} is not supported (softmax only)")
-    scale = md.get(p + "expert_weights_scale")
+    scale = _gguf_scalar(md, p + "expert_weights_scale")
     if scale not in (None, 0, 0.0, 1, 1.0):
         raise UnsupportedModelError(f"GGUF: expert weight scale {short(scale)} is not supported")
-    if md.get(p + "expert_shared_count"):
+    if _gguf_scalar(md, p + "expert_shared_count"):
         raise UnsupportedModelError("GGUF: shared experts are not supported")
-    norm = md.get(p + "expert_weights_norm", norm)
     out = dict(n_experts=n, n_experts_used=used, expert_norm=norm)
-    ffn = md.get(p + "expert_feed_forward_length")
+    ffn = _gguf_scalar(md, p + "expert_feed_forward_length")
     if ffn is not None:
         out["ffn_dim"] = ffn
     return out
 
 
 def _qwen3moe_gguf(md, p, t):
-    return _experts_gguf(md, p, norm=True)
+    return _experts_gguf(md, p, "qwen3moe", norm=True)
 
 
 def _mixtral_gguf(md, p, t):
-    return {**_sliding_gguf(md, p, t), **_experts_gguf(md, p, norm=True)}
+    return {**_sliding_gguf(md, p, t), **_experts_gguf(md, p, "Mixtral", norm=True)}
 
 
 def _olmoe_gguf(md, p, t):
-    return dict(qk_norm=True, qk_norm_whole=True, **_experts_gguf(md, p, norm=False))
+    return dict(qk_norm=True, qk_norm_whole=True, **_experts_gguf(md, p, "olmoe", norm=False))
 
 
 def _olmo2_gguf(md, p, t):
@@ -705,9 +717,9 @@ def family_for_hf(cfg: dict) -> Family:
 
 
 def family_for_gguf(arch: str, md: dict) -> Family:
-    if arch == "llama" and md.get("llama.expert_count"):
+    if arch == "llama" and _gguf_scalar(md, "llama.expert_count"):
         return MIXTRAL          # llama.cpp writes Mixtral as llama with experts
-    if arch == "llama" and md.get("llama.attention.sliding_window"):
+    if arch == "llama" and _gguf_scalar(md, "llama.attention.sliding_window"):
         return MISTRAL
     for f in FAMILIES:
         if f.gguf_arch == arch:

@@ -322,7 +322,7 @@ class Model:
             router = experts = None
             if c.moe:
                 router = up(get("ffn_gate_inp.weight", i))                 # (n_experts, dim) f32
-                names = [roles[r].hf_names(c, i) for r in EXPERT_ROLES]
+                names = [list(roles[r].hf_names(c, i)) for r in EXPERT_ROLES]
                 experts = tuple(tuple(up(w[n[e]]) for n in names) for e in range(c.n_experts))
                 w_gate = w_up = None
             elif fam.fused_gate_up:

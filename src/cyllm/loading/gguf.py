@@ -342,7 +342,8 @@ def plan_tensors(gf: GGUFFile, cfg: ModelConfig, native: bool = False) -> list[P
         fmt = None
         if native and dtype == np.float16 and info.ggml_type not in (F32, F16, BF16):
             fmt = CONVERT_TO_NATIVE.get(info.ggml_type) or format_by_ggml_type(info.ggml_type).name
-        plan.append(PlannedTensor(t.hf_name(layer), info, want, dtype, heads, fmt, names))
+        # a stack of experts is named by its GGUF name (its entries by their HF names)
+        plan.append(PlannedTensor(name if t.experts else t.hf_name(layer), info, want, dtype, heads, fmt, names))
         seen.add(name)
     missing = [n for n, (t, _) in by_gguf.items() if n not in seen and not t.optional]
     if missing:
