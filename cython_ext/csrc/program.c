@@ -78,6 +78,12 @@ static void sync_wait(cyllm_sync *s, int nth) {
     atomic_fetch_sub(&s->sleepers, 1);
 }
 
+static inline void sync_init(cyllm_sync *s) {
+    atomic_init(&s->arrived, 0);
+    atomic_init(&s->gen, 0);
+    atomic_init(&s->sleepers, 0);
+}
+
 /* a barrier of the team running a step: the program's own (sync), or OpenMP's */
 static inline void team_barrier(cyllm_sync *sync, int nth) {
     if (sync) {
@@ -367,9 +373,7 @@ void cyllm_program_run(const cyllm_kernels *kt, const cyllm_qkernels *qk, const 
     }
 #ifdef _OPENMP
     cyllm_sync sync;
-    atomic_init(&sync.arrived, 0);
-    atomic_init(&sync.gen, 0);
-    atomic_init(&sync.sleepers, 0);
+    sync_init(&sync);
     if (claims) memset(claims, 0, (size_t)n_slots * (size_t)nt * sizeof(cyllm_claim));
     #pragma omp parallel num_threads(nt)
     {
@@ -464,9 +468,7 @@ void cyllm_moe_experts_run(const cyllm_kernels *kt, const cyllm_qkernels *qk, co
     }
 #ifdef _OPENMP
     cyllm_sync sync;
-    atomic_init(&sync.arrived, 0);
-    atomic_init(&sync.gen, 0);
-    atomic_init(&sync.sleepers, 0);
+    sync_init(&sync);
     #pragma omp parallel num_threads(nt)
     moe_experts_step(kt, qk, m, omp_get_thread_num(), omp_get_num_threads(), &sync);
 #else
