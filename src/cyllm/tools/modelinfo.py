@@ -115,7 +115,8 @@ def describe_gguf(path: Path) -> list[str]:
         config = config_from_gguf(gf)
     except CyllmError as e:
         why = str(e)
-    lines.append(f"family: {_clip(arch)}" + ("" if why is None else f" (cyllm cannot run it: {_clip(why, 200)})"))
+    runs_as = f" (runs as {config.arch})" if config is not None and config.arch != arch else ""
+    lines.append(f"family: {_clip(arch)}{runs_as}" + ("" if why is None else f" (cyllm cannot run it: {_clip(why, 200)})"))
     if config is not None:
         lines += _config_lines(config)
     else:
