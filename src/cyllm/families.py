@@ -22,6 +22,12 @@ Facts the tables encode (llama.cpp's converter is the reference for GGUF):
 - Granite's converter is Llama's (q/k interleaved) without head_dim; its four
   multipliers become ``granite.embedding_scale``, ``residual_scale``,
   ``attention.scale`` and ``logit_scale`` (the last divides the logits).
+- A mixture of experts: HF names each expert's matrices (``experts.{e}.``); llama.cpp
+  stacks a layer's experts in one tensor each (``ffn_gate_exps``, ``ffn_up_exps``,
+  ``ffn_down_exps``: (experts, rows, cols)) and keeps the router (``ffn_gate_inp``) F32.
+  Mixtral is GGUF ``llama`` with ``llama.expert_count``. Whether the chosen experts' weights
+  are renormalized is fixed per architecture in llama.cpp (qwen3moe and llama yes, olmoe no)
+  and a config key in transformers (``norm_topk_prob``; Mixtral always).
 """
 
 from __future__ import annotations
