@@ -168,17 +168,19 @@ cdef class CpuKernels:
                     else:
                         kt.matvec_rows(po, pw, px, n, r0, r1, mode, NULL, 0)
 
-    def moe_experts(self, out, x, chosen, weights, act, h, y):
+    def moe_experts(self, out, x, experts, ids, weights, act, h, y):
         """out (n,) f32 += sum over j of weights[j] * down_j @ (act(gate_j @ x) * (up_j @ x)),
-        added in order j = 0, 1, ... (program.c, cyllm_moe_experts_run): chosen, the k
-        (gate, up, down) of the experts a token uses, each role of one kind for all of them
+        added in order j = 0, 1, ... (program.c, cyllm_moe_experts_run): (gate_j, up_j, down_j)
+        = experts[ids[j]], the k experts a token uses (ids (k,) int64), each role of one kind for all of them
         (float16, or QuantMatrix of one format: gate and up alike); h (k, f) and y (k, n) f32
         scratch. Returns False, having done nothing, where the experts' kinds or formats
         differ or there are more than CYLLM_MOE_MAX_K of them (the caller then runs them one
         by one)."""
         cdef cyllm_moe m
         memset(&m, 0, sizeof(cyllm_moe))
-        cdef Py_ssize_t k = len(chosen), j, n, f, act_n
+        cdef cnp.ndarray ai = _arr(ids, "ids", cnp.NPY_INT64, 1, False)
+        cdef Py_ssize_t k = cnp.PyArray_DIM(ai, 0), j, n, f, act_n, e, n_exp = len(experts)
+        cdef const int64_t *pid = <const int64_t *>cnp.PyArray_DATA(ai)
         if k > CYLLM_MOE_MAX_K:
             return False
         if k < 1:
@@ -192,7 +194,10 @@ cdef class CpuKernels:
         _check_len(cnp.PyArray_DIM(ao, 0), n, "out", "x's length")
         _check_len(cnp.PyArray_DIM(aw, 0), k, "weights", "the experts chosen")
         _no_overlap(ao, ax, "out", "x")
-        g0, u0, d0 = chosen[0]
+        for j in range(k):
+            if pid[j] < 0 or pid[j] >= n_exp:
+                raise InvalidArgumentError(f"moe_experts: expert {pid[j]} is out of range [0, {n_exp})")
+        g0, u0, d0 = experts[pid[0]]
         qgu, qdn = not cnp.PyArray_Check(g0), not cnp.PyArray_Check(d0)
         f = g0.shape[0]
         if tuple(g0.shape) != (f, n) or tuple(d0.shape) != (n, f):
@@ -211,7 +216,7 @@ cdef class CpuKernels:
         m.fmt_down = _qfmt(d0.fmt.kernel_id) if qdn else -1
         cdef cnp.ndarray a
         for j in range(k):
-            g, u, d = chosen[j]
+            g, u, d = experts[pid[j]]
             for w, role, quant, shape in ((g, "gate", qgu, (f, n)), (u, "up", qgu, (f, n)), (d, "down", qdn, (n, f))):
                 if quant != (not cnp.PyArray_Check(w)) or tuple(w.shape) != shape:
                     return False

@@ -234,7 +234,7 @@ class Model:
         self.backend = get_backend(backend, threads) if isinstance(backend, str) else backend
         if config.moe and {"moe", "moe_batch"} & set(self.backend.missing_ops()):
             raise UnsupportedModelError(f"a mixture-of-experts model ({config.n_experts} experts) does not run "
-                                        f"on the {self.backend.name} backend yet (the cpu and numpy backends run it)")
+                                        f"on the {self.backend.name} backend (it has no moe op)")
         self.context = _resolve_context(config, context)
         # refuse before allocating a KV cache, rope tables or scratch that cannot fit
         check_model_fits(self.backend, config, self.context, weights, explicit=context is not None)

@@ -25,7 +25,6 @@ import numpy as np
 class MoeScratch:
     """Work arrays of the moe ops for up to ``rows`` tokens (model.py allocates them once)."""
     scores: np.ndarray    # (rows, E) f32, host: router logits, then probabilities
-    logits: Any           # (rows, E) f32 backend array: the router's logits where computed off the host
     ids: np.ndarray       # (rows, k) int64: the chosen experts, best first
     weights: np.ndarray   # (rows, k) f32: their weights
     hb: Any               # (rows, f) f32: act(gate x) * (up x) of one expert
@@ -34,18 +33,20 @@ class MoeScratch:
     part: Any             # (rows, k, dim) f32: each row's weighted expert outputs, by rank (prefill)
     h_all: Any = None     # (k, f) f32: each chosen expert's act(gate x) * (up x) (decode, moe_experts)
     y_all: Any = None     # (k, dim) f32: each chosen expert's output (decode, moe_experts)
+    logits: Any = None    # (rows, E) f32 device array: the router's logits (cuda, allocated there)
 
     @classmethod
     def allocate(cls, backend, rows: int, dim: int, ffn: int, n_experts: int, n_used: int,
                  batch: bool) -> "MoeScratch":
-        """For ``rows`` tokens of moe_batch (batch) or one of moe, on ``backend``'s arrays."""
-        return cls(scores=np.zeros((rows, n_experts), np.float32), logits=backend.empty((rows, n_experts)),
-                   ids=np.zeros((rows, n_used), np.int64),
+        """For ``rows`` tokens of moe_batch (batch) or one of moe, on ``backend``'s arrays (the
+        decode arrays of moe_experts only where the backend has that op: cpu)."""
+        one_call = not batch and hasattr(backend, "moe_experts")
+        return cls(scores=np.zeros((rows, n_experts), np.float32), ids=np.zeros((rows, n_used), np.int64),
                    weights=np.zeros((rows, n_used), np.float32), hb=backend.empty((rows, ffn)),
                    y=backend.empty((rows, dim)), xg=backend.empty((rows, dim)) if batch else None,
                    part=backend.empty((rows, n_used, dim)) if batch else None,
-                   h_all=None if batch else backend.empty((n_used, ffn)),
-                   y_all=None if batch else backend.empty((n_used, dim)))
+                   h_all=backend.empty((n_used, ffn)) if one_call else None,
+                   y_all=backend.empty((n_used, dim)) if one_call else None)
 
 
 def route(scores: np.ndarray, n_used: int, norm: bool, ids: np.ndarray, weights: np.ndarray) -> None:
@@ -92,10 +93,11 @@ def moe(b, out, x, router, experts, n_used: int, norm: bool, act: str, s: MoeScr
     """out (dim,) += the experts' MLP of x (dim,) (the module docstring); b: the backend whose
     gate_up and matvec run the products, or, where it has one, whose ``moe_experts`` runs the
     chosen experts in one call (cpu)."""
-    _route_rows(x[None], router, n_used, norm, s)
+    np.dot(router, x, out=s.scores[0])
+    route(s.scores[0], n_used, norm, s.ids[0], s.weights[0])
     run_all = getattr(b, "moe_experts", None)
-    if run_all is not None and run_all(out, x, [experts[e] for e in s.ids[0]], s.weights[0], act,
-                                       s.h_all, s.y_all):
+    if run_all is not None and s.h_all is not None and run_all(out, x, experts, s.ids[0], s.weights[0], act,
+                                                               s.h_all, s.y_all):
         return
     hb, y = s.hb[0], s.y[0]
     for j in range(n_used):

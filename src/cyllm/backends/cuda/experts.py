@@ -22,6 +22,8 @@ class ExpertOps:
 
     def _route(self, x, router, n_used: int, norm: bool, s: MoeScratch) -> None:
         T = x.shape[0]
+        if s.logits is None:                            # once, at the first (eager) step
+            s.logits = self.empty(s.scores.shape)
         self._flush()                                   # x may be a held-back op's output
         cp.matmul(x, router.T, out=s.logits[:T])        # (T, E) f32
         s.logits[:T].get(out=s.scores[:T])              # synchronises
