@@ -124,10 +124,10 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
 
     def _run_op_by_op(self, issue_ops, token, pos) -> None:
         """A step that is not a captured program, op by op, on the team size the step tuner
-        picks from measured step times, as a program's would be: with another process on one
-        of two cores, 2-thread steps of a mixture of experts ran 3x slower than alone (four of
-        Qwen3-30B-A3B's blocks, Q4_K_M: 247.7 -> 79.6 tok/s). The bits do not depend on the
-        team size (see step_tuner.py)."""
+        picks from measured step times, as a program's would be. With another process on one
+        of two cores, a mixture of experts' 2-thread steps ran at 47.3 tok/s, the tuner's at
+        112.5 (four of Qwen3-30B-A3B's blocks, Q4_K_M; bench/results/contention_epyc.md). The
+        bits do not depend on the team size (see step_tuner.py)."""
         setting = self._tuner.next()
         full = self.threads
         self.threads = min(setting[0], full)         # the kernels' team (CpuKernels.threads)
