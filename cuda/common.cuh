@@ -61,6 +61,12 @@ __device__ __forceinline__ float ld_act(const float* p) {
     return v;
 }
 
+__device__ __forceinline__ int ld_act_int(const int* p) {
+    int v;
+    asm volatile("ld.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 // Streamed weight loads: read once per token, so keep them out of L1 and leave
 // L1 to the activation vector that every warp re-reads.
 __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {

@@ -36,6 +36,10 @@
 //                             int8 codes do not depend on the common factor rsqrt(mean(x^2)+eps),
 //                             which multiplies the sums at the end); the blocks also write
 //                             the normed vector to xn (if not null), as the rmsnorm op would.
+//   qmv_experts_<fmt>, qmv_experts_gate_up_{silu,gelu}_<fmt>
+//                             a mixture of experts' chosen experts, one launch for all of
+//                             them: the plain and gate+up products, each expert's matrices
+//                             picked on the device by the router's choice (see the kernel)
 //   qmv_xf32_<fmt>            out = W x with FP32 activations (q8_0, q4_0 only: the measured
 //                             alternative; arguments out, w, x, d, nbi)
 //   qdeq_f16_<fmt>            rows [r0, r0+nrows) dequantized to FP16 (prefill: cuBLAS tiles)
@@ -1446,6 +1450,28 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
         TRACE_BEGIN(); qmv_body<F, MODE, NORM, QX>(out, w0, w1, x, d, nbi, nw, eps, xn, blockIdx.x, qx, qxo, qnw); \
         TRACE_END(QMV_TAG_QX(QX) | (F::UPI << 8) | (F::EA << 4) | (MODE << 2) | (NORM << 1));                     \
     }
+// A mixture of experts' chosen experts in one launch (decode): blockIdx.y is the rank j of an
+// expert the token chose, e = ids[j] (moe_route_f32 wrote it on the device) picks expert e's
+// matrices at w0 + e * stride and w1 + e * stride (a layer's experts of one role lie back to
+// back, each in the layout above: backends/cuda/quant.py upload_experts), x row j is at
+// x + j * ldx (gate+up: ldx 0, the token's vector; down: each expert's own h) and out row j
+// at out + j * d. Their weights depend on the ids, so none is loaded before pdl_wait.
+#define CYLLM_QMV_EXPERTS_DEF(NAME, F, MODE, BOUNDS)                                              \
+    extern "C" __global__ void BOUNDS NAME(float* __restrict__ out, const unsigned char* __restrict__ w0, \
+                                    const unsigned char* __restrict__ w1, long long stride,         \
+                                    const int* ids, int n_experts, const float* x, int ldx,         \
+                                    int d, int nbi) {                                                \
+        pdl_trigger();                                                                               \
+        pdl_wait();                                                                                  \
+        const int j = blockIdx.y;                                                                    \
+        const int e = ld_act_int(ids + j);                                                           \
+        if (e < 0 || e >= n_experts) return;        /* never: moe_route_f32 writes ids in range */  \
+        const size_t off = (size_t)e * (size_t)stride;                                               \
+        qmv_body<F, MODE, false, false>(out + (size_t)j * d, w0 + off, w1 + off, x + (size_t)j * ldx, \
+                                        d, nbi, nullptr, 0.0f, nullptr, blockIdx.x, nullptr, nullptr, nullptr); \
+    }
+#define CYLLM_QMV_EXPERTS(NAME, F, MODE) CYLLM_QMV_EXPERTS_DEF(NAME, F, MODE, __launch_bounds__(QMV_MAX_WARPS * 32))
+#define CYLLM_QMV_EXPERTS_WIDE(NAME, F, MODE) CYLLM_QMV_EXPERTS_DEF(NAME, F, MODE, )
 // q, k and v of one layer in one launch (three matrices of one format, one x): blocks
 // [0, tq) are q's row tiles, then k's, then v's; out is q | k | v side by side (dk = dv)
 #define CYLLM_QMV_QKV_DEF(NAME, F, NORM, BOUNDS) CYLLM_QMV_QKV_DEF1(NAME, F, NORM, BOUNDS, false)   \
@@ -1578,6 +1604,9 @@ CYLLM_QMV_QKV(qmv_qkv_q8_0,            QF_q8_0, false)
 CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q8_0,   QF_q8_0, false)
 CYLLM_QMV_QKV(qmv_qkv_q8_0_norm,       QF_q8_0, true)
 CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q8_0_norm, QF_q8_0, true)
+CYLLM_QMV_EXPERTS(qmv_experts_q8_0, QF_q8_0, 0)
+CYLLM_QMV_EXPERTS(qmv_experts_gate_up_silu_q8_0, QF_q8_0, 2)
+CYLLM_QMV_EXPERTS(qmv_experts_gate_up_gelu_q8_0, QF_q8_0, 3)
 CYLLM_QDEQ(qdeq_f16_q8_0,              QF_q8_0)
 CYLLM_QROWS(qrows_f32_q8_0,            QF_q8_0)
 CYLLM_QMM(qmm_c4_q8_0,               QF_q8_0, 4)
@@ -1599,6 +1628,9 @@ CYLLM_QMV_QKV(qmv_qkv_q4_0,            QF_q4_0, false)
 CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q4_0,   QF_q4_0, false)
 CYLLM_QMV_QKV(qmv_qkv_q4_0_norm,       QF_q4_0, true)
 CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q4_0_norm, QF_q4_0, true)
+CYLLM_QMV_EXPERTS(qmv_experts_q4_0, QF_q4_0, 0)
+CYLLM_QMV_EXPERTS(qmv_experts_gate_up_silu_q4_0, QF_q4_0, 2)
+CYLLM_QMV_EXPERTS(qmv_experts_gate_up_gelu_q4_0, QF_q4_0, 3)
 CYLLM_QDEQ(qdeq_f16_q4_0,              QF_q4_0)
 CYLLM_QROWS(qrows_f32_q4_0,            QF_q4_0)
 CYLLM_QMM(qmm_c4_q4_0,               QF_q4_0, 4)
@@ -1620,6 +1652,9 @@ CYLLM_QMV_QKV(qmv_qkv_q4_1,            QF_q4_1, false)
 CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q4_1,   QF_q4_1, false)
 CYLLM_QMV_QKV(qmv_qkv_q4_1_norm,       QF_q4_1, true)
 CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q4_1_norm, QF_q4_1, true)
+CYLLM_QMV_EXPERTS(qmv_experts_q4_1, QF_q4_1, 0)
+CYLLM_QMV_EXPERTS(qmv_experts_gate_up_silu_q4_1, QF_q4_1, 2)
+CYLLM_QMV_EXPERTS(qmv_experts_gate_up_gelu_q4_1, QF_q4_1, 3)
 CYLLM_QDEQ(qdeq_f16_q4_1,              QF_q4_1)
 CYLLM_QROWS(qrows_f32_q4_1,            QF_q4_1)
 CYLLM_QMM(qmm_c4_q4_1,               QF_q4_1, 4)
@@ -1640,6 +1675,9 @@ CYLLM_QMV_QKV(qmv_qkv_q5_0,            QF_q5_0, false)
 CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q5_0,   QF_q5_0, false)
 CYLLM_QMV_QKV(qmv_qkv_q5_0_norm,       QF_q5_0, true)
 CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q5_0_norm, QF_q5_0, true)
+CYLLM_QMV_EXPERTS(qmv_experts_q5_0, QF_q5_0, 0)
+CYLLM_QMV_EXPERTS(qmv_experts_gate_up_silu_q5_0, QF_q5_0, 2)
+CYLLM_QMV_EXPERTS(qmv_experts_gate_up_gelu_q5_0, QF_q5_0, 3)
 CYLLM_QDEQ(qdeq_f16_q5_0,              QF_q5_0)
 CYLLM_QROWS(qrows_f32_q5_0,            QF_q5_0)
 CYLLM_QMM(qmm_c4_q5_0,               QF_q5_0, 4)
@@ -1660,6 +1698,9 @@ CYLLM_QMV_QKV(qmv_qkv_q5_1,            QF_q5_1, false)
 CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q5_1,   QF_q5_1, false)
 CYLLM_QMV_QKV(qmv_qkv_q5_1_norm,       QF_q5_1, true)
 CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q5_1_norm, QF_q5_1, true)
+CYLLM_QMV_EXPERTS(qmv_experts_q5_1, QF_q5_1, 0)
+CYLLM_QMV_EXPERTS(qmv_experts_gate_up_silu_q5_1, QF_q5_1, 2)
+CYLLM_QMV_EXPERTS(qmv_experts_gate_up_gelu_q5_1, QF_q5_1, 3)
 CYLLM_QDEQ(qdeq_f16_q5_1,              QF_q5_1)
 CYLLM_QROWS(qrows_f32_q5_1,            QF_q5_1)
 CYLLM_QMM(qmm_c4_q5_1,               QF_q5_1, 4)
@@ -1680,6 +1721,9 @@ CYLLM_QMV_QKV(qmv_qkv_q4_k,            QF_q4_k, false)
 CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q4_k,   QF_q4_k, false)
 CYLLM_QMV_QKV(qmv_qkv_q4_k_norm,       QF_q4_k, true)
 CYLLM_QMV_QKV_ROPE(qmv_qkv_rope_q4_k_norm, QF_q4_k, true)
+CYLLM_QMV_EXPERTS(qmv_experts_q4_k, QF_q4_k, 0)
+CYLLM_QMV_EXPERTS_WIDE(qmv_experts_gate_up_silu_q4_k, QF_q4_k, 2)
+CYLLM_QMV_EXPERTS_WIDE(qmv_experts_gate_up_gelu_q4_k, QF_q4_k, 3)
 CYLLM_QDEQ(qdeq_f16_q4_k,              QF_q4_k)
 CYLLM_QROWS(qrows_f32_q4_k,            QF_q4_k)
 CYLLM_QMM(qmm_c4_q4_k,               QF_q4_k, 4)
@@ -1700,6 +1744,9 @@ CYLLM_QMV_QKV_WIDE(qmv_qkv_q5_k,       QF_q5_k, false)
 CYLLM_QMV_QKV_ROPE_WIDE(qmv_qkv_rope_q5_k, QF_q5_k, false)
 CYLLM_QMV_QKV_WIDE(qmv_qkv_q5_k_norm,  QF_q5_k, true)
 CYLLM_QMV_QKV_ROPE_WIDE(qmv_qkv_rope_q5_k_norm, QF_q5_k, true)
+CYLLM_QMV_EXPERTS_WIDE(qmv_experts_q5_k, QF_q5_k, 0)
+CYLLM_QMV_EXPERTS_WIDE(qmv_experts_gate_up_silu_q5_k, QF_q5_k, 2)
+CYLLM_QMV_EXPERTS_WIDE(qmv_experts_gate_up_gelu_q5_k, QF_q5_k, 3)
 CYLLM_QDEQ(qdeq_f16_q5_k,              QF_q5_k)
 CYLLM_QROWS(qrows_f32_q5_k,            QF_q5_k)
 CYLLM_QMM(qmm_c4_q5_k,               QF_q5_k, 4)
@@ -1720,6 +1767,9 @@ CYLLM_QMV_QKV_WIDE(qmv_qkv_q6_k,       QF_q6_k, false)
 CYLLM_QMV_QKV_ROPE_WIDE(qmv_qkv_rope_q6_k, QF_q6_k, false)
 CYLLM_QMV_QKV_WIDE(qmv_qkv_q6_k_norm,  QF_q6_k, true)
 CYLLM_QMV_QKV_ROPE_WIDE(qmv_qkv_rope_q6_k_norm, QF_q6_k, true)
+CYLLM_QMV_EXPERTS_WIDE(qmv_experts_q6_k, QF_q6_k, 0)
+CYLLM_QMV_EXPERTS_WIDE(qmv_experts_gate_up_silu_q6_k, QF_q6_k, 2)
+CYLLM_QMV_EXPERTS_WIDE(qmv_experts_gate_up_gelu_q6_k, QF_q6_k, 3)
 CYLLM_QDEQ(qdeq_f16_q6_k,              QF_q6_k)
 CYLLM_QROWS(qrows_f32_q6_k,            QF_q6_k)
 CYLLM_QMM(qmm_c4_q6_k,               QF_q6_k, 4)

@@ -108,18 +108,28 @@ def _moe_blocks(ref):
 
 def _recording_routes(model, op, run):
     """run() with the backend's moe op ``op`` recording the experts each call chose: (its result,
-    the chosen experts of every call, (rows, k) each, in call order)."""
+    the chosen experts of every call, (rows, k) each, in call order). A step replayed from a
+    graph calls no op, so cuda runs each step's ops as issued meanwhile; where it routes on the
+    device, the choice is read back from there."""
     b, routes = model.backend, []
     inner = getattr(b, op)
 
     def record(out, x, router, experts, n_used, norm, act, scratch):
         inner(out, x, router, experts, n_used, norm, act, scratch)
-        routes.append(scratch.ids[:1 if x.ndim == 1 else x.shape[0]].copy())
+        if x.ndim == 1 and getattr(b, "routes_on_device")(experts):
+            routes.append(scratch.dev.ids.get()[None].astype(scratch.ids.dtype))
+        else:
+            routes.append(scratch.ids[:1 if x.ndim == 1 else x.shape[0]].copy())
     setattr(b, op, record)
+    graphs = getattr(b, "use_graphs", None)
+    if graphs is not None:
+        b.use_graphs = False
     try:
         return run(), routes
     finally:
         delattr(b, op)
+        if graphs is not None:
+            b.use_graphs = graphs
 
 
 def _our_logits(model, ids):
@@ -220,6 +230,22 @@ def test_greedy_text_matches_transformers(family_material, reference, kind, back
     assert model.tokenizer.decode(ours[:len(expected)]) == model.tokenizer.decode(expected)
 
 
+def _decode_and_prefill_routed_alike(batched, step, ids):
+    """(prefill's logits, decode's logits) of a mixture of experts at the positions before the
+    first token the two paths route differently: they may decide a near-tie of experts either
+    way (cuda's prefill rounds x to float16)."""
+    want, batch_routes = _our_logits(batched, ids)
+    got, step_routes = _recording_routes(
+        step, "moe", lambda: np.stack([step.forward(t, i).copy() for i, t in enumerate(ids)]))
+    step_routes = np.stack(step_routes).reshape(len(ids), -1, step_routes[0].shape[-1]).swapaxes(0, 1)
+    same = np.array([[set(a) == set(b) for a, b in zip(la, lb)] for la, lb in zip(batch_routes, step_routes)])
+    assert same.mean() > 0.95, f"decode and prefill route {(~same).sum()} of {same.size} tokens differently"
+    first = len(ids) if same.all() else int(np.argmin(same.all(0)))
+    cuda = step.backend.name == "cuda"
+    assert first >= (1 if cuda else len(ids) // 2), f"routes part at position {first}"
+    return want[:first], got[:first]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", list(FAMILY_KINDS), ids=list(FAMILY_KINDS))
 def test_decode_equals_prefill(family_material, kind, backend):
@@ -230,17 +256,7 @@ def test_decode_equals_prefill(family_material, kind, backend):
     ids = _ids(batched)
     step = cyllm.load(path, backend=backend)
     if batched.config.moe:
-        # the two paths may decide a near-tie of experts differently (cuda's prefill rounds x to
-        # float16): compared at the positions before the first token they route differently
-        want, batch_routes = _our_logits(batched, ids)
-        got, step_routes = _recording_routes(
-            step, "moe", lambda: np.stack([step.forward(t, i).copy() for i, t in enumerate(ids)]))
-        step_routes = np.stack(step_routes).reshape(len(ids), -1, step_routes[0].shape[-1]).swapaxes(0, 1)
-        same = np.array([[set(a) == set(b) for a, b in zip(la, lb)] for la, lb in zip(batch_routes, step_routes)])
-        assert same.mean() > 0.95, f"decode and prefill route {(~same).sum()} of {same.size} tokens differently"
-        first = len(ids) if same.all() else int(np.argmin(same.all(0)))
-        assert first >= (1 if backend == "cuda" else len(ids) // 2), f"routes part at position {first}"
-        want, got = want[:first], got[:first]
+        want, got = _decode_and_prefill_routed_alike(batched, step, ids)
     else:
         want = batched.logits(ids)
         got = np.stack([step.forward(t, i).copy() for i, t in enumerate(ids)])
@@ -311,6 +327,40 @@ def test_moe_f16_and_q8_0_files(family_material, reference, kind, backend):
         # a value across an int8 rounding boundary, after which the tokens that attend to it
         # drift (measured: from position 16-25 on, at most 1.3e-2)
         assert np.all(per_position[:10] < 1e-5)
+    assert rel_err(got, want) < 5e-2
+    assert np.mean(got.argmax(-1) == want.argmax(-1)) > 0.95
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", sorted(MOE_KINDS))
+def test_moe_decode_routes_on_the_device(family_material, kind):
+    """Quantized experts on cuda: each role's experts in one array, picked on the device by the
+    router's choice, so decode is captured as one graph per step. Its logits are bitwise those
+    of the same steps run op by op, and those are prefill's (which routes on the host) to its
+    tolerance, up to the first token the two route differently."""
+    from cyllm.backends.cuda.quant import CudaExperts
+    from cyllm.loading import load_path
+    from cyllm.quant.matrix import QuantMatrix
+    _backend("cuda")
+    path = family_material.gguf(kind, "q8_0")
+    # experts whose rows are not whole 32-blocks (qwen3moe's 40, olmoe's 56) stay F16 in the
+    # file: those are routed on the host, and their steps are not captured
+    _, weights, _ = load_path(path)
+    quantized = all(isinstance(a, QuantMatrix) for name, a in weights.items() if ".experts." in name)
+    batched, step, graphed = (cyllm.load(path, backend="cuda") for _ in range(3))
+    assert all(isinstance(L.experts, CudaExperts) == quantized for L in graphed.layers)
+    assert graphed.backend.data_dependent_steps != quantized
+    if not quantized:
+        return
+    assert graphed.backend.captures_decode
+    ids = _ids(batched)
+    replayed = np.stack([graphed.forward(t, i).copy() for i, t in enumerate(ids)])
+    assert graphed.backend._graph is not None, "decode was not captured"
+    step.backend.use_graphs = False
+    eager = np.stack([step.forward(t, i).copy() for i, t in enumerate(ids)])
+    np.testing.assert_array_equal(replayed, eager)
+    want, got = _decode_and_prefill_routed_alike(batched, step, ids)
+    # decode rounds x to int8 blocks, prefill (70 rows: cuBLAS tiles) to float16
     assert rel_err(got, want) < 5e-2
     assert np.mean(got.argmax(-1) == want.argmax(-1)) > 0.95
 

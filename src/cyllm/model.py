@@ -245,14 +245,16 @@ class Model:
         self.weight_bytes = sum(int(a.nbytes) for a in weights.values())
         if any(isinstance(a, QuantMatrix) for a in weights.values()):
             self.backend.batch_rows_exact = True     # see Backend.batch_rows_exact
-        if config.moe:
-            self.backend.data_dependent_steps = True    # see Backend.data_dependent_steps
         self.batched_prefill = self.backend.supports_batch()
         self.attn_scale = config.attn_scale      # None: 1/sqrt(head_dim)
         self.batch: BatchState | None = None
         self.kv_owner = None                  # the generate.Session whose tokens the KV cache holds
         self.lock = threading.RLock()   # one cache: sessions take turns, one step at a time
         self._build(weights, consume_weights)
+        if config.moe:      # see Backend.data_dependent_steps and data_dependent_prefill
+            self.backend.data_dependent_prefill = True
+            if not all(self.backend.routes_on_device(L.experts) for L in self.layers):
+                self.backend.data_dependent_steps = True
 
     @classmethod
     def from_weights(cls, config, weights, tokenizer=None, backend="cpu", threads=None, context=None,
@@ -323,7 +325,7 @@ class Model:
             if c.moe:
                 router = up(get("ffn_gate_inp.weight", i))                 # (n_experts, dim) f32
                 names = [list(roles[r].hf_names(c, i)) for r in EXPERT_ROLES]
-                experts = tuple(tuple(up(w[n[e]]) for n in names) for e in range(c.n_experts))
+                experts = b.upload_experts([[w[n[e]] for n in names] for e in range(c.n_experts)])
                 w_gate = w_up = None
             elif fam.fused_gate_up:
                 h = get("ffn_gate_up.weight", i)                        # (2*ffn, dim): gate rows first

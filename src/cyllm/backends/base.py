@@ -22,6 +22,7 @@ Conventions (shared by numpy_ref, cpu and cuda):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,10 +107,14 @@ class Backend:
     # True: a row slice of an uploaded quantized matrix is a view the ops accept (fused
     # q/k/v and gate/up tensors are cut after upload); False: the model cuts them on the host
     quant_row_views: bool = True
-    # True: a step's ops depend on values computed inside it (a mixture of experts picks its
-    # experts' weights by the router's scores), so a backend that records a step and replays
-    # it (cpu's decode program, cuda's graphs) runs such steps as issued. The model sets it.
+    # True: a decode step's ops depend on values computed inside it on the host (a mixture of
+    # experts whose experts the host picks by the router's scores), so a backend that records a
+    # step and replays it (cpu's decode program, cuda's graphs) runs such steps as issued. The
+    # model sets it where routes_on_device is False for a layer's experts.
     data_dependent_steps: bool = False
+    # the same of prefill chunks (cuda's prefill graphs): moe_batch groups a chunk's rows by
+    # expert on the host on every backend. The model sets it for a mixture of experts.
+    data_dependent_prefill: bool = False
     # prompt tokens per batched prefill pass: the weights are read once per pass, the
     # activations of the pass must stay in cache (CPU) -- a GPU wants far larger passes,
     # where each op's launch and each weight read is shared by more tokens
@@ -126,6 +131,18 @@ class Backend:
     def upload(self, a: np.ndarray) -> Array:
         """Host array -> backend array (weights, once). May return a view (no copy)."""
         raise NotImplementedError
+
+    def upload_experts(self, trios) -> Sequence:
+        """A layer's experts, one (w_gate, w_up, w_down) trio of host weights an expert -> what
+        the moe ops take: indexed by expert id, each item the expert's trio on the backend.
+        Here each weight uploaded on its own; the cuda backend puts a role's quantized experts
+        in one array, so that one launch runs the chosen ones by their ids on the device."""
+        return tuple(tuple(self.upload(w) for w in trio) for trio in trios)
+
+    def routes_on_device(self, experts) -> bool:
+        """Whether ``moe`` over these experts (upload_experts') chooses them without the host
+        reading anything back, so that a decode step with them can be recorded and replayed."""
+        return False
 
     def empty(self, shape, dtype=np.float32) -> Array:
         """A new zeroed backend array (run state, once)."""

@@ -34,6 +34,7 @@ class MoeScratch:
     h_all: Any = None     # (k, f) f32: each chosen expert's act(gate x) * (up x) (decode, moe_experts)
     y_all: Any = None     # (k, dim) f32: each chosen expert's output (decode, moe_experts)
     logits: Any = None    # (rows, E) f32 device array: the router's logits (cuda, allocated there)
+    dev: Any = None       # a backend's own arrays for routing on the device (cuda, allocated there)
 
     @classmethod
     def allocate(cls, backend, rows: int, dim: int, ffn: int, n_experts: int, n_used: int,

@@ -54,6 +54,13 @@ PRESETS: dict[str, dict] = {
     "mistral-7b": dict(arch="mistral", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
                        ffn_dim=14336, vocab_size=32000, max_seq_len=32768, norm_eps=1e-5,
                        rope_theta=10000.0, tie_word_embeddings=False),
+    # Qwen/Qwen3-30B-A3B: 30.5 B params, 3.3 B of them a token (128 experts of 768 a layer, 8
+    # chosen, their weights renormalized), q/k norms, untied; the router in float32 as the
+    # weights contract keeps it, drawn like the matrices (so each token routes at random)
+    "qwen3-30b-a3b": dict(arch="qwen3moe", dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+                          ffn_dim=768, vocab_size=151936, max_seq_len=40960, norm_eps=1e-6,
+                          rope_theta=1000000.0, tie_word_embeddings=False, qk_norm=True,
+                          n_experts=128, n_experts_used=8, expert_norm=True),
     # for tests: runs in milliseconds on any backend
     "tiny": dict(arch="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                  ffn_dim=128, vocab_size=256, max_seq_len=2048, norm_eps=1e-5,
@@ -133,6 +140,9 @@ def build_synthetic(preset: str, seed: int = 0, check_memory: bool = True,
     block = rng.standard_normal(_BLOCK_LEN, dtype=np.float32).astype(np.float16)   # (L,) ~N(0,1)
     from ..loading import expected_shapes
 
+    from ..families import family
+
+    float32 = {name for t, _, name in family(config.arch).expected_names(config) if t.float32}
     scaled: dict[int, np.ndarray] = {}   # fan_in -> block * 1/sqrt(fan_in), scaled once
     weights: dict[str, np.ndarray] = {}
     for name, shape in expected_shapes(config).items():
@@ -143,6 +153,8 @@ def build_synthetic(preset: str, seed: int = 0, check_memory: bool = True,
             if fan_in not in scaled:
                 scaled[fan_in] = (block.astype(np.float32) / np.sqrt(fan_in)).astype(np.float16)
             weights[name] = _tile(scaled[fan_in], shape, h)
+            if name in float32:
+                weights[name] = weights[name].astype(np.float32)
         else:
             # (dim,) norms ~1 (biases, for arches with them, small around 0)
             r = np.random.default_rng(h)

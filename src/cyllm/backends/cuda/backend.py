@@ -172,6 +172,10 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, Graph
         # choice until reset_graph)
         self.attn_staged_early = True
         self.attn_batch_vec = True      # float4 variant of attention_batch where head_dim % 4 == 0
+        # a mixture of experts' decode routed on the device where its experts are stacked
+        # (experts.py); False: the host routing, as before (measurements; read at each step)
+        self.moe_on_device = True
+        self._step_read_back = False    # set by an op of the step being recorded that synchronised
         # programmatic dependent launch of the decode kernels inside decode_step (sm_90+);
         # CYLLM_CUDA_PDL=0 turns it off
         self.use_pdl = (os.environ.get("CYLLM_CUDA_PDL", "1") != "0"

@@ -82,9 +82,12 @@ class GraphDecode:
             try:
                 self._vocab = None
                 self._max_pos = None
+                self._step_read_back = False
                 issue_ops(token, pos)           # eager: computes this token, compiles, allocates
                 self._flush()
-                if self.use_graphs and not self.data_dependent_steps:
+                # a step whose ops read a value back to the host (a mixture of experts routed
+                # there) is run as issued each time, as data_dependent_steps says beforehand
+                if self.use_graphs and not self.data_dependent_steps and not self._step_read_back:
                     self._capture(issue_ops, token, pos)
             finally:
                 self._device_mode = False

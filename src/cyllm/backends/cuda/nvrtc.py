@@ -10,7 +10,7 @@ from ...errors import BackendUnavailableError
 from .source import assemble
 
 # concatenation order of the kernel sources (common.cuh is inlined once, first)
-KERNEL_FILES = ("common.cuh", "elementwise.cu", "matvec.cu", "attention.cu")
+KERNEL_FILES = ("common.cuh", "elementwise.cu", "matvec.cu", "attention.cu", "moe.cu")
 
 # (device id, extra defines) -> (RawModule, built without the PTX load hints)
 _MODULES: dict = {}

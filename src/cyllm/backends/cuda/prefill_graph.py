@@ -69,9 +69,9 @@ class GraphPrefill:
     def prefill_rows(self, t: int, most: int) -> int:
         """t rows padded to a length that gets a graph (see the module's docstring), at most
         ``most`` (the model's chunk, or the positions left in its cache); t where no graph
-        would replay it (graphs off, steps that depend on their values, or chunks that cannot be
+        would replay it (graphs off, chunks that depend on their values, or chunks that cannot be
         captured: heads over 256 wide)."""
-        if not (self.use_graphs and self.prefill_graphs) or self.data_dependent_steps or self._prefill_never or t <= 0:
+        if not (self.use_graphs and self.prefill_graphs) or self.data_dependent_prefill or self._prefill_never or t <= 0:
             return t
         if t <= PADDED_STEP:
             rows = max(MIN_PADDED_ROWS, 1 << (t - 1).bit_length())
@@ -90,7 +90,7 @@ class GraphPrefill:
         graph when it has one (see the module's docstring)."""
         self._flush()                   # an op held back by eager calls goes before the chunk
         t, pos0 = len(tokens), int(pos0)
-        if not (self.use_graphs and self.prefill_graphs) or self.data_dependent_steps or t == 0:
+        if not (self.use_graphs and self.prefill_graphs) or self.data_dependent_prefill or t == 0:
             with self._stream:          # the stream the graphs run on: cuBLAS picks its kernels per stream
                 issue_ops(t, pos0, all_logits)
             return

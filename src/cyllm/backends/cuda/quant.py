@@ -266,26 +266,118 @@ def upload(be, qm: QuantMatrix) -> CudaQuantMatrix:
     if widen.widens(fmt, qm.rows, qm.cols, be.sm_count, be.widen_kib_per_sm):
         fmt, nbytes = widen.Q8_0, widen.widened_bytes(qm.rows, qm.cols)
     be.check_fits(qm.nbytes + nbytes)   # the raw copy lives until the repacked one exists
-    try:
+    with _upload_errors(be, qm):
         flat = cp.empty(nbytes, dtype=cp.uint8)
-        pool = cp.get_default_memory_pool()
-        if pool.free_bytes():
-            pool.free_all_blocks()      # check_fits counted them, and cudaMalloc cannot use them
-        with cp.cuda.using_allocator(None):         # cudaMalloc / cudaFree, no pool
-            raw = cp.asarray(np.ascontiguousarray(qm.data))
-            if fmt is not qm.fmt:
-                raw = widen.widen_q8_0(cp, raw)
-            repack(cp, raw, fmt, out=flat)
-            del raw
-    except (cp.cuda.memory.OutOfMemoryError, cp.cuda.runtime.CUDARuntimeError) as e:
+        _repack_into(qm, fmt, flat)
+    return CudaQuantMatrix(flat, fmt, qm.rows, qm.cols, file_fmt=qm.fmt)
+
+
+def _repack_into(qm: QuantMatrix, fmt: WeightFormat, flat) -> None:
+    """qm's blocks (widened to ``fmt`` where it differs) reordered into ``flat`` (device bytes);
+    the raw copy in between outside CuPy's pool (see upload)."""
+    pool = cp.get_default_memory_pool()
+    if pool.free_bytes():
+        pool.free_all_blocks()      # check_fits counted them, and cudaMalloc cannot use them
+    with cp.cuda.using_allocator(None):         # cudaMalloc / cudaFree, no pool
+        raw = cp.asarray(np.ascontiguousarray(qm.data))
+        if fmt is not qm.fmt:
+            raw = widen.widen_q8_0(cp, raw)
+        repack(cp, raw, fmt, out=flat)
+        del raw
+
+
+class _upload_errors:
+    """Turns CUDA's allocation failures while uploading ``qm`` into one ModelLoadError line."""
+
+    def __init__(self, be, qm: QuantMatrix):
+        self.be, self.qm = be, qm
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if e is None or not isinstance(e, (cp.cuda.memory.OutOfMemoryError, cp.cuda.runtime.CUDARuntimeError)):
+            return False
         # the pool reports OutOfMemoryError; cudaMalloc outside it, a CUDARuntimeError
         oom = (isinstance(e, cp.cuda.memory.OutOfMemoryError)
                or getattr(e, "status", None) == cp.cuda.runtime.errorMemoryAllocation)
         what = "out of GPU memory" if oom else f"a CUDA error ({str(e).strip()})"
         raise ModelLoadError(
-            f"{what} uploading a {qm.nbytes / 2**20:.1f} MiB {qm.fmt.name} tensor "
-            f"to {be.device_name}") from None
-    return CudaQuantMatrix(flat, fmt, qm.rows, qm.cols, file_fmt=qm.fmt)
+            f"{what} uploading a {self.qm.nbytes / 2**20:.1f} MiB {self.qm.fmt.name} tensor "
+            f"to {self.be.device_name}") from None
+
+
+class ExpertStack:
+    """One role (gate, up or down) of a layer's experts, quantized: E matrices of one format and
+    shape back to back in one device array, expert e's at byte e * stride (each in the layout
+    of CudaQuantMatrix), so one launch can pick its experts by their ids on the device."""
+
+    __slots__ = ("data", "fmt", "rows", "cols", "nbi", "count", "stride")
+
+    def __init__(self, data, fmt: WeightFormat, rows: int, cols: int, count: int):
+        self.data = data            # (count * stride,) uint8 device array
+        self.fmt, self.rows, self.cols, self.count = fmt, int(rows), int(cols), int(count)
+        self.nbi = self.cols // fmt.block
+        self.stride = self.rows * self.nbi * fmt.block_bytes
+
+    def matrix(self, e: int) -> CudaQuantMatrix:
+        """Expert e's matrix: a view of the stack's bytes."""
+        return CudaQuantMatrix(self.data[e * self.stride:(e + 1) * self.stride], self.fmt, self.rows, self.cols)
+
+
+class CudaExperts:
+    """A layer's experts uploaded as three ExpertStacks (``upload_experts``). Indexed like the
+    host backends' tuple of (gate, up, down) trios: experts[e] is expert e's trio (views)."""
+
+    __slots__ = ("gate", "up", "down")
+
+    def __init__(self, gate: ExpertStack, up: ExpertStack, down: ExpertStack):
+        self.gate, self.up, self.down = gate, up, down
+
+    def __len__(self) -> int:
+        return self.gate.count
+
+    def __getitem__(self, e):
+        e = int(e)
+        if not 0 <= e < self.gate.count:
+            raise IndexError(f"expert {e} of {self.gate.count}")
+        return (self.gate.matrix(e), self.up.matrix(e), self.down.matrix(e))
+
+    def __iter__(self):
+        return (self[e] for e in range(len(self)))
+
+
+def stackable_experts(trios) -> bool:
+    """Whether upload_experts stacks these host experts: every matrix quantized in a format the
+    kernels have, each role of one format and shape, gate and up alike."""
+    trios = list(trios)
+    if not trios or not all(len(t) == 3 and all(isinstance(m, QuantMatrix) for m in t) for t in trios):
+        return False
+    firsts = trios[0]
+    if any(m.fmt.name not in LAYOUTS for m in firsts):
+        return False
+    same = all(t[r].fmt is firsts[r].fmt and t[r].shape == firsts[r].shape for t in trios for r in range(3))
+    return same and firsts[0].fmt is firsts[1].fmt and firsts[0].shape == firsts[1].shape
+
+
+def upload_experts(be, trios) -> CudaExperts:
+    """A layer's quantized experts (host (gate, up, down) trios, stackable_experts) -> one
+    device array a role, the file's bytes reordered expert by expert (never widened: the
+    launch spans every chosen expert, so one matrix's size says nothing of its grid)."""
+    trios = list(trios)
+    stacks = []
+    for r in range(3):
+        first = trios[0][r]
+        total = sum(t[r].nbytes for t in trios)
+        be.check_fits(total + first.nbytes)
+        with _upload_errors(be, first):
+            flat = cp.empty(total, dtype=cp.uint8)
+        stack = ExpertStack(flat, first.fmt, first.rows, first.cols, len(trios))
+        for e, t in enumerate(trios):
+            with _upload_errors(be, t[r]):
+                _repack_into(t[r], first.fmt, flat[e * stack.stride:(e + 1) * stack.stride])
+        stacks.append(stack)
+    return CudaExperts(*stacks)
 
 
 # -- kernels --------------------------------------------------------------------------------
@@ -424,15 +516,16 @@ def _items_in_flight(fmt: str, nm: int, qx: bool) -> int:
     return 2 * (b // 2) if b > 1 else 1     # gate+up halves the batch; the K-quants: one batch
 
 
-def matvec_warps(be, w, nm: int, qx: bool = False) -> int:
+def matvec_warps(be, w, nm: int, qx: bool = False, tiles: int | None = None) -> int:
     """Warps per block: enough that each warp's item slice is about one batch of loads.
-    w: a CudaQuantMatrix or CudaQuantStack (its tiles are launched as one grid)."""
+    w: a CudaQuantMatrix or CudaQuantStack (its tiles are launched as one grid), or an
+    ExpertStack with ``tiles``, the blocks of the launch over the chosen experts."""
     forced = getattr(be, "qmv_warps", None)
     if forced:
         return max(1, min(int(forced), MAX_WARPS))
     in_flight = _items_in_flight(w.fmt.name, nm, qx)
     warps = max(1, min(MAX_WARPS, -(-w.nbi // in_flight)))
-    if _tiles(w) <= be.sm_count:
+    if (_tiles(w) if tiles is None else tiles) <= be.sm_count:
         # one wave with items to spare (short rows, small models): at least 8 warps, so each
         # warp's chain of loads, staging and dots is short (SmolLM2-135M decode on an H100:
         # q8_0 1314 -> 1421 tok/s, q4_0 1135 -> 1189; rows of 4096 already get 8 or more)
@@ -589,6 +682,29 @@ def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None, hold: b
     # every kernel, folded norm or not, goes out with programmatic dependent launch under
     # decode_step: activations are read with ordered coherent loads (ld_act in common.cuh)
     be._launch(k, grid, block, args + (NULL_ARG, NULL_ARG), shared_mem=smem)
+
+
+_EXPERT_KERNELS = {None: "qmv_experts_", "silu": "qmv_experts_gate_up_silu_", "gelu_tanh": "qmv_experts_gate_up_gelu_"}
+
+
+def qmatvec_experts(be, out, w0: ExpertStack, w1: ExpertStack | None, ids, x, ldx: int, act: str | None = None) -> None:
+    """A token's chosen experts in one launch (decode; cuda/quant_matvec.cu, qmv_experts_*):
+    for each rank j of ids (k,) int32 on the device, out[j] = W0[ids[j]] x[j] (w1 None), or
+    act(W0[ids[j]] x[j]) * (W1[ids[j]] x[j]); out (k, rows) float32, x row j at x + j * ldx
+    (0: one vector for every expert)."""
+    k = ids.shape[0]
+    d, n = w0.rows, w0.cols
+    fmt = w0.fmt.name
+    nm = 1 if w1 is None else 2
+    kern = kernel(be, _EXPERT_KERNELS[act] + fmt, fmt)
+    tiles = -(-d // TILE)
+    warps = min(matvec_warps(be, w0, nm, tiles=tiles * k), max(1, getattr(kern, "max_threads_per_block", 1024) // 32))
+    smem = _shared_bytes(n, warps, nm)
+    _allow_smem(kern, smem)
+    _carveout(be, kern, fmt)
+    args = (out, w0.data, (w0 if w1 is None else w1).data, np.int64(w0.stride), ids, np.int32(w0.count), x,
+            np.int32(ldx), np.int32(d), np.int32(w0.nbi))
+    be._launch(kern, (tiles, k), (TILE * warps,), args, shared_mem=smem)
 
 
 # CUfunction handle -> the dynamic shared memory limit raised to. The attribute belongs to the

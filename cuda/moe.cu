@@ -1,0 +1,113 @@
+// A mixture of experts' decode step around the chosen experts' products (those are the
+// qmv_experts_* kernels of quant_matvec.cu): the router and the choice of experts, and the
+// sum of the chosen experts' outputs. Both read and write device arrays only, so the step
+// stays one captured graph (backends/cuda/experts.py).
+//
+// Reference: backends/moe.py (route, moe). Tests: tests/test_backend_ops.py (moe cases on
+// cuda and cuda-graph), tests/test_families.py (whole models against transformers).
+#include "common.cuh"
+
+#define MOE_THREADS 256            // 8 warps: a router row each
+#define MOE_MAX_EXPERTS 1024       // probabilities kept in shared memory (experts.py checks E)
+
+// logits[e] = router[e] . x for the block's experts (router (E, n) f32, a warp a row); then the
+// last block to finish (a counter, as decode attention merges its splits) turns the logits into
+// the token's choice, as backends/moe.py route() does: p = softmax(logits); ids[0:k] the
+// experts of the highest p, best first, of equals the lower id; weights[j] = p[ids[j]],
+// divided by their sum (in rank order) where norm. The counter is back at zero afterwards.
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_route_f32(
+    int* __restrict__ ids, float* __restrict__ weights, float* logits, int* counter,
+    const float* __restrict__ router, const float* x, int E, int n, int k, int norm)
+{
+    pdl_trigger();          // the experts' blocks may be scheduled (they wait for the ids)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int e = blockIdx.x * (MOE_THREADS / 32) + warp;
+    pdl_wait();             // x: the normed stream, written by the previous kernel
+    if (e < E) {
+        const float* r = router + (size_t)e * n;
+        float s = 0.0f;
+        for (int i = lane; i < n; i += 32) s = fmaf(__ldg(r + i), ld_act(x + i), s);
+        s = warp_sum(s);
+        if (lane == 0) logits[e] = s;
+    }
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = (atomicAdd(counter, 1) == (int)gridDim.x - 1);
+    __syncthreads();
+    if (!is_last) return;
+
+    __shared__ float p[MOE_MAX_EXPERTS];
+    __shared__ float red_v[MOE_THREADS / 32];
+    __shared__ int red_i[MOE_THREADS / 32];
+    __shared__ float total;
+    if (threadIdx.x == 0) *counter = 0;
+    float m = NEG_INF;
+    for (int i = threadIdx.x; i < E; i += MOE_THREADS) {
+        p[i] = __ldcg(logits + i);         // other blocks' rows: from L2, past this SM's L1
+        m = fmaxf(m, p[i]);
+    }
+    m = warp_max(m);
+    if (lane == 0) red_v[warp] = m;
+    __syncthreads();
+    m = red_v[0];
+    for (int w = 1; w < MOE_THREADS / 32; ++w) m = fmaxf(m, red_v[w]);
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < E; i += MOE_THREADS) {
+        p[i] = expf(p[i] - m);
+        s += p[i];
+    }
+    s = warp_sum(s);
+    __syncthreads();                       // every warp has read red_v
+    if (lane == 0) red_v[warp] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float t = 0.0f;
+        for (int w = 0; w < MOE_THREADS / 32; ++w) t += red_v[w];
+        total = t;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < E; i += MOE_THREADS) p[i] = p[i] / total;
+    __syncthreads();
+    for (int j = 0; j < k; ++j) {
+        // the highest p, of equals the lowest id: a block argmax
+        float bv = -2.0f;
+        int bi = E;
+        for (int i = threadIdx.x; i < E; i += MOE_THREADS)
+            if (p[i] > bv) { bv = p[i]; bi = i; }        // ascending i: the first of equals stays
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) { red_v[warp] = bv; red_i[warp] = bi; }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int w = 1; w < MOE_THREADS / 32; ++w)
+                if (red_v[w] > bv || (red_v[w] == bv && red_i[w] < bi)) { bv = red_v[w]; bi = red_i[w]; }
+            bi = bi < E ? bi : 0;          // never: k <= E leaves an expert unchosen each round
+            ids[j] = bi;
+            weights[j] = p[bi];
+            p[bi] = -1.0f;                 // below every probability: not chosen again
+        }
+        __syncthreads();
+    }
+    if (norm && threadIdx.x == 0) {
+        float t = 0.0f;
+        for (int j = 0; j < k; ++j) t += weights[j];
+        for (int j = 0; j < k; ++j) weights[j] = weights[j] / t;
+    }
+}
+
+// out (n,) += sum over the ranks j of weights[j] * y[j] (y (k, n)), in rank order and rounded
+// as the host ops round (each product, then each sum: no fused multiply-add)
+extern "C" __global__ void moe_combine_f32(float* out, const float* y, const float* weights, int k, int n)
+{
+    pdl_trigger();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    pdl_wait();
+    if (i >= n) return;
+    float acc = ld_act(out + i);
+    for (int j = 0; j < k; ++j) acc = __fadd_rn(acc, __fmul_rn(ld_act(y + (size_t)j * n + i), ld_act(weights + j)));
+    out[i] = acc;
+}
