@@ -3,10 +3,11 @@
 
     python bench/profile_moe_cpu.py -m q3b-q4_k_m.gguf [-t 2] [-n 32] [-r 5] [-p 512]
 
-- decode: ms a token, and the share inside the moe op (routing and the chosen experts);
-- the chosen experts in one C call (moe_experts) against one gate_up and one matvec call an
-  expert, interleaved rounds of -n tokens, median tok/s of -r rounds;
-- prefill of -p tokens: ms, and the share of the host routing (router product, top-k).
+- decode as one program a token (the router, the choice and the chosen experts in C:
+  DecodeProgram's moe op) against op by op (Backend.data_dependent_steps: the step's ops
+  issued from Python, the chosen experts in one C call), interleaved rounds of -n tokens,
+  median tok/s of -r rounds; op by op, the share of a token inside the moe op;
+- prefill of -p tokens: ms, and the share of the routing (router product, choice).
 bench/make_blocks.py --shape qwen3-30b-a3b writes such a model's blocks.
 """
 
@@ -47,7 +48,11 @@ def main() -> None:
             pos += 1
         return time.perf_counter() - t0
 
+    def op_by_op(on: bool) -> None:
+        b.data_dependent_steps = on
+
     decode(4)
+    op_by_op(True)
     inside = [0.0]
     real = b.moe
 
@@ -58,17 +63,16 @@ def main() -> None:
     b.moe = timed
     total = decode(a.n)
     del b.moe
-    print(f"decode: {1e3 * total / a.n:.2f} ms a token, {1e3 * inside[0] / a.n:.2f} of them in the moe op")
+    op_by_op(False)
+    print(f"op by op: {1e3 * total / a.n:.2f} ms a token, {1e3 * inside[0] / a.n:.2f} of them in the moe op")
 
-    rates = {"one call (moe_experts)": [], "a call an expert": []}
+    rates = {"one program a token": [], "op by op": []}
     for _ in range(a.r):
         for name in rates:
-            if name == "a call an expert":
-                b.moe_experts = None
-            try:
-                rates[name].append(a.n / decode(a.n))
-            finally:
-                b.__dict__.pop("moe_experts", None)
+            op_by_op(name == "op by op")
+            decode(2)                                   # the program is captured or set aside
+            rates[name].append(a.n / decode(a.n))
+    op_by_op(False)
     for name, v in rates.items():
         print(f"{name}: median {statistics.median(v):.1f} tok/s ({', '.join(f'{x:.0f}' for x in v)})")
 
@@ -88,7 +92,7 @@ def main() -> None:
         total = time.perf_counter() - t0
     finally:
         moe._route_rows = real_route
-    print(f"prefill of {a.p}: {1e3 * total:.0f} ms, host routing {1e3 * routing[0]:.0f} ms "
+    print(f"prefill of {a.p}: {1e3 * total:.0f} ms, routing {1e3 * routing[0]:.0f} ms "
           f"({100 * routing[0] / total:.1f}%)")
 
 

@@ -46,11 +46,13 @@ cdef extern from "csrc/kernels.h" nogil:
         void *xq
         int qfmt, act
         int64_t rb
+        void *moe            # cyllm_moe_layer * (declared below)
 
     enum:
         CYLLM_OP_EMBED, CYLLM_OP_RMSNORM, CYLLM_OP_MATVEC, CYLLM_OP_GATE_UP, CYLLM_OP_ROPE,
         CYLLM_OP_CACHE_STORE, CYLLM_OP_ATTENTION, CYLLM_OP_ADD, CYLLM_OP_SWIGLU,
-        CYLLM_OP_QUANTIZE, CYLLM_OP_QMATVEC, CYLLM_OP_QGATE_UP, CYLLM_OP_QEMBED, CYLLM_OP_GLU
+        CYLLM_OP_QUANTIZE, CYLLM_OP_QMATVEC, CYLLM_OP_QGATE_UP, CYLLM_OP_QEMBED, CYLLM_OP_GLU,
+        CYLLM_OP_MOE
 
     int CYLLM_CPU_AVX, CYLLM_CPU_AVX2, CYLLM_CPU_FMA, CYLLM_CPU_F16C, CYLLM_CPU_AVX512F
     int cyllm_cpu_features() noexcept
@@ -90,6 +92,19 @@ cdef extern from "csrc/kernels.h" nogil:
         void *hq
         int64_t hq_stride
     void cyllm_moe_experts_run(const cyllm_kernels *kt, const void *qk, const cyllm_moe *m, int nt) noexcept
+    void cyllm_moe_route(const float *router, const float *x, int64_t E, int64_t n, int64_t k, int norm,
+                         float *scores, int64_t *ids, float *wts) noexcept
+    ctypedef struct cyllm_moe_layer:
+        int64_t E, k
+        int norm
+        const float *router
+        const void *const *gate
+        const void *const *up
+        const void *const *down
+        float *scores
+        int64_t *ids
+        float *wts
+        cyllm_moe m
     int64_t cyllm_attention_scratch(int64_t n_heads, int64_t hd, int64_t t_len) noexcept
     void cyllm_attention_run(const cyllm_kernels *kt, float *out, const float *q,
                              const uint16_t *kc, const uint16_t *vc, int64_t n_heads,

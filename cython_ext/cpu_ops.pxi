@@ -168,6 +168,46 @@ cdef class CpuKernels:
                     else:
                         kt.matvec_rows(po, pw, px, n, r0, r1, mode, NULL, 0)
 
+    def moe_route(self, router, x, n_used, norm, scores, ids, weights):
+        """The experts each row of x (T, n) f32 chooses, as a decode program chooses them
+        (program.c, cyllm_moe_route): router (E, n) f32; rows 0..T-1 of scores (>= T, E) f32
+        (the probabilities), ids (>= T, k) int64 and weights (>= T, k) f32 written, k = n_used.
+        Rows split over the threads (each row's bits do not depend on who computes it)."""
+        cdef cnp.ndarray ar = _arr(router, "router", cnp.NPY_FLOAT32, 2, False)
+        cdef cnp.ndarray ax = _arr(x, "x", cnp.NPY_FLOAT32, 2, False)
+        cdef cnp.ndarray asc = _arr(scores, "scores", cnp.NPY_FLOAT32, 2, True)
+        cdef cnp.ndarray ai = _arr(ids, "ids", cnp.NPY_INT64, 2, True)
+        cdef cnp.ndarray aw = _arr(weights, "weights", cnp.NPY_FLOAT32, 2, True)
+        cdef Py_ssize_t E = cnp.PyArray_DIM(ar, 0), n = cnp.PyArray_DIM(ar, 1), T = cnp.PyArray_DIM(ax, 0)
+        cdef Py_ssize_t k = _index(n_used, "n_used"), t
+        cdef int nrm = 1 if norm else 0
+        if not 1 <= k <= E:
+            raise InvalidArgumentError(f"moe_route: {k} experts a token of {E}")
+        _check_len(cnp.PyArray_DIM(ax, 1), n, "x", "columns of the router")
+        if (cnp.PyArray_DIM(asc, 0) < T or cnp.PyArray_DIM(asc, 1) != E or cnp.PyArray_DIM(ai, 0) < T
+                or cnp.PyArray_DIM(ai, 1) != k or cnp.PyArray_DIM(aw, 0) < T or cnp.PyArray_DIM(aw, 1) != k):
+            raise InvalidArgumentError(f"moe_route: scores {scores.shape}, ids {ids.shape} and weights "
+                                       f"{weights.shape} do not hold {T} rows of {E} experts, {k} chosen")
+        for a, na in ((asc, "scores"), (ai, "ids"), (aw, "weights")):
+            _no_overlap(a, ar, na, "router")
+            _no_overlap(a, ax, na, "x")
+        _no_overlap(asc, ai, "scores", "ids")
+        _no_overlap(asc, aw, "scores", "weights")
+        _no_overlap(ai, aw, "ids", "weights")
+        cdef const float *pr = <const float *>cnp.PyArray_DATA(ar)
+        cdef const float *px = <const float *>cnp.PyArray_DATA(ax)
+        cdef float *ps = <float *>cnp.PyArray_DATA(asc)
+        cdef int64_t *pi = <int64_t *>cnp.PyArray_DATA(ai)
+        cdef float *pw = <float *>cnp.PyArray_DATA(aw)
+        cdef int nt = self.nthreads if T > 1 and T * E * n >= MATVEC_PARALLEL_MIN else 1
+        with nogil:
+            if nt > 1:
+                for t in prange(T, num_threads=nt, schedule="static"):
+                    cyllm_moe_route(pr, px + t * n, E, n, k, nrm, ps + t * E, pi + t * k, pw + t * k)
+            else:
+                for t in range(T):
+                    cyllm_moe_route(pr, px + t * n, E, n, k, nrm, ps + t * E, pi + t * k, pw + t * k)
+
     def moe_experts(self, out, x, experts, ids, weights, act, h, y):
         """out (n,) f32 += sum over j of weights[j] * down_j @ (act(gate_j @ x) * (up_j @ x)),
         added in order j = 0, 1, ... (program.c, cyllm_moe_experts_run): (gate_j, up_j, down_j)

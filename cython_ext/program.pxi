@@ -12,7 +12,8 @@ cdef inline bint _serial_op(const cyllm_op *o) noexcept:
     if o.kind == CYLLM_OP_QUANTIZE:
         return o.mode == 1
     return (o.kind != CYLLM_OP_MATVEC and o.kind != CYLLM_OP_GATE_UP and o.kind != CYLLM_OP_ATTENTION
-            and o.kind != CYLLM_OP_QMATVEC and o.kind != CYLLM_OP_QGATE_UP and o.kind != CYLLM_OP_GLU)
+            and o.kind != CYLLM_OP_QMATVEC and o.kind != CYLLM_OP_QGATE_UP and o.kind != CYLLM_OP_GLU
+            and o.kind != CYLLM_OP_MOE)
 
 
 cdef inline bint _weight_op(int kind) noexcept:
@@ -232,6 +233,97 @@ cdef class DecodeProgram:
         self._push(&o, meta, reads, [_span(ao)])
         return 0
 
+    cdef int _compile_moe(self, tuple args, list meta) except -1:
+        """A mixture of experts' MLP, (out, x, router, experts, n_used, norm, act, scratch) as
+        CpuBackend.moe takes it: the router's product, the choice and the chosen experts in the
+        program (program.c, moe_layer_step), with arrays of its own. NotCapturable where the
+        experts are not one kind a role (quantized of one format, gate and up alike, or
+        float16) or more than CYLLM_MOE_MAX_K a token: the op runs them then."""
+        cdef cnp.ndarray ao = _arr(args[0], "out", cnp.NPY_FLOAT32, 1, True)
+        cdef cnp.ndarray ax = _arr(args[1], "x", cnp.NPY_FLOAT32, 1, False)
+        cdef cnp.ndarray ar = _arr(args[2], "router", cnp.NPY_FLOAT32, 2, False)
+        experts = args[3]
+        cdef Py_ssize_t E = cnp.PyArray_DIM(ar, 0), n = cnp.PyArray_DIM(ar, 1)
+        cdef Py_ssize_t k = _index(args[4], "n_used"), f, e
+        _check_len(cnp.PyArray_DIM(ax, 0), n, "x", "columns of the router")
+        _check_len(cnp.PyArray_DIM(ao, 0), n, "out", "columns of the router")
+        _check_len(len(experts), E, "experts", "rows of the router")
+        if not 1 <= k <= E:
+            raise InvalidArgumentError(f"moe: {k} experts a token of {E}")
+        if k > CYLLM_MOE_MAX_K:
+            raise NotCapturable(f"more than {CYLLM_MOE_MAX_K} experts a token")
+        _no_overlap(ao, ax, "out", "x")
+        _no_overlap(ao, ar, "out", "router")
+        g0, u0, d0 = experts[0]
+        qgu, qdn = not cnp.PyArray_Check(g0), not cnp.PyArray_Check(d0)
+        f = g0.shape[0]
+        fmt_gu = _qfmt(g0.fmt.kernel_id) if qgu and type(g0) is QuantMatrix else -1
+        fmt_dn = _qfmt(d0.fmt.kernel_id) if qdn and type(d0) is QuantMatrix else -1
+        tables = np.zeros((3, E), np.uintp)        # every expert's gate, up, down
+        cdef cnp.ndarray a
+        for e in range(E):
+            trio = experts[e]
+            for r, (w, quant, shape) in enumerate(((trio[0], qgu, (f, n)), (trio[1], qgu, (f, n)),
+                                                   (trio[2], qdn, (n, f)))):
+                if quant != (not cnp.PyArray_Check(w)) or tuple(w.shape) != shape:
+                    raise NotCapturable("experts of more than one kind or shape a role")
+                if quant:
+                    if type(w) is not QuantMatrix or w.fmt.kernel_id != (fmt_dn if r == 2 else fmt_gu):
+                        raise NotCapturable("experts of more than one format a role")
+                    a = <cnp.ndarray>w.data
+                else:
+                    a = _arr(w, "an expert's matrix", cnp.NPY_FLOAT16, 2, False)
+                _no_overlap(ao, a, "out", "an expert's matrix")
+                tables[r, e] = <size_t>cnp.PyArray_DATA(a)
+        cdef int64_t xbytes = cyllm_qact_bytes(cyllm_qformat(fmt_gu).act, n) if qgu else 0
+        cdef int64_t hbytes = cyllm_qact_bytes(cyllm_qformat(fmt_dn).act, f) if qdn else 0
+        if xbytes < 0 or hbytes < 0:
+            raise InvalidArgumentError("moe: a row length is not a whole number of activation blocks")
+        xbytes = (xbytes + 63) & ~63
+        hbytes = (hbytes + 63) & ~63
+        scores, ids, wts = np.zeros(E, np.float32), np.zeros(k, np.int64), np.zeros(k, np.float32)
+        h, y = np.zeros((k, f), np.float32), np.zeros((k, n), np.float32)
+        raw = np.zeros(sizeof(cyllm_moe_layer) + xbytes + k * hbytes + 128, np.uint8)
+        self.refs.append((experts, tables, scores, ids, wts, h, y, raw))
+        cdef size_t base = (<size_t>cnp.PyArray_DATA(<cnp.ndarray>raw) + 63) & ~(<size_t>63)
+        cdef cyllm_moe_layer *L = <cyllm_moe_layer *>base
+        cdef size_t acts = (base + sizeof(cyllm_moe_layer) + 63) & ~(<size_t>63)
+        L.E = E
+        L.k = k
+        L.norm = 1 if args[5] else 0
+        L.router = <const float *>cnp.PyArray_DATA(ar)
+        cdef size_t *pt = <size_t *>cnp.PyArray_DATA(<cnp.ndarray>tables)
+        L.gate = <const void *const *>pt
+        L.up = <const void *const *>(pt + E)
+        L.down = <const void *const *>(pt + 2 * E)
+        L.scores = <float *>cnp.PyArray_DATA(<cnp.ndarray>scores)
+        L.ids = <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>ids)
+        L.wts = <float *>cnp.PyArray_DATA(<cnp.ndarray>wts)
+        L.m.k = k
+        L.m.n = n
+        L.m.f = f
+        L.m.fmt_gu = fmt_gu
+        L.m.fmt_down = fmt_dn
+        L.m.rb_gu = g0.row_bytes if qgu else 0
+        L.m.rb_down = d0.row_bytes if qdn else 0
+        L.m.act = _act(args[6])
+        L.m.x = <const float *>cnp.PyArray_DATA(ax)
+        L.m.out = <float *>cnp.PyArray_DATA(ao)
+        L.m.wts = L.wts
+        L.m.h = <float *>cnp.PyArray_DATA(<cnp.ndarray>h)
+        L.m.y = <float *>cnp.PyArray_DATA(<cnp.ndarray>y)
+        L.m.xq = <void *>acts
+        L.m.hq = <void *>(acts + xbytes)
+        L.m.hq_stride = hbytes
+        cdef cyllm_op o
+        memset(&o, 0, sizeof(cyllm_op))
+        o.kind = CYLLM_OP_MOE
+        o.moe = <void *>L
+        # the experts' weights are left out of the spans: no op writes weights
+        writes = [_span(ao), _span(scores), _span(ids), _span(wts), _span(h), _span(y), _span(raw)]
+        self._push(&o, meta, [_span(ax), _span(ar), _span(ao)], writes)
+        return 0
+
     cdef int _compile(self, str name, tuple args, Py_ssize_t step_tok, Py_ssize_t step_pos,
                       list ops) except -1:
         cdef cyllm_op o
@@ -398,6 +490,8 @@ cdef class DecodeProgram:
             o.out = <float *>cnp.PyArray_DATA(a0)
             o.a = cnp.PyArray_DATA(a1)
             self._push(&o, ops, [_span(a1), _span(a2), _span(a3)], [_span(a0)])
+        elif name == "moe":
+            self._compile_moe(args, ops)
         elif name in ("add", "swiglu"):
             a0 = _arr(args[0], "out", cnp.NPY_FLOAT32, 1, True)
             a1 = _arr(args[1], "x", cnp.NPY_FLOAT32, 1, False)

@@ -827,16 +827,12 @@ _CUDA = (pytest.mark.cuda,
          pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="cupy is not installed"))
 
 
-# ops no step is recorded with: a mixture of experts picks its weights by values the step
-# computes (Backend.data_dependent_steps) -- on cuda, only where its experts are floats
-# (quantized ones are routed on the device: Backend.routes_on_device)
-UNCAPTURED = {"moe"}
-
-
 def _captured(kind, op, params) -> bool:
-    if op not in UNCAPTURED:
-        return True
-    return kind == "cuda-graph" and op == "moe" and params.get("fmt") is not None
+    """Whether a recording runner (cpu-step, cuda-graph) records this case. A mixture of experts
+    is recorded on cpu (its decode program routes in C) and on cuda where its experts are
+    quantized (routed on the device); cuda's float experts are routed by the host between
+    ops, and such a step is run as issued (Backend.captures_moe)."""
+    return not (kind == "cuda-graph" and op == "moe" and params.get("fmt") is None)
 
 
 def runner_kinds():

@@ -5,7 +5,7 @@ first call records the ops, later calls run them as one C program inside one
 OpenMP parallel region. Its logits must be bitwise those of the op-by-op path
 (CYLLM_FUSED=0), and the same for 1 and 2 threads, on every tiny model kind
 (MQA with odd sizes, explicit head_dim, Llama 3 rope, GQA, Qwen2 biases, tied
-embeddings), including positions past the 256-position attention block.
+embeddings, mixtures of experts), including positions past the 256-position attention block.
 """
 
 import os
@@ -42,7 +42,7 @@ def load(path, backend, context):
     return Model.from_weights(config, weights, tok, backend=backend, context=context)
 
 KINDS = ["llama_mqa_odd", "llama_explicit_head_dim", "llama3_rope", "mistral_gqa", "qwen2_bias",
-         "llama_tied"]
+         "llama_tied", "qwen3moe", "mixtral", "olmoe"]
 VARIANTS = [v for v in ("generic", "avx2", "avx512") if v in _k.available_variants()]
 
 
@@ -173,6 +173,41 @@ def test_stolen_rows_keep_the_bits(qtype, tmp_path_factory):
         for steal in (0, 1, 2):
             got = logits(threads, True, steal)
             assert np.array_equal(got.view(np.uint32), base.view(np.uint32)), (threads, steal)
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3moe"])
+def test_moe_program_bitwise_and_mixed_experts_op_by_op(kind, qtype, tmp_path_factory):
+    """A mixture of experts' decode is one program (the router, the choice and the chosen
+    experts in C: program.c, moe_layer_step) with the op-by-op path's bits, quantized experts
+    included (qwen3moe's rows of 40 keep down in float16 beside quantized gate/up). Experts of
+    two formats in one role cannot be one program: the step runs op by op, with those bits."""
+    from cyllm.quant.convert import quantize_matrix, quantize_weights
+    from cyllm.quant.matrix import QuantMatrix
+    path = make_tiny_model(tmp_path_factory.mktemp("moe"), kind, seed=7)
+    config, weights, tok = load_path(path)
+    weights = quantize_weights(config, dict(weights), qtype)
+    assert any(isinstance(a, QuantMatrix) for n, a in weights.items() if ".experts." in n)
+    mixed = dict(weights)
+    name = next(n for n, a in weights.items() if ".experts.1." in n and isinstance(a, QuantMatrix))
+    mixed[name] = quantize_matrix(weights[name].dequantize().astype(np.float16), "q8_0" if qtype != "q8_0"
+                                  else "q4_0", name)
+    ids = np.random.default_rng(3).integers(0, config.vocab_size, 20).tolist()
+
+    def logits(w, threads, fused):
+        b = CpuBackend(threads, fused=fused)
+        m = Model.from_weights(config, w, tok, backend=b, context=64)
+        m.prefill(ids[:14], 0)
+        out = np.array([m.forward(ids[14 + i], 14 + i).copy() for i in range(6)])
+        return out, b.step_info()
+
+    for w, captured in ((weights, True), (mixed, False)):
+        base, _ = logits(w, 1, False)
+        assert np.all(np.isfinite(base))
+        for threads in (1, 2):
+            got, info = logits(w, threads, True)
+            assert (info is not None) == captured
+            assert np.array_equal(got.view(np.uint32), base.view(np.uint32)), (captured, threads)
 
 
 def test_steal_mode_checked():

@@ -108,28 +108,25 @@ def _moe_blocks(ref):
 
 def _recording_routes(model, op, run):
     """run() with the backend's moe op ``op`` recording the experts each call chose: (its result,
-    the chosen experts of every call, (rows, k) each, in call order). A step replayed from a
-    graph calls no op, so cuda runs each step's ops as issued meanwhile; where it routes on the
-    device, the choice is read back from there."""
+    the chosen experts of every call, (rows, k) each, in call order). A recorded step (cpu's
+    decode program, cuda's graph) calls no op when replayed, so each step's ops run as issued
+    meanwhile; where cuda routes on the device, the choice is read back from there."""
     b, routes = model.backend, []
     inner = getattr(b, op)
 
     def record(out, x, router, experts, n_used, norm, act, scratch):
         inner(out, x, router, experts, n_used, norm, act, scratch)
-        if x.ndim == 1 and getattr(b, "routes_on_device")(experts):
+        if x.ndim == 1 and getattr(scratch, "dev", None) is not None:
             routes.append(scratch.dev.ids.get()[None].astype(scratch.ids.dtype))
         else:
             routes.append(scratch.ids[:1 if x.ndim == 1 else x.shape[0]].copy())
     setattr(b, op, record)
-    graphs = getattr(b, "use_graphs", None)
-    if graphs is not None:
-        b.use_graphs = False
+    replayed, b.data_dependent_steps = b.data_dependent_steps, True
     try:
         return run(), routes
     finally:
         delattr(b, op)
-        if graphs is not None:
-            b.use_graphs = graphs
+        b.data_dependent_steps = replayed
 
 
 def _our_logits(model, ids):

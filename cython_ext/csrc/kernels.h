@@ -134,7 +134,9 @@ enum {
     CYLLM_OP_EMBED = 1, CYLLM_OP_RMSNORM, CYLLM_OP_MATVEC, CYLLM_OP_GATE_UP, CYLLM_OP_ROPE,
     CYLLM_OP_CACHE_STORE, CYLLM_OP_ATTENTION, CYLLM_OP_ADD, CYLLM_OP_SWIGLU,
     /* quantized weights (quant.h): x -> activation blocks once, then integer matvecs */
-    CYLLM_OP_QUANTIZE, CYLLM_OP_QMATVEC, CYLLM_OP_QGATE_UP, CYLLM_OP_QEMBED, CYLLM_OP_GLU
+    CYLLM_OP_QUANTIZE, CYLLM_OP_QMATVEC, CYLLM_OP_QGATE_UP, CYLLM_OP_QEMBED, CYLLM_OP_GLU,
+    /* a mixture of experts' MLP (cyllm_moe_layer): router, choice, chosen experts */
+    CYLLM_OP_MOE
 };
 typedef struct cyllm_op {
     int kind;
@@ -164,6 +166,7 @@ typedef struct cyllm_op {
     void *xq;
     int qfmt, act;
     int64_t rb;             /* bytes per weight row (every matvec-like op: the prefetch of the next) */
+    struct cyllm_moe_layer *moe;    /* MOE: the layer's experts and work arrays */
 } cyllm_op;
 /* Decode attention of one query (all heads) over cache positions start..pos, called by
  * every thread `tid` of a team of `nth` (it contains barriers). Up to
@@ -210,6 +213,26 @@ typedef struct cyllm_moe {
     int64_t hq_stride;
 } cyllm_moe;
 void cyllm_moe_experts_run(const cyllm_kernels *kt, const struct cyllm_qkernels *qk, const cyllm_moe *m, int nt);
+/* A token's choice of experts, as backends/moe.py route() makes it: scores[e] = router[e] . x
+ * (router (E, n) f32; a fixed order of float32 sums, the same wherever it runs), then
+ * p = softmax(scores) in place, ids[0:k] the experts of the highest p, best first, of equals
+ * the lower id (a NaN p is chosen last), and wts[j] = p[ids[j]], divided by their sum (in
+ * rank order) where norm. Every id is in [0, E). 1 <= k <= E. */
+void cyllm_moe_route(const float *router, const float *x, int64_t E, int64_t n, int64_t k, int norm,
+                     float *scores, int64_t *ids, float *wts);
+/* A mixture of experts' MLP in a decode program (CYLLM_OP_MOE): the router's product split
+ * over the team, the choice (cyllm_moe_route's) on thread 0, then the chosen experts
+ * (cyllm_moe_experts_run's step) with m.gate/up/down set from the tables. */
+typedef struct cyllm_moe_layer {
+    int64_t E, k;
+    int norm;
+    const float *router;                        /* (E, n) f32 */
+    const void *const *gate, *const *up, *const *down;    /* (E,) each: every expert's matrices */
+    float *scores;                              /* (E,) */
+    int64_t *ids;                               /* (k,) */
+    float *wts;                                 /* (k,): m.wts points here */
+    cyllm_moe m;                                /* all but gate/up/down, which each step sets */
+} cyllm_moe_layer;
 
 extern int cyllm_steal;     /* 1: idle threads take chunks of the others' rows; 0: off; 2: tests */
 void cyllm_program_run(const cyllm_kernels *kt, const struct cyllm_qkernels *qk, const cyllm_op *ops,

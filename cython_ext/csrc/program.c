@@ -259,6 +259,9 @@ static void run_claimed(const cyllm_kernels *kt, const cyllm_qkernels *qk, const
     }
 }
 
+static void moe_layer_step(const cyllm_kernels *kt, const cyllm_qkernels *qk, cyllm_moe_layer *L,
+                           int tid, int nth, cyllm_sync *sync);
+
 static void run_op(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyllm_op *ops, int i,
                    int tid, int nth, int64_t token, int64_t pos, float *scratch, cyllm_sync *sync,
                    cyllm_claim *claims) {
@@ -310,6 +313,9 @@ static void run_op(const cyllm_kernels *kt, const cyllm_qkernels *qk, const cyll
                        o->hd, o->max_ctx, start, p, o->scale, o->softcap, scratch, tid, nth, sync);
         return;
     }
+    case CYLLM_OP_MOE:
+        moe_layer_step(kt, qk, o->moe, tid, nth, sync);
+        return;
     default:
         break;
     }
@@ -474,4 +480,77 @@ void cyllm_moe_experts_run(const cyllm_kernels *kt, const cyllm_qkernels *qk, co
 #else
     moe_experts_step(kt, qk, m, 0, 1, NULL);
 #endif
+}
+
+/* ---- a mixture of experts' router and choice ------------------------------------------
+ * The router's rows are summed in 16 lanes (i mod 16) combined pairwise at the end: a fixed
+ * order, so a row's score has the same bits whichever thread computes it, in decode (the
+ * program, the op) and prefill alike (CpuKernels.moe_route): both paths choose the same
+ * experts for the same x. This file is compiled at the baseline ISA: no fused multiply-add. */
+#define ROUTER_LANES 16
+
+static void router_rows(float *scores, const float *router, const float *x, int64_t n, int64_t e0, int64_t e1) {
+    for (int64_t e = e0; e < e1; e++) {
+        const float *r = router + e * n;
+        float acc[ROUTER_LANES] = {0.0f};
+        int64_t i = 0;
+        for (; i + ROUTER_LANES <= n; i += ROUTER_LANES)
+            for (int l = 0; l < ROUTER_LANES; l++) acc[l] += r[i + l] * x[i + l];
+        for (int l = 0; i < n; i++, l++) acc[l] += r[i] * x[i];
+        for (int w = ROUTER_LANES / 2; w >= 1; w /= 2)
+            for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+        scores[e] = acc[0];
+    }
+}
+
+/* scores (E,) logits -> probabilities (in place), ids and wts of the k best (see cyllm_moe_route) */
+static void route_pick(float *scores, int64_t E, int64_t k, int norm, int64_t *ids, float *wts) {
+    float mx = scores[0];
+    for (int64_t e = 1; e < E; e++)
+        if (scores[e] > mx) mx = scores[e];
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; e++) {
+        scores[e] = expf(scores[e] - mx);
+        sum += scores[e];
+    }
+    for (int64_t e = 0; e < E; e++) scores[e] = scores[e] / sum;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)      /* a chosen expert holds -1, below every p */
+            if (scores[e] >= 0.0f && (best < 0 || scores[e] > scores[best])) best = e;
+        if (best < 0)                        /* only NaNs left: the lowest id not chosen */
+            for (int64_t e = 0; e < E && best < 0; e++)
+                if (scores[e] != -1.0f) best = e;
+        if (best < 0) best = 0;              /* never: k <= E leaves one unchosen */
+        ids[j] = best;
+        wts[j] = scores[best];
+        scores[best] = -1.0f;
+    }
+    if (norm) {
+        float t = 0.0f;
+        for (int64_t j = 0; j < k; j++) t += wts[j];
+        for (int64_t j = 0; j < k; j++) wts[j] = wts[j] / t;
+    }
+}
+
+void cyllm_moe_route(const float *router, const float *x, int64_t E, int64_t n, int64_t k, int norm,
+                     float *scores, int64_t *ids, float *wts) {
+    router_rows(scores, router, x, n, 0, E);
+    route_pick(scores, E, k, norm, ids, wts);
+}
+
+static void moe_layer_step(const cyllm_kernels *kt, const cyllm_qkernels *qk, cyllm_moe_layer *L,
+                           int tid, int nth, cyllm_sync *sync) {
+    router_rows(L->scores, L->router, L->m.x, L->m.n, L->E * tid / nth, L->E * (tid + 1) / nth);
+    team_barrier(sync, nth);
+    if (tid == 0) {
+        route_pick(L->scores, L->E, L->k, L->norm, L->ids, L->wts);
+        for (int64_t j = 0; j < L->k; j++) {
+            L->m.gate[j] = L->gate[L->ids[j]];
+            L->m.up[j] = L->up[L->ids[j]];
+            L->m.down[j] = L->down[L->ids[j]];
+        }
+    }
+    team_barrier(sync, nth);
+    moe_experts_step(kt, qk, &L->m, tid, nth, sync);
 }

@@ -253,7 +253,7 @@ class Model:
         self._build(weights, consume_weights)
         if config.moe:      # see Backend.data_dependent_steps and data_dependent_prefill
             self.backend.data_dependent_prefill = True
-            if not all(self.backend.routes_on_device(L.experts) for L in self.layers):
+            if not all(self.backend.captures_moe(L.experts) for L in self.layers):
                 self.backend.data_dependent_steps = True
 
     @classmethod

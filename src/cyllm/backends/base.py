@@ -107,10 +107,10 @@ class Backend:
     # True: a row slice of an uploaded quantized matrix is a view the ops accept (fused
     # q/k/v and gate/up tensors are cut after upload); False: the model cuts them on the host
     quant_row_views: bool = True
-    # True: a decode step's ops depend on values computed inside it on the host (a mixture of
+    # True: a decode step's ops depend on values the host computes between them (a mixture of
     # experts whose experts the host picks by the router's scores), so a backend that records a
     # step and replays it (cpu's decode program, cuda's graphs) runs such steps as issued. The
-    # model sets it where routes_on_device is False for a layer's experts.
+    # model sets it where captures_moe is False for a layer's experts.
     data_dependent_steps: bool = False
     # the same of prefill chunks (cuda's prefill graphs): moe_batch groups a chunk's rows by
     # expert on the host on every backend. The model sets it for a mixture of experts.
@@ -139,9 +139,10 @@ class Backend:
         in one array, so that one launch runs the chosen ones by their ids on the device."""
         return tuple(tuple(self.upload(w) for w in trio) for trio in trios)
 
-    def routes_on_device(self, experts) -> bool:
-        """Whether ``moe`` over these experts (upload_experts') chooses them without the host
-        reading anything back, so that a decode step with them can be recorded and replayed."""
+    def captures_moe(self, experts) -> bool:
+        """Whether a decode step with ``moe`` over these experts (upload_experts') can be
+        recorded and replayed: the experts are chosen inside the step (cpu's decode program,
+        cuda's device routing), not by the host between its ops."""
         return False
 
     def empty(self, shape, dtype=np.float32) -> Array:

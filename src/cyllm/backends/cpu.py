@@ -191,8 +191,11 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         self.rope(q, k, cos, sin, pos, k_cache.shape[2])
         self.cache_store(k_cache, v_cache, k, v, pos)
 
-    # a mixture of experts: the host routing over these kernels (a decode step with experts is
-    # not captured: Backend.data_dependent_steps)
+    # a mixture of experts: routed by moe_route (the choice a decode program makes in C), the
+    # chosen experts in one call (moe_experts) where they are one kind a role
+    def captures_moe(self, experts) -> bool:
+        return True         # DecodeProgram compiles moe (or, for mixed experts, runs op by op)
+
     def moe(self, out, x, router, experts, n_used, norm, act, scratch) -> None:
         moe.moe(self, out, x, router, experts, n_used, norm, act, scratch)
 

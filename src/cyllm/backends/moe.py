@@ -72,8 +72,14 @@ def route_rows(T: int, n_used: int, norm: bool, s: MoeScratch) -> None:
         route(s.scores[t], n_used, norm, s.ids[t], s.weights[t])
 
 
-def _route_rows(x, router, n_used, norm, s: MoeScratch) -> None:
-    # row by row, each through the product decode makes: the same bits, so the same experts
+def _route_rows(b, x, router, n_used, norm, s: MoeScratch) -> None:
+    """The choice of the rows of x (T, n) into s.ids and s.weights: the backend's own
+    ``moe_route`` where it has one (cpu: the C routing its decode program makes), else here
+    row by row, each through the product decode makes: the same bits, so the same experts."""
+    own = getattr(b, "moe_route", None)
+    if own is not None:
+        own(router, x, n_used, norm, s.scores, s.ids, s.weights)
+        return
     for t in range(x.shape[0]):
         np.dot(router, x[t], out=s.scores[t])
     route_rows(x.shape[0], n_used, norm, s)
@@ -94,8 +100,7 @@ def moe(b, out, x, router, experts, n_used: int, norm: bool, act: str, s: MoeScr
     """out (dim,) += the experts' MLP of x (dim,) (the module docstring); b: the backend whose
     gate_up and matvec run the products, or, where it has one, whose ``moe_experts`` runs the
     chosen experts in one call (cpu)."""
-    np.dot(router, x, out=s.scores[0])
-    route(s.scores[0], n_used, norm, s.ids[0], s.weights[0])
+    _route_rows(b, x[None], router, n_used, norm, s)
     run_all = getattr(b, "moe_experts", None)
     if run_all is not None and s.h_all is not None and run_all(out, x, experts, s.ids[0], s.weights[0], act,
                                                                s.h_all, s.y_all):
@@ -112,7 +117,7 @@ def moe(b, out, x, router, experts, n_used: int, norm: bool, act: str, s: MoeScr
 def moe_batch(b, out, x, router, experts, n_used: int, norm: bool, act: str, s: MoeScratch) -> None:
     """out (T, dim) += the experts' MLP of every row of x (T, dim): rows grouped by expert."""
     T = x.shape[0]
-    _route_rows(x, router, n_used, norm, s)
+    _route_rows(b, x, router, n_used, norm, s)
     for e, rows, ranks in expert_groups(s.ids[:T]):
         n = rows.size
         gate, up, down = experts[e]

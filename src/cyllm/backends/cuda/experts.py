@@ -56,7 +56,10 @@ class ExpertOps:
             return cuda_quant.upload_experts(self, trios)
         return super().upload_experts(trios)
 
-    def routes_on_device(self, experts) -> bool:
+    def captures_moe(self, experts) -> bool:
+        return self._routes_on_device(experts)
+
+    def _routes_on_device(self, experts) -> bool:
         return (self.moe_on_device and isinstance(experts, cuda_quant.CudaExperts)
                 and len(experts) <= MAX_EXPERTS)
 
@@ -71,7 +74,7 @@ class ExpertOps:
         route_rows(T, n_used, norm, s)
 
     def moe(self, out, x, router, experts, n_used, norm, act, scratch) -> None:
-        if self.routes_on_device(experts):
+        if self._routes_on_device(experts):
             self._moe_on_device(out, x, router, experts, n_used, norm, act, scratch)
             return
         s = scratch
