@@ -657,3 +657,62 @@ def test_moe_decode_rows_match_prefill_bitwise(variant, fmt, fmt_down, f, n, thr
         else:
             assert np.array_equal(row.view(np.uint32), batch[t].view(np.uint32)), t
         assert np.array_equal(row.view(np.uint32), slow.view(np.uint32)), t
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("E,k,n,norm", [(128, 8, 2048, True), (8, 2, 96, True), (60, 4, 33, False), (5, 5, 7, True)])
+def test_moe_route_is_the_reference_choice(E, k, n, norm, threads):
+    """CpuKernels.moe_route (program.c, the choice a decode program makes) picks the experts
+    of the highest router probabilities, best first, with their weights (renormalized where
+    asked), as float64 arithmetic does wherever two probabilities are not within float32
+    rounding of each other; the same rows for any thread count."""
+    rng = rng_for("moe_route", E, k, n, norm)
+    b = backend("generic" if "generic" in VARIANTS else VARIANTS[0], threads)
+    T = 37
+    router = (rng.standard_normal((E, n)) * n ** -0.5).astype(np.float32)
+    x = rng.standard_normal((T, n)).astype(np.float32)
+    scores, ids = np.zeros((T, E), np.float32), np.zeros((T, k), np.int64)
+    weights = np.zeros((T, k), np.float32)
+    b.moe_route(router, x, k, norm, scores, ids, weights)
+    p = np.exp((x.astype(np.float64) @ router.astype(np.float64).T))
+    p /= p.sum(-1, keepdims=True)
+    for t in range(T):
+        order = np.argsort(-p[t], kind="stable")
+        margins = -np.diff(p[t, order][:k + 1])
+        if margins.min() < 1e-5:
+            continue                                    # a near-tie: either order is right
+        assert ids[t].tolist() == order[:k].tolist(), t
+        want = p[t, order[:k]] / (p[t, order[:k]].sum() if norm else 1.0)
+        np.testing.assert_allclose(weights[t], want, rtol=1e-5)
+        np.testing.assert_allclose(scores[t, order[k:]], p[t, order[k:]], rtol=1e-5, atol=1e-9)
+    again = np.zeros_like(ids)
+    backend("generic" if "generic" in VARIANTS else VARIANTS[0], 3 - threads).moe_route(
+        router, x, k, norm, scores.copy(), again, weights.copy())
+    assert np.array_equal(again, ids)
+
+
+def test_moe_route_bad_input_and_nan():
+    """Wrong shapes, k out of range and overlapping outputs are one-line errors; a router
+    product of NaN still gives k distinct experts in range."""
+    b = backend(VARIANTS[0], 2)
+    f32 = np.float32
+    router, x = np.ones((6, 16), f32), np.ones((3, 16), f32)
+    ok = dict(scores=np.zeros((3, 6), f32), ids=np.zeros((3, 2), np.int64), weights=np.zeros((3, 2), f32))
+    bad = [((router, x, 0, True), {}), ((router, x, 7, True), {}),
+           ((router, np.ones((3, 15), f32), 2, True), {}),
+           ((router, x, 2, True), dict(scores=np.zeros((2, 6), f32))),
+           ((router, x, 2, True), dict(ids=np.zeros((3, 3), np.int64))),
+           ((router, x, 2, True), dict(ids=np.zeros((3, 2), np.int32))),
+           ((router.astype(np.float16), x, 2, True), {})]
+    for args, over in bad:
+        kw = {**{k: v.copy() for k, v in ok.items()}, **over}
+        with pytest.raises(InvalidArgumentError):
+            b.moe_route(*args, kw["scores"], kw["ids"], kw["weights"])
+    flat = np.zeros(3 * 6 + 3 * 2, f32)
+    with pytest.raises(InvalidArgumentError):       # weights inside scores
+        b.moe_route(router, x, 2, True, flat[:18].reshape(3, 6), ok["ids"].copy(), flat[12:18].reshape(3, 2))
+    nan = x.copy()
+    nan[1] = np.nan
+    ids = np.full((3, 4), -7, np.int64)
+    b.moe_route(router, nan, 4, True, np.zeros((3, 6), f32), ids, np.zeros((3, 4), f32))
+    assert all(len(set(r)) == 4 and min(r) >= 0 and max(r) < 6 for r in ids.tolist())
