@@ -616,6 +616,7 @@ CASES = [
     case("moe", E=4, k=4, f=33, n=40, act="gelu_tanh"),
     case("moe", E=8, k=2, f=64, n=96),
     case("moe", E=16, k=3, f=40, n=100, norm=False),
+    case("moe", E=5, k=3, f=48, n=64, act="gelu_tanh"),
     case("moe_batch", E=1, k=1, f=7, n=17, T=1),
     case("moe_batch", E=8, k=2, f=64, n=96, T=13),
     case("moe_batch", E=16, k=3, f=40, n=100, T=40, norm=False, act="gelu_tanh"),
@@ -829,10 +830,13 @@ _CUDA = (pytest.mark.cuda,
 
 def _captured(kind, op, params) -> bool:
     """Whether a recording runner (cpu-step, cuda-graph) records this case. A mixture of experts
-    is recorded on cpu (its decode program routes in C) and on cuda where its experts are
-    quantized (routed on the device); cuda's float experts are routed by the host between
-    ops, and such a step is run as issued (Backend.captures_moe)."""
-    return not (kind == "cuda-graph" and op == "moe" and params.get("fmt") is None)
+    is recorded on cpu (its decode program routes in C) and on cuda where its experts stack
+    (routed on the device): quantized, or float16 rows of whole 16-byte loads. Other float
+    experts are routed by the host between ops, and such a step runs as issued
+    (Backend.captures_moe)."""
+    if kind != "cuda-graph" or op != "moe" or params.get("fmt") is not None:
+        return True
+    return params["f"] % 8 == 0 and params["n"] % 8 == 0
 
 
 def runner_kinds():

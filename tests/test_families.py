@@ -331,25 +331,17 @@ def test_moe_f16_and_q8_0_files(family_material, reference, kind, backend):
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", sorted(MOE_KINDS))
 def test_moe_decode_routes_on_the_device(family_material, kind):
-    """Quantized experts on cuda: each role's experts in one array, picked on the device by the
-    router's choice, so decode is captured as one graph per step. Its logits are bitwise those
-    of the same steps run op by op, and those are prefill's (which routes on the host) to its
-    tolerance, up to the first token the two route differently."""
-    from cyllm.backends.cuda.quant import CudaExperts
-    from cyllm.loading import load_path
-    from cyllm.quant.matrix import QuantMatrix
+    """Experts on cuda: each role's experts in one array (Q8_0 blocks; qwen3moe's and olmoe's
+    down, whose rows of 40 and 56 are no whole 32-blocks, F16 in the file), picked on the device
+    by the router's choice, so decode is captured as one graph per step. Its logits are bitwise
+    those of the same steps run op by op, and those are prefill's (which routes on the host) to
+    its tolerance, up to the first token the two route differently."""
+    from cyllm.backends.cuda.experts import CudaExperts
     _backend("cuda")
     path = family_material.gguf(kind, "q8_0")
-    # experts whose rows are not whole 32-blocks (qwen3moe's 40, olmoe's 56) stay F16 in the
-    # file: those are routed on the host, and their steps are not captured
-    _, weights, _ = load_path(path)
-    quantized = all(isinstance(a, QuantMatrix) for name, a in weights.items() if ".experts." in name)
     batched, step, graphed = (cyllm.load(path, backend="cuda") for _ in range(3))
-    assert all(isinstance(L.experts, CudaExperts) == quantized for L in graphed.layers)
-    assert graphed.backend.data_dependent_steps != quantized
-    if not quantized:
-        return
-    assert graphed.backend.captures_decode
+    assert all(isinstance(L.experts, CudaExperts) for L in graphed.layers)
+    assert graphed.backend.captures_decode and not graphed.backend.data_dependent_steps
     ids = _ids(batched)
     replayed = np.stack([graphed.forward(t, i).copy() for i, t in enumerate(ids)])
     assert graphed.backend._graph is not None, "decode was not captured"

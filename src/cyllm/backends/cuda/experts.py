@@ -1,24 +1,27 @@
 """A mixture of experts on the GPU (a mixin of CudaBackend).
 
-Decode over quantized experts that upload_experts stacked (quant.CudaExperts) never leaves the
-device: the router and the choice of experts (moe_route_f32, cuda/moe.cu), each role's chosen
-experts in one launch that reads their ids on the device (qmv_experts_*, quant_matvec.cu),
-and the weighted sum in rank order (moe_combine_f32). Such a step is captured in the decode
-graph like any other.
+A layer's experts are uploaded into one array a role (CudaExperts: each expert's matrix back
+to back, in the quantized layout of quant.py or as FP16 rows) where every expert of a role is
+of one format and shape, gate and up alike. Decode over such experts never leaves the device:
+the router and the choice of experts (moe_route_f32, cuda/moe.cu), each role's chosen experts
+in one launch that reads their ids on the device (qmv_experts_* in quant_matvec.cu,
+*_experts_f16 in matvec.cu), and the weighted sum in rank order (moe_combine_f32). Such a step
+is captured in the decode graph like any other.
 
-Otherwise (float experts, experts of mixed formats, and prefill, whose rows are grouped by
-expert on the host) the router's logits are computed on the device and read back, the host
-picks the experts (backends/moe.py, as the host backends do), and each chosen expert runs
-through this backend's own gate_up and matvec (decode) or gate_up_batch and matmul (prefill).
-Reading the scores synchronises, so such a step is never captured
-(Backend.data_dependent_steps, data_dependent_prefill).
+Otherwise (experts of mixed formats, FP16 rows that the vector kernels cannot take, and
+prefill, whose rows are grouped by expert on the host) the router's logits are computed on
+the device and read back, the host picks the experts (backends/moe.py, as the host backends
+do), and each chosen expert runs through this backend's own gate_up and matvec (decode) or
+gate_up_batch and matmul (prefill). Reading the scores synchronises, so such a step is never
+captured (Backend.data_dependent_steps, data_dependent_prefill).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ...errors import InvalidArgumentError
+from ...errors import InvalidArgumentError, ModelLoadError
+from ...quant.matrix import QuantMatrix
 from ..moe import MoeScratch, expert_groups, route_rows
 from . import quant as cuda_quant
 from .checks import check_act
@@ -31,20 +34,64 @@ except Exception:  # noqa: BLE001 - reported by CudaBackend when it is construct
 
 ROUTE_THREADS = 256         # MOE_THREADS of cuda/moe.cu: 8 router rows a block
 MAX_EXPERTS = 1024          # MOE_MAX_EXPERTS: the probabilities a block keeps in shared memory
+F16_WARPS = 8               # warps (= rows) a block of the *_experts_f16 kernels
+_F16_KERNELS = {None: "matvec_experts_f16", "silu": "gate_up_silu_experts_f16",
+                "gelu_tanh": "gate_up_gelu_experts_f16"}
 
 
-class _DeviceScratch:
-    """The device arrays of moe on the device, allocated at the first (eager) step."""
+class F16ExpertStack:
+    """One role of a layer's experts in FP16: (count, rows, cols) on the device, expert e's
+    matrix ``data[e]``; cols a multiple of 8 (the vector kernels' 16-byte loads)."""
 
-    __slots__ = ("logits", "ids", "weights", "counter", "h", "y")
+    __slots__ = ("data", "rows", "cols", "count")
 
-    def __init__(self, n_experts: int, n_used: int, ffn: int, dim: int):
-        self.logits = cp.empty(n_experts, dtype=cp.float32)
-        self.ids = cp.zeros(n_used, dtype=cp.int32)
-        self.weights = cp.zeros(n_used, dtype=cp.float32)
-        self.counter = cp.zeros(1, dtype=cp.int32)      # moe_route_f32 puts it back to zero
-        self.h = cp.empty((n_used, ffn), dtype=cp.float32)
-        self.y = cp.empty((n_used, dim), dtype=cp.float32)
+    def __init__(self, data):
+        self.data = data
+        self.count, self.rows, self.cols = (int(v) for v in data.shape)
+
+    @property
+    def stride(self) -> int:
+        """An expert's matrix in 16-byte units."""
+        return self.rows * self.cols // 8
+
+    def matrix(self, e: int):
+        return self.data[e]
+
+
+class CudaExperts:
+    """A layer's experts uploaded as one stack a role (quant.ExpertStack or F16ExpertStack).
+    Indexed like the host backends' tuple of (gate, up, down) trios: experts[e] is expert e's
+    trio (views of the stacks)."""
+
+    __slots__ = ("gate", "up", "down")
+
+    def __init__(self, gate, up, down):
+        self.gate, self.up, self.down = gate, up, down
+
+    def __len__(self) -> int:
+        return self.gate.count
+
+    def __getitem__(self, e):
+        e = int(e)
+        if not 0 <= e < self.gate.count:
+            raise IndexError(f"expert {e} of {self.gate.count}")
+        return (self.gate.matrix(e), self.up.matrix(e), self.down.matrix(e))
+
+    def __iter__(self):
+        return (self[e] for e in range(len(self)))
+
+
+def _role_kind(mats) -> str | None:
+    """"quant" (QuantMatrix of one format and shape that the kernels have), "f16" (float16
+    matrices of one shape, rows of whole 16-byte loads), or None: not one stack."""
+    first = mats[0]
+    if isinstance(first, QuantMatrix):
+        same = all(isinstance(m, QuantMatrix) and m.fmt is first.fmt and m.shape == first.shape for m in mats)
+        return "quant" if same and first.fmt.name in cuda_quant.LAYOUTS else None
+    if isinstance(first, np.ndarray) and first.dtype == np.float16 and first.ndim == 2 and first.shape[1] % 8 == 0:
+        same = all(isinstance(m, np.ndarray) and m.dtype == np.float16 and m.shape == first.shape for m in mats)
+        return "f16" if same else None
+    return None
 
 
 class ExpertOps:
@@ -52,16 +99,31 @@ class ExpertOps:
     gate_up, matvec, add, gate_up_batch, matmul."""
 
     def upload_experts(self, trios):
-        if cuda_quant.stackable_experts(trios):
-            return cuda_quant.upload_experts(self, trios)
-        return super().upload_experts(trios)
+        trios = [tuple(t) for t in trios]
+        roles = [[t[r] for t in trios] for r in range(3)] if trios and all(len(t) == 3 for t in trios) else None
+        kinds = [_role_kind(m) for m in roles] if roles else [None]
+        if None in kinds or kinds[0] != kinds[1] or roles[0][0].shape != roles[1][0].shape:
+            return super().upload_experts(trios)
+        return CudaExperts(*(cuda_quant.upload_expert_stack(self, m) if k == "quant" else self._f16_stack(m)
+                             for m, k in zip(roles, kinds)))
+
+    def _f16_stack(self, mats) -> F16ExpertStack:
+        rows, cols = mats[0].shape
+        self.check_fits(len(mats) * rows * cols * 2)
+        try:
+            data = cp.empty((len(mats), rows, cols), dtype=cp.float16)
+            for e, m in enumerate(mats):
+                data[e].set(np.ascontiguousarray(m))
+        except cp.cuda.memory.OutOfMemoryError:
+            raise ModelLoadError(f"out of GPU memory uploading {len(mats)} experts of {rows} x {cols} "
+                                 f"to {self.device_name}") from None
+        return F16ExpertStack(data)
 
     def captures_moe(self, experts) -> bool:
         return self._routes_on_device(experts)
 
     def _routes_on_device(self, experts) -> bool:
-        return (self.moe_on_device and isinstance(experts, cuda_quant.CudaExperts)
-                and len(experts) <= MAX_EXPERTS)
+        return self.moe_on_device and isinstance(experts, CudaExperts) and len(experts) <= MAX_EXPERTS
 
     def _route(self, x, router, n_used: int, norm: bool, s: MoeScratch) -> None:
         T = x.shape[0]
@@ -95,7 +157,7 @@ class ExpertOps:
         if not (0 < n_used <= E == len(experts) and x.shape == out.shape == (n,) == (g.cols,) == (d.rows,)
                 and d.cols == g.rows
                 and router.dtype == x.dtype == out.dtype == np.float32 and router.flags.c_contiguous
-                and x.flags.c_contiguous and out.flags.c_contiguous):
+                and x.flags.c_contiguous and out.flags.c_contiguous and x.data.ptr % 16 == 0):
             self._flush()
             raise InvalidArgumentError(f"moe: router {tuple(router.shape)}, x {tuple(x.shape)}, out "
                                        f"{tuple(out.shape)}, {len(experts)} experts of {g.rows} x {g.cols}, "
@@ -110,9 +172,21 @@ class ExpertOps:
         self._launch("moe_route_f32", (_blocks(E, ROUTE_THREADS // 32),), (ROUTE_THREADS,),
                      (v.ids, v.weights, v.logits, v.counter, router, x, np.int32(E), np.int32(n),
                       np.int32(n_used), np.int32(1 if norm else 0)))
-        cuda_quant.qmatvec_experts(self, v.h, g, experts.up, v.ids, x, 0, act)
-        cuda_quant.qmatvec_experts(self, v.y, d, None, v.ids, v.h, g.rows)
-        self._launch("moe_combine_f32", (_blocks(n, 256),), (256,), (out, v.y, v.weights, np.int32(n_used), np.int32(n)))
+        self._experts_matvec(v.h, g, experts.up, v.ids, x, 0, act)
+        self._experts_matvec(v.y, d, None, v.ids, v.h, g.rows)
+        self._launch("moe_combine_f32", (_blocks(n, 256),), (256,),
+                     (out, v.y, v.weights, np.int32(n_used), np.int32(n)))
+
+    def _experts_matvec(self, out, w0, w1, ids, x, ldx: int, act: str | None = None) -> None:
+        """out[j] = W0[ids[j]] x[j] (w1 None) or act(W0[ids[j]] x[j]) * (W1[ids[j]] x[j]) for each
+        rank j, one launch; x row j at x + j * ldx floats (0: one vector for every expert)."""
+        if isinstance(w0, cuda_quant.ExpertStack):
+            cuda_quant.qmatvec_experts(self, out, w0, w1, ids, x, ldx, act)
+            return
+        k, d = ids.shape[0], w0.rows
+        self._launch(_F16_KERNELS[act], (_blocks(d, F16_WARPS), k), (32 * F16_WARPS,),
+                     (out, w0.data, (w0 if w1 is None else w1).data, np.int64(w0.stride), ids,
+                      np.int32(w0.count), x, np.int32(ldx), np.int32(d), np.int32(w0.cols // 8)))
 
     def moe_batch(self, out, x, router, experts, n_used, norm, act, scratch) -> None:
         s, T = scratch, x.shape[0]

@@ -325,59 +325,21 @@ class ExpertStack:
         return CudaQuantMatrix(self.data[e * self.stride:(e + 1) * self.stride], self.fmt, self.rows, self.cols)
 
 
-class CudaExperts:
-    """A layer's experts uploaded as three ExpertStacks (``upload_experts``). Indexed like the
-    host backends' tuple of (gate, up, down) trios: experts[e] is expert e's trio (views)."""
-
-    __slots__ = ("gate", "up", "down")
-
-    def __init__(self, gate: ExpertStack, up: ExpertStack, down: ExpertStack):
-        self.gate, self.up, self.down = gate, up, down
-
-    def __len__(self) -> int:
-        return self.gate.count
-
-    def __getitem__(self, e):
-        e = int(e)
-        if not 0 <= e < self.gate.count:
-            raise IndexError(f"expert {e} of {self.gate.count}")
-        return (self.gate.matrix(e), self.up.matrix(e), self.down.matrix(e))
-
-    def __iter__(self):
-        return (self[e] for e in range(len(self)))
-
-
-def stackable_experts(trios) -> bool:
-    """Whether upload_experts stacks these host experts: every matrix quantized in a format the
-    kernels have, each role of one format and shape, gate and up alike."""
-    trios = list(trios)
-    if not trios or not all(len(t) == 3 and all(isinstance(m, QuantMatrix) for m in t) for t in trios):
-        return False
-    firsts = trios[0]
-    if any(m.fmt.name not in LAYOUTS for m in firsts):
-        return False
-    same = all(t[r].fmt is firsts[r].fmt and t[r].shape == firsts[r].shape for t in trios for r in range(3))
-    return same and firsts[0].fmt is firsts[1].fmt and firsts[0].shape == firsts[1].shape
-
-
-def upload_experts(be, trios) -> CudaExperts:
-    """A layer's quantized experts (host (gate, up, down) trios, stackable_experts) -> one
-    device array a role, the file's bytes reordered expert by expert (never widened: the
-    launch spans every chosen expert, so one matrix's size says nothing of its grid)."""
-    trios = list(trios)
-    stacks = []
-    for r in range(3):
-        first = trios[0][r]
-        total = sum(t[r].nbytes for t in trios)
-        be.check_fits(total + first.nbytes)
-        with _upload_errors(be, first):
-            flat = cp.empty(total, dtype=cp.uint8)
-        stack = ExpertStack(flat, first.fmt, first.rows, first.cols, len(trios))
-        for e, t in enumerate(trios):
-            with _upload_errors(be, t[r]):
-                _repack_into(t[r], first.fmt, flat[e * stack.stride:(e + 1) * stack.stride])
-        stacks.append(stack)
-    return CudaExperts(*stacks)
+def upload_expert_stack(be, mats) -> ExpertStack:
+    """One role of a layer's experts (QuantMatrix of one format and shape, one an expert) ->
+    one device array, the file's bytes reordered expert by expert (never widened: a launch
+    spans every chosen expert, so one matrix's size says nothing of its grid)."""
+    first = mats[0]
+    _layout(first.fmt)
+    total = sum(m.nbytes for m in mats)
+    be.check_fits(total + first.nbytes)
+    with _upload_errors(be, first):
+        flat = cp.empty(total, dtype=cp.uint8)
+    stack = ExpertStack(flat, first.fmt, first.rows, first.cols, len(mats))
+    for e, m in enumerate(mats):
+        with _upload_errors(be, m):
+            _repack_into(m, first.fmt, flat[e * stack.stride:(e + 1) * stack.stride])
+    return stack
 
 
 # -- kernels --------------------------------------------------------------------------------
@@ -687,7 +649,8 @@ def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None, hold: b
 _EXPERT_KERNELS = {None: "qmv_experts_", "silu": "qmv_experts_gate_up_silu_", "gelu_tanh": "qmv_experts_gate_up_gelu_"}
 
 
-def qmatvec_experts(be, out, w0: ExpertStack, w1: ExpertStack | None, ids, x, ldx: int, act: str | None = None) -> None:
+def qmatvec_experts(be, out, w0: ExpertStack, w1: ExpertStack | None, ids, x, ldx: int,
+                    act: str | None = None) -> None:
     """A token's chosen experts in one launch (decode; cuda/quant_matvec.cu, qmv_experts_*):
     for each rank j of ids (k,) int32 on the device, out[j] = W0[ids[j]] x[j] (w1 None), or
     act(W0[ids[j]] x[j]) * (W1[ids[j]] x[j]); out (k, rows) float32, x row j at x + j * ldx
