@@ -39,6 +39,20 @@ _F16_KERNELS = {None: "matvec_experts_f16", "silu": "gate_up_silu_experts_f16",
                 "gelu_tanh": "gate_up_gelu_experts_f16"}
 
 
+class _DeviceScratch:
+    """The device arrays of moe on the device, allocated at the first (eager) step."""
+
+    __slots__ = ("logits", "ids", "weights", "counter", "h", "y")
+
+    def __init__(self, n_experts: int, n_used: int, ffn: int, dim: int):
+        self.logits = cp.empty(n_experts, dtype=cp.float32)
+        self.ids = cp.zeros(n_used, dtype=cp.int32)
+        self.weights = cp.zeros(n_used, dtype=cp.float32)
+        self.counter = cp.zeros(1, dtype=cp.int32)      # moe_route_f32 puts it back to zero
+        self.h = cp.empty((n_used, ffn), dtype=cp.float32)
+        self.y = cp.empty((n_used, dim), dtype=cp.float32)
+
+
 class F16ExpertStack:
     """One role of a layer's experts in FP16: (count, rows, cols) on the device, expert e's
     matrix ``data[e]``; cols a multiple of 8 (the vector kernels' 16-byte loads)."""
