@@ -133,6 +133,11 @@ def register_kinds() -> list[str]:
     from llamacpp_tools import GGUF_KINDS
     kinds = []
     for kind in GGUF_KINDS:
+        if kind not in WIDE:
+            # the mixtures of experts: tests/test_cuda_quant_model.py compares whole models'
+            # logits between cuda and cpu, where a router near-tie decided either way moves a
+            # token far past its tolerance; tests/test_families.py covers them with forced routes
+            continue
         arch, overrides = tm.KINDS[kind]
         name = kind + SUFFIX
         tm.KINDS[name] = (arch, {**overrides, **WIDE[kind]})
