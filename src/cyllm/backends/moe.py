@@ -1,6 +1,8 @@
 """A mixture-of-experts MLP: the router's choice of experts and the chosen experts' products,
-written once over a backend's own ops (numpy_ref and cpu here; cuda reads the router's scores
-back to the host and shares the routing and the grouping, backends/cuda/experts.py).
+written once over a backend's own ops (numpy_ref and cpu here; cpu chooses through its C
+routing, the one its decode program makes, and a recorded cpu step runs the whole MLP in C;
+cuda decodes on the device where its experts are stacked, and otherwise reads the router's
+scores back and shares the routing and the grouping here, backends/cuda/experts.py).
 
 The routing is the one transformers and llama.cpp share for Mixtral, Qwen3-MoE and OLMoE:
 p = softmax(router @ x); the n_used experts of the highest p, best first; their weights
