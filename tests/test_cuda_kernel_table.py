@@ -15,7 +15,8 @@ def _defined_kernels() -> set[str]:
     src = "".join(p.read_text() for p in (ROOT / "cuda").glob("*.cu"))
     names = set(re.findall(r'__global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(', src))
     suffixes = {"CYLLM_MATVEC_VEC": ("", "_u8", "_norm", "_u8_norm"), "CYLLM_MATVEC_SCALAR": ("",),
-                "CYLLM_ATTN_SPLIT": ("", "_ve", "_fold", "_ek"), "CYLLM_ATTN_BATCH": ("", "_v4")}
+                "CYLLM_ATTN_SPLIT": ("", "_ve", "_fold", "_ek"), "CYLLM_ATTN_BATCH": ("", "_v4"),
+                "CYLLM_MATVEC_EXPERTS": ("",)}
     for macro, ends in suffixes.items():
         for base in re.findall(macro + r"\((\w+),", src):
             names |= {base + e for e in ends}

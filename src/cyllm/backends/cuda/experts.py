@@ -25,6 +25,7 @@ from ...quant.matrix import QuantMatrix
 from ..moe import MoeScratch, expert_groups, route_rows
 from . import quant as cuda_quant
 from .checks import check_act
+from .kernel_names import EXPERTS_F16_KERNELS, MOE_KERNELS
 from .shapes import blocks as _blocks
 
 try:  # CuPy is optional: this module imports without it, like the others of the backend
@@ -35,8 +36,6 @@ except Exception:  # noqa: BLE001 - reported by CudaBackend when it is construct
 ROUTE_THREADS = 256         # MOE_THREADS of cuda/moe.cu: 8 router rows a block
 MAX_EXPERTS = 1024          # MOE_MAX_EXPERTS: the probabilities a block keeps in shared memory
 F16_WARPS = 8               # warps (= rows) a block of the *_experts_f16 kernels
-_F16_KERNELS = {None: "matvec_experts_f16", "silu": "gate_up_silu_experts_f16",
-                "gelu_tanh": "gate_up_gelu_experts_f16"}
 
 
 class _DeviceScratch:
@@ -183,12 +182,12 @@ class ExpertOps:
             self._flush()
             raise InvalidArgumentError("moe: the scratch was allocated for another layer shape")
         self._flush()                                   # x (the normed stream) may be held back
-        self._launch("moe_route_f32", (_blocks(E, ROUTE_THREADS // 32),), (ROUTE_THREADS,),
+        self._launch(MOE_KERNELS["route"], (_blocks(E, ROUTE_THREADS // 32),), (ROUTE_THREADS,),
                      (v.ids, v.weights, v.logits, v.counter, router, x, np.int32(E), np.int32(n),
                       np.int32(n_used), np.int32(1 if norm else 0)))
         self._experts_matvec(v.h, g, experts.up, v.ids, x, 0, act)
         self._experts_matvec(v.y, d, None, v.ids, v.h, g.rows)
-        self._launch("moe_combine_f32", (_blocks(n, 256),), (256,),
+        self._launch(MOE_KERNELS["combine"], (_blocks(n, 256),), (256,),
                      (out, v.y, v.weights, np.int32(n_used), np.int32(n)))
 
     def _experts_matvec(self, out, w0, w1, ids, x, ldx: int, act: str | None = None) -> None:
@@ -198,7 +197,7 @@ class ExpertOps:
             cuda_quant.qmatvec_experts(self, out, w0, w1, ids, x, ldx, act)
             return
         k, d = ids.shape[0], w0.rows
-        self._launch(_F16_KERNELS[act], (_blocks(d, F16_WARPS), k), (32 * F16_WARPS,),
+        self._launch(EXPERTS_F16_KERNELS[act], (_blocks(d, F16_WARPS), k), (32 * F16_WARPS,),
                      (out, w0.data, (w0 if w1 is None else w1).data, np.int64(w0.stride), ids,
                       np.int32(w0.count), x, np.int32(ldx), np.int32(d), np.int32(w0.cols // 8)))
 

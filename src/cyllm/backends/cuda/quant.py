@@ -34,6 +34,8 @@ tile of width W the units are stored (item, unit, row-in-tile) and each small pl
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 from ...errors import BackendUnavailableError, InvalidArgumentError, ModelLoadError
@@ -286,25 +288,18 @@ def _repack_into(qm: QuantMatrix, fmt: WeightFormat, flat) -> None:
         del raw
 
 
-class _upload_errors:
-    """Turns CUDA's allocation failures while uploading ``qm`` into one ModelLoadError line."""
-
-    def __init__(self, be, qm: QuantMatrix):
-        self.be, self.qm = be, qm
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, e, tb):
-        if e is None or not isinstance(e, (cp.cuda.memory.OutOfMemoryError, cp.cuda.runtime.CUDARuntimeError)):
-            return False
+@contextmanager
+def _upload_errors(be, qm: QuantMatrix):
+    """CUDA's allocation failures while uploading ``qm`` as one ModelLoadError line."""
+    try:
+        yield
+    except (cp.cuda.memory.OutOfMemoryError, cp.cuda.runtime.CUDARuntimeError) as e:
         # the pool reports OutOfMemoryError; cudaMalloc outside it, a CUDARuntimeError
         oom = (isinstance(e, cp.cuda.memory.OutOfMemoryError)
                or getattr(e, "status", None) == cp.cuda.runtime.errorMemoryAllocation)
         what = "out of GPU memory" if oom else f"a CUDA error ({str(e).strip()})"
-        raise ModelLoadError(
-            f"{what} uploading a {self.qm.nbytes / 2**20:.1f} MiB {self.qm.fmt.name} tensor "
-            f"to {self.be.device_name}") from None
+        raise ModelLoadError(f"{what} uploading a {qm.nbytes / 2**20:.1f} MiB {qm.fmt.name} tensor "
+                             f"to {be.device_name}") from None
 
 
 class ExpertStack:
