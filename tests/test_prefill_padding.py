@@ -74,7 +74,7 @@ def test_cuda_padding_lengths():
     from types import SimpleNamespace
 
     from cyllm.backends.cuda.prefill_graph import MAX_PREFILL_GRAPHS, GraphPrefill, padded_length
-    be = SimpleNamespace(use_graphs=True, prefill_graphs=True, data_dependent_steps=False, _prefill_never=set())
+    be = SimpleNamespace(use_graphs=True, prefill_graphs=True, data_dependent_prefill=False, _prefill_never=set())
     rows = {t: GraphPrefill.prefill_rows(be, t, 512) for t in range(1, 513)}
     lengths = sorted(set(rows.values()))
     assert lengths == [16, 32, 64, 128, 192, 256, 320, 384, 448, 512] and len(lengths) <= MAX_PREFILL_GRAPHS
@@ -83,5 +83,5 @@ def test_cuda_padding_lengths():
     assert not any(padded_length(n) for n in (1, 8, 15, 48, 65, 100, 500))
     assert GraphPrefill.prefill_rows(be, 70, 100) == 100 and GraphPrefill.prefill_rows(be, 5, 9) == 9
     for off in (dict(use_graphs=False), dict(prefill_graphs=False), dict(_prefill_never={"a key"}),
-                dict(data_dependent_steps=True)):
+                dict(data_dependent_prefill=True)):
         assert GraphPrefill.prefill_rows(SimpleNamespace(**{**vars(be), **off}), 13, 512) == 13

@@ -240,8 +240,9 @@ def test_short_noisy_steps_probe_longer():
 
 
 def test_steps_run_op_by_op_follow_the_tuner_too():
-    """A step that is not a captured program (a mixture of experts: Backend.data_dependent_steps)
-    runs its ops on the team the tuner picks, restores the full team after, and reports its time."""
+    """A step that is not a captured program (Backend.data_dependent_steps, or ops no program
+    holds, such as a role of experts in two formats) runs its ops on the team the tuner picks,
+    restores the full team after, and reports its time."""
     if CpuBackend is None:
         pytest.skip(f"cpu kernels not built: {_why}")
 
