@@ -143,6 +143,18 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// A launch over a token's chosen experts (qmv_experts_* of quant_matvec.cu, *_experts_f16 of
+// matvec.cu): blockIdx.y is the rank j of an expert the token chose. Waits for the ids (the
+// previous kernel, moe_route_f32, wrote them), then returns where expert ids[j]'s matrix starts
+// in its role's stack (e * stride, in the caller's units), or -1 for an id out of range
+// (never: moe_route_f32 writes them in range). None of the weights can load before the wait.
+__device__ __forceinline__ long long expert_offset(const int* ids, int n_experts, long long stride) {
+    pdl_trigger();
+    pdl_wait();
+    const int e = ld_act_int(ids + blockIdx.y);
+    return (e < 0 || e >= n_experts) ? -1 : (long long)e * stride;
+}
+
 // pdl_wait for a kernel that issued loads before it: ptxas may schedule such loads below
 // griddepcontrol.wait when both sit in one basic block, and did so for every q4_0 matvec and
 // q8_0's gate+up (SASS of cuda/quant_matvec.cu, CUDA 13, sm_90a: no weight load before the

@@ -217,21 +217,16 @@ CYLLM_MATVEC_VEC(gate_up_gelu_r1, 1, 3)
 CYLLM_MATVEC_VEC(gate_up_gelu_r2, 2, 3)
 
 // A mixture of experts' chosen experts in one launch (decode), over FP16 weights, as the
-// qmv_experts_* kernels of quant_matvec.cu: blockIdx.y is the rank j of an expert the token
-// chose, e = ids[j] (moe_route_f32 wrote it on the device), expert e's matrices at
-// w0 + e * stride and w1 + e * stride (16-byte units: a role's experts back to back,
-// backends/cuda/experts.py), x row j at x + j * ldx floats, out row j at out + j * d. The
-// weights depend on the ids, so none is loaded before pdl_wait.
+// qmv_experts_* kernels of quant_matvec.cu (common.cuh, expert_offset): expert ids[j]'s
+// matrices at w0 + e * stride and w1 + e * stride (16-byte units: a role's experts back to
+// back, backends/cuda/experts.py), x row j at x + j * ldx floats, out row j at out + j * d.
 #define CYLLM_MATVEC_EXPERTS(NAME, MODE)                                                          \
     extern "C" __global__ void NAME(float* __restrict__ out, const uint4* __restrict__ w0,        \
                                     const uint4* __restrict__ w1, long long stride, const int* ids, \
                                     int n_experts, const float* x, int ldx, int d, int n8) {      \
-        pdl_trigger();                                                                            \
-        pdl_wait();                                                                               \
+        const long long off = expert_offset(ids, n_experts, stride);                              \
+        if (off < 0) return;                                                                      \
         const int j = blockIdx.y;                                                                 \
-        const int e = ld_act_int(ids + j);                                                        \
-        if (e < 0 || e >= n_experts) return;        /* never: moe_route_f32 writes ids in range */ \
-        const size_t off = (size_t)e * (size_t)stride;                                            \
         matvec_vec_body<1, MODE, MV_UNROLL, false>(out + (size_t)j * d, w0 + off, w1 + off,       \
             reinterpret_cast<const float4*>(x + (size_t)j * ldx), d, n8, nullptr, 0.0f, nullptr); \
     }

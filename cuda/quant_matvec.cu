@@ -1453,7 +1453,7 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
 // A mixture of experts' chosen experts in one launch (decode): blockIdx.y is the rank j of an
 // expert the token chose, e = ids[j] (moe_route_f32 wrote it on the device) picks expert e's
 // matrices at w0 + e * stride and w1 + e * stride (a layer's experts of one role lie back to
-// back, each in the layout above: backends/cuda/quant.py upload_experts), x row j is at
+// back, each in the layout above: backends/cuda/quant.py upload_expert_stack), x row j is at
 // x + j * ldx (gate+up: ldx 0, the token's vector; down: each expert's own h) and out row j
 // at out + j * d. Their weights depend on the ids, so none is loaded before pdl_wait.
 #define CYLLM_QMV_EXPERTS_DEF(NAME, F, MODE, BOUNDS)                                              \
@@ -1461,12 +1461,9 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
                                     const unsigned char* __restrict__ w1, long long stride,         \
                                     const int* ids, int n_experts, const float* x, int ldx,         \
                                     int d, int nbi) {                                                \
-        pdl_trigger();                                                                               \
-        pdl_wait();                                                                                  \
+        const long long off = expert_offset(ids, n_experts, stride);                                 \
+        if (off < 0) return;                                                                         \
         const int j = blockIdx.y;                                                                    \
-        const int e = ld_act_int(ids + j);                                                           \
-        if (e < 0 || e >= n_experts) return;        /* never: moe_route_f32 writes ids in range */  \
-        const size_t off = (size_t)e * (size_t)stride;                                               \
         qmv_body<F, MODE, false, false>(out + (size_t)j * d, w0 + off, w1 + off, x + (size_t)j * ldx, \
                                         d, nbi, nullptr, 0.0f, nullptr, blockIdx.x, nullptr, nullptr, nullptr); \
     }
