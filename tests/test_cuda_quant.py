@@ -146,6 +146,53 @@ def test_repack_matches_kernel_addressing(fmt):
         assert covered.tolist() == [1] * f.block_bytes
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_expert_stack_addressing(fmt):
+    """A role's experts back to back, each repacked on its own (upload_expert_stack): expert e's
+    bytes start at e * stride, the offset the qmv_experts_* kernels add to every plane pointer,
+    so the single-matrix address formulas read expert e's blocks; ExpertStack.matrix(e) is
+    that slice, with the expert's shape."""
+    rng = np.random.default_rng(13)
+    f = FORMATS[fmt]
+    units, main, pa, pb, _ = CQ.LAYOUTS[fmt]
+    fields = [(main[0] + 16 * j, main[0] + 16 * j + 16) for j in range(units)]
+    fields += [r for r in (pa, pb) if r is not None]
+    E, d, nbi = 5, 45, 2
+    raws = [random_blocks(fmt, d, nbi * f.block, rng) for _ in range(E)]
+    flat = np.concatenate([CQ.repack(np, r, fmt) for r in raws])
+    stack = CQ.ExpertStack(flat, f, d, nbi * f.block, E)
+    assert stack.stride * E == flat.size and stack.nbi == nbi
+    for e in (0, 3, E - 1):
+        view = stack.matrix(e)
+        assert view.shape == (d, nbi * f.block) and view.data.size == stack.stride
+        np.testing.assert_array_equal(CQ.unpack(np, view.data, fmt, d, nbi * f.block), raws[e])
+        raw = raws[e].reshape(d, nbi, f.block_bytes)
+        for row in (0, 33, d - 1):
+            for (off, n), (lo, hi) in zip(_kernel_reads(fmt, d, nbi, row, nbi - 1), fields):
+                got = flat[e * stack.stride + off:e * stack.stride + off + n]
+                np.testing.assert_array_equal(got, raw[row, nbi - 1, lo:hi])
+
+
+def test_expert_roles_that_stack():
+    """Which experts the cuda backend uploads as one stack a role (experts.py, _role_kind):
+    quantized of one format and shape the kernels have, or float16 of one shape whose rows are
+    whole 16-byte loads; anything else keeps one upload an expert (and the host routing)."""
+    from cyllm.backends.cuda.experts import _role_kind
+    from cyllm.quant.convert import quantize_matrix
+    rng = np.random.default_rng(2)
+
+    def q(rows, cols, fmt):
+        return quantize_matrix(rng.standard_normal((rows, cols)).astype(np.float16), fmt)
+
+    assert _role_kind([q(64, 96, "q8_0") for _ in range(3)]) == "quant"
+    assert _role_kind([q(64, 96, "q8_0"), q(64, 96, "q4_0")]) is None         # two formats
+    assert _role_kind([q(64, 96, "q8_0"), q(32, 96, "q8_0")]) is None         # two shapes
+    assert _role_kind([np.zeros((40, 64), np.float16)] * 3) == "f16"
+    assert _role_kind([np.zeros((40, 60), np.float16)] * 3) is None           # rows of 60 halves
+    assert _role_kind([np.zeros((40, 64), np.float32)] * 3) is None
+    assert _role_kind([np.zeros((64, 96), np.float16), q(64, 96, "q8_0")]) is None
+
+
 def test_kernel_table_agrees():
     """Every kernel name cuda_quant builds is written whole in the .cu file, and the format
     traits (units, plane sizes, items in flight) match LAYOUTS."""
@@ -155,6 +202,7 @@ def test_kernel_table_agrees():
                  for s in ("", "_norm")] + [f"qdeq_f16_{fmt}", f"qrows_f32_{fmt}"]
         names += [f"{p}{fmt}{s}" for p in ("qmv_qkv_", "qmv_qkv_rope_") for s in ("", "_norm")]
         names += [f"qmm_c{c}_{fmt}" for c in CQ.QMM_COLUMNS] + [f"qmma{c}_{fmt}" for c in CQ.QMMA_COLUMNS]
+        names += [prefix + fmt for prefix in CQ._EXPERT_KERNELS.values()]
         # defined in the format's own module (-DQMV_<fmt>), where quant.kernel looks for them
         block = re.search(rf"#if defined\(QMV_ALL\) \|\| defined\(QMV_{fmt}\)\n(.*?)#endif", src, re.S)
         assert block, fmt
