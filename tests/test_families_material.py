@@ -38,7 +38,7 @@ from tinymodels import (CORPUS, FAMILY_FEATURES, FAMILY_KINDS, GGUF_PRE, KIND_TO
 pytestmark = pytest.mark.slow
 SEQ = 70
 
-GGUF_ARCH = {"llama32": "llama", "mistral_swa": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+GGUF_ARCH = {"llama32": "llama", "mistral_swa": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
              "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "phi3_longrope": "phi3", "smollm3": "smollm3",
              "granite": "granite", "olmo2": "olmo2", "qwen3moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}
 # mixtures of experts: the router and a layer's experts stacked, one tensor each
@@ -61,7 +61,7 @@ _BLOCK = {
     "olmo2": ["attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output", "post_attention_norm",
               "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm"],
 }
-_BLOCK["smollm3"] = _BLOCK["granite"] = _BLOCK["llama"]
+_BLOCK["smollm3"] = _BLOCK["granite"] = _BLOCK["gemma"] = _BLOCK["llama"]
 _BLOCK["qwen3moe"] = _BLOCK["qwen3"][:-3] + _MOE
 _BLOCK["olmoe"] = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
                    "ffn_norm"] + _MOE
@@ -140,7 +140,8 @@ def test_hf_dir_is_complete_and_logits_are_spread(family_material, hf_logits, ki
     cfg = _config(d)
     assert cfg["architectures"][0] == getattr(transformers, {
         "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+        "gemma3": "Gemma3ForCausalLM",
         "phi3": "Phi3ForCausalLM",
         "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
         "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
@@ -229,10 +230,10 @@ def test_weights_carry_their_features(family_material, kind):
     assert ("pre_feedforward_layernorm" in names) == (arch in ("gemma2", "gemma3"))
     norms = np.concatenate([v.ravel() for k, v in w.items() if k.endswith("norm.weight")])
     # around the identity of the family's norm: w for x * w, 0 for Gemma's x * (1 + w)
-    center = 0.0 if arch in ("gemma2", "gemma3") else 1.0
+    center = 0.0 if arch in ("gemma", "gemma2", "gemma3") else 1.0
     assert abs(norms.mean() - center) < 0.05 and 0.05 < norms.std() < 0.2
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    if kind in ("llama32", "mistral_swa", "qwen3", "gemma2", "gemma3"):
+    if kind in ("llama32", "mistral_swa", "qwen3", "gemma", "gemma2", "gemma3"):
         assert head_dim * cfg["num_attention_heads"] != cfg["hidden_size"]
 
 
@@ -364,6 +365,11 @@ def test_gguf_architecture_tensors_and_metadata(family_material, family_gguf, ki
         assert _field(r, k + "attention.sliding_window") == cfg["sliding_window"]
         assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * (n_layers // 2)
         assert cfg["query_pre_attn_scalar"] == head_dim
+    elif arch == "gemma":
+        # no rope base (llama.cpp's 10000 is the kind's); id 107 marked end-of-turn, as for the
+        # released vocabulary's <end_of_turn>
+        assert _field(r, k + "rope.freq_base") is None and rope["rope_theta"] == 10000.0
+        assert _field(r, "tokenizer.ggml.eot_token_id") == 107
     else:
         assert _field(r, k + "rope.freq_base") == rope["rope_theta"]
     if arch == "phi3":
@@ -417,7 +423,7 @@ def test_gguf_tensors_follow_llama_cpp_conventions(family_material, family_gguf,
     np.testing.assert_array_equal(gg["token_embd.weight"], hf["model.embed_tokens.weight"])
     if not cfg["tie_word_embeddings"]:
         np.testing.assert_array_equal(gg["output.weight"], hf["lm_head.weight"])
-    shift = 1.0 if arch in ("gemma2", "gemma3") else 0.0   # Gemma's (1 + w) is baked into the GGUF norms
+    shift = 1.0 if arch in ("gemma", "gemma2", "gemma3") else 0.0   # Gemma's (1 + w) is baked into the GGUF norms
     np.testing.assert_array_equal(gg["output_norm.weight"], hf["model.norm.weight"] + np.float32(shift))
     seen = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight",
             "rope_factors_long.weight", "rope_factors_short.weight"}

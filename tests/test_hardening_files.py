@@ -272,6 +272,24 @@ def test_gemma2_keys_a_config_leaves_out_take_transformers_defaults():
         assert c.layer_types == tuple(t.split("_")[0] for t in hf.layer_types)
 
 
+def test_gemma_activation_is_transformers_choice():
+    """Gemma 1: transformers' GemmaConfig runs hidden_act, the approximate GELU where it is absent,
+    and the released config.json files' "gelu" as that too; an activation cyllm has no kernel
+    for is one clear error."""
+    transformers = pytest.importorskip("transformers")
+    from cyllm.errors import UnsupportedModelError
+    from cyllm.families import config_from_hf
+    full = dict(transformers.GemmaConfig(num_hidden_layers=2).to_dict(), architectures=["GemmaForCausalLM"])
+    for d in (dict(full, hidden_act="gelu"), {k: v for k, v in full.items() if k != "hidden_act"},
+              dict(full, hidden_act="gelu_pytorch_tanh")):
+        hf = transformers.GemmaConfig(**{k: v for k, v in d.items() if k != "architectures"})
+        assert hf.hidden_act == "gelu_pytorch_tanh"
+        c = config_from_hf(d)
+        assert c.activation == "gelu_tanh" and c.head_dim == hf.head_dim and c.tie_word_embeddings
+    with pytest.raises(UnsupportedModelError):
+        config_from_hf(dict(full, hidden_act="relu"))
+
+
 # ============================================================================ class 2: sizes before allocation
 
 def test_context_beyond_any_model(tiny):

@@ -118,6 +118,13 @@ FAMILY_KINDS = {
     "qwen3": ("qwen3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=48, intermediate_size=160, rms_norm_eps=1e-6,
                             rope_theta=1e6, use_sliding_window=False, tie_word_embeddings=True)),
+    # Gemma 1: Llama's two norms a layer, as (1+w), GELU-tanh (the released configs' hidden_act
+    # "gelu", which transformers runs as the tanh approximation), embeddings scaled by
+    # sqrt(hidden), MQA, head_dim 32 != 72/4, tied
+    "gemma": ("gemma", dict(hidden_size=72, num_attention_heads=4, num_key_value_heads=1,
+                            head_dim=32, intermediate_size=136, num_hidden_layers=3, rms_norm_eps=1e-6,
+                            hidden_act="gelu",
+                            max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0)),
     # Gemma 2: Gemma 3's norms without q/k norms, every other layer sliding (16 positions, from
     # layer 0), one rope base, GQA 4/2, head_dim 32 != 80/4 (query_pre_attn_scalar = head_dim,
     # what a GGUF carries), and soft caps small enough to bind on these random weights (the
@@ -238,7 +245,7 @@ KINDS["qwen3_yarn"] = ("qwen3", {**FAMILY_KINDS["qwen3"][1], "max_position_embed
 
 # kind -> tokenizer style (see make_family_tokenizer); other kinds default to "bytelevel"
 KIND_TOKENIZER = {"llama32": "llama3", "mistral_swa": "llama2", "qwen2": "qwen2",
-                  "qwen3": "qwen2", "gemma2": "gemma", "gemma3": "gemma", "gemma3_qscale": "gemma", "phi3": "phi3",
+                  "qwen3": "qwen2", "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3_qscale": "gemma", "phi3": "phi3",
                   "phi3_longrope": "gpt4o", "smollm3": "smollm3", "granite": "llama3",
                   "olmo2": "llama3", "olmo3": "llama3", "qwen3_yarn": "qwen2", "qwen3moe": "qwen2",
                   "mixtral": "llama2", "olmoe": "llama3"}
@@ -249,6 +256,7 @@ FAMILY_FEATURES = {
     "mistral_swa": "sliding window 16 < sequence, GQA, head_dim != dim/heads",
     "qwen2": "q/k/v biases, odd head count, MQA",
     "qwen3": "q/k RMSNorm per head, explicit head_dim, tied",
+    "gemma": "2 (1+w) norms, GELU-tanh though hidden_act says gelu, embedding scale, MQA, head_dim != dim/heads, tied",
     "gemma2": "attention and final logit soft caps, every other layer sliding, 4 (1+w) norms, "
               "GELU-tanh, embedding scale, GQA, tied",
     "gemma3": "5:1 sliding/global layers, two rope bases, linear scaling on global layers, "
@@ -269,7 +277,7 @@ FAMILY_FEATURES = {
 # mistral_swa (the converter writes no sliding window for the llama architecture and llama.cpp
 # applies none) and gemma3_qscale (llama.cpp scales queries by 1/sqrt(head_dim) except for the
 # 62-layer 27B, and hard-codes the 5:1 pattern).
-GGUF_FAITHFUL = {"llama32", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi3_longrope", "smollm3", "granite",
+GGUF_FAITHFUL = {"llama32", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "phi3_longrope", "smollm3", "granite",
                  "olmo2", "qwen3moe", "mixtral", "olmoe"}
 
 # HF architecture -> (config class, model class) in transformers
@@ -278,6 +286,7 @@ _ARCH_CLASSES = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
@@ -660,7 +669,7 @@ def make_tiny_model(tmp_path, kind: str = "llama_mqa_odd", dtype: str = "float32
     model_cls = getattr(transformers, _ARCH_CLASSES[arch][1])
     torch.manual_seed(seed)
     model = model_cls(config)
-    _randomize(model, seed, norm_center=0.0 if arch in ("gemma2", "gemma3") else 1.0,
+    _randomize(model, seed, norm_center=0.0 if arch in ("gemma", "gemma2", "gemma3") else 1.0,
                qk_std=0.15 if kind in FAMILY_KINDS else None)
     if arch in MOE_ARCHS:
         with torch.no_grad():

@@ -322,6 +322,18 @@ def _gemma_act(cfg, family: str) -> None:
         raise UnsupportedModelError(f"{family}: activation {short(act)} is not supported")
 
 
+def _gemma_hf(cfg):
+    # Gemma 1: transformers' GemmaConfig runs hidden_act, the approximate GELU where it is absent,
+    # and reads the released config.json files' "gelu" as that too (a legacy value, it says)
+    head_dim = cfg.int("head_dim", 256, minimum=1) or _head_dim(cfg)
+    theta, scaling = rope_params(cfg)
+    act = cfg.text("hidden_act", None) or "gelu_pytorch_tanh"
+    if act not in ("gelu", "gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(f"Gemma: activation {short(act)} is not supported")
+    return dict(head_dim=head_dim, activation="gelu_tanh", embed_scale=math.sqrt(cfg.int("hidden_size", minimum=1)),
+                rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=True)
+
+
 def _gemma2_hf(cfg):
     # keys a config leaves out take transformers' Gemma2Config defaults: head_dim 256, a 4096
     # window on every other layer from the first, query_pre_attn_scalar 256, caps 50 and 30
@@ -547,6 +559,11 @@ def _gemma_gguf(md, p, default_step: int, layers_27b: int, default_window: int =
                 layer_types=types if window else None, tie_word_embeddings=True)
 
 
+def _gemma1_gguf(md, p, t):
+    # llama.cpp's Gemma: GELU (tanh), embeddings scaled by sqrt(dim), queries by 1/sqrt(head_dim)
+    return dict(activation="gelu_tanh", embed_scale=math.sqrt(md[p + "embedding_length"]), tie_word_embeddings=True)
+
+
 def _gemma2_gguf(md, p, t):
     # llama.cpp: every other layer sliding, 4096 positions where the file names no window, and
     # caps of 50 and 30 where it names none
@@ -624,6 +641,15 @@ def _gemma_hf_extra(c: ModelConfig) -> dict:
             "attn_logit_softcapping": c.attn_softcap or None, "final_logit_softcapping": c.final_softcap or None}
 
 
+# Gemma 1: Llama's two norms a layer as (1+w), GELU-tanh, embedding scale, tied
+GEMMA = Family(
+    "gemma", ("GemmaForCausalLM",), ("gemma",), "gemma",
+    _table(output__weight=None, attn_q_norm__weight=None, attn_k_norm__weight=None,
+           output_norm__weight=Tensor("output_norm.weight", "model.norm.weight", _vec, **_G),
+           attn_norm__weight=Tensor("attn_norm.weight", _P + "input_layernorm.weight", _vec, **_G),
+           ffn_norm__weight=Tensor("ffn_norm.weight", _P + "post_attention_layernorm.weight", _vec, **_G)),
+    hf_features=_gemma_hf, gguf_features=_gemma1_gguf,
+    hf_extra=lambda c: {"hidden_act": "gelu_pytorch_tanh"})
 GEMMA2 = Family(
     "gemma2", ("Gemma2ForCausalLM",), ("gemma2",), "gemma2",
     _table(attn_q_norm__weight=None, attn_k_norm__weight=None, **_GEMMA_NORMS),
@@ -692,7 +718,7 @@ OLMOE = Family(
     hf_features=_olmoe_hf, gguf_features=_olmoe_gguf,
     hf_extra=lambda c: {**_experts_hf_extra(c, "num_experts"), "clip_qkv": None})
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, SMOLLM3, GRANITE, OLMO2,
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3, SMOLLM3, GRANITE, OLMO2,
                                 QWEN3MOE, MIXTRAL, OLMOE)
 BY_NAME = {f.name: f for f in FAMILIES}
 

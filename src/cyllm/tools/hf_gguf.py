@@ -173,6 +173,9 @@ def _tensors(cfg: ModelConfig, fam: Family, d: Path) -> list[SourceTensor]:
 
 # ---------------------------------------------------------------------------------- metadata
 
+GEMMA_EOT = 107      # the end-of-turn id llama.cpp's converter writes for every Gemma (see hf_source)
+
+
 def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
     import gguf
     T = gguf.GGUFValueType
@@ -217,6 +220,8 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
     if fam.name == "gemma3":
         kv += [(a + "rope.freq_base_swa", cfg.rope_local_theta or 10000.0, T.FLOAT32, None),
                (a + "attention.sliding_window", cfg.sliding_window, T.UINT32, None)]
+    if fam.name == "gemma" and cfg.rope_theta == 10000.0:
+        kv = [e for e in kv if e[0] != a + "rope.freq_base"]    # the converter writes none: 10000
     if fam.name == "gemma2":
         # the converter's keys; it writes no rope base, which llama.cpp then takes as 10000
         if not (cfg.attn_softcap and cfg.final_softcap):
@@ -482,4 +487,9 @@ def hf_source(path) -> HFSource:
     _merge_generation_config(cfg, d)
     fam = family(cfg.arch)
     kv = _hparams(cfg, fam, dict(hf), cfg.name) + _tokenizer_kv(d, cfg, dict(hf))
+    if fam.name == "gemma" and GEMMA_EOT < cfg.vocab_size:
+        import gguf
+        # llama.cpp's converter marks id 107 end-of-turn in every Gemma file (<end_of_turn> in
+        # the released vocabulary; CodeGemma's FIM ids it sets too find no key in gguf 0.19)
+        kv.append(("tokenizer.ggml.eot_token_id", GEMMA_EOT, gguf.GGUFValueType.UINT32, None))
     return HFSource(d, cfg, fam, dict(hf), kv, _tensors(cfg, fam, d))
