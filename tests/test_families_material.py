@@ -38,7 +38,8 @@ from tinymodels import (CORPUS, FAMILY_FEATURES, FAMILY_KINDS, GGUF_PRE, KIND_TO
 pytestmark = pytest.mark.slow
 SEQ = 70
 
-GGUF_ARCH = {"llama32": "llama", "mistral_swa": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
+GGUF_ARCH = {"llama32": "llama", "mistral_swa": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "seed_oss": "seed_oss",
+             "gemma": "gemma",
              "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "phi3_longrope": "phi3", "smollm3": "smollm3",
              "granite": "granite", "olmo2": "olmo2", "qwen3moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}
 # mixtures of experts: the router and a layer's experts stacked, one tensor each
@@ -62,6 +63,7 @@ _BLOCK = {
               "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm"],
 }
 _BLOCK["smollm3"] = _BLOCK["granite"] = _BLOCK["gemma"] = _BLOCK["llama"]
+_BLOCK["seed_oss"] = [n.replace("ffn_norm", "post_attention_norm") for n in _BLOCK["qwen2"]]
 _BLOCK["qwen3moe"] = _BLOCK["qwen3"][:-3] + _MOE
 _BLOCK["olmoe"] = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
                    "ffn_norm"] + _MOE
@@ -80,8 +82,9 @@ _HF_TO_GGUF = {
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
-# blocks with norms on their outputs (Gemma 2 and 3; OLMo 2, which has no pre_feedforward one)
-_POST_NORM_ARCHS = ("gemma2", "gemma3", "olmo2")
+# blocks with norms on their outputs (Gemma 2 and 3; OLMo 2, which has no pre_feedforward one),
+# and Seed-OSS, whose pre-MLP post_attention_layernorm llama.cpp names post_attention_norm too
+_POST_NORM_ARCHS = ("gemma2", "gemma3", "olmo2", "seed_oss")
 _POST_NORMS = {"post_attention_layernorm.weight": "post_attention_norm.weight",
                "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
@@ -140,7 +143,8 @@ def test_hf_dir_is_complete_and_logits_are_spread(family_material, hf_logits, ki
     cfg = _config(d)
     assert cfg["architectures"][0] == getattr(transformers, {
         "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM", "seed_oss": "SeedOssForCausalLM", "gemma": "GemmaForCausalLM",
+        "gemma2": "Gemma2ForCausalLM",
         "gemma3": "Gemma3ForCausalLM",
         "phi3": "Phi3ForCausalLM",
         "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
@@ -223,7 +227,7 @@ def test_weights_carry_their_features(family_material, kind):
     assert ("lm_head.weight" in w) == (not cfg["tie_word_embeddings"])
     names = "\n".join(w)
     arch = KINDS[kind][0]
-    assert (".q_proj.bias" in names) == (arch == "qwen2")
+    assert (".q_proj.bias" in names) == (arch in ("qwen2", "seed_oss"))
     assert (".q_norm.weight" in names) == (arch in ("qwen3", "gemma3", "olmo2", "olmo3", "qwen3moe", "olmoe"))
     assert (".experts.0." in names) == (kind in _MOE_KINDS)
     assert (".qkv_proj.weight" in names and ".gate_up_proj.weight" in names) == (arch == "phi3")
@@ -233,7 +237,7 @@ def test_weights_carry_their_features(family_material, kind):
     center = 0.0 if arch in ("gemma", "gemma2", "gemma3") else 1.0
     assert abs(norms.mean() - center) < 0.05 and 0.05 < norms.std() < 0.2
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    if kind in ("llama32", "mistral_swa", "qwen3", "gemma", "gemma2", "gemma3"):
+    if kind in ("llama32", "mistral_swa", "qwen3", "seed_oss", "gemma", "gemma2", "gemma3"):
         assert head_dim * cfg["num_attention_heads"] != cfg["hidden_size"]
 
 

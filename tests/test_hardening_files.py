@@ -272,6 +272,23 @@ def test_gemma2_keys_a_config_leaves_out_take_transformers_defaults():
         assert c.layer_types == tuple(t.split("_")[0] for t in hf.layer_types)
 
 
+def test_seed_oss_defaults_and_refused_biases():
+    """Seed-OSS: keys a config.json leaves out take transformers' SeedOssConfig defaults (q/k/v
+    biases, head_dim 128, eps 1e-6); biases on o_proj or the MLP, which cyllm does not apply,
+    are one clear error rather than ignored tensors."""
+    transformers = pytest.importorskip("transformers")
+    from cyllm.errors import UnsupportedModelError
+    from cyllm.families import config_from_hf
+    full = dict(transformers.SeedOssConfig(num_hidden_layers=2).to_dict(), architectures=["SeedOssForCausalLM"])
+    bare = {k: v for k, v in full.items() if k not in ("attention_bias", "head_dim", "rms_norm_eps")}
+    hf = transformers.SeedOssConfig(**{k: v for k, v in bare.items() if k != "architectures"})
+    c = config_from_hf(bare)
+    assert (c.attention_bias, c.head_dim, c.norm_eps) == (hf.attention_bias, hf.head_dim, hf.rms_norm_eps)
+    for key in ("attention_out_bias", "mlp_bias"):
+        with pytest.raises(UnsupportedModelError):
+            config_from_hf(dict(full, **{key: True}))
+
+
 def test_gemma_activation_is_transformers_choice():
     """Gemma 1: transformers' GemmaConfig runs hidden_act, the approximate GELU where it is absent,
     and the released config.json files' "gelu" as that too; an activation cyllm has no kernel

@@ -118,6 +118,13 @@ FAMILY_KINDS = {
     "qwen3": ("qwen3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=48, intermediate_size=160, rms_norm_eps=1e-6,
                             rope_theta=1e6, use_sliding_window=False, tie_word_embeddings=True)),
+    # Seed-OSS: Qwen2's q/k/v biases (none on o_proj or the MLP), GQA 4/2, head_dim 24 != 64/4,
+    # untied
+    "seed_oss": ("seed_oss", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                  intermediate_size=120, num_hidden_layers=3, rms_norm_eps=1e-6,
+                                  attention_bias=True, attention_out_bias=False, mlp_bias=False,
+                                  attention_dropout=0.0, residual_dropout=0.0, max_position_embeddings=512,
+                                  rope_theta=1e6, tie_word_embeddings=False)),
     # Gemma 1: Llama's two norms a layer, as (1+w), GELU-tanh (the released configs' hidden_act
     # "gelu", which transformers runs as the tanh approximation), embeddings scaled by
     # sqrt(hidden), MQA, head_dim 32 != 72/4, tied
@@ -245,7 +252,7 @@ KINDS["qwen3_yarn"] = ("qwen3", {**FAMILY_KINDS["qwen3"][1], "max_position_embed
 
 # kind -> tokenizer style (see make_family_tokenizer); other kinds default to "bytelevel"
 KIND_TOKENIZER = {"llama32": "llama3", "mistral_swa": "llama2", "qwen2": "qwen2",
-                  "qwen3": "qwen2", "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3_qscale": "gemma", "phi3": "phi3",
+                  "qwen3": "qwen2", "seed_oss": "qwen2", "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3_qscale": "gemma", "phi3": "phi3",
                   "phi3_longrope": "gpt4o", "smollm3": "smollm3", "granite": "llama3",
                   "olmo2": "llama3", "olmo3": "llama3", "qwen3_yarn": "qwen2", "qwen3moe": "qwen2",
                   "mixtral": "llama2", "olmoe": "llama3"}
@@ -256,6 +263,7 @@ FAMILY_FEATURES = {
     "mistral_swa": "sliding window 16 < sequence, GQA, head_dim != dim/heads",
     "qwen2": "q/k/v biases, odd head count, MQA",
     "qwen3": "q/k RMSNorm per head, explicit head_dim, tied",
+    "seed_oss": "q/k/v biases, llama.cpp's post_attention_norm for the pre-MLP norm, GQA, head_dim != dim/heads",
     "gemma": "2 (1+w) norms, GELU-tanh though hidden_act says gelu, embedding scale, MQA, head_dim != dim/heads, tied",
     "gemma2": "attention and final logit soft caps, every other layer sliding, 4 (1+w) norms, "
               "GELU-tanh, embedding scale, GQA, tied",
@@ -277,7 +285,7 @@ FAMILY_FEATURES = {
 # mistral_swa (the converter writes no sliding window for the llama architecture and llama.cpp
 # applies none) and gemma3_qscale (llama.cpp scales queries by 1/sqrt(head_dim) except for the
 # 62-layer 27B, and hard-codes the 5:1 pattern).
-GGUF_FAITHFUL = {"llama32", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "phi3_longrope", "smollm3", "granite",
+GGUF_FAITHFUL = {"llama32", "qwen2", "qwen3", "seed_oss", "gemma", "gemma2", "gemma3", "phi3", "phi3_longrope", "smollm3", "granite",
                  "olmo2", "qwen3moe", "mixtral", "olmoe"}
 
 # HF architecture -> (config class, model class) in transformers
@@ -286,6 +294,7 @@ _ARCH_CLASSES = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM"),
     "gemma": ("GemmaConfig", "GemmaForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),

@@ -207,6 +207,15 @@ def _n_layers(cfg: JsonObject) -> int:
     return cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
 
 
+def _head_dim_or_none(cfg: JsonObject) -> int | None:
+    """_head_dim, or None where config.json gives none and hidden_size / heads is no whole
+    number: a family whose config class has a default head_dim (Seed-OSS) sets it then."""
+    if cfg.int("head_dim", None, minimum=1) is None and \
+            cfg.int("hidden_size", minimum=1) % cfg.int("num_attention_heads", minimum=1):
+        return None
+    return _head_dim(cfg)
+
+
 def _head_dim(cfg: JsonObject) -> int:
     head_dim = cfg.int("head_dim", None, minimum=1)
     if head_dim is None:
@@ -275,7 +284,7 @@ def common_hf(cfg: JsonObject, name: str) -> dict:
     bos = cfg.token_ids("bos_token_id")
     return dict(
         dim=cfg.int("hidden_size", minimum=1), n_layers=_n_layers(cfg), n_heads=n_heads,
-        n_kv_heads=cfg.int("num_key_value_heads", None, minimum=1) or n_heads, head_dim=_head_dim(cfg),
+        n_kv_heads=cfg.int("num_key_value_heads", None, minimum=1) or n_heads, head_dim=_head_dim_or_none(cfg),
         ffn_dim=cfg.int("intermediate_size", minimum=1), vocab_size=cfg.int("vocab_size", minimum=1),
         max_seq_len=cfg.int("max_position_embeddings", None, minimum=1) or 2048,
         norm_eps=cfg.number("rms_norm_eps", 1e-5, positive=True), rope_theta=theta, rope_scaling=scaling,
@@ -293,6 +302,16 @@ def _qwen2_hf(cfg):
     # Qwen2 windows only the layers its layer_types mark (use_sliding_window is usually off)
     window, types = _window_layers(cfg, _n_layers(cfg), all_sliding=False)
     return dict(attention_bias=True, sliding_window=window if types else 0, layer_types=types)
+
+
+def _seed_oss_hf(cfg):
+    # transformers' SeedOssConfig defaults where config.json is silent: q/k/v biases, head_dim
+    # 128, eps 1e-6; it can also put biases on o_proj and the MLP, which no release does
+    for key in ("attention_out_bias", "mlp_bias"):
+        if cfg.flag(key, False):
+            raise UnsupportedModelError(f"Seed-OSS: {key} is not supported")
+    return dict(attention_bias=cfg.flag("attention_bias", True), head_dim=cfg.int("head_dim", 128, minimum=1),
+                norm_eps=cfg.number("rms_norm_eps", 1e-6, positive=True))
 
 
 def _qwen3_hf(cfg):
@@ -617,6 +636,12 @@ MISTRAL = Family("mistral", ("MistralForCausalLM",), ("mistral",), "llama", _tab
 QWEN2 = Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), "qwen2", _table(), hf_features=_qwen2_hf,
                hf_extra=lambda c: {"use_sliding_window": False})
 QWEN3 = Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), "qwen3", _table(), hf_features=_qwen3_hf)
+# Seed-OSS: Qwen2's q/k/v biases; llama.cpp names the pre-MLP norm post_attention_norm
+SEED_OSS = Family(
+    "seed_oss", ("SeedOssForCausalLM",), ("seed_oss",), "seed_oss",
+    _table(ffn_norm__weight=Tensor("ffn_norm.weight", _P + "post_attention_layernorm.weight", _vec,
+                                   gguf="blk.{i}.post_attention_norm.weight")),
+    hf_features=_seed_oss_hf, hf_extra=lambda c: {"attention_out_bias": False, "mlp_bias": False})
 SMOLLM3 = Family("smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), "smollm3", _table(), permute_qk=True,
                  hf_features=_smollm3_hf, gguf_features=_smollm3_gguf,
                  hf_extra=lambda c: {"no_rope_layers": [0 if i in c.nope_layers else 1
@@ -718,7 +743,7 @@ OLMOE = Family(
     hf_features=_olmoe_hf, gguf_features=_olmoe_gguf,
     hf_extra=lambda c: {**_experts_hf_extra(c, "num_experts"), "clip_qkv": None})
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3, SMOLLM3, GRANITE, OLMO2,
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, SEED_OSS, GEMMA, GEMMA2, GEMMA3, PHI3, SMOLLM3, GRANITE, OLMO2,
                                 QWEN3MOE, MIXTRAL, OLMOE)
 BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -768,6 +793,8 @@ def config_from_hf(cfg: dict, name: str = "") -> ModelConfig:
     fields = common_hf(cfg, name)
     try:
         fields.update(fam.hf_features(cfg))
+        if fields["head_dim"] is None:
+            _head_dim(cfg)      # no family default either: its one-line error
         return ModelConfig(arch=fam.name, **fields)
     except (TypeError, ValueError, KeyError, ZeroDivisionError, OverflowError) as e:
         # a guard: the typed reads above should leave nothing for this to catch
