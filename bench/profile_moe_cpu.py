@@ -22,6 +22,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 
+def _timed(fn, spent: list):
+    """fn, adding the seconds each call takes to spent[0]."""
+    def timed(*args):
+        t0 = time.perf_counter()
+        fn(*args)
+        spent[0] += time.perf_counter() - t0
+    return timed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", required=True)
@@ -54,13 +63,7 @@ def main() -> None:
     decode(4)
     op_by_op(True)
     inside = [0.0]
-    real = b.moe
-
-    def timed(*args):
-        t0 = time.perf_counter()
-        real(*args)
-        inside[0] += time.perf_counter() - t0
-    b.moe = timed
+    b.moe = _timed(b.moe, inside)
     total = decode(a.n)
     del b.moe
     op_by_op(False)
@@ -80,12 +83,7 @@ def main() -> None:
     m.logits(ids[:16])
     routing = [0.0]
     real_route = moe._route_rows
-
-    def timed_route(*args):
-        t0 = time.perf_counter()
-        real_route(*args)
-        routing[0] += time.perf_counter() - t0
-    moe._route_rows = timed_route
+    moe._route_rows = _timed(real_route, routing)
     try:
         t0 = time.perf_counter()
         m.prefill(ids, 0)

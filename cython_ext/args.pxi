@@ -74,7 +74,8 @@ cdef inline cnp.ndarray _arr(object a, str name, int typenum, int ndim, bint wri
         raise InvalidArgumentError(f"{name} must be a numpy array, got {type(a).__name__}")
     cdef cnp.ndarray arr = <cnp.ndarray>a
     if cnp.PyArray_TYPE(arr) != typenum or not cnp.PyArray_ISNOTSWAPPED(arr):
-        want = "float32" if typenum == cnp.NPY_FLOAT32 else "float16"
+        want = {cnp.NPY_FLOAT32: "float32", cnp.NPY_FLOAT16: "float16", cnp.NPY_INT64: "int64",
+                cnp.NPY_INT32: "int32"}.get(typenum, "numeric")
         raise InvalidArgumentError(f"{name} must be a native {want} array, got {a.dtype}")
     if cnp.PyArray_NDIM(arr) != ndim:
         raise InvalidArgumentError(f"{name} must be {ndim}-D, got shape {a.shape}")

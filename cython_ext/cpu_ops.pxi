@@ -18,6 +18,40 @@ cdef inline void _few_tokens_run(const cyllm_kernels *kt, float *po, const uint1
             kt.matvec_rows(po + t * d, pw, px + t * n, n, r0, r1, mode, NULL, 0)
 
 
+cdef inline int _expert_fmt(object w) except -2:
+    """An expert matrix's kernel id (range-checked) if it is a QuantMatrix, else -1 (float16)."""
+    return _qfmt(w.fmt.kernel_id) if type(w) is QuantMatrix else -1
+
+
+cdef bint _expert_ptrs(object trio, Py_ssize_t f, Py_ssize_t n, int fmt_gu, int fmt_dn, cnp.ndarray ao,
+                       const void **gate, const void **up, const void **down) except -1:
+    """One expert's (gate, up, down) as the one-call experts run them (moe_experts, a decode
+    program's moe): gate and up of kernel id fmt_gu, down of fmt_dn (-1: float16 arrays), of
+    shapes (f, n), (f, n), (n, f), none overlapping out; their data into *gate, *up, *down.
+    False where the expert is of another kind, format or shape (the caller then runs the
+    experts one at a time)."""
+    cdef cnp.ndarray a
+    cdef int r, fmt
+    cdef const void **slots[3]
+    slots[0], slots[1], slots[2] = gate, up, down
+    for r in range(3):
+        w = trio[r]
+        fmt = fmt_dn if r == 2 else fmt_gu
+        if tuple(w.shape) != ((n, f) if r == 2 else (f, n)):
+            return False
+        if fmt >= 0:
+            if type(w) is not QuantMatrix or w.fmt.kernel_id != fmt:
+                return False
+            a = <cnp.ndarray>w.data
+        elif cnp.PyArray_Check(w):
+            a = _arr(w, "an expert's matrix", cnp.NPY_FLOAT16, 2, False)
+        else:
+            return False
+        _no_overlap(ao, a, "out", "an expert's matrix")
+        slots[r][0] = cnp.PyArray_DATA(a)
+    return True
+
+
 cdef class CpuKernels:
     """Every op of cyllm.backends.base.Backend for the CPU; cpu.CpuBackend extends it.
 
@@ -238,7 +272,6 @@ cdef class CpuKernels:
             if pid[j] < 0 or pid[j] >= n_exp:
                 raise InvalidArgumentError(f"moe_experts: expert {pid[j]} is out of range [0, {n_exp})")
         g0, u0, d0 = experts[pid[0]]
-        qgu, qdn = not cnp.PyArray_Check(g0), not cnp.PyArray_Check(d0)
         f = g0.shape[0]
         if tuple(g0.shape) != (f, n) or tuple(d0.shape) != (n, f):
             raise InvalidArgumentError(f"moe_experts: gate {tuple(g0.shape)} and down {tuple(d0.shape)} "
@@ -252,27 +285,11 @@ cdef class CpuKernels:
         _no_overlap(ay, ax, "y", "x")
         _no_overlap(ay, ao, "y", "out")
         _no_overlap(ah, ay, "h", "y")
-        m.fmt_gu = _qfmt(g0.fmt.kernel_id) if qgu else -1       # range-checked kernel ids
-        m.fmt_down = _qfmt(d0.fmt.kernel_id) if qdn else -1
-        cdef cnp.ndarray a
+        m.fmt_gu, m.fmt_down = _expert_fmt(g0), _expert_fmt(d0)
+        qgu, qdn = m.fmt_gu >= 0, m.fmt_down >= 0
         for j in range(k):
-            g, u, d = experts[pid[j]]
-            for w, role, quant, shape in ((g, "gate", qgu, (f, n)), (u, "up", qgu, (f, n)), (d, "down", qdn, (n, f))):
-                if quant != (not cnp.PyArray_Check(w)) or tuple(w.shape) != shape:
-                    return False
-                if quant:
-                    if type(w) is not QuantMatrix or w.fmt.kernel_id != (m.fmt_gu if role != "down" else m.fmt_down):
-                        return False
-                    a = <cnp.ndarray>w.data
-                else:
-                    a = _arr(w, role, cnp.NPY_FLOAT16, 2, False)
-                _no_overlap(ao, a, "out", role)
-                if role == "gate":
-                    m.gate[j] = cnp.PyArray_DATA(a)
-                elif role == "up":
-                    m.up[j] = cnp.PyArray_DATA(a)
-                else:
-                    m.down[j] = cnp.PyArray_DATA(a)
+            if not _expert_ptrs(experts[pid[j]], f, n, m.fmt_gu, m.fmt_down, ao, &m.gate[j], &m.up[j], &m.down[j]):
+                return False
         m.k, m.n, m.f = k, n, f
         m.rb_gu = g0.row_bytes if qgu else 0
         m.rb_down = d0.row_bytes if qdn else 0

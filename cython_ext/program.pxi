@@ -51,6 +51,7 @@ cdef class DecodeProgram:
     cdef const cyllm_qkernels *qk
     cdef list refs
     cdef dict qx                 # (x address, n, act) -> (activation buffer, its span) still valid
+    cdef dict moe_acts           # bytes -> (buffer, aligned address): the moe ops' activation blocks (shared)
     cdef float *scratch          # attention partials for the longest context of any op
     cdef cyllm_claim *claims     # n_slots x claim_threads row-claim counters (program.c)
     cdef int n_slots             # matvec-like ops (each has a slot of claims)
@@ -79,6 +80,7 @@ cdef class DecodeProgram:
         self.qk = backend.q.qk
         self.refs = []
         self.qx = {}
+        self.moe_acts = {}
         self.max_pos = 1 << 62
         self.vocab = 1 << 62
         cdef Py_ssize_t step_tok = _index(token, "token"), step_pos = _index(pos, "pos")
@@ -255,44 +257,53 @@ cdef class DecodeProgram:
         _no_overlap(ao, ax, "out", "x")
         _no_overlap(ao, ar, "out", "router")
         g0, u0, d0 = experts[0]
-        qgu, qdn = not cnp.PyArray_Check(g0), not cnp.PyArray_Check(d0)
         f = g0.shape[0]
-        fmt_gu = _qfmt(g0.fmt.kernel_id) if qgu and type(g0) is QuantMatrix else -1
-        fmt_dn = _qfmt(d0.fmt.kernel_id) if qdn and type(d0) is QuantMatrix else -1
+        cdef int fmt_gu = _expert_fmt(g0), fmt_dn = _expert_fmt(d0)
+        qgu, qdn = fmt_gu >= 0, fmt_dn >= 0
         tables = np.zeros((3, E), np.uintp)        # every expert's gate, up, down
-        cdef cnp.ndarray a
+        cdef size_t *pt = <size_t *>cnp.PyArray_DATA(<cnp.ndarray>tables)
         for e in range(E):
-            trio = experts[e]
-            for r, (w, quant, shape) in enumerate(((trio[0], qgu, (f, n)), (trio[1], qgu, (f, n)),
-                                                   (trio[2], qdn, (n, f)))):
-                if quant != (not cnp.PyArray_Check(w)) or tuple(w.shape) != shape:
-                    raise NotCapturable("experts of more than one kind or shape a role")
-                if quant:
-                    if type(w) is not QuantMatrix or w.fmt.kernel_id != (fmt_dn if r == 2 else fmt_gu):
-                        raise NotCapturable("experts of more than one format a role")
-                    a = <cnp.ndarray>w.data
-                else:
-                    a = _arr(w, "an expert's matrix", cnp.NPY_FLOAT16, 2, False)
-                _no_overlap(ao, a, "out", "an expert's matrix")
-                tables[r, e] = <size_t>cnp.PyArray_DATA(a)
+            if not _expert_ptrs(experts[e], f, n, fmt_gu, fmt_dn, ao, <const void **>(pt + e),
+                                <const void **>(pt + E + e), <const void **>(pt + 2 * E + e)):
+                raise NotCapturable("experts of more than one kind, format or shape a role")
         cdef int64_t xbytes = cyllm_qact_bytes(cyllm_qformat(fmt_gu).act, n) if qgu else 0
         cdef int64_t hbytes = cyllm_qact_bytes(cyllm_qformat(fmt_dn).act, f) if qdn else 0
         if xbytes < 0 or hbytes < 0:
             raise InvalidArgumentError("moe: a row length is not a whole number of activation blocks")
         xbytes = (xbytes + 63) & ~63
         hbytes = (hbytes + 63) & ~63
-        scores, ids, wts = np.zeros(E, np.float32), np.zeros(k, np.int64), np.zeros(k, np.float32)
-        h, y = np.zeros((k, f), np.float32), np.zeros((k, n), np.float32)
-        raw = np.zeros(sizeof(cyllm_moe_layer) + xbytes + k * hbytes + 128, np.uint8)
-        self.refs.append((experts, tables, scores, ids, wts, h, y, raw))
+        # the op's own work arrays (backends/moe.py MoeScratch, one token: the layers share them,
+        # as the op does), so a step leaves its choice in scratch.ids as the op would
+        s = args[7]
+        if getattr(s, "h_all", None) is None:
+            raise NotCapturable("moe without the one-call scratch arrays")
+        scores = _arr(s.scores, "scores", cnp.NPY_FLOAT32, 2, True)[0]
+        ids = _arr(s.ids, "ids", cnp.NPY_INT64, 2, True)[0]
+        wts = _arr(s.weights, "weights", cnp.NPY_FLOAT32, 2, True)[0]
+        h = _arr(s.h_all, "h", cnp.NPY_FLOAT32, 2, True)
+        y = _arr(s.y_all, "y", cnp.NPY_FLOAT32, 2, True)
+        if (scores.shape[0] != E or ids.shape[0] != k or wts.shape[0] != k or cnp.PyArray_DIM(h, 0) != k
+                or cnp.PyArray_DIM(h, 1) != f or cnp.PyArray_DIM(y, 0) != k or cnp.PyArray_DIM(y, 1) != n):
+            raise InvalidArgumentError(f"moe: the scratch arrays do not fit {E} experts of ({f}, {n}), {k} a token")
+        for a, name in ((scores, "scores"), (ids, "ids"), (wts, "weights"), (h, "h"), (y, "y")):
+            _no_overlap(a, ax, name, "x")
+            _no_overlap(a, ao, name, "out")
+        _no_overlap(h, y, "h", "y")
+        # activation blocks of x and of the k h's: one buffer for every moe op of the program
+        cdef Py_ssize_t nacts = xbytes + k * hbytes
+        if nacts not in self.moe_acts:
+            buf = np.zeros(nacts + 64, np.uint8)
+            self.moe_acts[nacts] = (buf, (<size_t>cnp.PyArray_DATA(<cnp.ndarray>buf) + 63) & ~(<size_t>63))
+        acts_buf, acts_at = self.moe_acts[nacts]
+        cdef size_t acts = acts_at
+        raw = np.zeros(sizeof(cyllm_moe_layer) + 64, np.uint8)     # the layer's record
+        self.refs.append((experts, tables, s, raw, acts_buf))
         cdef size_t base = (<size_t>cnp.PyArray_DATA(<cnp.ndarray>raw) + 63) & ~(<size_t>63)
         cdef cyllm_moe_layer *L = <cyllm_moe_layer *>base
-        cdef size_t acts = (base + sizeof(cyllm_moe_layer) + 63) & ~(<size_t>63)
         L.E = E
         L.k = k
         L.norm = 1 if args[5] else 0
         L.router = <const float *>cnp.PyArray_DATA(ar)
-        cdef size_t *pt = <size_t *>cnp.PyArray_DATA(<cnp.ndarray>tables)
         L.gate = <const void *const *>pt
         L.up = <const void *const *>(pt + E)
         L.down = <const void *const *>(pt + 2 * E)
@@ -320,7 +331,7 @@ cdef class DecodeProgram:
         o.kind = CYLLM_OP_MOE
         o.moe = <void *>L
         # the experts' weights are left out of the spans: no op writes weights
-        writes = [_span(ao), _span(scores), _span(ids), _span(wts), _span(h), _span(y), _span(raw)]
+        writes = [_span(ao), _span(scores), _span(ids), _span(wts), _span(h), _span(y), _span(acts_buf)]
         self._push(&o, meta, [_span(ax), _span(ar), _span(ao)], writes)
         return 0
 

@@ -133,9 +133,8 @@ class ExpertOps:
         return F16ExpertStack(data)
 
     def captures_moe(self, experts) -> bool:
-        return self._routes_on_device(experts)
-
-    def _routes_on_device(self, experts) -> bool:
+        """Whether moe routes these experts on the device (stacked, at most MAX_EXPERTS, and
+        moe_on_device): then a step with them is captured."""
         return self.moe_on_device and isinstance(experts, CudaExperts) and len(experts) <= MAX_EXPERTS
 
     def _route(self, x, router, n_used: int, norm: bool, s: MoeScratch) -> None:
@@ -149,7 +148,7 @@ class ExpertOps:
         route_rows(T, n_used, norm, s)
 
     def moe(self, out, x, router, experts, n_used, norm, act, scratch) -> None:
-        if self._routes_on_device(experts):
+        if self.captures_moe(experts):
             self._moe_on_device(out, x, router, experts, n_used, norm, act, scratch)
             return
         s = scratch
