@@ -3,7 +3,7 @@
 call) and the host time of issuing it, for a few prefill chunk sizes.
 
     python bench/profile_cuda_prefill.py (-m FILE | --synthetic PRESET) [--quantize TYPE]
-                                         [-p 512] [--chunks 256,512,1024] [-r 3]
+                                         [-p 512] [--chunks 256,512,1024] [-r 3] [--layers N]
 
 For each chunk size: the wall time of `model.prefill` of P random tokens without any
 instrumentation (median of -r runs), with its chunks replayed from CUDA graphs and issued op
@@ -82,9 +82,14 @@ def main() -> int:
     ap.add_argument("-r", type=int, default=3)
     ap.add_argument("--turns", type=int, default=0)
     ap.add_argument("--vary", help="ATTR=V1,V2,...: the measurement once per backend attribute value")
+    ap.add_argument("--layers", type=int, help="only the synthetic preset's first N layers (each "
+                    "costs the same; quantizing a 48-layer mixture of experts at load takes minutes)")
     a = ap.parse_args()
     import cupy as cp
     from cyllm.tools.bench import bind_model, load_source, make_backend
+    if a.layers:
+        from cyllm.tools.synthetic import PRESETS
+        PRESETS[a.synthetic]["n_layers"] = a.layers
     src = load_source(a.model, a.synthetic, 0, ("cuda",), 0, a.quantize)
     backend = make_backend("cuda", 1)
     model = bind_model(src, backend, max(a.p, 512) + 16)

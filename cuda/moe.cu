@@ -10,43 +10,18 @@
 #define MOE_THREADS 256            // 8 warps: a router row each
 #define MOE_MAX_EXPERTS 1024       // probabilities kept in shared memory (experts.py checks E)
 
-// logits[e] = router[e] . x for the block's experts (router (E, n) f32, a warp a row); then the
-// last block to finish (a counter, as decode attention merges its splits) turns the logits into
-// the token's choice, as backends/moe.py route() does: p = softmax(logits); ids[0:k] the
-// experts of the highest p, best first, of equals the lower id; weights[j] = p[ids[j]],
-// divided by their sum (in rank order) where norm. The counter is back at zero afterwards.
-extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_route_f32(
-    int* __restrict__ ids, float* __restrict__ weights, float* logits, int* counter,
-    const float* __restrict__ router, const float* x, int E, int n, int k, int norm)
+// The token's choice from its logits, as backends/moe.py route() makes it, by a block of
+// MOE_THREADS: p = softmax(logits); ids[0:k] the experts of the highest p, best first, of equals
+// the lower id; weights[j] = p[ids[j]], divided by their sum (in rank order) where norm.
+// p (E floats of shared memory) holds the logits on entry.
+__device__ void moe_choose(float* p, int E, int k, int norm, int* __restrict__ ids, float* __restrict__ weights)
 {
-    pdl_trigger();          // the experts' blocks may be scheduled (they wait for the ids)
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int e = blockIdx.x * (MOE_THREADS / 32) + warp;
-    pdl_wait();             // x: the normed stream, written by the previous kernel
-    if (e < E) {
-        const float* r = router + (size_t)e * n;
-        float s = 0.0f;
-        for (int i = lane; i < n; i += 32) s = fmaf(__ldg(r + i), ld_act(x + i), s);
-        s = warp_sum(s);
-        if (lane == 0) logits[e] = s;
-    }
-    __shared__ int is_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = (atomicAdd(counter, 1) == (int)gridDim.x - 1);
-    __syncthreads();
-    if (!is_last) return;
-
-    __shared__ float p[MOE_MAX_EXPERTS];
     __shared__ float red_v[MOE_THREADS / 32];
     __shared__ int red_i[MOE_THREADS / 32];
     __shared__ float total;
-    if (threadIdx.x == 0) *counter = 0;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float m = NEG_INF;
-    for (int i = threadIdx.x; i < E; i += MOE_THREADS) {
-        p[i] = __ldcg(logits + i);         // other blocks' rows: from L2, past this SM's L1
-        m = fmaxf(m, p[i]);
-    }
+    for (int i = threadIdx.x; i < E; i += MOE_THREADS) m = fmaxf(m, p[i]);
     m = warp_max(m);
     if (lane == 0) red_v[warp] = m;
     __syncthreads();
@@ -97,6 +72,131 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_route_f32(
         for (int j = 0; j < k; ++j) t += weights[j];
         for (int j = 0; j < k; ++j) weights[j] = weights[j] / t;
     }
+}
+
+// logits[e] = router[e] . x for the block's experts (router (E, n) f32, a warp a row); then the
+// last block to finish (a counter, as decode attention merges its splits) turns the logits into
+// the token's choice (moe_choose). The counter is back at zero afterwards.
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_route_f32(
+    int* __restrict__ ids, float* __restrict__ weights, float* logits, int* counter,
+    const float* __restrict__ router, const float* x, int E, int n, int k, int norm)
+{
+    pdl_trigger();          // the experts' blocks may be scheduled (they wait for the ids)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int e = blockIdx.x * (MOE_THREADS / 32) + warp;
+    pdl_wait();             // x: the normed stream, written by the previous kernel
+    if (e < E) {
+        const float* r = router + (size_t)e * n;
+        float s = 0.0f;
+        for (int i = lane; i < n; i += 32) s = fmaf(__ldg(r + i), ld_act(x + i), s);
+        s = warp_sum(s);
+        if (lane == 0) logits[e] = s;
+    }
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = (atomicAdd(counter, 1) == (int)gridDim.x - 1);
+    __syncthreads();
+    if (!is_last) return;
+
+    __shared__ float p[MOE_MAX_EXPERTS];
+    if (threadIdx.x == 0) *counter = 0;
+    for (int i = threadIdx.x; i < E; i += MOE_THREADS)
+        p[i] = __ldcg(logits + i);         // other blocks' rows: from L2, past this SM's L1
+    __syncthreads();
+    moe_choose(p, E, k, norm, ids, weights);
+}
+
+// ---- prefill: a chunk of T tokens, routed and grouped by expert on the device ----------------
+// (backends/cuda/experts.py moe_batch; the experts' products are qmma_experts* of
+// quant_matvec.cu). Nothing is read back to the host, so a chunk can be captured.
+
+// Row t of logits (T, E; the router's product, a GEMM) -> ids[t*k ...], weights[t*k ...]:
+// a block a token, moe_choose as decode's.
+extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_route_rows(
+    int* __restrict__ ids, float* __restrict__ weights, const float* __restrict__ logits, int E, int k, int norm)
+{
+    __shared__ float p[MOE_MAX_EXPERTS];
+    const int t = blockIdx.x;
+    for (int i = threadIdx.x; i < E; i += MOE_THREADS) p[i] = logits[(size_t)t * E + i];
+    __syncthreads();
+    moe_choose(p, E, k, norm, ids + (size_t)t * k, weights + (size_t)t * k);
+}
+
+// The chunk's choices grouped by expert, one block of MOE_GROUP_THREADS: entry i = t*k + j
+// (token t's rank j) with expert ids[i]. Sorted by expert and, within one, by entry:
+//   slots[p] = the entry at sorted position p; pos[i] = entry i's position (its inverse);
+//   work[g] = {expert, first position, columns, 0} for each group of at most C of one expert's
+//   positions, experts in order; *n_work = the number of groups.
+// The experts' kernels take a group a block (its expert's weights once for C columns), so
+// the grid is sized for the most groups there can be: ceil(T*k / C) + min(E, T*k).
+// Shared memory (dynamic): ids (T*k ints), then count, start and first group (E ints each).
+#define MOE_GROUP_THREADS 1024
+extern "C" __global__ void __launch_bounds__(MOE_GROUP_THREADS) moe_group(
+    int* __restrict__ slots, int* __restrict__ pos, int4* __restrict__ work, int* __restrict__ n_work,
+    const int* __restrict__ ids, int entries, int E, int C)
+{
+    extern __shared__ int moe_smem[];
+    int* sid = moe_smem;                   // [entries]
+    int* count = sid + entries;            // [E]
+    int* start = count + E;                // [E]
+    int* group = start + E;                // [E]
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = MOE_GROUP_THREADS / 32;
+    for (int i = threadIdx.x; i < E; i += MOE_GROUP_THREADS) count[i] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < entries; i += MOE_GROUP_THREADS) {
+        const int e = min(max(ids[i], 0), E - 1);      // moe_route_rows writes them in range
+        sid[i] = e;
+        atomicAdd(&count[e], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {                // E <= MOE_MAX_EXPERTS: a serial scan is a few us
+        int p = 0, g = 0;
+        for (int e = 0; e < E; ++e) {
+            start[e] = p;
+            group[e] = g;
+            p += count[e];
+            g += (count[e] + C - 1) / C;
+        }
+        *n_work = g;
+    }
+    __syncthreads();
+    // a warp an expert: its entries in order (a ballot a window of 32), and its groups
+    for (int e = warp; e < E; e += warps) {
+        int p = start[e];
+        for (int i0 = 0; i0 < entries; i0 += 32) {
+            const int i = i0 + lane;
+            const bool mine = i < entries && sid[i] == e;
+            const unsigned b = __ballot_sync(0xffffffffu, mine);
+            if (mine) {
+                const int q = p + __popc(b & ((1u << lane) - 1u));
+                slots[q] = i;
+                pos[i] = q;
+            }
+            p += __popc(b);
+        }
+        const int n = count[e];
+        for (int g = lane; g * C < n; g += 32)
+            work[group[e] + g] = make_int4(e, start[e] + g * C, min(C, n - g * C), 0);
+    }
+}
+
+// out (T, n) += for each token t, the sum over its ranks j of weights[t*k+j] * y[pos[t*k+j]]
+// (y: the experts' outputs by sorted position, (T*k, n)), in rank order and rounded as decode's
+// moe_combine_f32. Grid (ceil(n / 256), T).
+extern "C" __global__ void moe_combine_rows(float* out, int ldo, const float* __restrict__ y,
+                                            const float* __restrict__ weights, const int* __restrict__ pos,
+                                            int k, int n)
+{
+    const int i = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
+    if (i >= n) return;
+    float* o = out + (size_t)t * ldo + i;
+    float acc = *o;
+    for (int j = 0; j < k; ++j) {
+        const int q = pos[(size_t)t * k + j];
+        acc = __fadd_rn(acc, __fmul_rn(y[(size_t)q * n + i], weights[(size_t)t * k + j]));
+    }
+    *o = acc;
 }
 
 // out (n,) += sum over the ranks j of weights[j] * y[j] (y (k, n)), in rank order and rounded

@@ -1190,10 +1190,26 @@ template <class F> struct QmmaChunk {
 // entries group-major), then 2 KiB (its rows' codes, 32 of 48 bytes, and their a0 a1 b0 b1);
 // the host's _qmma_smem. After the loop the warps' partial sums (8 NB * 32 floats each) go
 // where the first warp's buffers were.
-template <class F, int NB>
-__device__ __forceinline__ void qmma_body(float* __restrict__ out, int ldo, int beta,
-                                          const unsigned char* __restrict__ w, const unsigned char* __restrict__ qx,
-                                          int qs, int T, int d, int nbi)
+// Where a block's columns come from and go: the C columns [c0, c0 + C) of a chunk (cols of
+// them below T), row c0 + c of qx and of out.
+struct QmmaRows {
+    const unsigned char* qx; int qs; float* out; int ldo; int c0; int cols;
+    __device__ __forceinline__ const unsigned char* src(int c) const { return qx + (size_t)(c0 + c) * qs; }
+    __device__ __forceinline__ float* dst(int c) const { return out + (size_t)(c0 + c) * ldo; }
+};
+
+// A group of one expert's sorted positions [p0, p0 + cols) (moe_group in moe.cu): column c is
+// row slots[p0 + c] / k of qx (the token of that entry; slots null: row p0 + c, the experts'
+// own rows), written to row p0 + c of out. row[] (shared) holds the columns' qx rows.
+struct QmmaExpertRows {
+    const unsigned char* qx; int qs; float* out; int ldo; int p0; int cols; const int* row;
+    __device__ __forceinline__ const unsigned char* src(int c) const { return qx + (size_t)row[c] * qs; }
+    __device__ __forceinline__ float* dst(int c) const { return out + (size_t)(p0 + c) * ldo; }
+};
+
+template <class F, int NB, class Rows>
+__device__ __forceinline__ void qmma_body(const Rows& rows, int beta, const unsigned char* __restrict__ w,
+                                          int d, int nbi, int tile)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int C = 8 * NB, KC = QmmaChunk<F>::KC, IPC = QmmaChunk<F>::IPC, G = QmmaChunk<F>::G;
@@ -1202,9 +1218,7 @@ __device__ __forceinline__ void qmma_body(float* __restrict__ out, int ldo, int 
     constexpr int WB = 2 * XB + QMV_TILE * 64;   // a warp's shared memory
     constexpr bool SG = QSigned<F>::value;
     static_assert(NB % 2 == 0, "B fragments come two column blocks an ldmatrix");
-    const int groups = (T + C - 1) / C;
     const int S = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int tile = blockIdx.x / groups, c0 = (blockIdx.x % groups) * C;
     const int W = min(QMV_TILE, d - QMV_TILE * tile);
     const bool live = lane < W;
     const int n = nbi * F::IE;
@@ -1218,14 +1232,14 @@ __device__ __forceinline__ void qmma_body(float* __restrict__ out, int ldo, int 
     const int gq = lane >> 2, tq = lane & 3;     // the fragments' row (column) and k quarter
 
     // chunk ch of every column into this warp's buffer b: codes [C][XS], entries [G][C]; past
-    // T the last column again (its sums are dropped)
+    // the block's columns the last one again (its sums are dropped)
     auto stage = [&](int ch, int b) {
         const int e0 = ch * KC, ne = min(KC, n - e0);
         const int pc = ne >> 4, pe = ne >> 5, per = pc + pe;    // 16-byte pieces a column
         unsigned char* xs = mine + b * XB;
         for (int i = lane; i < C * per; i += 32) {
             const int c = i / per, j = i - c * per;
-            const unsigned char* src = qx + (size_t)min(c0 + c, T - 1) * qs;
+            const unsigned char* src = rows.src(min(c, rows.cols - 1));
             if (j < pc) cp_async16(xs + c * XS + 16 * j, src + e0 + 16 * j);
             else cp_async16(xs + C * XS + ((j - pc) * C + c) * 16, src + n + (size_t)(e0 / 32 + j - pc) * 16);
         }
@@ -1335,11 +1349,11 @@ __device__ __forceinline__ void qmma_body(float* __restrict__ out, int ldo, int 
     for (int e = threadIdx.x; e < 8 * NB * 32; e += blockDim.x) {
         const int slot = e >> 5, l = e & 31;
         const int mb = slot / (4 * NB), nb = (slot >> 2) % NB, i = slot & 3;
-        const int r = 16 * mb + (l >> 2) + 8 * (i >> 1), c = c0 + 8 * nb + 2 * (l & 3) + (i & 1);
-        if (r >= W || c >= T) continue;
+        const int r = 16 * mb + (l >> 2) + 8 * (i >> 1), c = 8 * nb + 2 * (l & 3) + (i & 1);
+        if (r >= W || c >= rows.cols) continue;
         float t = 0.0f;
         for (int v = 0; v < S; ++v) t += red[(v * 8 * NB + slot) * 32 + l];
-        float* o = out + (size_t)c * ldo + QMV_TILE * tile + r;
+        float* o = rows.dst(c) + QMV_TILE * tile + r;
         *o = beta ? *o + t : t;
     }
 #else
@@ -1577,7 +1591,28 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
     extern "C" __global__ void NAME(float* __restrict__ out, int ldo, int beta,                      \
                                     const unsigned char* __restrict__ w,                             \
                                     const unsigned char* __restrict__ qx, int qs, int T, int d, int nbi) { \
-        qmma_body<F, NB>(out, ldo, beta, w, qx, qs, T, d, nbi);                                      \
+        const int groups = (T + 8 * NB - 1) / (8 * NB), c0 = (blockIdx.x % groups) * 8 * NB;        \
+        const QmmaRows rows{qx, qs, out, ldo, c0, min(8 * NB, T - c0)};                              \
+        qmma_body<F, NB>(rows, beta, w, d, nbi, blockIdx.x / groups);                                \
+    }
+// A mixture of experts' chunk (prefill), its rows grouped by expert on the device (moe_group in
+// moe.cu): block (g, tile, z) multiplies row tile `tile` of expert work[g].x's matrix of role z
+// (0: w0, 1: w1, the gate and up of one launch; expert e's at e * stride bytes) by that group's
+// columns (QmmaExpertRows) into out0 or out1, rows by sorted position. Groups past *n_work exit.
+#define CYLLM_QMMA_EXPERTS(NAME, F, NB)                                                              \
+    extern "C" __global__ void NAME(float* __restrict__ out0, float* __restrict__ out1, int ldo,     \
+                                    const unsigned char* __restrict__ w0,                            \
+                                    const unsigned char* __restrict__ w1, long long stride,          \
+                                    const int4* __restrict__ work, const int* __restrict__ n_work,   \
+                                    const int* __restrict__ slots, int k,                            \
+                                    const unsigned char* __restrict__ qx, int qs, int d, int nbi) {  \
+        __shared__ int row[8 * NB];                                                                  \
+        if ((int)blockIdx.x >= *n_work) return;                                                      \
+        const int4 job = work[blockIdx.x];                                                           \
+        if (threadIdx.x < job.z) row[threadIdx.x] = slots ? slots[job.y + threadIdx.x] / k : job.y + threadIdx.x; \
+        __syncthreads();                                                                             \
+        const QmmaExpertRows rows{qx, qs, blockIdx.z ? out1 : out0, ldo, job.y, job.z, row};         \
+        qmma_body<F, NB>(rows, 0, (blockIdx.z ? w1 : w0) + (size_t)job.x * stride, d, nbi, blockIdx.y); \
     }
 
 // a pair module (backends/cuda/quant.py compiles one per format pair it meets):
@@ -1610,6 +1645,8 @@ CYLLM_QMM(qmm_c4_q8_0,               QF_q8_0, 4)
 CYLLM_QMM(qmm_c8_q8_0,               QF_q8_0, 8)
 CYLLM_QMMA(qmma16_q8_0,                QF_q8_0, 2)
 CYLLM_QMMA(qmma32_q8_0,                QF_q8_0, 4)
+CYLLM_QMMA_EXPERTS(qmma16_experts_q8_0,        QF_q8_0, 2)
+CYLLM_QMMA_EXPERTS(qmma32_experts_q8_0,        QF_q8_0, 4)
 CYLLM_QMV_XF32(qmv_xf32_q8_0,          QF_q8_0)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q4_0)
@@ -1634,6 +1671,8 @@ CYLLM_QMM(qmm_c4_q4_0,               QF_q4_0, 4)
 CYLLM_QMM(qmm_c8_q4_0,               QF_q4_0, 8)
 CYLLM_QMMA(qmma16_q4_0,                QF_q4_0, 2)
 CYLLM_QMMA(qmma32_q4_0,                QF_q4_0, 4)
+CYLLM_QMMA_EXPERTS(qmma16_experts_q4_0,        QF_q4_0, 2)
+CYLLM_QMMA_EXPERTS(qmma32_experts_q4_0,        QF_q4_0, 4)
 CYLLM_QMV_XF32(qmv_xf32_q4_0,          QF_q4_0)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q4_1)
@@ -1658,6 +1697,8 @@ CYLLM_QMM(qmm_c4_q4_1,               QF_q4_1, 4)
 CYLLM_QMM(qmm_c8_q4_1,               QF_q4_1, 8)
 CYLLM_QMMA(qmma16_q4_1,                QF_q4_1, 2)
 CYLLM_QMMA(qmma32_q4_1,                QF_q4_1, 4)
+CYLLM_QMMA_EXPERTS(qmma16_experts_q4_1,        QF_q4_1, 2)
+CYLLM_QMMA_EXPERTS(qmma32_experts_q4_1,        QF_q4_1, 4)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q5_0)
 CYLLM_QMV(qmv_q5_0,                    QF_q5_0, 0, false)
@@ -1681,6 +1722,8 @@ CYLLM_QMM(qmm_c4_q5_0,               QF_q5_0, 4)
 CYLLM_QMM(qmm_c8_q5_0,               QF_q5_0, 8)
 CYLLM_QMMA(qmma16_q5_0,                QF_q5_0, 2)
 CYLLM_QMMA(qmma32_q5_0,                QF_q5_0, 4)
+CYLLM_QMMA_EXPERTS(qmma16_experts_q5_0,        QF_q5_0, 2)
+CYLLM_QMMA_EXPERTS(qmma32_experts_q5_0,        QF_q5_0, 4)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q5_1)
 CYLLM_QMV(qmv_q5_1,                    QF_q5_1, 0, false)
@@ -1704,6 +1747,8 @@ CYLLM_QMM(qmm_c4_q5_1,               QF_q5_1, 4)
 CYLLM_QMM(qmm_c8_q5_1,               QF_q5_1, 8)
 CYLLM_QMMA(qmma16_q5_1,                QF_q5_1, 2)
 CYLLM_QMMA(qmma32_q5_1,                QF_q5_1, 4)
+CYLLM_QMMA_EXPERTS(qmma16_experts_q5_1,        QF_q5_1, 2)
+CYLLM_QMMA_EXPERTS(qmma32_experts_q5_1,        QF_q5_1, 4)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q4_k)
 CYLLM_QMV(qmv_q4_k,                    QF_q4_k, 0, false)
@@ -1727,6 +1772,8 @@ CYLLM_QMM(qmm_c4_q4_k,               QF_q4_k, 4)
 CYLLM_QMM(qmm_c8_q4_k,               QF_q4_k, 8)
 CYLLM_QMMA(qmma16_q4_k,                QF_q4_k, 2)
 CYLLM_QMMA(qmma32_q4_k,                QF_q4_k, 4)
+CYLLM_QMMA_EXPERTS(qmma16_experts_q4_k,        QF_q4_k, 2)
+CYLLM_QMMA_EXPERTS(qmma32_experts_q4_k,        QF_q4_k, 4)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q5_k)
 CYLLM_QMV_WIDE(qmv_q5_k,               QF_q5_k, 0, false)
@@ -1750,6 +1797,8 @@ CYLLM_QMM(qmm_c4_q5_k,               QF_q5_k, 4)
 CYLLM_QMM(qmm_c8_q5_k,               QF_q5_k, 8)
 CYLLM_QMMA(qmma16_q5_k,                QF_q5_k, 2)
 CYLLM_QMMA(qmma32_q5_k,                QF_q5_k, 4)
+CYLLM_QMMA_EXPERTS(qmma16_experts_q5_k,        QF_q5_k, 2)
+CYLLM_QMMA_EXPERTS(qmma32_experts_q5_k,        QF_q5_k, 4)
 #endif
 #if defined(QMV_ALL) || defined(QMV_q6_k)
 CYLLM_QMV_WIDE(qmv_q6_k,               QF_q6_k, 0, false)
@@ -1773,4 +1822,6 @@ CYLLM_QMM(qmm_c4_q6_k,               QF_q6_k, 4)
 CYLLM_QMM(qmm_c8_q6_k,               QF_q6_k, 8)
 CYLLM_QMMA(qmma16_q6_k,                QF_q6_k, 2)
 CYLLM_QMMA(qmma32_q6_k,                QF_q6_k, 4)
+CYLLM_QMMA_EXPERTS(qmma16_experts_q6_k,        QF_q6_k, 2)
+CYLLM_QMMA_EXPERTS(qmma32_experts_q6_k,        QF_q6_k, 4)
 #endif

@@ -659,6 +659,14 @@ CASES += [
     case("moe", E=4, k=1, f=256, n=256, fmt="q5_k", fmt_down="q4_0", act="gelu_tanh"),
     case("moe_batch", E=6, k=2, f=256, n=512, T=20, fmt="q4_k", fmt_down="q6_k"),
     case("moe_batch", E=8, k=3, f=64, n=96, T=9, fmt="q4_0", fmt_down="q8_0"),
+    # cuda groups a chunk's rows by expert on the device: more rows an expert than a group's
+    # 32 columns (several groups of one expert), groups of 16, experts no row chooses, more
+    # experts than the routing block's threads, and the K-quants' superblocks under gelu
+    case("moe_batch", E=4, k=2, f=64, n=96, T=70, fmt="q8_0", fmt_down="q4_0"),
+    case("moe_batch", E=32, k=8, f=96, n=160, T=40, fmt="q5_0", fmt_down="q4_1"),
+    case("moe_batch", E=16, k=1, f=64, n=64, T=3, norm=False, fmt="q5_1"),
+    case("moe_batch", E=300, k=4, f=32, n=64, T=11, fmt="q8_0"),
+    case("moe_batch", E=4, k=1, f=256, n=256, T=33, fmt="q5_k", fmt_down="q4_0", act="gelu_tanh"),
 ]
 
 

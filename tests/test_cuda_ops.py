@@ -501,3 +501,56 @@ def test_decode_step_fused_views():
         # (and the f16 KV cache turns last-bit differences into f16 rounding flips)
         assert rel_err(m2.forward(tok, pos), l1) < 1e-3, f"pos {pos}"
     assert m2.backend._graph is not None
+
+
+# -- a mixture of experts' prefill: the choice of each row and the grouping by expert ---------
+@pytest.mark.parametrize("E,entries,C", [(1, 1, 16), (5, 37, 32), (300, 4096, 16), (1024, 700, 32), (8, 4096, 32)])
+def test_moe_group_sorts_by_expert(be, E, entries, C):
+    """moe_group against numpy: a stable sort of the entries by expert, its inverse, and the
+    work list of at most C positions of one expert each, experts in order (skewed ids: some
+    experts get many entries, most none)."""
+    from cyllm.backends.cuda.experts import GROUP_THREADS, max_groups
+    from cyllm.backends.cuda.kernel_names import MOE_KERNELS
+    from cyllm.backends.cuda.quant import allow_smem
+    rng = np.random.default_rng(E * 7 + entries)
+    ids = np.minimum((rng.pareto(1.0, entries) * 3).astype(np.int64), E - 1).astype(np.int32)
+    groups = max_groups(entries, E, C)
+    slots, pos = cp.full(entries, -1, cp.int32), cp.full(entries, -1, cp.int32)
+    work, n_work = cp.full((groups, 4), -1, cp.int32), cp.zeros(1, cp.int32)
+    k = be._k(MOE_KERNELS["group"])
+    smem = 4 * (entries + 3 * E)
+    allow_smem(k, smem)
+    k((1,), (GROUP_THREADS,), (slots, pos, work, n_work, cp.asarray(ids), np.int32(entries), np.int32(E),
+                               np.int32(C)), shared_mem=smem)
+    order = np.argsort(ids, kind="stable")
+    np.testing.assert_array_equal(slots.get(), order)
+    np.testing.assert_array_equal(pos.get()[order], np.arange(entries))
+    want = []
+    counts = np.bincount(ids, minlength=E)
+    start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    for e in range(E):
+        want += [(e, start[e] + g, min(C, counts[e] - g)) for g in range(0, counts[e], C)]
+    assert int(n_work.get()[0]) == len(want) <= groups
+    np.testing.assert_array_equal(work.get()[:len(want), :3], np.array(want).reshape(-1, 3))
+
+
+@pytest.mark.parametrize("E,k,norm", [(6, 2, True), (300, 8, True), (1024, 3, False), (4, 4, True)])
+def test_moe_route_rows_matches_the_host(be, E, k, norm):
+    """moe_route_rows (prefill's choice of each row from the router's logits) against
+    backends/moe.py route(): the same experts, best first, equal scores going to the lower id,
+    and weights to float32 rounding."""
+    from cyllm.backends import moe
+    from cyllm.backends.cuda.experts import ROUTE_THREADS
+    from cyllm.backends.cuda.kernel_names import MOE_KERNELS
+    T = 9
+    logits = f32(T, E, scale=3.0)
+    logits[1, :] = 0.5                          # all equal: ids 0..k-1
+    logits[2, E // 2:] = logits[2, :E - E // 2]  # pairs of equal scores
+    ids, weights = cp.full(T * k, -1, cp.int32), cp.full(T * k, np.nan, cp.float32)
+    be._k(MOE_KERNELS["route_rows"])((T,), (ROUTE_THREADS,), (ids, weights, cp.asarray(logits), np.int32(E),
+                                                             np.int32(k), np.int32(norm)))
+    for t in range(T):
+        want_ids, want_w = np.zeros(k, np.int64), np.zeros(k, np.float32)
+        moe.route(logits[t].copy(), k, norm, want_ids, want_w)
+        np.testing.assert_array_equal(ids.get()[t * k:(t + 1) * k], want_ids)
+        np.testing.assert_allclose(weights.get()[t * k:(t + 1) * k], want_w, rtol=1e-5)

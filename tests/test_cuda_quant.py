@@ -177,7 +177,7 @@ def test_expert_roles_that_stack():
     """Which experts the cuda backend uploads as one stack a role (experts.py, _role_kind):
     quantized of one format and shape the kernels have, or float16 of one shape whose rows are
     whole 16-byte loads; anything else keeps one upload an expert (and the host routing)."""
-    from cyllm.backends.cuda.experts import _role_kind
+    from cyllm.backends.cuda.experts import _role_kind, stack_kinds
     from cyllm.quant.convert import quantize_matrix
     rng = np.random.default_rng(2)
 
@@ -191,6 +191,13 @@ def test_expert_roles_that_stack():
     assert _role_kind([np.zeros((40, 60), np.float16)] * 3) is None           # rows of 60 halves
     assert _role_kind([np.zeros((40, 64), np.float32)] * 3) is None
     assert _role_kind([np.zeros((64, 96), np.float16), q(64, 96, "q8_0")]) is None
+    # gate and up run in one launch: one kind, format and shape; down on its own terms
+    gate, down = [q(64, 256, "q4_k")] * 2, [np.zeros((256, 64), np.float16)] * 2
+    assert stack_kinds([gate, [q(64, 256, "q4_k")] * 2, down]) == ["quant", "quant", "f16"]
+    assert stack_kinds([gate, [q(64, 256, "q5_k")] * 2, down]) is None
+    assert stack_kinds([gate, [np.zeros((64, 256), np.float16)] * 2, down]) is None
+    assert stack_kinds([[np.zeros((64, 256), np.float16)] * 2, [np.zeros((32, 256), np.float16)] * 2, down]) is None
+    assert stack_kinds([gate, gate, [np.zeros((256, 60), np.float16)] * 2]) is None
 
 
 def test_kernel_table_agrees():
@@ -203,6 +210,7 @@ def test_kernel_table_agrees():
         names += [f"{p}{fmt}{s}" for p in ("qmv_qkv_", "qmv_qkv_rope_") for s in ("", "_norm")]
         names += [f"qmm_c{c}_{fmt}" for c in CQ.QMM_COLUMNS] + [f"qmma{c}_{fmt}" for c in CQ.QMMA_COLUMNS]
         names += [prefix + fmt for prefix in CQ._EXPERT_KERNELS.values()]
+        names += [f"qmma{c}_experts_{fmt}" for c in CQ.QMMA_COLUMNS]
         # defined in the format's own module (-DQMV_<fmt>), where quant.kernel looks for them
         block = re.search(rf"#if defined\(QMV_ALL\) \|\| defined\(QMV_{fmt}\)\n(.*?)#endif", src, re.S)
         assert block, fmt

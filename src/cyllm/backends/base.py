@@ -113,7 +113,7 @@ class Backend:
     # model sets it where captures_moe is False for a layer's experts.
     data_dependent_steps: bool = False
     # the same of prefill chunks (cuda's prefill graphs): moe_batch groups a chunk's rows by
-    # expert on the host on every backend. The model sets it for a mixture of experts.
+    # expert on the host. The model sets it where captures_moe_batch is False for a layer's experts.
     data_dependent_prefill: bool = False
     # prompt tokens per batched prefill pass: the weights are read once per pass, the
     # activations of the pass must stay in cache (CPU) -- a GPU wants far larger passes,
@@ -143,6 +143,11 @@ class Backend:
         """Whether a decode step with ``moe`` over these experts (upload_experts') can be
         recorded and replayed: the experts are chosen inside the step (cpu's decode program,
         cuda's device routing), not by the host between its ops."""
+        return False
+
+    def captures_moe_batch(self, experts) -> bool:
+        """The same of a prefill chunk with ``moe_batch`` over these experts: its rows are routed
+        and grouped by expert inside the chunk (cuda, quantized stacks), not by the host."""
         return False
 
     def empty(self, shape, dtype=np.float32) -> Array:

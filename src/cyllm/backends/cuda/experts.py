@@ -8,12 +8,20 @@ in one launch that reads their ids on the device (qmv_experts_* in quant_matvec.
 *_experts_f16 in matvec.cu), and the weighted sum in rank order (moe_combine_f32). Such a step
 is captured in the decode graph like any other.
 
-Otherwise (experts of mixed formats, FP16 rows that the vector kernels cannot take, and
-prefill, whose rows are grouped by expert on the host) the router's logits are computed on
-the device and read back, the host picks the experts (backends/moe.py, as the host backends
-do), and each chosen expert runs through this backend's own gate_up and matvec (decode) or
-gate_up_batch and matmul (prefill). Reading the scores synchronises, so such a step is never
-captured (Backend.data_dependent_steps, data_dependent_prefill).
+Prefill over quantized stacks (on int8 tensor cores, sm_80+) stays on the device too: the
+router's GEMM, each row's choice (moe_route_rows), the chunk's choices grouped by expert
+(moe_group: sorted positions and a work list of at most C columns of one expert each), the
+gate and up of every group in one launch (qmma<C>_experts_<fmt>, each group's expert's tiles
+read once for its columns), the GLU product, down the same way, and each row's outputs
+added in rank order (moe_combine_rows). Nothing is read back, so such a chunk is captured
+in a prefill graph like any other.
+
+Otherwise (experts of mixed formats, FP16 experts, FP16 rows that the vector kernels cannot
+take) the router's logits are computed on the device and read back, the host picks the
+experts (backends/moe.py, as the host backends do), and each chosen expert runs through this
+backend's own gate_up and matvec (decode) or gate_up_batch and matmul (prefill). Reading the
+scores synchronises, so such a step is never captured (Backend.data_dependent_steps,
+data_dependent_prefill).
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ from ...quant.matrix import QuantMatrix
 from ..moe import MoeScratch, expert_groups, route_rows
 from . import quant as cuda_quant
 from .checks import check_act
-from .kernel_names import EXPERTS_F16_KERNELS, MOE_KERNELS
+from .kernel_names import EXPERTS_F16_KERNELS, GLU_KERNELS, MOE_KERNELS
+from .quant import QMMA_COLUMNS
 from .shapes import blocks as _blocks
 
 try:  # CuPy is optional: this module imports without it, like the others of the backend
@@ -34,6 +43,7 @@ except Exception:  # noqa: BLE001 - reported by CudaBackend when it is construct
     cp = None
 
 ROUTE_THREADS = 256         # MOE_THREADS of cuda/moe.cu: 8 router rows a block
+GROUP_THREADS = 1024        # MOE_GROUP_THREADS: moe_group's one block
 MAX_EXPERTS = 1024          # MOE_MAX_EXPERTS: the probabilities a block keeps in shared memory
 F16_WARPS = 8               # warps (= rows) a block of the *_experts_f16 kernels
 
@@ -50,6 +60,38 @@ class _DeviceScratch:
         self.counter = cp.zeros(1, dtype=cp.int32)      # moe_route_f32 puts it back to zero
         self.h = cp.empty((n_used, ffn), dtype=cp.float32)
         self.y = cp.empty((n_used, dim), dtype=cp.float32)
+
+
+class _BatchScratch:
+    """The device arrays of moe_batch on the device for chunks of up to ``rows`` tokens."""
+
+    __slots__ = ("ids", "weights", "slots", "pos", "work", "n_work", "h", "u", "y", "qx", "qh")
+
+    def __init__(self, rows: int, n_experts: int, n_used: int, ffn: int, dim: int):
+        e = rows * n_used                               # entries: (token, rank) pairs
+        self.ids = cp.zeros(e, dtype=cp.int32)          # (T, k): each token's experts, best first
+        self.weights = cp.zeros(e, dtype=cp.float32)    # (T, k): their weights
+        self.slots = cp.zeros(e, dtype=cp.int32)        # entry at each sorted position
+        self.pos = cp.zeros(e, dtype=cp.int32)          # sorted position of each entry
+        self.work = cp.zeros((max_groups(e, n_experts, min(QMMA_COLUMNS)), 4), dtype=cp.int32)
+        self.n_work = cp.zeros(1, dtype=cp.int32)
+        self.h = cp.empty((e, ffn), dtype=cp.float32)   # by sorted position: gate, then the GLU
+        self.u = cp.empty((e, ffn), dtype=cp.float32)   # up
+        self.y = cp.empty((e, dim), dtype=cp.float32)   # down
+        self.qx = cp.empty(rows * (dim + dim // 2), dtype=cp.uint8)     # x's rows in int8 blocks
+        self.qh = cp.empty(e * (ffn + ffn // 2), dtype=cp.uint8)        # h's rows in int8 blocks
+
+
+def max_groups(entries: int, n_experts: int, columns: int) -> int:
+    """The most groups moe_group can make of ``entries`` choices, at most ``columns`` of one
+    expert each: sum over experts of ceil(count / columns) <= entries / columns + the experts chosen."""
+    return -(-entries // columns) + min(n_experts, entries)
+
+
+def group_columns(tokens: int, n_used: int, n_experts: int) -> int:
+    """Columns a group of moe_batch's experts' kernels: 16 where an expert gets at most ~16 of
+    the chunk's rows on average, else 32 (fewer, fuller blocks)."""
+    return QMMA_COLUMNS[0] if tokens * n_used <= QMMA_COLUMNS[0] * n_experts else QMMA_COLUMNS[-1]
 
 
 class F16ExpertStack:
@@ -107,6 +149,18 @@ def _role_kind(mats) -> str | None:
     return None
 
 
+def stack_kinds(roles) -> list | None:
+    """The kind of each role's stack (gate, up, down: _role_kind), or None where the experts
+    keep one upload each: a role that does not stack, or a gate and up that differ in kind,
+    format or shape (one launch runs both, with one kernel and one stride)."""
+    kinds = [_role_kind(m) for m in roles]
+    gate, up = roles[0][0], roles[1][0]
+    if (None in kinds or kinds[0] != kinds[1] or gate.shape != up.shape
+            or getattr(gate, "fmt", None) is not getattr(up, "fmt", None)):
+        return None
+    return kinds
+
+
 class ExpertOps:
     """Needs from the backend: ``_flush`` (launches held-back ops), ``_launch``, ``_k``,
     gate_up, matvec, add, gate_up_batch, matmul."""
@@ -114,8 +168,8 @@ class ExpertOps:
     def upload_experts(self, trios):
         trios = [tuple(t) for t in trios]
         roles = [[t[r] for t in trios] for r in range(3)] if trios and all(len(t) == 3 for t in trios) else None
-        kinds = [_role_kind(m) for m in roles] if roles else [None]
-        if None in kinds or kinds[0] != kinds[1] or roles[0][0].shape != roles[1][0].shape:
+        kinds = stack_kinds(roles) if roles else None
+        if kinds is None:
             return super().upload_experts(trios)
         return CudaExperts(*(cuda_quant.upload_expert_stack(self, m) if k == "quant" else self._f16_stack(m)
                              for m, k in zip(roles, kinds)))
@@ -143,6 +197,8 @@ class ExpertOps:
             s.logits = self.empty(s.scores.shape)
         self._flush()                                   # x may be a held-back op's output
         self._step_read_back = True                     # this step cannot be captured (graphs.py)
+        if self._prefill_rec is not None:               # nor this prefill chunk (prefill_graph.py)
+            self._prefill_rec.capturable = False
         cp.matmul(x, router.T, out=s.logits[:T])        # (T, E) f32
         s.logits[:T].get(out=s.scores[:T])              # synchronises
         route_rows(T, n_used, norm, s)
@@ -200,7 +256,16 @@ class ExpertOps:
                      (out, w0.data, (w0 if w1 is None else w1).data, np.int64(w0.stride), ids,
                       np.int32(w0.count), x, np.int32(ldx), np.int32(d), np.int32(w0.cols // 8)))
 
+    def captures_moe_batch(self, experts) -> bool:
+        """Whether moe_batch routes and groups these experts on the device: quantized stacks
+        (both roles) on int8 tensor cores; then a prefill chunk with them is captured."""
+        return (self.captures_moe(experts) and isinstance(experts.gate, cuda_quant.ExpertStack)
+                and isinstance(experts.down, cuda_quant.ExpertStack) and cuda_quant.qmma_available(self))
+
     def moe_batch(self, out, x, router, experts, n_used, norm, act, scratch) -> None:
+        if self.captures_moe_batch(experts):
+            self._moe_batch_on_device(out, x, router, experts, n_used, norm, act, scratch)
+            return
         s, T = scratch, x.shape[0]
         self._route(x, router, n_used, norm, s)
         for e, rows, ranks in expert_groups(s.ids[:T]):
@@ -216,3 +281,52 @@ class ExpertOps:
             s.part[rows_d, ranks_d] = y
         for j in range(n_used):
             cp.add(out, s.part[:T, j], out=out)
+
+    def _moe_batch_on_device(self, out, x, router, experts, n_used, norm, act, s: MoeScratch) -> None:
+        """moe_batch over quantized stacks, nine launches and no read-back (the module's docstring)."""
+        self._flush()
+        T, n = x.shape
+        E = router.shape[0]
+        g, u, d = experts.gate, experts.up, experts.down
+        f = g.rows
+        act = check_act(act)
+        rows = s.scores.shape[0]
+        if not (0 < n_used <= E == len(experts) and T <= rows and out.shape == (T, n) and n == g.cols == d.rows
+                and d.cols == f and router.shape == (E, n) and router.dtype == x.dtype == out.dtype == np.float32
+                and router.flags.c_contiguous and self._rows(x, "moe_batch") == n):
+            raise InvalidArgumentError(f"moe_batch: router {tuple(router.shape)}, x {tuple(x.shape)}, out "
+                                       f"{tuple(out.shape)}, {len(experts)} experts of {f} x {g.cols}, "
+                                       f"{n_used} a token, scratch of {rows} rows")
+        if T == 0:
+            return
+        if s.logits is None:                            # at the first (eager) chunk, never in a capture
+            s.logits = self.empty(s.scores.shape)
+        if s.dev is None:
+            s.dev = _BatchScratch(rows, E, n_used, f, n)
+        v = s.dev
+        if v.ids.shape[0] != rows * n_used or v.h.shape[1] != f or v.y.shape[1] != n:
+            raise InvalidArgumentError("moe_batch: the scratch was allocated for another layer shape")
+        entries = T * n_used
+        logits = s.logits[:T]
+        if not self._gemm_ex(logits, router, x, T, E, n, E, 0.0):        # the router in FP32
+            cp.matmul(x, router.T, out=logits)
+        self._k(MOE_KERNELS["route_rows"])((T,), (ROUTE_THREADS,),
+                                           (v.ids, v.weights, logits, np.int32(E), np.int32(n_used),
+                                            np.int32(1 if norm else 0)))
+        c = group_columns(T, n_used, E)
+        group = self._k(MOE_KERNELS["group"])
+        smem = 4 * (entries + 3 * E)
+        cuda_quant.allow_smem(group, smem)
+        group((1,), (GROUP_THREADS,), (v.slots, v.pos, v.work, v.n_work, v.ids, np.int32(entries), np.int32(E),
+                                       np.int32(c)), shared_mem=smem)
+        groups = max_groups(entries, E, c)
+        qx, qh = v.qx[:T * (n + n // 2)], v.qh[:entries * (f + f // 2)]
+        cuda_quant.quantize_rows(self, qx, x, g.fmt.name)
+        h, hu, y = v.h[:entries], v.u[:entries], v.y[:entries]
+        cuda_quant.qmatmul_experts(self, (h, hu), (g, u), v.work, v.n_work, groups, v.slots, n_used, qx, c)
+        self._k(GLU_KERNELS[act])((_blocks(entries * f, 256),), (256,), (h, h, hu, np.int32(entries * f)))
+        cuda_quant.quantize_rows(self, qh, h, d.fmt.name)
+        cuda_quant.qmatmul_experts(self, (y,), (d,), v.work, v.n_work, groups, None, n_used, qh, c)
+        self._k(MOE_KERNELS["combine_rows"])((_blocks(n, 256), T), (256,),
+                                             (out, np.int32(self._rows(out, "moe_batch")), y, v.weights, v.pos,
+                                              np.int32(n_used), np.int32(n)))

@@ -52,8 +52,10 @@ ATTN_BATCH_KERNELS = {(1, False): "attn_batch_c1", (1, True): "attn_batch_c1_v4"
 # the matvec-like op of each GLU activation, and the product pass of the batched one
 GATE_UP_OPS = {"silu": "gate_up_silu", "gelu_tanh": "gate_up_gelu"}
 GLU_KERNELS = {"silu": "swiglu_f32", "gelu_tanh": "geglu_f32"}
-# a mixture of experts' decode on the device (experts.py): the router and choice, the weighted
-# sum, and the chosen FP16 experts by activation (None: the plain product, for down)
-MOE_KERNELS = {"route": "moe_route_f32", "combine": "moe_combine_f32"}
+# a mixture of experts on the device (experts.py): decode's router and choice and weighted sum;
+# prefill's choice of each row (after the router's GEMM), grouping by expert, and sums of rows;
+# and the chosen FP16 experts by activation (None: the plain product, for down)
+MOE_KERNELS = {"route": "moe_route_f32", "combine": "moe_combine_f32", "route_rows": "moe_route_rows",
+               "group": "moe_group", "combine_rows": "moe_combine_rows"}
 EXPERTS_F16_KERNELS = {None: "matvec_experts_f16", "silu": "gate_up_silu_experts_f16",
                        "gelu_tanh": "gate_up_gelu_experts_f16"}

@@ -315,6 +315,11 @@ class ExpertStack:
         self.nbi = self.cols // fmt.block
         self.stride = self.rows * self.nbi * fmt.block_bytes
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """One expert's matrix: (rows, cols)."""
+        return (self.rows, self.cols)
+
     def matrix(self, e: int) -> CudaQuantMatrix:
         """Expert e's matrix: a view of the stack's bytes."""
         return CudaQuantMatrix(self.data[e * self.stride:(e + 1) * self.stride], self.fmt, self.rows, self.cols)
@@ -528,7 +533,7 @@ def _qkv_launch(be, out, w: CudaQuantStack, x, norm, warps_per_tile: int, extra:
     warps = min(warps_per_tile, cap)
     one = (_shared_bytes(n, warps, 1) + 15) & ~15
     smem = per_block * one + (4 * 4 * TILE if extra else 0)      # + the second tile's rows, cos, sin, pos
-    _allow_smem(k, smem)
+    allow_smem(k, smem)
     _carveout(be, k, w.fmt.name)        # a pair follows q's and k's format (the most tiles)
     head = (out, wq.data, wk.data, wv.data)
     dims = (np.int32(wq.rows), np.int32(wk.rows), np.int32(w.nbi))
@@ -622,7 +627,7 @@ def qmatvec(be, out, w, x, mode: str = "matvec", act: str | None = None, hold: b
     k = kernel(be, name, fmt)
     warps = min(matvec_warps(be, w0, nm, qx is not None), max(1, getattr(k, "max_threads_per_block", 1024) // 32))
     smem = _shared_bytes(n, warps, nm)
-    _allow_smem(k, smem)
+    allow_smem(k, smem)
     grid, block = (-(-d // TILE),), (TILE * warps,)
     balanced = (nm == 2 and fmt in _BALANCED_GATE_UP and grid[0] > be.sm_count
                 and getattr(be, "qmv_gate_up_balanced", True))      # False: the measured before
@@ -658,7 +663,7 @@ def qmatvec_experts(be, out, w0: ExpertStack, w1: ExpertStack | None, ids, x, ld
     tiles = -(-d // TILE)
     warps = min(matvec_warps(be, w0, nm, tiles=tiles * k), max(1, getattr(kern, "max_threads_per_block", 1024) // 32))
     smem = _shared_bytes(n, warps, nm)
-    _allow_smem(kern, smem)
+    allow_smem(kern, smem)
     _carveout(be, kern, fmt)
     args = (out, w0.data, (w0 if w1 is None else w1).data, np.int64(w0.stride), ids, np.int32(w0.count), x,
             np.int32(ldx), np.int32(d), np.int32(w0.nbi))
@@ -671,7 +676,7 @@ def qmatvec_experts(be, out, w0: ExpertStack, w1: ExpertStack | None, ids, x, ld
 _SMEM_SET: dict = {}
 
 
-def _allow_smem(k, smem: int) -> None:
+def allow_smem(k, smem: int) -> None:
     """Raise the kernel's dynamic shared memory limit past the default 48 KiB: a matvec's very
     long rows (n > ~37k), the few-column prefill kernels' staging."""
     fn = getattr(k, "kernel", k)                # RawKernel -> its cupy.cuda.Function
@@ -753,14 +758,20 @@ def _qmma_smem(fmt: WeightFormat, columns: int, warps: int) -> int:
     return warps * (2 * columns * (kc + 16 + kc // 2) + TILE * 64)
 
 
-def _qmma_kernel(be, w: CudaQuantMatrix, t: int, limit: int):
+def qmma_available(be) -> bool:
+    """Whether the int8 tensor-core kernels run here: sm_80 or newer, and ``be.qmm_mma``."""
+    return bool(getattr(be, "qmm_mma", False)) and getattr(be, "compute_capability", (0, 0)) >= (8, 0)
+
+
+def _qmma_kernel(be, w, t: int, limit: int, kind: str = ""):
     """(kernel, columns, warps, shared bytes) of the tensor-core few-column product for t
-    columns, or None: switched off (``be.qmm_mma``), a GPU older than sm_80, or no fit."""
-    if not getattr(be, "qmm_mma", False) or getattr(be, "compute_capability", (0, 0)) < (8, 0):
+    columns (``kind`` "_experts": the grouped experts' kernel), or None: switched off
+    (``be.qmm_mma``), a GPU older than sm_80, or no fit. w: a CudaQuantMatrix or ExpertStack."""
+    if not qmma_available(be):
         return None
     fmt = w.fmt.name
     c = next((c for c in QMMA_COLUMNS if t <= c), QMMA_COLUMNS[-1])
-    k = kernel(be, f"qmma{c}_{fmt}", fmt)
+    k = kernel(be, f"qmma{c}{kind}_{fmt}", fmt)
     forced = getattr(be, "qmma_warps", None)
     chunks = -(-w.cols // _qmma_chunk(w.fmt))
     warps = int(forced) if forced else min(QMMA_WARPS, chunks)
@@ -797,15 +808,47 @@ def qmatmul_few(be, out, w: CudaQuantMatrix, x, beta: float) -> bool:
                 break
         else:
             return False
-    ldx, ldo = be._rows(x, "matmul"), be._rows(out, "matmul")
+    ldo = be._rows(out, "matmul")
     qs = n + n // 2                               # bytes of one quantized row (qx_rows)
     qx = be._buf("qmm_qx", t * qs, cp.uint8)
-    kernel(be, "qx_rows", fmt)((-(-n // 2048), t), (128,), (qx, np.int32(qs), x, np.int32(ldx), np.int32(n)))
-    _allow_smem(k, smem)
+    quantize_rows(be, qx, x, fmt)
+    allow_smem(k, smem)
     grid = (_tiles(w) * -(-t // c),)
     k(grid, (TILE * warps,), (out, np.int32(ldo), np.int32(beta != 0.0), w.data, qx, np.int32(qs),
                               np.int32(t), np.int32(w.rows), np.int32(w.nbi)), shared_mem=smem)
     return True
+
+
+def quantize_rows(be, qx, x, fmt: str) -> None:
+    """x (T, n) f32 rows -> qx (T rows of n + n/2 bytes: int8 codes, then a 16-byte entry per
+    32 elements), as decode's staging rounds a vector (qx_rows, in ``fmt``'s module)."""
+    t, n = x.shape
+    kernel(be, "qx_rows", fmt)((-(-n // 2048), t), (128,),
+                               (qx, np.int32(n + n // 2), x, np.int32(be._rows(x, "matmul")), np.int32(n)))
+
+
+def qmatmul_experts(be, outs, ws, work, n_work, groups: int, slots, k: int, qx, columns: int) -> None:
+    """A mixture of experts' products over a chunk grouped by expert (cuda/moe.cu moe_group):
+    for each group (expert e, first sorted position p, c columns) of work, below n_work,
+    outs[i][p:p+c] = the group's rows of qx @ ws[i][e]^T, the rows of qx being its entries'
+    tokens (slots[q] / k; slots None: rows p..p+c-1). ws: one ExpertStack, or gate and up (one
+    format and shape: one launch, blockIdx.z the role); outs (entries, rows) f32; qx
+    (quantize_rows) rows of ws[0].cols elements; ``groups``: the grid, at least n_work."""
+    w0 = ws[0]
+    per_block = getattr(be, "smem_per_block", 48 * 1024) - 4 * columns      # the kernel's own row[]
+    found = _qmma_kernel(be, w0, columns, per_block, "_experts")
+    if found is None or any(w.fmt is not w0.fmt or w.shape != w0.shape for w in ws):
+        be._flush()
+        raise InvalidArgumentError(f"experts' product: no tensor-core kernel for {w0.fmt.name} experts of "
+                                   f"{w0.shape} here, or roles that differ")
+    kern, c, warps, smem = found
+    allow_smem(kern, smem)
+    n = w0.cols
+    grid = (groups, -(-w0.rows // TILE), len(ws))
+    kern(grid, (TILE * warps,), (outs[0], outs[-1], np.int32(be._rows(outs[0], "experts")), w0.data, ws[-1].data,
+                                 np.int64(w0.stride), work, n_work, NULL_ARG if slots is None else slots,
+                                 np.int32(k), qx, np.int32(n + n // 2), np.int32(w0.rows), np.int32(w0.nbi)),
+         shared_mem=smem)
 
 
 def qmatmul(be, out, w: CudaQuantMatrix, x, beta: float = 0.0) -> None:
