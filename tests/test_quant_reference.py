@@ -204,3 +204,28 @@ def test_quantize_rejects_bad_input():
         R.quantize(np.full((1, 32), np.inf, np.float32), "q8_0")
     with pytest.raises(InvalidArgumentError, match="not a block format"):
         R.quantize(np.zeros((1, 32), np.float32), "f16")
+
+
+def test_quantize_weights_pool_and_team_agree(monkeypatch):
+    """quantize_weights (--quantize at load) gives small matrices one thread each, several at a
+    time, and large ones the whole team: either way every matrix holds the bytes gguf's own
+    quantizer writes (its 32-element formats), and the two ways agree on every matrix."""
+    from gguf.quants import quantize as gguf_quantize
+
+    from cyllm.quant import convert
+    from cyllm.tools.synthetic import build_synthetic
+    config, base = build_synthetic("tiny")
+    floats = {k: v for k, v in base.items() if v.ndim == 2}
+    pooled = convert.quantize_weights(config, dict(base), "q4_0", threads=2)
+    monkeypatch.setattr(convert, "_SMALL_MATRIX", 0)            # every matrix to the team
+    teamed = convert.quantize_weights(config, dict(base), "q4_0", threads=2)
+    checked = 0
+    for name, a in floats.items():
+        p, t = pooled[name], teamed[name]
+        assert isinstance(p, QuantMatrix) and isinstance(t, QuantMatrix), name
+        np.testing.assert_array_equal(p.data, t.data)
+        if p.fmt.block == 32:
+            want = gguf_quantize(a.astype(np.float32), GT[p.fmt.name.upper()])
+            np.testing.assert_array_equal(p.data, want.reshape(p.data.shape))
+            checked += 1
+    assert checked >= 2

@@ -263,7 +263,10 @@ class ExpertOps:
                 and isinstance(experts.down, cuda_quant.ExpertStack) and cuda_quant.qmma_available(self))
 
     def moe_batch(self, out, x, router, experts, n_used, norm, act, scratch) -> None:
-        if self.captures_moe_batch(experts):
+        # moe_group keeps a chunk's choices in one block's shared memory: a chunk of more
+        # (a larger prefill_chunk) is routed on the host, and such a chunk is not captured
+        fits = 4 * (scratch.ids.size + 3 * router.shape[0]) <= getattr(self, "smem_per_block", 48 * 1024)
+        if fits and self.captures_moe_batch(experts):
             self._moe_batch_on_device(out, x, router, experts, n_used, norm, act, scratch)
             return
         s, T = scratch, x.shape[0]
