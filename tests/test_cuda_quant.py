@@ -787,7 +787,9 @@ def test_weight_loads_issued_before_pdl_wait(tmp_path):
     """In the machine code the GPU runs (nvcc for sm_90a, read back with cuobjdump), every
     decode matvec issues weight loads before its griddepcontrol.wait (ACQBULK): ptxas had
     moved all of them below it in the q4_0 kernels and q8_0's gate+up, so their weights
-    streamed only after the previous kernel ended (common.cuh, pdl_wait_after_loads)."""
+    streamed only after the previous kernel ended (common.cuh, pdl_wait_after_loads). The
+    experts' kernels are the exception the other way: their matrices are found by ids the
+    kernel before writes, so no weight load may come before their wait (expert_offset)."""
     import shutil
     import subprocess
     _cuda()
@@ -803,24 +805,31 @@ def test_weight_loads_issued_before_pdl_wait(tmp_path):
                        check=True, capture_output=True, timeout=900)
         sass += subprocess.run(["cuobjdump", "-sass", str(cubin)], check=True, capture_output=True,
                                text=True, timeout=300).stdout
-    late, seen = [], 0
+    late, seen, early, experts = [], 0, [], 0
     for fn in re.split(r"\n\s*Function : ", sass)[1:]:
         name, body = fn.split("\n", 1)
-        lines = body.split("\n")
+        name, lines = name.strip(), body.split("\n")
         waits = [i for i, ln in enumerate(lines) if "ACQBULK" in ln]
-        if not name.strip().startswith("qmv_") or not waits:
+        if name.startswith("qmv_experts_"):
+            experts += 1
+            loads = [i for i, ln in enumerate(lines) if re.search(r"LDG\.E\.NA", ln)]
+            if not waits or (loads and loads[0] < waits[0]):
+                early.append(name)
+            continue
+        if not name.startswith("qmv_") or not waits:
             continue
         seen += 1
         # each wait (a kernel with several code paths has one in each) has weight loads
         # issued since the one before it, or since the start
         for lo, hi in zip([0] + waits, waits):
             if not any(re.search(r"LDG\.E\.NA", ln) for ln in lines[lo:hi]):
-                late.append(name.strip())
+                late.append(name)
                 break
     assert seen >= 8 * 10, f"only {seen} decode matvec kernels found in the SASS"
     for name in ("qmv_qkv_pair", "qmv_qkv_pair_norm", "qmv_qkv_rope_pair", "qmv_qkv_rope_pair_norm"):
         assert re.search(rf"Function : {name}\s*\n", sass), f"{name} missing from the pair module's SASS"
     assert not late, f"no weight load before the wait in {late}"
+    assert experts >= 8 * 3 and not early, f"weights read before the ids' wait in {early}"
 
 
 @pytest.mark.cuda
