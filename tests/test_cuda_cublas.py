@@ -26,30 +26,33 @@ class Recorder:
         return call
 
 
-def _arrays():
+def _arrays(itemsize=2):
+    """out (float32), w and x16 (FP16, or float32 with itemsize 4: the router's GEMM)."""
     ptr = iter(range(0x1000, 0x10000, 0x100))
-    return [types.SimpleNamespace(data=types.SimpleNamespace(ptr=next(ptr))) for _ in range(3)]
+    return [types.SimpleNamespace(data=types.SimpleNamespace(ptr=next(ptr)), itemsize=size)
+            for size in (4, itemsize, itemsize)]
 
 
 def _names(calls):
     return [n for n, _ in calls]
 
 
+@pytest.mark.parametrize("itemsize,cuda_type", [(2, 2), (4, 0)])     # CUDA_R_16F, CUDA_R_32F
 @pytest.mark.parametrize("direct", [False, True])
-def test_gemm_ex_sequence(monkeypatch, direct):
+def test_gemm_ex_sequence(monkeypatch, direct, itemsize, cuda_type):
     api = Recorder()
     if direct:
         monkeypatch.setattr(C, "_library", lambda handle: api)
         monkeypatch.setattr(C.ctypes, "byref", lambda x: x)
     else:
         monkeypatch.setattr(C, "_binding", lambda: api)
-    out, w, x16 = _arrays()
+    out, w, x16 = _arrays(itemsize)
     C.gemm_ex(types.SimpleNamespace(cublas_handle=42), 99, out, w, x16, 5, 7, 9, 11, 1.0, direct=direct)
     assert _names(api.calls) == ["SetStream", "GetPointerMode", "SetPointerMode", "GemmEx", "SetPointerMode"] \
         if direct else ["setStream", "getPointerMode", "setPointerMode", "gemmEx", "setPointerMode"]
     gemm = api.calls[3][1]
     assert gemm[:6] == (42, 1, 0, 7, 5, 9)                  # handle, OP_T, OP_N, m = d, n = T, k = n
-    assert gemm[7:10] == (w.data.ptr, 2, 9) and gemm[10:13] == (x16.data.ptr, 2, 9)
+    assert gemm[7:10] == (w.data.ptr, cuda_type, 9) and gemm[10:13] == (x16.data.ptr, cuda_type, 9)
     assert gemm[14:] == (out.data.ptr, 0, 11, 68, -1)
     assert C.ctypes.c_float.from_address(gemm[13]).value == 1.0     # beta, a host scalar
     assert api.calls[2][1][1] == 0                          # host pointer mode for the scalars
