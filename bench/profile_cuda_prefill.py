@@ -88,6 +88,8 @@ def main() -> int:
     import cupy as cp
     from cyllm.tools.bench import bind_model, load_source, make_backend
     if a.layers:
+        if not a.synthetic:
+            ap.error("--layers trims a --synthetic preset")
         from cyllm.tools.synthetic import PRESETS
         PRESETS[a.synthetic]["n_layers"] = a.layers
     src = load_source(a.model, a.synthetic, 0, ("cuda",), 0, a.quantize)

@@ -1,10 +1,12 @@
-// A mixture of experts' decode step around the chosen experts' products (those are the
-// qmv_experts_* kernels of quant_matvec.cu): the router and the choice of experts, and the
-// sum of the chosen experts' outputs. Both read and write device arrays only, so the step
+// A mixture of experts around the chosen experts' products (those are the qmv_experts_* and
+// qmma<C>_experts_* kernels of quant_matvec.cu): decode's router and choice of experts and
+// the sum of their outputs; prefill's choice of each row, grouping of a chunk by expert, and
+// sums of rows. All read and write device arrays only, so a decode step or a prefill chunk
 // stays one captured graph (backends/cuda/experts.py).
 //
-// Reference: backends/moe.py (route, moe). Tests: tests/test_backend_ops.py (moe cases on
-// cuda and cuda-graph), tests/test_families.py (whole models against transformers).
+// Reference: backends/moe.py (route, moe, moe_batch). Tests: tests/test_backend_ops.py (moe
+// cases on cuda and cuda-graph), tests/test_cuda_ops.py (the routing and the grouping against
+// numpy), tests/test_families.py (whole models against transformers).
 #include "common.cuh"
 
 #define MOE_THREADS 256            // 8 warps: a router row each

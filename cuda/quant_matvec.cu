@@ -1186,10 +1186,6 @@ template <class F> struct QmmaChunk {
     enum { KC = F::IE > 32 ? F::IE : (F::UPI == 2 ? 128 : 256), IPC = KC / F::IE, G = KC / 32 };
 };
 
-// Shared memory, a warp: two chunk buffers of C * (KC + 16 + KC/32 * 16) bytes (codes, then the
-// entries group-major), then 2 KiB (its rows' codes, 32 of 48 bytes, and their a0 a1 b0 b1);
-// the host's _qmma_smem. After the loop the warps' partial sums (8 NB * 32 floats each) go
-// where the first warp's buffers were.
 // Where a block's columns come from and go: the C columns [c0, c0 + C) of a chunk (cols of
 // them below T), row c0 + c of qx and of out.
 struct QmmaRows {
@@ -1207,6 +1203,10 @@ struct QmmaExpertRows {
     __device__ __forceinline__ float* dst(int c) const { return out + (size_t)(p0 + c) * ldo; }
 };
 
+// Shared memory, a warp: two chunk buffers of C * (KC + 16 + KC/32 * 16) bytes (codes, then the
+// entries group-major), then 2 KiB (its rows' codes, 32 of 48 bytes, and their a0 a1 b0 b1);
+// the host's _qmma_smem. After the loop the warps' partial sums (8 NB * 32 floats each) go
+// where the first warp's buffers were.
 template <class F, int NB, class Rows>
 __device__ __forceinline__ void qmma_body(const Rows& rows, int beta, const unsigned char* __restrict__ w,
                                           int d, int nbi, int tile)

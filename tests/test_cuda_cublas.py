@@ -26,27 +26,27 @@ class Recorder:
         return call
 
 
-def _arrays(itemsize=2):
-    """out (float32), w and x16 (FP16, or float32 with itemsize 4: the router's GEMM)."""
+def _arrays(dtype="float16"):
+    """out (float32), w and x16 (FP16, or float32: the router's GEMM)."""
     ptr = iter(range(0x1000, 0x10000, 0x100))
-    return [types.SimpleNamespace(data=types.SimpleNamespace(ptr=next(ptr)), itemsize=size)
-            for size in (4, itemsize, itemsize)]
+    return [types.SimpleNamespace(data=types.SimpleNamespace(ptr=next(ptr)), dtype=t)
+            for t in ("float32", dtype, dtype)]
 
 
 def _names(calls):
     return [n for n, _ in calls]
 
 
-@pytest.mark.parametrize("itemsize,cuda_type", [(2, 2), (4, 0)])     # CUDA_R_16F, CUDA_R_32F
+@pytest.mark.parametrize("dtype,cuda_type", [("float16", 2), ("float32", 0)])     # CUDA_R_16F, _32F
 @pytest.mark.parametrize("direct", [False, True])
-def test_gemm_ex_sequence(monkeypatch, direct, itemsize, cuda_type):
+def test_gemm_ex_sequence(monkeypatch, direct, dtype, cuda_type):
     api = Recorder()
     if direct:
         monkeypatch.setattr(C, "_library", lambda handle: api)
         monkeypatch.setattr(C.ctypes, "byref", lambda x: x)
     else:
         monkeypatch.setattr(C, "_binding", lambda: api)
-    out, w, x16 = _arrays(itemsize)
+    out, w, x16 = _arrays(dtype)
     C.gemm_ex(types.SimpleNamespace(cublas_handle=42), 99, out, w, x16, 5, 7, 9, 11, 1.0, direct=direct)
     assert _names(api.calls) == ["SetStream", "GetPointerMode", "SetPointerMode", "GemmEx", "SetPointerMode"] \
         if direct else ["setStream", "getPointerMode", "setPointerMode", "gemmEx", "setPointerMode"]
@@ -66,3 +66,14 @@ def test_direct_gemm_stops_on_a_failed_status_and_restores_the_mode(monkeypatch)
     with pytest.raises(RuntimeError, match="cublasGemmEx failed with cuBLAS status 7"):
         C.gemm_ex(types.SimpleNamespace(cublas_handle=1), 0, out, w, x16, 1, 1, 1, 1, 0.0, direct=True)
     assert _names(api.calls)[-1] == "SetPointerMode"
+
+
+def test_gemm_ex_refuses_operands_of_two_types(monkeypatch):
+    """w and x are read with one CUDA type: an FP32 w beside an FP16 x is refused before any call."""
+    api = Recorder()
+    monkeypatch.setattr(C, "_binding", lambda: api)
+    out, w, x16 = _arrays("float32")
+    x16.dtype = "float16"
+    with pytest.raises(ValueError, match="w is float32, x float16"):
+        C.gemm_ex(types.SimpleNamespace(cublas_handle=1), 0, out, w, x16, 1, 1, 1, 1, 0.0)
+    assert api.calls == []

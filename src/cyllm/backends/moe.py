@@ -12,7 +12,9 @@ in rank order, of each chosen expert's down(act(gate x) * up x) times its weight
 Prefill groups a chunk's rows by expert, so that each expert's matrices are read once a chunk
 instead of once a row, and still adds each row's expert outputs in rank order, after the same
 products as decode's: with quantized weights (whose batched ops give each row the bits of
-the single-row op, Backend.batch_rows_exact) a prompt's rows get the bits decode would give.
+the single-row op, Backend.batch_rows_exact) a prompt's rows get the bits decode would give on
+the host backends. (cuda's prefill multiplies on int8 tensor cores, its decode with dp4a dots:
+the same rounding of x, sums in another order.)
 """
 
 from __future__ import annotations

@@ -96,27 +96,27 @@ def quantize_weights(config, weights: dict, qtype: str, threads: int | None = No
     fam = family(config.arch)
     rec = recipe(QUANTIZE_AT_LOAD[key], config.n_layers, has_output=not config.tie_word_embeddings,
                  n_experts=config.n_experts)
-    jobs = []
+    jobs = {}                                           # name -> format, each name once
     for t, i, name in fam.expected_names(config):
         a = weights.get(name)
         if not isinstance(a, np.ndarray) or a.ndim != 2:
             continue
         fmt = rec.format_of(t.gguf_name(i), a.shape)
         if fmt is not None:
-            jobs.append((name, fmt))
+            jobs[name] = fmt
     from ..threads import resolve_threads, startable
     team = startable(resolve_threads(threads))
     # Small matrices (a mixture of experts' thousands: 18432 in Qwen3-30B-A3B) go one thread
     # each, `team` at a time: split over the team, one of them took longer than on one thread
     # (q4_0, 768 x 2048: 7.7 ms on two threads, 6.3 on one), the float32 copy being serial
-    small = [j for j in jobs if weights[j[0]].size < _SMALL_MATRIX]
+    small = [j for j in jobs.items() if weights[j[0]].size < _SMALL_MATRIX]
     if small:
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(team) as pool:
             done = pool.map(lambda job: quantize_matrix(weights[job[0]], job[1], job[0], 1), small)
             for (name, _), q in zip(small, done):
                 weights[name] = q
-    for name, fmt in jobs:
+    for name, fmt in jobs.items():
         if not isinstance(weights[name], QuantMatrix):
             weights[name] = quantize_matrix(weights[name], fmt, name, team)
     return weights

@@ -646,10 +646,9 @@ def format_results(results: list[dict], fmt: str) -> str:
 # -- the CLI ----------------------------------------------------------------------------
 def add_common_bench_args(p, add_model_args) -> None:
     add_model_args(p)
+    from .synthetic import preset_names
     p.add_argument("--synthetic", metavar="PRESET",
-                   help="random-weight model with real shapes instead of -m (presets: "
-                   "smollm2-135m, smollm2-135m-untied, smollm2-360m, tinyllama-1.1b, llama3.2-1b, "
-                   "llama2-7b, mistral-7b, tiny)")
+                   help=f"random-weight model with real shapes instead of -m (presets: {', '.join(preset_names())})")
     p.add_argument("-r", "--repetitions", default="3", help="timed runs per test after one warm-up (default 3)")
     p.add_argument("--seed", default="0", help="seed of the synthetic weights and token ids (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -15,16 +15,20 @@ _ONE = np.ones(1, dtype=np.float32)
 _BETA = {0.0: np.zeros(1, dtype=np.float32), 1.0: np.ones(1, dtype=np.float32)}
 
 
-_IN_TYPES = {2: 2, 4: 0}    # bytes of an input element -> CUDA_R_16F, CUDA_R_32F
+_IN_TYPES = {"float16": 2, "float32": 0}    # input dtype -> CUDA_R_16F, CUDA_R_32F
 
 
 def gemm_ex(device, stream_ptr: int, out, w, x16, t: int, d: int, n: int, ldc: int, beta: float,
             direct: bool = False) -> None:
     """out (T, d) f32 (row stride ldc) = x16 (T, n) f16 @ w (d, n) f16 ^T + beta * out; or, with
-    float32 w and x (a mixture of experts' router), the same in FP32 (no TF32: COMPUTE_32F).
+    float32 w and x (a mixture of experts' router), the same in FP32 (COMPUTE_32F: no TF32
+    unless the handle's math mode asks for it, as CuPy's does under CUPY_TF32=1).
     ``direct``: through the library (capturable), not CuPy's binding.
 
     Raises whatever the binding raises where it is missing or differs (older/newer CuPy)."""
+    kind = _IN_TYPES[str(w.dtype)]
+    if str(x16.dtype) != str(w.dtype):
+        raise ValueError(f"gemm_ex: w is {w.dtype}, x {x16.dtype}")
     handle = device.cublas_handle
     api = _Direct(_library(handle)) if direct else _binding()
     b = _BETA.get(beta)
@@ -36,7 +40,6 @@ def gemm_ex(device, stream_ptr: int, out, w, x16, t: int, d: int, n: int, ldc: i
     api.setPointerMode(handle, 0)               # CUBLAS_POINTER_MODE_HOST
     try:
         # column-major view: out^T (d, T) = w^T' (d, n) . x16^T (n, T)
-        kind = _IN_TYPES[w.itemsize]
         api.gemmEx(handle, 1, 0, d, t, n,           # OP_T, OP_N, m, n, k
                    _ONE.ctypes.data, w.data.ptr, kind, n,      # A = w, CUDA_R_16F or _32F, lda
                    x16.data.ptr, kind, n,                     # B = x16, the same type, ldb

@@ -163,7 +163,8 @@ def stack_kinds(roles) -> list | None:
 
 class ExpertOps:
     """Needs from the backend: ``_flush`` (launches held-back ops), ``_launch``, ``_k``,
-    gate_up, matvec, add, gate_up_batch, matmul."""
+    ``_gemm_ex``, ``_rows``, ``_prefill_rec``, ``smem_per_block``, ``moe_on_device``, gate_up,
+    matvec, add, gate_up_batch, matmul."""
 
     def upload_experts(self, trios):
         trios = [tuple(t) for t in trios]

@@ -183,7 +183,8 @@ class PrefillOps:
                 out[...] = prod
 
     def _gemm_ex(self, out, w, x16, t, d, n, ldc, beta) -> bool:
-        """cublasGemmEx: f16 inputs, f32 output, f32 compute. False if unavailable here."""
+        """cublasGemmEx: f16 inputs (or f32: a router's), f32 output, f32 compute. False if
+        unavailable here."""
         if getattr(self, "_gemm_broken", False):
             return False
         stream = cp.cuda.get_current_stream().ptr

@@ -827,11 +827,11 @@ def quantize_rows(be, qx, x, fmt: str) -> None:
                                (qx, np.int32(n + n // 2), x, np.int32(be._rows(x, "matmul")), np.int32(n)))
 
 
-def qmatmul_experts(be, outs, ws, work, n_work, groups: int, slots, k: int, qx, columns: int) -> None:
+def qmatmul_experts(be, outs, ws, work, n_work, groups: int, slots, n_used: int, qx, columns: int) -> None:
     """A mixture of experts' products over a chunk grouped by expert (cuda/moe.cu moe_group):
     for each group (expert e, first sorted position p, c columns) of work, below n_work,
     outs[i][p:p+c] = the group's rows of qx @ ws[i][e]^T, the rows of qx being its entries'
-    tokens (slots[q] / k; slots None: rows p..p+c-1). ws: one ExpertStack, or gate and up (one
+    tokens (slots[q] / n_used; slots None: rows p..p+c-1). ws: one ExpertStack, or gate and up (one
     format and shape: one launch, blockIdx.z the role); outs (entries, rows) f32; qx
     (quantize_rows) rows of ws[0].cols elements; ``groups``: the grid, at least n_work."""
     w0 = ws[0]
@@ -842,12 +842,15 @@ def qmatmul_experts(be, outs, ws, work, n_work, groups: int, slots, k: int, qx, 
         raise InvalidArgumentError(f"experts' product: no tensor-core kernel for {w0.fmt.name} experts of "
                                    f"{w0.shape} here, or roles that differ")
     kern, c, warps, smem = found
+    if c != columns:                              # the groups hold `columns` positions each
+        be._flush()
+        raise InvalidArgumentError(f"experts' product: groups of {columns} columns, kernels of {QMMA_COLUMNS}")
     allow_smem(kern, smem)
     n = w0.cols
     grid = (groups, -(-w0.rows // TILE), len(ws))
     kern(grid, (TILE * warps,), (outs[0], outs[-1], np.int32(be._rows(outs[0], "experts")), w0.data, ws[-1].data,
                                  np.int64(w0.stride), work, n_work, NULL_ARG if slots is None else slots,
-                                 np.int32(k), qx, np.int32(n + n // 2), np.int32(w0.rows), np.int32(w0.nbi)),
+                                 np.int32(n_used), qx, np.int32(n + n // 2), np.int32(w0.rows), np.int32(w0.nbi)),
          shared_mem=smem)
 
 
