@@ -803,6 +803,11 @@ def run(runner, op, named):
         if isinstance(named.get(name), Alias):
             arrays[name] = arrays[named[name].name]
     runner.call(op, [arrays[n] for n in names[:last + 1]], step_values(op, named))
+    if op == "moe_batch" and runner.be.name == "cuda":
+        # experts that stack quantized (on int8 tensor cores) are routed and grouped on the
+        # device, the rest on the host: the result above is that path's
+        on_device = arrays["scratch"].dev is not None
+        assert on_device == runner.be.captures_moe_batch(arrays["experts"]), on_device
     return {name: runner.get(arrays[name]) for name in OUTPUTS[op]}  # (same names in Q_OUTPUTS)
 
 
