@@ -41,7 +41,8 @@ SEQ = 70
 GGUF_ARCH = {"llama32": "llama", "mistral_swa": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "seed_oss": "seed_oss",
              "gemma": "gemma",
              "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "phi3_longrope": "phi3", "smollm3": "smollm3",
-             "granite": "granite", "olmo2": "olmo2", "qwen3moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}
+             "granite": "granite", "olmo2": "olmo2", "qwen3moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe",
+             "granitemoe": "granitemoe"}
 # mixtures of experts: the router and a layer's experts stacked, one tensor each
 _MOE = ["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
 
@@ -67,7 +68,9 @@ _BLOCK["seed_oss"] = [n.replace("ffn_norm", "post_attention_norm") for n in _BLO
 _BLOCK["qwen3moe"] = _BLOCK["qwen3"][:-3] + _MOE
 _BLOCK["olmoe"] = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
                    "ffn_norm"] + _MOE
-_MOE_KINDS = {"qwen3moe", "mixtral", "olmoe"}
+_BLOCK["granitemoe"] = _BLOCK["llama"][:-3] + _MOE
+_MOE_KINDS = {"qwen3moe", "mixtral", "olmoe", "granitemoe"}
+_STACKED_KINDS = {"granitemoe"}        # a layer's experts in one tensor a role in the checkpoint too
 
 # HF name (in a layer) -> GGUF name (in a block); the fused Phi-3 tensors keep their layout
 _HF_TO_GGUF = {
@@ -149,7 +152,8 @@ def test_hf_dir_is_complete_and_logits_are_spread(family_material, hf_logits, ki
         "phi3": "Phi3ForCausalLM",
         "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
         "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-        "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM"}[KINDS[kind][0]]).__name__
+        "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM",
+        "granitemoe": "GraniteMoeForCausalLM"}[KINDS[kind][0]]).__name__
     ids, lg = hf_logits(kind)
     assert lg.shape == (SEQ, cfg["vocab_size"])
     assert np.isfinite(lg).all()
@@ -229,7 +233,8 @@ def test_weights_carry_their_features(family_material, kind):
     arch = KINDS[kind][0]
     assert (".q_proj.bias" in names) == (arch in ("qwen2", "seed_oss"))
     assert (".q_norm.weight" in names) == (arch in ("qwen3", "gemma3", "olmo2", "olmo3", "qwen3moe", "olmoe"))
-    assert (".experts.0." in names) == (kind in _MOE_KINDS)
+    assert (".experts.0." in names) == (kind in _MOE_KINDS - _STACKED_KINDS)
+    assert (".input_linear.weight" in names) == (kind in _STACKED_KINDS)
     assert (".qkv_proj.weight" in names and ".gate_up_proj.weight" in names) == (arch == "phi3")
     assert ("pre_feedforward_layernorm" in names) == (arch in ("gemma2", "gemma3"))
     norms = np.concatenate([v.ravel() for k, v in w.items() if k.endswith("norm.weight")])
@@ -395,7 +400,7 @@ def test_gguf_architecture_tensors_and_metadata(family_material, family_gguf, ki
         assert not [f for f in r.fields if "rope" in f and "layer" in f]
         assert cfg["no_rope_layers"] == [int((i + 1) % 4 != 0) for i in range(n_layers)]
 
-    if kind == "granite":
+    if kind in ("granite", "granitemoe"):
         # the multipliers under llama.cpp's names; logit_scale divides the logits
         for hf_key, key in (("embedding_multiplier", "embedding_scale"), ("residual_multiplier", "residual_scale"),
                             ("attention_multiplier", "attention.scale"), ("logits_scaling", "logit_scale")):
@@ -423,7 +428,7 @@ def test_gguf_tensors_follow_llama_cpp_conventions(family_material, family_gguf,
     gg = _tensors(_reader(family_gguf(kind)))
     arch = GGUF_ARCH[kind]
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    permuted = arch in ("llama", "smollm3", "granite")   # rope in llama.cpp's interleaved (NORM) layout (Mixtral's too)
+    permuted = arch in ("llama", "smollm3", "granite", "granitemoe")   # rope in llama.cpp's interleaved (NORM) layout (Mixtral's too)
     np.testing.assert_array_equal(gg["token_embd.weight"], hf["model.embed_tokens.weight"])
     if not cfg["tie_word_embeddings"]:
         np.testing.assert_array_equal(gg["output.weight"], hf["lm_head.weight"])
@@ -452,17 +457,24 @@ def test_gguf_tensors_follow_llama_cpp_conventions(family_material, family_gguf,
                     seen.add(f"blk.{i}.{gname}")
     if kind in _MOE_KINDS:
         # the router as it is; each expert matrix e of a layer is row block e of its stack
-        moe = "block_sparse_moe" if kind == "mixtral" else "mlp"
+        moe = "block_sparse_moe" if kind in ("mixtral", "granitemoe") else "mlp"
         roles = (("w1", "w3", "w2") if kind == "mixtral" else ("gate_proj", "up_proj", "down_proj"))
         n_exp = cfg.get("num_experts", cfg.get("num_local_experts"))
         for i in range(cfg["num_hidden_layers"]):
-            np.testing.assert_array_equal(gg[f"blk.{i}.ffn_gate_inp.weight"], hf[f"model.layers.{i}.{moe}.gate.weight"])
+            router = "router.layer" if kind == "granitemoe" else "gate"
+            np.testing.assert_array_equal(gg[f"blk.{i}.ffn_gate_inp.weight"], hf[f"model.layers.{i}.{moe}.{router}.weight"])
             seen.add(f"blk.{i}.ffn_gate_inp.weight")
-            for role, gname in zip(roles, ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
+            for r, (role, gname) in enumerate(zip(roles, ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))):
                 stack = gg[f"blk.{i}.{gname}.weight"]
                 assert stack.shape[0] == n_exp
                 for e in range(n_exp):
-                    np.testing.assert_array_equal(stack[e], hf[f"model.layers.{i}.{moe}.experts.{e}.{role}.weight"])
+                    if kind == "granitemoe":        # input_linear[e]: gate's rows, then up's; output_linear[e]
+                        f = cfg["intermediate_size"]
+                        want = (hf[f"model.layers.{i}.{moe}.output_linear.weight"][e] if r == 2 else
+                                hf[f"model.layers.{i}.{moe}.input_linear.weight"][e, r * f:(r + 1) * f])
+                    else:
+                        want = hf[f"model.layers.{i}.{moe}.experts.{e}.{role}.weight"]
+                    np.testing.assert_array_equal(stack[e], want)
                 seen.add(f"blk.{i}.{gname}.weight")
     assert seen >= set(gg), sorted(set(gg) - seen)
     if permuted:   # the permutation is not the identity at these sizes

@@ -780,6 +780,24 @@ def test_hf_config_of_millions_of_experts_refused_at_once(family_material, tmp_p
     one_line_error(ModelLoadError, load_path, d, needles=["missing tensor"], seconds=10)
 
 
+@pytest.mark.parametrize("change,needles", [
+    (dict(num_local_experts=4096), ["router.layer.weight", "has shape", "expected (4096, 96)"]),
+    (dict(intermediate_size=65), ["input_linear.weight", "has shape", "expected (6, 130, 96)"]),
+    (dict(shared_intermediate_size=64), ["Granite MoE", "shared experts"]),
+])
+def test_granitemoe_stacked_experts_checked_first(family_material, tmp_path, change, needles):
+    """Granite MoE keeps a layer's experts in one tensor a role: a config whose expert count or
+    size disagrees with them is refused on the stack's shape, in one line and at once (no
+    name made for each of 4096 experts first); shared experts are refused by name."""
+    d = tmp_path / "gm"
+    shutil.copytree(family_material.hf_dir("granitemoe"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(change)
+    (d / "config.json").write_text(json.dumps(cfg))
+    error = UnsupportedModelError if "shared_intermediate_size" in change else ModelLoadError
+    one_line_error(error, load_path, d, needles=needles, seconds=10)
+
+
 def test_gguf_expert_weights_norm_follows_llama_cpp(family_gguf, tmp_path):
     """llama.cpp fixes whether qwen3moe renormalizes the chosen experts' weights (it does),
     whatever a file's expert_weights_norm says: cyllm reads such a file as llama.cpp runs it."""

@@ -231,6 +231,15 @@ FAMILY_KINDS = {
                                 head_dim=24, intermediate_size=64, num_local_experts=5,
                                 num_experts_per_tok=2, num_hidden_layers=3, rms_norm_eps=1e-5,
                                 rope_theta=1e6, sliding_window=None)),
+    # Granite MoE (3.x 1B-A400M/3B-A800M): Granite's four multipliers, 6 experts of 64, 2 a
+    # token (a softmax over their logits: renormalized), each layer's experts stacked in the
+    # checkpoint (input_linear: gate then up, output_linear), GQA, tied
+    "granitemoe": ("granitemoe", dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=64, num_local_experts=6, num_experts_per_tok=2,
+                                      num_hidden_layers=3, rms_norm_eps=1e-6, rope_theta=10000.0,
+                                      embedding_multiplier=12.0, residual_multiplier=0.22,
+                                      attention_multiplier=0.0625, logits_scaling=2.0,
+                                      tie_word_embeddings=True)),
     # OLMoE: q/k norms over the whole projection, 8 experts of 56, 3 a token, weights not
     # renormalized (llama.cpp's converter writes rms eps 1e-5 whatever the config says)
     "olmoe": ("olmoe", dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -242,7 +251,7 @@ FAMILY_KINDS = {
 # of float16 weights (cyllm's) apart from float32 ones (transformers'), the two pick different
 # experts and that token's logits differ by far more than 1e-2. The mixture-of-experts kinds
 # therefore hold float16 values (stored as float32), so both sides start from the same weights.
-MOE_ARCHS = {"qwen3moe", "mixtral", "olmoe"}
+MOE_ARCHS = {"qwen3moe", "mixtral", "olmoe", "granitemoe"}
 KINDS.update(FAMILY_KINDS)
 # Qwen3 with YaRN rope scaling (factor 8 over an original context of 32, which the 70-token
 # test sequence passes): not a family of its own, so not in FAMILY_KINDS
@@ -255,7 +264,7 @@ KIND_TOKENIZER = {"llama32": "llama3", "mistral_swa": "llama2", "qwen2": "qwen2"
                   "qwen3": "qwen2", "seed_oss": "qwen2", "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3_qscale": "gemma", "phi3": "phi3",
                   "phi3_longrope": "gpt4o", "smollm3": "smollm3", "granite": "llama3",
                   "olmo2": "llama3", "olmo3": "llama3", "qwen3_yarn": "qwen2", "qwen3moe": "qwen2",
-                  "mixtral": "llama2", "olmoe": "llama3"}
+                  "mixtral": "llama2", "olmoe": "llama3", "granitemoe": "llama3"}
 
 # what each family kind exercises (for test ids and reports)
 FAMILY_FEATURES = {
@@ -279,6 +288,8 @@ FAMILY_FEATURES = {
     "qwen3moe": "6 experts, 2 a token, renormalized weights, q/k norms, expert size != dense size",
     "mixtral": "5 experts, 2 a token, llama's q/k layout in GGUF, SentencePiece tokenizer, head_dim != dim/heads",
     "olmoe": "8 experts, 3 a token, weights not renormalized, q/k norms over the whole projection",
+    "granitemoe": "6 experts, 2 a token, stacked in the checkpoint (gate and up in one tensor), "
+                  "Granite's four multipliers, tied",
 }
 
 # kinds whose GGUF, read by llama.cpp's rules, is the same model as the HF directory. Not so:
@@ -286,7 +297,7 @@ FAMILY_FEATURES = {
 # applies none) and gemma3_qscale (llama.cpp scales queries by 1/sqrt(head_dim) except for the
 # 62-layer 27B, and hard-codes the 5:1 pattern).
 GGUF_FAITHFUL = {"llama32", "qwen2", "qwen3", "seed_oss", "gemma", "gemma2", "gemma3", "phi3", "phi3_longrope", "smollm3", "granite",
-                 "olmo2", "qwen3moe", "mixtral", "olmoe"}
+                 "olmo2", "qwen3moe", "mixtral", "olmoe", "granitemoe"}
 
 # HF architecture -> (config class, model class) in transformers
 _ARCH_CLASSES = {
@@ -306,6 +317,7 @@ _ARCH_CLASSES = {
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
 }
 
 # pre-tokenizer split regexes, as the families' tokenizer.json files state them

@@ -59,6 +59,11 @@ class Tensor:
     # one matrix per expert: HF names each ("{e}" in hf, of shape `shape`), GGUF stacks them in
     # one tensor of shape (n_experts, *shape)
     experts: bool = False
+    # (p, parts): an expert matrix the HF checkpoint keeps with every expert's in one tensor
+    # `hf` (no "{e}") of shape (n_experts, parts * rows, cols), this row's matrices being part
+    # p of each expert's rows (Granite MoE's input_linear: gate, then up). The weights contract
+    # names expert e's matrix "<hf>:<e>" (":<e>.<p>" where parts > 1), names no file holds.
+    hf_part: tuple[int, int] | None = None
     float32: bool = False              # a matrix kept in float32 (a MoE router: its scores pick experts)
 
     @property
@@ -74,7 +79,16 @@ class Tensor:
 
     def hf_names(self, c: ModelConfig, i: int | None = None):
         """The HF names of this row in layer i (an iterable): one per expert for expert matrices."""
+        if self.hf_part is not None:
+            p, parts = self.hf_part
+            tail = f".{p}" if parts > 1 else ""
+            return (f"{self.hf_name(i)}:{e}{tail}" for e in range(c.n_experts))
         return (self.hf_name(i, e) for e in range(c.n_experts)) if self.experts else (self.hf_name(i),)
+
+    def hf_stack_shape(self, c: ModelConfig) -> tuple:
+        """The shape of the HF tensor that holds this row's experts (hf_part rows)."""
+        rows, cols = self.shape(c)
+        return (c.n_experts, self.hf_part[1] * rows, cols)
 
     def gguf_shape(self, c: ModelConfig) -> tuple:
         """The (numpy) shape of the GGUF tensor: expert matrices stacked."""
@@ -169,21 +183,24 @@ def _globals() -> dict[str, Tensor]:
     return {t.role: t for t in rows}
 
 
-def _moe_rows(router: str, gate: str, up: str, down: str, prefix: str = "model.layers.{i}.") -> dict:
+def _moe_rows(router: str, gate: str, up: str, down: str, prefix: str = "model.layers.{i}.",
+              stacked: bool = False) -> dict:
     """_table changes for a mixture-of-experts MLP: the router (n_experts, dim), kept in float32,
     and each expert's gate, up and down matrices ("{e}" in their HF names) in place of the
-    dense MLP's. llama.cpp stacks the experts of a layer in one tensor each."""
+    dense MLP's. llama.cpp stacks the experts of a layer in one tensor each. ``stacked``: the
+    HF checkpoint does too, gate and up in one tensor (gate == up, gate's rows first)."""
     p, moe = prefix, (lambda c: c.moe)
+    parts = (lambda part: dict(hf_part=part)) if stacked else (lambda part: {})
     return dict(
         ffn_gate__weight=None, ffn_up__weight=None, ffn_down__weight=None,
         ffn_gate_inp__weight=Tensor("ffn_gate_inp.weight", p + router, lambda c: (c.n_experts, c.dim),
                                     when=moe, float32=True),
         ffn_gate_exps__weight=Tensor("ffn_gate_exps.weight", p + gate, lambda c: (c.ffn_dim, c.dim),
-                                     when=moe, experts=True),
+                                     when=moe, experts=True, **parts((0, 2))),
         ffn_up_exps__weight=Tensor("ffn_up_exps.weight", p + up, lambda c: (c.ffn_dim, c.dim),
-                                   when=moe, experts=True),
+                                   when=moe, experts=True, **parts((1, 2))),
         ffn_down_exps__weight=Tensor("ffn_down_exps.weight", p + down, lambda c: (c.dim, c.ffn_dim),
-                                     when=moe, experts=True))
+                                     when=moe, experts=True, **parts((0, 1))))
 
 
 def _table(**changes: Tensor | None) -> tuple[Tensor, ...]:
@@ -476,6 +493,14 @@ def _olmoe_hf(cfg):
     return dict(qk_norm=True, qk_norm_whole=True, **_experts_hf(cfg, "OLMoE", norm_default=False))
 
 
+def _granitemoe_hf(cfg):
+    # transformers' GraniteMoe: a softmax over the chosen experts' logits, i.e. their
+    # probabilities renormalized, whatever the config says
+    if cfg.int("shared_intermediate_size", 0, minimum=0):
+        raise UnsupportedModelError("Granite MoE: shared experts are not supported")
+    return {**_granite_hf(cfg), **_experts_hf(cfg, "Granite MoE", norm_default=True), "expert_norm": True}
+
+
 def _granite_hf(cfg):
     # transformers' GraniteConfig defaults: every multiplier 1.0 (attention's too, not 1/sqrt(d))
     return dict(embed_scale=cfg.number("embedding_multiplier", 1.0, positive=True),
@@ -550,6 +575,11 @@ def _granite_gguf(md, p, t):
                 residual_scale=_gguf_scale(md, p + "residual_scale", 1.0),
                 attn_scale=_gguf_scale(md, p + "attention.scale", None),
                 logit_scale=1.0 / _gguf_scale(md, p + "logit_scale", 1.0))
+
+
+def _granitemoe_gguf(md, p, t):
+    # llama.cpp renormalizes the chosen experts' weights for granitemoe, as transformers does
+    return {**_granite_gguf(md, p, t), **_experts_gguf(md, p, "granitemoe", norm=True)}
 
 
 def _sliding_gguf(md, p, t):
@@ -699,12 +729,13 @@ PHI3 = Family(
     hf_extra=lambda c: {"partial_rotary_factor": (c.rotary_dim or c.head_dim) / c.head_dim,
                         "sliding_window": c.sliding_window or None},
     fused_qkv=True, fused_gate_up=True)
+def _granite_extra(c: ModelConfig) -> dict:
+    return {"embedding_multiplier": c.embed_scale, "residual_multiplier": c.residual_scale,
+            "attention_multiplier": c.attn_scale or c.head_dim ** -0.5, "logits_scaling": 1.0 / c.logit_scale}
+
+
 GRANITE = Family("granite", ("GraniteForCausalLM",), ("granite",), "granite", _table(), permute_qk=True,
-                 hf_features=_granite_hf, gguf_features=_granite_gguf,
-                 hf_extra=lambda c: {"embedding_multiplier": c.embed_scale,
-                                     "residual_multiplier": c.residual_scale,
-                                     "attention_multiplier": c.attn_scale or c.head_dim ** -0.5,
-                                     "logits_scaling": 1.0 / c.logit_scale})
+                 hf_features=_granite_hf, gguf_features=_granite_gguf, hf_extra=_granite_extra)
 # OLMo 2: no norm before attention or the MLP (they read the stream), one RMSNorm over all of q
 # and one over all of k, and a norm on each sub-block's output before the residual add
 OLMO2 = Family(
@@ -743,8 +774,18 @@ OLMOE = Family(
     hf_features=_olmoe_hf, gguf_features=_olmoe_gguf,
     hf_extra=lambda c: {**_experts_hf_extra(c, "num_experts"), "clip_qkv": None})
 
+# Granite MoE: Granite's block and multipliers; its checkpoints keep a layer's experts in two
+# tensors (input_linear: gate and up, output_linear: down), which llama.cpp splits into three
+GRANITEMOE = Family(
+    "granitemoe", ("GraniteMoeForCausalLM",), ("granitemoe",), "granitemoe",
+    _table(**_moe_rows("block_sparse_moe.router.layer.weight", "block_sparse_moe.input_linear.weight",
+                       "block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight",
+                       stacked=True)),
+    permute_qk=True, hf_features=_granitemoe_hf, gguf_features=_granitemoe_gguf,
+    hf_extra=lambda c: {**_granite_extra(c), **_experts_hf_extra(c, "num_local_experts")})
+
 FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, SEED_OSS, GEMMA, GEMMA2, GEMMA3, PHI3, SMOLLM3, GRANITE, OLMO2,
-                                QWEN3MOE, MIXTRAL, OLMOE)
+                                QWEN3MOE, MIXTRAL, OLMOE, GRANITEMOE)
 BY_NAME = {f.name: f for f in FAMILIES}
 
 

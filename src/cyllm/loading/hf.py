@@ -86,25 +86,41 @@ def _to_f32(name: str, f: SafetensorsFile, tname: str) -> np.ndarray:
 def checkpoint_tensors(config: ModelConfig, d: Path):
     """The family's expected tensors in the directory's safetensors, each checked for presence
     and shape before anything is read: yields (table row, layer, HF name, shape, file, name in
-    the file). A tied output matrix the checkpoint leaves out is skipped."""
+    the file, part). part is None, or for an expert matrix that the file keeps with every
+    expert's in one tensor (Tensor.hf_part), (expert, first row, end row) of that tensor. A
+    tied output matrix the checkpoint leaves out is skipped."""
     index = open_checkpoint(d)
     fam = family(config.arch)
-    found = []
-    for t, i, name in fam.expected_names(config):
-        shape = t.shape(config)
+    found, read = [], set()
+
+    def locate(name: str, shape: tuple, optional: bool):
         if name not in index:
-            if t.optional and config.tie_word_embeddings:
-                continue
+            if optional:
+                return None
             raise ModelLoadError(f"missing tensor {name} in the checkpoint in {d}")
         f, tname = index[name]
         got = f.shape_of(tname)
         if got != shape:
             # check before converting: a wrong shape must not cost a conversion
             raise ModelLoadError(f"tensor {name} has shape {got}, expected {shape}")
-        found.append((t, i, name, shape, f, tname))
+        read.add(name)
+        return f, tname
+
+    for t, i in fam.expected(config):
+        shape = t.shape(config)
+        if t.hf_part is not None:
+            # the stack's shape first: a config's expert count is checked before its names are made
+            f, tname = locate(t.hf_name(i), t.hf_stack_shape(config), False)
+            r0 = t.hf_part[0] * shape[0]
+            found.extend((t, i, name, shape, f, tname, (e, r0, r0 + shape[0]))
+                         for e, name in enumerate(t.hf_names(config, i)))
+            continue
+        for name in t.hf_names(config, i):
+            where = locate(name, shape, t.optional and config.tie_word_embeddings)
+            if where is not None:
+                found.append((t, i, name, shape, *where, None))
     # A block parameter the table does not read is a feature cyllm lacks (an attention output
     # bias, MLP biases, ...): dropping it would give wrong text without a word.
-    read = {name for _, _, name, _, _, _ in found}
     for name in index:
         if name.startswith("model.layers.") and name.endswith((".weight", ".bias")) and name not in read:
             raise UnsupportedModelError(f"{d}: tensor {name} is not part of a {fam.name} model as cyllm "
@@ -115,7 +131,15 @@ def checkpoint_tensors(config: ModelConfig, d: Path):
 def load_hf_weights(config: ModelConfig, d: Path) -> dict[str, np.ndarray]:
     """The model's tensors from the directory's safetensors, normalized and validated."""
     weights: dict[str, np.ndarray] = {}
-    for t, _, name, shape, f, tname in checkpoint_tensors(config, d):
+    stacks: dict = {}           # (file, name in the file) -> the whole stack of experts, converted once
+    for t, _, name, shape, f, tname, part in checkpoint_tensors(config, d):
+        if part is not None:
+            key = (id(f), tname)
+            if key not in stacks:
+                stacks[key] = _to_f16(tname, f, tname)
+            e, r0, r1 = part
+            weights[name] = stacks[key][e, r0:r1]           # a view: (rows, cols), contiguous
+            continue
         a = _to_f16(name, f, tname) if t.matrix_dtype(config) == np.float16 else _to_f32(name, f, tname)
         if t.hf_plus_one:
             a = a + np.float32(1.0)      # the (1+w) norm stored as w: the model applies plain w

@@ -81,6 +81,10 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     """
     gf = read_gguf(gguf_path)
     cfg = config_from_gguf(gf)
+    if any(t.hf_part for t in family(cfg.arch).tensors):
+        raise InvalidArgumentError(f"a {cfg.arch} file cannot be converted to a Hugging Face directory: its "
+                                   "checkpoints keep the experts' gate and up in one tensor, which cyllm does "
+                                   "not write")
     plan = plan_tensors(gf, cfg)
     tinfo = build_tokenizer(gf, cfg.vocab_size)
     out = Path(out_dir)

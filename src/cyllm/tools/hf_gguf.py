@@ -7,7 +7,7 @@ writer streams one tensor (one row chunk) at a time.
 What llama.cpp's converter writes, and so what this writes (facts, checked against its
 output by tests/test_quantize_tool.py):
 - hyperparameters as ``{arch}.*`` keys; ``attention.key_length``/``value_length`` only
-  when config.json names a ``head_dim``; the llama-style architectures (llama, smollm3, granite)
+  when config.json names a ``head_dim``; the llama-style architectures (llama, smollm3, granite, granitemoe)
   also carry ``vocab_size`` and ``rope.dimension_count``; Phi-3 its rotary dims,
   ``rope.scaling.original_context_length`` and ``attention.sliding_window`` (0: none);
   Gemma 3 ``rope.freq_base_swa`` and the global layers' linear scaling; Gemma 2 its two
@@ -100,9 +100,14 @@ def _permute_order(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, 2, half).swapaxes(1, 2).reshape(-1)
 
 
-def _reader(f, tname: str, order: np.ndarray | None, plus_one: bool):
+def _reader(f, tname: str, order: np.ndarray | None, plus_one: bool, stacked=None):
+    """Rows of a tensor as float32, on demand; ``stacked``: (expert, first row, end row) of a
+    tensor holding every expert's matrices (checkpoint_tensors), whose rows these are."""
     def rows(part: slice) -> np.ndarray:
-        if order is None:
+        if stacked is not None:
+            e, r0, r1 = stacked
+            a = _take(f, tname, (e, np.arange(r0, r1)[part]))
+        elif order is None:
             a = _float32(f, tname, part)
         else:
             a = _take(f, tname, order[part])
@@ -112,8 +117,9 @@ def _reader(f, tname: str, order: np.ndarray | None, plus_one: bool):
     return rows
 
 
-def _take(f, tname: str, idx: np.ndarray) -> np.ndarray:
-    """Rows idx of a tensor as float32 without converting the rest of it."""
+def _take(f, tname: str, idx) -> np.ndarray:
+    """Rows idx (an index array, or a tuple of indices) of a tensor as float32 without
+    converting the rest of it."""
     from ..loading.safetensors import bf16_bits_to_f32
     tag, raw = f.raw(tname)
     sel = raw[idx]
@@ -154,12 +160,12 @@ def _tensors(cfg: ModelConfig, fam: Family, d: Path) -> list[SourceTensor]:
                 raise ModelLoadError(f"{one_line(d)}: rope {which}_factor has {fac.size} entries, expected {rot // 2}")
             out.append(SourceTensor(f"rope_factors_{which}.weight", fac.shape, _const(fac)))
     experts: dict = {}          # (table row, layer) -> the readers of its experts so far
-    for t, i, _, shape, f, tname in checkpoint_tensors(cfg, d):
+    for t, i, _, shape, f, tname, stacked in checkpoint_tensors(cfg, d):
         order = None
         if fam.permute_qk and t.permute:
             heads = cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
             order = _permute_order(shape[0], heads)
-        reader = _reader(f, tname, order, t.hf_plus_one)
+        reader = _reader(f, tname, order, t.hf_plus_one, stacked)
         if not t.experts:
             out.append(SourceTensor(t.gguf_name(i), shape, reader))
             continue
@@ -173,6 +179,7 @@ def _tensors(cfg: ModelConfig, fam: Family, d: Path) -> list[SourceTensor]:
 
 # ---------------------------------------------------------------------------------- metadata
 
+GRANITES = ("granite", "granitemoe")      # llama.cpp's converter: one Granite base class
 GEMMA_EOT = 107      # the end-of-turn id llama.cpp's converter writes for every Gemma (see hf_source)
 
 
@@ -189,7 +196,7 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
           (a + "attention.head_count_kv", cfg.n_kv_heads, T.UINT32, None),
           (a + "rope.freq_base", cfg.rope_theta, T.FLOAT32, None),
           (a + "attention.layer_norm_rms_epsilon", cfg.norm_eps, T.FLOAT32, None)]
-    if hf.get("head_dim") is not None and fam.name != "granite":    # Granite's converter drops it
+    if hf.get("head_dim") is not None and fam.name not in GRANITES:    # Granite's converter drops it
         kv += [(a + "attention.key_length", cfg.head_dim, T.UINT32, None),
                (a + "attention.value_length", cfg.head_dim, T.UINT32, None)]
     scaling = cfg.rope_scaling or {}
@@ -208,7 +215,7 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
                 kv.append((a + "rope.scaling." + key, float(scaling[hf_key]), T.FLOAT32, None))
     elif kind not in (None, "llama3", "longrope"):
         raise UnsupportedModelError(f"rope scaling {kind!r} cannot be written to a GGUF by cyllm")
-    if fam.gguf_arch in ("llama", "smollm3", "granite"):
+    if fam.gguf_arch in ("llama", "smollm3", *GRANITES):
         kv += [(a + "vocab_size", cfg.vocab_size, T.UINT32, None),
                (a + "rope.dimension_count", cfg.rotary_dim or cfg.head_dim, T.UINT32, None)]
     if fam.name == "mistral" and cfg.sliding_window and cfg.sliding_window < cfg.max_seq_len:
@@ -239,7 +246,7 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
     if fam.name == "olmo2" and cfg.layer_types:
         # OLMo 3: cyllm reads no OLMo 3 GGUF (llama.cpp's windowed olmo2), so it writes none
         raise UnsupportedModelError("OLMo 3 (sliding-window layers) cannot be written to a GGUF by cyllm")
-    if fam.name == "granite":       # each multiplier config.json gives (llama.cpp's converter skips 0)
+    if fam.name in GRANITES:        # each multiplier config.json gives (llama.cpp's converter skips 0)
         for hf_key, key in (("attention_multiplier", "attention.scale"), ("embedding_multiplier", "embedding_scale"),
                             ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale")):
             if hf.get(hf_key):

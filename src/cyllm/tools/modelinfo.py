@@ -61,7 +61,9 @@ def _weights_per_token(config, sizes: dict[str, int]) -> int:
             out = nbytes
         elif name == "rope_freqs.weight":
             continue
-        elif "_exps." in name or ".experts." in name:      # GGUF's stacks, HF's one tensor an expert
+        elif "_exps." in name or ".experts." in name or "block_sparse_moe.input_linear." in name \
+                or "block_sparse_moe.output_linear." in name:
+            # GGUF's stacks; HF's one tensor an expert, or Granite MoE's a layer (and cyllm's views of it)
             total += round(nbytes * used)
         else:
             total += nbytes
