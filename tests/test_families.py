@@ -452,6 +452,59 @@ def test_yarn_rope_matches_transformers(tmp_path, backend):
     _assert_parity(g.logits(ids), want)
 
 
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_exaone4_hybrid_matches_transformers(tmp_path, backend):
+    """EXAONE 4's hybrid layers (the 32B's kind: three sliding layers of window 16 in four, the
+    fourth without rope) over a 70-token sequence, from the HF directory."""
+    d = make_tiny_model(tmp_path, "exaone4_swa")
+    model = cyllm.load(d, backend=backend)
+    c = model.config
+    assert c.layer_types == ("sliding", "sliding", "sliding", "full") and c.sliding_window == 16
+    assert c.nope_layers == (3,)
+    ids = _ids(model)
+    _assert_parity(model.logits(ids), _hf_logits(load_reference(d), ids))
+
+
+@pytest.mark.parametrize("pattern", ["LLLG", "LLG", 4, 2])
+def test_exaone4_sliding_pattern_as_transformers_reads_it(pattern):
+    """A config.json with a window but no layer_types: its sliding_window_pattern (a period, or a
+    string of L and G) names the sliding layers as Exaone4Config makes them; full layers lose
+    rope only where a window is set."""
+    import transformers
+
+    from cyllm.families import config_from_hf, family_for_hf
+    raw = dict(architectures=["Exaone4ForCausalLM"], model_type="exaone4", hidden_size=64, intermediate_size=96,
+               num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+               sliding_window=32, sliding_window_pattern=pattern)
+    want = transformers.Exaone4Config(**{k: v for k, v in raw.items() if k != "architectures"}).layer_types \
+        if isinstance(pattern, int) else \
+        ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(7)]
+    assert family_for_hf(raw).name == "exaone4"
+    c = config_from_hf(raw)
+    assert [("sliding_attention" if t == "sliding" else "full_attention") for t in c.layer_types] == list(want)
+    assert c.nope_layers == tuple(i for i, t in enumerate(want) if t == "full_attention")
+    c = config_from_hf({**raw, "sliding_window": None})
+    assert c.sliding_window == 0 and c.nope_layers == () and c.layer_types is None
+
+
+def test_exaone4_gguf_follows_llama_cpp():
+    """llama.cpp's exaone4 slides only in the 64-layer 32B (the file's pattern, else three layers
+    of four; its window, else 4096), with no rope on the other layers; any other depth is all
+    full layers with rope, whatever the file names."""
+    from cyllm.families import family
+    f = family("exaone4").gguf_features
+    p = "exaone4."
+    assert f({p + "block_count": 30, p + "attention.sliding_window": 4096}, p, {}) == dict(qk_norm=True, post_norms=True)
+    out = f({p + "block_count": 64}, p, {})
+    assert out["sliding_window"] == 4096 and out["layer_types"][:4] == ("sliding",) * 3 + ("full",)
+    assert out["nope_layers"] == tuple(range(3, 64, 4))
+    pattern = [i % 2 == 0 for i in range(64)]
+    out = f({p + "block_count": 64, p + "attention.sliding_window": 128, p + "attention.sliding_window_pattern": pattern,
+             p + "rope.freq_base_swa": 5e5}, p, {})
+    assert out["sliding_window"] == 128 and out["nope_layers"] == tuple(range(1, 64, 2))
+    assert out["rope_local_theta"] == 5e5
+
+
 def test_every_family_has_material():
     """Each family cyllm supports is exercised by at least one kind above."""
     from cyllm.families import FAMILIES

@@ -42,7 +42,7 @@ GGUF_ARCH = {"llama32": "llama", "mistral_swa": "llama", "qwen2": "qwen2", "qwen
              "gemma": "gemma",
              "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "phi3_longrope": "phi3", "smollm3": "smollm3",
              "granite": "granite", "olmo2": "olmo2", "qwen3moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe",
-             "granitemoe": "granitemoe"}
+             "granitemoe": "granitemoe", "exaone4": "exaone4"}
 # mixtures of experts: the router and a layer's experts stacked, one tensor each
 _MOE = ["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
 
@@ -69,6 +69,8 @@ _BLOCK["qwen3moe"] = _BLOCK["qwen3"][:-3] + _MOE
 _BLOCK["olmoe"] = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
                    "ffn_norm"] + _MOE
 _BLOCK["granitemoe"] = _BLOCK["llama"][:-3] + _MOE
+_BLOCK["exaone4"] = ["attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output", "post_attention_norm",
+                     "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm"]
 _MOE_KINDS = {"qwen3moe", "mixtral", "olmoe", "granitemoe"}
 _STACKED_KINDS = {"granitemoe"}        # a layer's experts in one tensor a role in the checkpoint too
 
@@ -87,7 +89,7 @@ _HF_TO_GGUF = {
 }
 # blocks with norms on their outputs (Gemma 2 and 3; OLMo 2, which has no pre_feedforward one),
 # and Seed-OSS, whose pre-MLP post_attention_layernorm llama.cpp names post_attention_norm too
-_POST_NORM_ARCHS = ("gemma2", "gemma3", "olmo2", "seed_oss")
+_POST_NORM_ARCHS = ("gemma2", "gemma3", "olmo2", "seed_oss", "exaone4")
 _POST_NORMS = {"post_attention_layernorm.weight": "post_attention_norm.weight",
                "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
@@ -153,7 +155,7 @@ def test_hf_dir_is_complete_and_logits_are_spread(family_material, hf_logits, ki
         "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
         "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
         "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM",
-        "granitemoe": "GraniteMoeForCausalLM"}[KINDS[kind][0]]).__name__
+        "granitemoe": "GraniteMoeForCausalLM", "exaone4": "Exaone4ForCausalLM"}[KINDS[kind][0]]).__name__
     ids, lg = hf_logits(kind)
     assert lg.shape == (SEQ, cfg["vocab_size"])
     assert np.isfinite(lg).all()
@@ -232,7 +234,7 @@ def test_weights_carry_their_features(family_material, kind):
     names = "\n".join(w)
     arch = KINDS[kind][0]
     assert (".q_proj.bias" in names) == (arch in ("qwen2", "seed_oss"))
-    assert (".q_norm.weight" in names) == (arch in ("qwen3", "gemma3", "olmo2", "olmo3", "qwen3moe", "olmoe"))
+    assert (".q_norm.weight" in names) == (arch in ("qwen3", "gemma3", "olmo2", "olmo3", "qwen3moe", "olmoe", "exaone4"))
     assert (".experts.0." in names) == (kind in _MOE_KINDS - _STACKED_KINDS)
     assert (".input_linear.weight" in names) == (kind in _STACKED_KINDS)
     assert (".qkv_proj.weight" in names and ".gate_up_proj.weight" in names) == (arch == "phi3")

@@ -180,6 +180,17 @@ def test_yarn_scaling_matches_llamacpp(material):
 
 
 @pytest.mark.slow
+def test_exaone4_hybrid_matches_llamacpp(material):
+    """EXAONE 4's hybrid layers travel as the converter writes them: the window and a flag a layer."""
+    ref = material.llamacpp_quant("exaone4_swa", "float16", "q8_0")
+    ours = material.cyllm_quant("exaone4_swa", "float16", "q8_0")
+    _assert_same_file(ours, ref)
+    fields = _fields(ours)[1]
+    assert fields["exaone4.attention.sliding_window"].contents() == 16
+    assert fields["exaone4.attention.sliding_window_pattern"].contents() == [True, True, True, False]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"])
 def test_k_quant_rows_match_llamacpp(material, qtype):
     """Rows that are multiples of 256: the K-quant blocks and the Q4_K_M / Q5_K_M per-layer

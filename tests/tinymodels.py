@@ -218,6 +218,12 @@ FAMILY_KINDS = {
                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                 "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
                                                    "original_max_position_embeddings": 32}})),
+    # EXAONE 4 (the 1.2B's kind): norms on each sub-block's output and none before, per-head q/k
+    # norms, every layer full with rope, GQA 4/2, tied
+    "exaone4": ("exaone4", dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=160, num_hidden_layers=3, rms_norm_eps=1e-5,
+                                rope_theta=1e6, sliding_window=None, layer_types=["full_attention"] * 3,
+                                tie_word_embeddings=True)),
     # Mixtures of experts (weights rounded to float16 values: see MOE_ARCHS)
     # Qwen3-MoE: Qwen3's attention, 6 experts of 40 (not its unused dense size, 96), 2 a token,
     # their weights renormalized (as the released models), untied
@@ -253,6 +259,10 @@ FAMILY_KINDS = {
 # therefore hold float16 values (stored as float32), so both sides start from the same weights.
 MOE_ARCHS = {"qwen3moe", "mixtral", "olmoe", "granitemoe"}
 KINDS.update(FAMILY_KINDS)
+# EXAONE 4 hybrid (the 32B's kind): three sliding layers (window 16) in four, the fourth with no
+# rope. llama.cpp runs that only at 64 layers, so not a GGUF kind: checked from the HF directory
+KINDS["exaone4_swa"] = ("exaone4", {**FAMILY_KINDS["exaone4"][1], "num_hidden_layers": 4, "sliding_window": 16,
+                                    "layer_types": ["sliding_attention"] * 3 + ["full_attention"]})
 # Qwen3 with YaRN rope scaling (factor 8 over an original context of 32, which the 70-token
 # test sequence passes): not a family of its own, so not in FAMILY_KINDS
 KINDS["qwen3_yarn"] = ("qwen3", {**FAMILY_KINDS["qwen3"][1], "max_position_embeddings": 256,
@@ -264,7 +274,8 @@ KIND_TOKENIZER = {"llama32": "llama3", "mistral_swa": "llama2", "qwen2": "qwen2"
                   "qwen3": "qwen2", "seed_oss": "qwen2", "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3_qscale": "gemma", "phi3": "phi3",
                   "phi3_longrope": "gpt4o", "smollm3": "smollm3", "granite": "llama3",
                   "olmo2": "llama3", "olmo3": "llama3", "qwen3_yarn": "qwen2", "qwen3moe": "qwen2",
-                  "mixtral": "llama2", "olmoe": "llama3", "granitemoe": "llama3"}
+                  "mixtral": "llama2", "olmoe": "llama3", "granitemoe": "llama3", "exaone4": "llama3",
+                  "exaone4_swa": "llama3"}
 
 # what each family kind exercises (for test ids and reports)
 FAMILY_FEATURES = {
@@ -285,6 +296,7 @@ FAMILY_FEATURES = {
     "granite": "embedding, residual, attention and logit multipliers, GQA, tied",
     "olmo2": "no pre-norms, q/k norms over the whole projection, post-norms, GQA, untied",
     "olmo3": "olmo2's block, sliding window 16 on 3 of 4 layers, YaRN on the full layer only",
+    "exaone4": "no pre-norms, norms on each sub-block's output, per-head q/k norms, GQA, tied",
     "qwen3moe": "6 experts, 2 a token, renormalized weights, q/k norms, expert size != dense size",
     "mixtral": "5 experts, 2 a token, llama's q/k layout in GGUF, SentencePiece tokenizer, head_dim != dim/heads",
     "olmoe": "8 experts, 3 a token, weights not renormalized, q/k norms over the whole projection",
@@ -297,7 +309,7 @@ FAMILY_FEATURES = {
 # applies none) and gemma3_qscale (llama.cpp scales queries by 1/sqrt(head_dim) except for the
 # 62-layer 27B, and hard-codes the 5:1 pattern).
 GGUF_FAITHFUL = {"llama32", "qwen2", "qwen3", "seed_oss", "gemma", "gemma2", "gemma3", "phi3", "phi3_longrope", "smollm3", "granite",
-                 "olmo2", "qwen3moe", "mixtral", "olmoe", "granitemoe"}
+                 "olmo2", "exaone4", "qwen3moe", "mixtral", "olmoe", "granitemoe"}
 
 # HF architecture -> (config class, model class) in transformers
 _ARCH_CLASSES = {
@@ -314,6 +326,7 @@ _ARCH_CLASSES = {
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),

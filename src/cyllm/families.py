@@ -462,6 +462,24 @@ def _olmo2_hf(cfg):
                 rope_local_theta=local_theta if types else None)
 
 
+def _exaone4_hf(cfg):
+    # where config.json sets a sliding window, its layer_types (or else its sliding_window_pattern,
+    # "LLLG" or a period, as transformers and llama.cpp's converter read it) name the sliding
+    # layers, and the full ones have no rope; without a window every layer is full, with rope
+    n = _n_layers(cfg)
+    window = cfg.int("sliding_window", 0, minimum=0)
+    types = _layer_types(cfg, n) if window else None
+    if window and types is None:
+        pattern = cfg.get("sliding_window_pattern")
+        if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
+            types = tuple("sliding" if pattern[i % len(pattern)] == "L" else "full" for i in range(n))
+        else:
+            step = cfg.int("sliding_window_pattern", 4, minimum=1)
+            types = tuple("sliding" if (i + 1) % step else "full" for i in range(n))
+    nope = tuple(i for i, t in enumerate(types) if t == "full") if window else ()
+    return dict(qk_norm=True, post_norms=True, sliding_window=window, layer_types=types, nope_layers=nope)
+
+
 def _experts_hf(cfg, family: str, norm_default: bool) -> dict:
     """A mixture of experts on every layer: the counts, each expert's MLP size (ffn_dim), and
     whether the chosen experts' weights are renormalized (``norm_topk_prob``)."""
@@ -566,6 +584,29 @@ def _olmo2_gguf(md, p, t):
         raise UnsupportedModelError("OLMo 3 GGUF files (sliding-window layers) are not supported; "
                                     "its Hugging Face directory is")
     return dict(qk_norm=True, qk_norm_whole=True, post_norms=True)
+
+
+def _exaone4_gguf(md, p, t):
+    # llama.cpp's exaone4 runs sliding layers only in the 64-layer 32B: its window (default 4096)
+    # on the layers the file's pattern marks (default: three of every four), no rope on the
+    # others; any other depth is all full layers with rope, whatever the file says
+    n = _gguf_scalar(md, p + "block_count")
+    out = dict(qk_norm=True, post_norms=True)
+    if n != 64:
+        return out
+    window = _gguf_scalar(md, p + "attention.sliding_window")
+    pattern = md.get(p + "attention.sliding_window_pattern")
+    if isinstance(pattern, (list, tuple, np.ndarray)) and len(pattern) == n:
+        sliding = [bool(v) for v in pattern]
+    else:
+        sliding = [i % 4 < 3 for i in range(n)]
+    out.update(sliding_window=int(window) if window else 4096,
+               layer_types=tuple("sliding" if v else "full" for v in sliding),
+               nope_layers=tuple(i for i, v in enumerate(sliding) if not v))
+    base = _gguf_scalar(md, p + "rope.freq_base_swa")
+    if base is not None:
+        out["rope_local_theta"] = float(base)
+    return out
 
 
 def _granite_gguf(md, p, t):
@@ -748,6 +789,19 @@ OLMO2 = Family(
            post_ffw_norm__weight=Tensor("post_ffw_norm.weight", _P + "post_feedforward_layernorm.weight", _vec)),
     hf_features=_olmo2_hf, gguf_features=_olmo2_gguf)
 
+# EXAONE 4: OLMo 2's block (norms on each sub-block's output, none before) with Qwen3's per-head
+# q/k norms; hybrid models (the 32B) slide three layers of four and give the fourth no rope
+EXAONE4 = Family(
+    "exaone4", ("Exaone4ForCausalLM",), ("exaone4",), "exaone4",
+    _table(attn_norm__weight=None, ffn_norm__weight=None,
+           post_attention_norm__weight=Tensor("post_attention_norm.weight",
+                                              _P + "post_attention_layernorm.weight", _vec),
+           post_ffw_norm__weight=Tensor("post_ffw_norm.weight", _P + "post_feedforward_layernorm.weight", _vec)),
+    hf_features=_exaone4_hf, gguf_features=_exaone4_gguf, gguf_config_tensors=("rope_freqs.weight",),
+    hf_extra=lambda c: {"sliding_window": c.sliding_window or None,
+                        "layer_types": [("sliding_attention" if c.layer_window(i) else "full_attention")
+                                        for i in range(c.n_layers)]})
+
 # Mixtures of experts: the block of their dense sibling with the MLP replaced by a router and
 # n_experts gated MLPs (_moe_rows)
 _QWEN_EXPERTS = _moe_rows("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
@@ -785,7 +839,7 @@ GRANITEMOE = Family(
     hf_extra=lambda c: {**_granite_extra(c), **_experts_hf_extra(c, "num_local_experts")})
 
 FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, SEED_OSS, GEMMA, GEMMA2, GEMMA3, PHI3, SMOLLM3, GRANITE, OLMO2,
-                                QWEN3MOE, MIXTRAL, OLMOE, GRANITEMOE)
+                                EXAONE4, QWEN3MOE, MIXTRAL, OLMOE, GRANITEMOE)
 BY_NAME = {f.name: f for f in FAMILIES}
 
 

@@ -96,7 +96,7 @@ _PRE_SEQUENCES = {
 _PRE_DIGITS = {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"}
 # names whose split is GPT-2's own pattern
 _PRE_GPT2 = {None, "", "default", "gpt-2", "gpt2", "phi-2", "olmo", "mpt", "jais", "roberta-bpe",
-            "a.x-4.0", "mellum"}
+            "a.x-4.0", "mellum", "exaone4"}
 
 
 def known_pre_tokenizer(pre) -> bool:

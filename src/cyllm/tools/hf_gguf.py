@@ -246,6 +246,12 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
     if fam.name == "olmo2" and cfg.layer_types:
         # OLMo 3: cyllm reads no OLMo 3 GGUF (llama.cpp's windowed olmo2), so it writes none
         raise UnsupportedModelError("OLMo 3 (sliding-window layers) cannot be written to a GGUF by cyllm")
+    if fam.name == "exaone4":       # the vocabulary size, and a hybrid's window and sliding layers
+        kv.append((a + "vocab_size", cfg.vocab_size, T.UINT32, None))
+        if cfg.sliding_window:
+            kv += [(a + "attention.sliding_window", cfg.sliding_window, T.UINT32, None),
+                   (a + "attention.sliding_window_pattern", [bool(cfg.layer_window(i)) for i in range(cfg.n_layers)],
+                    T.ARRAY, T.BOOL)]
     if fam.name in GRANITES:        # each multiplier config.json gives (llama.cpp's converter skips 0)
         for hf_key, key in (("attention_multiplier", "attention.scale"), ("embedding_multiplier", "embedding_scale"),
                             ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale")):
