@@ -485,6 +485,12 @@ def test_exaone4_sliding_pattern_as_transformers_reads_it(pattern):
     assert c.nope_layers == tuple(i for i, t in enumerate(want) if t == "full_attention")
     c = config_from_hf({**raw, "sliding_window": None})
     assert c.sliding_window == 0 and c.nope_layers == () and c.layer_types is None
+    # no key at all: Exaone4Config's default window and period
+    bare = {k: v for k, v in raw.items() if k not in ("sliding_window", "sliding_window_pattern")}
+    hf = transformers.Exaone4Config(**{k: v for k, v in bare.items() if k != "architectures"})
+    c = config_from_hf(bare)
+    assert c.sliding_window == hf.sliding_window
+    assert [("sliding_attention" if t == "sliding" else "full_attention") for t in c.layer_types] == hf.layer_types
 
 
 def test_exaone4_gguf_follows_llama_cpp():
@@ -502,7 +508,21 @@ def test_exaone4_gguf_follows_llama_cpp():
     out = f({p + "block_count": 64, p + "attention.sliding_window": 128, p + "attention.sliding_window_pattern": pattern,
              p + "rope.freq_base_swa": 5e5}, p, {})
     assert out["sliding_window"] == 128 and out["nope_layers"] == tuple(range(1, 64, 2))
-    assert out["rope_local_theta"] == 5e5
+    assert out["rope_theta"] == 5e5         # the sliding layers' base: they alone have rope
+    for period, full in ((2, range(1, 64, 2)), (0, ())):        # a period, as llama.cpp reads one
+        out = f({p + "block_count": 64, p + "attention.sliding_window_pattern": period}, p, {})
+        assert out["nope_layers"] == tuple(full)
+
+
+def test_granitemoe_gguf_with_shared_experts_refused():
+    """llama.cpp's converter writes GraniteMoeShared as granitemoe with a shared expert's size:
+    refused by that key, in one line."""
+    from cyllm.errors import UnsupportedModelError
+    from cyllm.families import family
+    p = "granitemoe."
+    md = {p + "expert_count": 4, p + "expert_used_count": 2, p + "expert_shared_feed_forward_length": 64}
+    with pytest.raises(UnsupportedModelError, match="shared experts"):
+        family("granitemoe").gguf_features(md, p, {})
 
 
 def test_every_family_has_material():

@@ -467,7 +467,8 @@ def _exaone4_hf(cfg):
     # "LLLG" or a period, as transformers and llama.cpp's converter read it) name the sliding
     # layers, and the full ones have no rope; without a window every layer is full, with rope
     n = _n_layers(cfg)
-    window = cfg.int("sliding_window", 0, minimum=0)
+    # no key: Exaone4Config's default window (4096); null: no sliding layers
+    window = cfg.int("sliding_window", 0, minimum=0) if "sliding_window" in cfg else 4096
     types = _layer_types(cfg, n) if window else None
     if window and types is None:
         pattern = cfg.get("sliding_window_pattern")
@@ -598,14 +599,16 @@ def _exaone4_gguf(md, p, t):
     pattern = md.get(p + "attention.sliding_window_pattern")
     if isinstance(pattern, (list, tuple, np.ndarray)) and len(pattern) == n:
         sliding = [bool(v) for v in pattern]
-    else:
-        sliding = [i % 4 < 3 for i in range(n)]
+    else:                   # a period (0: every layer), as llama.cpp reads one; else its 4
+        step = pattern if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0 else 4
+        sliding = [step == 0 or i % step < step - 1 for i in range(n)]
     out.update(sliding_window=int(window) if window else 4096,
                layer_types=tuple("sliding" if v else "full" for v in sliding),
                nope_layers=tuple(i for i, v in enumerate(sliding) if not v))
+    # only the sliding layers have rope, with the file's scaling: their base is the model's
     base = _gguf_scalar(md, p + "rope.freq_base_swa")
     if base is not None:
-        out["rope_local_theta"] = float(base)
+        out["rope_theta"] = float(check_number(base, "GGUF " + p + "rope.freq_base_swa", positive=True))
     return out
 
 
@@ -619,7 +622,10 @@ def _granite_gguf(md, p, t):
 
 
 def _granitemoe_gguf(md, p, t):
-    # llama.cpp renormalizes the chosen experts' weights for granitemoe, as transformers does
+    # llama.cpp renormalizes the chosen experts' weights for granitemoe, as transformers does;
+    # its converter writes GraniteMoeShared as granitemoe too, with a shared expert's size
+    if _gguf_scalar(md, p + "expert_shared_feed_forward_length"):
+        raise UnsupportedModelError("GGUF: Granite MoE with shared experts is not supported")
     return {**_granite_gguf(md, p, t), **_experts_gguf(md, p, "granitemoe", norm=True)}
 
 
