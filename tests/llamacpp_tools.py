@@ -200,7 +200,10 @@ script = src + "/convert_hf_to_gguf.py"
 main = runpy.run_path(script, run_name="convert_hf_to_gguf")["main"]
 for hf_dir, outfile, outtype, pre in jobs:
     _pre[0] = pre
+    outtype, _, fused = outtype.partition(":")
     sys.argv = [script, hf_dir, "--outfile", outfile, "--outtype", outtype]
+    if fused:                   # ":fused": the converter's --fuse-qkv (q, k, v as one attn_qkv)
+        sys.argv += ["--fuse-qkv"]
     print("cyllm-job:", hf_dir, outtype, flush=True)
     main()
 """
@@ -214,7 +217,7 @@ def convert_many(jobs, timeout: float = 900) -> list[Path]:
     """
     jobs = [(str(h), Path(o), t, p or "") for h, o, t, p in jobs]
     for _, _, outtype, _ in jobs:
-        if outtype not in OUTTYPES:
+        if outtype.removesuffix(":fused") not in OUTTYPES:
             raise ValueError(f"outtype must be one of {OUTTYPES}, not {outtype!r}")
     if not jobs:
         return []
@@ -297,7 +300,7 @@ class FamilyMaterial:
         if (kind, outtype) not in self._gguf:
             wanted = [(kind, outtype)] + [(k, o) for o in self.outtypes for k in GGUF_KINDS]
             todo = [j for j in dict.fromkeys(wanted) if j not in self._gguf]
-            jobs = [(self.hf_dir(k), self.root / "gguf" / f"{k}-{o}.gguf", o,
+            jobs = [(self.hf_dir(k), self.root / "gguf" / f"{k}-{o.replace(':', '-')}.gguf", o,
                      GGUF_PRE[KIND_TOKENIZER[k]]) for k, o in todo]
             for key, path in zip(todo, convert_many(jobs)):
                 self._gguf[key] = path

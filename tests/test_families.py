@@ -619,6 +619,23 @@ def test_convert_gguf_back_to_a_directory_transformers_loads(family_material, re
     _assert_parity(_hf_logits(converted, ids), _hf_logits(reference(kind), ids))
 
 
+@pytest.mark.parametrize("kind,outtype", [("llama32", "q8_0"), ("llama32", "f16"), ("qwen2", "q8_0"),
+                                          ("mixtral", "q8_0"), ("qwen3moe", "q8_0")])
+def test_fused_gguf_tensors_read_as_the_split_ones(family_material, kind, outtype):
+    """llama.cpp's converter with --fuse-qkv writes q, k and v (weights and biases) as one
+    attn_qkv a layer, and llama.cpp reads either form. cyllm cuts it back into the table's
+    tensors (llama-style q/k rows unpermuted part by part): the same logits as the split file,
+    bit for bit."""
+    from cyllm.loading.gguf import read_gguf
+    split, fused = family_material.gguf(kind, outtype), family_material.gguf(kind, outtype + ":fused")
+    names = set(read_gguf(fused).tensors)
+    assert "blk.0.attn_qkv.weight" in names and "blk.0.attn_q.weight" not in names
+    assert ("blk.0.attn_qkv.bias" in names) == (kind == "qwen2")
+    a, b = cyllm.load(split, backend="cpu"), cyllm.load(fused, backend="cpu")
+    ids = _ids(a)
+    np.testing.assert_array_equal(b.logits(ids), a.logits(ids))
+
+
 def test_convert_refuses_stacked_expert_checkpoints(family_material, tmp_path):
     """Granite MoE's checkpoints keep gate and up of every expert in one tensor; cyllm reads
     them but does not write them: `cyllm convert` of its GGUF says so in one line."""

@@ -137,7 +137,7 @@ def _config_from_gguf(gf: GGUFFile) -> ModelConfig:
         rope_scaling=_rope_scaling(gf, m, p, rot),
         rotary_dim=rot if rot != head_dim else None,
         tie_word_embeddings="output.weight" not in gf.tensors,
-        attention_bias="blk.0.attn_q.bias" in gf.tensors,
+        attention_bias="blk.0.attn_q.bias" in gf.tensors or "blk.0.attn_qkv.bias" in gf.tensors,   # (fused: --fuse-qkv)
         qk_norm="blk.0.attn_q_norm.weight" in gf.tensors,
         bos_token_id=bos if isinstance(bos, int) and 0 <= bos < vocab else None,
         eos_token_ids=eos_ids, name=name if isinstance(name, str) else gf.path.stem)
@@ -274,22 +274,39 @@ class PlannedTensor:
     # a stack of expert matrices (E, rows, cols) in the file: shape is (E * rows, cols), and
     # the model reads expert e's rows under expert_names[e]
     expert_names: tuple = ()
+    # a tensor that llama.cpp's converter fused from several of the table's (--fuse-qkv's
+    # attn_qkv): (names, first row, rows, heads to unpermute) of each, names one per item of
+    # the tensor's rows (one item: the whole tensor)
+    parts: tuple = ()
+
+    def _views(self, a):
+        """(HF name, rows of a) of each entry, a the materialized tensor (or its shape's stand-in)."""
+        if self.parts:
+            items = len(self.parts[0][0])
+            step = self.shape[0] // items
+            for names, r0, rows, heads in self.parts:
+                for e, name in enumerate(names):
+                    yield name, slice(e * step + r0, e * step + r0 + rows), heads
+        elif self.expert_names:
+            rows = self.shape[0] // len(self.expert_names)
+            for e, name in enumerate(self.expert_names):
+                yield name, slice(e * rows, (e + 1) * rows), 0
+        else:
+            yield self.hf_name, slice(0, self.shape[0]), 0
 
     def entry_shapes(self):
         """(HF name, shape) of each array ``entries`` yields."""
-        if not self.expert_names:
-            return [(self.hf_name, self.shape)]
-        rows = self.shape[0] // len(self.expert_names)
-        return [(name, (rows, self.shape[1])) for name in self.expert_names]
+        return [(name, (rows.stop - rows.start, *self.shape[1:])) for name, rows, _ in self._views(None)]
 
     def entries(self, a):
-        """(HF name, array) pairs of the materialized tensor ``a``: one, or a row view per expert."""
-        if not self.expert_names:
+        """(HF name, array) pairs of the materialized tensor ``a``: one, a row view per expert,
+        or the fused parts (their q/k rows back in HF's order: a copy of those)."""
+        if not self.expert_names and not self.parts:
             yield self.hf_name, a
             return
-        rows = self.shape[0] // len(self.expert_names)
-        for e, name in enumerate(self.expert_names):
-            yield name, a[e * rows:(e + 1) * rows]
+        for name, rows, heads in self._views(a):
+            v = a[rows]
+            yield name, (_unpermute_part(v, heads) if heads else v)
 
     @property
     def converted(self) -> str | None:
@@ -300,6 +317,60 @@ class PlannedTensor:
         if self.dtype == np.float16 and src != "F16":
             return f"{src} -> F16"
         return None
+
+
+def _unpermute_part(v, heads: int):
+    """Rows of a fused q or k (an array or a QuantMatrix) from llama.cpp's order to HF's."""
+    order = _unpermute_rows(np.arange(v.shape[0]), heads)
+    return v.take_rows(order) if hasattr(v, "take_rows") else v[order]
+
+
+def _fused(name: str, by_gguf: dict, cfg: ModelConfig, fam):
+    """(table rows it holds, want shape, parts) of a tensor llama.cpp's converter fused with
+    --fuse-qkv (blk.N.attn_qkv.{weight,bias}: q, then k, then v) for a family whose table has
+    them apart, or None. (Its --fuse-gate-up-exps fuses experts only in architectures cyllm
+    does not run.)"""
+    m = _BLK_RE.match(name)
+    if m is None:
+        return None
+    i, tail = int(m.group(1)), m.group(2)
+    blk = f"blk.{i}."
+    if tail in ("attn_qkv.weight", "attn_qkv.bias"):
+        kind = tail.split(".")[1]
+        rows = [by_gguf.get(f"{blk}attn_{r}.{kind}") for r in "qkv"]
+        if None in rows:
+            return None
+        parts, r0 = [], 0
+        for (t, layer), n in zip(rows, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim)):
+            heads = 0
+            if fam.permute_qk and t.permute:
+                heads = cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
+            parts.append(((t.hf_name(layer),), r0, n, heads))
+            r0 += n
+        want = (r0, cfg.dim) if kind == "weight" else (r0,)
+        return rows, want, tuple(parts)
+    return None
+
+
+def _plan_fused(gf: GGUFFile, name: str, info, fused, native: bool) -> PlannedTensor:
+    """The PlannedTensor of a fused tensor (_fused): its type and shape checked as a table row's."""
+    from ..quant.formats import format_by_ggml_type
+    _, want, parts = fused
+    if info.ggml_type not in SUPPORTED_TENSOR_TYPES:
+        raise UnsupportedModelError(
+            f"{gf.path}: tensor {clip(name)} has type {info.type_name}, which is not supported "
+            f"(supported: {', '.join(v[0] for v in SUPPORTED_TENSOR_TYPES.values())})")
+    if info.shape != want:
+        raise ModelLoadError(f"{gf.path}: tensor {clip(name)} has shape {info.shape}, expected {want}")
+    for _, _, n, heads in parts:
+        if heads and n % (2 * heads):
+            raise ModelLoadError(f"{gf.path}: tensor {clip(name)} has {n} rows for {heads} heads: "
+                                 "a head of an odd size cannot hold the row pairs of this family's layout")
+    cfg_dtype = np.dtype(np.float16 if len(want) > 1 else np.float32)
+    fmt = None
+    if native and cfg_dtype == np.float16 and info.ggml_type not in (F32, F16, BF16):
+        fmt = CONVERT_TO_NATIVE.get(info.ggml_type) or format_by_ggml_type(info.ggml_type).name
+    return PlannedTensor(name, info, want, cfg_dtype, 0, fmt, (), parts)
 
 
 def plan_tensors(gf: GGUFFile, cfg: ModelConfig, native: bool = False) -> list[PlannedTensor]:
@@ -316,6 +387,17 @@ def plan_tensors(gf: GGUFFile, cfg: ModelConfig, native: bool = False) -> list[P
     for name, info in gf.tensors.items():
         if name in ignored:
             continue
+        fused = None if name in by_gguf else _fused(name, by_gguf, cfg, fam)
+        if fused is not None:
+            held = {t.gguf_name(layer) for t, layer in fused[0]}
+            if held & seen:
+                raise ModelLoadError(f"{gf.path}: tensor {clip(name)} holds {clip(min(held & seen))}, "
+                                     "which the file also has on its own")
+            plan.append(_plan_fused(gf, name, info, fused, native))
+            seen.update(held)
+            continue
+        if name in seen:
+            raise ModelLoadError(f"{gf.path}: tensor {clip(name)} is also part of a fused tensor in the file")
         if name not in by_gguf:
             m = _BLK_RE.match(name)
             if m and int(m.group(1)) >= cfg.n_layers:
