@@ -520,6 +520,10 @@ def materialize(gf: GGUFFile, p: PlannedTensor):
 def iter_entries(gf: GGUFFile, plan: list[PlannedTensor]):
     for p in plan:
         yield from p.entries(materialize(gf, p))
+        if any(heads for *_, heads in p.parts):
+            # a fused q/k/v's q and k were copied (unpermuted): drop the tensor's pages, as for
+            # a q or k on its own (v's view faults its own back in)
+            gf.release(p.info)
 
 
 def iter_weights(gf: GGUFFile, cfg: ModelConfig, native: bool = False):
