@@ -272,6 +272,34 @@ def test_gemma2_keys_a_config_leaves_out_take_transformers_defaults():
         assert c.layer_types == tuple(t.split("_")[0] for t in hf.layer_types)
 
 
+def _minimal_configs():
+    """(family, HF architecture, model_type): every architecture cyllm reads."""
+    from cyllm.families import FAMILIES
+    return [(f.name, arch, mt) for f in FAMILIES for arch, mt in zip(f.hf_architectures, f.hf_model_types)]
+
+
+@pytest.mark.parametrize("fam,arch,model_type", _minimal_configs())
+def test_keys_left_out_take_the_config_class_defaults(fam, arch, model_type):
+    """A config.json with only the sizes: the norm epsilon, trained context, rope base and
+    tying are those of the family's own transformers config class (Qwen2's 1e-6 and 32768,
+    SmolLM3's tied 2e6 rope, ...), not one set of defaults for every family."""
+    transformers = pytest.importorskip("transformers")
+    from cyllm.families import config_from_hf
+    raw = dict(architectures=[arch], model_type=model_type, hidden_size=64, intermediate_size=128,
+               num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
+    if fam in ("qwen3moe", "olmoe"):
+        raw.update(num_experts=4, num_experts_per_tok=2)
+    if fam in ("mixtral", "granitemoe"):
+        raw.update(num_local_experts=4, num_experts_per_tok=2)
+    cls = getattr(transformers, "Gemma3TextConfig" if arch == "Gemma3ForCausalLM" else arch.replace("ForCausalLM", "Config"))
+    hf = cls(**{k: v for k, v in raw.items() if k != "architectures"})
+    c = config_from_hf(raw)
+    assert c.norm_eps == pytest.approx(hf.rms_norm_eps, rel=1e-12)
+    assert (c.max_seq_len, c.tie_word_embeddings) == (hf.max_position_embeddings, bool(hf.tie_word_embeddings))
+    theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta")
+    assert theta is None or c.rope_theta == theta          # Gemma 3, OLMo 3: a base a layer type
+
+
 def test_seed_oss_defaults_and_refused_biases():
     """Seed-OSS: keys a config.json leaves out take transformers' SeedOssConfig defaults (q/k/v
     biases, head_dim 128, eps 1e-6); biases on o_proj or the MLP, which cyllm does not apply,

@@ -33,7 +33,7 @@ Facts the tables encode (llama.cpp's converter is the reference for GGUF):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -111,6 +111,10 @@ class Family:
     gguf_features: Callable[[dict, str, dict], dict] = lambda md, p, t: {}   # metadata, prefix, tensors
     gguf_config_tensors: tuple[str, ...] = ()    # GGUF tensors read into the config, not weights
     hf_extra: Callable[[ModelConfig], dict] = lambda c: {}        # convert: family keys of config.json
+    # config.json keys a checkpoint may leave out, at the family's transformers config class
+    # defaults where they differ from common_hf's (rms_norm_eps 1e-5, max_position_embeddings
+    # 2048, rope_theta 10000, untied)
+    hf_defaults: tuple = ()
     fused_qkv: bool = False
     fused_gate_up: bool = False
 
@@ -844,8 +848,25 @@ GRANITEMOE = Family(
     permute_qk=True, hf_features=_granitemoe_hf, gguf_features=_granitemoe_gguf,
     hf_extra=lambda c: {**_granite_extra(c), **_experts_hf_extra(c, "num_local_experts")})
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, SEED_OSS, GEMMA, GEMMA2, GEMMA3, PHI3, SMOLLM3, GRANITE, OLMO2,
-                                EXAONE4, QWEN3MOE, MIXTRAL, OLMOE, GRANITEMOE)
+# Each family's transformers config class defaults for keys a config.json may leave out, where
+# they differ from common_hf's (Family.hf_defaults; tests/test_hardening_files.py checks them
+# against the classes)
+_EPS6 = ("rms_norm_eps", 1e-6)
+_HF_DEFAULTS = {
+    "llama": (_EPS6,), "mistral": (_EPS6, ("max_position_embeddings", 131072)),
+    "qwen2": (_EPS6, ("max_position_embeddings", 32768)), "qwen3": (_EPS6, ("max_position_embeddings", 32768)),
+    "seed_oss": (_EPS6, ("max_position_embeddings", 524288)),
+    "gemma": (_EPS6, ("max_position_embeddings", 8192)), "gemma2": (_EPS6, ("max_position_embeddings", 8192)),
+    "gemma3": (_EPS6, ("max_position_embeddings", 131072)), "phi3": (("max_position_embeddings", 4096),),
+    "smollm3": (_EPS6, ("max_position_embeddings", 32768), ("tie_word_embeddings", True), ("rope_theta", 2e6)),
+    "granite": (_EPS6,), "qwen3moe": (_EPS6, ("max_position_embeddings", 32768)),
+    "mixtral": (("max_position_embeddings", 131072), ("rope_theta", 1e6)),
+    "olmoe": (("max_position_embeddings", 4096),), "granitemoe": (_EPS6,),
+}
+FAMILIES: tuple[Family, ...] = tuple(
+    replace(f, hf_defaults=_HF_DEFAULTS.get(f.name, ()))
+    for f in (LLAMA, MISTRAL, QWEN2, QWEN3, SEED_OSS, GEMMA, GEMMA2, GEMMA3, PHI3, SMOLLM3, GRANITE, OLMO2,
+              EXAONE4, QWEN3MOE, MIXTRAL, OLMOE, GRANITEMOE))
 BY_NAME = {f.name: f for f in FAMILIES}
 
 
@@ -891,6 +912,8 @@ def config_from_hf(cfg: dict, name: str = "") -> ModelConfig:
     or a plain dict)."""
     cfg = cfg if isinstance(cfg, JsonObject) else JsonObject(cfg, "config.json")
     fam = family_for_hf(cfg)
+    if fam.hf_defaults:
+        cfg = JsonObject({**dict(fam.hf_defaults), **cfg}, cfg.where, cfg.err)
     fields = common_hf(cfg, name)
     try:
         fields.update(fam.hf_features(cfg))
