@@ -608,10 +608,12 @@ def test_real_chat_templates_render_like_transformers(family_material, name):
     assert ours.apply_chat_template(messages, add_generation_prompt=True) == want
 
 
-@pytest.mark.parametrize("kind", ["llama32", "gemma3", "phi3_longrope", "smollm3", "qwen3moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("kind", ["llama32", "gemma3", "phi3_longrope", "smollm3", "qwen3moe", "mixtral", "olmoe",
+                                  "ernie4_5"])
 def test_convert_gguf_back_to_a_directory_transformers_loads(family_material, reference, kind, tmp_path):
     """`cyllm convert` writes the family's config.json and tensor names (Gemma's norms back to w,
-    Phi-3's fused tensors, llama3 rope parameters recovered from rope_freqs)."""
+    Phi-3's fused tensors, llama3 rope parameters recovered from rope_freqs, Ernie 4.5's q/k
+    rows in its interleaved rotary order)."""
     from cyllm.tools.convert import convert_gguf_to_hf
     out = convert_gguf_to_hf(family_material.gguf(kind, "f32"), tmp_path / "hf")
     converted = load_reference(out)

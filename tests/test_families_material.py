@@ -42,7 +42,7 @@ GGUF_ARCH = {"llama32": "llama", "mistral_swa": "llama", "qwen2": "qwen2", "qwen
              "gemma": "gemma",
              "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "phi3_longrope": "phi3", "smollm3": "smollm3",
              "granite": "granite", "olmo2": "olmo2", "qwen3moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe",
-             "granitemoe": "granitemoe", "exaone4": "exaone4"}
+             "granitemoe": "granitemoe", "exaone4": "exaone4", "ernie4_5": "ernie4_5"}
 # mixtures of experts: the router and a layer's experts stacked, one tensor each
 _MOE = ["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
 
@@ -63,7 +63,7 @@ _BLOCK = {
     "olmo2": ["attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output", "post_attention_norm",
               "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm"],
 }
-_BLOCK["smollm3"] = _BLOCK["granite"] = _BLOCK["gemma"] = _BLOCK["llama"]
+_BLOCK["smollm3"] = _BLOCK["granite"] = _BLOCK["gemma"] = _BLOCK["ernie4_5"] = _BLOCK["llama"]
 _BLOCK["seed_oss"] = [n.replace("ffn_norm", "post_attention_norm") for n in _BLOCK["qwen2"]]
 _BLOCK["qwen3moe"] = _BLOCK["qwen3"][:-3] + _MOE
 _BLOCK["olmoe"] = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
@@ -155,7 +155,8 @@ def test_hf_dir_is_complete_and_logits_are_spread(family_material, hf_logits, ki
         "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
         "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
         "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM",
-        "granitemoe": "GraniteMoeForCausalLM", "exaone4": "Exaone4ForCausalLM"}[KINDS[kind][0]]).__name__
+        "granitemoe": "GraniteMoeForCausalLM", "exaone4": "Exaone4ForCausalLM",
+        "ernie4_5": "Ernie4_5ForCausalLM"}[KINDS[kind][0]]).__name__
     ids, lg = hf_logits(kind)
     assert lg.shape == (SEQ, cfg["vocab_size"])
     assert np.isfinite(lg).all()

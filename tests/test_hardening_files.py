@@ -300,6 +300,18 @@ def test_keys_left_out_take_the_config_class_defaults(fam, arch, model_type):
     assert theta is None or c.rope_theta == theta          # Gemma 3, OLMo 3: a base a layer type
 
 
+def test_ernie4_5_biases_refused():
+    """Ernie 4.5 with use_bias (biases on every linear layer, which cyllm does not apply): one
+    clear error, not a model run without them."""
+    from cyllm.errors import UnsupportedModelError
+    from cyllm.families import config_from_hf
+    raw = dict(architectures=["Ernie4_5ForCausalLM"], model_type="ernie4_5", hidden_size=64, intermediate_size=128,
+               num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
+    assert config_from_hf(dict(raw)).arch == "ernie4_5"
+    with pytest.raises(UnsupportedModelError, match="use_bias"):
+        config_from_hf(dict(raw, use_bias=True))
+
+
 def test_seed_oss_defaults_and_refused_biases():
     """Seed-OSS: keys a config.json leaves out take transformers' SeedOssConfig defaults (q/k/v
     biases, head_dim 128, eps 1e-6); biases on o_proj or the MLP, which cyllm does not apply,

@@ -224,6 +224,11 @@ FAMILY_KINDS = {
                                 intermediate_size=160, num_hidden_layers=3, rms_norm_eps=1e-5,
                                 rope_theta=1e6, sliding_window=None, layer_types=["full_attention"] * 3,
                                 tie_word_embeddings=True)),
+    # Ernie 4.5 (the 0.3B's kind): Llama's block with interleaved (GPT-J style) rope in the
+    # checkpoint, explicit head_dim, GQA 4/2, tied
+    "ernie4_5": ("ernie4_5", dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                  intermediate_size=160, num_hidden_layers=3, rms_norm_eps=1e-5,
+                                  rope_theta=500000.0, use_bias=False, tie_word_embeddings=True)),
     # Mixtures of experts (weights rounded to float16 values: see MOE_ARCHS)
     # Qwen3-MoE: Qwen3's attention, 6 experts of 40 (not its unused dense size, 96), 2 a token,
     # their weights renormalized (as the released models), untied
@@ -275,7 +280,7 @@ KIND_TOKENIZER = {"llama32": "llama3", "mistral_swa": "llama2", "qwen2": "qwen2"
                   "phi3_longrope": "gpt4o", "smollm3": "smollm3", "granite": "llama3",
                   "olmo2": "llama3", "olmo3": "llama3", "qwen3_yarn": "qwen2", "qwen3moe": "qwen2",
                   "mixtral": "llama2", "olmoe": "llama3", "granitemoe": "llama3", "exaone4": "llama3",
-                  "exaone4_swa": "llama3"}
+                  "exaone4_swa": "llama3", "ernie4_5": "llama2"}
 
 # what each family kind exercises (for test ids and reports)
 FAMILY_FEATURES = {
@@ -297,6 +302,7 @@ FAMILY_FEATURES = {
     "olmo2": "no pre-norms, q/k norms over the whole projection, post-norms, GQA, untied",
     "olmo3": "olmo2's block, sliding window 16 on 3 of 4 layers, YaRN on the full layer only",
     "exaone4": "no pre-norms, norms on each sub-block's output, per-head q/k norms, GQA, tied",
+    "ernie4_5": "interleaved rope in the checkpoint, head_dim != dim/heads, SentencePiece tokenizer, tied",
     "qwen3moe": "6 experts, 2 a token, renormalized weights, q/k norms, expert size != dense size",
     "mixtral": "5 experts, 2 a token, llama's q/k layout in GGUF, SentencePiece tokenizer, head_dim != dim/heads",
     "olmoe": "8 experts, 3 a token, weights not renormalized, q/k norms over the whole projection",
@@ -309,7 +315,7 @@ FAMILY_FEATURES = {
 # applies none) and gemma3_qscale (llama.cpp scales queries by 1/sqrt(head_dim) except for the
 # 62-layer 27B, and hard-codes the 5:1 pattern).
 GGUF_FAITHFUL = {"llama32", "qwen2", "qwen3", "seed_oss", "gemma", "gemma2", "gemma3", "phi3", "phi3_longrope", "smollm3", "granite",
-                 "olmo2", "exaone4", "qwen3moe", "mixtral", "olmoe", "granitemoe"}
+                 "olmo2", "exaone4", "ernie4_5", "qwen3moe", "mixtral", "olmoe", "granitemoe"}
 
 # HF architecture -> (config class, model class) in transformers
 _ARCH_CLASSES = {
@@ -327,6 +333,7 @@ _ARCH_CLASSES = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM"),
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),

@@ -107,6 +107,10 @@ class Family:
     gguf_arch: str
     tensors: tuple[Tensor, ...]
     permute_qk: bool = False
+    # the HF checkpoint's q/k rows are already in the interleaved rotary order llama.cpp's GGUF
+    # uses (GPT-J style pairs 2i, 2i+1: Ernie 4.5): read with the GGUF's un-permutation, and
+    # written to GGUF as they are
+    hf_rope_interleaved: bool = False
     hf_features: Callable[[dict], dict] = lambda cfg: {}           # config.json -> ModelConfig fields
     gguf_features: Callable[[dict, str, dict], dict] = lambda md, p, t: {}   # metadata, prefix, tensors
     gguf_config_tensors: tuple[str, ...] = ()    # GGUF tensors read into the config, not weights
@@ -485,6 +489,12 @@ def _exaone4_hf(cfg):
     return dict(qk_norm=True, post_norms=True, sliding_window=window, layer_types=types, nope_layers=nope)
 
 
+def _ernie4_5_hf(cfg):
+    if cfg.flag("use_bias", False):
+        raise UnsupportedModelError("Ernie 4.5: biases on the linear layers (use_bias) are not supported")
+    return {}
+
+
 def _experts_hf(cfg, family: str, norm_default: bool) -> dict:
     """A mixture of experts on every layer: the counts, each expert's MLP size (ffn_dim), and
     whether the chosen experts' weights are renormalized (``norm_topk_prob``)."""
@@ -812,6 +822,10 @@ EXAONE4 = Family(
                         "layer_types": [("sliding_attention" if c.layer_window(i) else "full_attention")
                                         for i in range(c.n_layers)]})
 
+# Ernie 4.5 (dense): Llama's block with interleaved (GPT-J style) rope in the checkpoint itself
+ERNIE4_5 = Family("ernie4_5", ("Ernie4_5ForCausalLM",), ("ernie4_5",), "ernie4_5", _table(), permute_qk=True,
+                  hf_rope_interleaved=True, hf_features=_ernie4_5_hf, hf_extra=lambda c: {"use_bias": False})
+
 # Mixtures of experts: the block of their dense sibling with the MLP replaced by a router and
 # n_experts gated MLPs (_moe_rows)
 _QWEN_EXPERTS = _moe_rows("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
@@ -862,11 +876,12 @@ _HF_DEFAULTS = {
     "granite": (_EPS6,), "qwen3moe": (_EPS6, ("max_position_embeddings", 32768)),
     "mixtral": (("max_position_embeddings", 131072), ("rope_theta", 1e6)),
     "olmoe": (("max_position_embeddings", 4096),), "granitemoe": (_EPS6,),
+    "ernie4_5": (("max_position_embeddings", 131072), ("tie_word_embeddings", True), ("rope_theta", 5e5)),
 }
 FAMILIES: tuple[Family, ...] = tuple(
     replace(f, hf_defaults=_HF_DEFAULTS.get(f.name, ()))
     for f in (LLAMA, MISTRAL, QWEN2, QWEN3, SEED_OSS, GEMMA, GEMMA2, GEMMA3, PHI3, SMOLLM3, GRANITE, OLMO2,
-              EXAONE4, QWEN3MOE, MIXTRAL, OLMOE, GRANITEMOE))
+              EXAONE4, ERNIE4_5, QWEN3MOE, MIXTRAL, OLMOE, GRANITEMOE))
 BY_NAME = {f.name: f for f in FAMILIES}
 
 

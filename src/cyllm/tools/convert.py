@@ -19,6 +19,7 @@ from ..errors import InvalidArgumentError, ModelLoadError
 from ..families import family, hf_config_dict
 from ..loading.gguf import config_from_gguf, materialize, plan_tensors, read_gguf
 from ..loading.gguf_tokenizer import build_tokenizer
+from .hf_gguf import _permute_order
 
 OUT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
              "generation_config.json")
@@ -93,6 +94,9 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     header, _ = _safetensors_header([e for p in plan for e in p.entry_shapes()], {"format": "pt"})
     fam = family(cfg.arch)
     minus_one = {name for t, _, name in fam.expected_names(cfg) if t.hf_plus_one}
+    # q/k rows back in the checkpoint's interleaved rotary order (Ernie 4.5): HF -> llama.cpp's
+    interleave = {name: cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
+                  for t, _, name in fam.expected_names(cfg) if t.permute and fam.hf_rope_interleaved}
     tmp = out / "model.safetensors.part"
     bar = None
     if progress:
@@ -106,6 +110,8 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
                 for name, a in p.entries(materialize(gf, p)):
                     if name in minus_one:
                         a = a - np.float32(1.0)     # GGUF holds Gemma's 1 + w, HF checkpoints w
+                    if name in interleave:
+                        a = a[_permute_order(a.shape[0], interleave[name])]
                     if a.dtype != np.float16:
                         a = a.astype(np.float16)    # 1-D f32 norms, a MoE router: well inside fp16 range
                     f.write(np.ascontiguousarray(a, dtype="<f2").data)

@@ -162,7 +162,7 @@ def _tensors(cfg: ModelConfig, fam: Family, d: Path) -> list[SourceTensor]:
     experts: dict = {}          # (table row, layer) -> the readers of its experts so far
     for t, i, _, shape, f, tname, stacked in checkpoint_tensors(cfg, d):
         order = None
-        if fam.permute_qk and t.permute:
+        if fam.permute_qk and t.permute and not fam.hf_rope_interleaved:   # (already in llama.cpp's order)
             heads = cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
             order = _permute_order(shape[0], heads)
         reader = _reader(f, tname, order, t.hf_plus_one, stacked)
