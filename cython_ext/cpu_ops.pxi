@@ -29,22 +29,28 @@ cdef bint _expert_ptrs(object trio, Py_ssize_t f, Py_ssize_t n, int fmt_gu, int 
     program's moe): gate and up of kernel id fmt_gu, down of fmt_dn (-1: float16 arrays), of
     shapes (f, n), (f, n), (n, f), none overlapping out; their data into *gate, *up, *down.
     False where the expert is of another kind, format or shape (the caller then runs the
-    experts one at a time)."""
+    experts one at a time). Runs per token outside a recorded step: no Python objects made."""
     cdef cnp.ndarray a
     cdef int r, fmt
+    cdef Py_ssize_t rows, cols
     cdef const void **slots[3]
     slots[0], slots[1], slots[2] = gate, up, down
+    if not isinstance(trio, tuple) or len(<tuple>trio) != 3:
+        raise InvalidArgumentError(f"an expert must be a (gate, up, down) tuple, got {type(trio).__name__}")
     for r in range(3):
-        w = trio[r]
+        w = (<tuple>trio)[r]
         fmt = fmt_dn if r == 2 else fmt_gu
-        if tuple(w.shape) != ((n, f) if r == 2 else (f, n)):
-            return False
+        rows, cols = (n, f) if r == 2 else (f, n)
         if fmt >= 0:
-            if type(w) is not QuantMatrix or w.fmt.kernel_id != fmt:
+            if type(w) is not QuantMatrix or w.fmt.kernel_id != fmt or w.rows != rows or w.cols != cols:
                 return False
             a = <cnp.ndarray>w.data
         elif cnp.PyArray_Check(w):
-            a = _arr(w, "an expert's matrix", cnp.NPY_FLOAT16, 2, False)
+            a = <cnp.ndarray>w
+            if cnp.PyArray_TYPE(a) != cnp.NPY_FLOAT16 or cnp.PyArray_NDIM(a) != 2 \
+                    or cnp.PyArray_DIM(a, 0) != rows or cnp.PyArray_DIM(a, 1) != cols \
+                    or not cnp.PyArray_IS_C_CONTIGUOUS(a):
+                return False
         else:
             return False
         _no_overlap(ao, a, "out", "an expert's matrix")
@@ -272,10 +278,14 @@ cdef class CpuKernels:
             if pid[j] < 0 or pid[j] >= n_exp:
                 raise InvalidArgumentError(f"moe_experts: expert {pid[j]} is out of range [0, {n_exp})")
         g0, u0, d0 = experts[pid[0]]
-        f = g0.shape[0]
-        if tuple(g0.shape) != (f, n) or tuple(d0.shape) != (n, f):
-            raise InvalidArgumentError(f"moe_experts: gate {tuple(g0.shape)} and down {tuple(d0.shape)} "
-                                       f"do not fit x of {n}")
+        # f from the first expert's gate; every expert's shapes are checked by _expert_ptrs
+        # (a mismatch: False, and the op-by-op path names it)
+        if type(g0) is QuantMatrix:
+            f = g0.rows
+        elif cnp.PyArray_Check(g0) and cnp.PyArray_NDIM(<cnp.ndarray>g0) == 2:
+            f = cnp.PyArray_DIM(<cnp.ndarray>g0, 0)
+        else:
+            return False
         if cnp.PyArray_DIM(ah, 0) < k or cnp.PyArray_DIM(ah, 1) != f or cnp.PyArray_DIM(ay, 0) < k \
                 or cnp.PyArray_DIM(ay, 1) != n:
             raise InvalidArgumentError(f"moe_experts: scratch h {tuple(h.shape)} and y {tuple(y.shape)} "

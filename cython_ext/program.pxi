@@ -285,10 +285,13 @@ cdef class DecodeProgram:
         if (scores.shape[0] != E or ids.shape[0] != k or wts.shape[0] != k or cnp.PyArray_DIM(h, 0) != k
                 or cnp.PyArray_DIM(h, 1) != f or cnp.PyArray_DIM(y, 0) != k or cnp.PyArray_DIM(y, 1) != n):
             raise InvalidArgumentError(f"moe: the scratch arrays do not fit {E} experts of ({f}, {n}), {k} a token")
-        for a, name in ((scores, "scores"), (ids, "ids"), (wts, "weights"), (h, "h"), (y, "y")):
+        work = ((scores, "scores"), (ids, "ids"), (wts, "weights"), (h, "h"), (y, "y"))
+        for i, (a, name) in enumerate(work):
             _no_overlap(a, ax, name, "x")
             _no_overlap(a, ao, name, "out")
-        _no_overlap(h, y, "h", "y")
+            _no_overlap(a, ar, name, "router")
+            for b, other in work[i + 1:]:
+                _no_overlap(a, b, name, other)
         # activation blocks of x and of the k h's: one buffer for every moe op of the program
         cdef Py_ssize_t nacts = xbytes + k * hbytes
         if nacts not in self.moe_acts:
@@ -297,7 +300,8 @@ cdef class DecodeProgram:
         acts_buf, acts_at = self.moe_acts[nacts]
         cdef size_t acts = acts_at
         raw = np.zeros(sizeof(cyllm_moe_layer) + 64, np.uint8)     # the layer's record
-        self.refs.append((experts, tables, s, raw, acts_buf))
+        # the arrays the record points into, not the scratch object (its attributes may be rebound)
+        self.refs.append((experts, tables, scores, ids, wts, h, y, raw, acts_buf))
         cdef size_t base = (<size_t>cnp.PyArray_DATA(<cnp.ndarray>raw) + 63) & ~(<size_t>63)
         cdef cyllm_moe_layer *L = <cyllm_moe_layer *>base
         L.E = E

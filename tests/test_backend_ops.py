@@ -807,7 +807,8 @@ def run(runner, op, named):
         # experts that stack quantized (on int8 tensor cores) are routed and grouped on the
         # device, the rest on the host: the result above is that path's
         on_device = arrays["scratch"].dev is not None
-        assert on_device == runner.be.captures_moe_batch(arrays["experts"]), on_device
+        scratch = arrays["scratch"]
+        assert on_device == runner.be.captures_moe_batch(arrays["experts"], *scratch.ids.shape), on_device
     return {name: runner.get(arrays[name]) for name in OUTPUTS[op]}  # (same names in Q_OUTPUTS)
 
 

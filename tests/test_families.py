@@ -388,7 +388,8 @@ def test_moe_prefill_routes_on_the_device(family_material):
     _backend("cuda")
     path = family_material.gguf("mixtral", "q8_0")
     dev, host = cyllm.load(path, backend="cuda"), cyllm.load(path, backend="cuda")
-    assert all(dev.backend.captures_moe_batch(L.experts) for L in dev.layers)
+    assert all(dev.backend.captures_moe_batch(L.experts, dev.prefill_chunk, dev.config.n_experts_used)
+               for L in dev.layers)
     assert not dev.backend.data_dependent_prefill
     ids = _ids(dev)
     eager = dev.logits(ids)                 # run as issued, then recorded

@@ -252,7 +252,8 @@ class Model:
         self.lock = threading.RLock()   # one cache: sessions take turns, one step at a time
         self._build(weights, consume_weights)
         if config.moe:      # see Backend.data_dependent_steps and data_dependent_prefill
-            if not all(self.backend.captures_moe_batch(L.experts) for L in self.layers):
+            rows = min(self.prefill_chunk, self.context)         # a BatchState's (_batch_state)
+            if not all(self.backend.captures_moe_batch(L.experts, rows, config.n_experts_used) for L in self.layers):
                 self.backend.data_dependent_prefill = True
             if not all(self.backend.captures_moe(L.experts) for L in self.layers):
                 self.backend.data_dependent_steps = True

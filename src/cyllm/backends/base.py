@@ -145,9 +145,10 @@ class Backend:
         cuda's device routing), not by the host between its ops."""
         return False
 
-    def captures_moe_batch(self, experts) -> bool:
-        """The same of a prefill chunk with ``moe_batch`` over these experts: its rows are routed
-        and grouped by expert inside the chunk (cuda, quantized stacks), not by the host."""
+    def captures_moe_batch(self, experts, tokens: int, n_used: int) -> bool:
+        """The same of a prefill chunk of up to ``tokens`` rows with ``moe_batch`` over these
+        experts (``n_used`` a row): its rows are routed and grouped by expert inside the chunk
+        (cuda, quantized stacks), not by the host."""
         return False
 
     def empty(self, shape, dtype=np.float32) -> Array:

@@ -65,7 +65,7 @@ class _DeviceScratch:
 class _BatchScratch:
     """The device arrays of moe_batch on the device for chunks of up to ``rows`` tokens."""
 
-    __slots__ = ("ids", "weights", "slots", "pos", "work", "n_work", "h", "u", "y", "qx", "qh")
+    __slots__ = ("ids", "weights", "slots", "pos", "work", "n_work", "h", "u", "qx", "qh")
 
     def __init__(self, rows: int, n_experts: int, n_used: int, ffn: int, dim: int):
         e = rows * n_used                               # entries: (token, rank) pairs
@@ -76,10 +76,14 @@ class _BatchScratch:
         self.work = cp.zeros((max_groups(e, n_experts, min(QMMA_COLUMNS)), 4), dtype=cp.int32)
         self.n_work = cp.zeros(1, dtype=cp.int32)
         self.h = cp.empty((e, ffn), dtype=cp.float32)   # by sorted position: gate, then the GLU
-        self.u = cp.empty((e, ffn), dtype=cp.float32)   # up
-        self.y = cp.empty((e, dim), dtype=cp.float32)   # down
+        self.u = cp.empty((e, ffn), dtype=cp.float32)   # up (down's outputs: MoeScratch.part)
         self.qx = cp.empty(rows * (dim + dim // 2), dtype=cp.uint8)     # x's rows in int8 blocks
         self.qh = cp.empty(e * (ffn + ffn // 2), dtype=cp.uint8)        # h's rows in int8 blocks
+
+
+def _group_smem(entries: int, n_experts: int) -> int:
+    """Shared bytes of moe_group: the entries' experts, then each expert's count, start, group."""
+    return 4 * (entries + 3 * n_experts)
 
 
 def max_groups(entries: int, n_experts: int, columns: int) -> int:
@@ -257,17 +261,16 @@ class ExpertOps:
                      (out, w0.data, (w0 if w1 is None else w1).data, np.int64(w0.stride), ids,
                       np.int32(w0.count), x, np.int32(ldx), np.int32(d), np.int32(w0.cols // 8)))
 
-    def captures_moe_batch(self, experts) -> bool:
-        """Whether moe_batch routes and groups these experts on the device: quantized stacks
-        (both roles) on int8 tensor cores; then a prefill chunk with them is captured."""
+    def captures_moe_batch(self, experts, tokens: int, n_used: int) -> bool:
+        """Whether moe_batch routes and groups these experts on the device for chunks of up to
+        ``tokens`` rows: quantized stacks (both roles) on int8 tensor cores, and the chunk's
+        choices within one block's shared memory (moe_group); then such a chunk is captured."""
         return (self.captures_moe(experts) and isinstance(experts.gate, cuda_quant.ExpertStack)
-                and isinstance(experts.down, cuda_quant.ExpertStack) and cuda_quant.qmma_available(self))
+                and isinstance(experts.down, cuda_quant.ExpertStack) and cuda_quant.qmma_available(self)
+                and _group_smem(tokens * n_used, len(experts)) <= getattr(self, "smem_per_block", 48 * 1024))
 
     def moe_batch(self, out, x, router, experts, n_used, norm, act, scratch) -> None:
-        # moe_group keeps a chunk's choices in one block's shared memory: a chunk of more
-        # (a larger prefill_chunk) is routed on the host, and such a chunk is not captured
-        fits = 4 * (scratch.ids.size + 3 * router.shape[0]) <= getattr(self, "smem_per_block", 48 * 1024)
-        if fits and self.captures_moe_batch(experts):
+        if self.captures_moe_batch(experts, scratch.ids.shape[0], n_used):
             self._moe_batch_on_device(out, x, router, experts, n_used, norm, act, scratch)
             return
         s, T = scratch, x.shape[0]
@@ -289,18 +292,21 @@ class ExpertOps:
     def _moe_batch_on_device(self, out, x, router, experts, n_used, norm, act, s: MoeScratch) -> None:
         """moe_batch over quantized stacks, nine launches and no read-back (the module's docstring)."""
         self._flush()
-        T, n = x.shape
-        E = router.shape[0]
         g, u, d = experts.gate, experts.up, experts.down
-        f = g.rows
+        f, n = g.rows, g.cols
+        T = x.shape[0] if x.ndim == 2 else -1
+        E = len(experts)
         act = check_act(act)
         rows = s.scores.shape[0]
-        if not (0 < n_used <= E == len(experts) and T <= rows and out.shape == (T, n) and n == g.cols == d.rows
+        # part (rows, k, dim) holds down's outputs by sorted position: (rows * k, dim)
+        if not (0 < n_used <= E and 0 <= T <= rows and x.shape == out.shape == (T, n) == (T, d.rows)
                 and d.cols == f and router.shape == (E, n) and router.dtype == x.dtype == out.dtype == np.float32
-                and router.flags.c_contiguous and self._rows(x, "moe_batch") == n):
+                and router.flags.c_contiguous and self._rows(x, "moe_batch") == n
+                and s.part is not None and s.part.shape == (rows, n_used, n) and s.part.flags.c_contiguous):
             raise InvalidArgumentError(f"moe_batch: router {tuple(router.shape)}, x {tuple(x.shape)}, out "
                                        f"{tuple(out.shape)}, {len(experts)} experts of {f} x {g.cols}, "
                                        f"{n_used} a token, scratch of {rows} rows")
+        ldo = self._rows(out, "moe_batch")              # one clear error for rows that are not whole
         if T == 0:
             return
         if s.logits is None:                            # at the first (eager) chunk, never in a capture
@@ -308,7 +314,7 @@ class ExpertOps:
         if s.dev is None:
             s.dev = _BatchScratch(rows, E, n_used, f, n)
         v = s.dev
-        if v.ids.shape[0] != rows * n_used or v.h.shape[1] != f or v.y.shape[1] != n:
+        if v.ids.shape[0] != rows * n_used or v.h.shape[1] != f or v.qx.shape[0] != rows * (n + n // 2):
             raise InvalidArgumentError("moe_batch: the scratch was allocated for another layer shape")
         entries = T * n_used
         logits = s.logits[:T]
@@ -319,18 +325,18 @@ class ExpertOps:
                                             np.int32(1 if norm else 0)))
         c = group_columns(T, n_used, E)
         group = self._k(MOE_KERNELS["group"])
-        smem = 4 * (entries + 3 * E)
+        smem = _group_smem(entries, E)
         cuda_quant.allow_smem(group, smem)
         group((1,), (GROUP_THREADS,), (v.slots, v.pos, v.work, v.n_work, v.ids, np.int32(entries), np.int32(E),
                                        np.int32(c)), shared_mem=smem)
         groups = max_groups(entries, E, c)
         qx, qh = v.qx[:T * (n + n // 2)], v.qh[:entries * (f + f // 2)]
         cuda_quant.quantize_rows(self, qx, x, g.fmt.name)
-        h, hu, y = v.h[:entries], v.u[:entries], v.y[:entries]
+        h, hu, y = v.h[:entries], v.u[:entries], s.part.reshape(rows * n_used, n)[:entries]
         cuda_quant.qmatmul_experts(self, (h, hu), (g, u), v.work, v.n_work, groups, v.slots, n_used, qx, c)
         self._k(GLU_KERNELS[act])((_blocks(entries * f, 256),), (256,), (h, h, hu, np.int32(entries * f)))
         cuda_quant.quantize_rows(self, qh, h, d.fmt.name)
         cuda_quant.qmatmul_experts(self, (y,), (d,), v.work, v.n_work, groups, None, n_used, qh, c)
         self._k(MOE_KERNELS["combine_rows"])((_blocks(n, 256), T), (256,),
-                                             (out, np.int32(self._rows(out, "moe_batch")), y, v.weights, v.pos,
+                                             (out, np.int32(ldo), y, v.weights, v.pos,
                                               np.int32(n_used), np.int32(n)))

@@ -187,6 +187,10 @@ class PrefillOps:
         unavailable here."""
         if getattr(self, "_gemm_broken", False):
             return False
+        if x16.dtype != w.dtype or w.dtype not in (np.float16, np.float32):
+            # a caller's mistake, not a binding that fails here: never mark cuBLAS broken for it
+            self._flush()
+            raise InvalidArgumentError(f"GEMM: w {w.dtype} and x {x16.dtype} (float16 or float32, alike)")
         stream = cp.cuda.get_current_stream().ptr
         rec = self._prefill_rec
         if rec is not None and rec.capturable:

@@ -841,10 +841,7 @@ def qmatmul_experts(be, outs, ws, work, n_work, groups: int, slots, n_used: int,
         be._flush()
         raise InvalidArgumentError(f"experts' product: no tensor-core kernel for {w0.fmt.name} experts of "
                                    f"{w0.shape} here, or roles that differ")
-    kern, c, warps, smem = found
-    if c != columns:                              # the groups hold `columns` positions each
-        be._flush()
-        raise InvalidArgumentError(f"experts' product: groups of {columns} columns, kernels of {QMMA_COLUMNS}")
+    kern, _, warps, smem = found                  # its columns: `columns` (one of QMMA_COLUMNS)
     allow_smem(kern, smem)
     n = w0.cols
     grid = (groups, -(-w0.rows // TILE), len(ws))
