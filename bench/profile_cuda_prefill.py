@@ -87,11 +87,12 @@ def main() -> int:
     a = ap.parse_args()
     import cupy as cp
     from cyllm.tools.bench import bind_model, load_source, make_backend
-    if a.layers:
-        if not a.synthetic:
-            ap.error("--layers trims a --synthetic preset")
+    if a.layers is not None:
         from cyllm.tools.synthetic import PRESETS
-        PRESETS[a.synthetic]["n_layers"] = a.layers
+        key = (a.synthetic or "").strip().lower()
+        if key not in PRESETS or a.layers < 1:
+            ap.error("--layers N (N >= 1) trims a --synthetic preset")
+        PRESETS[key]["n_layers"] = a.layers
     src = load_source(a.model, a.synthetic, 0, ("cuda",), 0, a.quantize)
     backend = make_backend("cuda", 1)
     model = bind_model(src, backend, max(a.p, 512) + 16)

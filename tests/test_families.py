@@ -513,6 +513,14 @@ def test_exaone4_gguf_follows_llama_cpp():
     for period, full in ((2, range(1, 64, 2)), (0, ())):        # a period, as llama.cpp reads one
         out = f({p + "block_count": 64, p + "attention.sliding_window_pattern": period}, p, {})
         assert out["nope_layers"] == tuple(full)
+    # anything else is refused in one line, not read as the default pattern or window
+    from cyllm.errors import ModelLoadError
+    for key, bad in (("attention.sliding_window_pattern", [True] * 63), ("attention.sliding_window_pattern", ["x"] * 64),
+                     ("attention.sliding_window_pattern", -1), ("attention.sliding_window_pattern", "LLLG"),
+                     ("attention.sliding_window", True), ("attention.sliding_window", 2.7),
+                     ("attention.sliding_window", "abc")):
+        with pytest.raises(ModelLoadError, match=key.split(".")[-1]):
+            f({p + "block_count": 64, p + key: bad}, p, {})
 
 
 def test_granitemoe_gguf_with_shared_experts_refused():

@@ -180,14 +180,25 @@ def test_yarn_scaling_matches_llamacpp(material):
 
 
 @pytest.mark.slow
-def test_exaone4_hybrid_matches_llamacpp(material):
-    """EXAONE 4's hybrid layers travel as the converter writes them: the window and a flag a layer."""
-    ref = material.llamacpp_quant("exaone4_swa", "float16", "q8_0")
-    ours = material.cyllm_quant("exaone4_swa", "float16", "q8_0")
+def test_exaone4_hybrid_matches_llamacpp(material, tmp_path):
+    """EXAONE 4's hybrid layers travel as the converter writes them (the window and a flag a
+    layer) at 64 layers, the one depth llama.cpp slides at, and read back as llama.cpp runs
+    them; at any other depth the file would run all full layers, so cyllm refuses to write it."""
+    from cyllm.errors import UnsupportedModelError
+    from cyllm.loading.gguf import config_from_gguf, read_gguf
+    from cyllm.tools.quantize import quantize
+    ref = material.llamacpp_quant("exaone4_swa64", "float16", "q8_0")
+    ours = material.cyllm_quant("exaone4_swa64", "float16", "q8_0")
     _assert_same_file(ours, ref)
     fields = _fields(ours)[1]
     assert fields["exaone4.attention.sliding_window"].contents() == 16
-    assert fields["exaone4.attention.sliding_window_pattern"].contents() == [True, True, True, False]
+    assert fields["exaone4.attention.sliding_window_pattern"].contents() == [True, True, True, False] * 16
+    c = config_from_gguf(read_gguf(ours))
+    assert c.sliding_window == 16 and c.nope_layers == tuple(range(3, 64, 4))
+    d = make_tiny_model(tmp_path, "exaone4_swa", dtype="float16")
+    with pytest.raises(UnsupportedModelError, match="only at 64 layers"):
+        quantize(d, tmp_path / "e.gguf", "q8_0", threads=1)
+    assert not (tmp_path / "e.gguf").exists()
 
 
 @pytest.mark.slow

@@ -268,6 +268,10 @@ KINDS.update(FAMILY_KINDS)
 # rope. llama.cpp runs that only at 64 layers, so not a GGUF kind: checked from the HF directory
 KINDS["exaone4_swa"] = ("exaone4", {**FAMILY_KINDS["exaone4"][1], "num_hidden_layers": 4, "sliding_window": 16,
                                     "layer_types": ["sliding_attention"] * 3 + ["full_attention"]})
+# the same at 64 layers (the 32B's depth, the only one llama.cpp slides at), narrow: its GGUF
+KINDS["exaone4_swa64"] = ("exaone4", {**KINDS["exaone4_swa"][1], "hidden_size": 64, "head_dim": 16,
+                                      "intermediate_size": 64, "num_hidden_layers": 64,
+                                      "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 16})
 # Qwen3 with YaRN rope scaling (factor 8 over an original context of 32, which the 70-token
 # test sequence passes): not a family of its own, so not in FAMILY_KINDS
 KINDS["qwen3_yarn"] = ("qwen3", {**FAMILY_KINDS["qwen3"][1], "max_position_embeddings": 256,
@@ -280,7 +284,7 @@ KIND_TOKENIZER = {"llama32": "llama3", "mistral_swa": "llama2", "qwen2": "qwen2"
                   "phi3_longrope": "gpt4o", "smollm3": "smollm3", "granite": "llama3",
                   "olmo2": "llama3", "olmo3": "llama3", "qwen3_yarn": "qwen2", "qwen3moe": "qwen2",
                   "mixtral": "llama2", "olmoe": "llama3", "granitemoe": "llama3", "exaone4": "llama3",
-                  "exaone4_swa": "llama3", "ernie4_5": "llama2"}
+                  "exaone4_swa": "llama3", "exaone4_swa64": "llama3", "ernie4_5": "llama2"}
 
 # what each family kind exercises (for test ids and reports)
 FAMILY_FEATURES = {

@@ -33,7 +33,7 @@ Facts the tables encode (llama.cpp's converter is the reference for GGUF):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -115,12 +115,15 @@ class Family:
     gguf_features: Callable[[dict, str, dict], dict] = lambda md, p, t: {}   # metadata, prefix, tensors
     gguf_config_tensors: tuple[str, ...] = ()    # GGUF tensors read into the config, not weights
     hf_extra: Callable[[ModelConfig], dict] = lambda c: {}        # convert: family keys of config.json
-    # config.json keys a checkpoint may leave out, at the family's transformers config class
-    # defaults where they differ from common_hf's (rms_norm_eps 1e-5, max_position_embeddings
-    # 2048, rope_theta 10000, untied)
-    hf_defaults: tuple = ()
     fused_qkv: bool = False
     fused_gate_up: bool = False
+
+    @property
+    def hf_defaults(self) -> tuple:
+        """config.json keys a checkpoint may leave out, at the family's transformers config class
+        defaults where they differ from common_hf's (rms_norm_eps 1e-5, max_position_embeddings
+        2048, rope_theta 10000, untied): _HF_DEFAULTS."""
+        return _HF_DEFAULTS.get(self.name, ())
 
     def expected(self, c: ModelConfig) -> list[tuple[Tensor, int | None]]:
         """Every (tensor, layer) this config reads, globals first."""
@@ -480,7 +483,9 @@ def _exaone4_hf(cfg):
     types = _layer_types(cfg, n) if window else None
     if window and types is None:
         pattern = cfg.get("sliding_window_pattern")
-        if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
+        if isinstance(pattern, str):
+            if not pattern or not set(pattern) <= {"L", "G"}:
+                raise cfg.fail("sliding_window_pattern", "a period or a string of L and G", pattern)
             types = tuple("sliding" if pattern[i % len(pattern)] == "L" else "full" for i in range(n))
         else:
             step = cfg.int("sliding_window_pattern", 4, minimum=1)
@@ -601,6 +606,37 @@ def _olmo2_gguf(md, p, t):
     return dict(qk_norm=True, qk_norm_whole=True, post_norms=True)
 
 
+def _gguf_sliding(md, p: str, n: int, default_step: int) -> tuple:
+    """Each layer's kind from attention.sliding_window_pattern as llama.cpp reads it: a flag a
+    layer, or a period whose last layer is full (0: every layer sliding); absent: default_step.
+    Anything else is refused in one line, not read as the default."""
+    key = p + "attention.sliding_window_pattern"
+    pattern = md.get(key)
+    if isinstance(pattern, (list, tuple, np.ndarray)):
+        flags = list(pattern)
+        if len(flags) != n or not all(isinstance(v, (bool, np.bool_)) or v in (0, 1) for v in flags):
+            raise ModelLoadError(f"GGUF: {key} must be {n} flags (one a layer), got {short(pattern)}")
+        return tuple("sliding" if v else "full" for v in flags)
+    if pattern is None:
+        step = default_step
+    elif isinstance(pattern, (int, np.integer)) and not isinstance(pattern, (bool, np.bool_)) and pattern >= 0:
+        step = int(pattern)
+    else:
+        raise ModelLoadError(f"GGUF: {key} must be a period or a flag a layer, got {short(pattern)}")
+    return tuple("sliding" if step == 0 or i % step < step - 1 else "full" for i in range(n))
+
+
+def _gguf_window(md, p: str, default: int) -> int:
+    """attention.sliding_window: a whole number of positions (0 or absent: ``default``)."""
+    key = p + "attention.sliding_window"
+    v = _gguf_scalar(md, key)
+    if v is None:
+        return default
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise ModelLoadError(f"GGUF: {key} must be a whole number of positions, got {short(v)}")
+    return int(v) or default
+
+
 def _exaone4_gguf(md, p, t):
     # llama.cpp's exaone4 runs sliding layers only in the 64-layer 32B: its window (default 4096)
     # on the layers the file's pattern marks (default: three of every four), no rope on the
@@ -609,16 +645,9 @@ def _exaone4_gguf(md, p, t):
     out = dict(qk_norm=True, post_norms=True)
     if n != 64:
         return out
-    window = _gguf_scalar(md, p + "attention.sliding_window")
-    pattern = md.get(p + "attention.sliding_window_pattern")
-    if isinstance(pattern, (list, tuple, np.ndarray)) and len(pattern) == n:
-        sliding = [bool(v) for v in pattern]
-    else:                   # a period (0: every layer), as llama.cpp reads one; else its 4
-        step = pattern if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0 else 4
-        sliding = [step == 0 or i % step < step - 1 for i in range(n)]
-    out.update(sliding_window=int(window) if window else 4096,
-               layer_types=tuple("sliding" if v else "full" for v in sliding),
-               nope_layers=tuple(i for i, v in enumerate(sliding) if not v))
+    types = _gguf_sliding(md, p, n, 4)
+    out.update(sliding_window=_gguf_window(md, p, 4096), layer_types=types,
+               nope_layers=tuple(i for i, v in enumerate(types) if v == "full"))
     # only the sliding layers have rope, with the file's scaling: their base is the model's
     base = _gguf_scalar(md, p + "rope.freq_base_swa")
     if base is not None:
@@ -653,17 +682,12 @@ def _gemma_gguf(md, p, default_step: int, layers_27b: int, default_window: int =
     fixed step: every step-th layer global; the window key, else ``default_window``), the query
     scale, the embedding scale, the norms."""
     n = md[p + "block_count"]
-    pattern = md.get(p + "attention.sliding_window_pattern")
-    if isinstance(pattern, list) and len(pattern) == n:
-        types = tuple("sliding" if x else "full" for x in pattern)
-    else:
-        step = pattern if isinstance(pattern, int) and pattern > 0 else default_step
-        types = tuple("full" if (i + 1) % step == 0 else "sliding" for i in range(n))
+    types = _gguf_sliding(md, p, n, default_step)
     dim, heads = md[p + "embedding_length"], md[p + "attention.head_count"]
     head_dim = md.get(p + "attention.key_length") or dim // heads
     # GGUF keeps no query_pre_attn_scalar; llama.cpp uses head_dim, except for the 27B
     qpas = dim // heads if n == layers_27b else head_dim
-    window = md.get(p + "attention.sliding_window") or default_window
+    window = _gguf_window(md, p, default_window)
     return dict(post_norms=True, activation="gelu_tanh", embed_scale=math.sqrt(dim),
                 attn_scale=qpas ** -0.5, sliding_window=int(window),
                 layer_types=types if window else None, tie_word_embeddings=True)
@@ -817,7 +841,7 @@ EXAONE4 = Family(
            post_attention_norm__weight=Tensor("post_attention_norm.weight",
                                               _P + "post_attention_layernorm.weight", _vec),
            post_ffw_norm__weight=Tensor("post_ffw_norm.weight", _P + "post_feedforward_layernorm.weight", _vec)),
-    hf_features=_exaone4_hf, gguf_features=_exaone4_gguf, gguf_config_tensors=("rope_freqs.weight",),
+    hf_features=_exaone4_hf, gguf_features=_exaone4_gguf,
     hf_extra=lambda c: {"sliding_window": c.sliding_window or None,
                         "layer_types": [("sliding_attention" if c.layer_window(i) else "full_attention")
                                         for i in range(c.n_layers)]})
@@ -878,10 +902,8 @@ _HF_DEFAULTS = {
     "olmoe": (("max_position_embeddings", 4096),), "granitemoe": (_EPS6,),
     "ernie4_5": (("max_position_embeddings", 131072), ("tie_word_embeddings", True), ("rope_theta", 5e5)),
 }
-FAMILIES: tuple[Family, ...] = tuple(
-    replace(f, hf_defaults=_HF_DEFAULTS.get(f.name, ()))
-    for f in (LLAMA, MISTRAL, QWEN2, QWEN3, SEED_OSS, GEMMA, GEMMA2, GEMMA3, PHI3, SMOLLM3, GRANITE, OLMO2,
-              EXAONE4, ERNIE4_5, QWEN3MOE, MIXTRAL, OLMOE, GRANITEMOE))
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, SEED_OSS, GEMMA, GEMMA2, GEMMA3, PHI3, SMOLLM3, GRANITE,
+                                OLMO2, EXAONE4, ERNIE4_5, QWEN3MOE, MIXTRAL, OLMOE, GRANITEMOE)
 BY_NAME = {f.name: f for f in FAMILIES}
 
 

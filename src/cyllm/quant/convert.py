@@ -110,13 +110,13 @@ def quantize_weights(config, weights: dict, qtype: str, threads: int | None = No
     # each, `team` at a time: split over the team, one of them took longer than on one thread
     # (q4_0, 768 x 2048: 7.7 ms on two threads, 6.3 on one), the float32 copy being serial
     small = [j for j in jobs.items() if weights[j[0]].size < _SMALL_MATRIX]
+    large = [j for j in jobs.items() if weights[j[0]].size >= _SMALL_MATRIX]
     if small:
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(team) as pool:
             done = pool.map(lambda job: quantize_matrix(weights[job[0]], job[1], job[0], 1), small)
             for (name, _), q in zip(small, done):
                 weights[name] = q
-    for name, fmt in jobs.items():
-        if not isinstance(weights[name], QuantMatrix):
-            weights[name] = quantize_matrix(weights[name], fmt, name, team)
+    for name, fmt in large:
+        weights[name] = quantize_matrix(weights[name], fmt, name, team)
     return weights

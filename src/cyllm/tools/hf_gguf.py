@@ -250,8 +250,8 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
         kv.append((a + "vocab_size", cfg.vocab_size, T.UINT32, None))
         if cfg.sliding_window:
             if cfg.n_layers != 64:
-                print(f"cyllm: note: llama.cpp (and cyllm) run an exaone4 file's sliding layers only at 64 "
-                      f"layers; this one's {cfg.n_layers} will all be full layers with rope", file=sys.stderr)
+                raise UnsupportedModelError(f"an EXAONE 4 with sliding layers and {cfg.n_layers} layers cannot be "
+                                            "written to a GGUF: llama.cpp runs them only at 64 layers")
             kv += [(a + "attention.sliding_window", cfg.sliding_window, T.UINT32, None),
                    (a + "attention.sliding_window_pattern", [bool(cfg.layer_window(i)) for i in range(cfg.n_layers)],
                     T.ARRAY, T.BOOL)]

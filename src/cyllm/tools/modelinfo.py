@@ -47,6 +47,17 @@ def gguf_file_type_name(ft) -> str | None:
     return {"ALL_F32": "F32"}.get(name, name)
 
 
+def _expert_tensor_names(config) -> set[str]:
+    """Every name an expert matrix goes by, from the family's table: GGUF's stacks, the HF
+    checkpoint's tensors (one an expert, or a layer's stack), and the weights contract's."""
+    from ..families import family
+    names = set()
+    for t, i in family(config.arch).expected(config):
+        if t.experts:
+            names.update((t.gguf_name(i), t.hf_name(i), *t.hf_names(config, i)))
+    return names
+
+
 def _weights_per_token(config, sizes: dict[str, int]) -> int:
     """Bytes of weights one decode step reads: every layer tensor (of a mixture of experts' expert
     matrices, the share of the experts a token uses), the final norm, the output matrix, and one
@@ -54,6 +65,7 @@ def _weights_per_token(config, sizes: dict[str, int]) -> int:
     total = 0
     emb = out = 0
     used = config.n_experts_used / config.n_experts if config.moe else 1.0
+    experts = _expert_tensor_names(config) if config.moe else set()
     for name, nbytes in sizes.items():
         if name in ("model.embed_tokens.weight", "token_embd.weight"):
             emb = nbytes
@@ -61,9 +73,7 @@ def _weights_per_token(config, sizes: dict[str, int]) -> int:
             out = nbytes
         elif name == "rope_freqs.weight":
             continue
-        elif "_exps." in name or ".experts." in name or "block_sparse_moe.input_linear." in name \
-                or "block_sparse_moe.output_linear." in name:
-            # GGUF's stacks; HF's one tensor an expert, or Granite MoE's a layer (and cyllm's views of it)
+        elif name in experts:
             total += round(nbytes * used)
         else:
             total += nbytes
