@@ -2,9 +2,11 @@
 """Where one captured CUDA decode token spends its time, kernel by kernel, in the model.
 
     python bench/trace_cuda_decode.py --synthetic llama2-7b --quantize q4_k [-c 4736] [--pos 64] [--tokens 5]
+                                      [--layers N]
 
 The kernels are compiled with -DCYLLM_TRACE (cuda/common.cuh): thread 0 of every block of
-the quantized matvecs, rope_store and attention records the global timer when the block
+the quantized matvecs (a mixture of experts' too), rope_store, attention, the standalone
+norms and a mixture of experts' router and sum records the global timer when the block
 starts, when its pdl_wait returns and when it ends (plus its SM). One token's graph is
 replayed with the records on; the blocks are grouped into launches (one kernel tag, each
 block index once) and each launch is shown with
@@ -47,16 +49,20 @@ _FMT = {(2, 0): "q8_0", (1, 0): "q4_0", (1, 4): "q4_1/q5_0", (1, 8): "q5_1", (9,
 _MODE = {0: "matvec", 1: "add", 2: "gate_up", 3: "gate_up_gelu"}
 
 
+_OTHER = {0x1000: "attention", 0x1001: "rope_store", 0x1002: "rmsnorm", 0x1003: "rmsnorm rows",
+          0x1004: "moe_route", 0x1005: "moe_route (choice)", 0x1006: "moe_combine",
+          0x1007: "qknorm_rope_store"}
+
+
 def tag_name(tag: int) -> str:
-    if tag == 0x1000:
-        return "attention"
-    if tag == 0x1001:
-        return "rope_store"
+    if tag in _OTHER:
+        return _OTHER[tag]
     qx = " qx" if tag & 0x2000 else ""       # x came prequantized (a _qx kernel)
-    tag &= ~0x2000
+    experts = "experts " if tag & 0x4000 else ""     # a mixture of experts' chosen experts
+    tag &= ~0x6000
     fmt = _FMT.get((tag >> 8, (tag >> 4) & 15), f"fmt{tag >> 8}")
     name = "qkv" if tag & 1 else _MODE[(tag >> 2) & 3]
-    return f"{name}{'+norm' if tag & 2 else ''} {fmt}{qx}"
+    return f"{experts}{name}{'+norm' if tag & 2 else ''} {fmt}{qx}"
 
 
 def stages(g: np.ndarray) -> list[float] | None:
@@ -117,7 +123,14 @@ def main() -> int:
     ap.add_argument("--show", type=int, default=24, help="launches of the last token printed one by one")
     ap.add_argument("--dump", help="save the last token's block records here (.npy: rows of tag<<40 | sm<<32 |"
                                    " block, start ns, wait-return ns (0: none), end ns, stage marks ns)")
+    ap.add_argument("--layers", type=int, help="only the synthetic preset's first N layers (each costs the same)")
     a = ap.parse_args()
+    if a.layers is not None:
+        from cyllm.tools.synthetic import PRESETS
+        key = (a.synthetic or "").strip().lower()
+        if key not in PRESETS or a.layers < 1:
+            ap.error("--layers N (N >= 1) trims a --synthetic preset")
+        PRESETS[key]["n_layers"] = a.layers
     if a.tokens < 1 or a.pos < 4 or a.pos + a.tokens > a.context:
         ap.error(f"need --tokens >= 1 and 4 <= --pos, --pos + --tokens <= --context ({a.context})")
     try:

@@ -176,6 +176,18 @@ __device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b, float acc) {
     return acc;
 }
 
+// One rotate-half pair turned by the angle (c, s), its roundings spelled out (a product, then a
+// fused multiply-add) so that every rope kernel rounds alike whatever ptxas would contract:
+// the decode kernels that fold rope in (quant_matvec.cu qkv_rope_body, elementwise.cu
+// qknorm_rope_store_*) give rope_store_f32's results to the bit. Inputs are read before any
+// output is written, so y1/y2 may alias x1/x2.
+__device__ __forceinline__ void rope_pair(float x1, float x2, float c, float s, float& y1, float& y2) {
+    const float a = fmaf(x1, c, -__fmul_rn(x2, s));
+    const float b = fmaf(x2, c, __fmul_rn(x1, s));
+    y1 = a;
+    y2 = b;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL_MASK, v, off);

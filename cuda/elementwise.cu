@@ -26,6 +26,7 @@ extern "C" __global__ void embed_f16(float* __restrict__ out, const f16_t* __res
 extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_f32(
     float* out, const float* x, const float* __restrict__ w, int n, float eps)
 {
+    TRACE_BEGIN();
     __shared__ float red[RMS_THREADS / 32];
     float s = 0.0f;
     for (int i = threadIdx.x; i < n; i += RMS_THREADS) s = fmaf(x[i], x[i], s);
@@ -38,6 +39,7 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_f32(
     const float inv = rsqrtf(tot / (float)n + eps);
     // out may alias x: each element is read and written by the same thread
     for (int i = threadIdx.x; i < n; i += RMS_THREADS) out[i] = x[i] * inv * w[i];
+    TRACE_END(0x1002);
 }
 
 // Rotate-half RoPE in place on q (nq heads) and k (nk heads) of hd floats; cos/sin
@@ -54,9 +56,7 @@ extern "C" __global__ void rope_f32(float* __restrict__ q, float* __restrict__ k
     const int head = i / half, j = i - head * half;
     float* v = head < nq ? q + (size_t)head * hd : k + (size_t)(head - nq) * hd;
     const float c = cos_t[(size_t)pos * half + j], s = sin_t[(size_t)pos * half + j];
-    const float x1 = v[j], x2 = v[j + half];
-    v[j] = x1 * c - x2 * s;
-    v[j + half] = x2 * c + x1 * s;
+    rope_pair(v[j], v[j + half], c, s, v[j], v[j + half]);
 }
 
 // Fused rope + cache_store: rotate q and k in place, then write the rotated k
@@ -82,7 +82,8 @@ extern "C" __global__ void rope_store_f32(float* __restrict__ q, float* __restri
     const bool is_k = head >= nq;
     float* x = is_k ? k + (size_t)(head - nq) * 2 * half : q + (size_t)head * 2 * half;
     const float x1 = x[j], x2 = x[j + half];
-    const float y1 = x1 * c - x2 * s, y2 = x2 * c + x1 * s;
+    float y1, y2;
+    rope_pair(x1, x2, c, s, y1, y2);
     x[j] = y1;
     x[j + half] = y2;
     if (is_k) {
@@ -96,6 +97,85 @@ extern "C" __global__ void rope_store_f32(float* __restrict__ q, float* __restri
     }
     TRACE_END(0x1001);
 }
+
+// Per-head q/k norms folded into rope_store (Qwen3, Gemma 3, EXAONE 4 decode: the
+// rmsnorm_rows_f32 of q's heads, then of k's, then rope_store_f32, were three launches with
+// two plain boundaries between them; backends/cuda/qk_norm_fold.py). A warp a head of
+// HD = 64 * HC floats (rotary over the whole head): lane l holds the elements l + 32 c, so
+// the pair (j, j + HD/2) of the rotation is in one lane, and the sum of squares is
+// rmsnorm_rows_f32's to the bit (its warp c sums the elements 32c .. 32c + 31 with one
+// butterfly, then the warps' sums are added in order); the normed value x * inv * w then
+// goes through rope_pair as rope_store_f32's does. q and k are written back normed and
+// rotated, k and v to the cache row pos.
+#define QKN_WARPS 2
+template <int HC>
+__device__ __forceinline__ void qknorm_rope_store_body(
+    float* q, float* k, const float* v, const float* __restrict__ qw, const float* __restrict__ kw,
+    float eps, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+    f16_t* __restrict__ k_cache, f16_t* __restrict__ v_cache, const int* __restrict__ step,
+    int pos_host, int n_pos, int max_ctx, int nq, int nk)
+{
+    constexpr int HALF = 32 * HC, HD = 2 * HALF, NC = 2 * HC;
+    pdl_trigger();      // attention's blocks may be scheduled now
+    const int lane = threadIdx.x & 31;
+    const int head = blockIdx.x * QKN_WARPS + (threadIdx.x >> 5);
+    const int pos = step_value(step, 1, pos_host);
+    if (pos < 0 || pos >= n_pos || pos >= max_ctx || head >= nq + nk) return;
+    const bool is_k = head >= nq;
+    // the rotation table and the norm's weight are constant: read them while the matvec runs
+    const float* w = is_k ? kw : qw;
+    float c[HC], s[HC], wv[NC];
+#pragma unroll
+    for (int i = 0; i < HC; ++i) {
+        c[i] = cos_t[(size_t)pos * HALF + 32 * i + lane];
+        s[i] = sin_t[(size_t)pos * HALF + 32 * i + lane];
+    }
+#pragma unroll
+    for (int i = 0; i < NC; ++i) wv[i] = w[32 * i + lane];
+    pdl_wait();         // q, k, v come from the q/k/v matvec
+    float* x = is_k ? k + (size_t)(head - nq) * HD : q + (size_t)head * HD;
+    float xv[NC];
+#pragma unroll
+    for (int i = 0; i < NC; ++i) xv[i] = x[32 * i + lane];
+    float tot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NC; ++i) tot += warp_sum(fmaf(xv[i], xv[i], 0.0f));
+    const float inv = rsqrtf(tot / (float)HD + eps);
+#pragma unroll
+    for (int i = 0; i < NC; ++i) xv[i] = xv[i] * inv * wv[i];
+#pragma unroll
+    for (int i = 0; i < HC; ++i) {
+        float y1, y2;
+        rope_pair(xv[i], xv[i + HC], c[i], s[i], y1, y2);
+        const int j = 32 * i + lane;
+        x[j] = y1;
+        x[j + HALF] = y2;
+        if (is_k) {
+            const size_t row = ((size_t)(head - nq) * max_ctx + pos) * HD;
+            const float* vh = v + (size_t)(head - nq) * HD;
+            k_cache[row + j] = f2h(y1);
+            k_cache[row + j + HALF] = f2h(y2);
+            v_cache[row + j] = f2h(vh[j]);
+            v_cache[row + j + HALF] = f2h(vh[j + HALF]);
+        }
+    }
+}
+
+#define CYLLM_QKNORM_ROPE_STORE(NAME, HC)                                                         \
+    extern "C" __global__ void __launch_bounds__(QKN_WARPS * 32) NAME(                            \
+        float* q, float* k, const float* v, const float* __restrict__ qw,                         \
+        const float* __restrict__ kw, float eps, const float* __restrict__ cos_t,                 \
+        const float* __restrict__ sin_t, f16_t* __restrict__ k_cache, f16_t* __restrict__ v_cache, \
+        const int* __restrict__ step, int pos_host, int n_pos, int max_ctx, int nq, int nk) {     \
+        TRACE_BEGIN();                                                                            \
+        qknorm_rope_store_body<HC>(q, k, v, qw, kw, eps, cos_t, sin_t, k_cache, v_cache, step,    \
+                                   pos_host, n_pos, max_ctx, nq, nk);                             \
+        TRACE_END(0x1007);                                                                        \
+    }
+// head_dim 64, 128, 256
+CYLLM_QKNORM_ROPE_STORE(qknorm_rope_store_64, 1)
+CYLLM_QKNORM_ROPE_STORE(qknorm_rope_store_128, 2)
+CYLLM_QKNORM_ROPE_STORE(qknorm_rope_store_256, 4)
 
 // k_cache[:, pos, :] = k ; v_cache[:, pos, :] = v  (f32 -> f16, round to nearest)
 extern "C" __global__ void cache_store_f16(f16_t* __restrict__ k_cache, f16_t* __restrict__ v_cache,
@@ -159,6 +239,7 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_rows_f32(
     float* out, const float* x, const float* __restrict__ w, int n, float eps,
     int out_stride, int x_stride)
 {
+    TRACE_BEGIN();
     __shared__ float red[RMS_THREADS / 32];
     const float* xr = x + (size_t)blockIdx.x * x_stride;
     float* orow = out + (size_t)blockIdx.x * out_stride;
@@ -172,6 +253,7 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_rows_f32(
     for (int k = 0; k < RMS_THREADS / 32; ++k) tot += red[k];
     const float inv = rsqrtf(tot / (float)n + eps);
     for (int i = threadIdx.x; i < n; i += RMS_THREADS) orow[i] = xr[i] * inv * w[i];
+    TRACE_END(0x1003);
 }
 
 // out (T, n) = x (T, n) + b (n,) ; contiguous rows; out may alias x
@@ -201,9 +283,7 @@ extern "C" __global__ void rope_batch_f32(float* __restrict__ q, float* __restri
     float* v = head < nq ? q + (size_t)t * q_stride + (size_t)head * hd
                          : k + (size_t)t * k_stride + (size_t)(head - nq) * hd;
     const float c = cos_t[(size_t)pos * half + j], s = sin_t[(size_t)pos * half + j];
-    const float x1 = v[j], x2 = v[j + half];
-    v[j] = x1 * c - x2 * s;
-    v[j + half] = x2 * c + x1 * s;
+    rope_pair(v[j], v[j + half], c, s, v[j], v[j + half]);
 }
 
 // k_cache[:, pos0 + t, :] = k[t] ; same for v (f32 -> f16); pos0 < 0: step[1], as rope_batch_f32

@@ -12,85 +12,138 @@
 #define MOE_THREADS 256            // 8 warps: a router row each
 #define MOE_MAX_EXPERTS 1024       // probabilities kept in shared memory (experts.py checks E)
 
-// The token's choice from its logits, as backends/moe.py route() makes it, by a block of
-// MOE_THREADS: p = softmax(logits); ids[0:k] the experts of the highest p, best first, of equals
-// the lower id; weights[j] = p[ids[j]], divided by their sum (in rank order) where norm.
-// p (E floats of shared memory) holds the logits on entry.
+// The token's choice from its logits, as backends/moe.py route() makes it, by the first warp of
+// the block (the others return; callers call it last): p = softmax(logits); ids[0:k] the experts
+// of the highest p, best first, of equals the lower id; weights[j] = p[ids[j]], divided by their
+// sum (in rank order) where norm. p (E floats of shared memory) holds the logits on entry.
+// Lane l owns the entries l, l + 32, ...: it keeps the best of its own (a NaN is never one) and
+// scans them again only when that one was chosen, so a round is one butterfly of (value, id)
+// pairs; a warp where the block took three barriers and a serial pass a round took ~7 us of a
+// Qwen3-30B-A3B decode layer on an H200 (bench/trace_cuda_decode.py).
 __device__ void moe_choose(float* p, int E, int k, int norm, int* __restrict__ ids, float* __restrict__ weights)
 {
-    __shared__ float red_v[MOE_THREADS / 32];
-    __shared__ int red_i[MOE_THREADS / 32];
-    __shared__ float total;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
     float m = NEG_INF;
-    for (int i = threadIdx.x; i < E; i += MOE_THREADS) m = fmaxf(m, p[i]);
+    for (int i = lane; i < E; i += 32) m = fmaxf(m, p[i]);
     m = warp_max(m);
-    if (lane == 0) red_v[warp] = m;
-    __syncthreads();
-    m = red_v[0];
-    for (int w = 1; w < MOE_THREADS / 32; ++w) m = fmaxf(m, red_v[w]);
     float s = 0.0f;
-    for (int i = threadIdx.x; i < E; i += MOE_THREADS) {
+    for (int i = lane; i < E; i += 32) {
         p[i] = expf(p[i] - m);
         s += p[i];
     }
     s = warp_sum(s);
-    __syncthreads();                       // every warp has read red_v
-    if (lane == 0) red_v[warp] = s;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float t = 0.0f;
-        for (int w = 0; w < MOE_THREADS / 32; ++w) t += red_v[w];
-        total = t;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < E; i += MOE_THREADS) p[i] = p[i] / total;
-    __syncthreads();
+    for (int i = lane; i < E; i += 32) p[i] = p[i] / s;
+    float bv = -2.0f;                      // below every probability, and the chosen ones' -1
+    int bi = E;
+    for (int i = lane; i < E; i += 32)
+        if (p[i] > bv) { bv = p[i]; bi = i; }           // ascending i: the first of equals stays
+    float wsum = 0.0f;
     for (int j = 0; j < k; ++j) {
-        // the highest p, of equals the lowest id: a block argmax
-        float bv = -2.0f;
-        int bi = E;
-        for (int i = threadIdx.x; i < E; i += MOE_THREADS)
-            if (p[i] > bv) { bv = p[i]; bi = i; }        // ascending i: the first of equals stays
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        float v = bv;
+        int vi = bi;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {  // every lane ends with the same winner
+            const float ov = __shfl_xor_sync(FULL_MASK, v, o);
+            const int oi = __shfl_xor_sync(FULL_MASK, vi, o);
+            if (ov > v || (ov == v && oi < vi)) { v = ov; vi = oi; }
         }
-        if (lane == 0) { red_v[warp] = bv; red_i[warp] = bi; }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            for (int w = 1; w < MOE_THREADS / 32; ++w)
-                if (red_v[w] > bv || (red_v[w] == bv && red_i[w] < bi)) { bv = red_v[w]; bi = red_i[w]; }
-            bi = bi < E ? bi : 0;          // never: k <= E leaves an expert unchosen each round
-            ids[j] = bi;
-            weights[j] = p[bi];
-            p[bi] = -1.0f;                 // below every probability: not chosen again
+        vi = vi < E ? vi : 0;              // never: k <= E leaves an expert unchosen each round
+        const float w = p[vi];
+        if (lane == 0) { ids[j] = vi; weights[j] = w; }
+        wsum += w;                         // in rank order, as the host's sum
+        __syncwarp();                      // every lane has read p[vi]
+        if ((vi & 31) == lane) {           // its owner marks it and finds its next best
+            p[vi] = -1.0f;
+            bv = -2.0f;
+            bi = E;
+            for (int i = lane; i < E; i += 32)
+                if (p[i] > bv) { bv = p[i]; bi = i; }
         }
-        __syncthreads();
     }
-    if (norm && threadIdx.x == 0) {
-        float t = 0.0f;
-        for (int j = 0; j < k; ++j) t += weights[j];
-        for (int j = 0; j < k; ++j) weights[j] = weights[j] / t;
+    if (norm && lane == 0) {
+        for (int j = 0; j < k; ++j) weights[j] = weights[j] / wsum;
     }
 }
 
 // logits[e] = router[e] . x for the block's experts (router (E, n) f32, a warp a row); then the
 // last block to finish (a counter, as decode attention merges its splits) turns the logits into
 // the token's choice (moe_choose). The counter is back at zero afterwards.
+// nw non-null: x is the stream and the router reads rmsnorm(x) * nw (the layer's pre-norm,
+// held back by norm_fold.py and taken here instead of a launch of its own); every block finds
+// the norm as rmsnorm_f32 does, to the bit, and block 0 writes it to xn for the experts.
+// The router is constant: a lane's first MOE_ROW_PRE 16-byte words of its row (rows of
+// n % 4 == 0 floats; a router 16-byte aligned, which experts.py checks) load before pdl_wait,
+// so a Qwen3-30B-A3B router row (2048 floats) is in registers when x arrives. Its rows
+// loaded after the wait, a float a lane at a time, took ~10 us of a decode layer on an H200.
+#define MOE_ROW_PRE 16
 extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_route_f32(
     int* __restrict__ ids, float* __restrict__ weights, float* logits, int* counter,
-    const float* __restrict__ router, const float* x, int E, int n, int k, int norm)
+    const float* __restrict__ router, const float* x, float* __restrict__ xn, const float* __restrict__ nw,
+    float eps, int E, int n, int k, int norm)
 {
+    static_assert(2 * MOE_THREADS == RMS_THREADS, "a thread here sums two of rmsnorm_f32's");
+    TRACE_BEGIN();
     pdl_trigger();          // the experts' blocks may be scheduled (they wait for the ids)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int e = blockIdx.x * (MOE_THREADS / 32) + warp;
-    pdl_wait();             // x: the normed stream, written by the previous kernel
+    const int n4 = n % 4 == 0 ? n / 4 : 0;          // whole 16-byte words a row (else floats)
+    const float4* r4 = reinterpret_cast<const float4*>(router + (size_t)min(e, E - 1) * n);
+    float4 rv[MOE_ROW_PRE];
+#pragma unroll
+    for (int c = 0; c < MOE_ROW_PRE; ++c) {
+        const int i = lane + 32 * c;
+        rv[c] = (e < E && i < n4) ? __ldg(r4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    pdl_wait_after_loads(n);    // x: the stream (or the normed stream), written by the previous kernel
+    float inv = 1.0f;
+    if (nw != nullptr) {
+        // rmsnorm_f32's sum of squares: thread t of its 512 sums x[t], x[t + 512], ...; here
+        // thread t sums its threads t and t + 256, whose warps are this one's and 8 after it
+        __shared__ float red[RMS_THREADS / 32];
+        float sa = 0.0f, sb = 0.0f;
+        for (int i = threadIdx.x; i < n; i += RMS_THREADS) sa = fmaf(ld_act(x + i), ld_act(x + i), sa);
+        for (int i = threadIdx.x + MOE_THREADS; i < n; i += RMS_THREADS) sb = fmaf(ld_act(x + i), ld_act(x + i), sb);
+        sa = warp_sum(sa);
+        sb = warp_sum(sb);
+        if (lane == 0) {
+            red[warp] = sa;
+            red[warp + MOE_THREADS / 32] = sb;
+        }
+        __syncthreads();
+        float tot = 0.0f;
+#pragma unroll
+        for (int w = 0; w < RMS_THREADS / 32; ++w) tot += red[w];
+        inv = rsqrtf(tot / (float)n + eps);
+        if (blockIdx.x == 0)
+            for (int i = threadIdx.x; i < n; i += MOE_THREADS) xn[i] = ld_act(x + i) * inv * nw[i];
+    }
     if (e < E) {
-        const float* r = router + (size_t)e * n;
+        // x's element i as the router reads it: normed as rmsnorm_f32 writes it, or as it is
+        auto xi = [&](int i) { return nw != nullptr ? ld_act(x + i) * inv * __ldg(nw + i) : ld_act(x + i); };
         float s = 0.0f;
-        for (int i = lane; i < n; i += 32) s = fmaf(__ldg(r + i), ld_act(x + i), s);
+        if (n4 > 0) {
+#pragma unroll
+            for (int c = 0; c < MOE_ROW_PRE; ++c) {
+                const int i = lane + 32 * c;
+                if (i < n4) {
+                    s = fmaf(rv[c].x, xi(4 * i), s);
+                    s = fmaf(rv[c].y, xi(4 * i + 1), s);
+                    s = fmaf(rv[c].z, xi(4 * i + 2), s);
+                    s = fmaf(rv[c].w, xi(4 * i + 3), s);
+                }
+            }
+            for (int i = lane + 32 * MOE_ROW_PRE; i < n4; i += 32) {
+                const float4 r = __ldg(r4 + i);
+                s = fmaf(r.x, xi(4 * i), s);
+                s = fmaf(r.y, xi(4 * i + 1), s);
+                s = fmaf(r.z, xi(4 * i + 2), s);
+                s = fmaf(r.w, xi(4 * i + 3), s);
+            }
+        } else {
+            const float* r = router + (size_t)e * n;
+            for (int i = lane; i < n; i += 32) s = fmaf(__ldg(r + i), xi(i), s);
+        }
         s = warp_sum(s);
         if (lane == 0) logits[e] = s;
     }
@@ -99,7 +152,10 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_route_f32(
     __syncthreads();
     if (threadIdx.x == 0) is_last = (atomicAdd(counter, 1) == (int)gridDim.x - 1);
     __syncthreads();
-    if (!is_last) return;
+    if (!is_last) {
+        TRACE_END(0x1004);
+        return;
+    }
 
     __shared__ float p[MOE_MAX_EXPERTS];
     if (threadIdx.x == 0) *counter = 0;
@@ -107,6 +163,7 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_route_f32(
         p[i] = __ldcg(logits + i);         // other blocks' rows: from L2, past this SM's L1
     __syncthreads();
     moe_choose(p, E, k, norm, ids, weights);
+    TRACE_END(0x1005);      // the last block: its choice (bench/trace_cuda_decode.py)
 }
 
 // ---- prefill: a chunk of T tokens, routed and grouped by expert on the device ----------------
@@ -205,11 +262,14 @@ extern "C" __global__ void moe_combine_rows(float* out, int ldo, const float* __
 // as the host ops round (each product, then each sum: no fused multiply-add)
 extern "C" __global__ void moe_combine_f32(float* out, const float* y, const float* weights, int k, int n)
 {
+    TRACE_BEGIN();
     pdl_trigger();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     pdl_wait();
-    if (i >= n) return;
-    float acc = ld_act(out + i);
-    for (int j = 0; j < k; ++j) acc = __fadd_rn(acc, __fmul_rn(ld_act(y + (size_t)j * n + i), ld_act(weights + j)));
-    out[i] = acc;
+    if (i < n) {
+        float acc = ld_act(out + i);
+        for (int j = 0; j < k; ++j) acc = __fadd_rn(acc, __fmul_rn(ld_act(y + (size_t)j * n + i), ld_act(weights + j)));
+        out[i] = acc;
+    }
+    TRACE_END(0x1006);
 }

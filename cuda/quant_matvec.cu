@@ -773,9 +773,7 @@ __device__ __forceinline__ void qkv_rope_body(
         const int pos = reinterpret_cast<const int*>(tail)[96 + lane];
         float y1 = r, y2 = tail[lane];
         if (sg < 2 && pos >= 0) {       // v, and q/k at a position rope_store would refuse, as they are
-            const float x1 = y1, x2 = y2, c = tail[32 + lane], s = tail[64 + lane];
-            y1 = x1 * c - x2 * s;
-            y2 = x2 * c + x1 * s;
+            rope_pair(y1, y2, tail[32 + lane], tail[64 + lane], y1, y2);
         }
         float* o = out + (sg == 0 ? 0 : dq + (sg - 1) * dk) + (size_t)h2 * hd + j2;
         o[0] = y1;
@@ -1453,6 +1451,7 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
 // gate+up of the K-quants: 150-200 registers).
 // trace tags (bench/trace_cuda_decode.py tag_name): format, mode, norm, q/k/v, and 0x2000 for _qx
 #define QMV_TAG_QX(QX) ((QX) ? 0x2000 : 0)
+#define QMV_TAG_EXPERTS 0x4000
 #define CYLLM_QMV_DEF(NAME, F, MODE, NORM, BOUNDS) CYLLM_QMV_DEF1(NAME, F, MODE, NORM, BOUNDS, false) \
     CYLLM_QMV_DEF1(NAME##_qx, F, MODE, NORM, BOUNDS, true)
 #define CYLLM_QMV_DEF1(NAME, F, MODE, NORM, BOUNDS, QX)                                            \
@@ -1475,11 +1474,13 @@ __device__ __forceinline__ void qmv_xf32_body(float* __restrict__ out, const uns
                                     const unsigned char* __restrict__ w1, long long stride,         \
                                     const int* ids, int n_experts, const float* x, int ldx,         \
                                     int d, int nbi) {                                                \
+        TRACE_BEGIN();                                                                               \
         const long long off = expert_offset(ids, n_experts, stride);                                 \
         if (off < 0) return;                                                                         \
         const int j = blockIdx.y;                                                                    \
         qmv_body<F, MODE, false, false>(out + (size_t)j * d, w0 + off, w1 + off, x + (size_t)j * ldx, \
                                         d, nbi, nullptr, 0.0f, nullptr, blockIdx.x, nullptr, nullptr, nullptr); \
+        TRACE_END(QMV_TAG_EXPERTS | (F::UPI << 8) | (F::EA << 4) | (MODE << 2));                     \
     }
 #define CYLLM_QMV_EXPERTS(NAME, F, MODE) CYLLM_QMV_EXPERTS_DEF(NAME, F, MODE, __launch_bounds__(QMV_MAX_WARPS * 32))
 #define CYLLM_QMV_EXPERTS_WIDE(NAME, F, MODE) CYLLM_QMV_EXPERTS_DEF(NAME, F, MODE, )

@@ -16,7 +16,7 @@ def _defined_kernels() -> set[str]:
     names = set(re.findall(r'__global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(', src))
     suffixes = {"CYLLM_MATVEC_VEC": ("", "_u8", "_norm", "_u8_norm"), "CYLLM_MATVEC_SCALAR": ("",),
                 "CYLLM_ATTN_SPLIT": ("", "_ve", "_fold", "_ek"), "CYLLM_ATTN_BATCH": ("", "_v4"),
-                "CYLLM_MATVEC_EXPERTS": ("",)}
+                "CYLLM_MATVEC_EXPERTS": ("",), "CYLLM_QKNORM_ROPE_STORE": ("",)}
     for macro, ends in suffixes.items():
         for base in re.findall(macro + r"\((\w+),", src):
             names |= {base + e for e in ends}

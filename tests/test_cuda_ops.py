@@ -192,6 +192,98 @@ def test_norm_fold_off(ref):
     assert b._pending_norm is None
 
 
+def _qk_norm_rope_store(b, q, k, v, qw, kw, cos, sin, max_ctx, pos, eps):
+    """The decode pattern of a model with per-head q/k norms on backend b, from host arrays:
+    the norms held before rope_store, and (q, k, k_cache, v_cache) after it."""
+    hd = qw.shape[0]
+    qd, kd, vd = b.upload(q), b.upload(k), b.upload(v)
+    n_kv = k.shape[0] // hd
+    kc = b.upload(np.zeros((n_kv, max_ctx, hd), np.float16))
+    vc = b.upload(np.zeros((n_kv, max_ctx, hd), np.float16))
+    qh, kh = qd.reshape(-1, hd), kd.reshape(-1, hd)
+    b.rmsnorm_batch(qh, qh, b.upload(qw), eps)
+    b.rmsnorm_batch(kh, kh, b.upload(kw), eps)
+    held = len(b._held_heads)
+    b.rope_store(qd, kd, vd, b.upload(cos), b.upload(sin), kc, vc, pos)
+    assert b._held_heads == []
+    return held, tuple(host(b, a) for a in (qd, kd, kc, vc))
+
+
+@pytest.mark.parametrize("nq,nk,hd", [(32, 8, 128), (5, 1, 64), (7, 3, 256), (4, 4, 128)])
+def test_qk_norms_folded_into_rope_store(ref, nq, nk, hd):
+    """Per-head q/k norms then rope_store: held back and run as one kernel, to the bit what the
+    three ops give one by one, and within float rounding of numpy_ref's."""
+    max_ctx, pos, eps = 40, 37, 1e-6
+    q, k, v = f32(nq * hd, scale=3.0), f32(nk * hd, scale=0.5), f32(nk * hd)
+    qw, kw = f32(hd), f32(hd)
+    ang = np.outer(np.arange(max_ctx), RNG.uniform(0.01, 1.0, hd // 2)).astype(np.float32)
+    cos, sin = np.cos(ang), np.sin(ang)
+    fused, plain = CudaBackend(), CudaBackend()
+    plain.fold_qk_norm = False
+    held, got = _qk_norm_rope_store(fused, q, k, v, qw, kw, cos, sin, max_ctx, pos, eps)
+    assert held == 2
+    held, want = _qk_norm_rope_store(plain, q, k, v, qw, kw, cos, sin, max_ctx, pos, eps)
+    assert held == 0
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    # numpy_ref: the same ops
+    qr, kr = q.copy(), k.copy()
+    for vec, w in ((qr, qw), (kr, kw)):
+        heads = vec.reshape(-1, hd)
+        ref.rmsnorm_batch(heads, heads.copy(), w, eps)
+    kc, vc = np.zeros((nk, max_ctx, hd), np.float16), np.zeros((nk, max_ctx, hd), np.float16)
+    ref.rope_store(qr, kr, v, cos, sin, kc, vc, pos)
+    assert rel_err(got[0], qr) < 1e-5 and rel_err(got[1], kr) < 1e-5
+    assert rel_err(got[2][:, pos], kc[:, pos]) < 1e-3
+    np.testing.assert_array_equal(got[3], vc)
+    assert not got[2][:, :pos].any() and not got[2][:, pos + 1:].any()
+
+
+def test_qk_norms_held_are_flushed(ref):
+    """A held head norm is launched before anything can observe it, and a rope_store of other
+    vectors (or a head_dim the fused kernel lacks) gets the held norms first, as they were."""
+    b = CudaBackend()
+    hd, eps = 64, 1e-5
+    x, w = f32(3 * hd), f32(hd)
+    want = x.reshape(3, hd).copy()
+    ref.rmsnorm_batch(want, x.reshape(3, hd), w, eps)
+    xd = b.upload(x)
+    xh = xd.reshape(3, hd)
+    b.rmsnorm_batch(xh, xh, b.upload(w), eps)
+    assert len(b._held_heads) == 1
+    assert rel_err(host(b, xh), want) < 1e-6         # to_host flushes
+    assert b._held_heads == []
+    xd = b.upload(x)
+    xh = xd.reshape(3, hd)
+    y = nan_dev(3 * hd)
+    b.rmsnorm_batch(xh, xh, b.upload(w), eps)
+    b.add(y, xd, xd)                                   # any other op flushes first
+    assert rel_err(host(b, y), 2 * want.reshape(-1)) < 1e-6
+    # not in place, or a head_dim without a kernel: launched at once
+    out = nan_dev((3, hd))
+    b.rmsnorm_batch(out, b.upload(x).reshape(3, hd), b.upload(w), eps)
+    assert b._held_heads == []
+    z = b.upload(f32(3 * 96)).reshape(3, 96)
+    b.rmsnorm_batch(z, z, b.upload(f32(96)), eps)
+    assert b._held_heads == []
+    # a rope_store of another q: the held norm goes out first, then rope_store's own path
+    max_ctx, pos = 8, 3
+    q, k, v = f32(2 * hd), f32(hd), f32(hd)
+    ang = np.outer(np.arange(max_ctx), np.linspace(0.1, 1.0, hd // 2)).astype(np.float32)
+    cos, sin = np.cos(ang), np.sin(ang)
+    xd = b.upload(x)
+    xh = xd.reshape(3, hd)
+    b.rmsnorm_batch(xh, xh, b.upload(w), eps)
+    qd, kd, vd = b.upload(q), b.upload(k), b.upload(v)
+    kc = b.upload(np.zeros((1, max_ctx, hd), np.float16))
+    vc = b.upload(np.zeros((1, max_ctx, hd), np.float16))
+    b.rope_store(qd, kd, vd, b.upload(cos), b.upload(sin), kc, vc, pos)
+    assert rel_err(host(b, xh), want) < 1e-6
+    qr, kr = q.copy(), k.copy()
+    ref.rope(qr, kr, cos, sin, pos)
+    assert rel_err(host(b, qd), qr) < 1e-6
+
+
 # (n_heads, n_kv_heads, head_dim, max_ctx): MHA, GQA, MQA, groups of 2, 3, 4, 5, 6, 8 and 16,
 # head_dim 8 to 256, odd ones (by default a GQA group's heads go one or two a block at these
 # positions: CudaBackend._attn_plan; whole groups, in tiles of 1, 2, 4 and 8, partly filled,
@@ -501,6 +593,45 @@ def test_decode_step_fused_views():
         # (and the f16 KV cache turns last-bit differences into f16 rounding flips)
         assert rel_err(m2.forward(tok, pos), l1) < 1e-3, f"pos {pos}"
     assert m2.backend._graph is not None
+
+
+# -- a mixture of experts' decode: the layer's pre-norm taken into the router's kernel -------
+@pytest.mark.parametrize("fmt,E,k,f,n", [("q4_0", 16, 4, 64, 256), ("q8_0", 6, 2, 96, 2048)])
+def test_moe_takes_the_held_norm(ref, fmt, E, k, f, n):
+    """rmsnorm(xb, x) then moe(x, xb): the norm folded into moe_route_f32 gives, to the bit, the
+    stream and xb of the norm launched on its own (fuse_norm off), and the numpy choice."""
+    from cyllm.backends.moe import MoeScratch
+    from cyllm.quant import FORMATS, QuantMatrix
+    from cyllm.quant.convert import quantize_rows_f32
+
+    def q(d, m):
+        w = RNG.standard_normal((d, m)).astype(np.float32) * 0.1
+        return QuantMatrix(quantize_rows_f32(w, fmt), FORMATS[fmt], (d, m))
+
+    trios = [(q(f, n), q(f, n), q(n, f)) for _ in range(E)]
+    x, nw = f32(n, scale=2.0), f32(n)
+    router = f32(E, n, scale=n ** -0.5)
+    runs = []
+    for fold in (True, False):
+        b = CudaBackend()
+        b.fuse_norm = fold
+        experts, rd = b.upload_experts(trios), b.upload(router)
+        scratch = MoeScratch.allocate(b, 1, n, f, E, k, False)
+        xd, xb = b.upload(x), nan_dev(n)
+        b.rmsnorm(xb, xd, b.upload(nw), 1e-6)
+        assert (b._pending_norm is not None) == fold
+        b.moe(xd, xb, rd, experts, k, True, "silu", scratch)
+        assert b._pending_norm is None
+        runs.append((host(b, xd), host(b, xb), host(b, scratch.dev.ids)))
+    for got, want in zip(*runs):
+        np.testing.assert_array_equal(got, want)
+    xn = np.zeros(n, np.float32)
+    ref.rmsnorm(xn, x, nw, 1e-6)
+    assert rel_err(runs[0][1], xn) < 1e-6
+    want = x.copy()
+    ref.moe(want, xn, router, [tuple(ref.upload(m) for m in t) for t in trios], k, True, "silu",
+            MoeScratch.allocate(ref, 1, n, f, E, k, False))
+    assert rel_err(runs[0][0], want) < 2e-2
 
 
 # -- a mixture of experts' prefill: the choice of each row and the grouping by expert ---------

@@ -54,6 +54,10 @@ PRESETS: dict[str, dict] = {
     "mistral-7b": dict(arch="mistral", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
                        ffn_dim=14336, vocab_size=32000, max_seq_len=32768, norm_eps=1e-5,
                        rope_theta=10000.0, tie_word_embeddings=False),
+    # Qwen/Qwen3-8B: 8.19 B params, untied, 8 KV heads, q/k norms
+    "qwen3-8b": dict(arch="qwen3", dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
+                     ffn_dim=12288, vocab_size=151936, max_seq_len=40960, norm_eps=1e-6,
+                     rope_theta=1000000.0, tie_word_embeddings=False, qk_norm=True),
     # Qwen/Qwen3-30B-A3B: 30.5 B params, 3.3 B of them a token (128 experts of 768 a layer, 8
     # chosen, their weights renormalized), q/k norms, untied; the router in float32 as the
     # weights contract keeps it, drawn like the matrices (so each token routes at random)

@@ -13,6 +13,7 @@ replaying a CUDA graph of the whole forward pass (graphs.py).
 The other concerns have their own modules: kernel_names.py (every kernel launched,
 named whole), shapes.py (launch-shape heuristics), norm_fold.py (rmsnorm folded into
 the next matvec), rope_fold.py (rope and the cache store folded into the q/k/v matvec),
+qk_norm_fold.py (per-head q/k norms folded into rope_store),
 pdl.py (programmatic dependent launch through ctypes), cublas.py (the prefill GEMM),
 prefill.py (the batched ops of prompt processing), checks.py.
 
@@ -41,6 +42,7 @@ from .pdl import PdlLauncher
 from .prefill import PrefillOps
 from .prefill_graph import GraphPrefill
 from .prequant import PrequantFolding
+from .qk_norm_fold import QkNormFolding
 from .rope_fold import RopeFolding
 from .quant import NULL_ARG as _NULL, CudaQuantMatrix, CudaQuantStack
 from .shapes import (ATT_THREADS, ATT_WARPS, MV_LARGE, SMEM_LIMIT, attn_bounds, attn_chunk, attn_heads_per_block,
@@ -58,7 +60,7 @@ _FIT_MARGIN = 512 << 20       # room left for scratch, cuBLAS workspace, the CUD
 WIDEN_KIB_PER_SM = 24         # widen.py: measured in bench/results/cuda_quant_model_h100.md
 
 
-class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, GraphDecode, PrefillOps, ExpertOps,
+class CudaBackend(QkNormFolding, PrequantFolding, RopeFolding, NormFolding, GraphPrefill, GraphDecode, PrefillOps, ExpertOps,
                   Backend):
     name = "cuda"
     fuse_qkv = True       # upload copies anyway: one (q+2kv, dim) matrix, one matvec
@@ -124,6 +126,10 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, Graph
         # CYLLM_CUDA_FOLD_ROPE=0 keeps two launches
         self.fold_rope = os.environ.get("CYLLM_CUDA_FOLD_ROPE", "1") != "0"
         self._pending_qkv = None        # (out, w, x, norm, qx) of a q/k/v matvec not launched yet
+        # per-head q/k norms folded into rope_store (qk_norm_fold.py); CYLLM_CUDA_FOLD_QK_NORM=0
+        # keeps three launches
+        self.fold_qk_norm = os.environ.get("CYLLM_CUDA_FOLD_QK_NORM", "1") != "0"
+        self._held_heads: list = []     # (x, w, eps) of the head norms not launched yet
         # a quantized matvec's output handed to the next one quantized (prequant.py);
         # CYLLM_CUDA_PREQUANT=0 has every matvec quantize its input itself
         self.prequant = os.environ.get("CYLLM_CUDA_PREQUANT", "1") != "0"
@@ -413,6 +419,8 @@ class CudaBackend(PrequantFolding, RopeFolding, NormFolding, GraphPrefill, Graph
         An op of the registry (base.OPS) every backend has; here one launch instead of two,
         or none when it folds into the q/k/v matvec held back just before (rope_fold.py).
         """
+        if self._fold_qk_rope_store(q, k, v, cos, sin, k_cache, v_cache, pos):
+            return
         if self._fold_rope_store(q, k, v, cos, sin, k_cache, v_cache, pos):
             return
         self._flush()

@@ -34,7 +34,7 @@ from ..moe import MoeScratch, expert_groups, route_rows
 from . import quant as cuda_quant
 from .checks import check_act
 from .kernel_names import EXPERTS_F16_KERNELS, GLU_KERNELS, MOE_KERNELS
-from .quant import QMMA_COLUMNS
+from .quant import NULL_ARG as _NULL, QMMA_COLUMNS
 from .shapes import blocks as _blocks
 
 try:  # CuPy is optional: this module imports without it, like the others of the backend
@@ -166,7 +166,8 @@ def stack_kinds(roles) -> list | None:
 
 
 class ExpertOps:
-    """Needs from the backend: ``_flush`` (launches held-back ops), ``_launch``, ``_k``,
+    """Needs from the backend: ``_flush`` (launches held-back ops), ``_pending_norm`` and
+    ``_overlap`` of NormFolding, ``_launch``, ``_k``,
     ``_gemm_ex``, ``_rows``, ``_prefill_rec``, ``smem_per_block``, ``moe_on_device``, gate_up,
     matvec, add, gate_up_batch, matmul."""
 
@@ -230,7 +231,8 @@ class ExpertOps:
         if not (0 < n_used <= E == len(experts) and x.shape == out.shape == (n,) == (g.cols,) == (d.rows,)
                 and d.cols == g.rows
                 and router.dtype == x.dtype == out.dtype == np.float32 and router.flags.c_contiguous
-                and x.flags.c_contiguous and out.flags.c_contiguous and x.data.ptr % 16 == 0):
+                and router.data.ptr % 16 == 0 and x.flags.c_contiguous and out.flags.c_contiguous
+                and x.data.ptr % 16 == 0):
             self._flush()
             raise InvalidArgumentError(f"moe: router {tuple(router.shape)}, x {tuple(x.shape)}, out "
                                        f"{tuple(out.shape)}, {len(experts)} experts of {g.rows} x {g.cols}, "
@@ -241,14 +243,29 @@ class ExpertOps:
         if v.ids.shape[0] != n_used or v.h.shape[1] != g.rows or v.logits.shape[0] != E:
             self._flush()
             raise InvalidArgumentError("moe: the scratch was allocated for another layer shape")
-        self._flush()                                   # x (the normed stream) may be held back
+        # the layer's pre-norm, held back (norm_fold.py), goes into the router's kernel: it
+        # reads the stream, and its block 0 writes x for the experts
+        xin, nw, eps = self._take_moe_norm(x)
         self._launch(MOE_KERNELS["route"], (_blocks(E, ROUTE_THREADS // 32),), (ROUTE_THREADS,),
-                     (v.ids, v.weights, v.logits, v.counter, router, x, np.int32(E), np.int32(n),
-                      np.int32(n_used), np.int32(1 if norm else 0)))
+                     (v.ids, v.weights, v.logits, v.counter, router, xin, x, nw, np.float32(eps), np.int32(E),
+                      np.int32(n), np.int32(n_used), np.int32(1 if norm else 0)))
         self._experts_matvec(v.h, g, experts.up, v.ids, x, 0, act)
         self._experts_matvec(v.y, d, None, v.ids, v.h, g.rows)
         self._launch(MOE_KERNELS["combine"], (_blocks(n, 256),), (256,),
                      (out, v.y, v.weights, np.int32(n_used), np.int32(n)))
+
+    def _take_moe_norm(self, x):
+        """(input, norm weight, eps) for moe_route_f32: the held-back rmsnorm whose output is x
+        (the stream, its weight and eps), or (x, NULL, 0) with every held op launched. The
+        stream is what moe adds to, but only moe_combine_f32, the layer's last kernel, writes
+        it, so the norm is taken whatever ``out`` is (NormFolding._take_norm would refuse)."""
+        p = self._pending_norm
+        if p is not None and p[0].data.ptr == x.data.ptr and p[0].shape == x.shape and not self._overlap(p[0], p[1]):
+            self._pending_norm = None
+            self._flush()                               # what was held before the norm (prequant.py)
+            return p[1], p[2], p[3]
+        self._flush()
+        return x, _NULL, 0.0
 
     def _experts_matvec(self, out, w0, w1, ids, x, ldx: int, act: str | None = None) -> None:
         """out[j] = W0[ids[j]] x[j] (w1 None) or act(W0[ids[j]] x[j]) * (W1[ids[j]] x[j]) for each

@@ -59,3 +59,6 @@ MOE_KERNELS = {"route": "moe_route_f32", "combine": "moe_combine_f32", "route_ro
                "group": "moe_group", "combine_rows": "moe_combine_rows"}
 EXPERTS_F16_KERNELS = {None: "matvec_experts_f16", "silu": "gate_up_silu_experts_f16",
                        "gelu_tanh": "gate_up_gelu_experts_f16"}
+# decode's per-head q/k norms folded into rope_store (qk_norm_fold.py), by head_dim
+QKNORM_ROPE_STORE_KERNELS = {64: "qknorm_rope_store_64", 128: "qknorm_rope_store_128",
+                             256: "qknorm_rope_store_256"}
