@@ -111,6 +111,18 @@ def _router(block):
     return block.router if hasattr(block, "router") else block.gate
 
 
+def _router_outputs(output) -> tuple[str, str, str]:
+    """What each of a router's three outputs is, in its order: the chosen ids are the integer
+    tensor, their weights the float one as wide as it, the logits the other (transformers 5.24
+    returns (logits, weights, ids) for every family; 5.17's Granite MoE (ids, weights, logits))."""
+    ids = next(i for i, t in enumerate(output) if not t.is_floating_point())
+    k = output[ids].shape[-1]
+    names = ["logits"] * 3
+    names[ids] = "chosen"
+    names[next(i for i, t in enumerate(output) if i != ids and t.shape[-1] == k)] = "scores"
+    return tuple(names)
+
+
 def _recording_routes(model, op, run):
     """run() with the backend's moe op ``op`` recording the experts each call chose: (its result,
     the chosen experts of every call, (rows, k) each, in call order). A recorded step (cpu's
@@ -170,7 +182,8 @@ def _hf_logits_routed(ref, ids, routes):
 
     def hook_for(layer):
         def hook(gate, args, output):
-            logits, scores, chosen = output
+            order = _router_outputs(output)
+            logits, scores, chosen = (output[order.index(name)] for name in ("logits", "scores", "chosen"))
             probs = torch.softmax(logits.float(), -1)
             k = chosen.shape[-1]
             top = torch.sort(probs, -1, descending=True).values
@@ -180,7 +193,8 @@ def _hf_logits_routed(ref, ids, routes):
             w = probs.gather(-1, forced)
             if renormalized:
                 w = w / w.sum(-1, keepdim=True)
-            return logits, w.to(scores.dtype), forced
+            mine = {"logits": logits, "scores": w.to(scores.dtype), "chosen": forced}
+            return tuple(mine[name] for name in order)
         return hook
     handles = [g.register_forward_hook(hook_for(i)) for i, g in enumerate(gates)]
     try:
