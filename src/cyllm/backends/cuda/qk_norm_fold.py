@@ -3,7 +3,7 @@
 A decode layer of Qwen3, Gemma 3 or EXAONE 4 runs rmsnorm_batch(q_heads), rmsnorm_batch
 (k_heads), then rope_store(q, k, v, ...). As kernels of their own the two norms are plain
 launches of a few hundred nanoseconds of work each, and the boundaries around them cost
-most: on a Qwen3-8B-shape Q4_0 token on an H200 the three took ~7.4 us a layer, 8% of the
+most: on a Qwen3-8B-shape Q4_0 token on an H200 the three took ~7.4 us a layer, 11% of the
 token (bench/trace_cuda_decode.py, bench/results/cuda_quant_model_h100.md). So an in-place
 norm of whole heads is held back, and when the next op is the rope_store of those same q
 and k, one kernel (``qknorm_rope_store_<head_dim>``, cuda/elementwise.cu) does all three,
