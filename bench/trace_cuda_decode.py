@@ -225,7 +225,9 @@ def trace(a) -> int:
     if staged:
         # attention.cu's marks: q staged, scores, softmax, V summed per warp, then the output;
         # at short caches (online softmax): q staged, a warp's rows, folded in the warp, every
-        # warp's partials in shared memory, then the output
+        # warp's partials in shared memory, then the output. moe.cu's moe_route_f32 (the
+        # blocks that do not choose): the folded norm found, warp 0's row summed, the rows
+        # fenced, the counter's answer
         print("\nStages of the blocks that marked them (median over launches of each launch's median),"
               " us from the wait return:\n")
         print("| kernel | to mark 1 | 1 to 2 | 2 to 3 | 3 to 4 | 4 to end |")

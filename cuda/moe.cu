@@ -115,6 +115,7 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_route_f32(
 #pragma unroll
         for (int w = 0; w < RMS_THREADS / 32; ++w) tot += red[w];
         inv = rsqrtf(tot / (float)n + eps);
+        TRACE_MARK(1);      // bench/trace_cuda_decode.py: the norm found
         if (blockIdx.x == 0)
             for (int i = threadIdx.x; i < n; i += MOE_THREADS) xn[i] = ld_act(x + i) * inv * nw[i];
     }
@@ -147,11 +148,14 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_route_f32(
         s = warp_sum(s);
         if (lane == 0) logits[e] = s;
     }
+    TRACE_MARK(2);          // warp 0's row summed
     __shared__ int is_last;
     __threadfence();
     __syncthreads();
+    TRACE_MARK(3);          // every row written and fenced
     if (threadIdx.x == 0) is_last = (atomicAdd(counter, 1) == (int)gridDim.x - 1);
     __syncthreads();
+    TRACE_MARK(4);          // the counter's answer
     if (!is_last) {
         TRACE_END(0x1004);
         return;
