@@ -15,6 +15,9 @@
 #            on the 7B shape (q8_0, q4_0, q4_k; -r 3, depths 0 and 4096) and on SmolLM2 (F16 and
 #            the three; -r 5), one process each (~400 s after the build: q4_k's quantization at load
 #            alone takes ~90 s, a SmolLM2 sweep ~40 s)
+#   moe      bench/trace_cuda_decode.py on 4 of Qwen3-30B-A3B's layers (Q4_0), then cyllm bench on
+#            the whole shape (pp512, tg64)
+#   qknorm   bench/sweep_cuda_decode.py on the Qwen3-8B shape (Q4_0), q/k norms folded or not
 #   ncu      one decode token under ncu per weight type (NCU_MODEL, default smollm2-135m-untied;
 #            NCU_TYPES, default "f16 q4_0 q4_k"; NCU_KERNELS, an ncu -k regex such as
 #            'attn|qmv_add', default every kernel; NCU_CAP, seconds per type, default 200;
@@ -88,6 +91,13 @@ for step in ${*:-build tests prefill decode}; do
       run 60 $PY -P bench/sweep_cuda_decode.py --synthetic smollm2-135m-untied "${quant[@]}" -n 128 -r 5 2>&1 \
         | grep -E '^\| [a-z]|copy bandwidth|rror' | grep -v '^| weights'
     done ;;
+  moe)       # a mixture of experts' decode: where a Qwen3-30B-A3B layer goes (4 of its layers),
+             # then the whole shape's pp512 and tg64 (~75 s, the quantizing at load included)
+    run 120 $PY -P bench/trace_cuda_decode.py --synthetic qwen3-30b-a3b --layers 4 --quantize q4_0 --tokens 2 --show 12
+    bench 150 --synthetic qwen3-30b-a3b --quantize q4_0 -p 512 -n 64 ;;
+  qknorm)    # per-head q/k norms folded into rope_store or not, Qwen3-8B shape (~80 s)
+    run 120 $PY -P bench/sweep_cuda_decode.py --synthetic qwen3-8b --quantize q4_0 --vary fold_qk_norm=0,1 \
+      -n 64 -r 3 -d 0 2>&1 | grep -E '^\| [fq]|copy bandwidth|rror' ;;
   ncu)
     for q in ${NCU_TYPES:-f16 q4_0 q4_k}; do
       quant=(); [ "$q" = f16 ] || quant=(--quantize "$q")
