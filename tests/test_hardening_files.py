@@ -10,6 +10,7 @@ safetensors library and the gguf package read, and the same logits as their plai
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -310,6 +311,31 @@ def test_ernie4_5_biases_refused():
     assert config_from_hf(dict(raw)).arch == "ernie4_5"
     with pytest.raises(UnsupportedModelError, match="use_bias"):
         config_from_hf(dict(raw, use_bias=True))
+
+
+def test_hunyuan_dense_config():
+    """Hunyuan dense: the releases' "dynamic" rope with a fixed alpha read as transformers reads
+    it (a base stretched to theta * alpha^(d / (d - 2)), no scaling), the end-of-document id
+    an end of text too; CLA and biases, which cyllm does not apply, refused in one line, and a
+    bad alpha or a truly dynamic rope (no alpha) too."""
+    from cyllm.errors import CyllmError, UnsupportedModelError
+    from cyllm.families import config_from_hf
+    raw = dict(architectures=["HunYuanDenseV1ForCausalLM"], model_type="hunyuan_v1_dense", hidden_size=64,
+               intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=100,
+               eos_token_id=2, eod_token_id=7,
+               rope_scaling={"type": "dynamic", "alpha": 1000.0, "factor": 1.0}, rope_theta=10000.0)
+    c = config_from_hf(dict(raw))
+    assert (c.arch, c.qk_norm, c.qk_norm_after_rope, c.rope_scaling) == ("hunyuan_dense", True, True, None)
+    assert math.isclose(c.rope_theta, 10000.0 * 1000.0 ** (16 / 14))
+    assert c.eos_token_ids == [2, 7]
+    for key in ("use_cla", "attention_bias", "mlp_bias"):
+        with pytest.raises(UnsupportedModelError, match=key):
+            config_from_hf(dict(raw, **{key: True}))
+    for bad in ("x", -1.0, 0, float("nan")):
+        with pytest.raises(CyllmError, match="alpha"):
+            config_from_hf(dict(raw, rope_scaling={"type": "dynamic", "alpha": bad}))
+    with pytest.raises(CyllmError, match="dynamic"):
+        config_from_hf(dict(raw, rope_scaling={"type": "dynamic", "factor": 2.0}))
 
 
 def test_seed_oss_defaults_and_refused_biases():

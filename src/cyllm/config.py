@@ -46,6 +46,7 @@ class ModelConfig:
     attention_bias: bool = False   # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False          # RMSNorm over each q and k head before rope (Qwen3, Gemma 3)
     qk_norm_whole: bool = False    # ... over all of q and all of k instead, one norm each (OLMo 2)
+    qk_norm_after_rope: bool = False   # ... after rope instead of before it (Hunyuan dense)
     post_norms: bool = False       # RMSNorm on attention and MLP outputs before the residual add (Gemma 3)
     activation: str = "silu"       # gate activation of the MLP: "silu" | "gelu_tanh"
     embed_scale: float = 1.0       # token embeddings are multiplied by this (Gemma: sqrt(dim))
@@ -109,6 +110,8 @@ class ModelConfig:
             raise ModelLoadError("config: a mixture of experts with a norm on the MLP's output is not supported")
         if self.qk_norm_whole and not self.qk_norm:
             raise ModelLoadError("config: qk_norm_whole needs qk_norm")
+        if self.qk_norm_after_rope and not self.qk_norm:
+            raise ModelLoadError("config: qk_norm_after_rope needs qk_norm")
         if self.activation not in ACTIVATIONS:
             raise ModelLoadError(f"config: activation {self.activation!r} is not supported "
                                  f"(supported: {', '.join(ACTIVATIONS)})")

@@ -500,6 +500,30 @@ def _ernie4_5_hf(cfg):
     return {}
 
 
+def _hunyuan_dense_hf(cfg):
+    # CLA (k/v shared across layers) and biases, which cyllm does not apply: refused; the
+    # checkpoints' rope is "dynamic" with a fixed alpha, which transformers reads as a stretched
+    # base (its ntk_alpha: theta * alpha^(d / (d - 2))), the same at every length
+    for key in ("attention_bias", "mlp_bias", "use_cla"):
+        if cfg.flag(key, False):
+            raise UnsupportedModelError(f"Hunyuan: {key} is not supported")
+    fields = dict(qk_norm=True, qk_norm_after_rope=True)
+    # the end of a document ends generation too (llama.cpp's converter makes it the file's EOS)
+    eos = list(cfg.token_ids("eos_token_id"))
+    eod = [e for e in cfg.token_ids("eod_token_id") if e not in eos]
+    if eod:
+        fields["eos_token_ids"] = eos + eod
+    theta, scaling = rope_params(cfg)
+    if scaling is not None and scaling["rope_type"] == "dynamic" and scaling.get("alpha") is not None:
+        alpha, hd = scaling["alpha"], _head_dim(cfg)
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+            raise cfg.fail("rope_parameters.alpha", "a positive number", alpha)
+        if hd <= 2:
+            raise cfg.fail("head_dim", "more than 2 with an alpha-scaled rope", hd)
+        fields.update(rope_theta=theta * float(alpha) ** (hd / (hd - 2)), rope_scaling=None)
+    return fields
+
+
 def _experts_hf(cfg, family: str, norm_default: bool) -> dict:
     """A mixture of experts on every layer: the counts, each expert's MLP size (ffn_dim), and
     whether the chosen experts' weights are renormalized (``norm_topk_prob``)."""
@@ -850,6 +874,16 @@ EXAONE4 = Family(
 ERNIE4_5 = Family("ernie4_5", ("Ernie4_5ForCausalLM",), ("ernie4_5",), "ernie4_5", _table(), permute_qk=True,
                   hf_rope_interleaved=True, hf_features=_ernie4_5_hf, hf_extra=lambda c: {"use_bias": False})
 
+# Hunyuan dense (HunYuanDenseV1): Llama's block with per-head q/k norms taken after rope
+HUNYUAN_DENSE = Family(
+    "hunyuan_dense", ("HunYuanDenseV1ForCausalLM",), ("hunyuan_v1_dense",), "hunyuan-dense",
+    _table(attn_q_norm__weight=Tensor("attn_q_norm.weight", _P + "self_attn.query_layernorm.weight", _hd,
+                                      when=lambda c: c.qk_norm),
+           attn_k_norm__weight=Tensor("attn_k_norm.weight", _P + "self_attn.key_layernorm.weight", _hd,
+                                      when=lambda c: c.qk_norm)),
+    hf_features=_hunyuan_dense_hf, gguf_features=lambda md, p, t: dict(qk_norm_after_rope=True),
+    hf_extra=lambda c: {"attention_bias": False, "mlp_bias": False, "use_cla": False})
+
 # Mixtures of experts: the block of their dense sibling with the MLP replaced by a router and
 # n_experts gated MLPs (_moe_rows)
 _QWEN_EXPERTS = _moe_rows("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
@@ -903,7 +937,7 @@ _HF_DEFAULTS = {
     "ernie4_5": (("max_position_embeddings", 131072), ("tie_word_embeddings", True), ("rope_theta", 5e5)),
 }
 FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, SEED_OSS, GEMMA, GEMMA2, GEMMA3, PHI3, SMOLLM3, GRANITE,
-                                OLMO2, EXAONE4, ERNIE4_5, QWEN3MOE, MIXTRAL, OLMOE, GRANITEMOE)
+                                OLMO2, EXAONE4, ERNIE4_5, HUNYUAN_DENSE, QWEN3MOE, MIXTRAL, OLMOE, GRANITEMOE)
 BY_NAME = {f.name: f for f in FAMILIES}
 
 

@@ -144,6 +144,15 @@ class _DecodePass:
         else:
             self.b.rope_store(s.q, s.k, s.v, L.rope[0], L.rope[1], L.k_cache, L.v_cache, self.pos)
 
+    def rope(self, L: Layer):
+        if L.rope is not None:
+            s = self.s
+            self.b.rope(s.q, s.k, L.rope[0], L.rope[1], self.pos, L.k_cache.shape[2])
+
+    def cache_store(self, L: Layer):
+        s = self.s
+        self.b.cache_store(L.k_cache, L.v_cache, s.k, s.v, self.pos)
+
     def attention(self, L: Layer):
         self.b.attention(self.att, self.s.q, L.k_cache, L.v_cache, self.pos, L.window, self.scale, self.softcap)
 
@@ -197,8 +206,14 @@ class _PrefillPass:
             self.b.rmsnorm_batch(heads, heads, w, self.eps)
 
     def rope_store(self, L: Layer):
+        self.rope(L)
+        self.cache_store(L)
+
+    def rope(self, L: Layer):
         if L.rope is not None:
             self.b.rope_batch(self.q, self.k, L.rope[0], L.rope[1], self.pos0, self.head_dim)
+
+    def cache_store(self, L: Layer):
         self.b.cache_store_batch(L.k_cache, L.v_cache, self.k, self.v, self.pos0)
 
     def attention(self, L: Layer):
@@ -384,9 +399,14 @@ class Model:
         # norms take stream_eps; a block's own norms (q/k, post) take eps
         # attention: x += [post_norm] wo @ attention(rope(qnorm(wq xb)), rope(knorm(wk xb)), wv xb)
         o.qkv(L, self._pre_norm(o, L.attn_norm))
-        if L.q_norm is not None:
+        if L.q_norm is not None and self.config.qk_norm_after_rope:
+            o.rope(L)                   # Hunyuan: the norms take the rotated q and k
             o.qk_norms(L)
-        o.rope_store(L)
+            o.cache_store(L)
+        else:
+            if L.q_norm is not None:
+                o.qk_norms(L)
+            o.rope_store(L)
         o.attention(L)
         self._residual(o, L.wo, o.att, L.post_attn_norm)
         # MLP: x += [post_norm] w_down @ (act(w_gate xb) * (w_up xb)); a mixture of experts adds

@@ -15,7 +15,9 @@ output by tests/test_quantize_tool.py):
   ``rope.scaling.type`` "yarn", its factor, original context and the betas config.json gives; Granite (llama-style
   keys, no head_dim) its multipliers as ``attention.scale``, ``embedding_scale``,
   ``residual_scale`` and ``logit_scale``; a mixture of experts its expert counts (and Qwen3-MoE
-  ``expert_feed_forward_length``, its dense size as ``feed_forward_length``);
+  ``expert_feed_forward_length``, its dense size as ``feed_forward_length``); Hunyuan dense
+  with the releases' "dynamic" alpha rope its stretched base, ``rope.scaling.type`` "none",
+  factor 1, and 256k as both context lengths;
 - tensors under the family table's GGUF names (families.py), a layer's experts stacked in one
   tensor each (E, rows, cols), the router F32; llama-style q/k rows
   interleaved for llama.cpp's rope (``Family.permute_qk``); Gemma's (1+w) norms stored
@@ -255,6 +257,16 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
             kv += [(a + "attention.sliding_window", cfg.sliding_window, T.UINT32, None),
                    (a + "attention.sliding_window_pattern", [bool(cfg.layer_window(i)) for i in range(cfg.n_layers)],
                     T.ARRAY, T.BOOL)]
+    if fam.name == "hunyuan_dense":
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) == "dynamic":
+            # the converter's reading of the releases' alpha rope: the stretched base (above),
+            # no scaling, and the 256k context the alpha is for
+            ctx = 256 * 1024
+            kv = [(k, ctx if k == a + "context_length" else v, vt, st) for k, v, vt, st in kv]
+            kv += [(a + "rope.scaling.type", "none", T.STRING, None),
+                   (a + "rope.scaling.factor", 1.0, T.FLOAT32, None),
+                   (a + "rope.scaling.original_context_length", ctx, T.UINT32, None)]
     if fam.name in GRANITES:        # each multiplier config.json gives (llama.cpp's converter skips 0)
         for hf_key, key in (("attention_multiplier", "attention.scale"), ("embedding_multiplier", "embedding_scale"),
                             ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale")):
