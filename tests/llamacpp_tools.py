@@ -270,7 +270,7 @@ def convert_hf_to_gguf(hf_dir, out_path, outtype: str = "f32", pre: str | None =
 
 # kinds that get GGUF files (gemma3_qscale's GGUF would only lose its two features)
 GGUF_KINDS = ("llama32", "mistral_swa", "qwen2", "qwen3", "seed_oss", "gemma", "gemma2", "gemma3", "phi3", "phi3_longrope",
-              "smollm3", "granite", "olmo2", "exaone4", "ernie4_5", "hunyuan_dense", "qwen3moe", "mixtral", "olmoe", "granitemoe")
+              "smollm3", "granite", "olmo2", "exaone4", "ernie4_5", "glm4", "hunyuan_dense", "qwen3moe", "mixtral", "olmoe", "granitemoe")
 
 
 class FamilyMaterial:

@@ -632,7 +632,7 @@ def test_real_chat_templates_render_like_transformers(family_material, name):
 
 
 @pytest.mark.parametrize("kind", ["llama32", "gemma3", "phi3_longrope", "smollm3", "qwen3moe", "mixtral", "olmoe",
-                                  "ernie4_5", "hunyuan_dense"])
+                                  "ernie4_5", "hunyuan_dense", "glm4"])
 def test_convert_gguf_back_to_a_directory_transformers_loads(family_material, reference, kind, tmp_path):
     """`cyllm convert` writes the family's config.json and tensor names (Gemma's norms back to w,
     Phi-3's fused tensors, llama3 rope parameters recovered from rope_freqs, Ernie 4.5's q/k

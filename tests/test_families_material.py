@@ -43,7 +43,7 @@ GGUF_ARCH = {"llama32": "llama", "mistral_swa": "llama", "qwen2": "qwen2", "qwen
              "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "phi3_longrope": "phi3", "smollm3": "smollm3",
              "granite": "granite", "olmo2": "olmo2", "qwen3moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe",
              "granitemoe": "granitemoe", "exaone4": "exaone4", "ernie4_5": "ernie4_5",
-             "hunyuan_dense": "hunyuan-dense"}
+             "hunyuan_dense": "hunyuan-dense", "glm4": "glm4"}
 # mixtures of experts: the router and a layer's experts stacked, one tensor each
 _MOE = ["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
 
@@ -66,6 +66,8 @@ _BLOCK = {
 }
 _BLOCK["smollm3"] = _BLOCK["granite"] = _BLOCK["gemma"] = _BLOCK["ernie4_5"] = _BLOCK["llama"]
 _BLOCK["hunyuan-dense"] = _BLOCK["qwen3"]
+_BLOCK["glm4"] = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_q.bias", "attn_k.bias", "attn_v.bias",
+                  "attn_output", "post_attention_norm", "ffn_norm", "ffn_up", "ffn_down", "post_ffw_norm"]
 _BLOCK["seed_oss"] = [n.replace("ffn_norm", "post_attention_norm") for n in _BLOCK["qwen2"]]
 _BLOCK["qwen3moe"] = _BLOCK["qwen3"][:-3] + _MOE
 _BLOCK["olmoe"] = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
@@ -86,6 +88,7 @@ _HF_TO_GGUF = {
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.query_layernorm.weight": "attn_q_norm.weight", "self_attn.key_layernorm.weight": "attn_k_norm.weight",
+    "post_self_attn_layernorm.weight": "post_attention_norm.weight", "post_mlp_layernorm.weight": "post_ffw_norm.weight",
     "self_attn.qkv_proj.weight": "attn_qkv.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
@@ -159,7 +162,8 @@ def test_hf_dir_is_complete_and_logits_are_spread(family_material, hf_logits, ki
         "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
         "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM",
         "granitemoe": "GraniteMoeForCausalLM", "exaone4": "Exaone4ForCausalLM",
-        "ernie4_5": "Ernie4_5ForCausalLM", "hunyuan_dense": "HunYuanDenseV1ForCausalLM"}[KINDS[kind][0]]).__name__
+        "ernie4_5": "Ernie4_5ForCausalLM", "hunyuan_dense": "HunYuanDenseV1ForCausalLM",
+        "glm4": "Glm4ForCausalLM"}[KINDS[kind][0]]).__name__
     ids, lg = hf_logits(kind)
     assert lg.shape == (SEQ, cfg["vocab_size"])
     assert np.isfinite(lg).all()
@@ -237,7 +241,7 @@ def test_weights_carry_their_features(family_material, kind):
     assert ("lm_head.weight" in w) == (not cfg["tie_word_embeddings"])
     names = "\n".join(w)
     arch = KINDS[kind][0]
-    assert (".q_proj.bias" in names) == (arch in ("qwen2", "seed_oss"))
+    assert (".q_proj.bias" in names) == (arch in ("qwen2", "seed_oss", "glm4"))
     assert (".q_norm.weight" in names) == (arch in ("qwen3", "gemma3", "olmo2", "olmo3", "qwen3moe", "olmoe", "exaone4"))
     assert (".query_layernorm.weight" in names) == (arch == "hunyuan_dense")
     assert (".experts.0." in names) == (kind in _MOE_KINDS - _STACKED_KINDS)

@@ -338,6 +338,25 @@ def test_hunyuan_dense_config():
         config_from_hf(dict(raw, rope_scaling={"type": "dynamic", "factor": 2.0}))
 
 
+def test_glm4_config():
+    """GLM-4: half of each head rotates where config.json says nothing (Glm4Config's default),
+    the share it gives otherwise; a share that leaves an odd number of dims, and GLM-4V's
+    multimodal rope, refused in one line."""
+    from cyllm.errors import CyllmError, UnsupportedModelError
+    from cyllm.families import config_from_hf
+    raw = dict(architectures=["Glm4ForCausalLM"], model_type="glm4", hidden_size=64, intermediate_size=128,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=100)
+    c = config_from_hf(dict(raw))
+    assert (c.arch, c.rotary_dim, c.post_norms, c.attention_bias) == ("glm4", 16, True, True)
+    assert config_from_hf(dict(raw, partial_rotary_factor=1.0)).rotary_dim is None
+    assert config_from_hf(dict(raw, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                     "partial_rotary_factor": 0.25})).rotary_dim == 8
+    with pytest.raises(CyllmError, match="partial_rotary_factor"):
+        config_from_hf(dict(raw, partial_rotary_factor=0.3))           # 9.6 -> 9 dims
+    with pytest.raises(UnsupportedModelError, match="mrope"):
+        config_from_hf(dict(raw, rope_parameters={"rope_type": "default", "mrope_section": [8, 12, 12]}))
+
+
 def test_seed_oss_defaults_and_refused_biases():
     """Seed-OSS: keys a config.json leaves out take transformers' SeedOssConfig defaults (q/k/v
     biases, head_dim 128, eps 1e-6); biases on o_proj or the MLP, which cyllm does not apply,

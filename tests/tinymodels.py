@@ -229,6 +229,13 @@ FAMILY_KINDS = {
     "ernie4_5": ("ernie4_5", dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                   intermediate_size=160, num_hidden_layers=3, rms_norm_eps=1e-5,
                                   rope_theta=500000.0, use_bias=False, tie_word_embeddings=True)),
+    # GLM-4 (the 9B-0414's kind): q/k/v biases, half of each head rotating in adjacent pairs,
+    # gate and up in one tensor, four norms a layer, GQA 4/2, head_dim != dim/heads, untied
+    "glm4": ("glm4", dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                          intermediate_size=160, num_hidden_layers=3, rms_norm_eps=1e-5,
+                          max_position_embeddings=512, attention_bias=True, tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                           "partial_rotary_factor": 0.5})),
     # Hunyuan dense (HunYuanDenseV1, the 0.5B-7B's kind): per-head q/k norms after rope, the
     # releases' "dynamic" rope with a fixed alpha (a base stretched to 10000 * 1000^(32/30);
     # llama.cpp's converter checks the base and the 32k context), GQA 4/2, tied
@@ -294,7 +301,7 @@ KIND_TOKENIZER = {"llama32": "llama3", "mistral_swa": "llama2", "qwen2": "qwen2"
                   "olmo2": "llama3", "olmo3": "llama3", "qwen3_yarn": "qwen2", "qwen3moe": "qwen2",
                   "mixtral": "llama2", "olmoe": "llama3", "granitemoe": "llama3", "exaone4": "llama3",
                   "exaone4_swa": "llama3", "exaone4_swa64": "llama3", "ernie4_5": "llama2",
-                  "hunyuan_dense": "qwen2"}
+                  "hunyuan_dense": "qwen2", "glm4": "gpt4o"}
 
 # what each family kind exercises (for test ids and reports)
 FAMILY_FEATURES = {
@@ -317,6 +324,7 @@ FAMILY_FEATURES = {
     "olmo3": "olmo2's block, sliding window 16 on 3 of 4 layers, YaRN on the full layer only",
     "exaone4": "no pre-norms, norms on each sub-block's output, per-head q/k norms, GQA, tied",
     "ernie4_5": "interleaved rope in the checkpoint, head_dim != dim/heads, SentencePiece tokenizer, tied",
+    "glm4": "q/k/v biases, partial rotary 0.5 in adjacent pairs, fused gate_up, post-norms, GQA, untied",
     "hunyuan_dense": "per-head q/k norms after rope, rope base stretched by alpha, GQA, head_dim != dim/heads, tied",
     "qwen3moe": "6 experts, 2 a token, renormalized weights, q/k norms, expert size != dense size",
     "mixtral": "5 experts, 2 a token, llama's q/k layout in GGUF, SentencePiece tokenizer, head_dim != dim/heads",
@@ -330,7 +338,7 @@ FAMILY_FEATURES = {
 # applies none) and gemma3_qscale (llama.cpp scales queries by 1/sqrt(head_dim) except for the
 # 62-layer 27B, and hard-codes the 5:1 pattern).
 GGUF_FAITHFUL = {"llama32", "qwen2", "qwen3", "seed_oss", "gemma", "gemma2", "gemma3", "phi3", "phi3_longrope", "smollm3", "granite",
-                 "olmo2", "exaone4", "ernie4_5", "hunyuan_dense", "qwen3moe", "mixtral", "olmoe", "granitemoe"}
+                 "olmo2", "exaone4", "ernie4_5", "glm4", "hunyuan_dense", "qwen3moe", "mixtral", "olmoe", "granitemoe"}
 
 # HF architecture -> (config class, model class) in transformers
 _ARCH_CLASSES = {
@@ -350,6 +358,7 @@ _ARCH_CLASSES = {
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM"),
     "hunyuan_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM"),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM"),
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),

@@ -425,16 +425,21 @@ def _gemma3_hf(cfg):
                 rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta, tie_word_embeddings=True)
 
 
-def _phi3_hf(cfg):
-    theta, scaling = rope_params(cfg)
-    head_dim = _head_dim(cfg)
+def _rotary_dims(cfg, default: float = 1.0) -> int:
+    """The leading dims of a head that rotate: head_dim * partial_rotary_factor (config.json's
+    top level, else its rope_parameters, else ``default``), as transformers truncates it."""
     factor = cfg.number("partial_rotary_factor", None, positive=True, null_ok=True)
     params = cfg.obj("rope_parameters")
     if factor is None and params is not None:
         factor = params.number("partial_rotary_factor", None, positive=True, null_ok=True)
     if factor is not None and factor > 1:
         raise cfg.fail("partial_rotary_factor", "a number in (0, 1]", factor)
-    rot = int(head_dim * (factor if factor is not None else 1.0))
+    return int(_head_dim(cfg) * (factor if factor is not None else default))
+
+
+def _phi3_hf(cfg):
+    theta, scaling = rope_params(cfg)
+    rot = _rotary_dims(cfg)
     if scaling is not None and scaling.get("rope_type") == "longrope":
         orig = cfg.int("original_max_position_embeddings", None, minimum=1)
         if orig is None:
@@ -522,6 +527,18 @@ def _hunyuan_dense_hf(cfg):
             raise cfg.fail("head_dim", "more than 2 with an alpha-scaled rope", hd)
         fields.update(rope_theta=theta * float(alpha) ** (hd / (hd - 2)), rope_scaling=None)
     return fields
+
+
+def _glm4_hf(cfg):
+    # half of each head rotates by default (Glm4Config), in adjacent pairs (GPT-J style) in the
+    # checkpoint itself; GLM-4V's multimodal rope is another model
+    params = cfg.obj("rope_parameters") or cfg.obj("rope_scaling")
+    if params is not None and "mrope_section" in params:
+        raise UnsupportedModelError("GLM-4: multimodal rope (mrope_section) is not supported")
+    rot, hd = _rotary_dims(cfg, 0.5), _head_dim(cfg)
+    if rot < 2 or rot % 2:
+        raise cfg.fail("partial_rotary_factor", f"a share of head_dim {hd} giving an even number of dims", rot)
+    return dict(rotary_dim=rot if rot != hd else None, post_norms=True)
 
 
 def _experts_hf(cfg, family: str, norm_default: bool) -> dict:
@@ -874,6 +891,23 @@ EXAONE4 = Family(
 ERNIE4_5 = Family("ernie4_5", ("Ernie4_5ForCausalLM",), ("ernie4_5",), "ernie4_5", _table(), permute_qk=True,
                   hf_rope_interleaved=True, hf_features=_ernie4_5_hf, hf_extra=lambda c: {"use_bias": False})
 
+# GLM-4 (Glm4ForCausalLM: GLM-4-9B/32B-0414, GLM-Z1): q/k/v biases, half of each head rotating
+# in adjacent pairs (the checkpoint's own order, as llama.cpp's), gate and up in one tensor,
+# and norms on both sub-blocks' outputs besides the pre-norms
+GLM4 = Family(
+    "glm4", ("Glm4ForCausalLM",), ("glm4",), "glm4",
+    _table(ffn_gate__weight=None, ffn_up__weight=None,
+           ffn_gate_up__weight=Tensor("ffn_gate_up.weight", _P + "mlp.gate_up_proj.weight",
+                                      lambda c: (2 * c.ffn_dim, c.dim), gguf="blk.{i}.ffn_up.weight"),
+           post_attention_norm__weight=Tensor("post_attention_norm.weight",
+                                              _P + "post_self_attn_layernorm.weight", _vec),
+           post_ffw_norm__weight=Tensor("post_ffw_norm.weight", _P + "post_mlp_layernorm.weight", _vec)),
+    permute_qk=True, hf_rope_interleaved=True, hf_features=_glm4_hf,
+    gguf_features=lambda md, p, t: dict(post_norms=True),
+    hf_extra=lambda c: {"partial_rotary_factor": (c.rotary_dim or c.head_dim) / c.head_dim,
+                        "attention_bias": bool(c.attention_bias)},
+    fused_gate_up=True)
+
 # Hunyuan dense (HunYuanDenseV1): Llama's block with per-head q/k norms taken after rope
 HUNYUAN_DENSE = Family(
     "hunyuan_dense", ("HunYuanDenseV1ForCausalLM",), ("hunyuan_v1_dense",), "hunyuan-dense",
@@ -935,9 +969,12 @@ _HF_DEFAULTS = {
     "mixtral": (("max_position_embeddings", 131072), ("rope_theta", 1e6)),
     "olmoe": (("max_position_embeddings", 4096),), "granitemoe": (_EPS6,),
     "ernie4_5": (("max_position_embeddings", 131072), ("tie_word_embeddings", True), ("rope_theta", 5e5)),
+    "glm4": (("max_position_embeddings", 131072), ("rms_norm_eps", 1.5625e-7), ("attention_bias", True),
+             ("head_dim", 128), ("num_key_value_heads", 2)),
 }
 FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, SEED_OSS, GEMMA, GEMMA2, GEMMA3, PHI3, SMOLLM3, GRANITE,
-                                OLMO2, EXAONE4, ERNIE4_5, HUNYUAN_DENSE, QWEN3MOE, MIXTRAL, OLMOE, GRANITEMOE)
+                                OLMO2, EXAONE4, ERNIE4_5, GLM4, HUNYUAN_DENSE, QWEN3MOE, MIXTRAL, OLMOE,
+                                GRANITEMOE)
 BY_NAME = {f.name: f for f in FAMILIES}
 
 

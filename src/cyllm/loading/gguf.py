@@ -157,17 +157,29 @@ def _config_from_gguf(gf: GGUFFile) -> ModelConfig:
 
 # ----------------------------------------------------------------------------- tensors
 
-def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+def _unpermute_rows(w: np.ndarray, n_heads: int, rot: int = 0) -> np.ndarray:
     """Undo llama.cpp's q/k row reordering: interleaved rotary pairs -> rotate-half.
 
     Within one head of d rows, GGUF row 2*i + j holds HF row j*d/2 + i
     (j in {0, 1}); so view each head as (d/2, 2) and transpose to (2, d/2).
-    Works on (rows, cols) matrices and (rows,) biases.
+    ``rot`` (partial rotary, GLM-4): only a head's first rot rows are paired so, the rest
+    stay where they are (0: the whole head). Works on (rows, cols) matrices and (rows,) biases.
     """
     rows = w.shape[0]
+    if rot and rot != rows // n_heads:
+        return w[_unpermute_order(rows, n_heads, rot)]
     half = rows // n_heads // 2
     v = w.reshape(n_heads, half, 2, *w.shape[1:])
     return np.ascontiguousarray(v.swapaxes(1, 2)).reshape(w.shape)
+
+
+def _unpermute_order(rows: int, n_heads: int, rot: int = 0) -> np.ndarray:
+    """Row r of _unpermute_rows' result is row order[r] of its input."""
+    d = rows // n_heads
+    r = rot or d
+    order = np.arange(rows).reshape(n_heads, d)
+    paired = order[:, :r].reshape(n_heads, r // 2, 2).swapaxes(1, 2).reshape(n_heads, r)
+    return np.concatenate([paired, order[:, r:]], axis=1).reshape(-1)
 
 
 def _dequantize(gf: GGUFFile, info: GGUFTensorInfo, rows: slice | None = None) -> np.ndarray:
@@ -278,6 +290,7 @@ class PlannedTensor:
     # attn_qkv): (names, first row, rows, heads to unpermute) of each, names one per item of
     # the tensor's rows (one item: the whole tensor)
     parts: tuple = ()
+    unpermute_rot: int = 0     # the rows of a head that rotate where they are not all (_unpermute_rows)
 
     def _views(self, a):
         """(HF name, rows of a) of each entry, a the materialized tensor (or its shape's stand-in)."""
@@ -306,7 +319,7 @@ class PlannedTensor:
             return
         for name, rows, heads in self._views(a):
             v = a[rows]
-            yield name, (_unpermute_part(v, heads) if heads else v)
+            yield name, (_unpermute_part(v, heads, self.unpermute_rot) if heads else v)
 
     @property
     def converted(self) -> str | None:
@@ -319,9 +332,9 @@ class PlannedTensor:
         return None
 
 
-def _unpermute_part(v, heads: int):
+def _unpermute_part(v, heads: int, rot: int = 0):
     """Rows of a fused q or k (an array or a QuantMatrix) from llama.cpp's order to HF's."""
-    order = _unpermute_rows(np.arange(v.shape[0]), heads)
+    order = _unpermute_order(v.shape[0], heads, rot)
     return v.take_rows(order) if hasattr(v, "take_rows") else v[order]
 
 
@@ -352,8 +365,9 @@ def _fused(name: str, by_gguf: dict, cfg: ModelConfig, fam):
     return None
 
 
-def _plan_fused(gf: GGUFFile, name: str, info, fused, native: bool) -> PlannedTensor:
-    """The PlannedTensor of a fused tensor (_fused): its type and shape checked as a table row's."""
+def _plan_fused(gf: GGUFFile, name: str, info, fused, native: bool, rot: int = 0) -> PlannedTensor:
+    """The PlannedTensor of a fused tensor (_fused): its type and shape checked as a table row's
+    (``rot``: the rows of a head that rotate, where not all)."""
     from ..quant.formats import format_by_ggml_type
     _, want, parts = fused
     if info.ggml_type not in SUPPORTED_TENSOR_TYPES:
@@ -370,7 +384,7 @@ def _plan_fused(gf: GGUFFile, name: str, info, fused, native: bool) -> PlannedTe
     fmt = None
     if native and cfg_dtype == np.float16 and info.ggml_type not in (F32, F16, BF16):
         fmt = CONVERT_TO_NATIVE.get(info.ggml_type) or format_by_ggml_type(info.ggml_type).name
-    return PlannedTensor(name, info, want, cfg_dtype, 0, fmt, (), parts)
+    return PlannedTensor(name, info, want, cfg_dtype, 0, fmt, (), parts, rot)
 
 
 def plan_tensors(gf: GGUFFile, cfg: ModelConfig, native: bool = False) -> list[PlannedTensor]:
@@ -393,7 +407,7 @@ def plan_tensors(gf: GGUFFile, cfg: ModelConfig, native: bool = False) -> list[P
             if held & seen:
                 raise ModelLoadError(f"{gf.path}: tensor {clip(name)} holds {clip(min(held & seen))}, "
                                      "which the file also has on its own")
-            plan.append(_plan_fused(gf, name, info, fused, native))
+            plan.append(_plan_fused(gf, name, info, fused, native, cfg.rotary_dim or 0))
             seen.update(held)
             continue
         if name in seen:
@@ -425,7 +439,8 @@ def plan_tensors(gf: GGUFFile, cfg: ModelConfig, native: bool = False) -> list[P
         if native and dtype == np.float16 and info.ggml_type not in (F32, F16, BF16):
             fmt = CONVERT_TO_NATIVE.get(info.ggml_type) or format_by_ggml_type(info.ggml_type).name
         # a stack of experts is named by its GGUF name (its entries by their HF names)
-        plan.append(PlannedTensor(name if t.experts else t.hf_name(layer), info, want, dtype, heads, fmt, names))
+        plan.append(PlannedTensor(name if t.experts else t.hf_name(layer), info, want, dtype, heads, fmt, names,
+                                  unpermute_rot=(cfg.rotary_dim or 0) if heads else 0))
         seen.add(name)
     missing = [n for n, (t, _) in by_gguf.items() if n not in seen and not t.optional]
     if missing:
@@ -497,7 +512,7 @@ def _quant_matrix(gf: GGUFFile, p: PlannedTensor):
         # llama.cpp's q/k row order -> HF's: whole block rows move, so this is a copy of the
         # matrix ((rows, row_bytes) bytes, a few MB per layer); the file pages of the
         # original are then dropped from this process (they would count twice)
-        order = _unpermute_rows(np.arange(rows), p.unpermute_heads)
+        order = _unpermute_order(rows, p.unpermute_heads, p.unpermute_rot)
         qm = qm.take_rows(order)
         gf.release(info)
     return qm
@@ -513,7 +528,7 @@ def materialize(gf: GGUFFile, p: PlannedTensor):
     else:
         a = np.asarray(_dequantize(gf, p.info), dtype=np.float32)
     if p.unpermute_heads:
-        a = _unpermute_rows(a, p.unpermute_heads)
+        a = _unpermute_rows(a, p.unpermute_heads, p.unpermute_rot)
     return a.reshape(p.shape)           # a stack of experts: (E * rows, cols)
 
 

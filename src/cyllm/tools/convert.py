@@ -97,6 +97,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     # q/k rows back in the checkpoint's interleaved rotary order (Ernie 4.5): HF -> llama.cpp's
     interleave = {name: cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
                   for t, _, name in fam.expected_names(cfg) if t.permute and fam.hf_rope_interleaved}
+    rot = cfg.rotary_dim or 0       # partial rotary (GLM-4): only a head's first rot rows are paired
     tmp = out / "model.safetensors.part"
     bar = None
     if progress:
@@ -111,7 +112,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
                     if name in minus_one:
                         a = a - np.float32(1.0)     # GGUF holds Gemma's 1 + w, HF checkpoints w
                     if name in interleave:
-                        a = a[_permute_order(a.shape[0], interleave[name])]
+                        a = a[_permute_order(a.shape[0], interleave[name], rot)]
                     if a.dtype != np.float16:
                         a = a.astype(np.float16)    # 1-D f32 norms, a MoE router: well inside fp16 range
                     f.write(np.ascontiguousarray(a, dtype="<f2").data)

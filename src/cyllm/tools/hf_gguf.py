@@ -17,7 +17,8 @@ output by tests/test_quantize_tool.py):
   ``residual_scale`` and ``logit_scale``; a mixture of experts its expert counts (and Qwen3-MoE
   ``expert_feed_forward_length``, its dense size as ``feed_forward_length``); Hunyuan dense
   with the releases' "dynamic" alpha rope its stretched base, ``rope.scaling.type`` "none",
-  factor 1, and 256k as both context lengths;
+  factor 1, and 256k as both context lengths; GLM-4 ``rope.dimension_count``, and ``<|user|>``
+  as ``eot_token_id``;
 - tensors under the family table's GGUF names (families.py), a layer's experts stacked in one
   tensor each (E, rows, cols), the router F32; llama-style q/k rows
   interleaved for llama.cpp's rope (``Family.permute_qk``); Gemma's (1+w) norms stored
@@ -95,11 +96,15 @@ def _float32(f, tname: str, rows: slice | None) -> np.ndarray:
     raise UnsupportedModelError(f"{one_line(f.path)}: tensor {tname} has dtype {tag}; expected F16, BF16 or F32")
 
 
-def _permute_order(rows: int, heads: int) -> np.ndarray:
+def _permute_order(rows: int, heads: int, rot: int = 0) -> np.ndarray:
     """GGUF row r of a llama-style q/k matrix is HF row order[r]: within each head, the
-    rotate-half pairs (i, i + d/2) become adjacent rows (2i, 2i + 1)."""
-    half = rows // heads // 2
-    return np.arange(rows).reshape(heads, 2, half).swapaxes(1, 2).reshape(-1)
+    rotate-half pairs (i, i + r/2) of its first r = rot rows (0: all) become adjacent rows
+    (2i, 2i + 1), the rest stay where they are."""
+    d = rows // heads
+    r = rot or d
+    order = np.arange(rows).reshape(heads, d)
+    paired = order[:, :r].reshape(heads, 2, r // 2).swapaxes(1, 2).reshape(heads, r)
+    return np.concatenate([paired, order[:, r:]], axis=1).reshape(-1)
 
 
 def _reader(f, tname: str, order: np.ndarray | None, plus_one: bool, stacked=None):
@@ -166,7 +171,7 @@ def _tensors(cfg: ModelConfig, fam: Family, d: Path) -> list[SourceTensor]:
         order = None
         if fam.permute_qk and t.permute and not fam.hf_rope_interleaved:   # (already in llama.cpp's order)
             heads = cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
-            order = _permute_order(shape[0], heads)
+            order = _permute_order(shape[0], heads, cfg.rotary_dim or 0)
         reader = _reader(f, tname, order, t.hf_plus_one, stacked)
         if not t.experts:
             out.append(SourceTensor(t.gguf_name(i), shape, reader))
@@ -257,6 +262,8 @@ def _hparams(cfg: ModelConfig, fam: Family, hf: dict, name: str) -> list:
             kv += [(a + "attention.sliding_window", cfg.sliding_window, T.UINT32, None),
                    (a + "attention.sliding_window_pattern", [bool(cfg.layer_window(i)) for i in range(cfg.n_layers)],
                     T.ARRAY, T.BOOL)]
+    if fam.name == "glm4":          # the rotating dims of a head (half, in the releases)
+        kv.append((a + "rope.dimension_count", cfg.rotary_dim or cfg.head_dim, T.UINT32, None))
     if fam.name == "hunyuan_dense":
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) == "dynamic":
@@ -482,7 +489,15 @@ def _tokenizer_kv(d: Path, cfg: ModelConfig, hf: dict) -> list:
         v = hf.get(key)
         if gkey not in special and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n:
             special[gkey] = v
-    for gkey in ("bos", "eos", "unknown", "padding"):
+    if cfg.arch == "glm4":
+        # llama.cpp's converter: <|endoftext|> for whichever of these the tokenizer's files leave
+        # out, and <|user|> (where a turn hands back to the user) as the end of a turn
+        for gkey in ("eos", "unknown", "bos"):
+            if gkey not in special and "<|endoftext|>" in ids:
+                special[gkey] = ids["<|endoftext|>"]
+        if "<|user|>" in ids:
+            special["eot"] = ids["<|user|>"]
+    for gkey in ("bos", "eos", "unknown", "padding", "eot"):
         if gkey in special:
             kv.append((f"tokenizer.ggml.{gkey}_token_id", int(special[gkey]), T.UINT32, None))
     add_bos = _add_bos(tc, tj, _tok_text(tc.get("bos_token")))
