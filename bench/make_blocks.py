@@ -2,7 +2,7 @@
 """A random-weight Hugging Face directory with the blocks of a released model, for engine
 comparisons on CPU (the blocks' cost, not the output matrix's: the tests' tiny tokenizers).
 
-    python bench/make_blocks.py OUT_DIR [--shape gemma2-2b|qwen3-30b-a3b] [--layers N]
+    python bench/make_blocks.py OUT_DIR [--shape gemma2-2b|qwen3-30b-a3b|glm4-9b|hunyuan-7b] [--layers N]
     python -m cyllm quantize OUT_DIR out-q4_k_m.gguf --type q4_k_m
     python bench/compare_llamabench.py -m out-q4_k_m.gguf -t 2 -p 128 -n 32 -r 3 --native-build
 
@@ -12,6 +12,11 @@ tokens.
 qwen3-30b-a3b: Qwen3-30B-A3B's blocks (hidden 2048, 32 query heads over 4 KV heads of 128,
 q/k norms, 128 experts of 768 a layer, 8 a token, renormalized), 48 of them unless --layers
 says fewer, with the Qwen2 tokenizer of the tests.
+glm4-9b: GLM-4-9B-0414's 40 blocks (hidden 4096, FFN 13696, 32 query heads over 2 KV heads of
+128, q/k/v biases, half of each head rotating) with the tests' gpt-4o-style tokenizer (GLM's
+<|endoftext|> and <|user|> among its specials, which llama.cpp's converter asks for).
+hunyuan-7b: Hunyuan-7B-Instruct's 32 blocks (hidden 4096, FFN 14336, 32 query heads over 8 KV
+heads of 128, q/k norms after rope, rope alpha 1000) with the tests' Qwen2 tokenizer.
 Weights N(0, 0.02), norms N(0, 0.1) around the family's identity, bfloat16 as the released
 checkpoints.
 """
@@ -22,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-SHAPES = ("gemma2-2b", "qwen3-30b-a3b")
+SHAPES = ("gemma2-2b", "qwen3-30b-a3b", "glm4-9b", "hunyuan-7b")
 
 
 def main() -> None:
@@ -44,6 +49,24 @@ def main() -> None:
             final_logit_softcapping=30.0, max_position_embeddings=8192, tie_word_embeddings=True,
             bos_token_id=ftok.bos_id, eos_token_id=ftok.eos_id, pad_token_id=ftok.pad_id)
         model_cls, norm_center = transformers.Gemma2ForCausalLM, 0.0
+    elif args.shape == "glm4-9b":
+        ftok = tm.make_family_tokenizer("gpt4o")
+        cfg = transformers.Glm4Config(
+            vocab_size=ftok.vocab_size, hidden_size=4096, intermediate_size=13696,
+            num_hidden_layers=args.layers or 40, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+            attention_bias=True, rms_norm_eps=1.5625e-7, max_position_embeddings=32768, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            bos_token_id=ftok.bos_id, eos_token_id=ftok.eos_id, pad_token_id=ftok.pad_id)
+        model_cls, norm_center = transformers.Glm4ForCausalLM, 1.0
+    elif args.shape == "hunyuan-7b":
+        ftok = tm.make_family_tokenizer("qwen2")
+        cfg = transformers.HunYuanDenseV1Config(
+            vocab_size=ftok.vocab_size, hidden_size=4096, intermediate_size=14336,
+            num_hidden_layers=args.layers or 32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+            rms_norm_eps=1e-5, max_position_embeddings=32768, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0},
+            bos_token_id=ftok.bos_id, eos_token_id=ftok.eos_id, eod_token_id=ftok.eos_id, pad_token_id=ftok.pad_id)
+        model_cls, norm_center = transformers.HunYuanDenseV1ForCausalLM, 1.0
     else:
         ftok = tm.make_family_tokenizer("qwen2")
         cfg = transformers.Qwen3MoeConfig(
