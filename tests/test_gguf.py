@@ -337,6 +337,25 @@ def test_qk_permutation_is_undone(tmp_path):
     assert weights["model.layers.0.self_attn.v_proj.weight"].dtype == np.float16
 
 
+def test_pre_tokenizers_of_glm4_and_hunyuan_dense():
+    """The text pieces of llama.cpp's regexes for these tokenizer.ggml.pre names (its
+    llama-vocab.cpp): glm4 is Llama 3's split; hunyuan-dense isolates runs of up to three
+    digits, then runs of CJK ideographs and kana, then splits the rest its own way (a
+    punctuation mark keeps the Latin letters after it)."""
+    from cyllm.loading.gguf_tokenizer import _byte_level_pre_tokenizer, known_pre_tokenizer
+
+    def pieces(pre, text):
+        return [text[a:b] for _, (a, b) in _byte_level_pre_tokenizer(pre).pre_tokenize_str(text)]
+    assert known_pre_tokenizer("glm4") and known_pre_tokenizer("hunyuan-dense")
+    assert pieces("glm4", "Hello, world! 12345") == pieces("llama-bpe", "Hello, world! 12345") == \
+        ["Hello", ",", " world", "!", " ", "123", "45"]
+    assert pieces("hunyuan-dense", "Hello, world! 12345 \u4f60\u597dabc") == \
+        ["Hello", ",", " world", "!", " ", "123", "45", " ", "\u4f60\u597d", "abc"]
+    assert pieces("hunyuan-dense", "see www.example.com now") == ["see", " www", ".example", ".com", " now"]
+    assert pieces("hunyuan-dense", "\u30ab\u30bf\u3072\u3089\u6f22x") == ["\u30ab\u30bf\u3072\u3089\u6f22", "x"]
+    assert pieces("hunyuan-dense", "a\n\n  b?!\n") == ["a", "\n\n", " ", " b", "?!\n"]
+
+
 def test_f16_matrices_are_zero_copy(tmp_path):
     p = tmp_path / "f16.gguf"
     write_tiny_gguf(p, qtype=QT.F16)

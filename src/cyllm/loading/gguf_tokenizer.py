@@ -63,7 +63,7 @@ _QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|
                  r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE_SPLITS = {
     **{k: _LLAMA3_SPLIT for k in ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe", "pixtral",
-                                  "midm-2.0")},
+                                  "midm-2.0", "glm4")},
     **{k: _QWEN2_SPLIT for k in ("qwen2", "deepseek-r1-qwen", "stablelm2")},
     "qwen35": _QWEN35_SPLIT,
     "tekken": _TEKKEN_SPLIT,
@@ -91,6 +91,11 @@ _PRE_SEQUENCES = {
                      r"\s?[!-/:-~" + "\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$",
                      _CJK_RUNS, r"\p{N}+"),
     "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_RUNS, r"\p{N}"),
+    # Hunyuan dense: digits in runs of up to three, then CJK ideographs and kana, then its own
+    # split of the rest (a punctuation mark with the Latin letters after it, words, punctuation)
+    "hunyuan-dense": (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+                      r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+                      r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
 }
 # these split every digit apart before the GPT-2 pattern (their HF tokenizers use Digits)
 _PRE_DIGITS = {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"}
