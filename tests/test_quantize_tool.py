@@ -160,6 +160,17 @@ def test_families_match_llamacpp(material, kind, qtype):
     _assert_same_file(ours, ref, exact_vectors=kind not in ("gemma", "gemma2", "gemma3"))
 
 
+def test_glm4_with_llama3_split_is_written_as_glm4(tmp_path):
+    """GLM-4's tokenizer splits text as Llama 3's; llama.cpp's converter names it glm4 (and then
+    adds no BOS, where llama-bpe would), so cyllm's file does too."""
+    from cyllm.tools.hf_gguf import hf_source
+    d = make_tiny_model(tmp_path, "glm4", dtype="float16", tokenizer="llama3")
+    kv = {k: v for k, v, _, _ in hf_source(d).metadata}
+    assert kv["tokenizer.ggml.pre"] == "glm4"
+    d2 = make_tiny_model(tmp_path, "qwen3", dtype="float16", tokenizer="llama3")
+    assert {k: v for k, v, _, _ in hf_source(d2).metadata}["tokenizer.ggml.pre"] == "llama-bpe"
+
+
 def test_olmo3_is_not_written_as_olmo2(tmp_path):
     """An OLMo 3 directory written as OLMo 2 would lose its windows and its second rope."""
     from cyllm.errors import UnsupportedModelError

@@ -663,6 +663,8 @@ def _hf_config(arch: str, vocab: int, overrides: dict, bos_id=1, eos_id=2, pad_i
               bos_token_id=bos_id, eos_token_id=eos_id, tie_word_embeddings=False)
     if pad_id is not None:
         kw["pad_token_id"] = pad_id
+    elif arch == "glm4":
+        kw["pad_token_id"] = None           # Glm4Config's default (151329) is past a tiny vocabulary
     if arch == "llama":
         kw["attention_bias"] = False
     if arch == "hunyuan_dense":

@@ -471,7 +471,10 @@ def _tokenizer_kv(d: Path, cfg: ModelConfig, hf: dict) -> list:
             kv.append(("tokenizer.ggml.add_space_prefix", False, T.BOOL, None))
     else:
         tokens, types, merges = _vocab_gpt2(tj, tc, n)
-        kv += [("tokenizer.ggml.model", "gpt2", T.STRING, None), ("tokenizer.ggml.pre", _pre_name(tj), T.STRING, None),
+        pre = _pre_name(tj)
+        if cfg.arch == "glm4" and pre == "llama-bpe":
+            pre = "glm4"    # GLM-4's name for Llama 3's split: llama.cpp then adds no BOS
+        kv += [("tokenizer.ggml.model", "gpt2", T.STRING, None), ("tokenizer.ggml.pre", pre, T.STRING, None),
                ("tokenizer.ggml.tokens", tokens, T.ARRAY, T.STRING),
                ("tokenizer.ggml.token_type", types, T.ARRAY, T.INT32),
                ("tokenizer.ggml.merges", merges, T.ARRAY, T.STRING)]
