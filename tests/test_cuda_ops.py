@@ -259,6 +259,25 @@ def test_qk_norms_held_are_flushed(ref):
     b.rmsnorm_batch(xh, xh, b.upload(w), eps)
     b.add(y, xd, xd)                                   # any other op flushes first
     assert rel_err(host(b, y), 2 * want.reshape(-1)) < 1e-6
+    # a matvec reading the heads takes its input (_take_norm) after the held norm, F16 or
+    # quantized weights alike
+    wm = f16(40, 3 * hd, scale=0.1)
+    for weights in (wm, None):
+        xd = b.upload(x)
+        xh = xd.reshape(3, hd)
+        out = nan_dev(40)
+        b.rmsnorm_batch(xh, xh, b.upload(w), eps)
+        assert len(b._held_heads) == 1
+        if weights is None:
+            from cyllm.quant import FORMATS, QuantMatrix
+            from cyllm.quant.convert import quantize_rows_f32
+            wq = QuantMatrix(quantize_rows_f32(wm.astype(np.float32), "q8_0"), FORMATS["q8_0"], wm.shape)
+            b.matvec(out, b.upload(wq), xd)
+            tol = 2e-2                                 # x rounded to int8 blocks
+        else:
+            b.matvec(out, b.upload(weights), xd)
+            tol = 1e-5
+        assert rel_err(host(b, out), wm.astype(np.float32) @ want.reshape(-1)) < tol
     # not in place, or a head_dim without a kernel: launched at once
     out = nan_dev((3, hd))
     b.rmsnorm_batch(out, b.upload(x).reshape(3, hd), b.upload(w), eps)
@@ -596,7 +615,8 @@ def test_decode_step_fused_views():
 
 
 # -- a mixture of experts' decode: the layer's pre-norm taken into the router's kernel -------
-@pytest.mark.parametrize("fmt,E,k,f,n", [("q4_0", 16, 4, 64, 256), ("q8_0", 6, 2, 96, 2048)])
+@pytest.mark.parametrize("fmt,E,k,f,n", [("q4_0", 16, 4, 64, 256), ("q8_0", 6, 2, 96, 2048),
+                                        ("q8_0", 40, 8, 64, 4608)])     # rows past the early 16 words a lane
 def test_moe_takes_the_held_norm(ref, fmt, E, k, f, n):
     """rmsnorm(xb, x) then moe(x, xb): the norm folded into moe_route_f32 gives, to the bit, the
     stream and xb of the norm launched on its own (fuse_norm off), and the numpy choice."""

@@ -891,3 +891,18 @@ def test_gguf_expert_weights_norm_follows_llama_cpp(family_gguf, tmp_path):
         edit = (lambda g, v=value: g.set(_P + "expert_weights_norm", G.BOOL if isinstance(v, G.Raw) else G.STRING, v))
         p = _gguf_with(family_gguf("qwen3moe", "f16"), tmp_path, "norm.gguf", edit)
         assert config_from_gguf(read_gguf(p)).expert_norm is True
+
+
+def test_glm4_vocabulary_adds_no_bos(family_gguf, tmp_path):
+    """llama.cpp gives a glm4 vocabulary no BOS token, whatever tokenizer.ggml.add_bos_token
+    says (its llama-vocab.cpp); the same file named llama-bpe adds one."""
+    from cyllm.loading.gguf import read_gguf
+    from cyllm.loading.gguf_tokenizer import build_tokenizer
+
+    def named(pre):
+        def edit(g):
+            g.set("tokenizer.ggml.pre", G.STRING, pre)
+            g.set("tokenizer.ggml.add_bos_token", G.BOOL, True)
+        return build_tokenizer(read_gguf(_gguf_with(family_gguf("glm4", "f32"), tmp_path, f"{pre}.gguf", edit)))
+    assert not named("glm4").add_bos
+    assert named("llama-bpe").add_bos

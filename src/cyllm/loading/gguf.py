@@ -387,6 +387,13 @@ def _plan_fused(gf: GGUFFile, name: str, info, fused, native: bool, rot: int = 0
     return PlannedTensor(name, info, want, cfg_dtype, 0, fmt, (), parts, rot)
 
 
+def _paired_rows(cfg: ModelConfig, fam) -> int:
+    """The rows of a head whose rotary pairs are adjacent in the file (0: all of them). A
+    checkpoint already in that order (GLM-4's partial rotary) pairs only its rotating rows;
+    llama.cpp's converter permutes a llama-style head whole, whatever rotates."""
+    return (cfg.rotary_dim or 0) if fam.hf_rope_interleaved else 0
+
+
 def plan_tensors(gf: GGUFFile, cfg: ModelConfig, native: bool = False) -> list[PlannedTensor]:
     """Map every GGUF tensor to its HF name through the family's table; check shapes and presence.
 
@@ -407,7 +414,7 @@ def plan_tensors(gf: GGUFFile, cfg: ModelConfig, native: bool = False) -> list[P
             if held & seen:
                 raise ModelLoadError(f"{gf.path}: tensor {clip(name)} holds {clip(min(held & seen))}, "
                                      "which the file also has on its own")
-            plan.append(_plan_fused(gf, name, info, fused, native, cfg.rotary_dim or 0))
+            plan.append(_plan_fused(gf, name, info, fused, native, _paired_rows(cfg, fam)))
             seen.update(held)
             continue
         if name in seen:
@@ -440,7 +447,7 @@ def plan_tensors(gf: GGUFFile, cfg: ModelConfig, native: bool = False) -> list[P
             fmt = CONVERT_TO_NATIVE.get(info.ggml_type) or format_by_ggml_type(info.ggml_type).name
         # a stack of experts is named by its GGUF name (its entries by their HF names)
         plan.append(PlannedTensor(name if t.experts else t.hf_name(layer), info, want, dtype, heads, fmt, names,
-                                  unpermute_rot=(cfg.rotary_dim or 0) if heads else 0))
+                                  unpermute_rot=_paired_rows(cfg, fam) if heads else 0))
         seen.add(name)
     missing = [n for n, (t, _) in by_gguf.items() if n not in seen and not t.optional]
     if missing:

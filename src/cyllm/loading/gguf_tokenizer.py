@@ -104,6 +104,10 @@ _PRE_GPT2 = {None, "", "default", "gpt-2", "gpt2", "phi-2", "olmo", "mpt", "jais
             "a.x-4.0", "mellum", "exaone4"}
 
 
+# pre-tokenizer names whose vocabulary llama.cpp gives no BOS token (so none is ever added)
+_PRE_NO_BOS = {"glm4"}
+
+
 def known_pre_tokenizer(pre) -> bool:
     return pre in _PRE_SPLITS or pre in _PRE_SEQUENCES or pre in _PRE_DIGITS or pre in _PRE_GPT2
 
@@ -354,7 +358,9 @@ def build_tokenizer(gf: GGUFFile, vocab_size: int | None = None) -> GGUFTokenize
     return GGUFTokenizerInfo(
         tokenizer=tk, kind=kind, bos_id=bos_id, eos_ids=eos_ids, bos_token=name(bos_id),
         eos_token=name(eos_ids[0]) if eos_ids else None, unk_token=name(unk_id), pad_token=name(pad_id),
-        add_bos=_flag(md, where, "tokenizer.ggml.add_bos_token", add_bos_default),
+        # llama.cpp's glm4 vocabulary has no BOS to add, whatever the file's flag says
+        add_bos=_flag(md, where, "tokenizer.ggml.add_bos_token", add_bos_default)
+        and not (kind == "gpt2" and pre in _PRE_NO_BOS),
         add_eos=_flag(md, where, "tokenizer.ggml.add_eos_token", False),
         chat_template=template, tool_template=_text(md, where, "tokenizer.chat_template.tool_use"),
         aliases=aliases, n_tokens=len(tokens))

@@ -171,7 +171,7 @@ def _tensors(cfg: ModelConfig, fam: Family, d: Path) -> list[SourceTensor]:
         order = None
         if fam.permute_qk and t.permute and not fam.hf_rope_interleaved:   # (already in llama.cpp's order)
             heads = cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
-            order = _permute_order(shape[0], heads, cfg.rotary_dim or 0)
+            order = _permute_order(shape[0], heads)     # llama.cpp's converter: the whole head
         reader = _reader(f, tname, order, t.hf_plus_one, stacked)
         if not t.experts:
             out.append(SourceTensor(t.gguf_name(i), shape, reader))

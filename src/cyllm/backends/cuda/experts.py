@@ -236,7 +236,7 @@ class ExpertOps:
             self._flush()
             raise InvalidArgumentError(f"moe: router {tuple(router.shape)}, x {tuple(x.shape)}, out "
                                        f"{tuple(out.shape)}, {len(experts)} experts of {g.rows} x {g.cols}, "
-                                       f"{n_used} a token")
+                                       f"{n_used} a token (float32, contiguous, router and x 16-byte aligned)")
         if s.dev is None:                               # at the first (eager) step, never in a capture
             s.dev = _DeviceScratch(E, n_used, g.rows, n)
         v = s.dev

@@ -7,8 +7,10 @@ most: on a Qwen3-8B-shape Q4_0 token on an H200 the three took ~7.4 us a layer, 
 token (bench/trace_cuda_decode.py, bench/results/cuda_quant_model_h100.md). So an in-place
 norm of whole heads is held back, and when the next op is the rope_store of those same q
 and k, one kernel (``qknorm_rope_store_<head_dim>``, cuda/elementwise.cu) does all three,
-to the bit as the three would. Any other op, and to_host/synchronize, launches the held
-norms first as they were, so the order of effects is the one the caller wrote.
+to the bit as the three would (at every position the host lets through: an out-of-range one
+is refused before any launch). Any other op, a matvec taking its input (_take_norm), and
+to_host/synchronize launch the held norms first as they were, so the order of effects is
+the one the caller wrote.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ class QkNormFolding:
     def _drop_held(self) -> None:
         self._held_heads = []
         super()._drop_held()
+
+    def _take_norm(self, out, x):
+        # a matvec asking for its input's norm (none held: it launches nothing else first)
+        # comes after the held head norms, which may have written its input
+        self._launch_held_heads()
+        return super()._take_norm(out, x)
 
     def _launch_held_heads(self) -> None:
         held, self._held_heads = self._held_heads, []
