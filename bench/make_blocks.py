@@ -27,55 +27,45 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-SHAPES = ("gemma2-2b", "qwen3-30b-a3b", "glm4-9b", "hunyuan-7b")
+# shape -> (transformers class prefix, tokenizer style, norm identity, released blocks, config)
+SHAPES = {
+    "gemma2-2b": ("Gemma2", "gemma", 0.0, 26, dict(
+        hidden_size=2304, intermediate_size=9216, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+        query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, max_position_embeddings=8192, tie_word_embeddings=True)),
+    "qwen3-30b-a3b": ("Qwen3Moe", "qwen2", 1.0, 48, dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False)),
+    "glm4-9b": ("Glm4", "gpt4o", 1.0, 40, dict(
+        hidden_size=4096, intermediate_size=13696, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+        attention_bias=True, rms_norm_eps=1.5625e-7, max_position_embeddings=32768, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    "hunyuan-7b": ("HunYuanDenseV1", "qwen2", 1.0, 32, dict(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-5, max_position_embeddings=32768, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0})),
+}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="the directory to write (must not exist)")
-    ap.add_argument("--shape", choices=SHAPES, default="gemma2-2b")
+    ap.add_argument("--shape", choices=list(SHAPES), default="gemma2-2b")
     ap.add_argument("--layers", type=int, default=None, help="blocks (default: the released model's)")
     args = ap.parse_args()
     import torch
     import transformers
 
     import tinymodels as tm
-    if args.shape == "gemma2-2b":
-        ftok = tm.make_family_tokenizer("gemma")
-        cfg = transformers.Gemma2Config(
-            vocab_size=ftok.vocab_size, hidden_size=2304, intermediate_size=9216,
-            num_hidden_layers=args.layers or 26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-            query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
-            final_logit_softcapping=30.0, max_position_embeddings=8192, tie_word_embeddings=True,
-            bos_token_id=ftok.bos_id, eos_token_id=ftok.eos_id, pad_token_id=ftok.pad_id)
-        model_cls, norm_center = transformers.Gemma2ForCausalLM, 0.0
-    elif args.shape == "glm4-9b":
-        ftok = tm.make_family_tokenizer("gpt4o")
-        cfg = transformers.Glm4Config(
-            vocab_size=ftok.vocab_size, hidden_size=4096, intermediate_size=13696,
-            num_hidden_layers=args.layers or 40, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
-            attention_bias=True, rms_norm_eps=1.5625e-7, max_position_embeddings=32768, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-            bos_token_id=ftok.bos_id, eos_token_id=ftok.eos_id, pad_token_id=ftok.pad_id)
-        model_cls, norm_center = transformers.Glm4ForCausalLM, 1.0
-    elif args.shape == "hunyuan-7b":
-        ftok = tm.make_family_tokenizer("qwen2")
-        cfg = transformers.HunYuanDenseV1Config(
-            vocab_size=ftok.vocab_size, hidden_size=4096, intermediate_size=14336,
-            num_hidden_layers=args.layers or 32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-            rms_norm_eps=1e-5, max_position_embeddings=32768, tie_word_embeddings=True,
-            rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0},
-            bos_token_id=ftok.bos_id, eos_token_id=ftok.eos_id, eod_token_id=ftok.eos_id, pad_token_id=ftok.pad_id)
-        model_cls, norm_center = transformers.HunYuanDenseV1ForCausalLM, 1.0
-    else:
-        ftok = tm.make_family_tokenizer("qwen2")
-        cfg = transformers.Qwen3MoeConfig(
-            vocab_size=ftok.vocab_size, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-            num_hidden_layers=args.layers or 48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-            num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, rms_norm_eps=1e-6,
-            rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False,
-            bos_token_id=ftok.bos_id, eos_token_id=ftok.eos_id, pad_token_id=ftok.pad_id)
-        model_cls, norm_center = transformers.Qwen3MoeForCausalLM, 1.0
+    prefix, style, norm_center, blocks, fields = SHAPES[args.shape]
+    ftok = tm.make_family_tokenizer(style)
+    ids = dict(bos_token_id=ftok.bos_id, eos_token_id=ftok.eos_id, pad_token_id=ftok.pad_id)
+    if prefix == "HunYuanDenseV1":
+        ids["eod_token_id"] = ftok.eos_id       # llama.cpp's converter makes it the file's EOS
+    cfg = getattr(transformers, prefix + "Config")(vocab_size=ftok.vocab_size,
+                                                   num_hidden_layers=args.layers or blocks, **fields, **ids)
+    model_cls = getattr(transformers, prefix + "ForCausalLM")
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     model = model_cls(cfg)
