@@ -23,6 +23,13 @@ cdef inline int _expert_fmt(object w) except -2:
     return _qfmt(w.fmt.kernel_id) if type(w) is QuantMatrix else -1
 
 
+cdef inline int _check_trio(object trio) except -1:
+    """An expert must be a (gate, up, down) tuple: one clear error otherwise, before any unpacking."""
+    if not isinstance(trio, tuple) or len(<tuple>trio) != 3:
+        raise InvalidArgumentError(f"an expert must be a (gate, up, down) tuple, got {type(trio).__name__}")
+    return 0
+
+
 cdef bint _expert_ptrs(object trio, Py_ssize_t f, Py_ssize_t n, int fmt_gu, int fmt_dn, cnp.ndarray ao,
                        const void **gate, const void **up, const void **down) except -1:
     """One expert's (gate, up, down) as the one-call experts run them (moe_experts, a decode
@@ -35,14 +42,15 @@ cdef bint _expert_ptrs(object trio, Py_ssize_t f, Py_ssize_t n, int fmt_gu, int 
     cdef Py_ssize_t rows, cols
     cdef const void **slots[3]
     slots[0], slots[1], slots[2] = gate, up, down
-    if not isinstance(trio, tuple) or len(<tuple>trio) != 3:
-        raise InvalidArgumentError(f"an expert must be a (gate, up, down) tuple, got {type(trio).__name__}")
+    _check_trio(trio)
     for r in range(3):
         w = (<tuple>trio)[r]
         fmt = fmt_dn if r == 2 else fmt_gu
         rows, cols = (n, f) if r == 2 else (f, n)
         if fmt >= 0:
-            if type(w) is not QuantMatrix or w.fmt.kernel_id != fmt or w.rows != rows or w.cols != cols:
+            # C-typed comparisons: a Python int of the sizes would be made each token
+            if type(w) is not QuantMatrix or <int>w.fmt.kernel_id != fmt or <Py_ssize_t>w.rows != rows \
+                    or <Py_ssize_t>w.cols != cols:
                 return False
             a = <cnp.ndarray>w.data
         elif cnp.PyArray_Check(w):
@@ -277,7 +285,9 @@ cdef class CpuKernels:
         for j in range(k):
             if pid[j] < 0 or pid[j] >= n_exp:
                 raise InvalidArgumentError(f"moe_experts: expert {pid[j]} is out of range [0, {n_exp})")
-        g0, u0, d0 = experts[pid[0]]
+        first = experts[pid[0]]
+        _check_trio(first)
+        g0, d0 = (<tuple>first)[0], (<tuple>first)[2]
         # f from the first expert's gate; every expert's shapes are checked by _expert_ptrs
         # (a mismatch: False, and the op-by-op path names it)
         if type(g0) is QuantMatrix:

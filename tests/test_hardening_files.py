@@ -906,3 +906,12 @@ def test_glm4_vocabulary_adds_no_bos(family_gguf, tmp_path):
         return build_tokenizer(read_gguf(_gguf_with(family_gguf("glm4", "f32"), tmp_path, f"{pre}.gguf", edit)))
     assert not named("glm4").add_bos
     assert named("llama-bpe").add_bos
+
+
+@pytest.mark.parametrize("value", [(G.STRING, "4096"), (G.BOOL, True), (G.INT32, -5)])
+def test_gguf_sliding_window_of_the_wrong_kind_refused(family_gguf, tmp_path, value):
+    """Phi-3's (and Mistral's, Mixtral's) window read the one checked way: a string, a flag or
+    a negative number is one clear error, not a model run without a window."""
+    p = _gguf_with(family_gguf("phi3", "f32"), tmp_path, "w.gguf",
+                   lambda g: g.set("phi3.attention.sliding_window", *value))
+    one_line_error(ModelLoadError, load_path, p, needles=["sliding_window"])

@@ -716,3 +716,21 @@ def test_moe_route_bad_input_and_nan():
     ids = np.full((3, 4), -7, np.int64)
     b.moe_route(router, nan, 4, True, np.zeros((3, 6), f32), ids, np.zeros((3, 4), f32))
     assert all(len(set(r)) == 4 and min(r) >= 0 and max(r) < 6 for r in ids.tolist())
+
+
+def test_moe_expert_not_a_trio_is_one_clear_error():
+    """An expert that is not a (gate, up, down) tuple: one clear error from the C call, the
+    first chosen expert included (it was unpacked before any check)."""
+    from cyllm.backends.moe import MoeScratch
+    from cyllm.errors import InvalidArgumentError
+    rng = rng_for("moe-trio")
+    b = backend(VARIANTS[0], 1)
+    E, k, f, n = 3, 2, 16, 32
+    w = lambda r, c: (rng.standard_normal((r, c)) * 0.1).astype(np.float16)   # noqa: E731
+    router = (rng.standard_normal((E, n)) * n ** -0.5).astype(np.float32)
+    x = rng.standard_normal(n).astype(np.float32)
+    for bad in ((w(f, n), w(f, n)), [w(f, n), w(f, n), w(n, f)]):
+        experts = tuple(bad for _ in range(E))
+        with pytest.raises(InvalidArgumentError, match=r"\(gate, up, down\) tuple"):
+            b.moe(np.zeros(n, np.float32), x, router, experts, k, True, "silu",
+                  MoeScratch.allocate(b, 1, n, f, E, k, False))

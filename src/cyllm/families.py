@@ -333,13 +333,12 @@ def _qwen2_hf(cfg):
 
 
 def _seed_oss_hf(cfg):
-    # transformers' SeedOssConfig defaults where config.json is silent: q/k/v biases, head_dim
-    # 128, eps 1e-6; it can also put biases on o_proj and the MLP, which no release does
+    # SeedOssConfig's defaults (q/k/v biases, head_dim 128, eps 1e-6) come from _HF_DEFAULTS;
+    # it can also put biases on o_proj and the MLP, which no release does
     for key in ("attention_out_bias", "mlp_bias"):
         if cfg.flag(key, False):
             raise UnsupportedModelError(f"Seed-OSS: {key} is not supported")
-    return dict(attention_bias=cfg.flag("attention_bias", True), head_dim=cfg.int("head_dim", 128, minimum=1),
-                norm_eps=cfg.number("rms_norm_eps", 1e-6, positive=True))
+    return {}
 
 
 def _qwen3_hf(cfg):
@@ -714,8 +713,8 @@ def _granitemoe_gguf(md, p, t):
 
 
 def _sliding_gguf(md, p, t):
-    w = md.get(p + "attention.sliding_window")
-    return dict(sliding_window=int(w)) if isinstance(w, int) and w > 0 else {}
+    w = _gguf_window(md, p, 0)          # a bad value refused in one line, not read as none
+    return dict(sliding_window=w) if w else {}
 
 
 def _gemma_gguf(md, p, default_step: int, layers_27b: int, default_window: int = 0) -> dict:
@@ -961,7 +960,7 @@ _EPS6 = ("rms_norm_eps", 1e-6)
 _HF_DEFAULTS = {
     "llama": (_EPS6,), "mistral": (_EPS6, ("max_position_embeddings", 131072)),
     "qwen2": (_EPS6, ("max_position_embeddings", 32768)), "qwen3": (_EPS6, ("max_position_embeddings", 32768)),
-    "seed_oss": (_EPS6, ("max_position_embeddings", 524288)),
+    "seed_oss": (_EPS6, ("max_position_embeddings", 524288), ("attention_bias", True), ("head_dim", 128)),
     "gemma": (_EPS6, ("max_position_embeddings", 8192)), "gemma2": (_EPS6, ("max_position_embeddings", 8192)),
     "gemma3": (_EPS6, ("max_position_embeddings", 131072)), "phi3": (("max_position_embeddings", 4096),),
     "smollm3": (_EPS6, ("max_position_embeddings", 32768), ("tie_word_embeddings", True), ("rope_theta", 2e6)),

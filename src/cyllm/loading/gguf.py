@@ -387,7 +387,7 @@ def _plan_fused(gf: GGUFFile, name: str, info, fused, native: bool, rot: int = 0
     return PlannedTensor(name, info, want, cfg_dtype, 0, fmt, (), parts, rot)
 
 
-def _paired_rows(cfg: ModelConfig, fam) -> int:
+def paired_rows(cfg: ModelConfig, fam) -> int:
     """The rows of a head whose rotary pairs are adjacent in the file (0: all of them). A
     checkpoint already in that order (GLM-4's partial rotary) pairs only its rotating rows;
     llama.cpp's converter permutes a llama-style head whole, whatever rotates."""
@@ -414,7 +414,7 @@ def plan_tensors(gf: GGUFFile, cfg: ModelConfig, native: bool = False) -> list[P
             if held & seen:
                 raise ModelLoadError(f"{gf.path}: tensor {clip(name)} holds {clip(min(held & seen))}, "
                                      "which the file also has on its own")
-            plan.append(_plan_fused(gf, name, info, fused, native, _paired_rows(cfg, fam)))
+            plan.append(_plan_fused(gf, name, info, fused, native, paired_rows(cfg, fam)))
             seen.update(held)
             continue
         if name in seen:
@@ -447,7 +447,7 @@ def plan_tensors(gf: GGUFFile, cfg: ModelConfig, native: bool = False) -> list[P
             fmt = CONVERT_TO_NATIVE.get(info.ggml_type) or format_by_ggml_type(info.ggml_type).name
         # a stack of experts is named by its GGUF name (its entries by their HF names)
         plan.append(PlannedTensor(name if t.experts else t.hf_name(layer), info, want, dtype, heads, fmt, names,
-                                  unpermute_rot=_paired_rows(cfg, fam) if heads else 0))
+                                  unpermute_rot=paired_rows(cfg, fam) if heads else 0))
         seen.add(name)
     missing = [n for n, (t, _) in by_gguf.items() if n not in seen and not t.optional]
     if missing:
@@ -519,8 +519,7 @@ def _quant_matrix(gf: GGUFFile, p: PlannedTensor):
         # llama.cpp's q/k row order -> HF's: whole block rows move, so this is a copy of the
         # matrix ((rows, row_bytes) bytes, a few MB per layer); the file pages of the
         # original are then dropped from this process (they would count twice)
-        order = _unpermute_order(rows, p.unpermute_heads, p.unpermute_rot)
-        qm = qm.take_rows(order)
+        qm = _unpermute_part(qm, p.unpermute_heads, p.unpermute_rot)
         gf.release(info)
     return qm
 

@@ -10,7 +10,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..rope import F32_MAX
 from ..families import config_from_hf, family
-from .gguf import _unpermute_rows
+from .gguf import _unpermute_rows, paired_rows
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..jsonio import JsonObject, read_json_file
 from .weights import validate_weights
@@ -145,7 +145,8 @@ def load_hf_weights(config: ModelConfig, d: Path) -> dict[str, np.ndarray]:
         a = _to_f16(name, f, tname) if t.matrix_dtype(config) == np.float16 else _to_f32(name, f, tname)
         if t.permute and fam.hf_rope_interleaved:
             # rotary pairs (2i, 2i+1) of each head -> (i, i + d/2), the order cyllm's rope takes
-            a = _unpermute_rows(a, config.n_heads if t.permute == "q" else config.n_kv_heads, config.rotary_dim or 0)
+            heads = config.n_heads if t.permute == "q" else config.n_kv_heads
+            a = _unpermute_rows(a, heads, paired_rows(config, fam))
         if t.hf_plus_one:
             a = a + np.float32(1.0)      # the (1+w) norm stored as w: the model applies plain w
         weights[name] = a

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, ModelLoadError
 from ..families import family, hf_config_dict
-from ..loading.gguf import config_from_gguf, materialize, plan_tensors, read_gguf
+from ..loading.gguf import config_from_gguf, materialize, paired_rows, plan_tensors, read_gguf
 from ..loading.gguf_tokenizer import build_tokenizer
 from .hf_gguf import _permute_order
 
@@ -97,7 +97,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     # q/k rows back in the checkpoint's interleaved rotary order (Ernie 4.5): HF -> llama.cpp's
     interleave = {name: cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
                   for t, _, name in fam.expected_names(cfg) if t.permute and fam.hf_rope_interleaved}
-    rot = cfg.rotary_dim or 0       # partial rotary (GLM-4): only a head's first rot rows are paired
+    rot = paired_rows(cfg, fam)     # partial rotary (GLM-4): only a head's first rot rows are paired
     tmp = out / "model.safetensors.part"
     bar = None
     if progress:

@@ -99,12 +99,9 @@ def _float32(f, tname: str, rows: slice | None) -> np.ndarray:
 def _permute_order(rows: int, heads: int, rot: int = 0) -> np.ndarray:
     """GGUF row r of a llama-style q/k matrix is HF row order[r]: within each head, the
     rotate-half pairs (i, i + r/2) of its first r = rot rows (0: all) become adjacent rows
-    (2i, 2i + 1), the rest stay where they are."""
-    d = rows // heads
-    r = rot or d
-    order = np.arange(rows).reshape(heads, d)
-    paired = order[:, :r].reshape(heads, 2, r // 2).swapaxes(1, 2).reshape(heads, r)
-    return np.concatenate([paired, order[:, r:]], axis=1).reshape(-1)
+    (2i, 2i + 1), the rest stay where they are; the inverse of the loader's reordering."""
+    from ..loading.gguf import _unpermute_order
+    return np.argsort(_unpermute_order(rows, heads, rot))
 
 
 def _reader(f, tname: str, order: np.ndarray | None, plus_one: bool, stacked=None):

@@ -54,7 +54,9 @@ def _expert_tensor_names(config) -> set[str]:
     names = set()
     for t, i in family(config.arch).expected(config):
         if t.experts:
-            names.update((t.gguf_name(i), t.hf_name(i), *t.hf_names(config, i)))
+            names.update((t.gguf_name(i), *t.hf_names(config, i)))
+            if t.hf_part is not None:
+                names.add(t.hf_name(i))         # the checkpoint's one tensor of every expert
     return names
 
 

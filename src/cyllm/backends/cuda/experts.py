@@ -166,8 +166,8 @@ def stack_kinds(roles) -> list | None:
 
 
 class ExpertOps:
-    """Needs from the backend: ``_flush`` (launches held-back ops), ``_pending_norm`` and
-    ``_overlap`` of NormFolding, ``_launch``, ``_k``,
+    """Needs from the backend: ``_flush`` (launches held-back ops), ``_pending_norm`` of
+    NormFolding, ``_launch``, ``_k``,
     ``_gemm_ex``, ``_rows``, ``_prefill_rec``, ``smem_per_block``, ``moe_on_device``, gate_up,
     matvec, add, gate_up_batch, matmul."""
 
@@ -259,8 +259,8 @@ class ExpertOps:
         (the stream, its weight and eps), or (x, NULL, 0) with every held op launched. The
         stream is what moe adds to, but only moe_combine_f32, the layer's last kernel, writes
         it, so the norm is taken whatever ``out`` is (NormFolding._take_norm would refuse)."""
-        p = self._pending_norm
-        if p is not None and p[0].data.ptr == x.data.ptr and p[0].shape == x.shape and not self._overlap(p[0], p[1]):
+        p = self._pending_norm          # held only where its output does not overlap its input
+        if p is not None and p[0].data.ptr == x.data.ptr and p[0].shape == x.shape:
             self._pending_norm = None
             self._flush()                               # what was held before the norm (prequant.py)
             return p[1], p[2], p[3]
