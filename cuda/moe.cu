@@ -96,14 +96,25 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_route_f32(
         rv[c] = (e < E && i < n4) ? __ldg(r4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
     pdl_wait_after_loads(n);    // x: the stream (or the normed stream), written by the previous kernel
-    float inv = 1.0f;
+    // xs (n floats of dynamic shared memory): x as the router reads it, each element loaded
+    // from global memory once a block. Read there by every warp, a lane's 4 n / 32 scalar
+    // loads of x and the norm weight took ~4 us after the norm (a Qwen3-30B-A3B layer, H200).
+    extern __shared__ float xs[];
     if (nw != nullptr) {
         // rmsnorm_f32's sum of squares: thread t of its 512 sums x[t], x[t + 512], ...; here
         // thread t sums its threads t and t + 256, whose warps are this one's and 8 after it
         __shared__ float red[RMS_THREADS / 32];
         float sa = 0.0f, sb = 0.0f;
-        for (int i = threadIdx.x; i < n; i += RMS_THREADS) sa = fmaf(ld_act(x + i), ld_act(x + i), sa);
-        for (int i = threadIdx.x + MOE_THREADS; i < n; i += RMS_THREADS) sb = fmaf(ld_act(x + i), ld_act(x + i), sb);
+        for (int i = threadIdx.x; i < n; i += RMS_THREADS) {
+            const float v = ld_act(x + i);
+            xs[i] = v;
+            sa = fmaf(v, v, sa);
+        }
+        for (int i = threadIdx.x + MOE_THREADS; i < n; i += RMS_THREADS) {
+            const float v = ld_act(x + i);
+            xs[i] = v;
+            sb = fmaf(v, v, sb);
+        }
         sa = warp_sum(sa);
         sb = warp_sum(sb);
         if (lane == 0) {
@@ -114,36 +125,43 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_route_f32(
         float tot = 0.0f;
 #pragma unroll
         for (int w = 0; w < RMS_THREADS / 32; ++w) tot += red[w];
-        inv = rsqrtf(tot / (float)n + eps);
+        const float inv = rsqrtf(tot / (float)n + eps);
         TRACE_MARK(1);      // bench/trace_cuda_decode.py: the norm found
-        if (blockIdx.x == 0)
-            for (int i = threadIdx.x; i < n; i += MOE_THREADS) xn[i] = ld_act(x + i) * inv * nw[i];
+        // the elements this thread loaded (i = t mod MOE_THREADS), normed as rmsnorm_f32 writes them
+        for (int i = threadIdx.x; i < n; i += MOE_THREADS) {
+            const float v = xs[i] * inv * __ldg(nw + i);
+            xs[i] = v;
+            if (blockIdx.x == 0) xn[i] = v;
+        }
+    } else {
+        for (int i = threadIdx.x; i < n; i += MOE_THREADS) xs[i] = ld_act(x + i);
     }
+    __syncthreads();
     if (e < E) {
-        // x's element i as the router reads it: normed as rmsnorm_f32 writes it, or as it is
-        auto xi = [&](int i) { return nw != nullptr ? ld_act(x + i) * inv * __ldg(nw + i) : ld_act(x + i); };
         float s = 0.0f;
         if (n4 > 0) {
+            const float4* x4 = reinterpret_cast<const float4*>(xs);
 #pragma unroll
             for (int c = 0; c < MOE_ROW_PRE; ++c) {
                 const int i = lane + 32 * c;
                 if (i < n4) {
-                    s = fmaf(rv[c].x, xi(4 * i), s);
-                    s = fmaf(rv[c].y, xi(4 * i + 1), s);
-                    s = fmaf(rv[c].z, xi(4 * i + 2), s);
-                    s = fmaf(rv[c].w, xi(4 * i + 3), s);
+                    const float4 v = x4[i];
+                    s = fmaf(rv[c].x, v.x, s);
+                    s = fmaf(rv[c].y, v.y, s);
+                    s = fmaf(rv[c].z, v.z, s);
+                    s = fmaf(rv[c].w, v.w, s);
                 }
             }
             for (int i = lane + 32 * MOE_ROW_PRE; i < n4; i += 32) {
-                const float4 r = __ldg(r4 + i);
-                s = fmaf(r.x, xi(4 * i), s);
-                s = fmaf(r.y, xi(4 * i + 1), s);
-                s = fmaf(r.z, xi(4 * i + 2), s);
-                s = fmaf(r.w, xi(4 * i + 3), s);
+                const float4 r = __ldg(r4 + i), v = x4[i];
+                s = fmaf(r.x, v.x, s);
+                s = fmaf(r.y, v.y, s);
+                s = fmaf(r.z, v.z, s);
+                s = fmaf(r.w, v.w, s);
             }
         } else {
             const float* r = router + (size_t)e * n;
-            for (int i = lane; i < n; i += 32) s = fmaf(__ldg(r + i), xi(i), s);
+            for (int i = lane; i < n; i += 32) s = fmaf(__ldg(r + i), xs[i], s);
         }
         s = warp_sum(s);
         if (lane == 0) logits[e] = s;

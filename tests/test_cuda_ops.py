@@ -616,7 +616,8 @@ def test_decode_step_fused_views():
 
 # -- a mixture of experts' decode: the layer's pre-norm taken into the router's kernel -------
 @pytest.mark.parametrize("fmt,E,k,f,n", [("q4_0", 16, 4, 64, 256), ("q8_0", 6, 2, 96, 2048),
-                                        ("q8_0", 40, 8, 64, 4608)])     # rows past the early 16 words a lane
+                                        ("q8_0", 40, 8, 64, 4608),      # rows past the early 16 words a lane
+                                        ("q8_0", 4, 2, 32, 13312)])     # x past 48 KiB of shared memory
 def test_moe_takes_the_held_norm(ref, fmt, E, k, f, n):
     """rmsnorm(xb, x) then moe(x, xb): the norm folded into moe_route_f32 gives, to the bit, the
     stream and xb of the norm launched on its own (fuse_norm off), and the numpy choice."""

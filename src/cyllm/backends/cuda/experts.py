@@ -246,9 +246,11 @@ class ExpertOps:
         # the layer's pre-norm, held back (norm_fold.py), goes into the router's kernel: it
         # reads the stream, and its block 0 writes x for the experts
         xin, nw, eps = self._take_moe_norm(x)
-        self._launch(MOE_KERNELS["route"], (_blocks(E, ROUTE_THREADS // 32),), (ROUTE_THREADS,),
+        route = self._k(MOE_KERNELS["route"])
+        cuda_quant.allow_smem(route, 4 * n)             # x staged in shared memory, n floats
+        self._launch(route, (_blocks(E, ROUTE_THREADS // 32),), (ROUTE_THREADS,),
                      (v.ids, v.weights, v.logits, v.counter, router, xin, x, nw, np.float32(eps), np.int32(E),
-                      np.int32(n), np.int32(n_used), np.int32(1 if norm else 0)))
+                      np.int32(n), np.int32(n_used), np.int32(1 if norm else 0)), shared_mem=4 * n)
         self._experts_matvec(v.h, g, experts.up, v.ids, x, 0, act)
         self._experts_matvec(v.y, d, None, v.ids, v.h, g.rows)
         self._launch(MOE_KERNELS["combine"], (_blocks(n, 256),), (256,),

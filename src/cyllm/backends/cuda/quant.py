@@ -681,7 +681,8 @@ def allow_smem(k, smem: int) -> None:
     long rows (n > ~37k), the few-column prefill kernels' staging."""
     fn = getattr(k, "kernel", k)                # RawKernel -> its cupy.cuda.Function
     key = getattr(fn, "ptr", None) or id(k)
-    if smem > 48 * 1024 and _SMEM_SET.get(key, 0) < smem:
+    # the default limit is 48 KiB less the kernel's static shared memory: raised from 32 KiB on
+    if smem > 32 * 1024 and _SMEM_SET.get(key, 0) < smem:
         try:
             k.max_dynamic_shared_size_bytes = smem
         except Exception as e:  # noqa: BLE001 - more than the device allows
