@@ -686,7 +686,8 @@ def test_moe_group_sorts_by_expert(be, E, entries, C):
     np.testing.assert_array_equal(work.get()[:len(want), :3], np.array(want).reshape(-1, 3))
 
 
-@pytest.mark.parametrize("E,k,norm", [(6, 2, True), (300, 8, True), (1024, 3, False), (4, 4, True)])
+@pytest.mark.parametrize("E,k,norm", [(6, 2, True), (300, 8, True), (1024, 3, False), (4, 4, True),
+                                      (300, 40, True), (64, 33, False)])    # ranks past a warp's lanes
 def test_moe_route_rows_matches_the_host(be, E, k, norm):
     """moe_route_rows (prefill's choice of each row from the router's logits) against
     backends/moe.py route(): the same experts, best first, equal scores going to the lower id,
