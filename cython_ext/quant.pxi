@@ -16,7 +16,8 @@ from libc.stdint cimport uintptr_t
 cdef extern from "csrc/quant.h" nogil:
     enum:
         CYLLM_QF_COUNT, CYLLM_R16
-        CYLLM_QF_Q4_K_R16, CYLLM_QF_Q4_0_R16, CYLLM_QF_Q8_0_R16, CYLLM_QF_Q4_1_R16
+        CYLLM_QF_Q4_K_R16, CYLLM_QF_Q4_0_R16, CYLLM_QF_Q8_0_R16, CYLLM_QF_Q4_1_R16, CYLLM_QF_Q5_0_R16,
+        CYLLM_QF_Q5_1_R16
         CYLLM_QA_Q8_0, CYLLM_QA_Q8_K
         CYLLM_QCPU_AVX2, CYLLM_QCPU_AVXVNNI, CYLLM_QCPU_AVX512VNNI
     int cyllm_qf_is_r16(int fmt) noexcept
@@ -72,11 +73,11 @@ cdef enum:
 cdef inline Py_ssize_t _runs(Py_ssize_t d, int nt, int f) noexcept nogil:
     """How many runs of rows (_row_at over this count) a prefill GEMM of d rows of format f
     hands out to nt threads as they come free: QGEMM_CHUNKS a thread where the kernel prepares
-    nothing per call (the r16 group kernels of q4_k, q4_0, q8_0 and q4_1), so that a thread
+    nothing per call (the r16 group kernels of q4_k and the 32-element formats), so that a thread
     that loses its core does not hold up the op's end, as the F16 GEMM's panels
     (cpu_ops.pxi _gemm); one a thread for the other tiles, which transpose x once per call."""
     if not (f == CYLLM_QF_Q4_K_R16 or f == CYLLM_QF_Q4_0_R16 or f == CYLLM_QF_Q8_0_R16
-            or f == CYLLM_QF_Q4_1_R16):
+            or f == CYLLM_QF_Q4_1_R16 or f == CYLLM_QF_Q5_0_R16 or f == CYLLM_QF_Q5_1_R16):
         return nt
     cdef Py_ssize_t units = (d + CYLLM_R16 - 1) // CYLLM_R16
     return units if units < <Py_ssize_t>nt * QGEMM_CHUNKS else <Py_ssize_t>nt * QGEMM_CHUNKS
@@ -195,13 +196,14 @@ cdef inline cnp.ndarray _qweights(object w, str name, int fmt, Py_ssize_t *cols)
 
 
 def repack_r16(out, w, fmt, threads=1):
-    """out (rows, row_bytes) uint8 = the q4_k, q4_0, q8_0, q4_1, q6_k or q5_k (fmt) matrix w (the same
+    """out (rows, row_bytes) uint8 = the quantized matrix w (the same
     shape, rows a multiple of 16) with its rows interleaved by 16 (the r16 layouts of csrc/quant.h:
     the same bytes, reordered); groups of rows split over `threads`."""
     cdef int f = _qfmt(fmt)
     cdef int lay = cyllm_r16_layout(f)
     if lay < 0:
-        raise InvalidArgumentError(f"repack_r16: q4_k, q4_0, q8_0, q4_1, q6_k or q5_k only, got {fmt!r}")
+        raise InvalidArgumentError(f"repack_r16: a quantized format (q8_0, q4_0, q4_1, q5_0, q5_1, "
+                                   f"q4_k, q5_k, q6_k) only, got {fmt!r}")
     cdef Py_ssize_t n, n2
     cdef cnp.ndarray aw = _qweights(w, "w", f, &n)
     if not cnp.PyArray_Check(out) or not cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out):
@@ -288,7 +290,7 @@ cdef class QuantKernels:
     cdef char *pan_raw           # f16 panels of the prefill path, one per thread
     cdef uint16_t *pan
     cdef Py_ssize_t pan_cap      # uint16 elements
-    cdef int prefill_method[16]  # per kernel id (< CYLLM_QF_COUNT): QPREFILL_INT8 | QPREFILL_F16
+    cdef int prefill_method[CYLLM_QF_COUNT]  # per kernel id: QPREFILL_INT8 | QPREFILL_F16
 
     def __cinit__(self):
         self.act_raw = NULL

@@ -1,4 +1,4 @@
-"""q4_k, q4_0, q8_0, q4_1, q6_k and q5_k with rows interleaved by 16 (the r16 layouts of
+"""Every quantized format with rows interleaved by 16 (the r16 layouts of
 cython_ext/csrc/quant.h, made by the CPU backend at load where the AVX512-VNNI kernels run).
 
 The layout is checked against the NumPy reference's own reading of it (reference.unpack_r16
@@ -20,7 +20,7 @@ K = pytest.importorskip("cyllm._ext.kernels")
 VARIANTS = sorted(set(K.quant_available_variants()) | {"generic"})
 
 
-FMTS = sorted(R16_OF)          # q4_0, q4_1, q4_k, q5_k, q6_k, q8_0
+FMTS = sorted(R16_OF)          # every quantized format: q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0
 
 
 def make(fmt, rows, cols, rng):
@@ -152,12 +152,12 @@ def test_bad_input():
     wq = make("q4_k", 20, 256, rng)
     with pytest.raises(InvalidArgumentError, match="multiple of 16"):
         K.repack_r16(np.empty_like(wq), wq, "q4_k")
-    with pytest.raises(InvalidArgumentError, match="q4_k, q4_0, q8_0, q4_1, q6_k or q5_k"):
-        K.repack_r16(np.empty((16, 22), np.uint8), np.zeros((16, 22), np.uint8), "q5_0")
+    with pytest.raises(InvalidArgumentError, match="a quantized format"):
+        K.repack_r16(np.empty((16, 18), np.uint8), np.zeros((16, 18), np.uint8), "q4_0_r16")
     qk = K.QuantKernels(threads=1, variant="generic")
     with pytest.raises(InvalidArgumentError, match="multiple of 16"):
         qk.qmatvec(np.zeros(20, np.float32), wq, "q4_k_r16", np.zeros(256, np.float32))
-    for lay in ("q4_k_r16", "q4_0_r16", "q8_0_r16", "q4_1_r16", "q6_k_r16", "q5_k_r16"):
+    for lay in [f.name for f in R16_OF.values()]:
         with pytest.raises(InvalidArgumentError, match="layouts"):
             K.quantize_rows(np.empty((16, 144), np.uint8), np.zeros((16, 256), np.float32), lay)
     with pytest.raises(ModelLoadError, match="multiple of 16"):

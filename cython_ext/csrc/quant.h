@@ -38,8 +38,8 @@
 extern "C" {
 #endif
 
-/* weight formats: the kernel_id of cyllm.quant.formats (KERNEL_IDS order). The last six are
- * no file's: q4_k, q4_0, q8_0, q4_1, q6_k and q5_k with rows interleaved by 16 (cyllm_r16_repack;
+/* weight formats: the kernel_id of cyllm.quant.formats (KERNEL_IDS order). The last eight are
+ * no file's: q4_k, q4_0, q8_0, q4_1, q6_k, q5_k, q5_0 and q5_1 with rows interleaved by 16 (cyllm_r16_repack;
  * the CPU backend makes them at load where the AVX512-VNNI kernels run).
  * q4_k_r16: per superblock b, a group of 16 rows g stores
  * 2304 bytes at w + 16 g row_bytes + 2304 b: d[16] (f16), dmin[16] (f16), scales[12][16]
@@ -49,11 +49,13 @@ extern "C" {
 enum {
     CYLLM_QF_Q8_0 = 0, CYLLM_QF_Q4_0, CYLLM_QF_Q4_1, CYLLM_QF_Q5_0, CYLLM_QF_Q5_1,
     CYLLM_QF_Q4_K, CYLLM_QF_Q5_K, CYLLM_QF_Q6_K, CYLLM_QF_Q4_K_R16, CYLLM_QF_Q4_0_R16, CYLLM_QF_Q8_0_R16,
-    CYLLM_QF_Q4_1_R16, CYLLM_QF_Q6_K_R16, CYLLM_QF_Q5_K_R16, CYLLM_QF_COUNT
+    CYLLM_QF_Q4_1_R16, CYLLM_QF_Q6_K_R16, CYLLM_QF_Q5_K_R16, CYLLM_QF_Q5_0_R16, CYLLM_QF_Q5_1_R16,
+    CYLLM_QF_COUNT
 };
-/* q4_0_r16 / q8_0_r16 / q4_1_r16: the same for the 32-element blocks, per block b of a group:
- * d[16] (f16) (q4_1: then m[16]), then the quant bytes as 4 (q4_0, q4_1) or 8 (q8_0) chunks
- * of 64 bytes (chunk c: bytes 4c..4c+3 of each row's qs, row i at 4i): 16 blocks' bytes. */
+/* q4_0_r16 / q8_0_r16 / q4_1_r16 / q5_0_r16 / q5_1_r16: the same for the 32-element blocks, per
+ * block b of a group: d[16] (f16) (q4_1, q5_1: then m[16]), then the bytes after the file's
+ * f16 fields as 4 (q4_0, q4_1), 5 (q5_0, q5_1: qh, then qs's 4) or 8 (q8_0) chunks of 64 bytes
+ * (chunk c: bytes 4c..4c+3 of each row's, row i at 4i): 16 blocks' bytes. */
 #define CYLLM_R16 16                    /* rows per group of the interleaved layout */
 /* whether fmt is an r16 layout (its kernels compute whole groups of 16 rows, so a split of
  * rows over threads falls on multiples of 16: a group cut in two would be computed twice) */

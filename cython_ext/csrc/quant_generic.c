@@ -29,6 +29,8 @@ static const cyllm_qformat_info INFO[CYLLM_QF_COUNT] = {
     {"q4_1_r16", -1, 32, QB_Q4_1, CYLLM_QA_Q8_0},
     {"q6_k_r16", -1, QK_K, QB_Q6_K, CYLLM_QA_Q8_K},
     {"q5_k_r16", -1, QK_K, QB_Q5_K, CYLLM_QA_Q8_K},
+    {"q5_0_r16", -1, 32, QB_Q5_0, CYLLM_QA_Q8_0},
+    {"q5_1_r16", -1, 32, QB_Q5_1, CYLLM_QA_Q8_0},
 };
 
 const cyllm_qformat_info *cyllm_qformat(int fmt) {
@@ -372,12 +374,13 @@ static void q6k_r16_gather(uint8_t *out, const uint8_t *w, int64_t rb, int64_t r
     memcpy(out + 208, p + CYLLM_R16_Q6_D + 2 * i, 2);
 }
 
-/* ---- q4_0, q8_0 and q4_1 with rows interleaved by 16 (quant.h) --------------------- */
+/* ---- q4_0, q8_0, q4_1, q5_0 and q5_1 with rows interleaved by 16 (quant.h) ---------- */
 
-/* a 32-element block's quant bytes come in 4-byte chunks: 4 (q4_0, q4_1) or 8 (q8_0), after
- * a header of f16 fields: d (q4_1: d, m), each stored as a plane of 16 */
-static int b32_chunks(int fmt) { return fmt == CYLLM_QF_Q8_0 ? 8 : 4; }
-static int b32_fields(int fmt) { return fmt == CYLLM_QF_Q4_1 ? 2 : 1; }
+/* a 32-element block's bytes after a header of f16 fields -- d (q4_1, q5_1: d, m), each
+ * stored as a plane of 16 -- come in 4-byte chunks: 4 (q4_0, q4_1), 5 (q5_0, q5_1: qh, then
+ * qs) or 8 (q8_0) */
+static int b32_fields(int fmt) { return fmt == CYLLM_QF_Q4_1 || fmt == CYLLM_QF_Q5_1 ? 2 : 1; }
+static int b32_chunks(int fmt) { return (INFO[fmt].block_bytes - 2 * b32_fields(fmt)) / 4; }
 
 static void b32_r16_repack(int fmt, uint8_t *dst, const uint8_t *src, int64_t rb, int64_t g0, int64_t g1) {
     const int bb = INFO[fmt].block_bytes, nc = b32_chunks(fmt), nf = b32_fields(fmt);
@@ -409,6 +412,8 @@ int cyllm_r16_layout(int fmt) {
     case CYLLM_QF_Q4_1: return CYLLM_QF_Q4_1_R16;
     case CYLLM_QF_Q6_K: return CYLLM_QF_Q6_K_R16;
     case CYLLM_QF_Q5_K: return CYLLM_QF_Q5_K_R16;
+    case CYLLM_QF_Q5_0: return CYLLM_QF_Q5_0_R16;
+    case CYLLM_QF_Q5_1: return CYLLM_QF_Q5_1_R16;
     default: return -1;
     }
 }
@@ -443,12 +448,13 @@ static float dot_r16(int fmt, const uint8_t *w, int64_t rb, int64_t r, const cyl
         s += fmt == CYLLM_QF_Q4_K ? dot_q4_k(blk, &ab, 1) : fmt == CYLLM_QF_Q6_K ? dot_q6_k(blk, &ab, 1)
            : fmt == CYLLM_QF_Q5_K ? dot_q5_k(blk, &ab, 1)
            : fmt == CYLLM_QF_Q8_0 ? dot_q8_0(blk, &ab, 1)
-           : fmt == CYLLM_QF_Q4_1 ? dot_q4_1(blk, &ab, 1) : dot_q4_0(blk, &ab, 1);
+           : fmt == CYLLM_QF_Q4_1 ? dot_q4_1(blk, &ab, 1) : fmt == CYLLM_QF_Q5_0 ? dot_q5_0(blk, &ab, 1)
+           : fmt == CYLLM_QF_Q5_1 ? dot_q5_1(blk, &ab, 1) : dot_q4_0(blk, &ab, 1);
     }
     return s;
 }
 
-/* the five entries of the r16 layout of file format FMT (F: q4k, q40, q80, q41, q6k, q5k) */
+/* the five entries of the r16 layout of file format FMT (F: q4k, q40, q80, q41, q6k, q5k, q50, q51) */
 #define R16_FUNCS(F, FMT)                                                                       \
 void cyllm_##F##_r16_deq16(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n, int64_t r0, int64_t r1) { \
     const int blen = INFO[FMT].block;                                                         \
@@ -505,6 +511,8 @@ R16_FUNCS(q80, CYLLM_QF_Q8_0)
 R16_FUNCS(q41, CYLLM_QF_Q4_1)
 R16_FUNCS(q6k, CYLLM_QF_Q6_K)
 R16_FUNCS(q5k, CYLLM_QF_Q5_K)
+R16_FUNCS(q50, CYLLM_QF_Q5_0)
+R16_FUNCS(q51, CYLLM_QF_Q5_1)
 
 /* ---- the table: five functions per format from its dot ----------------------------- */
 
@@ -565,5 +573,5 @@ const cyllm_qkernels cyllm_qkernels_generic = {
     {QENTRY(q8_0), QENTRY(q4_0), QENTRY(q4_1), QENTRY(q5_0), QENTRY(q5_1),
      QENTRY(q4_k), QENTRY(q5_k), QENTRY(q6_k),
      R16_ENTRY_GENERIC(q4k), R16_ENTRY_GENERIC(q40), R16_ENTRY_GENERIC(q80), R16_ENTRY_GENERIC(q41),
-     R16_ENTRY_GENERIC(q6k), R16_ENTRY_GENERIC(q5k)},
+     R16_ENTRY_GENERIC(q6k), R16_ENTRY_GENERIC(q5k), R16_ENTRY_GENERIC(q50), R16_ENTRY_GENERIC(q51)},
 };

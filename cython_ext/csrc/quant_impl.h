@@ -56,7 +56,7 @@ static inline void cyllm_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t m[8])
 void cyllm_qdequant_rows_f16_generic(int fmt, uint16_t *out, const uint8_t *w, int64_t row_bytes,
                                      int64_t n, int64_t r0, int64_t r1);
 void cyllm_qdequant_row_f32_generic(int fmt, float *out, const uint8_t *row, int64_t n);
-/* the r16 layouts' portable entries (quant_generic.c), F = q4k | q40 | q80 | q41 | q6k | q5k */
+/* the r16 layouts' portable entries (quant_generic.c), F = q4k | q40 | q80 | q41 | q6k | q5k | q50 | q51 */
 #define R16_DECL(F)                                                                              \
 void cyllm_##F##_r16_deq16(uint16_t *out, const uint8_t *w, int64_t rb, int64_t n, int64_t r0, int64_t r1); \
 void cyllm_##F##_r16_deq32(float *out, const uint8_t *w, int64_t rb, int64_t r, int64_t n);  \
@@ -73,6 +73,8 @@ R16_DECL(q80)
 R16_DECL(q41)
 R16_DECL(q6k)
 R16_DECL(q5k)
+R16_DECL(q50)
+R16_DECL(q51)
 #define R16_ENTRY_GENERIC(F) {cyllm_##F##_r16_matvec_generic, cyllm_##F##_r16_gate_up_generic, \
                               cyllm_##F##_r16_gemm_generic, cyllm_##F##_r16_deq16, cyllm_##F##_r16_deq32}
 

@@ -2588,19 +2588,30 @@ ALWAYS __mmask16 r16_keep(int64_t g, int64_t r0, int64_t r1) {
 }
 
 
-/* q4_0, q8_0 and q4_1 on their r16 layouts: per 32-element block, 4 (q4_0, q4_1) or 8 (q8_0) loads of
- * 16 rows x 4 bytes. q4_0: two vpdpbusd per load (low nibbles against x[4c..], high against
- * x[16 + 4c..]), the -8 offset from x's block sum; q8_0: the signed bytes made unsigned
- * (w + 128, one xor) for one vpdpbusd, 128 x's block sum taken off. Then one FMA per block
- * into the row's float accumulator: the same chain for any number of tokens and any split of
- * rows. */
+/* q4_0, q8_0, q4_1, q5_0 and q5_1 on their r16 layouts: per 32-element block, 4 (the nibble
+ * formats) or 8 (q8_0) loads of 16 rows x 4 bytes. q4_0: two vpdpbusd per load (low nibbles
+ * against x[4c..], high against x[16 + 4c..]), the -8 offset from x's block sum; q5_0 and q5_1
+ * the same with each code's fifth bit from the block's qh chunk (16 rows' 4 qh bytes): the qh
+ * byte of elements 4c..4c+3 (and 16 + 4c..) copied to each byte of the row's lane (vpshufb, two
+ * a block for each half), its bit of that element tested into a mask that adds 16 to the
+ * code; q8_0: the signed bytes made unsigned (w + 128, one xor) for one vpdpbusd, 128 x's block
+ * sum taken off. Then one FMA per block (two with a min) into the row's float accumulator: the
+ * same chain for any number of tokens and any split of rows. */
 ALWAYS void r16_b32_group(const int kind, const int C, float *o, int64_t ldo, const uint8_t *g, int64_t nb,
                           const cyllm_qact_view *a, int add, __mmask16 keep) {
-    /* kind: 0 q4_0, 1 q8_0, 2 q4_1 (q4_0's nibbles with a min: d q + m, the m plane after d's) */
-    const int q8 = kind == 1, q41 = kind == 2;
-    const int hdr = q41 ? 64 : 32;                  /* the f16 planes before the chunks */
-    const __m512i m4 = _mm512_set1_epi8(15), sign = _mm512_set1_epi8((char)0x80);
-    const int64_t sb = CYLLM_R16 * (q8 ? QB_Q8_0 : q41 ? QB_Q4_1 : QB_Q4_0);
+    /* kind: 0 q4_0, 1 q8_0, 2 q4_1, 3 q5_0, 4 q5_1 (q4_0's nibbles with a min: d q + m, the m
+     * plane after d's; with a fifth bit: a qh chunk before the nibbles) */
+    const int q8 = kind == 1, mins = kind == 2 || kind == 4, five = kind >= 3;
+    const int hdr = mins ? 64 : 32;                 /* the f16 planes before the chunks */
+    const int qs0 = hdr + (five ? 64 : 0);          /* the nibbles' first chunk */
+    const __m512i m4 = _mm512_set1_epi8(15), sign = _mm512_set1_epi8((char)0x80), b16 = _mm512_set1_epi8(16);
+    /* vpshufb's control: each byte of a row's lane <- byte j (0..3) of that lane; element k
+     * of a 4-byte chunk (byte k of the lane) has its fifth bit at bit k of its qh byte
+     * (chunks 0, 2) or 4 + k (1, 3) */
+    const __m512i lane0 = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0);
+    const __m512i bits[2] = {_mm512_set1_epi32(0x08040201), _mm512_set1_epi32((int)0x80402010u)};
+    const int64_t sb = CYLLM_R16 * (q8 ? QB_Q8_0 : kind == 2 ? QB_Q4_1 : kind == 3 ? QB_Q5_0 : kind == 4 ? QB_Q5_1 : QB_Q4_0);
+    const int off = q8 ? 128 : kind == 0 ? 8 : kind == 3 ? 16 : 0;
     __m512 acc[4];
     _Pragma("GCC unroll 4")
     for (int t = 0; t < C; t++) acc[t] = _mm512_setzero_ps();
@@ -2619,11 +2630,21 @@ ALWAYS void r16_b32_group(const int kind, const int C, float *o, int64_t ldo, co
                                                   _mm512_set1_epi32((int)cyllm_rd32((const uint8_t *)a[t].q + 32 * b + 4 * c)));
             }
         } else {
+            __m512i qh[4];                          /* qh byte j of each row, in each byte of its lane */
+            if (five) {
+                const __m512i h = _mm512_loadu_si512((const void *)(p + hdr));
+                _Pragma("GCC unroll 4")
+                for (int j = 0; j < 4; j++) qh[j] = _mm512_shuffle_epi8(h, _mm512_add_epi8(lane0, _mm512_set1_epi8((char)j)));
+            }
             _Pragma("GCC unroll 4")
             for (int c = 0; c < 4; c++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(p + hdr + 64 * c));
-                const __m512i vl = _mm512_and_si512(v, m4);
-                const __m512i vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                const __m512i v = _mm512_loadu_si512((const void *)(p + qs0 + 64 * c));
+                __m512i vl = _mm512_and_si512(v, m4);
+                __m512i vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                if (five) {                         /* elements 4c + k: qh byte c / 2; 16 + 4c + k: byte 2 + c / 2 */
+                    vl = _mm512_mask_add_epi8(vl, _mm512_test_epi8_mask(qh[c >> 1], bits[c & 1]), vl, b16);
+                    vh = _mm512_mask_add_epi8(vh, _mm512_test_epi8_mask(qh[2 + (c >> 1)], bits[c & 1]), vh, b16);
+                }
                 _Pragma("GCC unroll 4")
                 for (int t = 0; t < C; t++) {
                     const uint8_t *x = (const uint8_t *)a[t].q + 32 * b + 4 * c;
@@ -2633,16 +2654,15 @@ ALWAYS void r16_b32_group(const int kind, const int C, float *o, int64_t ldo, co
             }
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-        const __m512 m = q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32))) : d;
+        const __m512 m = mins ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32))) : d;
         _Pragma("GCC unroll 4")
         for (int t = 0; t < C; t++) {
-            /* q4_0: sum (q - 8) x; q8_0: sum (w + 128) x - 128 sum x; q4_1: sum q x (its min
-             * below); exact in int32 */
-            const int off = q8 ? 128 : q41 ? 0 : 8;
+            /* q4_0, q5_0: sum (q - 8 | 16) x; q8_0: sum (w + 128) x - 128 sum x; q4_1, q5_1:
+             * sum q x (the min below); exact in int32 */
             const __m512i s = _mm512_sub_epi32(isum[t], _mm512_set1_epi32(off * a[t].sum[b]));
             const __m512 dx = _mm512_set1_ps(a[t].d[b]);
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, dx), acc[t]);
-            if (q41)                        /* + m * (d_x sum x) */
+            if (mins)                       /* + m * (d_x sum x) */
                 acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a[t].d[b] * (float)a[t].sum[b]), acc[t]);
         }
     }
@@ -2802,6 +2822,8 @@ static void QF(gemm_##F)(float *out, int64_t ldo, const uint8_t *w, int64_t rb, 
 #define R16_Q40_GROUP(C, ...) r16_b32_group(0, C, __VA_ARGS__)
 #define R16_Q80_GROUP(C, ...) r16_b32_group(1, C, __VA_ARGS__)
 #define R16_Q41_GROUP(C, ...) r16_b32_group(2, C, __VA_ARGS__)
+#define R16_Q50_GROUP(C, ...) r16_b32_group(3, C, __VA_ARGS__)
+#define R16_Q51_GROUP(C, ...) r16_b32_group(4, C, __VA_ARGS__)
 #define R16_Q6K_GROUP(C, ...) r16_q6k_group(C, __VA_ARGS__)
 R16_ENTRIES(q4kr16, R16_Q4K_GROUP, CYLLM_QA_Q8_K, QK_K)
 R16_ENTRIES(q40r16, R16_Q40_GROUP, CYLLM_QA_Q8_0, 32)
@@ -2809,6 +2831,8 @@ R16_ENTRIES(q80r16, R16_Q80_GROUP, CYLLM_QA_Q8_0, 32)
 R16_ENTRIES(q41r16, R16_Q41_GROUP, CYLLM_QA_Q8_0, 32)
 R16_ENTRIES(q6kr16, R16_Q6K_GROUP, CYLLM_QA_Q8_K, QK_K)
 R16_ENTRIES(q5kr16, R16_Q5K_GROUP, CYLLM_QA_Q8_K, QK_K)
+R16_ENTRIES(q50r16, R16_Q50_GROUP, CYLLM_QA_Q8_0, 32)
+R16_ENTRIES(q51r16, R16_Q51_GROUP, CYLLM_QA_Q8_0, 32)
 
 /* ---- AVX512-VNNI q6_k prefill: 16 tokens in a zmm's lanes, from the r16 layout ----------
  * r16_q6k_group's integers and chain with tokens in the lanes instead of rows: x is
@@ -3087,5 +3111,5 @@ const cyllm_qkernels QX_TABLE = {
     {QX_ENTRY_Q8_0, QX_ENTRY_NIB(q4_0), QX_ENTRY_NIB(q4_1), QX_ENTRY_Q5(q5_0), QX_ENTRY_Q5(q5_1),
      QX_ENTRY_Q4_K, QX_ENTRY_Q5_K, QX_ENTRY_Q6_K,
      QX_ENTRY_R16(q4k), QX_ENTRY_R16(q40), QX_ENTRY_R16(q80), QX_ENTRY_R16(q41),
-     QX_ENTRY_KT(q6k), QX_ENTRY_KT(q5k)},
+     QX_ENTRY_KT(q6k), QX_ENTRY_KT(q5k), QX_ENTRY_R16(q50), QX_ENTRY_R16(q51)},
 };

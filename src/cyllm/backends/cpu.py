@@ -228,7 +228,7 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
         return np.ascontiguousarray(a)
 
     def _native_layout(self, qm: QuantMatrix) -> QuantMatrix:
-        """q4_k, q4_0, q8_0, q4_1, q6_k and q5_k with rows in groups of 16 become their r16 layouts where
+        """Quantized matrices with rows in groups of 16 become their r16 layouts where
         the AVX512-VNNI kernels run (on Zen 4 their kernels are up to 2x the row kernels' speed,
         decode and prefill: bench/results/cpu_quant_epyc_zen4.md); the same bytes, reordered once
         at load (a copy; the file's pages of the tensor are dropped after). CYLLM_REPACK=0 keeps
@@ -266,7 +266,7 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
 
 
 # quantized tables whose kernels on the r16 layouts beat their row kernels, so the backend
-# repacks q4_k, q4_0, q8_0, q4_1, q6_k and q5_k at load for them. Zen 4
+# repacks every quantized format at load for them. Zen 4
 # (bench/results/cpu_quant_epyc_zen4.md), avx512vnni, `cyllm bench` A/B: TinyLlama Q4_K_M prefill
 # +78% and decode +22%, Q4_0 +51% and +15%, Q8_0 +93% and +20%; the default model (SmolLM2-135M
 # Q4_1) +51% and +46%; Q6_K (q6_k) prefill +52%, decode +3% (2 threads) and +23% (1 thread). The q4_k
@@ -280,7 +280,7 @@ _REPACK_SLICE = 16 << 20        # bytes of a tensor reordered between two drops 
 
 
 def repack_enabled(quant_variant: str) -> bool:
-    """Whether the CPU backend reorders q4_k/q4_0/q8_0/q4_1/q6_k/q5_k into their r16 layouts at load:
+    """Whether the CPU backend reorders quantized matrices into their r16 layouts at load:
     for the tables in R16_VARIANTS, unless CYLLM_REPACK=0."""
     env = os.environ.get("CYLLM_REPACK", "").strip()
     if env not in ("", "0", "1"):

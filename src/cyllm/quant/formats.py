@@ -76,7 +76,7 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
 )}
 _BY_GGML = {f.ggml_type: f for f in FORMATS.values()}
 
-# Layouts, not file formats (no GGML type, not in FORMATS): q4_k, q4_0, q8_0, q4_1, q6_k and q5_k with the rows of each
+# Layouts, not file formats (no GGML type, not in FORMATS): each quantized format with the rows of each
 # group of 16 interleaved so that one 512-bit load serves 16 rows (cython_ext/csrc/quant.h has
 # the byte order). The CPU backend makes them at load where its AVX512-VNNI kernels run; the
 # bytes are the file's, reordered, and reference.dequantize reads them back.
@@ -86,8 +86,10 @@ Q8_0_R16 = WeightFormat("q8_0_r16", -1, 32, 34, "q8_0", len(KERNEL_IDS) + 2)
 Q4_1_R16 = WeightFormat("q4_1_r16", -1, 32, 20, "q8_0", len(KERNEL_IDS) + 3)
 Q6_K_R16 = WeightFormat("q6_k_r16", -1, 256, 210, "q8_k", len(KERNEL_IDS) + 4)
 Q5_K_R16 = WeightFormat("q5_k_r16", -1, 256, 176, "q8_k", len(KERNEL_IDS) + 5)
+Q5_0_R16 = WeightFormat("q5_0_r16", -1, 32, 22, "q8_0", len(KERNEL_IDS) + 6)
+Q5_1_R16 = WeightFormat("q5_1_r16", -1, 32, 24, "q8_0", len(KERNEL_IDS) + 7)
 R16_OF = {"q4_k": Q4_K_R16, "q4_0": Q4_0_R16, "q8_0": Q8_0_R16, "q4_1": Q4_1_R16,    # file format -> its r16 layout
-          "q6_k": Q6_K_R16, "q5_k": Q5_K_R16}
+          "q6_k": Q6_K_R16, "q5_k": Q5_K_R16, "q5_0": Q5_0_R16, "q5_1": Q5_1_R16}
 R16_BASE = {lay.name: name for name, lay in R16_OF.items()}                               # layout name -> file format
 R16_FORMATS = tuple(R16_OF.values())
 R16_ROWS = 16

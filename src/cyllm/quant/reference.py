@@ -122,7 +122,8 @@ def decode(data: np.ndarray, fmt) -> dict:
 
 def unpack_r16(data: np.ndarray, fmt, cols: int) -> np.ndarray:
     """An r16 layout (rows interleaved by 16, cython_ext/csrc/quant.h: q4_k_r16, q4_0_r16,
-    q8_0_r16, q4_1_r16, q6_k_r16, q5_k_r16) -> the file format's rows, (rows, row_bytes) uint8."""
+    q8_0_r16, q4_1_r16, q6_k_r16, q5_k_r16, q5_0_r16, q5_1_r16) -> the file format's rows, (rows,
+    row_bytes) uint8."""
     f = _fmt(fmt)
     if f.name == "q6_k_r16":
         nb = cols // 256
@@ -136,7 +137,7 @@ def unpack_r16(data: np.ndarray, fmt, cols: int) -> np.ndarray:
         return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(-1, nb * 210)
     if f.block == 32:
         nb, bb = cols // 32, f.block_bytes
-        nf = 2 if f.name == "q4_1_r16" else 1                                    # f16 fields: d (, m)
+        nf = 2 if f.name in ("q4_1_r16", "q5_1_r16") else 1                      # f16 fields: d (, m)
         nc = (bb - 2 * nf) // 4                                                  # 4-byte chunks
         g = np.ascontiguousarray(data).view(np.uint8).reshape(-1, nb, 16 * bb)   # (groups, nb, 16 bb)
         fields = [g[:, :, 32 * k:32 * k + 32].reshape(-1, nb, 16, 2) for k in range(nf)]
