@@ -269,7 +269,8 @@ class CpuBackend(HostArrays, _k.CpuKernels, Backend):
 # repacks every quantized format at load for them. Zen 4
 # (bench/results/cpu_quant_epyc_zen4.md), avx512vnni, `cyllm bench` A/B: TinyLlama Q4_K_M prefill
 # +78% and decode +22%, Q4_0 +51% and +15%, Q8_0 +93% and +20%; the default model (SmolLM2-135M
-# Q4_1) +51% and +46%; Q6_K (q6_k) prefill +52%, decode +3% (2 threads) and +23% (1 thread). The q4_k
+# Q4_1) +51% and +46%; Q6_K (q6_k) prefill +52%, decode +3% (2 threads) and +23% (1 thread);
+# SmolLM2-135M Q4_K_M (mostly q5_0) +25% and +31%. The q4_k
 # algorithm in 256-bit registers for the avx2 table gained 1.1-1.3x per kernel but nothing in
 # the model's decode, so the other tables keep the file's layout (their r16 entries are the
 # portable ones).
