@@ -94,6 +94,11 @@ class Tensor:
         """The (numpy) shape of the GGUF tensor: expert matrices stacked."""
         return (c.n_experts, *self.shape(c)) if self.experts else self.shape(c)
 
+    def permute_heads(self, c: ModelConfig) -> int:
+        """The heads whose rows a q/k row's pairing (llama.cpp's permutation) runs over: the
+        query heads for q, the KV heads for k; 0 for a row that is not permuted."""
+        return c.n_heads if self.permute == "q" else c.n_kv_heads if self.permute else 0
+
     def matrix_dtype(self, c: ModelConfig):
         """The dtype of the contract: float16 matrices (float32 where marked), float32 vectors."""
         return np.float16 if len(self.shape(c)) == 2 and not self.float32 else np.float32

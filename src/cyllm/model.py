@@ -267,7 +267,7 @@ class Model:
         self.lock = threading.RLock()   # one cache: sessions take turns, one step at a time
         self._build(weights, consume_weights)
         if config.moe:      # see Backend.data_dependent_steps and data_dependent_prefill
-            rows = min(self.prefill_chunk, self.context)         # a BatchState's (_batch_state)
+            rows = self._batch_rows()
             if not all(self.backend.captures_moe_batch(L.experts, rows, config.n_experts_used) for L in self.layers):
                 self.backend.data_dependent_prefill = True
             if not all(self.backend.captures_moe(L.experts) for L in self.layers):
@@ -518,10 +518,14 @@ class Model:
         """Prompt tokens per batched pass (the backend's choice)."""
         return int(self.backend.prefill_chunk)
 
+    def _batch_rows(self) -> int:
+        """Rows of a BatchState: a prefill chunk, never more than the context."""
+        return min(self.prefill_chunk, self.context)
+
     def _batch_state(self, all_logits: bool) -> BatchState:
         c, b = self.config, self.backend
         if self.batch is None:
-            n = min(self.prefill_chunk, self.context)
+            n = self._batch_rows()
             self.batch = BatchState(
                 tokens=np.zeros(n, np.int32), x=b.empty((n, c.dim)), xb=b.empty((n, c.dim)),
                 tmp=b.empty((n, c.dim)), q=b.empty((n, c.q_dim)), k=b.empty((n, c.kv_dim)),

@@ -357,7 +357,7 @@ def _fused(name: str, by_gguf: dict, cfg: ModelConfig, fam):
         for (t, layer), n in zip(rows, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim)):
             heads = 0
             if fam.permute_qk and t.permute:
-                heads = cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
+                heads = t.permute_heads(cfg)
             parts.append(((t.hf_name(layer),), r0, n, heads))
             r0 += n
         want = (r0, cfg.dim) if kind == "weight" else (r0,)
@@ -437,7 +437,7 @@ def plan_tensors(gf: GGUFFile, cfg: ModelConfig, native: bool = False) -> list[P
             want = (want[0] * want[1], want[2])         # the experts' rows one after another
         heads = 0
         if fam.permute_qk and t.permute:
-            heads = cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
+            heads = t.permute_heads(cfg)
             if want[0] % (2 * heads):      # llama.cpp's converter pairs the rows of each head
                 raise ModelLoadError(f"{gf.path}: tensor {clip(name)} has {want[0]} rows for {heads} heads: "
                                      "a head of an odd size cannot hold the row pairs of this family's layout")

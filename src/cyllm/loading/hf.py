@@ -145,7 +145,7 @@ def load_hf_weights(config: ModelConfig, d: Path) -> dict[str, np.ndarray]:
         a = _to_f16(name, f, tname) if t.matrix_dtype(config) == np.float16 else _to_f32(name, f, tname)
         if t.permute and fam.hf_rope_interleaved:
             # rotary pairs (2i, 2i+1) of each head -> (i, i + d/2), the order cyllm's rope takes
-            heads = config.n_heads if t.permute == "q" else config.n_kv_heads
+            heads = t.permute_heads(config)
             a = _unpermute_rows(a, heads, paired_rows(config, fam))
         if t.hf_plus_one:
             a = a + np.float32(1.0)      # the (1+w) norm stored as w: the model applies plain w

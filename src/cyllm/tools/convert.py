@@ -95,7 +95,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     fam = family(cfg.arch)
     minus_one = {name for t, _, name in fam.expected_names(cfg) if t.hf_plus_one}
     # q/k rows back in the checkpoint's interleaved rotary order (Ernie 4.5): HF -> llama.cpp's
-    interleave = {name: cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
+    interleave = {name: t.permute_heads(cfg)
                   for t, _, name in fam.expected_names(cfg) if t.permute and fam.hf_rope_interleaved}
     rot = paired_rows(cfg, fam)     # partial rotary (GLM-4): only a head's first rot rows are paired
     tmp = out / "model.safetensors.part"

@@ -167,7 +167,7 @@ def _tensors(cfg: ModelConfig, fam: Family, d: Path) -> list[SourceTensor]:
     for t, i, _, shape, f, tname, stacked in checkpoint_tensors(cfg, d):
         order = None
         if fam.permute_qk and t.permute and not fam.hf_rope_interleaved:   # (already in llama.cpp's order)
-            heads = cfg.n_heads if t.permute == "q" else cfg.n_kv_heads
+            heads = t.permute_heads(cfg)
             order = _permute_order(shape[0], heads)     # llama.cpp's converter: the whole head
         reader = _reader(f, tname, order, t.hf_plus_one, stacked)
         if not t.experts:
