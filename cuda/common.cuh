@@ -10,6 +10,9 @@ typedef unsigned int u32;
 
 #define FULL_MASK 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)
+// threads of a block of the row norms (rmsnorm_f32, rmsnorm_rows_f32 of elementwise.cu); the
+// kernels that fold a norm in (moe.cu's router, the q/k head norms) add in their order
+#define RMS_THREADS 512
 
 __device__ __forceinline__ float h2f(f16_t h) {
     float f;

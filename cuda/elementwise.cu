@@ -21,8 +21,7 @@ extern "C" __global__ void embed_f16(float* __restrict__ out, const f16_t* __res
     out[i] = (token >= 0 && token < vocab) ? h2f(table[(size_t)token * dim + i]) * scale : 0.0f;
 }
 
-// out = x * rsqrt(mean(x^2) + eps) * w, one block of RMS_THREADS threads
-#define RMS_THREADS 512
+// out = x * rsqrt(mean(x^2) + eps) * w, one block of RMS_THREADS (common.cuh) threads
 extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_f32(
     float* out, const float* x, const float* __restrict__ w, int n, float eps)
 {

@@ -16,8 +16,7 @@ from libc.stdint cimport uintptr_t
 cdef extern from "csrc/quant.h" nogil:
     enum:
         CYLLM_QF_COUNT, CYLLM_R16
-        CYLLM_QF_Q4_K_R16, CYLLM_QF_Q4_0_R16, CYLLM_QF_Q8_0_R16, CYLLM_QF_Q4_1_R16, CYLLM_QF_Q5_0_R16,
-        CYLLM_QF_Q5_1_R16
+        CYLLM_QF_Q6_K_R16, CYLLM_QF_Q5_K_R16
         CYLLM_QA_Q8_0, CYLLM_QA_Q8_K
         CYLLM_QCPU_AVX2, CYLLM_QCPU_AVXVNNI, CYLLM_QCPU_AVX512VNNI
     int cyllm_qf_is_r16(int fmt) noexcept
@@ -73,11 +72,11 @@ cdef enum:
 cdef inline Py_ssize_t _runs(Py_ssize_t d, int nt, int f) noexcept nogil:
     """How many runs of rows (_row_at over this count) a prefill GEMM of d rows of format f
     hands out to nt threads as they come free: QGEMM_CHUNKS a thread where the kernel prepares
-    nothing per call (the r16 group kernels of q4_k and the 32-element formats), so that a thread
-    that loses its core does not hold up the op's end, as the F16 GEMM's panels
-    (cpu_ops.pxi _gemm); one a thread for the other tiles, which transpose x once per call."""
-    if not (f == CYLLM_QF_Q4_K_R16 or f == CYLLM_QF_Q4_0_R16 or f == CYLLM_QF_Q8_0_R16
-            or f == CYLLM_QF_Q4_1_R16 or f == CYLLM_QF_Q5_0_R16 or f == CYLLM_QF_Q5_1_R16):
+    nothing per call (the r16 group kernels: every r16 layout's but q6_k's and q5_k's), so that a
+    thread that loses its core does not hold up the op's end, as the F16 GEMM's panels
+    (cpu_ops.pxi _gemm); one a thread for the other tiles (q6_k's and q5_k's tokens-in-lanes
+    tiles among them), which transpose x once per call."""
+    if not cyllm_qf_is_r16(f) or f == CYLLM_QF_Q6_K_R16 or f == CYLLM_QF_Q5_K_R16:
         return nt
     cdef Py_ssize_t units = (d + CYLLM_R16 - 1) // CYLLM_R16
     return units if units < <Py_ssize_t>nt * QGEMM_CHUNKS else <Py_ssize_t>nt * QGEMM_CHUNKS

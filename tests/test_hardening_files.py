@@ -331,7 +331,7 @@ def test_hunyuan_dense_config():
     for key in ("use_cla", "attention_bias", "mlp_bias"):
         with pytest.raises(UnsupportedModelError, match=key):
             config_from_hf(dict(raw, **{key: True}))
-    for bad in ("x", -1.0, 0, float("nan")):
+    for bad in ("x", -1.0, 0, float("nan"), 10 ** 400, 1e300):        # the last two: theta past float range
         with pytest.raises(CyllmError, match="alpha"):
             config_from_hf(dict(raw, rope_scaling={"type": "dynamic", "alpha": bad}))
     with pytest.raises(CyllmError, match="dynamic"):
@@ -906,6 +906,17 @@ def test_glm4_vocabulary_adds_no_bos(family_gguf, tmp_path):
         return build_tokenizer(read_gguf(_gguf_with(family_gguf("glm4", "f32"), tmp_path, f"{pre}.gguf", edit)))
     assert not named("glm4").add_bos
     assert named("llama-bpe").add_bos
+
+
+def test_gguf_sliding_pattern_of_nested_arrays_refused():
+    """A sliding_window_pattern of arrays (a GGUF array of arrays) is one clear error, not
+    numpy's ambiguous truth value nor a one-element array taken as a flag."""
+    import numpy as np
+    from cyllm.families import _gguf_sliding
+    for flags in ([np.array([0, 1])] * 2, [np.array([1])] * 2, [1.0, 0]):
+        with pytest.raises(ModelLoadError, match="sliding_window_pattern"):
+            _gguf_sliding({"x.attention.sliding_window_pattern": flags}, "x.", 2, 2)
+    assert _gguf_sliding({"x.attention.sliding_window_pattern": [True, 0]}, "x.", 2, 2) == ("sliding", "full")
 
 
 @pytest.mark.parametrize("value", [(G.STRING, "4096"), (G.BOOL, True), (G.INT32, -5)])

@@ -96,8 +96,8 @@ class Tensor:
 
     def permute_heads(self, c: ModelConfig) -> int:
         """The heads whose rows a q/k row's pairing (llama.cpp's permutation) runs over: the
-        query heads for q, the KV heads for k; 0 for a row that is not permuted."""
-        return c.n_heads if self.permute == "q" else c.n_kv_heads if self.permute else 0
+        query heads for q, the KV heads for k (a permuted row's)."""
+        return c.n_heads if self.permute == "q" else c.n_kv_heads
 
     def matrix_dtype(self, c: ModelConfig):
         """The dtype of the contract: float16 matrices (float32 where marked), float32 vectors."""
@@ -438,7 +438,12 @@ def _rotary_dims(cfg, default: float = 1.0) -> int:
         factor = params.number("partial_rotary_factor", None, positive=True, null_ok=True)
     if factor is not None and factor > 1:
         raise cfg.fail("partial_rotary_factor", "a number in (0, 1]", factor)
-    return int(_head_dim(cfg) * (factor if factor is not None else default))
+    hd = _head_dim(cfg)
+    rot = int(hd * (factor if factor is not None else default))
+    if rot < 2 or rot % 2:
+        raise cfg.fail("partial_rotary_factor", f"a share of head_dim {hd} that rotates an even number of dims",
+                       factor if factor is not None else default)
+    return rot
 
 
 def _phi3_hf(cfg):
@@ -524,12 +529,18 @@ def _hunyuan_dense_hf(cfg):
         fields["eos_token_ids"] = eos + eod
     theta, scaling = rope_params(cfg)
     if scaling is not None and scaling["rope_type"] == "dynamic" and scaling.get("alpha") is not None:
-        alpha, hd = scaling["alpha"], _head_dim(cfg)
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
-            raise cfg.fail("rope_parameters.alpha", "a positive number", alpha)
+        alpha = check_number(scaling["alpha"], "rope_parameters.alpha", positive=True, fail=cfg.fail)
+        hd = _head_dim(cfg)
         if hd <= 2:
             raise cfg.fail("head_dim", "more than 2 with an alpha-scaled rope", hd)
-        fields.update(rope_theta=theta * float(alpha) ** (hd / (hd - 2)), rope_scaling=None)
+        try:
+            stretched = theta * alpha ** (hd / (hd - 2))
+        except OverflowError:
+            stretched = math.inf
+        if not math.isfinite(stretched):
+            raise cfg.fail("rope_parameters.alpha", f"small enough that rope_theta * alpha^({hd}/{hd - 2}) "
+                           "is finite", scaling["alpha"])
+        fields.update(rope_theta=stretched, rope_scaling=None)
     return fields
 
 
@@ -539,10 +550,8 @@ def _glm4_hf(cfg):
     params = cfg.obj("rope_parameters") or cfg.obj("rope_scaling")
     if params is not None and "mrope_section" in params:
         raise UnsupportedModelError("GLM-4: multimodal rope (mrope_section) is not supported")
-    rot, hd = _rotary_dims(cfg, 0.5), _head_dim(cfg)
-    if rot < 2 or rot % 2:
-        raise cfg.fail("partial_rotary_factor", f"a share of head_dim {hd} giving an even number of dims", rot)
-    return dict(rotary_dim=rot if rot != hd else None, post_norms=True)
+    rot = _rotary_dims(cfg, 0.5)
+    return dict(rotary_dim=rot if rot != _head_dim(cfg) else None, post_norms=True)
 
 
 def _experts_hf(cfg, family: str, norm_default: bool) -> dict:
@@ -659,7 +668,8 @@ def _gguf_sliding(md, p: str, n: int, default_step: int) -> tuple:
     pattern = md.get(key)
     if isinstance(pattern, (list, tuple, np.ndarray)):
         flags = list(pattern)
-        if len(flags) != n or not all(isinstance(v, (bool, np.bool_)) or v in (0, 1) for v in flags):
+        if len(flags) != n or not all(isinstance(v, (bool, np.bool_, int, np.integer)) and v in (0, 1)
+                                      for v in flags):
             raise ModelLoadError(f"GGUF: {key} must be {n} flags (one a layer), got {short(pattern)}")
         return tuple("sliding" if v else "full" for v in flags)
     if pattern is None:
@@ -788,8 +798,7 @@ def _smollm3_gguf(md, p, t):
 # -- the families ----------------------------------------------------------------------
 
 _P = "model.layers.{i}."
-LLAMA = Family("llama", ("LlamaForCausalLM",), ("llama",), "llama", _table(), permute_qk=True,
-               gguf_config_tensors=("rope_freqs.weight",))
+LLAMA = Family("llama", ("LlamaForCausalLM",), ("llama",), "llama", _table(), permute_qk=True)
 MISTRAL = Family("mistral", ("MistralForCausalLM",), ("mistral",), "llama", _table(), permute_qk=True,
                  hf_features=_mistral_hf, gguf_features=_sliding_gguf,
                  hf_extra=lambda c: {"sliding_window": c.sliding_window or None})

@@ -142,7 +142,7 @@ def _config_from_gguf(gf: GGUFFile) -> ModelConfig:
         bos_token_id=bos if isinstance(bos, int) and 0 <= bos < vocab else None,
         eos_token_ids=eos_ids, name=name if isinstance(name, str) else gf.path.stem)
     config_tensors = {n: _tensor_float32(gf, gf.tensors[n]).reshape(-1)
-                      for n in fam.gguf_config_tensors if n in gf.tensors and n != "rope_freqs.weight"}
+                      for n in fam.gguf_config_tensors if n in gf.tensors}
     meta = {k: v for k, v in m.items() if k.startswith(p)}
     fields.update(fam.gguf_features(meta, p, config_tensors))
     try:
@@ -165,12 +165,7 @@ def _unpermute_rows(w: np.ndarray, n_heads: int, rot: int = 0) -> np.ndarray:
     ``rot`` (partial rotary, GLM-4): only a head's first rot rows are paired so, the rest
     stay where they are (0: the whole head). Works on (rows, cols) matrices and (rows,) biases.
     """
-    rows = w.shape[0]
-    if rot and rot != rows // n_heads:
-        return w[_unpermute_order(rows, n_heads, rot)]
-    half = rows // n_heads // 2
-    v = w.reshape(n_heads, half, 2, *w.shape[1:])
-    return np.ascontiguousarray(v.swapaxes(1, 2)).reshape(w.shape)
+    return w[_unpermute_order(w.shape[0], n_heads, rot)]
 
 
 def _unpermute_order(rows: int, n_heads: int, rot: int = 0) -> np.ndarray:
@@ -403,7 +398,7 @@ def plan_tensors(gf: GGUFFile, cfg: ModelConfig, native: bool = False) -> list[P
     from ..quant.formats import format_by_ggml_type
     fam = family(cfg.arch)
     by_gguf = {t.gguf_name(i): (t, i) for t, i in fam.expected(cfg)}
-    ignored = set(fam.gguf_config_tensors) | {"rope_freqs.weight"}
+    ignored = set(fam.gguf_config_tensors) | {"rope_freqs.weight"}     # read by _rope_scaling
     plan, seen = [], set()
     for name, info in gf.tensors.items():
         if name in ignored:

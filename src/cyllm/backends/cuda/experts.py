@@ -245,9 +245,9 @@ class ExpertOps:
             raise InvalidArgumentError("moe: the scratch was allocated for another layer shape")
         # the layer's pre-norm, held back (norm_fold.py), goes into the router's kernel: it
         # reads the stream, and its block 0 writes x for the experts
-        xin, nw, eps = self._take_moe_norm(x)
         route = self._k(MOE_KERNELS["route"])
-        cuda_quant.allow_smem(route, 4 * n)             # x staged in shared memory, n floats
+        cuda_quant.allow_smem(route, 4 * n)             # x staged in shared memory, n floats (may refuse)
+        xin, nw, eps = self._take_moe_norm(x)           # after any refusal: a held norm is never lost
         self._launch(route, (_blocks(E, ROUTE_THREADS // 32),), (ROUTE_THREADS,),
                      (v.ids, v.weights, v.logits, v.counter, router, xin, x, nw, np.float32(eps), np.int32(E),
                       np.int32(n), np.int32(n_used), np.int32(1 if norm else 0)), shared_mem=4 * n)

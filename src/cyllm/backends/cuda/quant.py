@@ -836,6 +836,9 @@ def qmatmul_experts(be, outs, ws, work, n_work, groups: int, slots, n_used: int,
     format and shape: one launch, blockIdx.z the role); outs (entries, rows) f32; qx
     (quantize_rows) rows of ws[0].cols elements; ``groups``: the grid, at least n_work."""
     w0 = ws[0]
+    if columns not in QMMA_COLUMNS:               # a kernel of other columns would read other groups
+        be._flush()
+        raise InvalidArgumentError(f"experts' product: groups of {columns} columns, kernels of {QMMA_COLUMNS}")
     per_block = getattr(be, "smem_per_block", 48 * 1024) - 4 * columns      # the kernel's own row[]
     found = _qmma_kernel(be, w0, columns, per_block, "_experts")
     if found is None or any(w.fmt is not w0.fmt or w.shape != w0.shape for w in ws):
